@@ -1,0 +1,19 @@
+"""The Python API: the same calls `zsim run` makes, in order."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from zsim.config.scenario import Scenario, load_scenario
+from zsim.engine.sim import Trace, simulate
+from zsim.report.metrics import summarize
+from zsim.schedule.build import build_schedule
+
+
+def run_scenario(sc: Scenario) -> tuple[dict, Trace]:
+    wl, schedule = build_schedule(sc)
+    trace = simulate(schedule, sc.cluster, sc.precision)
+    return summarize(sc, wl, trace), trace
+
+
+def run_file(path: str | Path, overrides: tuple[str, ...] = ()) -> tuple[dict, Trace]:
+    return run_scenario(load_scenario(path, overrides))

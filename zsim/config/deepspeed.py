@@ -1,0 +1,205 @@
+"""DeepSpeed's config (ds_config.json), with DeepSpeed 0.19.8's key names, aliases and defaults.
+
+Defaults are those of deepspeed/runtime/zero/config.py (DeepSpeedZeroConfig),
+zero/offload_config.py, runtime/config.py and runtime/activation_checkpointing/config.py.
+Top-level keys DeepSpeed accepts but that do not change a training step's time or memory
+(logging, monitors, checkpoint I/O) are accepted and ignored, listed in IGNORED_TOP_LEVEL.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+
+from zsim.config.fields import spec
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadParamConfig:
+    device: Literal["none", "cpu", "nvme"] = spec("none")
+    nvme_path: Optional[str] = spec(None)
+    buffer_count: int = spec(5, ge=0)
+    buffer_size: int = spec(int(1e8), ge=0)
+    max_in_cpu: int = spec(int(1e9), ge=0)
+    pin_memory: bool = spec(True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadOptimizerConfig:
+    device: Literal["none", "cpu", "nvme"] = spec("none")
+    nvme_path: Optional[str] = spec(None)
+    buffer_count: int = spec(4, ge=0)
+    pin_memory: bool = spec(True)
+    pipeline_read: bool = spec(False)
+    pipeline_write: bool = spec(False)
+    pipeline: bool = spec(False)
+    fast_init: bool = spec(False)
+    ratio: float = spec(1.0, ge=0.0, le=1.0)
+    super_offload: bool = spec(False)
+    cpuadam_cores_perc: float = spec(0.8, ge=0.0, le=1.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    stage: Literal[0, 1, 2, 3] = spec(0)
+    contiguous_gradients: bool = spec(True)
+    reduce_scatter: bool = spec(True)
+    reduce_bucket_size: int = spec(int(5e8), gt=0)
+    use_multi_rank_bucket_allreduce: bool = spec(True)
+    allgather_partitions: bool = spec(True)
+    allgather_bucket_size: int = spec(int(5e8), ge=0)
+    overlap_comm: Optional[bool] = spec(None, doc="DeepSpeed's default: true for stage 3, false otherwise")
+    compute_grad_norm: bool = spec(True)
+    load_from_fp32_weights: bool = spec(True)
+    elastic_checkpoint: bool = spec(False)
+    offload_param: Optional[OffloadParamConfig] = spec(None)
+    offload_optimizer: Optional[OffloadOptimizerConfig] = spec(None)
+    sub_group_size: int = spec(int(1e9), ge=0)
+    cpu_offload_param: Optional[bool] = spec(None)
+    cpu_offload_use_pin_memory: Optional[bool] = spec(None)
+    cpu_offload: Optional[bool] = spec(None)
+    prefetch_bucket_size: int = spec(int(5e7), ge=0, alias="stage3_prefetch_bucket_size")
+    param_persistence_threshold: int = spec(int(1e5), ge=0, alias="stage3_param_persistence_threshold")
+    model_persistence_threshold: int = spec(2**63 - 1, ge=0, alias="stage3_model_persistence_threshold")
+    max_live_parameters: int = spec(int(1e9), ge=0, alias="stage3_max_live_parameters")
+    max_reuse_distance: int = spec(int(1e9), ge=0, alias="stage3_max_reuse_distance")
+    gather_16bit_weights_on_model_save: bool = spec(False, alias="stage3_gather_16bit_weights_on_model_save")
+    module_granularity_threshold: int = spec(0, alias="stage3_module_granularity_threshold")
+    use_all_reduce_for_fetch_params: bool = spec(False, alias="stage3_use_all_reduce_for_fetch_params")
+    allgather_sequential: bool = spec(False, alias="stage3_allgather_sequential")
+    stage3_gather_fp16_weights_on_model_save: bool = spec(False)
+    ignore_unused_parameters: bool = spec(True)
+    legacy_stage1: bool = spec(False)
+    round_robin_gradients: bool = spec(False)
+    parameter_alignment: bool = spec(False)
+    zero_hpz_partition_size: int = spec(1, ge=0)
+    zero_quantized_weights: bool = spec(False)
+    zero_quantized_nontrainable_weights: bool = spec(False)
+    zero_quantized_gradients: bool = spec(False)
+    mics_shard_size: int = spec(-1)
+    mics_hierarchical_params_gather: bool = spec(False)
+    memory_efficient_linear: bool = spec(True)
+    pipeline_loading_checkpoint: bool = spec(False)
+    override_module_apply: bool = spec(True)
+    log_trace_cache_warnings: bool = spec(False)
+    enable_sanity_checks: bool = spec(False)
+    save_muon_momentum_buffer_in_memory: bool = spec(False)
+    leaf_module: dict[str, Any] = spec(factory=dict)
+    zenflow: Optional[dict[str, Any]] = spec(None)
+
+    @property
+    def overlap(self) -> bool:
+        # zero/config.py overlap_comm_valid: None -> stage == 3
+        return self.stage == 3 if self.overlap_comm is None else self.overlap_comm
+
+    @property
+    def optimizer_offload_device(self) -> str:
+        if self.offload_optimizer is not None:
+            return self.offload_optimizer.device
+        return "cpu" if self.cpu_offload else "none"
+
+    @property
+    def param_offload_device(self) -> str:
+        if self.offload_param is not None:
+            return self.offload_param.device
+        return "cpu" if self.cpu_offload_param else "none"
+
+    def __post_init__(self):
+        unmodelled = {
+            "zero_hpz_partition_size": (self.zero_hpz_partition_size, 1),
+            "zero_quantized_weights": (self.zero_quantized_weights, False),
+            "zero_quantized_gradients": (self.zero_quantized_gradients, False),
+            "mics_shard_size": (self.mics_shard_size, -1),
+        }
+        for key, (value, neutral) in unmodelled.items():
+            if value != neutral and not (key == "zero_hpz_partition_size" and value == 0):
+                raise ValueError(key, value, f"ZeRO++/MiCS ({key}) is not modelled by zsim yet; remove it or set {neutral}")
+        if self.offload_optimizer and self.offload_optimizer.ratio < 1.0 and self.stage != 3:
+            raise ValueError("offload_optimizer.ratio", self.offload_optimizer.ratio,
+                             "partial offloading is only supported for ZeRO stage 3 (DeepSpeed's rule)")
+        if not self.compute_grad_norm and self.stage not in (1, 2):
+            raise ValueError("compute_grad_norm", False, "compute_grad_norm=false is supported only with ZeRO stage 1 or 2")
+        if self.param_offload_device != "none" and self.stage != 3:
+            raise ValueError("offload_param.device", self.param_offload_device,
+                             "parameter offload needs ZeRO stage 3; set stage: 3 or remove offload_param")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fp16Config:
+    enabled: bool = spec(False)
+    auto_cast: bool = spec(False)
+    loss_scale: float = spec(0.0, ge=0)
+    initial_scale_power: int = spec(16, ge=0)
+    loss_scale_window: int = spec(1000, ge=1)
+    hysteresis: int = spec(2, ge=1)
+    consecutive_hysteresis: bool = spec(False)
+    min_loss_scale: float = spec(1.0, ge=0)
+    fp16_master_weights_and_grads: bool = spec(False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Bf16Config:
+    enabled: bool = spec(False)
+    immediate_grad_update: bool = spec(True)
+    check_grad_overflow: bool = spec(False)
+    bf16_master_weights_and_grads: bool = spec(False)
+    bf16_optimizer_states: bool = spec(False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActivationCheckpointingConfig:
+    partition_activations: bool = spec(False)
+    contiguous_memory_optimization: bool = spec(False)
+    cpu_checkpointing: bool = spec(False)
+    number_checkpoints: Optional[int] = spec(None)
+    synchronize_checkpoint_boundary: bool = spec(False)
+    profile: bool = spec(False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AioConfig:
+    block_size: int = spec(1048576, gt=0)
+    queue_depth: int = spec(8, gt=0)
+    intra_op_parallelism: int = spec(1, gt=0)
+    thread_count: int = spec(1, gt=0)
+    single_submit: bool = spec(False)
+    overlap_events: bool = spec(True)
+    use_gds: bool = spec(False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    type: str = spec("AdamW")
+    params: dict[str, Any] = spec(factory=dict)
+
+
+# Accepted top-level keys that do not change a step's time or memory in zsim's model.
+IGNORED_TOP_LEVEL = frozenset({
+    "scheduler", "steps_per_print", "wall_clock_breakdown", "dump_state", "tensorboard", "wandb",
+    "csv_monitor", "comet", "flops_profiler", "comms_logger", "checkpoint", "elasticity", "autotuning",
+    "compression_training", "data_efficiency", "curriculum_learning", "sparse_attention", "pipeline",
+    "memory_breakdown", "seed", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+    "disable_allgather", "dataloader_drop_last", "sparse_gradients", "eigenvalue", "quantize_training",
+    "progressive_layer_drop", "gradient_predivide_factor", "prescale_gradients", "communication_data_type",
+    "seq_parallel_communication_data_type", "amp", "data_types", "timers", "monitor_config", "nebula",
+    "hybrid_engine", "weight_quantization", "graph_harvesting", "use_node_local_storage", "load_universal",
+    "torch_autocast", "compile", "tensor_parallel", "aio_config", "use_data_before_expert_parallelism",
+    "fp16_auto_cast", "disable_python_gc",
+})
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeepSpeedConfig:
+    train_batch_size: Optional[int] = spec(None, gt=0)
+    train_micro_batch_size_per_gpu: Optional[int] = spec(None, gt=0)
+    gradient_accumulation_steps: Optional[int] = spec(None, gt=0)
+    gradient_clipping: float = spec(0.0, ge=0)
+    zero_optimization: ZeroConfig = spec(factory=ZeroConfig)
+    fp16: Fp16Config = spec(factory=Fp16Config)
+    bf16: Bf16Config = spec(factory=Bf16Config)
+    activation_checkpointing: ActivationCheckpointingConfig = spec(factory=ActivationCheckpointingConfig)
+    aio: AioConfig = spec(factory=AioConfig)
+    optimizer: OptimizerConfig = spec(factory=OptimizerConfig)
+
+    def __post_init__(self):
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ValueError("bf16.enabled", True, "fp16 and bf16 cannot both be enabled; keep one")

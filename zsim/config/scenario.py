@@ -1,0 +1,338 @@
+"""The scenario: one YAML file (public contract, see docs/scenario.md) -> a frozen Scenario.
+
+Resolution order: read YAML -> inline the ds_config.json if `deepspeed:` is a path ->
+apply `--set` overrides -> model preset + explicit keys -> HF-Trainer-style "auto" ->
+strict construction -> batch-size and precision consistency (DeepSpeed's rules).
+"""
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+from zsim.config.deepspeed import IGNORED_TOP_LEVEL, DeepSpeedConfig
+from zsim.config.fields import _number, accepted_keys, build, spec
+from zsim.errors import ZsimInputError, did_you_mean, unknown_key
+from zsim.hardware.profile import Cluster, load_profile
+from zsim.workload.presets import PRESETS
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    layers: int = spec(gt=0)
+    hidden: int = spec(gt=0)
+    heads: int = spec(gt=0)
+    vocab: int = spec(gt=0)
+    seq_len: int = spec(gt=0, doc="maximum positions (learned position table size)")
+    kv_heads: Optional[int] = spec(None, gt=0, doc="GQA/MQA key-value heads; default = heads")
+    ffn_hidden: Optional[int] = spec(None, gt=0, doc="default 4*hidden")
+    glu: bool = spec(False, doc="gated MLP (SwiGLU): three projections")
+    tied_embeddings: bool = spec(True)
+    position: Literal["learned", "rope", "alibi"] = spec("learned")
+    norm: Literal["layernorm", "rmsnorm"] = spec("layernorm")
+    bias: bool = spec(True)
+    fused_qkv: bool = spec(True, doc="one QKV Linear (GPT-2/MPT/BLOOM) or q/k/v_proj modules (Llama)")
+    embedding_norm: bool = spec(False, doc="LayerNorm after the embedding (BLOOM)")
+    preset: Optional[str] = spec(None)
+
+    def __post_init__(self):
+        if self.hidden % self.heads:
+            raise ValueError("hidden", self.hidden, f"must be divisible by heads ({self.heads})")
+        if self.kv_heads is not None and self.heads % self.kv_heads:
+            raise ValueError("kv_heads", self.kv_heads, f"must divide heads ({self.heads})")
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden or 4 * self.hidden
+
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareSpec:
+    profile: str = spec()
+    nodes: int = spec(1, gt=0)
+    gpus_per_node: Optional[int] = spec(None, gt=0, doc="default: the profile's")
+    override: dict[str, Any] = spec(factory=dict, doc="profile fields to override, nested like the profile")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingSpec:
+    micro_batch_size: Optional[int] = spec(None, gt=0)
+    gradient_accumulation_steps: Optional[int] = spec(None, gt=0)
+    seq_len: Optional[int] = spec(None, gt=0, doc="default: model.seq_len")
+    precision: Optional[Literal["fp32", "fp16", "bf16"]] = spec(None, doc="default: from the ds_config fp16/bf16 blocks")
+    activation_checkpointing: Literal["none", "full", "selective"] = spec("none")
+    flash_attention: bool = spec(True)
+    dropout: bool = spec(False, doc="dropout layers present (stores masks, Korthikanti 2022)")
+    max_grad_norm: float = spec(1.0, ge=0, doc="HF Trainer's max_grad_norm, used for gradient_clipping: auto")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scenario:
+    name: str
+    model: ModelSpec
+    cluster: Cluster
+    training: TrainingSpec
+    deepspeed: DeepSpeedConfig
+    description: str = ""
+
+    # Resolved values (DeepSpeed's batch rule, precision): the simulator reads these.
+    @property
+    def micro_batch_size(self) -> int:
+        return self.deepspeed.train_micro_batch_size_per_gpu
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.deepspeed.gradient_accumulation_steps
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.deepspeed.train_batch_size
+
+    @property
+    def seq_len(self) -> int:
+        return self.training.seq_len or self.model.seq_len
+
+    @property
+    def precision(self) -> str:
+        return self.training.precision
+
+    @property
+    def zero(self):
+        return self.deepspeed.zero_optimization
+
+
+_TOP_KEYS = ("name", "description", "model", "hardware", "training", "deepspeed")
+
+
+def parse_value(text: str):
+    """A --set value: YAML scalar rules (so 5e8, true, [1, 2] and {a: 1} work)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_set(raw: dict, assignment: str) -> dict:
+    if "=" not in assignment:
+        raise ZsimInputError("--set", assignment, "use --set a.b.c=value (e.g. --set deepspeed.zero_optimization.stage=2)")
+    path, text = assignment.split("=", 1)
+    keys = [k for k in path.strip().split(".") if k]
+    if not keys:
+        raise ZsimInputError("--set", assignment, "the key path is empty; use --set a.b.c=value")
+    if keys[0] not in _TOP_KEYS:
+        raise unknown_key("", keys[0], _TOP_KEYS)
+    out = copy.deepcopy(raw)
+    node = out
+    for i, k in enumerate(keys[:-1]):
+        nxt = node.get(k)
+        if nxt is None:
+            nxt = node[k] = {}
+        if not isinstance(nxt, dict):
+            raise ZsimInputError(".".join(keys[: i + 1]), nxt, "is not a mapping, so it has no sub-keys")
+        node = nxt
+    node[keys[-1]] = parse_value(text)
+    return out
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ZsimInputError("scenario", str(path), "file not found; give the path of a scenario YAML")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ZsimInputError("scenario", str(path), f"not valid YAML{where}; fix the syntax") from None
+    if not isinstance(data, dict):
+        raise ZsimInputError("scenario", str(path), "expected a mapping with keys model, hardware, training, deepspeed")
+    return data
+
+
+def _read_ds_config(ref: str, base_dir: Path) -> dict:
+    p = Path(ref)
+    if not p.is_absolute():
+        p = base_dir / p
+    if not p.is_file():
+        raise ZsimInputError("deepspeed", ref, "ds_config file not found; give an inline mapping or a path to ds_config.json")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise ZsimInputError("deepspeed", ref, f"not valid JSON (line {exc.lineno}: {exc.msg}); fix the file") from None
+    if not isinstance(data, dict):
+        raise ZsimInputError("deepspeed", ref, "a ds_config must be a JSON object")
+    return data
+
+
+def _resolve_model(raw: dict) -> ModelSpec:
+    if not isinstance(raw, dict):
+        raise ZsimInputError("model", raw, "expected a mapping: a preset and/or an explicit shape")
+    preset = raw.get("preset")
+    merged: dict = {}
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ZsimInputError("model.preset", preset, f"unknown preset{did_you_mean(str(preset), PRESETS)}; "
+                                 f"available: {', '.join(sorted(PRESETS))}")
+        merged.update(PRESETS[preset])
+    merged.update(raw)
+    return build(ModelSpec, merged, "model")
+
+
+def _resolve_auto(ds: dict, model: ModelSpec, training: TrainingSpec, world_size: int) -> dict:
+    """Replace "auto" the way transformers' HfTrainerDeepSpeedConfig does (trainer_config_process
+    and trainer_config_finalize in transformers/integrations/deepspeed.py)."""
+    ds = copy.deepcopy(ds)
+    h = model.hidden
+    prec = training.precision
+    fills = {
+        ("train_micro_batch_size_per_gpu",): training.micro_batch_size,
+        ("gradient_accumulation_steps",): training.gradient_accumulation_steps,
+        ("gradient_clipping",): training.max_grad_norm,
+        ("fp16", "enabled"): prec == "fp16" if prec else None,
+        ("bf16", "enabled"): prec == "bf16" if prec else None,
+        ("zero_optimization", "reduce_bucket_size"): h * h,
+        ("zero_optimization", "stage3_prefetch_bucket_size"): int(0.9 * h * h),
+        ("zero_optimization", "stage3_param_persistence_threshold"): 10 * h,
+    }
+    mb, gas = training.micro_batch_size, training.gradient_accumulation_steps
+    fills[("train_batch_size",)] = mb * gas * world_size if mb and gas else None
+
+    def walk(node, path):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if v == "auto":
+                    key = path + (k,)
+                    if key[:1] == ("optimizer",) or key[:1] == ("scheduler",):
+                        node[k] = None  # lr, betts, warmup: no effect on time or memory
+                        continue
+                    if fills.get(key) is None:
+                        dotted = "deepspeed." + ".".join(key)
+                        raise ZsimInputError(dotted, "auto", "zsim cannot resolve this 'auto' from the scenario; "
+                                             "set the value or the training key it follows")
+                    node[k] = fills[key]
+                else:
+                    walk(v, path + (k,))
+    walk(ds, ())
+    for block in ("optimizer", "scheduler"):
+        params = ds.get(block, {}).get("params") if isinstance(ds.get(block), dict) else None
+        if isinstance(params, dict):
+            for k in [k for k, v in params.items() if v is None]:
+                del params[k]
+    return ds
+
+
+def _check_top_level_ds(ds: dict):
+    known = set(accepted_keys(DeepSpeedConfig)) | IGNORED_TOP_LEVEL
+    for key in ds:
+        if key not in known:
+            raise unknown_key("deepspeed", str(key), known)
+
+
+def _resolve_batch(ds: dict, training: TrainingSpec, world_size: int) -> dict:
+    """DeepSpeed's runtime/config.py _set_batch_related_parameters + _batch_assertion, with the
+    scenario's training.* values as a second source that must agree."""
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        if ds.get(key) is not None:
+            ds[key] = _number(ds[key], f"deepspeed.{key}", want_int=True)
+            if ds[key] <= 0:
+                raise ZsimInputError(f"deepspeed.{key}", ds[key], "must be greater than 0")
+    pairs = (("train_micro_batch_size_per_gpu", training.micro_batch_size, "training.micro_batch_size"),
+             ("gradient_accumulation_steps", training.gradient_accumulation_steps, "training.gradient_accumulation_steps"))
+    for ds_key, tr_value, tr_name in pairs:
+        if tr_value is None:
+            continue
+        if ds.get(ds_key) is None:
+            ds[ds_key] = tr_value
+        elif ds[ds_key] != tr_value:
+            raise ZsimInputError(f"deepspeed.{ds_key}", ds[ds_key],
+                                 f"disagrees with {tr_name}={tr_value}; make them equal or drop one")
+    tb, mb, gas = ds.get("train_batch_size"), ds.get("train_micro_batch_size_per_gpu"), ds.get("gradient_accumulation_steps")
+    if tb is not None and mb is not None and gas is not None:
+        pass
+    elif tb is not None and mb is not None:
+        gas = tb // mb // world_size
+    elif tb is not None and gas is not None:
+        mb = tb // world_size // gas
+    elif mb is not None:
+        gas = gas or 1
+        tb = mb * gas * world_size
+    elif tb is not None:
+        gas, mb = 1, tb // world_size
+    else:
+        raise ZsimInputError("training.micro_batch_size", None,
+                             "set training.micro_batch_size or deepspeed.train_micro_batch_size_per_gpu / train_batch_size")
+    if not mb or not gas or tb != mb * gas * world_size:
+        raise ZsimInputError("deepspeed.train_batch_size", tb,
+                             f"must equal train_micro_batch_size_per_gpu ({mb}) x gradient_accumulation_steps ({gas}) "
+                             f"x world size ({world_size}) = {(mb or 0) * (gas or 0) * world_size}")
+    ds.update(train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=gas)
+    return ds
+
+
+def _resolve_precision(ds: DeepSpeedConfig, training: TrainingSpec) -> tuple[DeepSpeedConfig, TrainingSpec]:
+    ds_prec = "fp16" if ds.fp16.enabled else "bf16" if ds.bf16.enabled else None
+    if training.precision is None:
+        return ds, replace(training, precision=ds_prec or "fp32")
+    if ds_prec is not None and ds_prec != training.precision:
+        raise ZsimInputError("training.precision", training.precision,
+                             f"the ds_config enables {ds_prec}; make them agree")
+    if ds_prec is None and training.precision in ("fp16", "bf16"):
+        block = replace(getattr(ds, training.precision), enabled=True)
+        ds = replace(ds, **{training.precision: block})
+    return ds, training
+
+
+def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenario") -> Scenario:
+    for key in raw:
+        if key not in _TOP_KEYS:
+            raise unknown_key("", str(key), _TOP_KEYS)
+    for key in ("model", "hardware"):
+        if key not in raw:
+            raise ZsimInputError(key, None, f"the scenario needs a '{key}:' block")
+    model = _resolve_model(raw["model"])
+    hw = build(HardwareSpec, raw["hardware"], "hardware")
+    profile = load_profile(hw.profile, hw.override or None, base_dir)
+    cluster = Cluster(profile=profile, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node or profile.gpus_per_node)
+    training = build(TrainingSpec, raw.get("training") or {}, "training")
+    ds_raw = raw.get("deepspeed") or {}
+    if not isinstance(ds_raw, dict):
+        raise ZsimInputError("deepspeed", ds_raw, "expected an inline mapping or a path to ds_config.json")
+    ds_raw = copy.deepcopy(ds_raw)
+    if "bfloat16" in ds_raw:  # DeepSpeed's older spelling of the bf16 block
+        ds_raw.setdefault("bf16", ds_raw.pop("bfloat16"))
+    _check_top_level_ds(ds_raw)
+    ds_raw = _resolve_auto(ds_raw, model, training, cluster.world_size)
+    ds_raw = _resolve_batch(ds_raw, training, cluster.world_size)
+    prefixed = {k: v for k, v in ds_raw.items() if k in accepted_keys(DeepSpeedConfig)}
+    ds = build(DeepSpeedConfig, prefixed, "deepspeed")
+    ds, training = _resolve_precision(ds, training)
+    if training.seq_len and model.position == "learned" and training.seq_len > model.seq_len:
+        raise ZsimInputError("training.seq_len", training.seq_len,
+                             f"exceeds the model's learned position table (model.seq_len={model.seq_len}); raise model.seq_len")
+    name = raw.get("name", name_default)
+    if not isinstance(name, str):
+        raise ZsimInputError("name", name, "expected a string")
+    return Scenario(name=name, model=model, cluster=cluster, training=training, deepspeed=ds,
+                    description=str(raw.get("description", "")))
+
+
+def load_raw(path: Path) -> dict:
+    raw = _read_yaml(path)
+    if isinstance(raw.get("deepspeed"), str):
+        raw["deepspeed"] = _read_ds_config(raw["deepspeed"], path.parent)
+    return raw
+
+
+def load_scenario(path: str | Path, overrides: tuple[str, ...] = ()) -> Scenario:
+    path = Path(path)
+    raw = load_raw(path)
+    for assignment in overrides:
+        raw = apply_set(raw, assignment)
+    return scenario_from_mapping(raw, path.parent, name_default=path.stem)

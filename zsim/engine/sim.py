@@ -1,0 +1,167 @@
+"""The simpy engine: runs a Schedule on one representative data-parallel rank.
+
+Data-parallel ranks are symmetric, so one rank is simulated and its collectives are
+costed for the whole group; 1024 GPUs cost what 8 do. Streams are FIFO processes. Time
+that competes for a resource is "work" served by a fluid (processor-sharing) model:
+transfers on the same link tier split its bandwidth equally while they overlap, and the
+compute stream slows by the profile's interference factor while any transfer is active.
+Fixed latencies (alpha, launch overheads) are not shared. Memory effects of every op go to
+the ledger in simulated time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import simpy
+
+from zsim.hardware.collectives import collective_cost, tiers_for
+from zsim.hardware.compute import attention_time_s, gemm_time_s, kernel_overhead_s, memory_bound_time_s
+from zsim.engine.ledger import Ledger
+from zsim.schedule.ops import STREAMS, Op, Schedule
+from zsim.workload.transformer import DTYPE_BYTES
+
+_EPS_S = 1e-15
+
+
+@dataclass(frozen=True)
+class OpTiming:
+    op_id: int
+    start_s: float
+    end_s: float
+    exposed_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Trace:
+    schedule: Schedule
+    timings: tuple[OpTiming, ...]
+    ledger_events: tuple[tuple[float, float, str, str], ...]   # (time_s, delta_bytes, category, tag)
+    step_time_s: float
+    events_processed: int
+
+
+class _Fluid:
+    """Processor sharing over all resource-bound work in flight."""
+
+    def __init__(self, env: simpy.Environment, compute_slowdown: float):
+        self.env = env
+        self.slowdown = compute_slowdown
+        self.jobs: dict[int, list] = {}       # id -> [remaining_work_s, rate, event, resource]
+        self.next_id = 0
+        self.last_s = 0.0
+        self.wake = env.event()
+        env.process(self._serve())
+
+    def submit(self, resource: str, work_s: float) -> simpy.Event:
+        ev = self.env.event()
+        if work_s <= 0:
+            ev.succeed()
+            return ev
+        self._advance()
+        self.jobs[self.next_id] = [work_s, 1.0, ev, resource]
+        self.next_id += 1
+        self._rerate()
+        if not self.wake.triggered:
+            self.wake.succeed()
+        return ev
+
+    def _advance(self):
+        dt = self.env.now - self.last_s
+        if dt > 0:
+            for job in self.jobs.values():
+                job[0] -= dt * job[1]
+        self.last_s = self.env.now
+
+    def _rerate(self):
+        per_tier: dict[str, int] = {}
+        for job in self.jobs.values():
+            if job[3] != "compute":
+                per_tier[job[3]] = per_tier.get(job[3], 0) + 1
+        comm_active = bool(per_tier)
+        for job in self.jobs.values():
+            if job[3] == "compute":
+                job[1] = 1.0 / (1.0 + self.slowdown) if comm_active else 1.0
+            else:
+                job[1] = 1.0 / per_tier[job[3]]
+
+    def _serve(self):
+        env = self.env
+        while True:
+            if not self.jobs:
+                yield self.wake
+                self.wake = env.event()
+                continue
+            dt = min(j[0] / j[1] for j in self.jobs.values())
+            timeout = env.timeout(max(dt, 0.0))
+            yield timeout | self.wake
+            if self.wake.triggered:
+                self.wake = env.event()
+            self._advance()
+            done = [k for k, j in self.jobs.items() if j[0] <= _EPS_S * max(1.0, env.now)]
+            for k in done:
+                self.jobs.pop(k)[2].succeed()
+            if done:
+                self._rerate()
+
+
+def compute_work_s(op: Op, cluster, precision: str) -> float:
+    gpu = cluster.profile.gpu
+    peak = cluster.peak_flops(precision)
+    dtype_bytes = DTYPE_BYTES[precision]
+    t = sum(gemm_time_s(m, n, k, dtype_bytes, gpu, peak) for m, n, k in op.gemms)
+    if op.attention_flops:
+        t += attention_time_s(op.attention_flops, op.attention_backward, gpu, peak)
+    if op.mem_bytes:
+        t += memory_bound_time_s(op.mem_bytes, gpu)
+    return t
+
+
+def simulate(schedule: Schedule, cluster, precision: str) -> Trace:
+    env = simpy.Environment()
+    fluid = _Fluid(env, cluster.profile.interference.compute_slowdown_during_comm)
+    intra, inter = tiers_for(cluster)
+    gpu = cluster.profile.gpu
+    ledger = Ledger()
+    for a in schedule.static:
+        ledger.alloc(0.0, a)
+    done = [env.event() for _ in schedule.ops]
+    timings: list[OpTiming | None] = [None] * len(schedule.ops)
+    by_stream: dict[str, list[Op]] = {s: [] for s in STREAMS}
+    for op in schedule.ops:
+        by_stream[op.stream].append(op)
+
+    def run_stream(ops: list[Op]):
+        for op in ops:
+            for d in op.deps:
+                if not done[d].processed:
+                    yield done[d]
+            start = env.now
+            for a in op.alloc:
+                ledger.alloc(start, a)
+            fixed = op.fixed_time_s + kernel_overhead_s(op.kernels, gpu)
+            if op.collective:
+                cost = collective_cost(op.collective, op.size_bytes, cluster.nodes, cluster.gpus_per_node, intra, inter)
+                fixed += cost.latency_s
+                if fixed > 0:
+                    yield env.timeout(fixed)
+                yield fluid.submit(cost.tier, cost.transfer_s)
+            else:
+                if fixed > 0:
+                    yield env.timeout(fixed)
+                work = compute_work_s(op, cluster, precision)
+                if work > 0:
+                    yield fluid.submit("compute", work)
+            for tag in op.free:
+                ledger.free(env.now, tag)
+            timings[op.id] = OpTiming(op.id, start, env.now)
+            done[op.id].succeed()
+
+    for stream in STREAMS:
+        if by_stream[stream]:
+            env.process(run_stream(by_stream[stream]))
+    env.run()
+    missing = [op.name for op, t in zip(schedule.ops, timings) if t is None]
+    if missing:
+        raise RuntimeError(f"schedule deadlock: {len(missing)} ops never ran, first {missing[0]!r}")
+    step = max((t.end_s for t in timings), default=0.0)
+    return Trace(schedule, tuple(timings), ledger.events(), step, len(schedule.ops))

@@ -1,0 +1,25 @@
+"""User-facing errors: one line naming the field, the value and the fix (exit code 2)."""
+from __future__ import annotations
+
+import difflib
+
+
+class ZsimInputError(Exception):
+    """Bad user input. The CLI prints str(err) on one line and exits with code 2."""
+
+    def __init__(self, field: str, value: object, fix: str):
+        self.field = field
+        self.value = value
+        self.fix = fix
+        super().__init__(f"{field}: {value!r} is invalid; {fix}")
+
+
+def did_you_mean(name: str, choices) -> str:
+    close = difflib.get_close_matches(name, sorted(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def unknown_key(path: str, key: str, choices) -> ZsimInputError:
+    where = f"{path}.{key}" if path else key
+    allowed = ", ".join(sorted(choices))
+    return ZsimInputError(where, key, f"unknown key{did_you_mean(key, choices)}; allowed keys: {allowed}")

@@ -1,0 +1,125 @@
+"""Collective cost model: pure alpha-beta functions per topology tier.
+
+Conventions follow nccl-tests (doc/PERFORMANCE.md): for a buffer of `size_bytes` (the full
+gathered / pre-reduction buffer), algbw = size/time and busbw = algbw * factor with
+factor (n-1)/n for all-gather, reduce-scatter and all-to-all, 2(n-1)/n for all-reduce and
+1 for broadcast/reduce. A tier is characterised by its peak bus bandwidth per GPU (what
+nccl-tests reports for large messages), a size-dependent efficiency table and alpha, the
+latency of one algorithm step (Hockney's alpha-beta model; Thakur, Rabenseifner & Gropp,
+"Optimization of Collective Communication Operations in MPICH", IJHPCA 2005).
+
+Within a node NCCL runs rings over NVLink/NVSwitch. Across nodes the cost is hierarchical:
+an intra-node phase over NVLink plus an inter-node phase in which each GPU's rail carries
+1/g of the data over its share of the node's NICs; NCCL pipelines the phases, so the
+transfer term is the slower phase and the latency terms add. All-reduce across nodes may
+use NCCL's double binary tree (Sanders, Speck & Traeff, Parallel Computing 2009), whose
+latency grows with log2(nodes) instead of linearly; like NCCL's tuner we take the faster.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from zsim.hardware.profile import EffTable, efficiency_at
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "all_to_all")
+
+
+@dataclass(frozen=True)
+class Tier:
+    busbw_Bps: float
+    latency_s: float
+    efficiency: EffTable
+
+
+@dataclass(frozen=True)
+class CommCost:
+    """latency_s is fixed time; transfer_s is the bandwidth part, which concurrent transfers on
+    the same `tier` share."""
+    latency_s: float
+    transfer_s: float
+    tier: str
+
+    @property
+    def time_s(self) -> float:
+        return self.latency_s + self.transfer_s
+
+
+def bus_factor(kind: str, n: int) -> float:
+    """nccl-tests busbw/algbw factor for `kind` over `n` ranks."""
+    if n <= 1:
+        return 0.0
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n
+    if kind in ("broadcast", "reduce"):
+        return 1.0
+    raise ValueError(f"unknown collective {kind!r}")
+
+
+def ring_steps(kind: str, n: int) -> int:
+    """Sequential algorithm steps of a ring (each pays alpha once)."""
+    if n <= 1:
+        return 0
+    return 2 * (n - 1) if kind == "all_reduce" else n - 1
+
+
+def ring_cost(kind: str, size_bytes: float, n: int, tier: Tier, tier_name: str) -> CommCost:
+    """One ring over `n` ranks on a single tier: alpha*steps + size*factor/(busbw*eff(size))."""
+    if n <= 1 or size_bytes <= 0:
+        return CommCost(0.0, 0.0, tier_name)
+    bw = tier.busbw_Bps * efficiency_at(tier.efficiency, size_bytes)
+    return CommCost(ring_steps(kind, n) * tier.latency_s, size_bytes * bus_factor(kind, n) / bw, tier_name)
+
+
+def tree_allreduce_cost(size_bytes: float, nodes: int, gpus_per_node: int, intra: Tier, inter: Tier) -> CommCost:
+    """NCCL double binary tree across nodes, chains inside nodes: reduce up then broadcast down,
+    2*(log2(nodes) + g-1) steps; bandwidth bound as the hierarchical ring."""
+    steps_inter = 2 * math.ceil(math.log2(nodes)) if nodes > 1 else 0
+    steps_intra = 2 * (gpus_per_node - 1)
+    hier = hierarchical_cost("all_reduce", size_bytes, nodes, gpus_per_node, intra, inter)
+    return CommCost(steps_inter * inter.latency_s + steps_intra * intra.latency_s, hier.transfer_s, hier.tier)
+
+
+def hierarchical_cost(kind: str, size_bytes: float, nodes: int, gpus_per_node: int,
+                      intra: Tier, inter: Tier) -> CommCost:
+    """Intra-node ring on the full buffer plus one inter-node ring per rail on 1/g of it.
+
+    `inter.busbw_Bps` is the bandwidth one rail gets: the node's NIC bandwidth / g.
+    """
+    g = gpus_per_node
+    intra_c = ring_cost(kind, size_bytes, g, intra, "intra_node")
+    inter_c = ring_cost(kind, size_bytes / g, nodes, inter, "inter_node")
+    if inter_c.transfer_s >= intra_c.transfer_s:
+        return CommCost(intra_c.latency_s + inter_c.latency_s, inter_c.transfer_s, "inter_node")
+    return CommCost(intra_c.latency_s + inter_c.latency_s, intra_c.transfer_s, "intra_node")
+
+
+def collective_cost(kind: str, size_bytes: float, nodes: int, gpus_per_node: int,
+                    intra: Tier, inter: Tier) -> CommCost:
+    """Cost of one collective over a data-parallel group of nodes x gpus_per_node ranks."""
+    if kind not in COLLECTIVES:
+        raise ValueError(f"unknown collective {kind!r}")
+    n = nodes * gpus_per_node
+    if n <= 1 or size_bytes <= 0:
+        return CommCost(0.0, 0.0, "intra_node")
+    if nodes == 1:
+        return ring_cost(kind, size_bytes, n, intra, "intra_node")
+    if gpus_per_node == 1:
+        return ring_cost(kind, size_bytes, n, inter, "inter_node")
+    hier = hierarchical_cost(kind, size_bytes, nodes, gpus_per_node, intra, inter)
+    if kind == "all_reduce":
+        tree = tree_allreduce_cost(size_bytes, nodes, gpus_per_node, intra, inter)
+        if tree.time_s < hier.time_s:
+            return tree
+    return hier
+
+
+def tiers_for(cluster) -> tuple[Tier, Tier]:
+    """The two tiers of a Cluster, in SI units; the inter tier is per rail (NICs / GPUs per node)."""
+    p = cluster.profile
+    intra = Tier(cluster.intra_busbw_Bps, p.intra_node.latency_us * 1e-6, p.intra_node.efficiency_by_size)
+    rail_Bps = cluster.inter_node_bw_Bps / cluster.gpus_per_node
+    inter = Tier(rail_Bps, p.inter_node.latency_us * 1e-6, p.inter_node.efficiency_by_size)
+    return intra, inter

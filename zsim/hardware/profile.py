@@ -1,0 +1,218 @@
+"""Hardware profiles: YAML with human units in the key names, frozen dataclasses here.
+
+A profile describes one node type. `Cluster` adds the node count and converts to SI
+units (bytes, seconds, FLOP/s) once, so no other module sees GiB or Gbps.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from zsim.config.fields import build, spec
+from zsim.errors import ZsimInputError, did_you_mean
+
+GiB = 1024**3
+GB = 1e9
+
+# Size-dependent efficiency: list of (message_bytes, fraction of the tier's peak bus bandwidth).
+EffTable = tuple[tuple[float, float], ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuProfile:
+    model: str
+    peak_tflops_fp32: float = spec(gt=0)
+    peak_tflops_tf32: float = spec(gt=0)
+    peak_tflops_fp16: float = spec(gt=0)
+    peak_tflops_bf16: float = spec(gt=0)
+    hbm_capacity_GiB: float = spec(gt=0)
+    hbm_bw_GBps: float = spec(gt=0)
+    cuda_context_GiB: float = spec(0.5, ge=0, doc="CUDA context + NCCL/cuBLAS workspaces")
+    allocator_fragmentation_fraction: float = spec(0.02, ge=0, le=0.5,
+                                                   doc="caching-allocator slack, as a fraction of capacity")
+    gemm_max_efficiency: float = spec(0.7, gt=0, le=1, doc="large-GEMM fraction of dense peak")
+    gemm_half_efficiency_dim: float = spec(64.0, ge=0, doc="a GEMM dim of this size halves efficiency")
+    flash_attention_fwd_efficiency: float = spec(0.5, gt=0, le=1)
+    flash_attention_bwd_efficiency: float = spec(0.4, gt=0, le=1)
+    memory_bound_efficiency: float = spec(0.7, gt=0, le=1, doc="fraction of HBM bandwidth reached by elementwise kernels")
+    kernel_overhead_us: float = spec(5.0, ge=0, doc="launch + framework time per kernel")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkTierProfile:
+    fabric: str
+    busbw_GBps: float = spec(gt=0, doc="peak nccl-tests bus bandwidth per GPU on this tier")
+    latency_us: float = spec(ge=0, doc="alpha: per ring step")
+    efficiency_by_size: EffTable = spec(((1.0, 1.0),))
+
+
+@dataclass(frozen=True, kw_only=True)
+class InterNodeProfile:
+    fabric: str
+    nics_per_node: int = spec(ge=1)
+    nic_bw_Gbps: float = spec(gt=0)
+    latency_us: float = spec(ge=0)
+    efficiency_by_size: EffTable = spec(((1.0, 1.0),))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PcieProfile:
+    generation: int = spec(ge=1)
+    bw_GBps_per_gpu: float = spec(gt=0, doc="achieved H2D/D2H bandwidth of one GPU, pinned memory")
+    gpus_per_switch: int = spec(1, ge=1)
+    latency_us: float = spec(10.0, ge=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NvmeProfile:
+    drives_per_node: int = spec(ge=0)
+    read_GBps_per_drive: float = spec(gt=0)
+    write_GBps_per_drive: float = spec(gt=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CpuProfile:
+    model: str
+    cores_per_node: int = spec(ge=1)
+    memory_GiB: float = spec(gt=0)
+    memory_bw_GBps: float = spec(gt=0)
+    adam_params_per_s_per_core: float = spec(gt=0, doc="DeepSpeedCPUAdam (AVX) fp32 params/s per core")
+
+
+@dataclass(frozen=True, kw_only=True)
+class InterferenceProfile:
+    compute_slowdown_during_comm: float = spec(0.0, ge=0, le=1,
+                                               doc="fractional compute slowdown while a collective runs")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareProfile:
+    name: str
+    description: str = spec("")
+    gpus_per_node: int = spec(ge=1)
+    gpu: GpuProfile = spec()
+    intra_node: LinkTierProfile = spec()
+    inter_node: InterNodeProfile = spec()
+    pcie: PcieProfile = spec()
+    nvme: NvmeProfile = spec()
+    cpu: CpuProfile = spec()
+    interference: InterferenceProfile = spec(factory=InterferenceProfile)
+    provenance: dict[str, str] = spec(factory=dict, doc="where the numbers came from (calibration run, datasheet)")
+
+
+def efficiency_at(table: EffTable, size_bytes: float) -> float:
+    """Piecewise-linear in log(size) between table points, flat beyond both ends."""
+    if size_bytes <= 0:
+        return table[0][1]
+    xs = [math.log(max(s, 1.0)) for s, _ in table]
+    x = math.log(max(size_bytes, 1.0))
+    i = bisect.bisect_left(xs, x)
+    if i == 0:
+        return table[0][1]
+    if i >= len(xs):
+        return table[-1][1]
+    x0, x1 = xs[i - 1], xs[i]
+    y0, y1 = table[i - 1][1], table[i][1]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def profiles_dir() -> Path:
+    return Path(__file__).resolve().parents[2] / "hardware_profiles"
+
+
+def available_profiles() -> list[str]:
+    return sorted(p.stem for p in profiles_dir().glob("*.yaml"))
+
+
+def read_profile_mapping(ref: str, base_dir: Path | None = None) -> tuple[dict, str]:
+    """Return the raw mapping of a profile named `ref` (a name in hardware_profiles/ or a path)."""
+    candidates = []
+    p = Path(ref)
+    if p.suffix in (".yaml", ".yml"):
+        candidates.append(p if p.is_absolute() or base_dir is None else base_dir / p)
+        candidates.append(p)
+    else:
+        candidates.append(profiles_dir() / f"{ref}.yaml")
+    for c in candidates:
+        if c.is_file():
+            try:
+                data = yaml.safe_load(c.read_text())
+            except yaml.YAMLError as exc:
+                line = getattr(getattr(exc, "problem_mark", None), "line", -1) + 1
+                raise ZsimInputError("hardware.profile", str(c), f"the profile is not valid YAML (line {line}); fix its syntax") from None
+            return data, str(c)
+    names = available_profiles()
+    raise ZsimInputError("hardware.profile", ref,
+                         f"no such profile{did_you_mean(ref, names)}; available: {', '.join(names)} or a path to a .yaml file")
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for k, v in (override or {}).items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def load_profile(ref: str, override: dict | None = None, base_dir: Path | None = None) -> HardwareProfile:
+    data, where = read_profile_mapping(ref, base_dir)
+    merged = deep_merge(data or {}, override or {})
+    try:
+        return build(HardwareProfile, merged, "hardware.override" if override else "hardware.profile")
+    except ZsimInputError as err:
+        if override:
+            raise
+        raise ZsimInputError(f"{where}: {err.field}", err.value, err.fix) from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """A profile instantiated for a job: node count and SI units."""
+    profile: HardwareProfile
+    nodes: int
+    gpus_per_node: int
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def peak_flops(self, dtype: str) -> float:
+        return getattr(self.profile.gpu, f"peak_tflops_{dtype}") * 1e12
+
+    @property
+    def hbm_capacity_bytes(self) -> float:
+        return self.profile.gpu.hbm_capacity_GiB * GiB
+
+    @property
+    def hbm_bw_Bps(self) -> float:
+        return self.profile.gpu.hbm_bw_GBps * GB
+
+    @property
+    def reserved_bytes(self) -> float:
+        """Memory the job cannot use: CUDA context plus allocator fragmentation slack."""
+        g = self.profile.gpu
+        return g.cuda_context_GiB * GiB + g.allocator_fragmentation_fraction * self.hbm_capacity_bytes
+
+    @property
+    def intra_busbw_Bps(self) -> float:
+        return self.profile.intra_node.busbw_GBps * GB
+
+    @property
+    def inter_node_bw_Bps(self) -> float:
+        """Aggregate NIC bandwidth of one node, one direction."""
+        n = self.profile.inter_node
+        return n.nics_per_node * n.nic_bw_Gbps * 1e9 / 8
+
+    @property
+    def pcie_bw_Bps(self) -> float:
+        return self.profile.pcie.bw_GBps_per_gpu * GB
+
+    @property
+    def host_memory_bytes(self) -> float:
+        return self.profile.cpu.memory_GiB * GiB

@@ -1,0 +1,70 @@
+"""Writers: run JSON (deterministic) and Chrome/Perfetto trace. Files are written atomically
+and never overwrite a file the user did not name."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from zsim.engine.ledger import timeline
+from zsim.engine.sim import Trace
+from zsim.schedule.ops import STREAMS
+
+GiB = 1024**3
+
+
+def _round(obj):
+    """12 significant digits: stable across platforms' last-bit float differences."""
+    if isinstance(obj, float):
+        return float(f"{obj:.12g}")
+    if isinstance(obj, dict):
+        return {k: _round(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_round(v) for v in obj]
+    return obj
+
+
+def dumps(result: dict) -> str:
+    return json.dumps(_round(result), indent=2, sort_keys=True) + "\n"
+
+
+def write_atomic(path: str | Path, text: str):
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def chrome_trace(trace: Trace, name: str) -> dict:
+    """Chrome trace-event format (also read by Perfetto): one thread per stream, a memory
+    counter track from the ledger. Times in microseconds."""
+    events = [{"ph": "M", "pid": 1, "tid": 0, "name": "process_name", "args": {"name": f"zsim: {name} (rank 0)"}}]
+    tids = {s: i + 1 for i, s in enumerate(STREAMS)}
+    used = {op.stream for op in trace.schedule.ops}
+    for s in STREAMS:
+        if s in used:
+            events.append({"ph": "M", "pid": 1, "tid": tids[s], "name": "thread_name", "args": {"name": f"{s} stream"}})
+            events.append({"ph": "M", "pid": 1, "tid": tids[s], "name": "thread_sort_index", "args": {"sort_index": tids[s]}})
+    for op, t in zip(trace.schedule.ops, trace.timings):
+        args = {"phase": op.phase, "micro_step": op.micro_step}
+        if op.collective:
+            args.update(collective=op.collective, numel=op.numel, bytes=op.size_bytes)
+        events.append({"ph": "X", "pid": 1, "tid": tids[op.stream], "name": op.name,
+                       "cat": "comm" if op.collective else op.phase,
+                       "ts": round(t.start_s * 1e6, 3), "dur": round((t.end_s - t.start_s) * 1e6, 3), "args": args})
+    for time_s, used_bytes in timeline(trace.ledger_events):
+        events.append({"ph": "C", "pid": 1, "tid": 0, "name": "memory allocated", "ts": round(time_s * 1e6, 3),
+                       "args": {"GiB": round(used_bytes / GiB, 6)}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def trace_json(trace: Trace, name: str) -> str:
+    return json.dumps(chrome_trace(trace, name), separators=(",", ":")) + "\n"

@@ -1,0 +1,24 @@
+"""scenario -> (workload, schedule): picks the stage builder."""
+from __future__ import annotations
+
+from zsim.config.scenario import Scenario
+from zsim.schedule import stage3, stage012
+from zsim.schedule.common import StepContext
+from zsim.schedule.ops import Builder, Schedule
+from zsim.workload.transformer import DTYPE_BYTES, Workload, build_workload
+
+
+def workload_for(sc: Scenario) -> Workload:
+    return build_workload(sc.model, micro_batch_size=sc.micro_batch_size, seq_len=sc.seq_len,
+                          precision=sc.precision, flash_attention=sc.training.flash_attention,
+                          dropout=sc.training.dropout)
+
+
+def build_schedule(sc: Scenario, wl: Workload | None = None) -> tuple[Workload, Schedule]:
+    wl = wl or workload_for(sc)
+    ctx = StepContext(sc=sc, wl=wl, b=Builder(), param_bytes=DTYPE_BYTES[sc.precision], world=sc.cluster.world_size)
+    if sc.zero.stage == 3:
+        stage3.build(ctx)
+    else:
+        stage012.build(ctx)
+    return wl, ctx.b.build(sc.zero.stage, {"world_size": ctx.world})

@@ -1,0 +1,201 @@
+"""What every ZeRO stage shares: the forward and backward passes over the workload's modules,
+activation memory with each checkpointing mode, model-state accounting and the optimizer step.
+
+Stage builders plug in through `StageHooks`: collectives and memory that differ by stage
+(parameter fetches before a module runs, gradient reduction when grads become ready).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zsim.config.scenario import Scenario
+from zsim.schedule.ops import Alloc, Builder
+from zsim.workload.transformer import Module, Workload
+
+FP32_BYTES = 4
+ADAM_STATE_BYTES = 8          # exp_avg + exp_avg_sq, fp32
+# Fused Adam traffic per parameter: read+write fp32 master, m, v (24 B), read the fp32 grad
+# (4 B), write the 16-bit param copy (2 B) (apex/DeepSpeed FusedAdam, multi_tensor_apply).
+ADAM_STEP_BYTES_PER_PARAM = 30
+
+
+@dataclass
+class StepContext:
+    sc: Scenario
+    wl: Workload
+    b: Builder
+    param_bytes: int            # 16-bit (2) or fp32 (4) model/gradient width
+    world: int
+
+    @property
+    def gas(self) -> int:
+        return self.sc.gradient_accumulation_steps
+
+    @property
+    def checkpointing(self) -> str:
+        return self.sc.training.activation_checkpointing
+
+    @property
+    def grad_stream(self) -> str:
+        return "reduce" if self.sc.zero.overlap else "compute"
+
+
+class StageHooks:
+    """Default: a plain data-parallel replica (no communication in the passes)."""
+
+    def pre_module(self, ctx: StepContext, module: Module, micro: int, phase: str) -> list[int]:
+        return []
+
+    def post_module(self, ctx: StepContext, module: Module, micro: int, phase: str, op: int):
+        pass
+
+    def end_backward(self, ctx: StepContext, micro: int, last_op: int):
+        pass
+
+
+def linear_gemms(module: Module, backward: bool) -> tuple:
+    if module.gemm is None:
+        return ()
+    m, n, k = module.gemm
+    # backward: dgrad (m x k from m x n . n x k) and wgrad (n x k from n x m . m x k)
+    return ((m, k, n), (n, k, m)) if backward else ((m, n, k),)
+
+
+def _act_tag(micro: int, module: Module) -> str:
+    return f"act/{micro}/{module.name}"
+
+
+def _saved_bytes(ctx: StepContext, module: Module) -> float:
+    if ctx.checkpointing == "selective":
+        return module.act_bytes - module.act_bytes_s2
+    return module.act_bytes
+
+
+def _forward_op(ctx: StepContext, module: Module, micro: int, phase: str, deps, keep: bool) -> int:
+    allocs = []
+    saved = _saved_bytes(ctx, module)
+    if keep and saved > 0:
+        allocs.append(Alloc(_act_tag(micro, module), "activations", saved))
+    workspace_tag = None
+    if module.kind == "loss":
+        # fp32 upcast of the logits next to the 16-bit logits while the loss runs
+        workspace_tag = f"ws/{micro}/{phase}/{module.name}"
+        logits_numel = module.act_bytes / FP32_BYTES
+        allocs.append(Alloc(workspace_tag, "logits/loss buffers", logits_numel * (ctx.wl.act_dtype_bytes + FP32_BYTES)))
+    op = ctx.b.add(f"{phase} {module.name}", "compute", phase, micro, deps,
+                   gemms=linear_gemms(module, False),
+                   attention_flops=module.fwd_flops if module.kind == "attention" else 0.0,
+                   mem_bytes=module.fwd_mem_bytes, kernels=module.kernels_fwd, alloc=tuple(allocs),
+                   model_flops=module.model_fwd_flops)
+    if workspace_tag:
+        ctx.b.add_free(op, workspace_tag)
+    return op
+
+
+def _is_layer(module: Module) -> bool:
+    return module.layer >= 0
+
+
+def forward(ctx: StepContext, hooks: StageHooks, micro: int, after: int | None) -> int:
+    full = ctx.checkpointing == "full"
+    last = after
+    layer_ops: dict[int, list[int]] = {}
+    for module in ctx.wl.modules:
+        deps = hooks.pre_module(ctx, module, micro, "forward") + [last]
+        keep = not (full and _is_layer(module))
+        op = _forward_op(ctx, module, micro, "forward", deps, keep)
+        if full and _is_layer(module):
+            first_of_layer = module.layer not in layer_ops
+            layer_ops.setdefault(module.layer, []).append(op)
+            if first_of_layer:
+                ctx.b.add_alloc(op, Alloc(f"ckpt/{micro}/{module.layer}", "activation checkpoints",
+                                          ctx.wl.layer_input_bytes))
+            # activations inside a checkpointed block live only while the block runs
+            saved = _saved_bytes(ctx, module)
+            if saved > 0:
+                tag = f"tmp/{micro}/fwd/{module.name}"
+                ctx.b.add_alloc(op, Alloc(tag, "activations", saved))
+                layer_ops[module.layer].append(tag)
+        hooks.post_module(ctx, module, micro, "forward", op)
+        last = op
+        if full and _is_layer(module) and _is_last_in_layer(ctx.wl, module):
+            tags = [x for x in layer_ops[module.layer] if isinstance(x, str)]
+            ctx.b.add_free(op, *tags)
+    return last
+
+
+def _is_last_in_layer(wl: Workload, module: Module) -> bool:
+    mods = wl.layer_modules(module.layer)
+    return mods[-1].name == module.name
+
+
+def backward(ctx: StepContext, hooks: StageHooks, micro: int, after: int) -> int:
+    full = ctx.checkpointing == "full"
+    last = after
+    recomputed: set[int] = set()
+    for module in reversed(ctx.wl.modules):
+        if full and _is_layer(module) and module.layer not in recomputed:
+            # torch.utils.checkpoint / deepspeed.checkpointing: re-run the block's forward first
+            recomputed.add(module.layer)
+            for rm in ctx.wl.layer_modules(module.layer):
+                deps = hooks.pre_module(ctx, rm, micro, "recompute") + [last]
+                last = _forward_op(ctx, rm, micro, "recompute", deps, keep=True)
+                hooks.post_module(ctx, rm, micro, "recompute", last)
+        deps = hooks.pre_module(ctx, module, micro, "backward") + [last]
+        frees = [_act_tag(micro, module)]
+        if full and _is_layer(module) and ctx.wl.layer_modules(module.layer)[0].name == module.name:
+            frees.append(f"ckpt/{micro}/{module.layer}")
+        extra_attn = 0.0
+        if ctx.checkpointing == "selective" and module.act_bytes_s2 > 0:
+            extra_attn = module.fwd_flops   # Korthikanti selective: recompute the attention core
+        ws_tag = f"ws/{micro}/bwd/{module.name}"
+        workspace = module.act_bytes    # input-gradient buffers of the same size as what was saved
+        op = ctx.b.add(f"backward {module.name}", "compute", "backward", micro, deps,
+                       gemms=linear_gemms(module, True),
+                       attention_flops=(module.bwd_flops + extra_attn) if module.kind == "attention" else 0.0,
+                       attention_backward=True,
+                       mem_bytes=module.bwd_mem_bytes, kernels=module.kernels_bwd,
+                   model_flops=2 * module.model_fwd_flops + (module.model_fwd_flops if extra_attn else 0.0),
+                       alloc=(Alloc(ws_tag, "activation gradients", workspace),) if workspace > 0 else ())
+        ctx.b.add_free(op, ws_tag, *frees)
+        hooks.post_module(ctx, module, micro, "backward", op)
+        last = op
+    hooks.end_backward(ctx, micro, last)
+    return last
+
+
+def model_state_bytes(n_params: int, shard_params: float, stage: int, param_bytes: int) -> dict[str, float]:
+    """Model states per GPU (Rajbhandari et al. 2020, ZeRO, sec. 5): 16-bit params and grads,
+    fp32 master weights and Adam moments; sharded by stage."""
+    master = FP32_BYTES if (param_bytes < FP32_BYTES or stage > 0) else 0
+    opt_params = shard_params if stage >= 1 else n_params
+    return {
+        "parameters": param_bytes * (shard_params if stage >= 3 else n_params),
+        "gradients": param_bytes * (shard_params if stage >= 2 else n_params),
+        "optimizer states": (master + ADAM_STATE_BYTES) * opt_params,
+    }
+
+
+def optimizer_step(ctx: StepContext, shard_params: float, deps) -> int:
+    """Fused Adam over the local shard; fp32 gradient copy lives during the step."""
+    tag = "opt/fp32_grads"
+    temp = FP32_BYTES * shard_params if ctx.param_bytes < FP32_BYTES else 0.0
+    clip = 8.0 * shard_params if ctx.sc.deepspeed.gradient_clipping > 0 else 0.0
+    op = ctx.b.add("optimizer step (Adam)", "compute", "step", ctx.gas - 1, deps,
+                   mem_bytes=ADAM_STEP_BYTES_PER_PARAM * shard_params + clip, kernels=4,
+                   alloc=(Alloc(tag, "optimizer temporaries", temp),) if temp else ())
+    ctx.b.add_free(op, tag)
+    return op
+
+
+def grad_norm_ops(ctx: StepContext, shard_params: float, deps, overflow_check: bool = True) -> int:
+    """Norm of the local gradient shard, then scalar all-reduces (fp16/bf16 overflow flag,
+    squared norm) as DeepSpeed 0.19.8 issues them before the step (recorded, tests/fixtures)."""
+    last = ctx.b.add("grad norm (local)", "compute", "step", ctx.gas - 1, deps,
+                     mem_bytes=ctx.param_bytes * shard_params, kernels=2)
+    if overflow_check and ctx.param_bytes < FP32_BYTES:
+        last = ctx.b.add("overflow check", "compute", "step", ctx.gas - 1, [last],
+                         collective="all_reduce", size_bytes=1, numel=1)
+    last = ctx.b.add("grad norm all-reduce", "compute", "step", ctx.gas - 1, [last],
+                     collective="all_reduce", size_bytes=4, numel=1)
+    return last

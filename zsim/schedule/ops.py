@@ -1,0 +1,80 @@
+"""Schedules are data: ops on streams with dependencies, work and memory effects.
+
+An op starts when it reaches the head of its stream (streams are FIFO, like CUDA streams)
+and every op in `deps` has finished (like waiting on a CUDA event). Its `alloc` entries are
+allocated when it starts; the tags in `free` are released when it ends.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+STREAMS = ("compute", "allgather", "reduce", "h2d", "d2h", "cpu")
+
+
+@dataclass(frozen=True)
+class Alloc:
+    tag: str
+    category: str
+    size_bytes: float
+
+
+@dataclass(frozen=True)
+class Op:
+    id: int
+    name: str
+    stream: str
+    phase: str                      # forward | backward | recompute | step
+    micro_step: int
+    deps: tuple[int, ...] = ()
+    # compute work
+    gemms: tuple[tuple[float, float, float], ...] = ()   # (m, n, k) each
+    attention_flops: float = 0.0
+    attention_backward: bool = False
+    mem_bytes: float = 0.0          # memory-bound kernel traffic
+    kernels: int = 0
+    model_flops: float = 0.0        # MFU convention (full attention); recompute included
+    fixed_time_s: float = 0.0       # host-side time (hooks, launches) not tied to a resource
+    # communication work
+    collective: str = ""            # all_gather | reduce_scatter | all_reduce | ...
+    size_bytes: float = 0.0         # full buffer (nccl-tests convention)
+    numel: int = 0
+    # memory effects
+    alloc: tuple[Alloc, ...] = ()
+    free: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Schedule:
+    stage: int
+    ops: tuple[Op, ...]
+    static: tuple[Alloc, ...]       # allocated for the whole step (model states, persistent buffers)
+    meta: dict = field(default_factory=dict)
+
+
+class Builder:
+    """Appends ops in program order; remembers tags so frees can be attached later."""
+
+    def __init__(self):
+        self.ops: list[Op] = []
+        self.static: list[Alloc] = []
+
+    def add(self, name: str, stream: str, phase: str, micro_step: int, deps=(), **work) -> int:
+        deps = tuple(sorted({d for d in deps if d is not None}))
+        op = Op(id=len(self.ops), name=name, stream=stream, phase=phase, micro_step=micro_step, deps=deps, **work)
+        self.ops.append(op)
+        return op.id
+
+    def add_free(self, op_id: int, *tags: str):
+        op = self.ops[op_id]
+        self.ops[op_id] = Op(**{**op.__dict__, "free": op.free + tuple(tags)})
+
+    def add_alloc(self, op_id: int, *allocs: Alloc):
+        op = self.ops[op_id]
+        self.ops[op_id] = Op(**{**op.__dict__, "alloc": op.alloc + tuple(allocs)})
+
+    def static_alloc(self, category: str, size_bytes: float, tag: str | None = None):
+        if size_bytes > 0:
+            self.static.append(Alloc(tag or category, category, float(size_bytes)))
+
+    def build(self, stage: int, meta: dict) -> Schedule:
+        return Schedule(stage, tuple(self.ops), tuple(self.static), meta)

@@ -1,0 +1,176 @@
+"""ZeRO stages 0, 1 and 2 as DeepSpeed 0.19.8 runs them (runtime/zero/stage_1_and_2.py,
+runtime/engine.py), checked against recorded runs in tests/fixtures/deepspeed/.
+
+- Gradients go into IPG buckets of reduce_bucket_size elements; a bucket is reduced when
+  the next gradient would overflow it (reduce_independent_p_g_buckets_and_remove_grads).
+- Stage 2 (partition_gradients) reduces from the backward hooks in grad-ready order, every
+  micro-step, on the reduction stream when overlap_comm. Stage 1 without overlap_comm
+  reduces at the accumulation boundary only, walking parameters in registration order
+  (reduce_gradients).
+- Each bucket is one all-reduce (use_multi_rank_bucket_allreduce=True, the default:
+  average_tensor), else one reduce per destination partition. This moves 2x the bytes of
+  the ZeRO paper's reduce-scatter (2(N-1)/N vs (N-1)/N of the gradient).
+- After the step the updated 16-bit partitions are all-gathered in one call per parameter
+  group (allgather_bucket_size does not split it in 0.19.8; see the recorded fixtures).
+- Stage 0 all-reduces every gradient after backward at the boundary (engine.allreduce_gradients).
+"""
+from __future__ import annotations
+
+import math
+
+from zsim.schedule.common import (FP32_BYTES, StageHooks, StepContext, backward, forward, grad_norm_ops,
+                                  model_state_bytes, optimizer_step)
+from zsim.schedule.ops import Alloc
+from zsim.workload.transformer import Module
+
+# DeepSpeed pads the flat 16-bit group so each rank's partition is aligned
+# (stage_1_and_2.py: nccl_start_alignment_factor = 2).
+ALIGNMENT = 2
+
+
+def flat_partition(numels: list[int], world: int) -> tuple[int, int]:
+    """(padded flat size, partition size) of one parameter group."""
+    total = sum(numels)
+    unit = ALIGNMENT * world
+    padded = int(math.ceil(total / unit) * unit)
+    return padded, padded // world
+
+
+class Zero012Hooks(StageHooks):
+    def __init__(self, ctx: StepContext):
+        self.ctx = ctx
+        z = ctx.sc.zero
+        self.stage = z.stage
+        self.bucket_size = z.reduce_bucket_size
+        self.numels = [p.numel for p in ctx.wl.params]
+        offsets, acc = [], 0
+        for n in self.numels:
+            offsets.append(acc)
+            acc += n
+        self.offsets = offsets
+        self.padded, self.partition = flat_partition(self.numels, ctx.world)
+        # a tied weight's gradient is final only at its first module in forward order
+        self.first_use: dict[int, int] = {}
+        for i, m in enumerate(ctx.wl.modules):
+            for pid in m.params:
+                self.first_use.setdefault(pid, i)
+        self.module_index = {m.name: i for i, m in enumerate(ctx.wl.modules)}
+        self.bucket: list[int] = []
+        self.bucket_numel = 0
+        self.pending_tags: list[str] = []
+        self.flushes = 0
+        self.reduce_in_hooks = self.stage == 2 or (self.stage == 1 and z.overlap)
+        self.stream = ctx.grad_stream if self.stage == 2 or z.overlap else "compute"
+
+    # -- gradient buckets -------------------------------------------------------------
+    def _dests(self) -> list[tuple[int, int]]:
+        """(destination rank, elements) of the current bucket in first-seen order."""
+        per: dict[int, int] = {}
+        for pid in self.bucket:
+            start, end = self.offsets[pid], self.offsets[pid] + self.numels[pid]
+            while start < end:
+                rank = start // self.partition
+                stop = min(end, (rank + 1) * self.partition)
+                per[rank] = per.get(rank, 0) + stop - start
+                start = stop
+        return list(per.items())
+
+    def _flush(self, micro: int, after: int, phase: str = "backward"):
+        if not self.bucket_numel:
+            return after
+        ctx, z = self.ctx, self.ctx.sc.zero
+        width = ctx.param_bytes
+        last = after
+        name = f"reduce bucket {self.flushes}"
+        if z.use_multi_rank_bucket_allreduce or not z.reduce_scatter:
+            last = ctx.b.add(name, self.stream, phase, micro, [after], collective="all_reduce",
+                             size_bytes=self.bucket_numel * width, numel=self.bucket_numel)
+        else:
+            for rank, numel in self._dests():
+                last = ctx.b.add(f"{name} -> rank {rank}", self.stream, phase, micro, [after],
+                                 collective="reduce", size_bytes=numel * width, numel=numel)
+        if self.pending_tags:
+            ctx.b.add_free(last, *self.pending_tags)
+            self.pending_tags = []
+        self.flushes += 1
+        self.bucket, self.bucket_numel = [], 0
+        self.last_reduce = last
+        return last
+
+    def _add_grad(self, pid: int, micro: int, after: int):
+        numel = self.numels[pid]
+        if self.bucket_numel + numel > self.bucket_size:
+            self._flush(micro, after)
+        if self.stage == 2 and not self.ctx.sc.zero.contiguous_gradients:
+            # without contiguous_gradients each .grad stays allocated until its bucket is reduced
+            tag = f"grad/{micro}/{pid}"
+            self.ctx.b.add_alloc(after, Alloc(tag, "gradient buckets", numel * self.ctx.param_bytes))
+            self.pending_tags.append(tag)
+        self.bucket.append(pid)
+        self.bucket_numel += numel
+
+    def post_module(self, ctx, module: Module, micro, phase, op):
+        if phase != "backward" or not self.reduce_in_hooks:
+            return
+        if self.stage == 1 and micro != ctx.gas - 1:
+            return
+        idx = self.module_index[module.name]
+        for pid in reversed(module.params):
+            if self.first_use[pid] == idx:
+                self._add_grad(pid, micro, op)
+
+    def end_backward(self, ctx, micro, last_op):
+        self.last_reduce = last_op
+        if self.stage == 0:
+            if micro == ctx.gas - 1:
+                self._boundary_allreduce(micro, last_op)
+            return
+        if self.stage == 1 and not self.reduce_in_hooks:
+            if micro != ctx.gas - 1:
+                return
+            for pid in range(len(self.numels)):
+                self._add_grad(pid, micro, last_op)
+        if self.stage == 2 or micro == ctx.gas - 1:
+            self._flush(micro, last_op)
+
+    def _boundary_allreduce(self, micro, after):
+        """engine.allreduce_gradients -> buffered_allreduce_fallback: all grads, in
+        MEMORY_OPT_ALLREDUCE_SIZE (5e8) element buffers."""
+        ctx = self.ctx
+        remaining = sum(self.numels)
+        last = after
+        chunk = int(5e8)
+        i = 0
+        while remaining > 0:
+            n = min(chunk, remaining)
+            last = ctx.b.add(f"allreduce gradients {i}", "compute", "backward", micro, [last],
+                             collective="all_reduce", size_bytes=n * ctx.param_bytes, numel=n)
+            remaining -= n
+            i += 1
+        self.last_reduce = last
+
+
+def build(ctx: StepContext):
+    z = ctx.sc.zero
+    hooks = Zero012Hooks(ctx)
+    n_params = ctx.wl.n_params
+    shard = hooks.partition if z.stage >= 1 else n_params
+    for cat, size in model_state_bytes(n_params, shard, z.stage, ctx.param_bytes).items():
+        ctx.b.static_alloc(cat, size)
+    if z.stage >= 1 and z.contiguous_gradients and hooks.reduce_in_hooks:
+        buffers = 2 if z.overlap else 1
+        ctx.b.static_alloc("gradient buckets", buffers * min(z.reduce_bucket_size, n_params) * ctx.param_bytes)
+    last = None
+    for micro in range(ctx.gas):
+        last = forward(ctx, hooks, micro, last)
+        last = backward(ctx, hooks, micro, last)
+    # the step waits for every reduction (reduction stream synchronised before the step)
+    step_deps = [last, hooks.last_reduce]
+    if z.stage == 0:
+        last = optimizer_step(ctx, n_params, step_deps)
+        return
+    last = grad_norm_ops(ctx, shard, step_deps)
+    last = optimizer_step(ctx, shard, [last])
+    # all_gather_dp_groups: one all-gather of the whole flat 16-bit group
+    ctx.b.add("all-gather updated params", "compute", "step", ctx.gas - 1, [last],
+              collective="all_gather", size_bytes=hooks.padded * ctx.param_bytes, numel=hooks.padded)

@@ -1,0 +1,263 @@
+"""ZeRO stage 3 as DeepSpeed 0.19.8 runs it, in steady state (trace complete).
+
+Follows runtime/zero/partitioned_param_coordinator.py:
+- A module visit (pre-forward / pre-backward hook, containers included) first all-gathers
+  its own NOT_AVAILABLE parameters in one coalesced call, then prefetches along the recorded
+  parameter trace: pop params while numel_prefetching < min(max_live_parameters -
+  n_available, prefetch_bucket_size), gathering those NOT_AVAILABLE in one more call and
+  marking every popped use (most_recent_step_id_param_fetched_for).
+- After a visit, its non-persistent params are released unless a later use was already
+  passed by the prefetcher or a use occurs within max_reuse_distance numel of the trace.
+- At the end of each backward everything non-persistent is released (release_and_reset_all),
+  so every micro-step gathers again.
+- Params with numel <= param_persistence_threshold stay gathered; after each optimizer step
+  they are all-gathered one call per parameter.
+- Gradients fill an IPG bucket of reduce_bucket_size elements in grad-ready order; a full
+  bucket is reduce-scattered in one coalesced call (all-reduce if reduce_scatter: false),
+  on the reduction stream when overlap_comm.
+Timing assumption: the host reaches a visit's hook when the previous compute op has finished
+(lock-step), so a prefetch overlaps the compute of the module before its consumer.
+Checked against recorded DeepSpeed runs in tests/fixtures/deepspeed/.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from zsim.schedule.common import (StageHooks, StepContext, backward, forward, grad_norm_ops,
+                                  model_state_bytes, optimizer_step)
+from zsim.schedule.ops import Alloc
+from zsim.workload.transformer import Module
+
+NOT_AVAILABLE, AVAILABLE = 0, 1
+
+
+@dataclass(frozen=True)
+class Visit:
+    module: str              # workload module name, or a container name
+    params: tuple[int, ...]  # distinct param ids fetched by this visit
+    phase: str
+
+
+def padded(numel: int, world: int) -> int:
+    """Gathered size of one partitioned param: ceil(numel / world) * world."""
+    return int(math.ceil(numel / world)) * world
+
+
+def _containers_before(module: Module, prev: Module | None) -> list[str]:
+    """Containers whose hooks fire before this leaf (block, attn, mlp), GPT/Llama layout."""
+    out = []
+    if module.layer >= 0 and (prev is None or prev.layer != module.layer):
+        out.append(f"layers.{module.layer}")
+    name = module.name
+    if ".attn." in name and (prev is None or ".attn." not in prev.name):
+        out.append(name.rsplit(".", 1)[0])
+    if ".mlp." in name and (prev is None or ".mlp." not in prev.name):
+        out.append(name.rsplit(".", 1)[0])
+    return out
+
+
+def visit_sequence(ctx: StepContext) -> list[Visit]:
+    """The recorded module trace of one micro-step: forward, then backward (with recompute)."""
+    # only nn.Modules with parameters get ZeRO hooks in zsim's model; functional pieces
+    # (attention core, activation, loss) are not visits
+    mods = [m for m in ctx.wl.modules if m.params]
+    seq: list[Visit] = [Visit("<root>", (), "forward")]
+    prev = None
+    for m in mods:
+        for c in _containers_before(m, prev):
+            seq.append(Visit(c, (), "forward"))
+        seq.append(Visit(m.name, tuple(dict.fromkeys(m.params)), "forward"))
+        prev = m
+    seq.append(Visit("<root>", (), "backward"))
+    recomputed: set[int] = set()
+    full = ctx.checkpointing == "full"
+    for m in reversed(mods):
+        if full and m.layer >= 0 and m.layer not in recomputed:
+            recomputed.add(m.layer)
+            p = None
+            for rm in ctx.wl.layer_modules(m.layer):
+                for c in _containers_before(rm, p):
+                    seq.append(Visit(c, (), "recompute"))
+                seq.append(Visit(rm.name, tuple(dict.fromkeys(rm.params)), "recompute"))
+                p = rm
+        seq.append(Visit(m.name, tuple(dict.fromkeys(m.params)), "backward"))
+    return seq
+
+
+class Zero3Hooks(StageHooks):
+    def __init__(self, ctx: StepContext):
+        self.ctx = ctx
+        z = ctx.sc.zero
+        self.numels = [p.numel for p in ctx.wl.params]
+        self.persistent = set()
+        total = 0
+        for pid, n in enumerate(self.numels):
+            # stage3.py _mark_persistent_parameters: per-param and whole-model thresholds
+            if n <= z.param_persistence_threshold and total + n <= z.model_persistence_threshold:
+                self.persistent.add(pid)
+                total += n
+        self.visits = visit_sequence(ctx)
+        self.trace = [(pid, k) for k, v in enumerate(self.visits) for pid in sorted(v.params)]
+        self.first_use: dict[int, int] = {}
+        for i, m in enumerate(ctx.wl.modules):
+            for pid in m.params:
+                self.first_use.setdefault(pid, i)
+        self.module_index = {m.name: i for i, m in enumerate(ctx.wl.modules)}
+        self.bucket: list[int] = []
+        self.bucket_numel = 0
+        self.flushes = 0
+        self.last_reduce = None
+        self.last_compute = None
+        self._reset_step()
+
+    # -- coordinator state, reset per micro-step (reset_step) ---------------------------
+    def _reset_step(self):
+        self.status = {pid: (AVAILABLE if pid in self.persistent else NOT_AVAILABLE) for pid in range(len(self.numels))}
+        self.gather_op: dict[int, int] = {}
+        self.queue = deque(self.trace)
+        self.most_recent = {pid: -10**10 for pid in range(len(self.numels))}
+        self.n_available = 0
+        self.step_id = 0
+
+    def _gather(self, pids, micro: int, phase: str, what: str) -> int | None:
+        pids = [p for p in pids if self.status[p] == NOT_AVAILABLE]
+        if not pids:
+            return None
+        ctx = self.ctx
+        numel = sum(padded(self.numels[p], ctx.world) for p in pids)
+        deps = [self.last_compute]
+        op = ctx.b.add(f"all-gather {what}", "allgather", phase, micro, deps, collective="all_gather",
+                       size_bytes=numel * ctx.param_bytes, numel=numel,
+                       alloc=tuple(Alloc(f"gathered/{micro}/{p}", "gathered params",
+                                         self.numels[p] * ctx.param_bytes) for p in pids))
+        for p in pids:
+            self.status[p] = AVAILABLE
+            self.gather_op[p] = op
+            self.n_available += self.numels[p]
+        return op
+
+    def _visit(self, visit: Visit, micro: int, phase: str) -> list[int]:
+        z = self.ctx.sc.zero
+        k = self.step_id
+        own = list(visit.params)
+        self._gather(sorted(own), micro, phase, visit.module)
+        deps = [self.gather_op[p] for p in own if p in self.gather_op]
+        not_fetched = [p for p in own if self.most_recent[p] < k]
+        popped = 0
+        while self.queue and popped < len(set(not_fetched)):
+            pid, used_at = self.queue.popleft()
+            self.most_recent[pid] = used_at
+            popped += 1
+        if z.prefetch_bucket_size > 0:
+            limit = min(z.max_live_parameters - self.n_available, z.prefetch_bucket_size)
+            chosen, numel = [], 0
+            while self.queue and numel < limit:
+                pid, used_at = self.queue.popleft()
+                if self.status[pid] == NOT_AVAILABLE and pid not in chosen:
+                    chosen.append(pid)
+                    numel += self.numels[pid]
+                self.most_recent[pid] = max(self.most_recent[pid], used_at)
+            if chosen:
+                self._gather(sorted(chosen), micro, phase, f"prefetch from {visit.module}")
+        self.step_id += 1
+        return deps
+
+    def _release(self, visit_index: int, params, op: int):
+        z = self.ctx.sc.zero
+        candidates = [p for p in params if p not in self.persistent and self.most_recent[p] <= visit_index]
+        if z.max_reuse_distance > 0 and candidates:
+            traversed = 0
+            cand = set(candidates)
+            for v in self.visits[visit_index + 1:]:
+                if traversed >= z.max_reuse_distance or not cand:
+                    break
+                for p in v.params:
+                    cand.discard(p)
+                    traversed += self.numels[p]
+            candidates = [p for p in candidates if p in cand]
+        for p in candidates:
+            if self.status[p] == AVAILABLE:
+                self.status[p] = NOT_AVAILABLE
+                self.gather_op.pop(p, None)
+                self.n_available -= self.numels[p]
+                self.ctx.b.add_free(op, f"gathered/{self.micro}/{p}")
+
+    # -- hooks called by the common passes ---------------------------------------------
+    def pre_module(self, ctx, module: Module, micro, phase):
+        self.micro = micro
+        deps: list[int] = []
+        # container visits and param-less leaves that precede this module in the trace
+        while self.step_id < len(self.visits) and self.visits[self.step_id].module != module.name:
+            v = self.visits[self.step_id]
+            if v.params:
+                break
+            self._visit(v, micro, phase)
+        if self.step_id < len(self.visits) and self.visits[self.step_id].module == module.name:
+            self.current_visit = self.step_id
+            deps = self._visit(self.visits[self.step_id], micro, phase)
+        else:
+            self.current_visit = None
+        return deps
+
+    def post_module(self, ctx, module: Module, micro, phase, op):
+        self.last_compute = op
+        if self.current_visit is not None:
+            self._release(self.current_visit, self.visits[self.current_visit].params, op)
+        if phase == "backward":
+            idx = self.module_index[module.name]
+            for pid in module.params:
+                if self.first_use[pid] == idx:
+                    self._add_grad(pid, micro, op)
+
+    def end_backward(self, ctx, micro, last_op):
+        self._flush(micro, last_op)
+        # release_and_reset_all: everything gathered goes back to its partition
+        for p, st in self.status.items():
+            if st == AVAILABLE and p not in self.persistent:
+                ctx.b.add_free(last_op, f"gathered/{micro}/{p}")
+        self._reset_step()
+
+    # -- gradient reduction --------------------------------------------------------------
+    def _add_grad(self, pid: int, micro: int, after: int):
+        numel = self.numels[pid]
+        if self.bucket_numel + numel > self.ctx.sc.zero.reduce_bucket_size:
+            self._flush(micro, after)
+        self.bucket.append(pid)
+        self.bucket_numel += numel
+
+    def _flush(self, micro: int, after: int):
+        if not self.bucket:
+            return
+        ctx, z = self.ctx, self.ctx.sc.zero
+        numel = sum(padded(self.numels[p], ctx.world) for p in self.bucket)
+        kind = "reduce_scatter" if z.reduce_scatter else "all_reduce"
+        self.last_reduce = ctx.b.add(f"{kind.replace('_', '-')} bucket {self.flushes}", ctx.grad_stream,
+                                     "backward", micro, [after], collective=kind,
+                                     size_bytes=numel * ctx.param_bytes, numel=numel)
+        self.flushes += 1
+        self.bucket, self.bucket_numel = [], 0
+
+
+def build(ctx: StepContext):
+    z = ctx.sc.zero
+    hooks = Zero3Hooks(ctx)
+    n_params = ctx.wl.n_params
+    shard = sum(math.ceil(n / ctx.world) for n in hooks.numels)
+    for cat, size in model_state_bytes(n_params, shard, 3, ctx.param_bytes).items():
+        ctx.b.static_alloc(cat, size)
+    ctx.b.static_alloc("persistent params", sum(hooks.numels[p] for p in hooks.persistent) * ctx.param_bytes)
+    if z.contiguous_gradients:
+        ctx.b.static_alloc("gradient buckets", min(z.reduce_bucket_size, n_params) * ctx.param_bytes)
+    last = None
+    for micro in range(ctx.gas):
+        last = forward(ctx, hooks, micro, last)
+        last = backward(ctx, hooks, micro, last)
+    last = grad_norm_ops(ctx, shard, [last, hooks.last_reduce], overflow_check=False)
+    last = optimizer_step(ctx, shard, [last])
+    # _post_step: persistent params re-gathered one call each, in registration order
+    for p in sorted(hooks.persistent):
+        n = padded(hooks.numels[p], ctx.world)
+        last = ctx.b.add(f"all-gather persistent {ctx.wl.params[p].name}", "compute", "step", ctx.gas - 1,
+                         [last], collective="all_gather", size_bytes=n * ctx.param_bytes, numel=n)

@@ -1,0 +1,59 @@
+"""Model presets. Each shape reproduces the parameter count its authors published
+(tests/test_workload.py checks them). Keys are those of the scenario's `model:` block."""
+from __future__ import annotations
+
+_GPT2 = dict(vocab=50257, seq_len=1024, position="learned", tied_embeddings=True, norm="layernorm",
+             bias=True, glu=False, fused_qkv=True)
+# GPT-3: Brown et al. 2020, Table 2.1 (n_layers, d_model, n_heads); vocab 50257, context 2048.
+# The paper's 1.3B row lists 24 heads of 128 (inconsistent with d_model 2048); we use 16 of 128.
+_GPT3 = dict(vocab=50257, seq_len=2048, position="learned", tied_embeddings=True, norm="layernorm",
+             bias=True, glu=False, fused_qkv=True)
+# Llama 2: Touvron et al. 2023 and the HF config.json files; RMSNorm, SwiGLU, RoPE, no biases, untied.
+_LLAMA2 = dict(vocab=32000, seq_len=4096, position="rope", tied_embeddings=False, norm="rmsnorm",
+               bias=False, glu=True, fused_qkv=False)
+# Llama 3: Meta's HF config.json (vocab 128256, GQA with 8 KV heads, context 8192).
+_LLAMA3 = dict(_LLAMA2, vocab=128256, seq_len=8192)
+
+PRESETS: dict[str, dict] = {
+    # GPT-2 (Radford et al. 2019; HF gpt2* configs): 124,439,808 / 354,823,168 / 774,030,080 / 1,557,611,200
+    "gpt2": dict(_GPT2, layers=12, hidden=768, heads=12),
+    "gpt2-medium": dict(_GPT2, layers=24, hidden=1024, heads=16),
+    "gpt2-large": dict(_GPT2, layers=36, hidden=1280, heads=20),
+    "gpt2-xl": dict(_GPT2, layers=48, hidden=1600, heads=25),
+    "gpt3-1.3b": dict(_GPT3, layers=24, hidden=2048, heads=16),
+    "gpt3-2.7b": dict(_GPT3, layers=32, hidden=2560, heads=32),
+    "gpt3-6.7b": dict(_GPT3, layers=32, hidden=4096, heads=32),
+    "gpt3-13b": dict(_GPT3, layers=40, hidden=5120, heads=40),  # paper: d_model 5140, not divisible by 40 heads
+    "gpt3-175b": dict(_GPT3, layers=96, hidden=12288, heads=96),
+    # Llama 2: 6,738,415,616 / 13,015,864,320 / 68,976,648,192
+    "llama2-7b": dict(_LLAMA2, layers=32, hidden=4096, heads=32, ffn_hidden=11008),
+    "llama2-13b": dict(_LLAMA2, layers=40, hidden=5120, heads=40, ffn_hidden=13824),
+    "llama2-70b": dict(_LLAMA2, layers=80, hidden=8192, heads=64, kv_heads=8, ffn_hidden=28672),
+    # Llama 3: 8,030,261,248 / 70,553,706,496
+    "llama3-8b": dict(_LLAMA3, layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336),
+    "llama3-70b": dict(_LLAMA3, layers=80, hidden=8192, heads=64, kv_heads=8, ffn_hidden=28672),
+    # BLOOM (BigScience 2022, arXiv:2211.05100): 176,247,271,424 with embedding LayerNorm, ALiBi, tied.
+    "bloom-176b": dict(vocab=250880, seq_len=2048, position="alibi", tied_embeddings=True, norm="layernorm",
+                       bias=True, glu=False, fused_qkv=True, embedding_norm=True,
+                       layers=70, hidden=14336, heads=112),
+    # MPT (MosaicML llm-foundry benchmark table, shared/reference): learned positions, tied, biases.
+    "mpt-760m": dict(_GPT2, vocab=50368, seq_len=2048, layers=24, hidden=1536, heads=12),
+    "mpt-1b": dict(_GPT2, vocab=50368, seq_len=2048, layers=24, hidden=2048, heads=16),
+    "mpt-3b": dict(_GPT2, vocab=50368, seq_len=2048, layers=32, hidden=2560, heads=20),
+    "mpt-7b": dict(_GPT2, vocab=50368, seq_len=2048, layers=32, hidden=4096, heads=32),
+    "mpt-13b": dict(_GPT2, vocab=50368, seq_len=2048, layers=40, hidden=5120, heads=40),
+    "mpt-30b": dict(_GPT2, vocab=50368, seq_len=2048, layers=48, hidden=7168, heads=64),
+    "mpt-70b": dict(_GPT2, vocab=50368, seq_len=2048, layers=80, hidden=8192, heads=64),
+}
+
+# Published totals the tests hold the presets to (exact where the authors gave exact figures).
+PUBLISHED_PARAMS: dict[str, int] = {
+    "gpt2": 124_439_808, "gpt2-medium": 354_823_168, "gpt2-large": 774_030_080, "gpt2-xl": 1_557_611_200,
+    "llama2-7b": 6_738_415_616, "llama2-13b": 13_015_864_320, "llama2-70b": 68_976_648_192,
+    "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "bloom-176b": 176_247_271_424,
+    "mpt-7b": 6_658_859_008, "mpt-30b": 29_975_214_080, "mpt-70b": 64_862_437_376,
+}
+# GPT-3's paper gives rounded sizes only.
+PUBLISHED_NOMINAL_PARAMS: dict[str, float] = {
+    "gpt3-1.3b": 1.3e9, "gpt3-2.7b": 2.7e9, "gpt3-6.7b": 6.7e9, "gpt3-13b": 13e9, "gpt3-175b": 175e9,
+}
