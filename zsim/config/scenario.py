@@ -71,6 +71,7 @@ class TrainingSpec:
     activation_checkpointing: Literal["none", "full", "selective"] = spec("none")
     flash_attention: bool = spec(True)
     dropout: bool = spec(False, doc="dropout layers present (stores masks, Korthikanti 2022)")
+    fused_cross_entropy: bool = spec(False, doc="fused loss kernel (no fp32 logits copies)")
     max_grad_norm: float = spec(1.0, ge=0, doc="HF Trainer's max_grad_norm, used for gradient_clipping: auto")
 
 

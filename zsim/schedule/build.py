@@ -11,7 +11,8 @@ from zsim.workload.transformer import DTYPE_BYTES, Workload, build_workload
 def workload_for(sc: Scenario) -> Workload:
     return build_workload(sc.model, micro_batch_size=sc.micro_batch_size, seq_len=sc.seq_len,
                           precision=sc.precision, flash_attention=sc.training.flash_attention,
-                          dropout=sc.training.dropout)
+                          dropout=sc.training.dropout,
+                          fused_cross_entropy=sc.training.fused_cross_entropy)
 
 
 def build_schedule(sc: Scenario, wl: Workload | None = None) -> tuple[Workload, Schedule]:

@@ -77,11 +77,10 @@ def _forward_op(ctx: StepContext, module: Module, micro: int, phase: str, deps, 
     if keep and saved > 0:
         allocs.append(Alloc(_act_tag(micro, module), "activations", saved))
     workspace_tag = None
-    if module.kind == "loss":
-        # fp32 upcast of the logits next to the 16-bit logits while the loss runs
+    if module.fwd_workspace_bytes > 0:
         workspace_tag = f"ws/{micro}/{phase}/{module.name}"
-        logits_numel = module.act_bytes / FP32_BYTES
-        allocs.append(Alloc(workspace_tag, "logits/loss buffers", logits_numel * (ctx.wl.act_dtype_bytes + FP32_BYTES)))
+        category = "logits/loss buffers" if module.kind == "loss" else "activations"
+        allocs.append(Alloc(workspace_tag, category, module.fwd_workspace_bytes))
     op = ctx.b.add(f"{phase} {module.name}", "compute", phase, micro, deps,
                    gemms=linear_gemms(module, False),
                    attention_flops=module.fwd_flops if module.kind == "attention" else 0.0,
@@ -149,7 +148,7 @@ def backward(ctx: StepContext, hooks: StageHooks, micro: int, after: int) -> int
         if ctx.checkpointing == "selective" and module.act_bytes_s2 > 0:
             extra_attn = module.fwd_flops   # Korthikanti selective: recompute the attention core
         ws_tag = f"ws/{micro}/bwd/{module.name}"
-        workspace = module.act_bytes    # input-gradient buffers of the same size as what was saved
+        workspace = module.bwd_workspace
         op = ctx.b.add(f"backward {module.name}", "compute", "backward", micro, deps,
                        gemms=linear_gemms(module, True),
                        attention_flops=(module.bwd_flops + extra_attn) if module.kind == "attention" else 0.0,

@@ -63,17 +63,34 @@ class Zero012Hooks(StageHooks):
         self.stream = ctx.grad_stream if self.stage == 2 or z.overlap else "compute"
 
     # -- gradient buckets -------------------------------------------------------------
-    def _dests(self) -> list[tuple[int, int]]:
-        """(destination rank, elements) of the current bucket in first-seen order."""
-        per: dict[int, int] = {}
+    def _slices(self) -> list[tuple[int, int]]:
+        """(destination rank, elements) slices of the bucket in bucket order; consecutive
+        pieces for the same rank merge (average_tensor's rank_and_offsets)."""
+        out: list[list[int]] = []
         for pid in self.bucket:
             start, end = self.offsets[pid], self.offsets[pid] + self.numels[pid]
             while start < end:
                 rank = start // self.partition
                 stop = min(end, (rank + 1) * self.partition)
-                per[rank] = per.get(rank, 0) + stop - start
+                if out and out[-1][0] == rank:
+                    out[-1][1] += stop - start
+                else:
+                    out.append([rank, stop - start])
                 start = stop
-        return list(per.items())
+        return [(r, n) for r, n in out]
+
+    def _chunks(self, sizes: list[int]) -> list[int]:
+        """allreduce_and_scatter / allreduce_no_retain: issue a call once the accumulated
+        slices exceed reduce_bucket_size elements."""
+        calls, acc = [], 0
+        for n in sizes:
+            acc += n
+            if acc > self.bucket_size:
+                calls.append(acc)
+                acc = 0
+        if acc:
+            calls.append(acc)
+        return calls
 
     def _flush(self, micro: int, after: int, phase: str = "backward"):
         if not self.bucket_numel:
@@ -82,13 +99,19 @@ class Zero012Hooks(StageHooks):
         width = ctx.param_bytes
         last = after
         name = f"reduce bucket {self.flushes}"
-        if z.use_multi_rank_bucket_allreduce or not z.reduce_scatter:
-            last = ctx.b.add(name, self.stream, phase, micro, [after], collective="all_reduce",
-                             size_bytes=self.bucket_numel * width, numel=self.bucket_numel)
+        if not z.reduce_scatter:
+            # gradient_reduction_w_predivide: the whole bucket in one all-reduce
+            calls = [("all_reduce", name, self.bucket_numel)]
+        elif z.use_multi_rank_bucket_allreduce:
+            calls = [("all_reduce", name, n) for n in self._chunks([n for _, n in self._slices()])]
         else:
-            for rank, numel in self._dests():
-                last = ctx.b.add(f"{name} -> rank {rank}", self.stream, phase, micro, [after],
-                                 collective="reduce", size_bytes=numel * width, numel=numel)
+            per_rank: dict[int, list[int]] = {}
+            for rank, n in self._slices():
+                per_rank.setdefault(rank, []).append(n)
+            calls = [("reduce", f"{name} -> rank {r}", n) for r, sizes in per_rank.items() for n in self._chunks(sizes)]
+        for kind, label, numel in calls:
+            last = ctx.b.add(label, self.stream, phase, micro, [after], collective=kind,
+                             size_bytes=numel * width, numel=numel)
         if self.pending_tags:
             ctx.b.add_free(last, *self.pending_tags)
             self.pending_tags = []

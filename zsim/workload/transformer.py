@@ -46,6 +46,12 @@ class Module:
     act_bytes_s2: float = 0.0  # the s^2 part of act_bytes (dropped by selective checkpointing)
     kernels_fwd: int = 1
     kernels_bwd: int = 2
+    fwd_workspace_bytes: float = 0.0   # transient while the forward kernel runs
+    bwd_workspace_bytes: float | None = None  # transient in backward; default: act_bytes (input grads)
+
+    @property
+    def bwd_workspace(self) -> float:
+        return self.act_bytes if self.bwd_workspace_bytes is None else self.bwd_workspace_bytes
 
 
 @dataclass(frozen=True)
@@ -78,7 +84,7 @@ def count_params(m: ModelSpec, seq_len: int | None = None) -> int:
 
 
 def build_workload(m: ModelSpec, micro_batch_size: int, seq_len: int, precision: str,
-                   flash_attention: bool, dropout: bool) -> Workload:
+                   flash_attention: bool, dropout: bool, fused_cross_entropy: bool = False) -> Workload:
     b, s, h, V = micro_batch_size, seq_len, m.hidden, m.vocab
     t = b * s
     a = DTYPE_BYTES[precision]
@@ -169,7 +175,16 @@ def build_workload(m: ModelSpec, micro_batch_size: int, seq_len: int, precision:
     norm("ln_f", -2)
     # lm_head: a Linear whose weight is wte's when tied (DeepSpeed ZeRO-3 fetches it again here)
     linear("lm_head", -2, h, V, False, weight=wte if m.tied_embeddings else None)
-    # Cross entropy on fp32-upcast logits: keeps the bf16 logits and fp32 log-probs for backward.
-    modules.append(Module("loss", "loss", -2, (), None, 5.0 * t * V, 3.0 * t * V, 0.0,
-                          t * V * (a + 8), t * V * (a + 8), 4 * t * V, 0.0, 3, 2))
+    if fused_cross_entropy:
+        # fused kernel (e.g. flash-attn's CrossEntropyLoss): keeps the 16-bit logits and the
+        # log-sum-exp, writes the gradient in place
+        modules.append(Module("loss", "loss", -2, (), None, 5.0 * t * V, 3.0 * t * V, 0.0,
+                              t * V * a, 2 * t * V * a, t * V * a + 4 * t, 0.0, 1, 1,
+                              fwd_workspace_bytes=0.0, bwd_workspace_bytes=0.0))
+    else:
+        # HF-style: logits upcast to fp32 and held by the model output, log-softmax output saved
+        # by cross_entropy; the 16-bit logits are transient; backward makes fp32 and 16-bit grads.
+        modules.append(Module("loss", "loss", -2, (), None, 5.0 * t * V, 3.0 * t * V, 0.0,
+                              t * V * (a + 12), t * V * (24 + a), 8 * t * V, 0.0, 3, 3,
+                              fwd_workspace_bytes=t * V * a, bwd_workspace_bytes=t * V * (4 + a)))
     return Workload(tuple(params), tuple(modules), m.layers, t, b, s, float(t * h * a), a)
