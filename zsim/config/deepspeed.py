@@ -167,6 +167,11 @@ class AioConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DataTypesConfig:
+    grad_accum_dtype: Optional[Literal["fp32", "fp16", "bf16"]] = spec(None)
+
+
+@dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
     type: str = spec("AdamW")
     params: dict[str, Any] = spec(factory=dict)
@@ -180,9 +185,9 @@ IGNORED_TOP_LEVEL = frozenset({
     "memory_breakdown", "seed", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
     "disable_allgather", "dataloader_drop_last", "sparse_gradients", "eigenvalue", "quantize_training",
     "progressive_layer_drop", "gradient_predivide_factor", "prescale_gradients", "communication_data_type",
-    "seq_parallel_communication_data_type", "amp", "data_types", "timers", "monitor_config", "nebula",
+    "seq_parallel_communication_data_type", "amp", "timers", "monitor_config", "nebula",
     "hybrid_engine", "weight_quantization", "graph_harvesting", "use_node_local_storage", "load_universal",
-    "torch_autocast", "compile", "tensor_parallel", "aio_config", "use_data_before_expert_parallelism",
+    "torch_autocast", "compile", "tensor_parallel", "use_data_before_expert_parallelism",
     "fp16_auto_cast", "disable_python_gc",
 })
 
@@ -199,7 +204,21 @@ class DeepSpeedConfig:
     activation_checkpointing: ActivationCheckpointingConfig = spec(factory=ActivationCheckpointingConfig)
     aio: AioConfig = spec(factory=AioConfig)
     optimizer: OptimizerConfig = spec(factory=OptimizerConfig)
+    data_types: DataTypesConfig = spec(factory=DataTypesConfig)
 
     def __post_init__(self):
         if self.fp16.enabled and self.bf16.enabled:
             raise ValueError("bf16.enabled", True, "fp16 and bf16 cannot both be enabled; keep one")
+        model = "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
+        accum = self.data_types.grad_accum_dtype
+        if accum not in (None, model) and not self.uses_bf16_optimizer:
+            raise ValueError("data_types.grad_accum_dtype", accum,
+                             f"zsim models grad_accum_dtype {accum} with {model} weights only for ZeRO stage 1 "
+                             "with bf16 (DeepSpeed's BF16_Optimizer); remove it or set it to the model dtype")
+
+    @property
+    def uses_bf16_optimizer(self) -> bool:
+        """engine._do_optimizer_sanity_check: bf16 weights + fp32 grad accumulation + ZeRO-1
+        without CPU offload runs BF16_Optimizer instead of the ZeRO optimizer."""
+        return (self.bf16.enabled and self.data_types.grad_accum_dtype == "fp32"
+                and self.zero_optimization.stage == 1 and self.zero_optimization.optimizer_offload_device == "none")

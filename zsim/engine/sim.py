@@ -16,6 +16,7 @@ import simpy
 
 from zsim.hardware.collectives import collective_cost, tiers_for
 from zsim.hardware.compute import attention_time_s, gemm_time_s, kernel_overhead_s, memory_bound_time_s
+from zsim.hardware.host import cpu_adam_time_s, nvme_time_s, pcie_time_s
 from zsim.engine.ledger import Ledger
 from zsim.schedule.ops import STREAMS, Op, Schedule
 from zsim.workload.transformer import DTYPE_BYTES
@@ -77,7 +78,8 @@ class _Fluid:
         for job in self.jobs.values():
             if job[3] != "compute":
                 per_tier[job[3]] = per_tier.get(job[3], 0) + 1
-        comm_active = bool(per_tier)
+        # NCCL kernels occupy SMs; copy engines (PCIe) and the host do not slow the GPU
+        comm_active = bool(per_tier.get("intra_node") or per_tier.get("inter_node"))
         for job in self.jobs.values():
             if job[3] == "compute":
                 job[1] = 1.0 / (1.0 + self.slowdown) if comm_active else 1.0
@@ -130,6 +132,25 @@ def simulate(schedule: Schedule, cluster, precision: str) -> Trace:
     for op in schedule.ops:
         by_stream[op.stream].append(op)
 
+    meta = schedule.meta
+    prof = cluster.profile
+
+    def host_work(op: Op) -> tuple[float, float, str]:
+        """(fixed_s, shared work_s, resource) of a copy, NVMe or CPU op."""
+        if op.transfer in ("h2d", "d2h"):
+            lat, xfer = pcie_time_s(op.size_bytes, cluster.pcie_bw_Bps, prof.pcie.latency_us * 1e-6,
+                                    meta.get("pin_memory", True))
+            return lat, xfer, f"pcie_{op.transfer}"
+        if op.transfer in ("nvme_read", "nvme_write"):
+            per_drive = prof.nvme.read_GBps_per_drive if op.transfer == "nvme_read" else prof.nvme.write_GBps_per_drive
+            node_bw = max(prof.nvme.drives_per_node, 1) * per_drive * 1e9
+            return 0.0, nvme_time_s(op.size_bytes, node_bw, cluster.gpus_per_node, meta.get("aio_efficiency", 1.0)), "nvme"
+        if op.cpu_adam_params:
+            t = cpu_adam_time_s(op.cpu_adam_params, prof.cpu.adam_params_per_s_per_core, prof.cpu.cores_per_node,
+                                cluster.gpus_per_node, meta.get("cpu_cores_fraction", 1.0))
+            return t, 0.0, "cpu"
+        return 0.0, 0.0, "cpu"
+
     def run_stream(ops: list[Op]):
         for op in ops:
             for d in op.deps:
@@ -145,6 +166,11 @@ def simulate(schedule: Schedule, cluster, precision: str) -> Trace:
                 if fixed > 0:
                     yield env.timeout(fixed)
                 yield fluid.submit(cost.tier, cost.transfer_s)
+            elif op.transfer or op.cpu_adam_params:
+                lat, work, resource = host_work(op)
+                if fixed + lat > 0:
+                    yield env.timeout(fixed + lat)
+                yield fluid.submit(resource, work)
             else:
                 if fixed > 0:
                     yield env.timeout(fixed)

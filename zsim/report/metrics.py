@@ -78,6 +78,10 @@ def summarize(sc: Scenario, wl: Workload, trace: Trace) -> dict:
     breakdown = dict(breakdown)
     breakdown[RESERVED] = reserved
     capacity = cl.hbm_capacity_bytes
+    host_breakdown: dict[str, float] = {}
+    for a in trace.schedule.host_static:
+        host_breakdown[a.category] = host_breakdown.get(a.category, 0.0) + a.size_bytes * cl.gpus_per_node
+    host_need = sum(host_breakdown.values())
     peak_flops = cl.peak_flops(sc.precision)
     tflops = model_flops_gpu / step / 1e12 if step > 0 else 0.0
     return {
@@ -109,6 +113,12 @@ def summarize(sc: Scenario, wl: Workload, trace: Trace) -> dict:
             "headroom_bytes": capacity - peak,
             "peak_time_s": peak_t,
             "breakdown": breakdown,
+            "host": {
+                "bytes_per_node": host_need,
+                "capacity_bytes": cl.host_memory_bytes,
+                "fits": host_need <= cl.host_memory_bytes,
+                "breakdown": dict(sorted(host_breakdown.items())),
+            },
         },
         "comm": {
             "bytes_per_gpu": comm_bytes,

@@ -50,6 +50,12 @@ def render(result: dict, console: Console | None = None):
     for name, b in sorted(mem["breakdown"].items(), key=lambda kv: -kv[1]):
         mt.add_row(name, _bytes(b), f"{100 * b / mem['peak_bytes']:.1f}%")
     console.print(mt)
+    host = mem["host"]
+    if host["bytes_per_node"] > 0:
+        hv = "[green]fits[/green]" if host["fits"] else "[bold red]host OOM[/bold red]"
+        parts = ", ".join(f"{k} {_bytes(v)}" for k, v in host["breakdown"].items())
+        console.print(f"Host memory per node: {_bytes(host['bytes_per_node'])} of {_bytes(host['capacity_bytes'])} "
+                      f"-> {hv} ({parts})")
     ct = Table(title="Communication per GPU per step")
     ct.add_column("collective")
     ct.add_column("calls", justify="right")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-STREAMS = ("compute", "allgather", "reduce", "h2d", "d2h", "cpu")
+STREAMS = ("compute", "allgather", "reduce", "h2d", "d2h", "cpu", "nvme")
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,10 @@ class Op:
     collective: str = ""            # all_gather | reduce_scatter | all_reduce | ...
     size_bytes: float = 0.0         # full buffer (nccl-tests convention)
     numel: int = 0
+    # host work: PCIe copies (h2d | d2h), NVMe I/O (nvme_read | nvme_write) of size_bytes;
+    # CPU optimizer updates of cpu_adam_params parameters
+    transfer: str = ""
+    cpu_adam_params: float = 0.0
     # memory effects
     alloc: tuple[Alloc, ...] = ()
     free: tuple[str, ...] = ()
@@ -49,6 +53,7 @@ class Schedule:
     ops: tuple[Op, ...]
     static: tuple[Alloc, ...]       # allocated for the whole step (model states, persistent buffers)
     meta: dict = field(default_factory=dict)
+    host_static: tuple[Alloc, ...] = ()  # host (CPU) memory per GPU: offloaded states, pinned buffers
 
 
 class Builder:
@@ -57,6 +62,7 @@ class Builder:
     def __init__(self):
         self.ops: list[Op] = []
         self.static: list[Alloc] = []
+        self.host_static: list[Alloc] = []
 
     def add(self, name: str, stream: str, phase: str, micro_step: int, deps=(), **work) -> int:
         deps = tuple(sorted({d for d in deps if d is not None}))
@@ -76,5 +82,10 @@ class Builder:
         if size_bytes > 0:
             self.static.append(Alloc(tag or category, category, float(size_bytes)))
 
+    def host_alloc(self, category: str, size_bytes: float):
+        if size_bytes > 0:
+            self.host_static.append(Alloc(category, category, float(size_bytes)))
+
     def build(self, stage: int, meta: dict) -> Schedule:
-        return Schedule(stage, tuple(self.ops), tuple(self.static), meta)
+        return Schedule(stage=stage, ops=tuple(self.ops), static=tuple(self.static), meta=meta,
+                        host_static=tuple(self.host_static))

@@ -13,6 +13,8 @@ runtime/engine.py), checked against recorded runs in tests/fixtures/deepspeed/.
 - After the step the updated 16-bit partitions are all-gathered in one call per parameter
   group (allgather_bucket_size does not split it in 0.19.8; see the recorded fixtures).
 - Stage 0 all-reduces every gradient after backward at the boundary (engine.allreduce_gradients).
+- Stage 1 with bf16 weights and data_types.grad_accum_dtype fp32 runs BF16_Optimizer: fp32
+  gradient accumulation buffers, the engine's boundary all-reduce, no overflow/norm collectives.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import math
 
 from zsim.schedule.common import (FP32_BYTES, StageHooks, StepContext, backward, forward, grad_norm_ops,
                                   model_state_bytes, optimizer_step)
+from zsim.schedule import offload
 from zsim.schedule.ops import Alloc
 from zsim.workload.transformer import Module
 
@@ -59,7 +62,10 @@ class Zero012Hooks(StageHooks):
         self.bucket_numel = 0
         self.pending_tags: list[str] = []
         self.flushes = 0
-        self.reduce_in_hooks = self.stage == 2 or (self.stage == 1 and z.overlap)
+        self.last_d2h = None
+        self.bf16_optimizer = ctx.sc.deepspeed.uses_bf16_optimizer
+        self.boundary_allreduce = self.stage == 0 or self.bf16_optimizer
+        self.reduce_in_hooks = not self.boundary_allreduce and (self.stage == 2 or (self.stage == 1 and z.overlap))
         self.stream = ctx.grad_stream if self.stage == 2 or z.overlap else "compute"
 
     # -- gradient buckets -------------------------------------------------------------
@@ -112,6 +118,10 @@ class Zero012Hooks(StageHooks):
         for kind, label, numel in calls:
             last = ctx.b.add(label, self.stream, phase, micro, [after], collective=kind,
                              size_bytes=numel * width, numel=numel)
+        if offload.optimizer_device(ctx) != "none":
+            owned = sum(n for r, n in self._slices() if r == 0)   # rank 0's slice (ranks are symmetric)
+            if owned:
+                self.last_d2h = offload.grads_to_host(ctx, owned, micro, last, name)
         if self.pending_tags:
             ctx.b.add_free(last, *self.pending_tags)
             self.pending_tags = []
@@ -144,7 +154,7 @@ class Zero012Hooks(StageHooks):
 
     def end_backward(self, ctx, micro, last_op):
         self.last_reduce = last_op
-        if self.stage == 0:
+        if self.boundary_allreduce:
             if micro == ctx.gas - 1:
                 self._boundary_allreduce(micro, last_op)
             return
@@ -178,7 +188,11 @@ def build(ctx: StepContext):
     hooks = Zero012Hooks(ctx)
     n_params = ctx.wl.n_params
     shard = hooks.partition if z.stage >= 1 else n_params
-    for cat, size in model_state_bytes(n_params, shard, z.stage, ctx.param_bytes).items():
+    states = model_state_bytes(n_params, shard, z.stage, ctx.param_bytes)
+    if hooks.bf16_optimizer:
+        states["gradients"] = FP32_BYTES * n_params   # fp32 accumulation buffers for every param
+    states = offload.place_states(ctx, states, shard)
+    for cat, size in states.items():
         ctx.b.static_alloc(cat, size)
     if z.stage >= 1 and z.contiguous_gradients and hooks.reduce_in_hooks:
         buffers = 2 if z.overlap else 1
@@ -192,8 +206,12 @@ def build(ctx: StepContext):
     if z.stage == 0:
         last = optimizer_step(ctx, n_params, step_deps)
         return
-    last = grad_norm_ops(ctx, shard, step_deps)
-    last = optimizer_step(ctx, shard, [last])
+    if not hooks.bf16_optimizer:
+        step_deps = [grad_norm_ops(ctx, shard, step_deps)]
+    if offload.optimizer_device(ctx) != "none":
+        last = offload.offloaded_step(ctx, shard, step_deps + [hooks.last_d2h], None)
+    else:
+        last = optimizer_step(ctx, shard, step_deps)
     # all_gather_dp_groups: one all-gather of the whole flat 16-bit group
     ctx.b.add("all-gather updated params", "compute", "step", ctx.gas - 1, [last],
               collective="all_gather", size_bytes=hooks.padded * ctx.param_bytes, numel=hooks.padded)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from zsim.schedule.common import (StageHooks, StepContext, backward, forward, grad_norm_ops,
                                   model_state_bytes, optimizer_step)
+from zsim.schedule import offload
 from zsim.schedule.ops import Alloc
 from zsim.workload.transformer import Module
 
@@ -109,6 +110,7 @@ class Zero3Hooks(StageHooks):
         self.bucket_numel = 0
         self.flushes = 0
         self.last_reduce = None
+        self.last_d2h = None
         self.last_compute = None
         self._reset_step()
 
@@ -128,6 +130,8 @@ class Zero3Hooks(StageHooks):
         ctx = self.ctx
         numel = sum(padded(self.numels[p], ctx.world) for p in pids)
         deps = [self.last_compute]
+        if offload.param_device(ctx) != "none":
+            deps = [offload.params_to_device(ctx, numel / ctx.world, micro, phase, deps, what)]
         op = ctx.b.add(f"all-gather {what}", "allgather", phase, micro, deps, collective="all_gather",
                        size_bytes=numel * ctx.param_bytes, numel=numel,
                        alloc=tuple(Alloc(f"gathered/{micro}/{p}", "gathered params",
@@ -236,6 +240,9 @@ class Zero3Hooks(StageHooks):
         self.last_reduce = ctx.b.add(f"{kind.replace('_', '-')} bucket {self.flushes}", ctx.grad_stream,
                                      "backward", micro, [after], collective=kind,
                                      size_bytes=numel * ctx.param_bytes, numel=numel)
+        if offload.optimizer_device(ctx) != "none":
+            self.last_d2h = offload.grads_to_host(ctx, numel / ctx.world, micro, self.last_reduce,
+                                                  f"bucket {self.flushes}")
         self.flushes += 1
         self.bucket, self.bucket_numel = [], 0
 
@@ -245,7 +252,8 @@ def build(ctx: StepContext):
     hooks = Zero3Hooks(ctx)
     n_params = ctx.wl.n_params
     shard = sum(math.ceil(n / ctx.world) for n in hooks.numels)
-    for cat, size in model_state_bytes(n_params, shard, 3, ctx.param_bytes).items():
+    states = offload.place_states(ctx, model_state_bytes(n_params, shard, 3, ctx.param_bytes), shard)
+    for cat, size in states.items():
         ctx.b.static_alloc(cat, size)
     ctx.b.static_alloc("persistent params", sum(hooks.numels[p] for p in hooks.persistent) * ctx.param_bytes)
     if z.contiguous_gradients:
@@ -255,7 +263,10 @@ def build(ctx: StepContext):
         last = forward(ctx, hooks, micro, last)
         last = backward(ctx, hooks, micro, last)
     last = grad_norm_ops(ctx, shard, [last, hooks.last_reduce], overflow_check=False)
-    last = optimizer_step(ctx, shard, [last])
+    if offload.optimizer_device(ctx) != "none":
+        last = offload.offloaded_step(ctx, shard, [last, hooks.last_d2h], z.sub_group_size)
+    else:
+        last = optimizer_step(ctx, shard, [last])
     # _post_step: persistent params re-gathered one call each, in registration order
     for p in sorted(hooks.persistent):
         n = padded(hooks.numels[p], ctx.world)

@@ -1,0 +1,118 @@
+"""ZeRO-Offload and ZeRO-Infinity pieces shared by the stage builders.
+
+Placement (Ren et al. 2021, ZeRO-Offload; Rajbhandari et al. 2021, ZeRO-Infinity; DeepSpeed
+0.19.8 stage_1_and_2.py / stage3.py with offload_optimizer / offload_param):
+- offload_optimizer: fp32 master weights and Adam moments live in host memory (cpu) or on
+  NVMe (swapped through pinned host buffers); reduced gradients are copied to pinned fp32
+  host buffers as their bucket is reduced; the CPU runs DeepSpeedCPUAdam; updated 16-bit
+  parameters are copied back to the GPU.
+- offload_param (stage 3): 16-bit parameter partitions live on the host (or NVMe) and are
+  copied to the GPU before their all-gather.
+- Stage 3 runs the optimizer per sub_group_size group, so NVMe reads, the CPU step, NVMe
+  writes and the H2D copy of one group overlap those of the next.
+"""
+from __future__ import annotations
+
+import math
+
+from zsim.hardware.host import aio_efficiency
+from zsim.schedule.common import ADAM_STATE_BYTES, FP32_BYTES, StepContext
+
+OPT_STATE_BYTES = FP32_BYTES + ADAM_STATE_BYTES   # fp32 master + exp_avg + exp_avg_sq
+
+
+def optimizer_device(ctx: StepContext) -> str:
+    return ctx.sc.zero.optimizer_offload_device
+
+
+def param_device(ctx: StepContext) -> str:
+    return ctx.sc.zero.param_offload_device
+
+
+def host_meta(ctx: StepContext) -> dict:
+    z, ds = ctx.sc.zero, ctx.sc.deepspeed
+    pin = True
+    if z.offload_optimizer is not None:
+        pin = z.offload_optimizer.pin_memory
+    if z.offload_param is not None:
+        pin = pin and z.offload_param.pin_memory
+    frac = z.offload_optimizer.cpuadam_cores_perc if z.offload_optimizer is not None else 0.8
+    return {"pin_memory": pin, "cpu_cores_fraction": frac,
+            "aio_efficiency": aio_efficiency(ds.aio.block_size, ds.aio.queue_depth, ds.aio.thread_count)}
+
+
+def place_states(ctx: StepContext, states: dict[str, float], shard: float) -> dict[str, float]:
+    """Move offloaded model states from the GPU ledger to the host ledger."""
+    states = dict(states)
+    z = ctx.sc.zero
+    opt = optimizer_device(ctx)
+    if opt != "none":
+        ratio = z.offload_optimizer.ratio if z.offload_optimizer is not None else 1.0
+        moved = states["optimizer states"] * ratio
+        states["optimizer states"] -= moved
+        if opt == "cpu":
+            ctx.b.host_alloc("optimizer states", moved)
+        else:
+            o = z.offload_optimizer
+            sub = min(z.sub_group_size, shard) if z.stage == 3 else shard
+            ctx.b.host_alloc("NVMe swap buffers (optimizer)", (o.buffer_count if o else 4) * sub * FP32_BYTES)
+        ctx.b.host_alloc("gradients (fp32, pinned)", FP32_BYTES * shard)
+        if ctx.sc.zero.stage >= 2:
+            states["gradients"] = 0.0
+    if param_device(ctx) != "none":
+        moved = states["parameters"]
+        states["parameters"] = 0.0
+        if param_device(ctx) == "cpu":
+            ctx.b.host_alloc("parameters (16-bit)", moved)
+        else:
+            p = z.offload_param
+            ctx.b.host_alloc("NVMe swap buffers (params)", p.buffer_count * p.buffer_size * ctx.param_bytes)
+    return states
+
+
+def grads_to_host(ctx: StepContext, numel_owned: float, micro: int, after: int, label: str) -> int:
+    """Copy this rank's reduced gradient slice to its pinned fp32 host buffer."""
+    return ctx.b.add(f"D2H grads {label}", "d2h", "backward", micro, [after], transfer="d2h",
+                     size_bytes=numel_owned * FP32_BYTES)
+
+
+def offloaded_step(ctx: StepContext, shard: float, deps, sub_group_size: int | None) -> int:
+    """CPU (or NVMe-backed) optimizer step over the local shard; returns the op after which
+    the GPU holds the updated 16-bit partition."""
+    z = ctx.sc.zero
+    step = ctx.gas - 1
+    groups = 1 if not sub_group_size else max(1, math.ceil(shard / sub_group_size))
+    per = shard / groups
+    nvme = optimizer_device(ctx) == "nvme"
+    o = z.offload_optimizer
+    pipelined = bool(o and (o.pipeline_read or o.pipeline_write or o.pipeline))
+    last_h2d = None
+    prev_write = None
+    deps = list(deps)
+    for g in range(groups):
+        read = None
+        if nvme:
+            read_deps = deps if pipelined or prev_write is None else deps + [prev_write]
+            read = ctx.b.add(f"NVMe read optimizer group {g}", "nvme", "step", step, read_deps,
+                             transfer="nvme_read", size_bytes=per * OPT_STATE_BYTES)
+        adam = ctx.b.add(f"CPU Adam group {g}", "cpu", "step", step, deps + [read], cpu_adam_params=per)
+        if nvme:
+            prev_write = ctx.b.add(f"NVMe write optimizer group {g}", "nvme", "step", step, [adam],
+                                   transfer="nvme_write", size_bytes=per * OPT_STATE_BYTES)
+        if param_device(ctx) == "none":
+            last_h2d = ctx.b.add(f"H2D updated params group {g}", "h2d", "step", step, [adam],
+                                 transfer="h2d", size_bytes=per * ctx.param_bytes)
+        else:
+            last_h2d = adam   # the updated 16-bit partition stays on the host with the params
+    return ctx.b.add("optimizer step done", "compute", "step", step, [last_h2d, prev_write])
+
+
+def params_to_device(ctx: StepContext, numel_shard: float, micro: int, phase: str, deps, label: str) -> int:
+    """Stage 3 offload_param: bring this rank's partitions to the GPU before the all-gather."""
+    last = None
+    if param_device(ctx) == "nvme":
+        last = ctx.b.add(f"NVMe read params {label}", "nvme", phase, micro, deps, transfer="nvme_read",
+                         size_bytes=numel_shard * ctx.param_bytes)
+        deps = [last]
+    return ctx.b.add(f"H2D params {label}", "h2d", phase, micro, deps, transfer="h2d",
+                     size_bytes=numel_shard * ctx.param_bytes)
