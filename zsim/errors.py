@@ -21,5 +21,10 @@ def did_you_mean(name: str, choices) -> str:
 
 def unknown_key(path: str, key: str, choices) -> ZsimInputError:
     where = f"{path}.{key}" if path else key
-    allowed = ", ".join(sorted(choices))
-    return ZsimInputError(where, key, f"unknown key{did_you_mean(key, choices)}; allowed keys: {allowed}")
+    hint = did_you_mean(key, choices)
+    if hint:
+        return ZsimInputError(where, key, f"unknown key{hint}; remove it or fix the spelling")
+    if len(choices) <= 12:
+        return ZsimInputError(where, key, f"unknown key; allowed keys: {', '.join(sorted(choices))}")
+    return ZsimInputError(where, key, f"unknown key under '{path or 'the top level'}'; see docs/scenario.md "
+                          "for the accepted keys")

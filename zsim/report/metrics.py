@@ -62,7 +62,11 @@ def summarize(sc: Scenario, wl: Workload, trace: Trace) -> dict:
     comm_bytes: dict[str, float] = {}
     comm_count: dict[str, int] = {}
     comm_time: dict[str, float] = {}
+    host_time: dict[str, float] = {}
     for op, t in zip(ops, trace.timings):
+        if op.transfer or op.cpu_adam_params:
+            key = op.transfer or "cpu_adam"
+            host_time[key] = host_time.get(key, 0.0) + (t.end_s - t.start_s)
         if op.collective:
             comm_iv.append((t.start_s, t.end_s))
             sent = op.size_bytes * bus_factor(op.collective, world)
@@ -126,5 +130,6 @@ def summarize(sc: Scenario, wl: Workload, trace: Trace) -> dict:
             "time_s": comm_time,
             "exposed_time_s": _exposed(comm_iv, compute_iv),
         },
+        "host_time_s": dict(sorted(host_time.items())),
         "events": len(ops),
     }

@@ -65,3 +65,6 @@ def render(result: dict, console: Console | None = None):
     for k in sorted(c["bytes_per_gpu"]):
         ct.add_row(k, str(c["calls"][k]), _bytes(c["bytes_per_gpu"][k]), _time(c["time_s"][k]))
     console.print(ct)
+    if r.get("host_time_s"):
+        parts = ", ".join(f"{k} {_time(v)}" for k, v in r["host_time_s"].items())
+        console.print(f"Offload busy time per GPU: {parts}")

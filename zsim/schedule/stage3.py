@@ -21,6 +21,7 @@ Checked against recorded DeepSpeed runs in tests/fixtures/deepspeed/.
 """
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -101,6 +102,13 @@ class Zero3Hooks(StageHooks):
                 total += n
         self.visits = visit_sequence(ctx)
         self.trace = [(pid, k) for k, v in enumerate(self.visits) for pid in sorted(v.params)]
+        # prefix sums of visited numel and each param's visit positions, for the reuse-distance scan
+        self.visit_prefix = [0]
+        self.uses: dict[int, list[int]] = {}
+        for k, v in enumerate(self.visits):
+            self.visit_prefix.append(self.visit_prefix[-1] + sum(self.numels[p] for p in v.params))
+            for p in v.params:
+                self.uses.setdefault(p, []).append(k)
         self.first_use: dict[int, int] = {}
         for i, m in enumerate(ctx.wl.modules):
             for pid in m.params:
@@ -172,15 +180,16 @@ class Zero3Hooks(StageHooks):
         z = self.ctx.sc.zero
         candidates = [p for p in params if p not in self.persistent and self.most_recent[p] <= visit_index]
         if z.max_reuse_distance > 0 and candidates:
-            traversed = 0
-            cand = set(candidates)
-            for v in self.visits[visit_index + 1:]:
-                if traversed >= z.max_reuse_distance or not cand:
-                    break
-                for p in v.params:
-                    cand.discard(p)
-                    traversed += self.numels[p]
-            candidates = [p for p in candidates if p in cand]
+            # __params_to_release: walking the trace from the next visit, a param reused at
+            # visit j is kept if the numel traversed before j is still under the distance
+            start = self.visit_prefix[visit_index + 1]
+            kept = set()
+            for p in candidates:
+                uses = self.uses[p]
+                j = bisect.bisect_right(uses, visit_index)
+                if j < len(uses) and self.visit_prefix[uses[j]] - start < z.max_reuse_distance:
+                    kept.add(p)
+            candidates = [p for p in candidates if p not in kept]
         for p in candidates:
             if self.status[p] == AVAILABLE:
                 self.status[p] = NOT_AVAILABLE

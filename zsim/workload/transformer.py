@@ -75,7 +75,14 @@ class Workload:
         return 3.0 * sum(m.model_fwd_flops for m in self.modules)
 
     def layer_modules(self, layer: int) -> tuple[Module, ...]:
-        return tuple(m for m in self.modules if m.layer == layer)
+        by_layer = self.__dict__.get("_by_layer")
+        if by_layer is None:
+            by_layer = {}
+            for m in self.modules:
+                by_layer.setdefault(m.layer, []).append(m)
+            by_layer = {k: tuple(v) for k, v in by_layer.items()}
+            object.__setattr__(self, "_by_layer", by_layer)   # cache on the frozen instance
+        return by_layer.get(layer, ())
 
 
 def count_params(m: ModelSpec, seq_len: int | None = None) -> int:

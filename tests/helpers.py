@@ -1,0 +1,33 @@
+"""Small scenarios for unit tests."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+from zsim.config.scenario import scenario_from_mapping
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TINY = {
+    "name": "tiny",
+    "model": {"layers": 2, "hidden": 256, "heads": 4, "vocab": 1024, "seq_len": 256, "tied_embeddings": False},
+    "hardware": {"profile": "dgx-a100-80g", "nodes": 1, "gpus_per_node": 8},
+    "training": {"micro_batch_size": 2, "gradient_accumulation_steps": 1, "seq_len": 256, "precision": "bf16"},
+    "deepspeed": {"zero_optimization": {"stage": 2}},
+}
+
+
+def mapping(**changes) -> dict:
+    """TINY with dotted-key changes, e.g. mapping(**{"deepspeed.zero_optimization.stage": 3})."""
+    raw = copy.deepcopy(TINY)
+    for dotted, value in changes.items():
+        node = raw
+        keys = dotted.split(".")
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = value
+    return raw
+
+
+def scenario(**changes):
+    return scenario_from_mapping(mapping(**changes), ROOT)

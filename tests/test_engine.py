@@ -1,0 +1,82 @@
+"""The simpy engine: FIFO streams, dependencies, bandwidth sharing, interference, ledger."""
+import pytest
+
+from helpers import scenario
+from zsim.engine.ledger import peak_and_breakdown
+from zsim.engine.sim import simulate
+from zsim.hardware.collectives import collective_cost, tiers_for
+from zsim.schedule.ops import Alloc, Builder
+
+SIZE = 1e9
+
+
+def _cluster(slowdown=0.0):
+    return scenario(**{"hardware.override": {"interference": {"compute_slowdown_during_comm": slowdown}}}).cluster
+
+
+def _one_collective_s(cluster):
+    intra, inter = tiers_for(cluster)
+    return collective_cost("all_gather", SIZE, cluster.nodes, cluster.gpus_per_node, intra, inter)
+
+
+def test_two_concurrent_collectives_share_the_link():
+    cl = _cluster()
+    b = Builder()
+    b.add("ag", "allgather", "forward", 0, collective="all_gather", size_bytes=SIZE)
+    b.add("ag2", "reduce", "forward", 0, collective="all_gather", size_bytes=SIZE)
+    trace = simulate(b.build(3, {}), cl, "bf16")
+    c = _one_collective_s(cl)
+    # both finish together: latency once each, the bandwidth part served at half rate
+    assert trace.step_time_s == pytest.approx(c.latency_s + 2 * c.transfer_s, rel=1e-9)
+
+
+def test_same_stream_is_fifo_and_deps_wait():
+    cl = _cluster()
+    b = Builder()
+    a = b.add("ag", "allgather", "forward", 0, collective="all_gather", size_bytes=SIZE)
+    b.add("ag2", "allgather", "forward", 0, collective="all_gather", size_bytes=SIZE)
+    c1 = b.add("gemm", "compute", "forward", 0, deps=[a], gemms=((4096, 4096, 4096),))
+    trace = simulate(b.build(3, {}), cl, "bf16")
+    t = {op.name: tm for op, tm in zip(trace.schedule.ops, trace.timings)}
+    one = _one_collective_s(cl).time_s
+    assert t["ag2"].start_s == pytest.approx(t["ag"].end_s)          # FIFO on the allgather stream
+    assert t["gemm"].start_s == pytest.approx(t["ag"].end_s)         # waits for its dependency only
+    assert t["ag"].end_s == pytest.approx(one)
+    assert c1 == 2
+
+
+def test_compute_slows_while_a_collective_runs():
+    quiet, busy = [], []
+    for slowdown, out in ((0.0, quiet), (0.25, busy)):
+        cl = _cluster(slowdown)
+        b = Builder()
+        b.add("ag", "allgather", "forward", 0, collective="all_gather", size_bytes=SIZE * 100)
+        b.add("gemm", "compute", "forward", 0, gemms=((8192, 8192, 8192),))
+        trace = simulate(b.build(3, {}), cl, "bf16")
+        out.append(trace.timings[1].end_s - trace.timings[1].start_s)
+    # the slowdown applies while the collective moves data (after its alpha latency)
+    lat = _one_collective_s(_cluster()).latency_s
+    assert busy[0] == pytest.approx(lat + 1.25 * (quiet[0] - lat), rel=1e-9)
+
+
+def test_ledger_peak_and_breakdown():
+    cl = _cluster()
+    b = Builder()
+    b.static_alloc("parameters", 100.0)
+    x = b.add("fwd", "compute", "forward", 0, gemms=((128, 128, 128),), alloc=(Alloc("a", "activations", 50.0),))
+    y = b.add("bwd", "compute", "backward", 0, deps=[x], gemms=((128, 128, 128),),
+              alloc=(Alloc("g", "activation gradients", 30.0),))
+    b.add_free(y, "a", "g")
+    trace = simulate(b.build(0, {}), cl, "bf16")
+    peak, _, breakdown = peak_and_breakdown(trace.ledger_events)
+    assert peak == 180.0
+    assert breakdown == {"activation gradients": 30.0, "activations": 50.0, "parameters": 100.0}
+
+
+def test_deadlock_is_reported():
+    cl = _cluster()
+    b = Builder()
+    b.add("waits for later op", "compute", "forward", 0, deps=[1], gemms=((64, 64, 64),))
+    b.add("behind it", "compute", "forward", 0, gemms=((64, 64, 64),))
+    with pytest.raises(RuntimeError, match="deadlock"):
+        simulate(b.build(0, {}), cl, "bf16")
