@@ -192,6 +192,18 @@ IGNORED_TOP_LEVEL = frozenset({
 })
 
 
+# Accepted keys that do change a real run but that zsim does not simulate yet: the result
+# carries a warning instead of silently pretending.
+NOT_MODELLED_TOP_LEVEL = {
+    "pipeline": "pipeline parallelism is not modelled; simulated as pure data parallelism",
+    "tensor_parallel": "tensor parallelism (AutoTP) is not modelled; simulated as pure data parallelism",
+    "compression_training": "compression training is not modelled",
+    "sparse_attention": "sparse attention is not modelled; attention is dense",
+    "hybrid_engine": "the hybrid (RLHF) engine is not modelled",
+    "progressive_layer_drop": "progressive layer drop is not modelled",
+}
+
+
 @dataclass(frozen=True, kw_only=True)
 class DeepSpeedConfig:
     train_batch_size: Optional[int] = spec(None, gt=0)
@@ -215,6 +227,15 @@ class DeepSpeedConfig:
             raise ValueError("data_types.grad_accum_dtype", accum,
                              f"zsim models grad_accum_dtype {accum} with {model} weights only for ZeRO stage 1 "
                              "with bf16 (DeepSpeed's BF16_Optimizer); remove it or set it to the model dtype")
+
+    def not_modelled(self, raw_keys) -> tuple[str, ...]:
+        out = [f"deepspeed.{k}: {msg}" for k, msg in NOT_MODELLED_TOP_LEVEL.items() if k in raw_keys]
+        ac = self.activation_checkpointing
+        for key in ("cpu_checkpointing", "partition_activations", "contiguous_memory_optimization"):
+            if getattr(ac, key):
+                out.append(f"deepspeed.activation_checkpointing.{key}: not modelled yet; "
+                           "training.activation_checkpointing sets what is recomputed")
+        return tuple(out)
 
     @property
     def uses_bf16_optimizer(self) -> bool:

@@ -83,6 +83,7 @@ class Scenario:
     training: TrainingSpec
     deepspeed: DeepSpeedConfig
     description: str = ""
+    warnings: tuple[str, ...] = ()
 
     # Resolved values (DeepSpeed's batch rule, precision): the simulator reads these.
     @property
@@ -321,7 +322,7 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
     if not isinstance(name, str):
         raise ZsimInputError("name", name, "expected a string")
     return Scenario(name=name, model=model, cluster=cluster, training=training, deepspeed=ds,
-                    description=str(raw.get("description", "")))
+                    description=str(raw.get("description", "")), warnings=ds.not_modelled(ds_raw.keys()))
 
 
 def load_raw(path: Path) -> dict:

@@ -132,4 +132,5 @@ def summarize(sc: Scenario, wl: Workload, trace: Trace) -> dict:
         },
         "host_time_s": dict(sorted(host_time.items())),
         "events": len(ops),
+        "warnings": list(sc.warnings),
     }

@@ -29,6 +29,8 @@ def render(result: dict, console: Console | None = None):
             f"{r['n_params'] / 1e9:.2f} B params, micro-batch {r['micro_batch_size']} x GAS "
             f"{r['gradient_accumulation_steps']} -> global batch {r['global_batch_size']} x {r['seq_len']} tokens")
     console.print(head)
+    for w in r.get("warnings", []):
+        console.print(f"[yellow]warning: {w}[/yellow]")
     perf = Table(title="Speed", show_header=False)
     perf.add_column("metric")
     perf.add_column("value", justify="right")

@@ -271,7 +271,8 @@ def build(ctx: StepContext):
     for micro in range(ctx.gas):
         last = forward(ctx, hooks, micro, last)
         last = backward(ctx, hooks, micro, last)
-    last = grad_norm_ops(ctx, shard, [last, hooks.last_reduce], overflow_check=False)
+    # stage3.py _overflow_check_and_loss_scale_update: the overflow all-reduce runs for fp16 only
+    last = grad_norm_ops(ctx, shard, [last, hooks.last_reduce], overflow_check=ctx.sc.precision == "fp16")
     if offload.optimizer_device(ctx) != "none":
         last = offload.offloaded_step(ctx, shard, [last, hooks.last_d2h], z.sub_group_size)
     else:

@@ -1,0 +1,28 @@
+"""Regenerate tests/golden/*.json from scenarios/. Existing files are kept unless --force."""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from golden_util import GOLDEN, compute, scenario_files  # noqa: E402
+
+from zsim.report.writers import write_atomic  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--force", action="store_true", help="overwrite existing golden files")
+    args = ap.parse_args()
+    for path in scenario_files():
+        out = GOLDEN / f"{path.stem}.json"
+        if out.exists() and not args.force:
+            print(f"kept {out} (exists; use --force to overwrite)")
+            continue
+        write_atomic(out, json.dumps(compute(path), indent=1, sort_keys=True) + "\n")
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
