@@ -53,6 +53,16 @@ class StageHooks:
         pass
 
 
+def grads_ready_at(wl: Workload) -> dict[str, tuple[int, ...]]:
+    """Param ids whose gradient is final after each module's backward, in registration order.
+    A tied weight's gradient is final only at its first module in forward order."""
+    first_use: dict[int, int] = {}
+    for i, m in enumerate(wl.modules):
+        for pid in m.params:
+            first_use.setdefault(pid, i)
+    return {m.name: tuple(p for p in m.params if first_use[p] == i) for i, m in enumerate(wl.modules)}
+
+
 def linear_gemms(module: Module, backward: bool) -> tuple:
     if module.gemm is None:
         return ()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 
 from zsim.schedule.common import (FP32_BYTES, StageHooks, StepContext, backward, forward, grad_norm_ops,
-                                  model_state_bytes, optimizer_step)
+                                  grads_ready_at, model_state_bytes, optimizer_step)
 from zsim.schedule import offload
 from zsim.schedule.ops import Alloc
 from zsim.workload.transformer import Module
@@ -52,12 +52,7 @@ class Zero012Hooks(StageHooks):
             acc += n
         self.offsets = offsets
         self.padded, self.partition = flat_partition(self.numels, ctx.world)
-        # a tied weight's gradient is final only at its first module in forward order
-        self.first_use: dict[int, int] = {}
-        for i, m in enumerate(ctx.wl.modules):
-            for pid in m.params:
-                self.first_use.setdefault(pid, i)
-        self.module_index = {m.name: i for i, m in enumerate(ctx.wl.modules)}
+        self.ready = grads_ready_at(ctx.wl)
         self.bucket: list[int] = []
         self.bucket_numel = 0
         self.pending_tags: list[str] = []
@@ -147,10 +142,9 @@ class Zero012Hooks(StageHooks):
             return
         if self.stage == 1 and micro != ctx.gas - 1:
             return
-        idx = self.module_index[module.name]
-        for pid in reversed(module.params):
-            if self.first_use[pid] == idx:
-                self._add_grad(pid, micro, op)
+        # stage 2 hooks fire bias before weight (recorded, tests/fixtures/deepspeed)
+        for pid in reversed(self.ready[module.name]):
+            self._add_grad(pid, micro, op)
 
     def end_backward(self, ctx, micro, last_op):
         self.last_reduce = last_op

@@ -26,7 +26,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from zsim.schedule.common import (StageHooks, StepContext, backward, forward, grad_norm_ops,
+from zsim.schedule.common import (StageHooks, StepContext, backward, forward, grad_norm_ops, grads_ready_at,
                                   model_state_bytes, optimizer_step)
 from zsim.schedule import offload
 from zsim.schedule.ops import Alloc
@@ -109,11 +109,7 @@ class Zero3Hooks(StageHooks):
             self.visit_prefix.append(self.visit_prefix[-1] + sum(self.numels[p] for p in v.params))
             for p in v.params:
                 self.uses.setdefault(p, []).append(k)
-        self.first_use: dict[int, int] = {}
-        for i, m in enumerate(ctx.wl.modules):
-            for pid in m.params:
-                self.first_use.setdefault(pid, i)
-        self.module_index = {m.name: i for i, m in enumerate(ctx.wl.modules)}
+        self.ready = grads_ready_at(ctx.wl)
         self.bucket: list[int] = []
         self.bucket_numel = 0
         self.flushes = 0
@@ -219,10 +215,9 @@ class Zero3Hooks(StageHooks):
         if self.current_visit is not None:
             self._release(self.current_visit, self.visits[self.current_visit].params, op)
         if phase == "backward":
-            idx = self.module_index[module.name]
-            for pid in module.params:
-                if self.first_use[pid] == idx:
-                    self._add_grad(pid, micro, op)
+            # stage 3 hooks fire weight before bias (recorded, tests/fixtures/deepspeed)
+            for pid in self.ready[module.name]:
+                self._add_grad(pid, micro, op)
 
     def end_backward(self, ctx, micro, last_op):
         self._flush(micro, last_op)
