@@ -1,0 +1,37 @@
+"""zsim run: simulate one training step of a scenario."""
+from __future__ import annotations
+
+import sys
+
+from zsim.commands.common import DEFAULT_SCENARIO, add_scenario_args
+
+
+def add_parser(sub):
+    p = sub.add_parser("run", help="simulate one training step of a scenario")
+    add_scenario_args(p)
+    p.add_argument("--json", metavar="PATH", help="write the result as JSON")
+    p.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace of the step")
+    p.add_argument("--quiet", action="store_true", help="no table on the terminal")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    from zsim.api import run_scenario
+    from zsim.config.scenario import load_scenario
+    from zsim.report.table import render
+    from zsim.report.writers import dumps, trace_json, write_atomic
+
+    sc = load_scenario(args.scenario, tuple(args.set or ()))
+    result, trace = run_scenario(sc)
+    if not args.quiet:
+        render(result)
+    if args.json:
+        write_atomic(args.json, dumps(result))
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.trace:
+        write_atomic(args.trace, trace_json(trace, sc.name))
+        print(f"wrote {args.trace}", file=sys.stderr)
+    return 0
+
+
+__all__ = ["add_parser", "main", "DEFAULT_SCENARIO"]
