@@ -70,3 +70,47 @@ def render(result: dict, console: Console | None = None):
     if r.get("host_time_s"):
         parts = ", ".join(f"{k} {_time(v)}" for k, v in r["host_time_s"].items())
         console.print(f"Offload busy time per GPU: {parts}")
+
+
+def compare_table(name: str, rows: list[dict], console: Console | None = None):
+    console = console or Console()
+    t = Table(title=f"{name}: ZeRO stages and offload variants (per GPU)")
+    for col, just in (("variant", "left"), ("fits", "center"), ("peak/cap GiB", "right"), ("host GiB/node", "right"),
+                      ("step s", "right"), ("tok/s/GPU", "right"), ("MFU", "right"),
+                      ("comm GiB", "right"), ("exposed s", "right")):
+        t.add_column(col, justify=just)
+    for r in rows:
+        if r.get("error"):
+            t.add_row(r["variant"], "[red]error[/red]", r["error"][:60], "", "", "", "", "", "")
+            continue
+        label = f"[bold green]* {r['variant']}[/bold green]" if r["winner"] else r["variant"]
+        verdict = "[green]yes[/green]" if r["fits"] else ("[red]OOM[/red]" if not r["gpu_fits"] else "[red]host OOM[/red]")
+        t.add_row(label, verdict, f"{r['peak_bytes'] / GiB:.1f}/{r['capacity_bytes'] / GiB:.0f}",
+                  f"{r['host_bytes_per_node'] / GiB:.1f}" if r["host_bytes_per_node"] else "-",
+                  f"{r['step_time_s']:.3g}", f"{r['tokens_per_s_per_gpu']:,.0f}", f"{r['mfu'] * 100:.1f}%",
+                  f"{r['comm_bytes_per_gpu'] / GiB:.2f}", f"{r['exposed_comm_s']:.3g}")
+    console.print(t)
+    winners = [r for r in rows if r.get("winner")]
+    if winners:
+        console.print(f"* best that fits: {winners[0]['variant']}  (zsim run ... " +
+                      " ".join(f"--set '{a}'" for a in winners[0]["set"]) + ")")
+    else:
+        console.print("[red]no variant fits; try zsim doctor[/red]")
+
+
+def sweep_table(rows: list[dict], keys: list[str], console: Console | None = None, limit: int = 40):
+    console = console or Console()
+    t = Table(title=f"sweep: {len(rows)} points" + (f" (first {limit})" if len(rows) > limit else ""))
+    for k in keys:
+        t.add_column(k.split(".")[-1])
+    for col in ("fits", "step s", "tok/s/GPU", "MFU", "peak GiB"):
+        t.add_column(col, justify="right")
+    for r in rows[:limit]:
+        vals = [str(r[k]) for k in keys]
+        if not r["ok"]:
+            t.add_row(*vals, "[red]error[/red]", r["error"][:50], "", "", "")
+            continue
+        fits = r["memory.fits"] and r["memory.host.fits"]
+        t.add_row(*vals, "[green]yes[/green]" if fits else "[red]OOM[/red]", f"{r['step_time_s']:.3g}",
+                  f"{r['tokens_per_s_per_gpu']:,.0f}", f"{r['mfu'] * 100:.1f}%", f"{r['memory.peak_bytes'] / GiB:.1f}")
+    console.print(t)

@@ -29,6 +29,24 @@ def dumps(result: dict) -> str:
     return json.dumps(_round(result), indent=2, sort_keys=True) + "\n"
 
 
+def rows_csv(rows: list[dict]) -> str:
+    """CSV with the union of the rows' keys as columns, in first-seen order."""
+    import csv
+    import io
+    cols: list[str] = []
+    for r in rows:
+        for k in r:
+            if k not in cols:
+                cols.append(k)
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=cols, lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: (f"{v:.12g}" if isinstance(v, float) else "; ".join(map(str, v)) if isinstance(v, list) else v)
+                    for k, v in r.items()})
+    return buf.getvalue()
+
+
 def write_atomic(path: str | Path, text: str):
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,93 @@
+"""zsim compare: ZeRO stages 0-3 and the offload variants of one scenario, side by side."""
+from __future__ import annotations
+
+import sys
+
+from zsim.commands.common import add_scenario_args
+
+NONE = ("deepspeed.zero_optimization.offload_optimizer={device: none}",
+        "deepspeed.zero_optimization.offload_param={device: none}")
+OPT_CPU = "deepspeed.zero_optimization.offload_optimizer={device: cpu, pin_memory: true}"
+PARAM_CPU = "deepspeed.zero_optimization.offload_param={device: cpu, pin_memory: true}"
+OPT_NVME = "deepspeed.zero_optimization.offload_optimizer={device: nvme, nvme_path: /local_nvme, pin_memory: true}"
+PARAM_NVME = "deepspeed.zero_optimization.offload_param={device: nvme, nvme_path: /local_nvme, pin_memory: true}"
+
+
+def stage(n: int) -> str:
+    return f"deepspeed.zero_optimization.stage={n}"
+
+
+def variants(has_nvme: bool) -> list[tuple[str, str, tuple[str, ...]]]:
+    """(label, offload mode, assignments). Offload modes group the bars of the plot."""
+    out = [(f"ZeRO-{n}", "none", (stage(n),) + NONE) for n in range(4)]
+    out += [
+        ("ZeRO-2 + CPU optimizer", "optimizer cpu", (stage(2), OPT_CPU, NONE[1])),
+        ("ZeRO-3 + CPU optimizer", "optimizer cpu", (stage(3), OPT_CPU, NONE[1])),
+        ("ZeRO-3 + CPU optimizer + params", "optimizer+params cpu", (stage(3), OPT_CPU, PARAM_CPU)),
+    ]
+    if has_nvme:
+        out.append(("ZeRO-3 + NVMe optimizer + params", "optimizer+params nvme", (stage(3), OPT_NVME, PARAM_NVME)))
+    return out
+
+
+def compare_rows(base) -> list[dict]:
+    from zsim.explore import fits, run_assignments, total_comm_bytes
+    sc = base.scenario(())
+    rows = []
+    for label, mode, assignments in variants(sc.cluster.profile.nvme.drives_per_node > 0):
+        out = run_assignments(base, assignments)
+        row = {"variant": label, "stage": int(assignments[0].rsplit("=", 1)[1]), "offload": mode,
+               "set": list(assignments), "error": out["error"]}
+        r = out["result"]
+        if r is not None:
+            row.update({
+                "fits": fits(r), "gpu_fits": r["memory"]["fits"], "host_fits": r["memory"]["host"]["fits"],
+                "peak_bytes": r["memory"]["peak_bytes"], "capacity_bytes": r["memory"]["capacity_bytes"],
+                "host_bytes_per_node": r["memory"]["host"]["bytes_per_node"],
+                "step_time_s": r["step_time_s"], "tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"],
+                "mfu": r["mfu"], "comm_bytes_per_gpu": total_comm_bytes(r),
+                "exposed_comm_s": r["comm"]["exposed_time_s"], "breakdown": r["memory"]["breakdown"],
+            })
+        else:
+            row.update({"fits": False})
+        rows.append(row)
+    ok = [r for r in rows if r.get("fits")]
+    best = max(ok, key=lambda r: r["tokens_per_s_per_gpu"]) if ok else None
+    for r in rows:
+        r["winner"] = r is best
+    return rows
+
+
+def add_parser(sub):
+    p = sub.add_parser("compare", help="ZeRO stages 0-3 and offload variants side by side")
+    add_scenario_args(p)
+    p.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
+    p.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
+    p.add_argument("--plot", metavar="PATH", help="PNG/SVG: throughput bars and memory breakdown vs capacity")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    from zsim.explore import Base
+    from zsim.report.table import compare_table
+    from zsim.report.writers import dumps, rows_csv, write_atomic
+
+    base = Base.load(args.scenario, tuple(args.set or ()))
+    if args.plot:
+        from zsim.report.plots import check_image_path
+        check_image_path(args.plot, "--plot")
+    rows = compare_rows(base)
+    if not args.quiet:
+        compare_table(base.name, rows)
+    if args.json:
+        write_atomic(args.json, dumps(rows))
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.csv:
+        write_atomic(args.csv, rows_csv([{k: v for k, v in r.items() if k != "breakdown"} for r in rows]))
+        print(f"wrote {args.csv}", file=sys.stderr)
+    if args.plot:
+        from zsim.report.plots import compare_plot
+        compare_plot(rows, base.name, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0

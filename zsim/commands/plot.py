@@ -1,0 +1,41 @@
+"""zsim plot: pictures from zsim's own output files (sweep, compare, run, trace)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+KINDS = ("scaling", "throughput", "memory", "timeline", "memory-timeline")
+
+
+def add_parser(sub):
+    p = sub.add_parser("plot", help="plot a sweep/compare/run JSON or CSV, or a trace")
+    p.add_argument("results", metavar="RESULTS", help="sweep CSV/JSON, compare JSON, run JSON or trace JSON")
+    p.add_argument("--kind", required=True, choices=KINDS)
+    p.add_argument("--out", required=True, metavar="PATH", help="output image (.png or .svg)")
+    p.add_argument("--title", help="figure title (default: from the input file name)")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    from zsim.report import plots
+
+    plots.check_image_path(args.out, "--out")
+    have, data = plots.load_results(args.results)
+    title = args.title or Path(args.results).stem
+    if args.kind == "scaling":
+        plots._need(args.kind, have, ("rows",))
+        plots.scaling_plot(plots.scaling_data(data), title, args.out)
+    elif args.kind == "throughput":
+        plots._need(args.kind, have, ("rows",))
+        plots.throughput_plot(plots.throughput_data(data), title, args.out)
+    elif args.kind == "memory":
+        plots._need(args.kind, have, ("rows", "run"))
+        plots.memory_plot(plots.memory_data(have, data), title, args.out)
+    elif args.kind == "timeline":
+        plots._need(args.kind, have, ("trace",))
+        plots.timeline_plot(plots.timeline_data(data), title, args.out)
+    else:
+        plots._need(args.kind, have, ("trace",))
+        plots.memory_timeline_plot(plots.memory_timeline_data(data), title, args.out)
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0

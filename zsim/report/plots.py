@@ -1,0 +1,329 @@
+"""Plots (matplotlib, Agg). They read result rows / run JSON / traces only, never the simulator."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from zsim.errors import ZsimInputError  # noqa: E402
+
+GiB = 1024**3
+FORMATS = (".png", ".svg")
+PALETTE = plt.get_cmap("tab20").colors
+
+
+def check_image_path(path: str, field: str):
+    if Path(path).suffix.lower() not in FORMATS:
+        raise ZsimInputError(field, path, "give a .png or .svg path")
+
+
+def _save(fig, path: str):
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp{out.suffix}")
+    fig.savefig(tmp, dpi=130, bbox_inches="tight", metadata={"Software": "zsim"} if out.suffix == ".png" else None)
+    plt.close(fig)
+    tmp.replace(out)
+
+
+def _category_colors(categories):
+    return {c: PALETTE[i % len(PALETTE)] for i, c in enumerate(categories)}
+
+
+def compare_data(rows: list[dict]) -> dict:
+    """The numbers behind the compare figure: throughput per (stage, offload mode) and the
+    memory breakdown per variant."""
+    modes = list(dict.fromkeys(r["offload"] for r in rows))
+    stages = sorted({r["stage"] for r in rows})
+    bars = {m: [next((r.get("tokens_per_s_per_gpu", 0.0) if not r.get("error") else 0.0
+                      for r in rows if r["stage"] == s and r["offload"] == m), None) for s in stages] for m in modes}
+    return {"stages": stages, "modes": modes, "throughput": bars,
+            "memory": [(r["variant"], r.get("breakdown", {}), r.get("capacity_bytes"), r.get("fits", False))
+                       for r in rows if not r.get("error")]}
+
+
+def compare_plot(rows: list[dict], title: str, path: str):
+    data = compare_data(rows)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 5.5), gridspec_kw={"width_ratios": [1, 1.4]})
+    n = len(data["modes"])
+    width = 0.8 / n
+    for i, mode in enumerate(data["modes"]):
+        xs = [s + (i - (n - 1) / 2) * width for s in data["stages"]]
+        vals = data["throughput"][mode]
+        ax1.bar([x for x, v in zip(xs, vals) if v is not None], [v for v in vals if v is not None],
+                width, label=f"offload: {mode}", color=PALETTE[2 * i])
+    for r in rows:
+        if not r.get("error") and not r.get("fits"):
+            i = data["modes"].index(r["offload"])
+            ax1.annotate("OOM", (r["stage"] + (i - (n - 1) / 2) * width, r["tokens_per_s_per_gpu"]),
+                         ha="center", va="bottom", fontsize=7, color="red")
+        if r.get("winner"):
+            i = data["modes"].index(r["offload"])
+            ax1.annotate("best", (r["stage"] + (i - (n - 1) / 2) * width, r["tokens_per_s_per_gpu"]),
+                         ha="center", va="bottom", fontsize=8, fontweight="bold", color="green")
+    ax1.set_xticks(data["stages"], [f"ZeRO-{s}" for s in data["stages"]])
+    ax1.set_ylabel("tokens/s per GPU")
+    ax1.set_title("Throughput by stage and offload")
+    ax1.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=2)
+    cats = sorted({c for _, b, _, _ in data["memory"] for c in b})
+    colors = _category_colors(cats)
+    labels = [v for v, _, _, _ in data["memory"]]
+    bottoms = [0.0] * len(labels)
+    for c in cats:
+        vals = [b.get(c, 0.0) / GiB for _, b, _, _ in data["memory"]]
+        ax2.bar(range(len(labels)), vals, bottom=bottoms, color=colors[c], label=c)
+        bottoms = [x + y for x, y in zip(bottoms, vals)]
+    caps = [cap for _, _, cap, _ in data["memory"] if cap]
+    if caps:
+        ax2.axhline(caps[0] / GiB, color="black", linestyle="--", linewidth=1.2, label="HBM capacity")
+    ax2.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
+    ax2.set_ylabel("GiB per GPU at peak")
+    ax2.set_title("Memory breakdown vs capacity")
+    ax2.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.suptitle(title)
+    _save(fig, path)
+
+
+# ---- zsim plot: inputs -----------------------------------------------------------------
+
+def _num(v):
+    if isinstance(v, str):
+        if v in ("True", "False"):
+            return v == "True"
+        try:
+            f = float(v)
+            return int(f) if f.is_integer() and "." not in v and "e" not in v.lower() else f
+        except ValueError:
+            return v
+    return v
+
+
+def load_results(path: str):
+    """('rows', [flat dicts]) for sweep CSV/JSON or compare JSON, ('run', dict) for a run
+    JSON, ('trace', dict) for a Chrome trace written by zsim run --trace."""
+    import csv
+    import json
+    p = Path(path)
+    if not p.is_file():
+        raise ZsimInputError("RESULTS", path, "file not found; give a sweep CSV/JSON, a run JSON or a trace")
+    text = p.read_text()
+    if p.suffix.lower() == ".csv":
+        rows = [{k: _num(v) for k, v in r.items()} for r in csv.DictReader(text.splitlines())]
+        return "rows", rows
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ZsimInputError("RESULTS", path, f"not valid JSON (line {exc.lineno}); give a zsim output file") from None
+    if isinstance(data, list):
+        from zsim.explore import flatten
+        return "rows", [flatten(r) if "memory" in r else r for r in data]
+    if isinstance(data, dict) and "traceEvents" in data:
+        return "trace", data
+    if isinstance(data, dict) and "step_time_s" in data:
+        return "run", data
+    raise ZsimInputError("RESULTS", path, "not a zsim sweep, compare, run or trace file")
+
+
+def _need(kind: str, have: str, want: tuple[str, ...]):
+    if have not in want:
+        raise ZsimInputError("--kind", kind, f"needs {' or '.join(want)} results, got a {have} file")
+
+
+# ---- scaling ---------------------------------------------------------------------------
+
+def _fits(r) -> bool:
+    f = r.get("memory.fits", r.get("fits"))
+    h = r.get("memory.host.fits", True)
+    return bool(f) and bool(h)
+
+
+def scaling_data(rows: list[dict]) -> dict:
+    """Per stage: the best configuration at each GPU count (the fitting one with the most
+    tokens/s; if none fits, the fastest, flagged OOM)."""
+    curves: dict[int, list[dict]] = {}
+    for r in rows:
+        if not r.get("ok", True) or "world_size" not in r:
+            continue
+        curves.setdefault(int(r["stage"]), []).append(r)
+    out = {}
+    for stage, rs in sorted(curves.items()):
+        pts = []
+        for ws in sorted({int(r["world_size"]) for r in rs}):
+            at = [r for r in rs if int(r["world_size"]) == ws]
+            ok = [r for r in at if _fits(r)]
+            best = max(ok or at, key=lambda r: r["tokens_per_s"])
+            pts.append({"gpus": ws, "tokens_per_s": best["tokens_per_s"],
+                        "tokens_per_s_per_gpu": best["tokens_per_s_per_gpu"], "oom": not ok})
+        out[stage] = pts
+    if not out:
+        raise ZsimInputError("RESULTS", "rows", "no successful points with world_size; sweep hardware.nodes")
+    return out
+
+
+def scaling_plot(data: dict, title: str, path: str):
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    for i, (stage, pts) in enumerate(data.items()):
+        color = PALETTE[2 * i]
+        g = [p["gpus"] for p in pts]
+        ax1.plot(g, [p["tokens_per_s"] for p in pts], "o-", color=color, label=f"ZeRO-{stage}")
+        ax2.plot(g, [p["tokens_per_s_per_gpu"] for p in pts], "o-", color=color, label=f"ZeRO-{stage}")
+        first = next((p for p in pts if not p["oom"]), pts[0])
+        ax1.plot(g, [first["tokens_per_s"] * x / first["gpus"] for x in g], "--", color=color, alpha=0.5,
+                 linewidth=1)
+        for p in pts:
+            if p["oom"]:
+                for ax, key in ((ax1, "tokens_per_s"), (ax2, "tokens_per_s_per_gpu")):
+                    ax.plot(p["gpus"], p[key], "x", color="red", markersize=11, markeredgewidth=2.5)
+    ax1.plot([], [], "--", color="gray", label="ideal linear scaling")
+    ax1.plot([], [], "x", color="red", markeredgewidth=2.5, label="OOM (best config does not fit)")
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("GPUs")
+        ax.grid(alpha=0.3)
+    ax1.set_yscale("log")
+    ax1.set_ylabel("tokens/s (whole job)")
+    ax2.set_ylabel("tokens/s per GPU")
+    ax1.set_title("Throughput vs GPUs")
+    ax2.set_title("Per-GPU throughput vs GPUs")
+    ax1.legend(fontsize=8)
+    fig.suptitle(title)
+    _save(fig, path)
+
+
+# ---- throughput ------------------------------------------------------------------------
+
+def _label(r: dict, keys: list[str]) -> str:
+    if "variant" in r:
+        return str(r["variant"])
+    return ", ".join(f"{k.split('.')[-1]}={r[k]}" for k in keys) or f"point {r.get('point', '?')}"
+
+
+def varied_keys(rows: list[dict]) -> list[str]:
+    """The input columns of a sweep: those before 'ok' that take more than one value."""
+    if not rows or "ok" not in rows[0]:
+        return []
+    cols = list(rows[0].keys())
+    inputs = cols[1:cols.index("ok")]
+    return [k for k in inputs if len({str(r.get(k)) for r in rows}) > 1]
+
+
+def throughput_data(rows: list[dict]) -> list[dict]:
+    keys = varied_keys(rows)
+    out = []
+    for r in rows:
+        if not r.get("ok", True) or r.get("error"):
+            continue
+        out.append({"label": _label(r, keys), "tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"], "fits": _fits(r)})
+    return out
+
+
+def throughput_plot(data: list[dict], title: str, path: str):
+    fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(data) + 2), 5))
+    colors = [PALETTE[4] if d["fits"] else PALETTE[6] for d in data]
+    ax.bar(range(len(data)), [d["tokens_per_s_per_gpu"] for d in data], color=colors)
+    ax.set_xticks(range(len(data)), [d["label"] for d in data], rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("tokens/s per GPU")
+    ax.bar([], [], color=PALETTE[4], label="fits")
+    ax.bar([], [], color=PALETTE[6], label="OOM")
+    ax.legend(fontsize=8)
+    ax.set_title(title)
+    _save(fig, path)
+
+
+# ---- memory ----------------------------------------------------------------------------
+
+def memory_data(kind: str, results) -> list[dict]:
+    """[{label, breakdown {category: bytes}, capacity_bytes}] per configuration."""
+    if kind == "run":
+        r = results
+        return [{"label": r["scenario"], "breakdown": r["memory"]["breakdown"],
+                 "capacity_bytes": r["memory"]["capacity_bytes"]}]
+    keys = varied_keys(results)
+    out = []
+    for r in results:
+        if not r.get("ok", True) or r.get("error"):
+            continue
+        if "breakdown" in r:
+            bd = r["breakdown"]
+        else:
+            bd = {k[len("memory.breakdown."):]: v for k, v in r.items() if k.startswith("memory.breakdown.") and v != ""}
+        out.append({"label": _label(r, keys), "breakdown": {k: float(v) for k, v in bd.items()},
+                    "capacity_bytes": float(r.get("memory.capacity_bytes", r.get("capacity_bytes")))})
+    return out
+
+
+def memory_plot(data: list[dict], title: str, path: str):
+    fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(data) + 4), 5.5))
+    cats = sorted({c for d in data for c in d["breakdown"]})
+    colors = _category_colors(cats)
+    bottoms = [0.0] * len(data)
+    for c in cats:
+        vals = [d["breakdown"].get(c, 0.0) / GiB for d in data]
+        ax.bar(range(len(data)), vals, bottom=bottoms, color=colors[c], label=c)
+        bottoms = [x + y for x, y in zip(bottoms, vals)]
+    ax.axhline(data[0]["capacity_bytes"] / GiB, color="black", linestyle="--", label="HBM capacity")
+    ax.set_xticks(range(len(data)), [d["label"] for d in data], rotation=45, ha="right", fontsize=8)
+    ax.set_ylabel("GiB per GPU at the peak")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.set_title(title)
+    _save(fig, path)
+
+
+# ---- timeline / memory-timeline (from a trace) -------------------------------------------
+
+def timeline_data(trace: dict) -> dict:
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+    lanes: dict[str, list[tuple[float, float, str]]] = {}
+    for e in trace["traceEvents"]:
+        if e["ph"] == "X":
+            lanes.setdefault(names.get(e["tid"], str(e["tid"])), []).append((e["ts"] / 1e6, e["dur"] / 1e6, e["cat"]))
+    order = [names[t] for t in sorted(names) if names[t] in lanes]
+    return {"lanes": {k: lanes[k] for k in order}}
+
+
+def timeline_plot(data: dict, title: str, path: str):
+    lanes = data["lanes"]
+    fig, ax = plt.subplots(figsize=(14, 1.0 + 0.7 * len(lanes)))
+    cats = sorted({c for spans in lanes.values() for _, _, c in spans})
+    colors = _category_colors(cats)
+    for i, (lane, spans) in enumerate(lanes.items()):
+        for cat in cats:
+            bars = [(s, d) for s, d, c in spans if c == cat]
+            if bars:
+                ax.broken_barh(bars, (i - 0.35, 0.7), color=colors[cat])
+    for c in cats:
+        ax.barh([], [], color=colors[c], label=c)
+    ax.set_yticks(range(len(lanes)), list(lanes))
+    ax.invert_yaxis()
+    ax.set_xlabel("time in the step (s)")
+    ax.legend(fontsize=8, ncol=len(cats), loc="upper center", bbox_to_anchor=(0.5, -0.25))
+    ax.set_title(title)
+    _save(fig, path)
+
+
+def memory_timeline_data(trace: dict) -> dict:
+    pts = [(e["ts"] / 1e6, e["args"]["GiB"]) for e in trace["traceEvents"]
+           if e["ph"] == "C" and e["name"] == "memory allocated"]
+    if not pts:
+        raise ZsimInputError("RESULTS", "trace", "the trace has no memory counter track")
+    peak = max(pts, key=lambda p: p[1])
+    return {"points": pts, "peak_time_s": peak[0], "peak_GiB": peak[1]}
+
+
+def memory_timeline_plot(data: dict, title: str, path: str):
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    ts = [t for t, _ in data["points"]]
+    gb = [g for _, g in data["points"]]
+    ax.step(ts, gb, where="post", color=PALETTE[0])
+    ax.fill_between(ts, gb, step="post", alpha=0.2, color=PALETTE[0])
+    ax.annotate(f"peak {data['peak_GiB']:.2f} GiB at {data['peak_time_s'] * 1e3:.1f} ms",
+                (data["peak_time_s"], data["peak_GiB"]), xytext=(10, -20), textcoords="offset points",
+                arrowprops={"arrowstyle": "->"}, fontsize=9)
+    ax.set_xlabel("time in the step (s)")
+    ax.set_ylabel("GiB allocated (excl. CUDA context)")
+    ax.grid(alpha=0.3)
+    ax.set_title(title)
+    _save(fig, path)
