@@ -114,3 +114,24 @@ def sweep_table(rows: list[dict], keys: list[str], console: Console | None = Non
         t.add_row(*vals, "[green]yes[/green]" if fits else "[red]OOM[/red]", f"{r['step_time_s']:.3g}",
                   f"{r['tokens_per_s_per_gpu']:,.0f}", f"{r['mfu'] * 100:.1f}%", f"{r['memory.peak_bytes'] / GiB:.1f}")
     console.print(t)
+
+
+def tune_table(res, top: int, console: Console | None = None):
+    console = console or Console()
+    t = Table(title=f"best configurations that fit (objective: {res.objective})")
+    for col in ("#", "stage", "offload", "mb x gas", "ckpt", "knobs", "tok/s/GPU", "MFU", "peak GiB"):
+        t.add_column(col, justify="right" if col in ("#", "tok/s/GPU", "MFU", "peak GiB") else "left")
+    short = {"none": "-", "optimizer cpu": "opt", "optimizer+params cpu": "opt+par"}
+    abbrev = {"reduce_bucket_size": "rb", "overlap_comm": "ov", "stage3_prefetch_bucket_size": "pf",
+              "stage3_param_persistence_threshold": "pt", "stage3_max_live_parameters": "ml"}
+    for i, (c, r) in enumerate(res.ranked[:top]):
+        from zsim.tune import _fmt
+        knobs = " ".join(f"{abbrev.get(k, k)}={_fmt(v)}" for k, v in sorted(c.knobs.items())) or "-"
+        t.add_row(str(i + 1), str(c.stage), short.get(c.offload, c.offload), f"{c.micro_batch}x{c.gas}",
+                  c.checkpointing, knobs,
+                  f"{r['tokens_per_s_per_gpu']:,.0f}", f"{r['mfu'] * 100:.1f}%", f"{r['memory']['peak_bytes'] / GiB:.1f}")
+    console.print(t)
+    if res.ranked:
+        console.print("knobs: rb reduce_bucket_size, ov overlap_comm, pf stage3_prefetch_bucket_size, "
+                      "pt stage3_param_persistence_threshold, ml stage3_max_live_parameters")
+        console.print("best: zsim run SCENARIO " + " ".join(f"--set '{a}'" for a in res.ranked[0][0].assignments()))

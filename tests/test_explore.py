@@ -1,0 +1,175 @@
+"""compare, sweep, plot and tune, as users run them, with assertions on the data behind the plots."""
+import csv
+import json
+
+import matplotlib.image as mpimg
+import pytest
+import yaml
+
+from helpers import ROOT, mapping
+from zsim.cli import main
+from zsim.explore import Base
+from zsim.report import plots
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture
+def scen(tmp_path):
+    p = tmp_path / "s.yaml"
+    p.write_text(yaml.safe_dump(mapping(**{"training.micro_batch_size": 4})))
+    return p
+
+
+def _valid_png(path):
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC
+    img = mpimg.imread(path)
+    assert img.shape[0] > 200 and img.shape[1] > 200
+
+
+def test_compare_rows_winner_and_files(tmp_path, scen):
+    js, cs, png = tmp_path / "c.json", tmp_path / "c.csv", tmp_path / "c.png"
+    assert main(["compare", str(scen), "--quiet", "--json", str(js), "--csv", str(cs), "--plot", str(png)]) == 0
+    rows = json.loads(js.read_text())
+    assert [r["stage"] for r in rows[:4]] == [0, 1, 2, 3]
+    assert {r["offload"] for r in rows} >= {"none", "optimizer cpu", "optimizer+params cpu"}
+    winners = [r for r in rows if r["winner"]]
+    assert len(winners) == 1 and winners[0]["fits"]
+    assert winners[0]["tokens_per_s_per_gpu"] == max(r["tokens_per_s_per_gpu"] for r in rows if r["fits"])
+    # full replicas hold the most (on this tiny model buckets and gathered params blur the rest)
+    peaks = [r["peak_bytes"] for r in rows[:4]]
+    assert peaks[0] == max(peaks)
+    assert len(list(csv.DictReader(cs.read_text().splitlines()))) == len(rows)
+    data = plots.compare_data(rows)
+    assert all(v is not None for v in data["throughput"]["none"])   # a bar for every stage
+    assert len(data["memory"]) == len(rows)
+    _valid_png(png)
+
+
+def test_sweep_product_failing_point_and_parallel_equivalence(tmp_path, scen):
+    a, b = tmp_path / "a.json", tmp_path / "b.csv"
+    args = ["sweep", str(scen), "--quiet", "--vary", "deepspeed.zero_optimization.stage=2,3,5",
+            "--vary", "hardware.nodes=1,2"]
+    assert main(args + ["--workers", "2", "--json", str(a), "--csv", str(b)]) == 0
+    rows = json.loads(a.read_text())
+    assert len(rows) == 6 and [r["point"] for r in rows] == list(range(6))
+    bad = [r for r in rows if not r["ok"]]
+    assert [r["deepspeed.zero_optimization.stage"] for r in bad] == [5, 5]
+    assert "choose one of 0, 1, 2, 3" in bad[0]["error"]
+    good = [r for r in rows if r["ok"]]
+    assert all(r["step_time_s"] > 0 and "memory.breakdown.activations" in r for r in good)
+    serial = tmp_path / "s.json"
+    assert main(args + ["--workers", "1", "--json", str(serial)]) == 0
+    assert json.loads(serial.read_text()) == rows
+    header = b.read_text().splitlines()[0].split(",")
+    assert header[:3] == ["point", "deepspeed.zero_optimization.stage", "hardware.nodes"]
+
+
+def test_sweep_bad_vary_is_one_line(capsys, scen):
+    assert main(["sweep", str(scen), "--vary", "hardware.nodes"]) == 2
+    assert "--vary" in capsys.readouterr().err
+
+
+def test_scaling_plot_data_monotonic_and_oom_flagged(tmp_path, scen):
+    out = tmp_path / "sw.csv"
+    assert main(["sweep", str(scen), "--quiet", "--workers", "1", "--csv", str(out),
+                 "--vary", "hardware.nodes=1,2,4", "--vary", "deepspeed.zero_optimization.stage=0,3",
+                 "--vary", "training.micro_batch_size=4,16384"]) == 0
+    kind, rows = plots.load_results(str(out))
+    assert kind == "rows"
+    data = plots.scaling_data(rows)
+    assert set(data) == {0, 3}
+    for pts in data.values():
+        assert [p["gpus"] for p in pts] == [8, 16, 32]
+        totals = [p["tokens_per_s"] for p in pts]
+        assert totals == sorted(totals)            # more GPUs, more tokens/s (weak scaling)
+        assert not any(p["oom"] for p in pts)      # micro-batch 4 fits at every size
+    oom_only = [r for r in rows if r["training.micro_batch_size"] == 16384]
+    assert all(p["oom"] for pts in plots.scaling_data(oom_only).values() for p in pts)
+    png = tmp_path / "scaling.png"
+    assert main(["plot", str(out), "--kind", "scaling", "--out", str(png)]) == 0
+    _valid_png(png)
+    svg = tmp_path / "t.svg"
+    assert main(["plot", str(out), "--kind", "throughput", "--out", str(svg)]) == 0
+    assert svg.read_text().lstrip().startswith("<?xml")
+    assert len(plots.throughput_data(rows)) == len(rows)
+
+
+def test_memory_timeline_and_gantt_from_a_run(tmp_path, scen):
+    run_json, trace = tmp_path / "r.json", tmp_path / "t.json"
+    assert main(["run", str(scen), "--quiet", "--json", str(run_json), "--trace", str(trace),
+                 "--set", "deepspeed.zero_optimization.stage=3"]) == 0
+    result = json.loads(run_json.read_text())
+    kind, tr = plots.load_results(str(trace))
+    assert kind == "trace"
+    lanes = plots.timeline_data(tr)["lanes"]
+    assert {"compute stream", "allgather stream", "reduce stream"} <= set(lanes)
+    mt = plots.memory_timeline_data(tr)
+    reserve = result["memory"]["breakdown"]["CUDA context + allocator reserve"]
+    assert mt["peak_GiB"] * 2**30 == pytest.approx(result["memory"]["peak_bytes"] - reserve, rel=1e-5)
+    mem = plots.memory_data("run", result)
+    assert sum(mem[0]["breakdown"].values()) == pytest.approx(result["memory"]["peak_bytes"])
+    for k in ("timeline", "memory-timeline"):
+        out = tmp_path / f"{k}.png"
+        assert main(["plot", str(trace), "--kind", k, "--out", str(out)]) == 0
+        _valid_png(out)
+    out = tmp_path / "m.png"
+    assert main(["plot", str(run_json), "--kind", "memory", "--out", str(out)]) == 0
+    _valid_png(out)
+
+
+def test_plot_rejects_the_wrong_input(capsys, tmp_path, scen):
+    run_json = tmp_path / "r.json"
+    assert main(["run", str(scen), "--quiet", "--json", str(run_json)]) == 0
+    capsys.readouterr()
+    assert main(["plot", str(run_json), "--kind", "timeline", "--out", str(tmp_path / "x.png")]) == 2
+    assert main(["plot", str(run_json), "--kind", "memory", "--out", str(tmp_path / "x.jpg")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "needs trace results" in err[0] and ".png or .svg" in err[1]
+
+
+def test_tune_fits_ranks_and_writes_a_complete_ds_config(tmp_path, scen):
+    from zsim.tune import memory_lower_bound, tune
+    base = Base.load(scen)
+    res = tune(base, "tokens_per_s", budget=24)
+    assert res.ranked and res.simulated <= 24
+    scores = [r["tokens_per_s"] for _, r in res.ranked]
+    assert scores == sorted(scores, reverse=True)
+    for c, r in res.ranked:
+        assert r["memory"]["fits"]
+        # the pruning bound is a true lower bound of the simulated peak
+        assert memory_lower_bound(base.scenario(c.assignments())) <= r["memory"]["peak_bytes"]
+    out = tmp_path / "ds.json"
+    assert main(["tune", str(scen), "--budget", "24", "--out", str(out)]) == 0
+    cfg = json.loads(out.read_text())
+    world = 8
+    assert cfg["train_batch_size"] == cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * world
+    assert cfg["bf16"] == {"enabled": True} and cfg["zero_optimization"]["stage"] in (0, 1, 2, 3)
+    # the written config runs in zsim as the deepspeed block, and does not get overwritten silently
+    raw = mapping(**{"training.micro_batch_size": None})
+    raw["training"].pop("micro_batch_size")
+    raw["training"].pop("gradient_accumulation_steps")
+    raw["deepspeed"] = str(out)
+    p2 = tmp_path / "from_tune.yaml"
+    p2.write_text(yaml.safe_dump(raw))
+    assert main(["run", str(p2), "--quiet"]) == 0
+    assert main(["tune", str(scen), "--budget", "4", "--out", str(out)]) == 2
+
+
+def test_tuned_ds_config_loads_in_deepspeed(tmp_path, scen):
+    pytest.importorskip("deepspeed")
+    import deepspeed.runtime.config as dsc
+    from zsim.tune import ds_config, tune
+    base = Base.load(scen)
+    best, _ = tune(base, "tokens_per_s", budget=12).ranked[0]
+    cfg = ds_config(base, best)
+
+    class MPU:   # the data-parallel world size DeepSpeed would see in the real job
+        def get_data_parallel_world_size(self):
+            return 8
+
+    dsc.dist.get_rank = lambda: 0
+    parsed = dsc.DeepSpeedConfig(cfg, mpu=MPU())
+    assert parsed.train_batch_size == cfg["train_batch_size"]
+    assert parsed.zero_optimization_stage == cfg["zero_optimization"]["stage"]

@@ -1,0 +1,234 @@
+"""zsim tune: search ZeRO configurations at the scenario's global batch and world size.
+
+Search (deterministic):
+1. Structural candidates: stage x offload x micro-batch (dividing the per-GPU batch, the rest
+   accumulated) x activation checkpointing. Each is first checked against a memory lower
+   bound that needs no simulation: model states left on the GPU + the activations every
+   micro-batch must hold at the end of its forward + the CUDA/allocator reserve. The
+   simulated peak can only be higher, so a candidate over capacity is pruned unsimulated.
+2. The survivors are simulated, cheapest-looking first (no offload, no recompute, larger
+   micro-batches), until half the budget is spent.
+3. Knob refinement: for the best fitting structures, coordinate descent over bucket sizes,
+   prefetch, persistence threshold, max live parameters and overlap_comm.
+A candidate is a list of `--set` assignments, so every result is re-runnable.
+"""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+
+from zsim.explore import Base, fits
+from zsim.schedule.build import workload_for
+from zsim.schedule.common import model_state_bytes
+from zsim.workload.transformer import DTYPE_BYTES
+
+Z = "deepspeed.zero_optimization"
+OFFLOADS = {
+    "none": (f"{Z}.offload_optimizer={{device: none}}", f"{Z}.offload_param={{device: none}}"),
+    "optimizer cpu": (f"{Z}.offload_optimizer={{device: cpu, pin_memory: true}}", f"{Z}.offload_param={{device: none}}"),
+    "optimizer+params cpu": (f"{Z}.offload_optimizer={{device: cpu, pin_memory: true}}",
+                             f"{Z}.offload_param={{device: cpu, pin_memory: true}}"),
+}
+KNOBS = {
+    "reduce_bucket_size": (5e7, 2e8, 5e8),
+    "overlap_comm": (True, False),
+}
+KNOBS_STAGE3 = {
+    "stage3_prefetch_bucket_size": (5e6, 5e7, 2e8),
+    "stage3_param_persistence_threshold": (1e4, 1e5, 1e6),
+    "stage3_max_live_parameters": (1e8, 1e9),
+}
+OBJECTIVES = {"tokens_per_s": True, "mfu": True, "step_time_s": False}
+
+
+@dataclass
+class Candidate:
+    stage: int
+    offload: str
+    micro_batch: int
+    gas: int
+    checkpointing: str
+    knobs: dict = field(default_factory=dict)
+
+    def assignments(self) -> tuple[str, ...]:
+        out = [f"{Z}.stage={self.stage}", *OFFLOADS[self.offload],
+               f"training.micro_batch_size={self.micro_batch}",
+               f"training.gradient_accumulation_steps={self.gas}",
+               "deepspeed.train_micro_batch_size_per_gpu=null", "deepspeed.gradient_accumulation_steps=null",
+               f"training.activation_checkpointing={self.checkpointing}"]
+        out += [f"{Z}.{k}={_fmt(v)}" for k, v in sorted(self.knobs.items())]
+        return tuple(out)
+
+    def key(self):
+        return (self.stage, self.offload, self.micro_batch, self.checkpointing, tuple(sorted(self.knobs.items())))
+
+
+def _fmt(v) -> str:
+    """5e7 rather than 5e+07: how DeepSpeed users write sizes, and valid YAML for --set."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return re.sub(r"e\+?0*(\d)", r"e\1", f"{v:g}") if isinstance(v, float) else str(v)
+
+
+def memory_lower_bound(sc) -> float:
+    """Bytes the simulated peak cannot go below (see module doc)."""
+    wl = workload_for(sc)
+    n = wl.n_params
+    world = sc.cluster.world_size
+    z = sc.zero
+    states = model_state_bytes(n, n / world, z.stage, DTYPE_BYTES[sc.precision])
+    if z.optimizer_offload_device != "none":
+        states["optimizer states"] = 0.0
+        if z.stage >= 2:
+            states["gradients"] = 0.0
+    if z.param_offload_device != "none":
+        states["parameters"] = 0.0
+    mode = sc.training.activation_checkpointing
+    if mode == "full":
+        acts = wl.layers * wl.layer_input_bytes
+    elif mode == "selective":
+        acts = sum(m.act_bytes - m.act_bytes_s2 for m in wl.modules)
+    else:
+        acts = sum(m.act_bytes for m in wl.modules)
+    return sum(states.values()) + acts + sc.cluster.reserved_bytes
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def structural_candidates(sc) -> list[Candidate]:
+    per_gpu = sc.global_batch_size // sc.cluster.world_size
+    out = []
+    for stage in (0, 1, 2, 3):
+        for off in OFFLOADS:
+            if off != "none" and stage == 0:
+                continue
+            if off == "optimizer+params cpu" and stage != 3:
+                continue
+            for mb in _divisors(per_gpu):
+                for ck in ("none", "selective", "full"):
+                    if ck == "selective" and sc.training.flash_attention:
+                        continue   # with FlashAttention nothing s^2-sized is stored: same as none
+                    out.append(Candidate(stage, off, mb, per_gpu // mb, ck))
+    # cheapest-looking first: no offload, no recompute, big micro-batches, higher stages last for ties
+    off_rank = {k: i for i, k in enumerate(OFFLOADS)}
+    ck_rank = {"none": 0, "selective": 1, "full": 2}
+    out.sort(key=lambda c: (off_rank[c.offload], ck_rank[c.checkpointing], -c.micro_batch, c.stage))
+    return out
+
+
+@dataclass
+class TuneResult:
+    ranked: list[tuple[Candidate, dict]]
+    simulated: int
+    pruned: int
+    rejected: int
+    wall_s: float
+    objective: str
+
+
+def _score(result: dict, objective: str) -> float:
+    v = result[objective]
+    return v if OBJECTIVES[objective] else -v
+
+
+def tune(base: Base, objective: str = "tokens_per_s", budget: int = 60) -> TuneResult:
+    from zsim.api import run_scenario
+    from zsim.errors import ZsimInputError
+
+    t0 = time.perf_counter()
+    seen: dict = {}
+    pruned = rejected = 0
+    base_sc = base.scenario(())
+    capacity = base_sc.cluster.hbm_capacity_bytes
+
+    def evaluate(c: Candidate):
+        nonlocal rejected
+        if c.key() in seen:
+            return seen[c.key()]
+        try:
+            sc = base.scenario(c.assignments())
+        except ZsimInputError:
+            rejected += 1
+            seen[c.key()] = None
+            return None
+        result, _ = run_scenario(sc)
+        seen[c.key()] = result
+        return result
+
+    structural = structural_candidates(base_sc)
+    survivors = []
+    for c in structural:
+        try:
+            sc = base.scenario(c.assignments())
+        except ZsimInputError:
+            rejected += 1
+            continue
+        if memory_lower_bound(sc) > capacity:
+            pruned += 1
+        else:
+            survivors.append(c)
+    for c in survivors[: max(1, budget // 2)]:
+        evaluate(c)
+
+    def ranked():
+        ok = [(c, r) for c, r in ((_c, seen[_c.key()]) for _c in _cands) if r is not None and fits(r)]
+        return sorted(ok, key=lambda cr: -_score(cr[1], objective))
+
+    _cands = [c for c in survivors if c.key() in seen]
+    for c, _ in ranked()[:3]:
+        best_c, best_r = c, seen[c.key()]
+        knobs = dict(KNOBS)
+        if c.stage == 3:
+            knobs.update(KNOBS_STAGE3)
+        for name, values in knobs.items():
+            for v in values:
+                if len(seen) >= budget:
+                    break
+                trial = Candidate(best_c.stage, best_c.offload, best_c.micro_batch, best_c.gas, best_c.checkpointing,
+                                  {**best_c.knobs, name: v})
+                r = evaluate(trial)
+                if r is not None and fits(r) and _score(r, objective) > _score(best_r, objective):
+                    best_c, best_r = trial, r
+                _cands.append(trial)
+    simulated = sum(1 for r in seen.values() if r is not None)
+    return TuneResult(ranked(), simulated, pruned, rejected, time.perf_counter() - t0, objective)
+
+
+def ds_config(base: Base, c: Candidate) -> dict:
+    """A complete ds_config.json for the candidate (DeepSpeed 0.19.8 keys)."""
+    sc = base.scenario(c.assignments())
+    z = sc.zero
+    zero: dict = {"stage": z.stage, "overlap_comm": z.overlap, "contiguous_gradients": z.contiguous_gradients,
+                  "reduce_scatter": z.reduce_scatter, "reduce_bucket_size": z.reduce_bucket_size}
+    if z.stage in (1, 2):
+        zero["allgather_bucket_size"] = z.allgather_bucket_size
+    if z.stage == 3:
+        zero.update({"stage3_prefetch_bucket_size": z.prefetch_bucket_size,
+                     "stage3_param_persistence_threshold": z.param_persistence_threshold,
+                     "stage3_max_live_parameters": z.max_live_parameters,
+                     "stage3_max_reuse_distance": z.max_reuse_distance,
+                     "sub_group_size": z.sub_group_size})
+    if z.optimizer_offload_device != "none":
+        zero["offload_optimizer"] = {"device": z.optimizer_offload_device, "pin_memory": True}
+    if z.param_offload_device != "none":
+        zero["offload_param"] = {"device": z.param_offload_device, "pin_memory": True}
+    cfg: dict = {
+        "train_batch_size": sc.global_batch_size,
+        "train_micro_batch_size_per_gpu": sc.micro_batch_size,
+        "gradient_accumulation_steps": sc.gradient_accumulation_steps,
+        "gradient_clipping": sc.deepspeed.gradient_clipping,
+        "zero_optimization": zero,
+        "steps_per_print": 100,
+        "wall_clock_breakdown": False,
+    }
+    if sc.precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif sc.precision == "fp16":
+        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                       "hysteresis": 2, "min_loss_scale": 1}
+    opt = sc.deepspeed.optimizer
+    cfg["optimizer"] = {"type": opt.type, "params": dict(opt.params) or {"lr": 1e-4, "weight_decay": 0.0}}
+    return cfg
