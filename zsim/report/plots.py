@@ -165,11 +165,14 @@ def scaling_data(rows: list[dict]) -> dict:
 
 def scaling_plot(data: dict, title: str, path: str):
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    markers = ("o-", "s--", "^-.", "D:")   # distinct, so coinciding curves stay visible
     for i, (stage, pts) in enumerate(data.items()):
         color = PALETTE[2 * i]
         g = [p["gpus"] for p in pts]
-        ax1.plot(g, [p["tokens_per_s"] for p in pts], "o-", color=color, label=f"ZeRO-{stage}")
-        ax2.plot(g, [p["tokens_per_s_per_gpu"] for p in pts], "o-", color=color, label=f"ZeRO-{stage}")
+        style = markers[i % len(markers)]
+        ax1.plot(g, [p["tokens_per_s"] for p in pts], style, color=color, label=f"ZeRO-{stage}", markersize=7 - i)
+        ax2.plot(g, [p["tokens_per_s_per_gpu"] for p in pts], style, color=color, label=f"ZeRO-{stage}",
+                 markersize=7 - i)
         first = next((p for p in pts if not p["oom"]), pts[0])
         ax1.plot(g, [first["tokens_per_s"] * x / first["gpus"] for x in g], "--", color=color, alpha=0.5,
                  linewidth=1)
@@ -184,6 +187,8 @@ def scaling_plot(data: dict, title: str, path: str):
         ax.set_xlabel("GPUs")
         ax.grid(alpha=0.3)
     ax1.set_yscale("log")
+    top = max(p["tokens_per_s_per_gpu"] for pts in data.values() for p in pts)
+    ax2.set_ylim(0, top * 1.15)   # from zero: small differences are not blown up
     ax1.set_ylabel("tokens/s (whole job)")
     ax2.set_ylabel("tokens/s per GPU")
     ax1.set_title("Throughput vs GPUs")
@@ -226,9 +231,8 @@ def throughput_plot(data: list[dict], title: str, path: str):
     ax.bar(range(len(data)), [d["tokens_per_s_per_gpu"] for d in data], color=colors)
     ax.set_xticks(range(len(data)), [d["label"] for d in data], rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("tokens/s per GPU")
-    ax.bar([], [], color=PALETTE[4], label="fits")
-    ax.bar([], [], color=PALETTE[6], label="OOM")
-    ax.legend(fontsize=8)
+    from matplotlib.patches import Patch
+    ax.legend(handles=[Patch(color=PALETTE[4], label="fits"), Patch(color=PALETTE[6], label="OOM")], fontsize=8)
     ax.set_title(title)
     _save(fig, path)
 
@@ -294,12 +298,12 @@ def timeline_plot(data: dict, title: str, path: str):
             bars = [(s, d) for s, d, c in spans if c == cat]
             if bars:
                 ax.broken_barh(bars, (i - 0.35, 0.7), color=colors[cat])
-    for c in cats:
-        ax.barh([], [], color=colors[c], label=c)
+    from matplotlib.patches import Patch
     ax.set_yticks(range(len(lanes)), list(lanes))
     ax.invert_yaxis()
     ax.set_xlabel("time in the step (s)")
-    ax.legend(fontsize=8, ncol=len(cats), loc="upper center", bbox_to_anchor=(0.5, -0.25))
+    ax.legend(handles=[Patch(color=colors[c], label=c) for c in cats], fontsize=8, ncol=len(cats),
+              loc="upper center", bbox_to_anchor=(0.5, -0.25))
     ax.set_title(title)
     _save(fig, path)
 
