@@ -229,13 +229,20 @@ class DeepSpeedConfig:
                              "with bf16 (DeepSpeed's BF16_Optimizer); remove it or set it to the model dtype")
 
     def not_modelled(self, raw_keys) -> tuple[str, ...]:
-        out = [f"deepspeed.{k}: {msg}" for k, msg in NOT_MODELLED_TOP_LEVEL.items() if k in raw_keys]
+        return tuple(f"deepspeed.{k}: {msg}" for k, msg in NOT_MODELLED_TOP_LEVEL.items() if k in raw_keys)
+
+    def checkpointing_warnings(self, mode: str) -> tuple[str, ...]:
+        """The activation_checkpointing block acts on the blocks deepspeed.checkpointing.checkpoint
+        wraps, i.e. training.activation_checkpointing: full. partition_activations splits
+        checkpoints across model-parallel ranks (checkpointing.py:354-436), a no-op in pure data
+        parallelism; contiguous_memory_optimization moves them into one buffer of
+        number_checkpoints slots (checkpointing.py:460-471): same bytes, less fragmentation."""
         ac = self.activation_checkpointing
-        for key in ("cpu_checkpointing", "partition_activations", "contiguous_memory_optimization"):
-            if getattr(ac, key):
-                out.append(f"deepspeed.activation_checkpointing.{key}: not modelled yet; "
-                           "training.activation_checkpointing sets what is recomputed")
-        return tuple(out)
+        if mode != "full" and (ac.cpu_checkpointing or ac.partition_activations):
+            key = "cpu_checkpointing" if ac.cpu_checkpointing else "partition_activations"
+            return (f"deepspeed.activation_checkpointing.{key}: acts on checkpointed blocks only; "
+                    f"ignored with training.activation_checkpointing: {mode} (set it to full)",)
+        return ()
 
     @property
     def uses_bf16_optimizer(self) -> bool:

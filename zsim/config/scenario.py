@@ -322,7 +322,8 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
     if not isinstance(name, str):
         raise ZsimInputError("name", name, "expected a string")
     return Scenario(name=name, model=model, cluster=cluster, training=training, deepspeed=ds,
-                    description=str(raw.get("description", "")), warnings=ds.not_modelled(ds_raw.keys()))
+                    description=str(raw.get("description", "")),
+                    warnings=ds.not_modelled(ds_raw.keys()) + ds.checkpointing_warnings(training.activation_checkpointing))
 
 
 def load_raw(path: Path) -> dict:

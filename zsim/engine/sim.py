@@ -138,8 +138,8 @@ def simulate(schedule: Schedule, cluster, precision: str) -> Trace:
     def host_work(op: Op) -> tuple[float, float, str]:
         """(fixed_s, shared work_s, resource) of a copy, NVMe or CPU op."""
         if op.transfer in ("h2d", "d2h"):
-            lat, xfer = pcie_time_s(op.size_bytes, cluster.pcie_bw_Bps, prof.pcie.latency_us * 1e-6,
-                                    meta.get("pin_memory", True))
+            pinned = meta.get("pin_memory", True) if op.pinned is None else op.pinned
+            lat, xfer = pcie_time_s(op.size_bytes, cluster.pcie_bw_Bps, prof.pcie.latency_us * 1e-6, pinned)
             return lat, xfer, f"pcie_{op.transfer}"
         if op.transfer in ("nvme_read", "nvme_write"):
             per_drive = prof.nvme.read_GBps_per_drive if op.transfer == "nvme_read" else prof.nvme.write_GBps_per_drive

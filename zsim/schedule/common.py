@@ -36,6 +36,13 @@ class StepContext:
         return self.sc.training.activation_checkpointing
 
     @property
+    def cpu_checkpointing(self) -> bool:
+        """deepspeed.checkpointing with cpu_checkpointing: each block's input goes to host memory
+        (activation_checkpointing/checkpointing.py:613-616 forward, 639-640 backward). It applies
+        to checkpointed blocks, i.e. full checkpointing."""
+        return self.checkpointing == "full" and self.sc.deepspeed.activation_checkpointing.cpu_checkpointing
+
+    @property
     def grad_stream(self) -> str:
         return "reduce" if self.sc.zero.overlap else "compute"
 
@@ -119,6 +126,11 @@ def forward(ctx: StepContext, hooks: StageHooks, micro: int, after: int | None) 
             if first_of_layer:
                 ctx.b.add_alloc(op, Alloc(f"ckpt/{micro}/{module.layer}", "activation checkpoints",
                                           ctx.wl.layer_input_bytes))
+                if ctx.cpu_checkpointing:
+                    # copy_to_device(cpu): the GPU copy lives until the D2H copy ends
+                    d2h = ctx.b.add(f"D2H checkpoint layer {module.layer}", "d2h", "forward", micro, [op],
+                                    transfer="d2h", size_bytes=ctx.wl.layer_input_bytes, pinned=False)
+                    ctx.b.add_free(d2h, f"ckpt/{micro}/{module.layer}")
             # activations inside a checkpointed block live only while the block runs
             saved = _saved_bytes(ctx, module)
             if saved > 0:
@@ -130,6 +142,9 @@ def forward(ctx: StepContext, hooks: StageHooks, micro: int, after: int | None) 
         if full and _is_layer(module) and _is_last_in_layer(ctx.wl, module):
             tags = [x for x in layer_ops[module.layer] if isinstance(x, str)]
             ctx.b.add_free(op, *tags)
+    if ctx.cpu_checkpointing and micro == 0:
+        # .to("cpu") tensors: pageable host memory, one micro-step's block inputs at a time
+        ctx.b.host_alloc("activation checkpoints (cpu_checkpointing)", ctx.wl.layers * ctx.wl.layer_input_bytes)
     return last
 
 
@@ -146,6 +161,12 @@ def backward(ctx: StepContext, hooks: StageHooks, micro: int, after: int) -> int
         if full and _is_layer(module) and module.layer not in recomputed:
             # torch.utils.checkpoint / deepspeed.checkpointing: re-run the block's forward first
             recomputed.add(module.layer)
+            if ctx.cpu_checkpointing:
+                # CheckpointFunction.backward moves the saved input back before recomputing (blocking)
+                last = ctx.b.add(f"H2D checkpoint layer {module.layer}", "h2d", "recompute", micro, [last],
+                                 transfer="h2d", size_bytes=ctx.wl.layer_input_bytes, pinned=False,
+                                 alloc=(Alloc(f"ckpt/{micro}/{module.layer}", "activation checkpoints",
+                                              ctx.wl.layer_input_bytes),))
             for rm in ctx.wl.layer_modules(module.layer):
                 deps = hooks.pre_module(ctx, rm, micro, "recompute") + [last]
                 last = _forward_op(ctx, rm, micro, "recompute", deps, keep=True)

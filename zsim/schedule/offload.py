@@ -56,7 +56,17 @@ def place_states(ctx: StepContext, states: dict[str, float], shard: float) -> di
             o = z.offload_optimizer
             sub = min(z.sub_group_size, shard) if z.stage == 3 else shard
             ctx.b.host_alloc("NVMe swap buffers (optimizer)", (o.buffer_count if o else 4) * sub * FP32_BYTES)
-        ctx.b.host_alloc("gradients (fp32, pinned)", FP32_BYTES * shard)
+        if z.stage == 3:
+            # grad_partitions_flat_buffer: 16-bit accumulation buffer on the host (stage3.py:786-795);
+            # the fp32 gradients live with the fp32 partition (swapped to NVMe with it)
+            ctx.b.host_alloc("gradient accumulation buffer (16-bit)", ctx.param_bytes * shard)
+            if opt == "cpu":
+                ctx.b.host_alloc("gradients (fp32, pinned)", FP32_BYTES * shard * ratio)
+        else:
+            ctx.b.host_alloc("gradients (fp32, pinned)", FP32_BYTES * shard)
+            if ctx.gas > 1:
+                # accumulated_grads_in_cpu: 16-bit, per parameter in the partition (stage_1_and_2.py:1822-1825)
+                ctx.b.host_alloc("gradient accumulation buffer (16-bit)", ctx.param_bytes * shard)
         if ctx.sc.zero.stage >= 2:
             states["gradients"] = 0.0
     if param_device(ctx) != "none":
@@ -71,9 +81,30 @@ def place_states(ctx: StepContext, states: dict[str, float], shard: float) -> di
 
 
 def grads_to_host(ctx: StepContext, numel_owned: float, micro: int, after: int, label: str) -> int:
-    """Copy this rank's reduced gradient slice to its pinned fp32 host buffer."""
-    return ctx.b.add(f"D2H grads {label}", "d2h", "backward", micro, [after], transfer="d2h",
-                     size_bytes=numel_owned * FP32_BYTES)
+    """PCIe traffic of this rank's reduced gradient slice with optimizer offload.
+
+    Stage 3 (stage3.py:2022-2045 partition_grads): the 16-bit partition goes to the host
+    accumulation buffer and back to the GPU on the first micro-step (`.to(device)` keeps a GPU
+    copy); later micro-steps bring the buffer to the GPU, add, and copy it back; at the boundary
+    the fp32 cast is copied to the optimizer's fp32 gradient (_offload_grad_partition_at_boundary).
+    Stages 1/2 (stage_1_and_2.py:2142-2180): with accumulation, every micro-step copies the
+    16-bit gradient to a host buffer (async_accumulate_grad_in_cpu_via_gpu), bringing the
+    running sum back first after the first micro-step; at the boundary the fp32 cast goes to
+    the fp32 gradient partition (async_inplace_copy_grad_to_fp32_buffer_from_gpu)."""
+    b, w = ctx.b, ctx.param_bytes
+    boundary = micro == ctx.gas - 1
+    last = after
+    if ctx.sc.zero.stage == 3:
+        steps = [("d2h", w), ("h2d", w)] if micro == 0 else [("h2d", w), ("d2h", w)]
+    else:
+        steps = ([("h2d", w)] if micro > 0 else []) + ([] if boundary else [("d2h", w)])
+    if boundary:
+        steps.append(("d2h", FP32_BYTES))
+    for kind, width in steps:
+        what = "fp32 grads" if width == FP32_BYTES and kind == "d2h" and boundary else "grad accumulation"
+        last = b.add(f"{kind.upper()} {what} {label}", kind, "backward", micro, [last], transfer=kind,
+                     size_bytes=numel_owned * width)
+    return last
 
 
 def offloaded_step(ctx: StepContext, shard: float, deps, sub_group_size: int | None) -> int:

@@ -41,6 +41,7 @@ class Op:
     # host work: PCIe copies (h2d | d2h), NVMe I/O (nvme_read | nvme_write) of size_bytes;
     # CPU optimizer updates of cpu_adam_params parameters
     transfer: str = ""
+    pinned: bool | None = None      # host buffer pinned? None: the schedule's pin_memory setting
     cpu_adam_params: float = 0.0
     # memory effects
     alloc: tuple[Alloc, ...] = ()

@@ -1,0 +1,91 @@
+"""zsim doctor: diagnosis of the peak and ranked fixes that fit (issue 3: a scenario 20% over capacity gets
+at least three fixes, and applying the top one makes `zsim run` report fits)."""
+import json
+
+import yaml
+
+from helpers import ROOT, mapping
+from zsim.api import run_scenario
+from zsim.cli import main as cli_main
+from zsim.config.scenario import scenario_from_mapping
+from zsim.doctor import Candidate, diagnose, doctor, playbook
+
+GiB = 1024**3
+NO_RESERVE = {"gpu": {"cuda_context_GiB": 0.0, "allocator_fragmentation_fraction": 0.0}}
+
+
+def over_by(fraction: float, **changes) -> dict:
+    """TINY (micro-batch 8, no checkpointing) on a GPU whose HBM is `fraction` below its peak."""
+    raw = mapping(**{"training.micro_batch_size": 8, "training.gradient_accumulation_steps": 2,
+                     "hardware.override": NO_RESERVE, **changes})
+    peak = run_scenario(scenario_from_mapping(raw, ROOT))[0]["memory"]["peak_bytes"]
+    raw["hardware"]["override"] = {"gpu": {**NO_RESERVE["gpu"], "hbm_capacity_GiB": peak / (1 + fraction) / GiB}}
+    return raw
+
+
+def test_twenty_percent_over_gets_three_fixes_and_the_top_one_fits(tmp_path, capsys):
+    raw = over_by(0.20)
+    path = tmp_path / "over.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "doctor.json"
+    assert cli_main(["doctor", str(path), "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "OOM by" in text and "(20.0% over)" in text and "pushing it over:" in text
+    rep = json.loads(out.read_text())
+    fixes = rep["fixes"]
+    assert len(fixes) >= 3
+    rates = [f["tokens_per_s"] for f in fixes]
+    assert rates == sorted(rates, reverse=True)
+    # the top fix, applied through --set, makes `zsim run` report fits
+    run_json = tmp_path / "run.json"
+    sets = [a for o in fixes[0]["overrides"] for a in ("--set", o)]
+    assert cli_main(["run", str(path), "--quiet", "--json", str(run_json), *sets]) == 0
+    result = json.loads(run_json.read_text())
+    assert result["memory"]["fits"] and result["memory"]["host"]["fits"]
+    assert result["global_batch_size"] == rep_global_batch(raw)
+
+
+def rep_global_batch(raw):
+    return scenario_from_mapping(raw, ROOT).global_batch_size
+
+
+def test_diagnosis_names_the_peak_components_and_when():
+    raw = over_by(0.20)
+    sc = scenario_from_mapping(raw, ROOT)
+    result, trace = run_scenario(sc)
+    d = diagnose(result, trace)
+    assert d["over_fraction"] > 0.19
+    assert d["pushing_over"][0] == max(d["components"], key=d["components"].get)
+    assert d["at"]["phase"] in ("forward", "backward", "recompute", "step", "static")
+    assert sum(d["components"].values()) == result["memory"]["peak_bytes"]
+
+
+def test_fitting_scenario_gets_candidates_but_is_reported_as_fitting():
+    raw = mapping()
+    rep = doctor(raw, ROOT, "tiny")
+    assert rep["baseline"]["fits"] and rep["diagnosis"]["over_bytes"] < 0
+    assert all(f["fits"] for f in rep["fixes"])
+
+
+def test_batch_candidates_keep_the_global_batch():
+    raw = mapping(**{"training.micro_batch_size": 6, "training.gradient_accumulation_steps": 1})
+    sc = scenario_from_mapping(raw, ROOT)
+    names = [c.name for c in playbook(raw, sc) if c.name.startswith("micro-batch")]
+    assert names == ["micro-batch 3 x GAS 2 (same global batch)", "micro-batch 2 x GAS 3 (same global batch)",
+                     "micro-batch 1 x GAS 6 (same global batch)"]
+
+
+def test_candidates_combine_without_repeating_keys():
+    a = Candidate("a", ("x.y=1", "x.z=2"))
+    b = Candidate("b", ("x.y=3", "x.w=4"))
+    assert (a + b).overrides == ("x.y=1", "x.z=2", "x.w=4")
+
+
+def test_host_oom_is_an_oom(tmp_path):
+    """Offloading past the node's memory is a CPU OOM: doctor reports it, and no fix keeps it."""
+    raw = mapping(**{"deepspeed.zero_optimization.offload_optimizer": {"device": "cpu"},
+                     "hardware.override": {"cpu": {"memory_GiB": 0.001}}})
+    rep = doctor(raw, ROOT, "tiny")
+    assert rep["diagnosis"]["host_over_bytes"] > 0
+    assert not rep["baseline"]["fits"]
+    assert all(f["host_fits"] for f in rep["fixes"])

@@ -1,0 +1,242 @@
+"""The OOM doctor: why a scenario does not fit, and which changes make it fit, cheapest first.
+
+`diagnose` names the components above capacity and the moment of the peak (from the ledger).
+`playbook` lists the changes an expert tries, each as scenario overrides (the same dotted `--set`
+assignments `zsim run` takes, so every fix is printable and re-applicable):
+  smaller micro-batch with more accumulation (same global batch); activation checkpointing
+  (selective, full, full + cpu_checkpointing); a higher ZeRO stage; optimizer offload; parameter
+  offload; smaller buckets / prefetch / max_live_parameters; 16-bit precision.
+`doctor` simulates every candidate (and pairs of them when too few fit alone) and returns those
+that fit on the GPU and on the host, ranked by throughput. It is a pure function of the raw
+scenario mapping, so `zsim tune` can reuse `evaluate` and `playbook`.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+from zsim.config.scenario import Scenario, apply_set, scenario_from_mapping
+from zsim.errors import ZsimInputError
+
+MODEL_STATES = ("parameters", "gradients", "optimizer states")
+MIN_FITTING = 3
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    overrides: tuple[str, ...]     # dotted --set assignments
+
+    def __add__(self, other: "Candidate") -> "Candidate":
+        keys = {o.split("=", 1)[0] for o in self.overrides}
+        extra = tuple(o for o in other.overrides if o.split("=", 1)[0] not in keys)
+        return Candidate(f"{self.name} + {other.name}", self.overrides + extra)
+
+
+def run(raw: dict, base_dir: Path, name: str, overrides=()) -> tuple[Scenario, dict, object]:
+    from zsim.api import run_scenario
+    for o in overrides:
+        raw = apply_set(raw, o)
+    sc = scenario_from_mapping(raw, base_dir, name_default=name)
+    result, trace = run_scenario(sc)
+    return sc, result, trace
+
+
+def fits(result: dict) -> bool:
+    return bool(result["memory"]["fits"] and result["memory"]["host"]["fits"])
+
+
+def _peak_event(events) -> tuple[float, str]:
+    current, peak, tag = 0.0, 0.0, ""
+    for _, delta, _, t in events:
+        current += delta
+        if current > peak + 1e-6:
+            peak, tag = current, t
+    return peak, tag
+
+
+def diagnose(result: dict, trace) -> dict:
+    """Where the peak is, what it is made of, and by how much it misses the capacity."""
+    mem = result["memory"]
+    over = mem["peak_bytes"] - mem["capacity_bytes"]
+    _, tag = _peak_event(trace.ledger_events)
+    at_op = None
+    for op in trace.schedule.ops:
+        if any(a.tag == tag for a in op.alloc):
+            at_op = {"op": op.name, "phase": op.phase, "micro_step": op.micro_step}
+            break
+    if at_op is None:
+        at_op = {"op": "model states (allocated before the step)", "phase": "static", "micro_step": 0}
+    comps = sorted(mem["breakdown"].items(), key=lambda kv: -kv[1])
+    # the components that, largest first, make up at least the overflow
+    pushing, acc = [], 0.0
+    for k, v in comps:
+        if over <= 0 or acc >= over:
+            break
+        pushing.append(k)
+        acc += v
+    host = mem["host"]
+    return {"fits": mem["fits"], "host_fits": host["fits"], "over_bytes": over,
+            "over_fraction": over / mem["capacity_bytes"], "peak_bytes": mem["peak_bytes"],
+            "capacity_bytes": mem["capacity_bytes"], "peak_time_s": mem["peak_time_s"], "at": at_op,
+            "components": dict(comps), "pushing_over": pushing,
+            "host_over_bytes": host["bytes_per_node"] - host["capacity_bytes"]}
+
+
+def _batch_candidates(raw: dict, sc: Scenario) -> list[Candidate]:
+    mb, gas = sc.micro_batch_size, sc.gradient_accumulation_steps
+    per_rank = mb * gas
+    training = raw.get("training") or {}
+    out = []
+    for new_mb in sorted((d for d in range(1, mb) if per_rank % d == 0), reverse=True):
+        new_gas = per_rank // new_mb
+        sets = [f"deepspeed.train_micro_batch_size_per_gpu={new_mb}", f"deepspeed.gradient_accumulation_steps={new_gas}",
+                f"deepspeed.train_batch_size={sc.global_batch_size}"]
+        if training.get("micro_batch_size") is not None:
+            sets.append(f"training.micro_batch_size={new_mb}")
+        if training.get("gradient_accumulation_steps") is not None:
+            sets.append(f"training.gradient_accumulation_steps={new_gas}")
+        out.append(Candidate(f"micro-batch {new_mb} x GAS {new_gas} (same global batch)", tuple(sets)))
+    return out
+
+
+def playbook(raw: dict, sc: Scenario) -> list[Candidate]:
+    """Single changes an expert would try, in a fixed order (micro-batch candidates largest first)."""
+    z, tr = sc.zero, sc.training
+    out: list[Candidate] = []
+    if tr.activation_checkpointing == "none":
+        out.append(Candidate("selective activation checkpointing", ("training.activation_checkpointing=selective",)))
+    if tr.activation_checkpointing != "full":
+        out.append(Candidate("full activation checkpointing", ("training.activation_checkpointing=full",)))
+    if not sc.deepspeed.activation_checkpointing.cpu_checkpointing:
+        out.append(Candidate("full activation checkpointing, checkpoints in CPU memory",
+                             ("training.activation_checkpointing=full",
+                              "deepspeed.activation_checkpointing.cpu_checkpointing=true")))
+    for stage in range(z.stage + 1, 4):
+        out.append(Candidate(f"ZeRO stage {stage}", (f"deepspeed.zero_optimization.stage={stage}",)))
+    if z.optimizer_offload_device == "none":
+        sets = ("deepspeed.zero_optimization.offload_optimizer.device=cpu",
+                "deepspeed.zero_optimization.offload_optimizer.pin_memory=true")
+        if z.stage == 0:
+            sets = ("deepspeed.zero_optimization.stage=2",) + sets
+        out.append(Candidate("optimizer offload to CPU" + (" (ZeRO-2)" if z.stage == 0 else ""), sets))
+    if z.param_offload_device == "none":
+        sets = ("deepspeed.zero_optimization.offload_param.device=cpu",
+                "deepspeed.zero_optimization.offload_param.pin_memory=true")
+        if z.optimizer_offload_device == "none":
+            sets += ("deepspeed.zero_optimization.offload_optimizer.device=cpu",
+                     "deepspeed.zero_optimization.offload_optimizer.pin_memory=true")
+        if z.stage != 3:
+            sets = ("deepspeed.zero_optimization.stage=3",) + sets
+        out.append(Candidate("parameter + optimizer offload to CPU (ZeRO-Infinity, stage 3)", sets))
+    if z.stage >= 1:
+        small = max(int(z.reduce_bucket_size // 4), 1)
+        if small < z.reduce_bucket_size:
+            out.append(Candidate(f"reduce_bucket_size {small:.3g}", (f"deepspeed.zero_optimization.reduce_bucket_size={small}",)))
+    if z.stage == 3:
+        pf = int(z.prefetch_bucket_size // 4)
+        live = int(z.max_live_parameters // 4)
+        out.append(Candidate(f"stage3_prefetch_bucket_size {pf:.3g}, stage3_max_live_parameters {live:.3g}, "
+                             "stage3_max_reuse_distance 0",
+                             (f"deepspeed.zero_optimization.stage3_prefetch_bucket_size={pf}",
+                              f"deepspeed.zero_optimization.stage3_max_live_parameters={live}",
+                              "deepspeed.zero_optimization.stage3_max_reuse_distance=0")))
+    if sc.precision == "fp32":
+        gpu = sc.cluster.profile.gpu
+        half = "bf16" if gpu.peak_tflops_bf16 > gpu.peak_tflops_fp32 else "fp16"
+        out.append(Candidate(f"{half} mixed precision", (f"training.precision={half}", f"deepspeed.{half}.enabled=true")))
+    out.extend(_batch_candidates(raw, sc))
+    return out
+
+
+def evaluate(raw: dict, base_dir: Path, name: str, cand: Candidate, baseline: dict) -> dict:
+    try:
+        _, r, _ = run(raw, base_dir, name, cand.overrides)
+    except (ZsimInputError, ValueError) as err:
+        return {"name": cand.name, "overrides": list(cand.overrides), "valid": False, "error": str(err)}
+    mem = r["memory"]
+    return {"name": cand.name, "overrides": list(cand.overrides), "valid": True, "fits": fits(r),
+            "gpu_fits": mem["fits"], "host_fits": mem["host"]["fits"],
+            "step_time_s": r["step_time_s"], "tokens_per_s": r["tokens_per_s"], "mfu": r["mfu"],
+            "peak_bytes": mem["peak_bytes"], "capacity_bytes": mem["capacity_bytes"],
+            "host_bytes_per_node": mem["host"]["bytes_per_node"],
+            "throughput_change": r["tokens_per_s"] / baseline["tokens_per_s"] - 1.0,
+            "ds_config_change": ds_config_change(cand.overrides)}
+
+
+def ds_config_change(overrides) -> dict:
+    """The overrides as a nested mapping, split into the ds_config part and the scenario part."""
+    out: dict = {}
+    for o in overrides:
+        key, value = o.split("=", 1)
+        node = out
+        parts = key.split(".")
+        for k in parts[:-1]:
+            node = node.setdefault(k, {})
+        node[parts[-1]] = _yaml_value(value)
+    return out
+
+
+def _yaml_value(text: str):
+    from zsim.config.scenario import parse_value
+    return parse_value(text)
+
+
+def doctor(raw: dict, base_dir: Path, name: str = "scenario", max_pairs: int = 40) -> dict:
+    sc, base, trace = run(raw, base_dir, name)
+    report = {"scenario": sc.name, "baseline": {"fits": fits(base), "step_time_s": base["step_time_s"],
+                                                "tokens_per_s": base["tokens_per_s"]},
+              "diagnosis": diagnose(base, trace)}
+    singles = playbook(raw, sc)
+    evaluated = [evaluate(raw, base_dir, name, c, base) for c in singles]
+    # micro-batch candidates: keep the largest micro-batch that fits (smaller ones are only slower)
+    evaluated = _prune_batches(evaluated)
+    fitting = [e for e in evaluated if e["valid"] and e["fits"]]
+    if len(fitting) < MIN_FITTING:
+        by_name = {c.name: c for c in singles}
+        # pair the changes that saved the most memory; skip pairs whose parts already fit alone
+        helpful = sorted((e for e in evaluated if e["valid"] and not e["fits"]), key=lambda e: e["peak_bytes"])
+        names = [e["name"] for e in helpful]
+        pairs = 0
+        for a, b in itertools.combinations(names, 2):
+            if pairs >= max_pairs:
+                break
+            if a.startswith("micro-batch") and b.startswith("micro-batch"):
+                continue
+            cand = by_name[a] + by_name[b]
+            evaluated.append(evaluate(raw, base_dir, name, cand, base))
+            pairs += 1
+        evaluated = _prune_batches(evaluated)
+        fitting = [e for e in evaluated if e["valid"] and e["fits"]]
+    fitting.sort(key=lambda e: (-e["tokens_per_s"], len(e["overrides"]), e["name"]))
+    report["fixes"] = fitting
+    report["tried"] = evaluated
+    return report
+
+
+def _prune_batches(evaluated: list[dict]) -> list[dict]:
+    """Among candidates that differ only in micro-batch size, keep the fitting one with the largest
+    micro-batch, and drop the smaller ones (same memory class, lower throughput)."""
+    groups: dict[str, list[dict]] = {}
+    for e in evaluated:
+        rest = tuple(o for o in e["overrides"] if "micro_batch" not in o and "gradient_accumulation" not in o
+                     and "train_batch_size" not in o)
+        if len(rest) != len(e["overrides"]):
+            groups.setdefault(str(rest), []).append(e)
+    drop = set()
+    for members in groups.values():
+        fit = [m for m in members if m["valid"] and m["fits"]]
+        if fit:
+            best = max(fit, key=lambda m: m["tokens_per_s"])
+            drop.update(id(m) for m in fit if m is not best)
+    return [e for e in evaluated if id(e) not in drop]
+
+
+def doctor_file(path: str | Path, overrides=()) -> dict:
+    from zsim.config.scenario import load_raw
+    path = Path(path)
+    raw = load_raw(path)
+    for o in overrides:
+        raw = apply_set(raw, o)
+    return doctor(raw, path.parent, path.stem)
