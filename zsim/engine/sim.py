@@ -2,9 +2,11 @@
 
 Data-parallel ranks are symmetric, so one rank is simulated and its collectives are
 costed for the whole group; 1024 GPUs cost what 8 do. Streams are FIFO processes. Time
-that competes for a resource is "work" served by a fluid (processor-sharing) model:
-transfers on the same link tier split its bandwidth equally while they overlap, and the
-compute stream slows by the profile's interference factor while any transfer is active.
+that competes for a resource is "work" served by a fluid (processor-sharing) model. A job
+crosses one or more links (NVLink tier, IB rails, the GPU's PCIe link per direction, the
+PCIe switch uplink per direction, NVMe); while jobs overlap, each progresses at the
+smallest share it gets on any link it crosses (1/jobs on that link), and the compute stream
+slows by the profile's interference factor while an NCCL transfer is active.
 Fixed latencies (alpha, launch overheads) are not shared. Memory effects of every op go to
 the ledger in simulated time.
 """
@@ -16,12 +18,18 @@ import simpy
 
 from zsim.hardware.collectives import collective_cost, tiers_for
 from zsim.hardware.compute import attention_time_s, gemm_time_s, kernel_overhead_s, memory_bound_time_s
-from zsim.hardware.host import cpu_adam_time_s, nvme_time_s, pcie_time_s
+from zsim.hardware.host import cpu_adam_time_s, host_link_Bps, nvme_time_s, pcie_time_s
 from zsim.engine.ledger import Ledger
 from zsim.schedule.ops import STREAMS, Op, Schedule
 from zsim.workload.transformer import DTYPE_BYTES
 
 _EPS_S = 1e-15
+COMPUTE = ("compute",)
+# links each transfer direction crosses (see module doc)
+H2D_LINKS = ("gpu_link_down", "uplink_down")
+D2H_LINKS = ("gpu_link_up", "uplink_up")
+NVME_READ_LINKS = ("nvme", "uplink_up")      # drive -> host memory
+NVME_WRITE_LINKS = ("nvme", "uplink_down")
 
 
 @dataclass(frozen=True)
@@ -47,19 +55,19 @@ class _Fluid:
     def __init__(self, env: simpy.Environment, compute_slowdown: float):
         self.env = env
         self.slowdown = compute_slowdown
-        self.jobs: dict[int, list] = {}       # id -> [remaining_work_s, rate, event, resource]
+        self.jobs: dict[int, list] = {}       # id -> [remaining_work_s, rate, event, links]
         self.next_id = 0
         self.last_s = 0.0
         self.wake = env.event()
         env.process(self._serve())
 
-    def submit(self, resource: str, work_s: float) -> simpy.Event:
+    def submit(self, links: tuple[str, ...], work_s: float) -> simpy.Event:
         ev = self.env.event()
         if work_s <= 0:
             ev.succeed()
             return ev
         self._advance()
-        self.jobs[self.next_id] = [work_s, 1.0, ev, resource]
+        self.jobs[self.next_id] = [work_s, 1.0, ev, links]
         self.next_id += 1
         self._rerate()
         if not self.wake.triggered:
@@ -74,17 +82,17 @@ class _Fluid:
         self.last_s = self.env.now
 
     def _rerate(self):
-        per_tier: dict[str, int] = {}
+        count: dict[str, int] = {}
         for job in self.jobs.values():
-            if job[3] != "compute":
-                per_tier[job[3]] = per_tier.get(job[3], 0) + 1
-        # NCCL kernels occupy SMs; copy engines (PCIe) and the host do not slow the GPU
-        comm_active = bool(per_tier.get("intra_node") or per_tier.get("inter_node"))
+            for link in job[3]:
+                count[link] = count.get(link, 0) + 1
+        # NCCL kernels occupy SMs; copy engines (PCIe), NVMe and the host do not slow the GPU
+        comm_active = bool(count.get("intra_node") or count.get("inter_node"))
         for job in self.jobs.values():
-            if job[3] == "compute":
+            if job[3] == COMPUTE:
                 job[1] = 1.0 / (1.0 + self.slowdown) if comm_active else 1.0
             else:
-                job[1] = 1.0 / per_tier[job[3]]
+                job[1] = 1.0 / max(count[link] for link in job[3])
 
     def _serve(self):
         env = self.env
@@ -135,21 +143,35 @@ def simulate(schedule: Schedule, cluster, precision: str) -> Trace:
     meta = schedule.meta
     prof = cluster.profile
 
-    def host_work(op: Op) -> tuple[float, float, str]:
-        """(fixed_s, shared work_s, resource) of a copy, NVMe or CPU op."""
+    uplink_Bps = prof.pcie.switch_uplink_GBps * 1e9 if prof.pcie.switch_uplink_GBps else None
+    # only the job's GPUs copy: a 1-GPU job has its switch's uplink to itself
+    sharers = min(prof.pcie.gpus_per_switch, cluster.gpus_per_node)
+    host_Bps = host_link_Bps(cluster.pcie_bw_Bps, uplink_Bps, sharers)
+    nic_links = ("inter_node", "gpu_link_up", "gpu_link_down") if prof.pcie.nics_share_gpu_link else ("inter_node",)
+
+    def links(path: tuple[str, ...]) -> tuple[str, ...]:
+        # without a shared switch uplink, host traffic has no uplink to contend for
+        return path if uplink_Bps is not None else tuple(x for x in path if not x.startswith("uplink"))
+
+    def host_work(op: Op) -> tuple[float, float, tuple[str, ...]]:
+        """(fixed_s, shared work_s, links) of a copy, NVMe or CPU op."""
         if op.transfer in ("h2d", "d2h"):
             pinned = meta.get("pin_memory", True) if op.pinned is None else op.pinned
-            lat, xfer = pcie_time_s(op.size_bytes, cluster.pcie_bw_Bps, prof.pcie.latency_us * 1e-6, pinned)
-            return lat, xfer, f"pcie_{op.transfer}"
+            lat, xfer = pcie_time_s(op.size_bytes, host_Bps, prof.pcie.latency_us * 1e-6, pinned)
+            return lat, xfer, links(H2D_LINKS if op.transfer == "h2d" else D2H_LINKS)
         if op.transfer in ("nvme_read", "nvme_write"):
-            per_drive = prof.nvme.read_GBps_per_drive if op.transfer == "nvme_read" else prof.nvme.write_GBps_per_drive
+            read = op.transfer == "nvme_read"
+            per_drive = prof.nvme.read_GBps_per_drive if read else prof.nvme.write_GBps_per_drive
             node_bw = max(prof.nvme.drives_per_node, 1) * per_drive * 1e9
-            return 0.0, nvme_time_s(op.size_bytes, node_bw, cluster.gpus_per_node, meta.get("aio_efficiency", 1.0)), "nvme"
+            if uplink_Bps is not None:   # drives sit under the switches: their traffic crosses the uplinks too
+                node_bw = min(node_bw, uplink_Bps * cluster.gpus_per_node / sharers)
+            t = nvme_time_s(op.size_bytes, node_bw, cluster.gpus_per_node, meta.get("aio_efficiency", 1.0))
+            return 0.0, t, links(NVME_READ_LINKS if read else NVME_WRITE_LINKS)
         if op.cpu_adam_params:
             t = cpu_adam_time_s(op.cpu_adam_params, prof.cpu.adam_params_per_s_per_core, prof.cpu.cores_per_node,
                                 cluster.gpus_per_node, meta.get("cpu_cores_fraction", 1.0))
-            return t, 0.0, "cpu"
-        return 0.0, 0.0, "cpu"
+            return t, 0.0, ("cpu",)
+        return 0.0, 0.0, ("cpu",)
 
     def run_stream(ops: list[Op]):
         for op in ops:
@@ -165,18 +187,18 @@ def simulate(schedule: Schedule, cluster, precision: str) -> Trace:
                 fixed += cost.latency_s
                 if fixed > 0:
                     yield env.timeout(fixed)
-                yield fluid.submit(cost.tier, cost.transfer_s)
+                yield fluid.submit(nic_links if cost.tier == "inter_node" else (cost.tier,), cost.transfer_s)
             elif op.transfer or op.cpu_adam_params:
-                lat, work, resource = host_work(op)
+                lat, work, path = host_work(op)
                 if fixed + lat > 0:
                     yield env.timeout(fixed + lat)
-                yield fluid.submit(resource, work)
+                yield fluid.submit(path, work)
             else:
                 if fixed > 0:
                     yield env.timeout(fixed)
                 work = compute_work_s(op, cluster, precision)
                 if work > 0:
-                    yield fluid.submit("compute", work)
+                    yield fluid.submit(COMPUTE, work)
             for tag in op.free:
                 ledger.free(env.now, tag)
             timings[op.id] = OpTiming(op.id, start, env.now)

@@ -13,6 +13,16 @@
 from __future__ import annotations
 
 PAGEABLE_FACTOR = 0.5
+
+
+def host_link_Bps(gpu_link_Bps: float, uplink_Bps: float | None, gpus_per_switch: int) -> float:
+    """What one GPU gets for host traffic when every GPU under its PCIe switch copies at once
+    (data-parallel ranks are symmetric): its own link, or its share of the switch's uplink to
+    the CPU, whichever is smaller (NVIDIA DGX A100 / H100 system architecture: two GPUs, two
+    NICs and NVMe drives under each PCIe switch with one x16 uplink)."""
+    if uplink_Bps is None:
+        return gpu_link_Bps
+    return min(gpu_link_Bps, uplink_Bps / gpus_per_switch)
 AIO_SATURATION_BYTES = 8 * 2**20
 
 
