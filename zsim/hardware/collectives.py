@@ -14,6 +14,8 @@ an intra-node phase over NVLink plus an inter-node phase in which each GPU's rai
 transfer term is the slower phase and the latency terms add. All-reduce across nodes may
 use NCCL's double binary tree (Sanders, Speck & Traeff, Parallel Computing 2009), whose
 latency grows with log2(nodes) instead of linearly; like NCCL's tuner we take the faster.
+A tier may carry one efficiency table per collective (calibrated profiles: `zsim calibrate`
+measures each), which replaces the tier's shared table for that collective.
 """
 from __future__ import annotations
 
@@ -30,6 +32,15 @@ class Tier:
     busbw_Bps: float
     latency_s: float
     efficiency: EffTable
+    # calibrated profiles measure each collective's own curve (gloo's broadcast and all-reduce,
+    # for example, differ by 2x at the same size); kinds not listed use `efficiency`
+    by_collective: tuple[tuple[str, EffTable], ...] = ()
+
+    def efficiency_for(self, kind: str) -> EffTable:
+        for k, table in self.by_collective:
+            if k == kind:
+                return table
+        return self.efficiency
 
 
 @dataclass(frozen=True)
@@ -69,7 +80,7 @@ def ring_cost(kind: str, size_bytes: float, n: int, tier: Tier, tier_name: str) 
     """One ring over `n` ranks on a single tier: alpha*steps + size*factor/(busbw*eff(size))."""
     if n <= 1 or size_bytes <= 0:
         return CommCost(0.0, 0.0, tier_name)
-    bw = tier.busbw_Bps * efficiency_at(tier.efficiency, size_bytes)
+    bw = tier.busbw_Bps * efficiency_at(tier.efficiency_for(kind), size_bytes)
     return CommCost(ring_steps(kind, n) * tier.latency_s, size_bytes * bus_factor(kind, n) / bw, tier_name)
 
 
@@ -119,7 +130,9 @@ def collective_cost(kind: str, size_bytes: float, nodes: int, gpus_per_node: int
 def tiers_for(cluster) -> tuple[Tier, Tier]:
     """The two tiers of a Cluster, in SI units; the inter tier is per rail (NICs / GPUs per node)."""
     p = cluster.profile
-    intra = Tier(cluster.intra_busbw_Bps, p.intra_node.latency_us * 1e-6, p.intra_node.efficiency_by_size)
+    intra = Tier(cluster.intra_busbw_Bps, p.intra_node.latency_us * 1e-6, p.intra_node.efficiency_by_size,
+                 tuple(sorted(p.intra_node.efficiency_by_collective.items())))
     rail_Bps = cluster.inter_node_bw_Bps / cluster.gpus_per_node
-    inter = Tier(rail_Bps, p.inter_node.latency_us * 1e-6, p.inter_node.efficiency_by_size)
+    inter = Tier(rail_Bps, p.inter_node.latency_us * 1e-6, p.inter_node.efficiency_by_size,
+                 tuple(sorted(p.inter_node.efficiency_by_collective.items())))
     return intra, inter

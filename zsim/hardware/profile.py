@@ -9,6 +9,7 @@ import bisect
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import yaml
 
@@ -42,12 +43,31 @@ class GpuProfile:
     kernel_overhead_us: float = spec(5.0, ge=0, doc="launch + framework time per kernel")
 
 
+_COLLECTIVE_NAMES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "all_to_all")
+
+
+def _check_collective_tables(tables: dict) -> None:
+    for kind, table in tables.items():
+        if kind not in _COLLECTIVE_NAMES:
+            raise ValueError(f"efficiency_by_collective.{kind}", kind,
+                             f"unknown collective{did_you_mean(kind, _COLLECTIVE_NAMES)}; use one of "
+                             f"{', '.join(_COLLECTIVE_NAMES)}")
+        if not table or any(not 0 < eff <= 1 for _, eff in table):
+            raise ValueError(f"efficiency_by_collective.{kind}", [list(p) for p in table],
+                             "give [[bytes, fraction], ...] with fractions in (0, 1]")
+
+
 @dataclass(frozen=True, kw_only=True)
 class LinkTierProfile:
     fabric: str
     busbw_GBps: float = spec(gt=0, doc="peak nccl-tests bus bandwidth per GPU on this tier")
     latency_us: float = spec(ge=0, doc="alpha: per ring step")
     efficiency_by_size: EffTable = spec(((1.0, 1.0),))
+    efficiency_by_collective: dict[str, EffTable] = spec(
+        factory=dict, doc="per-collective tables that replace efficiency_by_size (calibrated profiles)")
+
+    def __post_init__(self):
+        _check_collective_tables(self.efficiency_by_collective)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,6 +77,11 @@ class InterNodeProfile:
     nic_bw_Gbps: float = spec(gt=0)
     latency_us: float = spec(ge=0)
     efficiency_by_size: EffTable = spec(((1.0, 1.0),))
+    efficiency_by_collective: dict[str, EffTable] = spec(
+        factory=dict, doc="per-collective tables that replace efficiency_by_size (calibrated profiles)")
+
+    def __post_init__(self):
+        _check_collective_tables(self.efficiency_by_collective)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +90,10 @@ class PcieProfile:
     bw_GBps_per_gpu: float = spec(gt=0, doc="achieved H2D/D2H bandwidth of one GPU, pinned memory")
     gpus_per_switch: int = spec(1, ge=1)
     latency_us: float = spec(10.0, ge=0)
+    switch_uplink_GBps: Optional[float] = spec(None, gt=0, doc="switch-to-CPU link shared by the GPUs (and NVMe) "
+                                                               "under one PCIe switch; none = each GPU has its own")
+    nics_share_gpu_link: bool = spec(False, doc="NICs sit under the GPU's switch (GPUDirect RDMA): inter-node "
+                                                "traffic and H2D/D2H share the GPU's PCIe link")
 
 
 @dataclass(frozen=True, kw_only=True)

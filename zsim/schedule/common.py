@@ -6,7 +6,7 @@ Stage builders plug in through `StageHooks`: collectives and memory that differ 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from zsim.config.scenario import Scenario
 from zsim.schedule.ops import Alloc, Builder
@@ -26,6 +26,7 @@ class StepContext:
     b: Builder
     param_bytes: int            # 16-bit (2) or fp32 (4) model/gradient width
     world: int
+    ckpt_offload_ops: dict = field(default_factory=dict)   # (micro, layer) -> D2H op of its checkpoint
 
     @property
     def gas(self) -> int:
@@ -131,6 +132,7 @@ def forward(ctx: StepContext, hooks: StageHooks, micro: int, after: int | None) 
                     d2h = ctx.b.add(f"D2H checkpoint layer {module.layer}", "d2h", "forward", micro, [op],
                                     transfer="d2h", size_bytes=ctx.wl.layer_input_bytes, pinned=False)
                     ctx.b.add_free(d2h, f"ckpt/{micro}/{module.layer}")
+                    ctx.ckpt_offload_ops[(micro, module.layer)] = d2h
             # activations inside a checkpointed block live only while the block runs
             saved = _saved_bytes(ctx, module)
             if saved > 0:
@@ -163,7 +165,9 @@ def backward(ctx: StepContext, hooks: StageHooks, micro: int, after: int) -> int
             recomputed.add(module.layer)
             if ctx.cpu_checkpointing:
                 # CheckpointFunction.backward moves the saved input back before recomputing (blocking)
-                last = ctx.b.add(f"H2D checkpoint layer {module.layer}", "h2d", "recompute", micro, [last],
+                # it can only come back once it has reached the host
+                back_deps = [last, ctx.ckpt_offload_ops.get((micro, module.layer))]
+                last = ctx.b.add(f"H2D checkpoint layer {module.layer}", "h2d", "recompute", micro, back_deps,
                                  transfer="h2d", size_bytes=ctx.wl.layer_input_bytes, pinned=False,
                                  alloc=(Alloc(f"ckpt/{micro}/{module.layer}", "activation checkpoints",
                                               ctx.wl.layer_input_bytes),))
