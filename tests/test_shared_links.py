@@ -52,3 +52,26 @@ def test_pcie_is_full_duplex_but_nvme_reads_and_d2h_share_the_uplink():
     read = ("read", "nvme", {"transfer": "nvme_read", "size_bytes": 2 * GB})
     assert _duration(cl, d2h, h2d)["d2h"] == pytest.approx(_duration(cl, d2h)["d2h"])   # opposite directions
     assert _duration(cl, d2h, read)["d2h"] > _duration(cl, d2h)["d2h"] * 1.05          # same direction
+
+
+def test_partial_offload_ratio_splits_the_step_between_cpu_and_gpu():
+    from zsim.api import run_scenario
+    base = {"deepspeed.zero_optimization.stage": 3, "model.layers": 8, "model.hidden": 1024}
+    full = run_scenario(scenario(**base, **{"deepspeed.zero_optimization.offload_optimizer":
+                                            {"device": "cpu", "ratio": 1.0}}))[0]
+    half = run_scenario(scenario(**base, **{"deepspeed.zero_optimization.offload_optimizer":
+                                            {"device": "cpu", "ratio": 0.5}}))[0]
+    assert half["host_time_s"]["cpu_adam"] == pytest.approx(full["host_time_s"]["cpu_adam"] / 2)
+    assert half["memory"]["breakdown"]["optimizer states"] > 0
+    assert "optimizer states" not in full["memory"]["breakdown"]
+
+
+def test_loading_the_model_can_exhaust_host_memory_without_zero_init():
+    from zsim.api import run_scenario
+    common = {"model": {"preset": "llama2-70b"}, "training.seq_len": 512, "training.micro_batch_size": 1,
+              "hardware.override": {"cpu": {"memory_GiB": 512}}}
+    stage2 = run_scenario(scenario(**common, **{"deepspeed.zero_optimization.stage": 2}))[0]["memory"]["host"]
+    stage3 = run_scenario(scenario(**common, **{"deepspeed.zero_optimization.stage": 3}))[0]["memory"]["host"]
+    # 8 ranks x 69 B params x 2 bytes each, vs. one partition each with zero.Init
+    assert stage2["load_bytes_per_node"] == pytest.approx(8 * 68_976_648_192 * 2)
+    assert stage2["fits"] is False and stage3["fits"] is True

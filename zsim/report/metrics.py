@@ -86,6 +86,7 @@ def summarize(sc: Scenario, wl: Workload, trace: Trace) -> dict:
     for a in trace.schedule.host_static:
         host_breakdown[a.category] = host_breakdown.get(a.category, 0.0) + a.size_bytes * cl.gpus_per_node
     host_need = sum(host_breakdown.values())
+    host_load = trace.schedule.meta.get("host_load_bytes_per_gpu", 0.0) * cl.gpus_per_node
     peak_flops = cl.peak_flops(sc.precision)
     tflops = model_flops_gpu / step / 1e12 if step > 0 else 0.0
     return {
@@ -119,8 +120,9 @@ def summarize(sc: Scenario, wl: Workload, trace: Trace) -> dict:
             "breakdown": breakdown,
             "host": {
                 "bytes_per_node": host_need,
+                "load_bytes_per_node": host_load,
                 "capacity_bytes": cl.host_memory_bytes,
-                "fits": host_need <= cl.host_memory_bytes,
+                "fits": max(host_need, host_load) <= cl.host_memory_bytes,
                 "breakdown": dict(sorted(host_breakdown.items())),
             },
         },

@@ -53,6 +53,10 @@ def render(result: dict, console: Console | None = None):
         mt.add_row(name, _bytes(b), f"{100 * b / mem['peak_bytes']:.1f}%")
     console.print(mt)
     host = mem["host"]
+    if host.get("load_bytes_per_node", 0) > host["capacity_bytes"]:
+        console.print(f"[bold red]host OOM while loading the model: {_bytes(host['load_bytes_per_node'])} per node "
+                      f"of {_bytes(host['capacity_bytes'])} (every rank materialises it; ZeRO-3's zero.Init "
+                      "partitions it)[/bold red]")
     if host["bytes_per_node"] > 0:
         hv = "[green]fits[/green]" if host["fits"] else "[bold red]host OOM[/bold red]"
         parts = ", ".join(f"{k} {_bytes(v)}" for k, v in host["breakdown"].items())

@@ -29,6 +29,17 @@ def param_device(ctx: StepContext) -> str:
     return ctx.sc.zero.param_offload_device
 
 
+def host_load_bytes(ctx: StepContext) -> float:
+    """Host memory one rank needs while the model is built and loaded, before training.
+    With ZeRO-3, deepspeed.zero.Init (which the HF Trainer enables for stage-3 configs)
+    partitions each parameter as it is created; otherwise every rank materialises the whole
+    model on the CPU first (HF from_pretrained in the training dtype) before moving it to the GPU."""
+    n = ctx.wl.n_params
+    if ctx.sc.zero.stage == 3:
+        return math.ceil(n / ctx.world) * ctx.param_bytes
+    return n * ctx.param_bytes
+
+
 def host_meta(ctx: StepContext) -> dict:
     z, ds = ctx.sc.zero, ctx.sc.deepspeed
     pin = True
@@ -37,7 +48,7 @@ def host_meta(ctx: StepContext) -> dict:
     if z.offload_param is not None:
         pin = pin and z.offload_param.pin_memory
     frac = z.offload_optimizer.cpuadam_cores_perc if z.offload_optimizer is not None else 0.8
-    return {"pin_memory": pin, "cpu_cores_fraction": frac,
+    return {"pin_memory": pin, "cpu_cores_fraction": frac, "host_load_bytes_per_gpu": host_load_bytes(ctx),
             "aio_efficiency": aio_efficiency(ds.aio.block_size, ds.aio.queue_depth, ds.aio.thread_count)}
 
 
@@ -112,6 +123,15 @@ def offloaded_step(ctx: StepContext, shard: float, deps, sub_group_size: int | N
     the GPU holds the updated 16-bit partition."""
     z = ctx.sc.zero
     step = ctx.gas - 1
+    deps = list(deps)
+    # partial offload (stage 3 `ratio`): that fraction of the shard steps on the CPU, the rest
+    # with the GPU's fused Adam, concurrently
+    ratio = z.offload_optimizer.ratio if z.offload_optimizer is not None else 1.0
+    gpu_part = None
+    if ratio < 1.0:
+        from zsim.schedule.common import optimizer_step
+        gpu_part = optimizer_step(ctx, shard * (1.0 - ratio), deps)
+        shard = shard * ratio
     groups = 1 if not sub_group_size else max(1, math.ceil(shard / sub_group_size))
     per = shard / groups
     nvme = optimizer_device(ctx) == "nvme"
@@ -119,7 +139,6 @@ def offloaded_step(ctx: StepContext, shard: float, deps, sub_group_size: int | N
     pipelined = bool(o and (o.pipeline_read or o.pipeline_write or o.pipeline))
     last_h2d = None
     prev_write = None
-    deps = list(deps)
     for g in range(groups):
         read = None
         if nvme:
@@ -135,7 +154,7 @@ def offloaded_step(ctx: StepContext, shard: float, deps, sub_group_size: int | N
                                  transfer="h2d", size_bytes=per * ctx.param_bytes)
         else:
             last_h2d = adam   # the updated 16-bit partition stays on the host with the params
-    return ctx.b.add("optimizer step done", "compute", "step", step, [last_h2d, prev_write])
+    return ctx.b.add("optimizer step done", "compute", "step", step, [last_h2d, prev_write, gpu_part])
 
 
 def params_to_device(ctx: StepContext, numel_shard: float, micro: int, phase: str, deps, label: str) -> int:
