@@ -105,7 +105,8 @@ def playbook(raw: dict, sc: Scenario) -> list[Candidate]:
     """Single changes an expert would try, in a fixed order (micro-batch candidates largest first)."""
     z, tr = sc.zero, sc.training
     out: list[Candidate] = []
-    if tr.activation_checkpointing == "none":
+    if tr.activation_checkpointing == "none" and not tr.flash_attention:
+        # with FlashAttention nothing s^2-sized is stored, so selective recompute frees nothing
         out.append(Candidate("selective activation checkpointing", ("training.activation_checkpointing=selective",)))
     if tr.activation_checkpointing != "full":
         out.append(Candidate("full activation checkpointing", ("training.activation_checkpointing=full",)))
