@@ -50,7 +50,10 @@ class Trace:
 
 
 class _Fluid:
-    """Processor sharing over all resource-bound work in flight."""
+    """Processor sharing over all resource-bound work in flight. Driven by timer callbacks
+    rather than a process: each change of the job set reschedules one timer for the next
+    completion, and timers made stale by a later change are ignored (cheaper than waiting on
+    a condition of two events)."""
 
     def __init__(self, env: simpy.Environment, compute_slowdown: float):
         self.env = env
@@ -58,8 +61,7 @@ class _Fluid:
         self.jobs: dict[int, list] = {}       # id -> [remaining_work_s, rate, event, links]
         self.next_id = 0
         self.last_s = 0.0
-        self.wake = env.event()
-        env.process(self._serve())
+        self.version = 0
 
     def submit(self, links: tuple[str, ...], work_s: float) -> simpy.Event:
         ev = self.env.event()
@@ -70,8 +72,7 @@ class _Fluid:
         self.jobs[self.next_id] = [work_s, 1.0, ev, links]
         self.next_id += 1
         self._rerate()
-        if not self.wake.triggered:
-            self.wake.succeed()
+        self._reschedule()
         return ev
 
     def _advance(self):
@@ -94,24 +95,25 @@ class _Fluid:
             else:
                 job[1] = 1.0 / max(count[link] for link in job[3])
 
-    def _serve(self):
-        env = self.env
-        while True:
-            if not self.jobs:
-                yield self.wake
-                self.wake = env.event()
-                continue
-            dt = min(j[0] / j[1] for j in self.jobs.values())
-            timeout = env.timeout(max(dt, 0.0))
-            yield timeout | self.wake
-            if self.wake.triggered:
-                self.wake = env.event()
-            self._advance()
-            done = [k for k, j in self.jobs.items() if j[0] <= _EPS_S * max(1.0, env.now)]
-            for k in done:
-                self.jobs.pop(k)[2].succeed()
-            if done:
-                self._rerate()
+    def _reschedule(self):
+        self.version += 1
+        if not self.jobs:
+            return
+        dt = min(j[0] / j[1] for j in self.jobs.values())
+        version = self.version
+        timer = self.env.timeout(max(dt, 0.0))
+        timer.callbacks.append(lambda _ev: self._fire(version))
+
+    def _fire(self, version: int):
+        if version != self.version:
+            return
+        self._advance()
+        limit = _EPS_S * max(1.0, self.env.now)
+        done = [k for k, j in self.jobs.items() if j[0] <= limit]
+        for k in done:
+            self.jobs.pop(k)[2].succeed()
+        self._rerate()
+        self._reschedule()
 
 
 def compute_work_s(op: Op, cluster, precision: str) -> float:

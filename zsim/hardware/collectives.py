@@ -19,6 +19,7 @@ measures each), which replaces the tier's shared table for that collective.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -107,6 +108,7 @@ def hierarchical_cost(kind: str, size_bytes: float, nodes: int, gpus_per_node: i
     return CommCost(intra_c.latency_s + inter_c.latency_s, intra_c.transfer_s, "intra_node")
 
 
+@functools.lru_cache(maxsize=4096)   # pure; schedules repeat the same sizes layer after layer
 def collective_cost(kind: str, size_bytes: float, nodes: int, gpus_per_node: int,
                     intra: Tier, inter: Tier) -> CommCost:
     """Cost of one collective over a data-parallel group of nodes x gpus_per_node ranks."""

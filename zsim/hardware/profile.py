@@ -6,6 +6,7 @@ units (bytes, seconds, FLOP/s) once, so no other module sees GiB or Gbps.
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,11 +134,16 @@ class HardwareProfile:
     provenance: dict[str, str] = spec(factory=dict, doc="where the numbers came from (calibration run, datasheet)")
 
 
+@functools.lru_cache(maxsize=256)
+def _log_sizes(table: EffTable) -> tuple[float, ...]:
+    return tuple(math.log(max(s, 1.0)) for s, _ in table)
+
+
 def efficiency_at(table: EffTable, size_bytes: float) -> float:
     """Piecewise-linear in log(size) between table points, flat beyond both ends."""
     if size_bytes <= 0:
         return table[0][1]
-    xs = [math.log(max(s, 1.0)) for s, _ in table]
+    xs = _log_sizes(table)
     x = math.log(max(size_bytes, 1.0))
     i = bisect.bisect_left(xs, x)
     if i == 0:
