@@ -63,7 +63,12 @@ def test_sweep_product_failing_point_and_parallel_equivalence(tmp_path, scen):
     assert main(args + ["--workers", "1", "--json", str(serial)]) == 0
     assert json.loads(serial.read_text()) == rows
     header = b.read_text().splitlines()[0].split(",")
-    assert header[:3] == ["point", "deepspeed.zero_optimization.stage", "hardware.nodes"]
+    assert header[:4] == ["point", "varied", "deepspeed.zero_optimization.stage", "hardware.nodes"]
+    # plot labels name the swept keys, from CSV and from (key-sorted) JSON alike
+    for path in (a, b):
+        kind, loaded = plots.load_results(str(path))
+        labels = [d["label"] for d in plots.throughput_data(loaded)]
+        assert labels[0] == "stage=2, nodes=1"
 
 
 def test_sweep_bad_vary_is_one_line(capsys, scen):

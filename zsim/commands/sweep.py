@@ -60,7 +60,7 @@ def _run_point(args):
     from zsim.config.scenario import parse_value
     from zsim.explore import flatten, run_assignments
     out = run_assignments(_BASE, assignments)
-    row = {"point": index}
+    row = {"point": index, "varied": [a.split("=", 1)[0] for a in assignments]}
     for a in assignments:
         k, v = a.split("=", 1)
         row[k] = parse_value(v)

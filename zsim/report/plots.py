@@ -207,12 +207,12 @@ def _label(r: dict, keys: list[str]) -> str:
 
 
 def varied_keys(rows: list[dict]) -> list[str]:
-    """The input columns of a sweep: those before 'ok' that take more than one value."""
-    if not rows or "ok" not in rows[0]:
+    """The swept keys that take more than one value (a sweep row names them in 'varied')."""
+    if not rows or "varied" not in rows[0]:
         return []
-    cols = list(rows[0].keys())
-    inputs = cols[1:cols.index("ok")]
-    return [k for k in inputs if len({str(r.get(k)) for r in rows}) > 1]
+    varied = rows[0]["varied"]
+    keys = varied.split("; ") if isinstance(varied, str) else list(varied)
+    return [k for k in keys if len({str(r.get(k)) for r in rows}) > 1]
 
 
 def throughput_data(rows: list[dict]) -> list[dict]:
