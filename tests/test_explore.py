@@ -6,7 +6,7 @@ import matplotlib.image as mpimg
 import pytest
 import yaml
 
-from helpers import ROOT, mapping
+from helpers import mapping
 from zsim.cli import main
 from zsim.explore import Base
 from zsim.report import plots

@@ -1,7 +1,6 @@
 """zsim compare: ZeRO stages 0-3 and the offload variants of one scenario, side by side."""
 from __future__ import annotations
 
-import sys
 
 from zsim.commands.common import add_scenario_args
 
@@ -71,7 +70,7 @@ def add_parser(sub):
 def main(args) -> int:
     from zsim.explore import Base
     from zsim.report.table import compare_table
-    from zsim.report.writers import dumps, rows_csv, write_atomic
+    from zsim.report.writers import dumps, rows_csv, save
 
     base = Base.load(args.scenario, tuple(args.set or ()))
     if args.plot:
@@ -81,13 +80,10 @@ def main(args) -> int:
     if not args.quiet:
         compare_table(base.name, rows)
     if args.json:
-        write_atomic(args.json, dumps(rows))
-        print(f"wrote {args.json}", file=sys.stderr)
+        save(args.json, dumps(rows))
     if args.csv:
-        write_atomic(args.csv, rows_csv([{k: v for k, v in r.items() if k != "breakdown"} for r in rows]))
-        print(f"wrote {args.csv}", file=sys.stderr)
+        save(args.csv, rows_csv([{k: v for k, v in r.items() if k != "breakdown"} for r in rows]))
     if args.plot:
         from zsim.report.plots import compare_plot
         compare_plot(rows, base.name, args.plot)
-        print(f"wrote {args.plot}", file=sys.stderr)
     return 0

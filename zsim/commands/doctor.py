@@ -1,7 +1,6 @@
 """zsim doctor: why a scenario runs out of memory (GPU or host), and the fixes that fit, fastest first."""
 from __future__ import annotations
 
-import sys
 
 from zsim.commands.common import add_scenario_args
 
@@ -48,11 +47,10 @@ def render(rep: dict, top: int = 10):
 
 def main(args) -> int:
     from zsim.doctor import doctor_file
-    from zsim.report.writers import dumps, write_atomic
+    from zsim.report.writers import dumps, save
 
     rep = doctor_file(args.scenario, tuple(args.set or ()))
     render(rep, args.top)
     if args.json:
-        write_atomic(args.json, dumps(rep))
-        print(f"wrote {args.json}", file=sys.stderr)
+        save(args.json, dumps(rep))
     return 0

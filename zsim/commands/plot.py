@@ -1,7 +1,6 @@
 """zsim plot: pictures from zsim's own output files (sweep, compare, run, trace)."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 KINDS = ("scaling", "throughput", "memory", "timeline", "memory-timeline")
@@ -37,5 +36,4 @@ def main(args) -> int:
     else:
         plots._need(args.kind, have, ("trace",))
         plots.memory_timeline_plot(plots.memory_timeline_data(data), title, args.out)
-    print(f"wrote {args.out}", file=sys.stderr)
     return 0

@@ -1,7 +1,6 @@
 """zsim run: simulate one training step of a scenario."""
 from __future__ import annotations
 
-import sys
 
 from zsim.commands.common import DEFAULT_SCENARIO, add_scenario_args
 
@@ -19,18 +18,16 @@ def main(args) -> int:
     from zsim.api import run_scenario
     from zsim.config.scenario import load_scenario
     from zsim.report.table import render
-    from zsim.report.writers import dumps, trace_json, write_atomic
+    from zsim.report.writers import dumps, save, trace_json
 
     sc = load_scenario(args.scenario, tuple(args.set or ()))
     result, trace = run_scenario(sc)
     if not args.quiet:
         render(result)
     if args.json:
-        write_atomic(args.json, dumps(result))
-        print(f"wrote {args.json}", file=sys.stderr)
+        save(args.json, dumps(result))
     if args.trace:
-        write_atomic(args.trace, trace_json(trace, sc.name))
-        print(f"wrote {args.trace}", file=sys.stderr)
+        save(args.trace, trace_json(trace, sc.name))
     return 0
 
 

@@ -115,7 +115,7 @@ def add_parser(sub):
 
 def main(args) -> int:
     from zsim.explore import Base
-    from zsim.report.writers import dumps, rows_csv, write_atomic
+    from zsim.report.writers import dumps, rows_csv, save
 
     if args.workers < 1:
         raise ZsimInputError("--workers", args.workers, "use 1 or more worker processes")
@@ -131,9 +131,7 @@ def main(args) -> int:
         sweep_table(rows, [k for k, _ in axes])
     print(f"{len(rows)} points ({failed} failed) in {wall:.1f} s, {len(rows) / wall:.1f} points/s", file=sys.stderr)
     if args.csv:
-        write_atomic(args.csv, rows_csv(rows))
-        print(f"wrote {args.csv}", file=sys.stderr)
+        save(args.csv, rows_csv(rows))
     if args.json:
-        write_atomic(args.json, dumps(rows))
-        print(f"wrote {args.json}", file=sys.stderr)
+        save(args.json, dumps(rows))
     return 0

@@ -25,7 +25,7 @@ def main(args) -> int:
 
     from zsim.explore import Base
     from zsim.report.table import tune_table
-    from zsim.report.writers import dumps, write_atomic
+    from zsim.report.writers import dumps, save
     from zsim.tune import ds_config, tune
 
     if args.budget < 1:
@@ -45,15 +45,13 @@ def main(args) -> int:
         print(f"note: the best configuration uses {best.checkpointing} activation checkpointing; enable it in the "
               "model (e.g. model.gradient_checkpointing_enable() or deepspeed.checkpointing)", file=sys.stderr)
     if args.out:
-        write_atomic(args.out, json.dumps(ds_config(base, best), indent=2) + "\n")
-        print(f"wrote {args.out}", file=sys.stderr)
+        save(args.out, json.dumps(ds_config(base, best), indent=2) + "\n")
     if args.json:
         rows = [{"rank": i + 1, "set": list(c.assignments()), "stage": c.stage, "offload": c.offload,
                  "micro_batch_size": c.micro_batch, "gradient_accumulation_steps": c.gas,
                  "activation_checkpointing": c.checkpointing, "knobs": c.knobs,
                  "tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"], "mfu": r["mfu"], "step_time_s": r["step_time_s"],
                  "peak_bytes": r["memory"]["peak_bytes"]} for i, (c, r) in enumerate(res.ranked)]
-        write_atomic(args.json, dumps({"objective": res.objective, "simulated": res.simulated, "pruned": res.pruned,
-                                       "rejected": res.rejected, "candidates": rows}))
-        print(f"wrote {args.json}", file=sys.stderr)
+        save(args.json, dumps({"objective": res.objective, "simulated": res.simulated, "pruned": res.pruned,
+                               "rejected": res.rejected, "candidates": rows}))
     return 0

@@ -29,7 +29,7 @@ def spec(default=dataclasses.MISSING, *, ge=None, gt=None, le=None, alias=None, 
 def _number(value, path: str, want_int: bool):
     # YAML 1.1 reads 5e8 as a string, and DeepSpeed users write 5e8 in JSON: accept both.
     if isinstance(value, bool):
-        raise ZsimInputError(path, value, f"expected a number, not a boolean")
+        raise ZsimInputError(path, value, "expected a number, not a boolean")
     if isinstance(value, str) and _SCI.match(value.strip()):
         value = float(value)
     if not isinstance(value, (int, float)):

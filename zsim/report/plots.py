@@ -21,7 +21,10 @@ def check_image_path(path: str, field: str):
 
 
 def _save(fig, path: str):
+    """Atomic image write; says on stderr whether it replaced an existing file."""
+    import sys
     out = Path(path)
+    print(f"{'replaced existing' if out.exists() else 'wrote'} {path}", file=sys.stderr)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp{out.suffix}")
     fig.savefig(tmp, dpi=130, bbox_inches="tight", metadata={"Software": "zsim"} if out.suffix == ".png" else None)

@@ -61,6 +61,15 @@ def write_atomic(path: str | Path, text: str):
         raise
 
 
+def save(path: str | Path, text: str):
+    """Write an output the user named, atomically, and say so on stderr, including when an
+    existing file is replaced (never silently)."""
+    import sys
+    existed = Path(path).exists()
+    write_atomic(path, text)
+    print(f"{'replaced existing' if existed else 'wrote'} {path}", file=sys.stderr)
+
+
 def chrome_trace(trace: Trace, name: str) -> dict:
     """Chrome trace-event format (also read by Perfetto): one thread per stream, a memory
     counter track from the ledger. Times in microseconds."""
