@@ -1,0 +1,152 @@
+"""What a calibration run measures: a plain, torch-free description of every benchmark.
+
+The launcher, the ranks and the tests all derive the same item list from a Plan, so rank 0
+can show an honest ETA and a failure can name the benchmark a rank was in.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+
+KB = 1024
+COLLECTIVE_OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "all_to_all")
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One transformer layer as zsim's workload models it (GPT-style, fused QKV, 4h MLP)."""
+    hidden: int
+    heads: int
+    seq_len: int
+    micro_batch: int
+
+    @property
+    def tokens(self) -> int:
+        return self.seq_len * self.micro_batch
+
+    @property
+    def label(self) -> str:
+        return f"h{self.hidden}-a{self.heads}-s{self.seq_len}-b{self.micro_batch}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    mode: str                        # quick | full
+    max_size_bytes: int
+    size_step: int                   # sizes grow by this factor from 1 KB
+    coll_dtypes: tuple[str, ...]
+    compute_dtypes: tuple[str, ...]
+    profile_dtype: str               # the dtype whose compute figures define the profile's efficiencies
+    layers: tuple[LayerShape, ...]
+    warmup: int
+    reps: int
+    min_rep_time_s: float            # a repetition loops the op until it lasts at least this long
+    memcpy_bytes: int
+    io_path: str
+    io_bytes: int
+    adam_params: int
+    timeout_s: float
+    ops: tuple[str, ...] = COLLECTIVE_OPS
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> "Plan":
+        d = json.loads(text)
+        d["layers"] = tuple(LayerShape(**x) for x in d["layers"])
+        for k in ("coll_dtypes", "compute_dtypes", "ops"):
+            d[k] = tuple(d[k])
+        return Plan(**d)
+
+
+def message_sizes(max_size_bytes: int, step: int) -> list[int]:
+    """Log-spaced sizes from 1 KB to max_size_bytes inclusive (max appended if off-grid)."""
+    sizes, s = [], KB
+    while s <= max_size_bytes:
+        sizes.append(s)
+        s *= step
+    if sizes[-1] != max_size_bytes and max_size_bytes > KB:
+        sizes.append(max_size_bytes)
+    return sizes
+
+
+def default_plan(mode: str, *, max_size_bytes: int | None = None, io_path: str = "",
+                 layers: tuple[LayerShape, ...] | None = None, timeout_s: float | None = None,
+                 profile_dtype: str = "bf16") -> Plan:
+    if mode == "quick":
+        # Well under a minute on two shared cores: one small layer, sizes up to 1 MiB, fp32 only.
+        return Plan(mode=mode, max_size_bytes=max_size_bytes or 1 << 20, size_step=4,
+                    coll_dtypes=("fp32",), compute_dtypes=(profile_dtype,), profile_dtype=profile_dtype,
+                    layers=layers or (LayerShape(256, 4, 128, 1),), warmup=1, reps=5, min_rep_time_s=0.002,
+                    memcpy_bytes=16 << 20, io_path=io_path, io_bytes=8 << 20, adam_params=1 << 20,
+                    timeout_s=timeout_s or 60.0)
+    if mode == "full":
+        return Plan(mode=mode, max_size_bytes=max_size_bytes or 64 << 20, size_step=2,
+                    coll_dtypes=("fp32", "bf16"), compute_dtypes=tuple(dict.fromkeys((profile_dtype, "fp32", "bf16"))),
+                    profile_dtype=profile_dtype,
+                    layers=layers or (LayerShape(512, 8, 256, 2), LayerShape(768, 12, 512, 1),
+                                      LayerShape(1024, 16, 256, 2)),
+                    warmup=3, reps=15, min_rep_time_s=0.01, memcpy_bytes=256 << 20, io_path=io_path,
+                    io_bytes=256 << 20, adam_params=16 << 20, timeout_s=timeout_s or 180.0)
+    raise ValueError(mode)
+
+
+def layer_gemms(shape: LayerShape) -> list[tuple[str, str, int, int, int]]:
+    """(module, pass, m, n, k) of the GEMMs of one layer, in the layouts autograd runs them.
+
+    Mirrors zsim.schedule.common.linear_gemms: fwd (t, out, in); dgrad (t, in, out);
+    wgrad (out, in, t)."""
+    h, t = shape.hidden, shape.tokens
+    out = []
+    for name, n_in, n_out in (("qkv", h, 3 * h), ("o_proj", h, h), ("fc_in", h, 4 * h), ("fc_out", 4 * h, h)):
+        out.append((name, "fwd", t, n_out, n_in))
+        out.append((name, "dgrad", t, n_in, n_out))
+        out.append((name, "wgrad", n_out, n_in, t))
+    return out
+
+
+def items(plan: Plan, world_size: int, nodes: int) -> list[str]:
+    """Names of every benchmark, in run order (each becomes one or more records)."""
+    names = ["overhead", "memcpy"]
+    for grp in groups(world_size, nodes):
+        for dt in plan.coll_dtypes:
+            for op in plan.ops:
+                for s in message_sizes(plan.max_size_bytes, plan.size_step):
+                    names.append(f"collective/{op}/{grp}/{dt}/{s}")
+    for dt in plan.compute_dtypes:
+        for L in plan.layers:
+            names.append(f"gemm/{dt}/{L.label}")
+            names.append(f"attention/{dt}/{L.label}")
+            names.append(f"membound/{dt}/{L.label}")
+            names.append(f"layer/{dt}/{L.label}")
+    names += ["adam", "io", "interference"]
+    return names
+
+
+def groups(world_size: int, nodes: int) -> list[str]:
+    """The process groups that matter: the world, one node, one rank per node."""
+    per_node = world_size // max(nodes, 1)
+    out = ["world"]
+    if nodes > 1 and per_node > 1:
+        out.append("intra_node")
+    if nodes > 1:
+        out.append("inter_node")
+    return out
+
+
+def tier_of_group(group: str, nodes: int) -> str:
+    if group == "world":
+        return "intra_node" if nodes == 1 else "world"
+    return group
+
+
+def estimated_cost(name: str) -> float:
+    """Relative weight of an item for the ETA (collectives scale with their size)."""
+    parts = name.split("/")
+    if parts[0] == "collective":
+        return 0.3 + math.log2(max(int(parts[-1]), 1024) / 1024) * 0.15
+    return {"layer": 4.0, "gemm": 4.0, "attention": 1.5, "membound": 1.5, "io": 3.0,
+            "interference": 3.0, "adam": 2.0}.get(parts[0], 1.0)

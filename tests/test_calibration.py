@@ -1,0 +1,259 @@
+"""zsim calibrate: pure fitting functions on synthetic records (no torch), the profile schema
+extension, argument errors and --force protection (no torch), and end-to-end runs with a
+killed rank (torch only; skipped without it)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from calibration.harness.fit import (build_profile, fit_collectives, fit_gemm, fit_layer_overhead_us, gemm_law,
+                                     layer_kernel_counts, predict_layer_s, robust_alpha_beta)
+from calibration.harness.plan import LayerShape, default_plan, items, layer_gemms, message_sizes
+from zsim.config.fields import build
+from zsim.errors import ZsimInputError
+from zsim.hardware.collectives import Tier, collective_cost, ring_cost
+from zsim.hardware.profile import Cluster, GpuProfile, HardwareProfile, load_profile
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = [1024 * 4**i for i in range(8)]
+
+
+# ----------------------------------------------------------------------------- plan
+def test_message_sizes_log_spaced_with_max():
+    assert message_sizes(1 << 20, 4) == [1024, 4096, 16384, 65536, 262144, 1048576]
+    assert message_sizes(3000, 2) == [1024, 2048, 3000]
+
+
+def test_layer_gemms_match_zsim_layouts():
+    g = layer_gemms(LayerShape(512, 8, 256, 2))
+    assert ("qkv", "fwd", 512, 1536, 512) in g
+    assert ("fc_out", "dgrad", 512, 2048, 512) in g      # dx = dy W: (t, in, out)
+    assert ("fc_in", "wgrad", 2048, 512, 512) in g       # dW: (out, in, t)
+    assert len(g) == 12
+
+
+def test_plan_items_and_roundtrip():
+    plan = default_plan("quick")
+    names = items(plan, 2, 1)
+    assert names[0] == "overhead" and names[-1] == "interference"
+    assert sum(n.startswith("collective/") for n in names) == 6 * 6   # 6 ops x 6 sizes, fp32
+    assert plan.from_json(plan.to_json()) == plan
+    assert any(n.startswith("collective/all_reduce/inter_node") for n in items(plan, 16, 2))
+
+
+# ----------------------------------------------------------------------------- regression
+def test_alpha_beta_exact_on_linear_data():
+    a, spb = robust_alpha_beta(SIZES, [50e-6 + s / 2e9 for s in SIZES])
+    assert a == pytest.approx(50e-6, rel=1e-9)
+    assert spb == pytest.approx(1 / 2e9, rel=1e-9)
+
+
+def test_alpha_beta_ignores_one_outlier():
+    t = [50e-6 + s / 2e9 for s in SIZES]
+    t[3] *= 10            # a repetition hit by a noisy neighbour
+    a, spb = robust_alpha_beta(SIZES, t)
+    assert a == pytest.approx(50e-6, rel=1e-4)
+    assert spb == pytest.approx(1 / 2e9, rel=1e-4)
+
+
+def test_alpha_beta_never_negative():
+    a, spb = robust_alpha_beta([1e3, 1e6], [2e-3, 1e-3])   # noise made the large message faster
+    assert spb == 0.0 and 1e-3 < a < 2e-3
+
+
+# ----------------------------------------------------------------------------- collectives
+def _coll_records(tier: Tier, n=2, ops=("all_gather", "all_reduce", "broadcast")):
+    return [{"kind": "collective", "op": op, "group": "world", "tier": "intra_node", "ranks": n, "dtype": "fp32",
+             "size_bytes": s, "time_s": ring_cost(op, s, n, tier, "intra_node").time_s}
+            for op in ops for s in SIZES]
+
+
+def test_fit_collectives_reproduces_every_measurement():
+    truth = Tier(4e9, 30e-6, ((1024, 0.05), (1 << 20, 0.6), (1 << 24, 1.0)),
+                 (("broadcast", ((1024, 0.1), (1 << 24, 0.9))),))
+    recs = _coll_records(truth)
+    fit = fit_collectives(recs, "fp32")["intra_node"]
+    fitted = Tier(fit["busbw_GBps"] * 1e9, fit["latency_us"] * 1e-6, ((1.0, 1.0),),
+                  tuple((k, tuple(map(tuple, v))) for k, v in fit["efficiency_by_collective"].items()))
+    for r in recs:
+        t = collective_cost(r["op"], r["size_bytes"], 1, 2, fitted, fitted).time_s
+        assert t == pytest.approx(r["time_s"], rel=1e-9)
+    assert all(0 < e <= 1 for tab in fit["efficiency_by_collective"].values() for _, e in tab)
+    assert 0 < fit["latency_us"] <= 0.95 * 32.56 + 1e-9   # capped below the fastest step (all_gather, 1 KB)
+
+
+def test_profile_efficiency_by_collective_is_used_and_validated():
+    base, _ = __import__("zsim.hardware.profile", fromlist=["x"]).read_profile_mapping("dgx-a100-80g")
+    base["intra_node"]["efficiency_by_collective"] = {"broadcast": [[1e3, 0.5], [1e9, 0.5]]}
+    prof = build(HardwareProfile, base)
+    cl = Cluster(profile=prof, nodes=1, gpus_per_node=8)
+    from zsim.hardware.collectives import tiers_for
+    intra, inter = tiers_for(cl)
+    bc = collective_cost("broadcast", 1e8, 1, 8, intra, inter)
+    assert bc.transfer_s == pytest.approx(1e8 / (235e9 * 0.5))
+    ref = load_profile("dgx-a100-80g")   # other collectives keep the shared table
+    ri, rx = tiers_for(Cluster(profile=ref, nodes=1, gpus_per_node=8))
+    assert collective_cost("all_reduce", 1e8, 1, 8, intra, inter) == collective_cost("all_reduce", 1e8, 1, 8, ri, rx)
+    base["intra_node"]["efficiency_by_collective"] = {"alreduce": [[1e3, 0.5]]}
+    with pytest.raises(ZsimInputError, match="did you mean 'all_reduce'"):
+        build(HardwareProfile, base)
+
+
+# ----------------------------------------------------------------------------- compute
+def test_fit_gemm_recovers_law():
+    shapes = [(128, 768, 256), (128, 256, 256), (1024, 256, 128), (2048, 2048, 2048), (64, 64, 64)]
+    recs = [{"kind": "gemm", "dtype": "bf16", "m": m, "n": n, "k": k, "flops": 2.0 * m * n * k,
+             "time_s": 2.0 * m * n * k / (1e12 * gemm_law(m, n, k, 64.0))} for m, n, k in shapes]
+    fit = fit_gemm(recs)
+    assert fit["gemm_half_efficiency_dim"] == pytest.approx(64.0, rel=1e-9)
+    assert fit["peak_tflops"]["bf16"] == pytest.approx(1.0, rel=1e-9)
+    assert max(abs(r["error"]) for r in fit["residuals"]) < 1e-9
+
+
+def test_layer_overhead_recovered():
+    gpu = GpuProfile(model="x", peak_tflops_fp32=1, peak_tflops_tf32=1, peak_tflops_fp16=1, peak_tflops_bf16=1,
+                     hbm_capacity_GiB=1, hbm_bw_GBps=20, gemm_max_efficiency=1.0, gemm_half_efficiency_dim=16,
+                     flash_attention_fwd_efficiency=0.1, flash_attention_bwd_efficiency=0.05,
+                     memory_bound_efficiency=0.4, kernel_overhead_us=7.0)
+    shape = {"hidden": 256, "heads": 4, "seq_len": 128, "micro_batch": 1, "dtype": "bf16"}
+    layers = [{**shape, "pass": p, "layer": "x", "time_s": predict_layer_s(gpu, 1e12, shape, "bf16", p == "bwd", 2)}
+              for p in ("fwd", "bwd")]
+    fields = {k: getattr(gpu, k) for k in ("gemm_max_efficiency", "gemm_half_efficiency_dim",
+                                           "flash_attention_fwd_efficiency", "flash_attention_bwd_efficiency",
+                                           "memory_bound_efficiency", "kernel_overhead_us")}
+    assert fit_layer_overhead_us(layers, fields, 1.0, 20.0, "bf16") == pytest.approx(7.0, rel=1e-9)
+    assert layer_kernel_counts(shape, "bf16") == (8, 15)
+
+
+def _synthetic_run():
+    recs = _coll_records(Tier(4e9, 30e-6, ((1024, 0.05), (1 << 24, 1.0))))
+    L = {"hidden": 128, "heads": 2, "seq_len": 64, "micro_batch": 1}
+    for name, pas, m, n, k in layer_gemms(LayerShape(**L)):
+        recs.append({"kind": "gemm", "dtype": "bf16", "module": name, "pass": pas, "m": m, "n": n, "k": k,
+                     "flops": 2.0 * m * n * k, "time_s": 2.0 * m * n * k / 1e11})
+    recs += [{"kind": "kernel_overhead", "time_s": 3e-6}, {"kind": "autograd_overhead", "time_s": 13e-6},
+             {"kind": "memcpy", "where": "host", "GBps": 20.0, "time_s": 1e-3},
+             {"kind": "attention", "dtype": "bf16", "pass": "fwd", "flops": 1e6, "time_s": 1e-4},
+             {"kind": "attention", "dtype": "bf16", "pass": "bwd", "flops": 2.5e6, "time_s": 5e-4},
+             {"kind": "membound", "dtype": "bf16", "pass": "fwd", "bytes": 1e5, "time_s": 1e-5},
+             {"kind": "layer", "dtype": "bf16", "layer": "x", "pass": "fwd", **L, "time_s": 1e-3},
+             {"kind": "layer", "dtype": "bf16", "layer": "x", "pass": "bwd", **L, "time_s": 2e-3},
+             {"kind": "adam", "impl": "torch.optim.Adam(fused)", "device": "cpu", "params": 100, "threads": 2,
+              "params_per_s": 4e8, "time_s": 1e-3},
+             {"kind": "file_io", "op": "read", "node_GBps": 2.0, "o_direct": True, "time_s": 1.0},
+             {"kind": "file_io", "op": "write", "node_GBps": 1.0, "o_direct": True, "time_s": 1.0},
+             {"kind": "interference", "gemm_alone_s": 1.0, "gemm_during_comm_s": 1.25, "comm_alone_s": 1.0,
+              "comm_during_gemm_s": 2.0}]
+    prov = {"world_size": "2", "ranks_per_node": "2", "nodes": "1", "backend": "gloo", "cpu_cores": "2",
+            "host_memory_GiB": "16", "mode": "quick", "date": "2026-01-01T00:00:00Z", "hosts": "h"}
+    return recs, prov
+
+
+def test_build_profile_is_loadable_and_exact():
+    recs, prov = _synthetic_run()
+    prof, report = build_profile("synthetic", recs, prov, "bf16")
+    hp = build(HardwareProfile, prof)
+    assert hp.gpus_per_node == 2
+    assert hp.cpu.adam_params_per_s_per_core == pytest.approx(2e8)
+    assert hp.nvme.read_GBps_per_drive == 2.0 and hp.nvme.write_GBps_per_drive == 1.0
+    assert hp.interference.compute_slowdown_during_comm == pytest.approx(0.25)
+    assert hp.gpu.memory_bound_efficiency == pytest.approx(1e5 / (20e9 * (1e-5 - 3e-6)), rel=1e-5)
+    assert hp.gpu.flash_attention_bwd_efficiency == pytest.approx(
+        2.5e6 / (1e11 * (5e-4 - 2 * 3e-6 - 10e-6)), rel=1e-5)
+    assert hp.provenance["backend"] == "gloo" and hp.provenance["comm_slowdown_during_compute"] == "1.000"
+    assert set(hp.intra_node.efficiency_by_collective) == {"all_gather", "all_reduce", "broadcast"}
+
+
+# ----------------------------------------------------------------------------- CLI (no torch needed)
+def _zsim(*args, env=None, timeout=120):
+    return subprocess.run([sys.executable, "-m", "zsim.cli", *args], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--out", "bad name!"], "--out"),
+    (["--out", "x", "--max-size", "12XB"], "--max-size"),
+    (["--out", "x", "--max-size", "10"], "--max-size"),
+    (["--out", "x", "--layer", "10,3,4,1"], "--layer"),
+    (["--out", "x", "--layer", "10,3"], "--layer"),
+    (["--out", "x", "--nproc-per-node", "0"], "--nproc-per-node"),
+    (["--out", "x", "--timeout", "-1"], "--timeout"),
+    (["--out", "x", "--dtype", "int8"], "--dtype"),
+    (["--out", "x", "--backend", "mpi"], "--backend"),
+    ([], "--out"),
+])
+def test_bad_arguments_one_line_exit_2(args, needle, tmp_path):
+    r = _zsim("calibrate", "--root", str(tmp_path), *args)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in r.stderr
+
+
+def test_existing_profile_is_not_overwritten_without_force(tmp_path):
+    prof = tmp_path / "hardware_profiles" / "mine.yaml"
+    prof.parent.mkdir()
+    prof.write_text("precious: true\n")
+    r = _zsim("calibrate", "--out", "mine", "--quick", "--root", str(tmp_path))
+    assert r.returncode == 2 and "--force" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert prof.read_text() == "precious: true\n"
+
+
+# ----------------------------------------------------------------------------- end to end (torch)
+TINY = ["--quick", "--max-size", "4KiB", "--layer", "64,2,32,1", "--timeout", "30"]
+
+
+def test_quick_calibration_end_to_end(tmp_path):
+    pytest.importorskip("torch")
+    r = _zsim("calibrate", "--out", "tiny", "--root", str(tmp_path), *TINY)
+    assert r.returncode == 0, r.stderr
+    prof = tmp_path / "hardware_profiles" / "tiny.yaml"
+    hp = load_profile(str(prof))
+    assert hp.gpus_per_node == 2 and hp.intra_node.efficiency_by_collective
+    doc = json.loads((tmp_path / "calibration" / "runs" / "tiny" / "records.json").read_text())
+    assert doc["status"] == "complete" and doc["provenance"]["backend"] == "gloo"
+    kinds = {x["kind"] for x in doc["records"]}
+    assert {"collective", "gemm", "attention", "membound", "layer", "adam", "file_io", "memcpy",
+            "interference", "kernel_overhead"} <= kinds
+    assert not list((tmp_path / "calibration" / "runs").glob(".*scratch*"))
+    # and zsim run loads it like a hand-written profile
+    sc = tmp_path / "s.yaml"
+    sc.write_text(yaml.safe_dump({"name": "t", "model": {"layers": 2, "hidden": 64, "heads": 2, "vocab": 128,
+                                                         "seq_len": 32},
+                                  "hardware": {"profile": str(prof)},
+                                  "training": {"micro_batch_size": 1, "gradient_accumulation_steps": 1,
+                                               "precision": "bf16"},
+                                  "deepspeed": {"zero_optimization": {"stage": 2}}}))
+    assert _zsim("run", str(sc), "--quiet").returncode == 0
+    again = _zsim("calibrate", "--out", "tiny", "--root", str(tmp_path), *TINY)
+    assert again.returncode == 2 and "--force" in again.stderr
+
+
+def test_killed_rank_names_rank_and_benchmark_and_keeps_records(tmp_path):
+    pytest.importorskip("torch")
+    r = _zsim("calibrate", "--out", "dies", "--root", str(tmp_path), *TINY,
+              env={"ZSIM_CALIB_FAULT": "1:collective/all_reduce/world/fp32/4096:kill"})
+    assert r.returncode == 1
+    last = r.stderr.strip().splitlines()[-1]
+    assert "rank 1" in last and "collective/all_reduce/world/fp32/4096" in last and "kept" in last, r.stderr
+    doc = json.loads((tmp_path / "calibration" / "runs" / "dies" / "records.json").read_text())
+    assert doc["status"] == "failed" and "rank 1" in doc["error"]
+    done = [x["item"] for x in doc["records"]]
+    assert "collective/all_reduce/world/fp32/1024" in done and not any("gemm" in x for x in done)
+    assert not (tmp_path / "hardware_profiles" / "dies.yaml").exists()
+
+
+def test_hung_rank_times_out_naming_it(tmp_path):
+    pytest.importorskip("torch")
+    r = _zsim("calibrate", "--out", "hangs", "--root", str(tmp_path), *TINY[:-1], "5",
+              env={"ZSIM_CALIB_FAULT": "1:collective/broadcast/world/fp32/1024:hang"})
+    assert r.returncode == 1
+    last = r.stderr.strip().splitlines()[-1]
+    assert "rank 1 hung" in last and "collective/broadcast/world/fp32/1024" in last, r.stderr
+    doc = json.loads((tmp_path / "calibration" / "runs" / "hangs" / "records.json").read_text())
+    assert doc["status"] == "failed" and len(doc["records"]) > 0

@@ -1,0 +1,202 @@
+"""zsim calibrate: measure this machine with torch.distributed and write a hardware profile.
+
+torch is imported only inside main() (through calibration.harness), so `import zsim` and
+`zsim run` work without it. See docs/calibration.md.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+from zsim.errors import ZsimInputError
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_SIZE = re.compile(r"^\s*([0-9.]+(?:[eE][+-]?\d+)?)\s*([KMG]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30}
+
+
+def add_parser(sub):
+    p = sub.add_parser("calibrate", help="measure this cluster (torch.distributed) and write a hardware profile",
+                       description="Run the calibration microbenchmarks under torchrun and fit a hardware profile "
+                                   "(hardware_profiles/NAME.yaml, raw records in calibration/runs/NAME/).")
+    p.add_argument("--out", metavar="NAME", required=True, help="profile name: writes hardware_profiles/NAME.yaml")
+    p.add_argument("--quick", action="store_true", help="a short run (well under a minute; tests and CI)")
+    p.add_argument("--nproc-per-node", type=str, default=None, metavar="N",
+                   help="ranks to launch on this node (default: the GPU count, or 2 on CPU)")
+    p.add_argument("--backend", default=None, help="nccl or gloo (default: nccl with CUDA, else gloo)")
+    p.add_argument("--max-size", default=None, metavar="BYTES",
+                   help="largest collective message, e.g. 64MiB (default: 1MiB quick, 64MiB full)")
+    p.add_argument("--io-path", default=None, metavar="DIR",
+                   help="directory on the NVMe offload target for the file I/O benchmark (default: the run directory)")
+    p.add_argument("--layer", action="append", metavar="H,HEADS,SEQ,MB",
+                   help="transformer layer to time: hidden,heads,seq_len,micro_batch (repeatable)")
+    p.add_argument("--scenario", default=None, metavar="YAML",
+                   help="take the layer shape (hidden/heads/seq/micro-batch) and precision from a scenario")
+    p.add_argument("--dtype", default=None, help="training precision the compute figures are fitted for "
+                                                 "(fp32, bf16, fp16; default bf16 or the scenario's)")
+    p.add_argument("--timeout", default=None, metavar="SECONDS",
+                   help="a rank silent this long is declared hung (default: 60 quick, 180 full)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing profile / complete run")
+    p.add_argument("--from-run", default=None, metavar="DIR",
+                   help="fit records already measured (a calibration/runs/NAME directory, e.g. from a multi-node "
+                        "torchrun/srun launch) instead of measuring")
+    p.add_argument("--root", default=None, metavar="DIR",
+                   help="directory holding hardware_profiles/ and calibration/runs/ (default: the zsim checkout)")
+    p.set_defaults(func=main)
+
+
+def parse_size(text: str, field: str) -> int:
+    m = _SIZE.match(str(text))
+    unit = (m.group(2) or "").lower() if m else ""
+    if not m or unit not in _UNITS:
+        raise ZsimInputError(field, text, "give a size in bytes, e.g. 1048576, 1MiB or 64MiB")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def _positive(text, field, kind=float):
+    try:
+        v = kind(text)
+    except (TypeError, ValueError):
+        raise ZsimInputError(field, text, f"expected a positive {'integer' if kind is int else 'number'}") from None
+    if v <= 0:
+        raise ZsimInputError(field, text, f"expected a positive {'integer' if kind is int else 'number'}")
+    return v
+
+
+def _harness_importable():
+    """The harness lives in the checkout's calibration/ package (installed with `pip install -e .`);
+    an older install may not map it yet, so fall back to the checkout next to this file."""
+    try:
+        import calibration.harness  # noqa: F401
+    except ModuleNotFoundError as exc:
+        if not (exc.name or "").startswith("calibration"):
+            raise
+        root = Path(__file__).resolve().parents[2]
+        if not (root / "calibration" / "harness").is_dir():
+            raise ZsimInputError("calibration", "not installed", "run zsim calibrate from a zsim checkout "
+                                 "installed with `pip install -e '.[calibration]'`") from None
+        sys.path.insert(0, str(root))
+
+
+def resolve(args):
+    """Validate every argument before anything is launched (one-line errors, exit 2)."""
+    _harness_importable()
+    from calibration.harness.plan import LayerShape, default_plan
+
+    if not _NAME.match(args.out or ""):
+        raise ZsimInputError("--out", args.out, "use a plain name of letters, digits, '.', '_' or '-' "
+                                                "(e.g. cpu-gloo-localhost)")
+    mode = "quick" if args.quick else "full"
+    nproc = _positive(args.nproc_per_node, "--nproc-per-node", int) if args.nproc_per_node is not None else None
+    if args.backend not in (None, "nccl", "gloo"):
+        raise ZsimInputError("--backend", args.backend, "choose nccl or gloo")
+    max_size = parse_size(args.max_size, "--max-size") if args.max_size is not None else None
+    if max_size is not None and not 1024 <= max_size <= 1 << 34:
+        raise ZsimInputError("--max-size", args.max_size, "choose a size between 1KiB and 16GiB")
+    dtype = args.dtype
+    layers = []
+    if args.scenario:
+        from zsim.config.scenario import load_scenario
+        sc = load_scenario(args.scenario)
+        layers.append(LayerShape(sc.model.hidden, sc.model.heads, sc.seq_len, sc.micro_batch_size))
+        dtype = dtype or sc.precision
+    for text in args.layer or ():
+        parts = text.split(",")
+        try:
+            h, a, s, b = (int(x) for x in parts)
+        except ValueError:
+            raise ZsimInputError("--layer", text, "give hidden,heads,seq_len,micro_batch, e.g. 512,8,256,2") from None
+        if min(h, a, s, b) <= 0 or h % a:
+            raise ZsimInputError("--layer", text, "all four must be positive and hidden divisible by heads")
+        layers.append(LayerShape(h, a, s, b))
+    dtype = dtype or "bf16"
+    if dtype not in ("fp32", "bf16", "fp16"):
+        raise ZsimInputError("--dtype", dtype, "choose fp32, bf16 or fp16")
+    timeout = _positive(args.timeout, "--timeout") if args.timeout is not None else None
+    io_path = ""
+    if args.io_path:
+        p = Path(args.io_path)
+        if not (p.is_dir() or p.parent.is_dir()):
+            raise ZsimInputError("--io-path", args.io_path, "give an existing directory (the NVMe offload target)")
+        io_path = str(p.resolve())
+    root = Path(args.root).resolve() if args.root else Path(__file__).resolve().parents[2]
+    if args.root and not root.is_dir():
+        raise ZsimInputError("--root", args.root, "give an existing directory")
+    plan = default_plan(mode, max_size_bytes=max_size, io_path=io_path, layers=tuple(layers) or None,
+                        timeout_s=timeout, profile_dtype=dtype)
+    return plan, nproc, dtype, root
+
+
+def _fit_existing(args, dtype, profile_path: Path, run_dir: Path, fit_and_write) -> int:
+    """Fit a run measured elsewhere: a calibration/runs/NAME directory (records.json) or a
+    worker's run directory from a torchrun/srun launch (records.partial.jsonl + status/)."""
+    import json
+    from calibration.harness.launch import read_records, write_atomic
+
+    src = Path(args.from_run)
+    if profile_path.exists() and not args.force:
+        raise ZsimInputError("--out", args.out, f"{profile_path} exists; pass --force to overwrite it")
+    if (src / "records.json").is_file():
+        doc = json.loads((src / "records.json").read_text())
+    elif (src / "records.partial.jsonl").is_file():
+        states = [json.loads(p.read_text()).get("state") for p in (src / "status").glob("rank*.json")]
+        doc = {"format": 1, "status": "complete" if states and all(x == "done" for x in states) else "failed",
+               "error": "", "records": read_records(src),
+               "provenance": json.loads((src / "provenance.json").read_text()) if (src / "provenance.json").exists() else {},
+               "plan": json.loads((src / "plan.json").read_text()) if (src / "plan.json").exists() else {}}
+    else:
+        raise ZsimInputError("--from-run", args.from_run, "expected a run directory with records.json "
+                             "or records.partial.jsonl")
+    if doc.get("status") != "complete":
+        raise ZsimInputError("--from-run", args.from_run, f"the run is {doc.get('status')!r}, not complete "
+                             "(a rank did not finish); measure again")
+    if src.resolve() != run_dir.resolve():
+        write_atomic(run_dir / "records.json", json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    fit_and_write(args.out, doc["records"], doc.get("provenance", {}), dtype, profile_path, run_dir)
+    print(f"wrote {profile_path} and {run_dir}/", file=sys.stderr)
+    return 0
+
+
+def main(args) -> int:
+    import json
+
+    plan, nproc, dtype, root = resolve(args)
+    profile_path = root / "hardware_profiles" / f"{args.out}.yaml"
+    run_dir = root / "calibration" / "runs" / args.out
+    if not args.force and not args.from_run:   # refuse before spending minutes measuring
+        if profile_path.exists():
+            raise ZsimInputError("--out", args.out, f"{profile_path} exists; pass --force to overwrite it "
+                                                    "or choose another name")
+        rec = run_dir / "records.json"
+        if rec.exists() and json.loads(rec.read_text()).get("status") == "complete":
+            raise ZsimInputError("--out", args.out, f"{rec} holds a complete run; pass --force to overwrite it")
+    try:
+        import torch   # noqa: F401
+    except ImportError:
+        raise ZsimInputError("torch", "not installed", "the calibration harness needs it: "
+                             "`pip install torch==2.13.0` then `pip install -e '.[calibration]'`") from None
+    from calibration.harness.launch import CalibrationFailed, calibrate, fit_and_write
+    if args.from_run:
+        return _fit_existing(args, dtype, profile_path, run_dir, fit_and_write)
+    if nproc is None:
+        import torch
+        nproc = torch.cuda.device_count() if torch.cuda.is_available() else 2
+    if args.backend == "nccl":
+        import torch
+        if not torch.cuda.is_available():
+            raise ZsimInputError("--backend", "nccl", "NCCL needs CUDA GPUs; use gloo on this machine")
+    print(f"zsim calibrate: {plan.mode} mode, {nproc} ranks, results in {run_dir}", file=sys.stderr)
+    try:
+        out = calibrate(args.out, plan, root=root, nproc=nproc, backend=args.backend, force=args.force, dtype=dtype)
+    except CalibrationFailed as err:
+        print(f"zsim: error: {err}", file=sys.stderr)
+        return 1
+    rep = out["report"]
+    for r in rep["compute"].get("layers", []):
+        print(f"  layer {r['layer']} {r['dtype']} {r['pass']}: measured {r['measured_s'] * 1e3:.3f} ms, "
+              f"zsim {r['predicted_s'] * 1e3:.3f} ms ({100 * r['error']:+.1f}%)", file=sys.stderr)
+    print(f"wrote {out['profile_path']} and {out['run_dir']}/ ({out['records']} records, {out['wall_s']:.1f} s)",
+          file=sys.stderr)
+    return 0
