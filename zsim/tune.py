@@ -29,6 +29,9 @@ OFFLOADS = {
     "optimizer cpu": (f"{Z}.offload_optimizer={{device: cpu, pin_memory: true}}", f"{Z}.offload_param={{device: none}}"),
     "optimizer+params cpu": (f"{Z}.offload_optimizer={{device: cpu, pin_memory: true}}",
                              f"{Z}.offload_param={{device: cpu, pin_memory: true}}"),
+    # ZeRO-Infinity: tried last, when nothing else fits
+    "optimizer+params nvme": (f"{Z}.offload_optimizer={{device: nvme, nvme_path: /local_nvme, pin_memory: true}}",
+                              f"{Z}.offload_param={{device: nvme, nvme_path: /local_nvme, pin_memory: true}}"),
 }
 KNOBS = {
     "reduce_bucket_size": (5e7, 2e8, 5e8),
@@ -105,7 +108,9 @@ def structural_candidates(sc) -> list[Candidate]:
         for off in OFFLOADS:
             if off != "none" and stage == 0:
                 continue
-            if off == "optimizer+params cpu" and stage != 3:
+            if off.startswith("optimizer+params") and stage != 3:
+                continue
+            if off.endswith("nvme") and sc.cluster.profile.nvme.drives_per_node == 0:
                 continue
             for mb in _divisors(per_gpu):
                 for ck in ("none", "selective", "full"):
@@ -170,8 +175,12 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int = 60) -> TuneR
             pruned += 1
         else:
             survivors.append(c)
-    for c in survivors[: max(1, budget // 2)]:
-        evaluate(c)
+    # half the budget on structures; if none of those fits, keep going until one does
+    for i, c in enumerate(survivors):
+        r = evaluate(c)
+        if i + 1 >= max(1, budget // 2) and (any(x is not None and fits(x) for x in seen.values())
+                                             or len(seen) >= budget):
+            break
 
     def ranked():
         ok = [(c, r) for c, r in ((_c, seen[_c.key()]) for _c in _cands) if r is not None and fits(r)]

@@ -125,7 +125,8 @@ def tune_table(res, top: int, console: Console | None = None):
     t = Table(title=f"best configurations that fit (objective: {res.objective})")
     for col in ("#", "stage", "offload", "mb x gas", "ckpt", "knobs", "tok/s/GPU", "MFU", "peak GiB"):
         t.add_column(col, justify="right" if col in ("#", "tok/s/GPU", "MFU", "peak GiB") else "left")
-    short = {"none": "-", "optimizer cpu": "opt", "optimizer+params cpu": "opt+par"}
+    short = {"none": "-", "optimizer cpu": "opt", "optimizer+params cpu": "opt+par",
+             "optimizer+params nvme": "nvme"}
     abbrev = {"reduce_bucket_size": "rb", "overlap_comm": "ov", "stage3_prefetch_bucket_size": "pf",
               "stage3_param_persistence_threshold": "pt", "stage3_max_live_parameters": "ml"}
     for i, (c, r) in enumerate(res.ranked[:top]):
