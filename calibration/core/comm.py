@@ -1,0 +1,41 @@
+"""torch.distributed calls the core makes, each recorded as (phase, collective, numel).
+
+numel follows the fixtures' convention (tests/fixtures/deepspeed/README.md): the full buffer,
+i.e. the output of an all-gather and the input of a reduce-scatter.
+torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single; the old names
+are the fallback for older torch.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Comm:
+    def __init__(self, group=None):
+        self.group = group
+        self.log: list[tuple[str, str, int]] | None = None
+        self.phase = ""
+
+    def _rec(self, kind: str, t: torch.Tensor):
+        if self.log is not None:
+            self.log.append((self.phase, kind, int(t.numel()), int(t.numel() * t.element_size())))
+
+    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM):
+        self._rec("all_reduce", t)
+        dist.all_reduce(t, op=op, group=self.group)
+
+    def reduce(self, t: torch.Tensor, dst: int):
+        self._rec("reduce", t)
+        dist.reduce(t, dst=dst, group=self.group)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor):
+        self._rec("all_gather", out)
+        _ALL_GATHER(out, inp, group=self.group)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor):
+        self._rec("reduce_scatter", inp)
+        _REDUCE_SCATTER(out, inp, group=self.group)

@@ -1,0 +1,316 @@
+"""The same scenario on DeepSpeed 0.19.8 (`--engine deepspeed`) or torch FSDP2 (`--engine fsdp`),
+measured the way the own core is (calibration/core/run.py): step time after warm-up, phases,
+the collectives of one step, peak tensor memory per rank.
+
+The nn.Module mirrors zsim's workload (same module names and parameter order, same initial
+values and data as the own core), so DeepSpeed's flat groups, buckets and ZeRO-3 module trace
+match what zsim schedules.
+- DeepSpeed: the scenario's ds_config (stage, buckets, prefetch, persistence, clipping, bf16),
+  client optimizer torch.optim.AdamW, gloo (DS_ACCELERATOR=cpu on this machine).
+- FSDP2: fully_shard on every block and the root; stage 3 reshards after forward, stages 1/2
+  keep parameters gathered between forward and backward (ZeRO-2-like); stage 0 is DDP.
+  bf16 via MixedPrecisionPolicy (fp32 sharded master parameters).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import threading
+import time
+
+_tls = threading.local()
+RECORD = {"log": None, "phase": ""}
+_KINDS = {"all_reduce": "all_reduce", "reduce": "reduce", "broadcast": "broadcast",
+          "all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather", "_all_gather_base": "all_gather",
+          "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+          "_reduce_scatter_base": "reduce_scatter", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter"}
+
+
+def install_recorder():
+    """Wrap torch.distributed collectives (before deepspeed is imported: its backend captures them)."""
+    import torch
+    import torch.distributed as dist
+
+    def buffer(name, args, kwargs):
+        if name in ("all_gather_single", "all_gather_into_tensor", "_all_gather_base"):
+            return kwargs.get("output_tensor", args[0] if args else None)
+        if name in ("reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base"):
+            return kwargs.get("input", args[1] if len(args) > 1 else None)
+        if name == "all_gather":
+            return kwargs.get("tensor_list", args[0] if args else None)
+        if name == "reduce_scatter":
+            return kwargs.get("input_list", args[1] if len(args) > 1 else None)
+        return kwargs.get("tensor", args[0] if args else None)
+
+    def wrap(name, fn):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            depth = getattr(_tls, "depth", 0)
+            if depth == 0 and RECORD["log"] is not None:
+                b = buffer(name, args, kwargs)
+                ts = b if isinstance(b, (list, tuple)) else [b]
+                ts = [t for t in ts if isinstance(t, torch.Tensor)]
+                RECORD["log"].append((RECORD["phase"], _KINDS[name], sum(t.numel() for t in ts),
+                                      sum(t.numel() * t.element_size() for t in ts)))
+            _tls.depth = depth + 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _tls.depth = depth
+        return inner
+
+    for name in _KINDS:
+        if hasattr(dist, name) and not getattr(getattr(dist, name), "_zsim_wrapped", False):
+            w = wrap(name, getattr(dist, name))
+            w._zsim_wrapped = True
+            setattr(dist, name, w)
+
+
+def build_module(sc, seed: int):
+    """nn.Module GPT with zsim's module names, initialised like the own core."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from calibration.core.model import init_params, param_shapes
+    from zsim.schedule.build import workload_for
+
+    m = sc.model
+    h, heads = m.hidden, m.heads
+    kvh = m.kv_heads or heads
+    hd = h // heads
+    kvd = kvh * hd
+    ffn = m.ffn_hidden or 4 * h
+
+    def Norm():
+        return nn.LayerNorm(h, eps=1e-5) if m.norm == "layernorm" else nn.RMSNorm(h, eps=1e-5)
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            if m.fused_qkv:
+                self.qkv = nn.Linear(h, h + 2 * kvd, bias=m.bias)
+            else:
+                self.q_proj = nn.Linear(h, h, bias=m.bias)
+                self.k_proj = nn.Linear(h, kvd, bias=m.bias)
+                self.v_proj = nn.Linear(h, kvd, bias=m.bias)
+            self.o_proj = nn.Linear(h, h, bias=m.bias)
+
+        def forward(self, x):
+            B, S, _ = x.shape
+            if m.fused_qkv:
+                q, k, v = self.qkv(x).split([h, kvd, kvd], dim=-1)
+            else:
+                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q = q.reshape(B, S, heads, hd).transpose(1, 2)
+            k = k.reshape(B, S, kvh, hd).transpose(1, 2)
+            v = v.reshape(B, S, kvh, hd).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kvh != heads)
+            return self.o_proj(o.transpose(1, 2).reshape(B, S, h))
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            if m.glu:
+                self.gate_proj = nn.Linear(h, ffn, bias=m.bias)
+                self.up_proj = nn.Linear(h, ffn, bias=m.bias)
+            else:
+                self.fc_in = nn.Linear(h, ffn, bias=m.bias)
+            self.fc_out = nn.Linear(ffn, h, bias=m.bias)
+
+        def forward(self, x):
+            if m.glu:
+                return self.fc_out(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.fc_out(F.gelu(self.fc_in(x), approximate="tanh"))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln_1 = Norm()
+            self.attn = Attn()
+            self.ln_2 = Norm()
+            self.mlp = MLP()
+
+        def forward(self, x):
+            x = x + self.attn(self.ln_1(x))
+            return x + self.mlp(self.ln_2(x))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Embedding(m.vocab, h)
+            if m.position == "learned":
+                self.wpe = nn.Embedding(m.seq_len, h)
+            if m.embedding_norm:
+                self.emb_ln = Norm()
+            self.layers = nn.ModuleList([Block() for _ in range(m.layers)])
+            self.ln_f = Norm()
+            self.lm_head = nn.Linear(h, m.vocab, bias=False)
+            if m.tied_embeddings:
+                self.lm_head.weight = self.wte.weight
+
+        def forward(self, ids, labels):
+            x = self.wte(ids)
+            if m.position == "learned":
+                x = x + self.wpe(torch.arange(ids.shape[1]))
+            if m.embedding_norm:
+                x = self.emb_ln(x)
+            for blk in self.layers:
+                x = blk(x)
+            logits = self.lm_head(self.ln_f(x))
+            return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+    model = GPT()
+    wl = workload_for(sc)
+    names = [n for n, _ in model.named_parameters()]
+    if names != [p.name for p in wl.params]:
+        raise RuntimeError(f"module parameters {names[:4]}... do not mirror zsim's workload")
+    with torch.no_grad():
+        for p, t in zip(model.parameters(), init_params(wl, param_shapes(wl), seed)):
+            p.copy_(t)
+    return model
+
+
+def ds_config(sc) -> dict:
+    z = sc.zero
+    zero = {"stage": z.stage, "contiguous_gradients": z.contiguous_gradients, "reduce_scatter": z.reduce_scatter,
+            "reduce_bucket_size": int(z.reduce_bucket_size), "allgather_bucket_size": int(z.allgather_bucket_size),
+            "use_multi_rank_bucket_allreduce": z.use_multi_rank_bucket_allreduce, "overlap_comm": z.overlap}
+    if z.stage == 3:
+        zero.update(stage3_prefetch_bucket_size=int(z.prefetch_bucket_size),
+                    stage3_param_persistence_threshold=int(z.param_persistence_threshold),
+                    stage3_max_live_parameters=int(z.max_live_parameters),
+                    stage3_max_reuse_distance=int(z.max_reuse_distance))
+    return {"train_micro_batch_size_per_gpu": sc.micro_batch_size,
+            "gradient_accumulation_steps": sc.gradient_accumulation_steps,
+            "bf16": {"enabled": sc.precision == "bf16"}, "gradient_clipping": sc.deepspeed.gradient_clipping,
+            "zero_optimization": zero, "steps_per_print": 10**9, "wall_clock_breakdown": False}
+
+
+def _optimizer(sc, params):
+    import torch
+
+    o = sc.deepspeed.optimizer.params or {}
+    return torch.optim.AdamW(params, lr=float(o.get("lr", 1e-3)), betas=tuple(o.get("betas", (0.9, 0.999))),
+                             eps=float(o.get("eps", 1e-8)), weight_decay=float(o.get("weight_decay", 0.01)))
+
+
+def main(args, sc) -> int:
+    install_recorder()
+    import torch
+    import torch.distributed as dist
+
+    from calibration.core.memory import TensorMemoryTracker
+    from calibration.core.model import batch
+    from calibration.core.run import _exit_now, summarize_times
+
+    gas = sc.gradient_accumulation_steps
+    if args.engine == "deepspeed":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        model = build_module(sc, args.seed)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=_optimizer(sc, model.parameters()),
+                                               config=ds_config(sc))
+
+        def fwd(ids, labels):
+            return engine(ids, labels)
+
+        def bwd(loss):
+            engine.backward(loss)
+
+        def step(boundary):
+            engine.step()
+    else:
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        model = build_module(sc, args.seed)
+        dtype = torch.bfloat16 if sc.precision == "bf16" else torch.float32
+        if sc.zero.stage == 0:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            model = model.to(dtype)
+            module = DDP(model, bucket_cap_mb=max(1, int(sc.zero.reduce_bucket_size * 2 / 2**20)))
+        else:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+            mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+            reshard = sc.zero.stage == 3
+            for blk in model.layers:
+                fully_shard(blk, reshard_after_forward=reshard, mp_policy=mp)
+            fully_shard(model, reshard_after_forward=reshard, mp_policy=mp)
+            module = model
+        opt = _optimizer(sc, model.parameters())
+        clip = sc.deepspeed.gradient_clipping
+
+        def fwd(ids, labels):
+            return module(ids, labels)
+
+        def bwd(loss):
+            (loss / gas).backward()
+
+        def step(boundary):
+            if clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    def train_step(s, phases=None):
+        losses = []
+        for micro in range(gas):
+            ids, labels = batch(sc, s, micro, rank, args.seed)
+            for ph in ("forward", "backward"):
+                RECORD["phase"] = ph
+                t0 = time.perf_counter()
+                if ph == "forward":
+                    loss = fwd(ids, labels)
+                    losses.append(float(loss.detach()))
+                else:
+                    bwd(loss)
+                if phases is not None:
+                    phases[ph] = phases.get(ph, 0.0) + time.perf_counter() - t0
+        RECORD["phase"] = "step"
+        t0 = time.perf_counter()
+        step(True)
+        if phases is not None:
+            phases["step"] = phases.get("step", 0.0) + time.perf_counter() - t0
+        return losses
+
+    losses, step_times, phase_times = [], [], {}
+    s = 0
+    for _ in range(args.warmup):
+        losses += train_step(s)
+        s += 1
+    for i in range(args.steps):
+        if i == args.steps - 1:
+            RECORD["log"] = []
+        dist.barrier()
+        ph = {}
+        t0 = time.perf_counter()
+        losses += train_step(s, ph)
+        step_times.append(time.perf_counter() - t0)
+        for k, v in ph.items():
+            phase_times.setdefault(k, []).append(v)
+        s += 1
+    collectives = RECORD["log"] or []
+    RECORD["log"] = None
+    peak = 0
+    if not args.no_memory:
+        dist.barrier()
+        tr = TensorMemoryTracker().start()
+        with tr:
+            losses += train_step(s)
+        peak = tr.peak
+    peaks = [None] * world
+    dist.all_gather_object(peaks, peak)
+    all_losses = [None] * world
+    dist.all_gather_object(all_losses, losses)
+    if rank == 0:
+        out = {"engine": args.engine, "scenario": sc.name, "world_size": world, "steps": args.steps,
+               "warmup": args.warmup, **summarize_times(step_times, phase_times),
+               "peak_bytes": max(peaks), "peak_bytes_per_rank": peaks,
+               "collectives": [list(c) for c in collectives],
+               "losses": [sum(v) / world for v in zip(*all_losses)]}
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+    dist.barrier()
+    _exit_now()

@@ -1,0 +1,142 @@
+"""Run a scenario on the real sharded core (or DeepSpeed / FSDP2) under torchrun and write
+the measurements as JSON (rank 0). Launched by `zsim validate`; usable directly:
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 -m calibration.core.run \
+        --scenario S.yaml --engine own --steps 8 --warmup 2 --out measured.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--scenario", required=True)
+    p.add_argument("--set", action="append", default=[])
+    p.add_argument("--engine", default="own", choices=["own", "deepspeed", "fsdp"])
+    p.add_argument("--steps", type=int, default=8, help="timed optimizer steps after warm-up")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out", required=True)
+    p.add_argument("--trace", default=None, help="Chrome trace of the last timed step (rank 0)")
+    p.add_argument("--no-memory", action="store_true", help="skip the memory-tracked step")
+    return p.parse_args(argv)
+
+
+def chrome_trace(times, name: str, rank: int) -> dict:
+    """Same shape as zsim/report/writers.py chrome_trace: one thread per stream, op names as
+    the simulator's, times in microseconds."""
+    from zsim.schedule.ops import STREAMS
+
+    tids = {s: i + 1 for i, s in enumerate(STREAMS)}
+    ev = [{"ph": "M", "pid": 2, "tid": 0, "name": "process_name", "args": {"name": f"measured: {name} (rank {rank})"}}]
+    for s in sorted({t[1] for t in times}, key=lambda s: tids[s]):
+        ev.append({"ph": "M", "pid": 2, "tid": tids[s], "name": "thread_name", "args": {"name": f"{s} stream"}})
+    for name_, stream, phase, micro, start, dur in times:
+        ev.append({"ph": "X", "pid": 2, "tid": tids[stream], "name": name_, "cat": phase,
+                   "ts": round(start * 1e6, 3), "dur": round(dur * 1e6, 3),
+                   "args": {"phase": phase, "micro_step": micro}})
+    return {"traceEvents": ev, "displayTimeUnit": "ms"}
+
+
+def summarize_times(step_times, phase_times) -> dict:
+    med = statistics.median(step_times)
+    return {
+        "step_time_s": med,
+        "step_times_s": step_times,
+        "step_time_min_s": min(step_times),
+        "step_time_max_s": max(step_times),
+        "step_time_spread": (max(step_times) - min(step_times)) / med if med else 0.0,
+        "phases_s": {k: statistics.median(v) for k, v in phase_times.items()},
+    }
+
+
+def _exit_now():
+    """Leave without tearing gloo down: its destructor can abort a rank whose peer already left
+    ("terminate called without an active exception")."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    from zsim.config.scenario import load_scenario
+
+    sc = load_scenario(args.scenario, tuple(args.set))
+    if args.engine != "own":
+        from calibration.core import peers
+        return peers.main(args, sc)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    from calibration.core.comm import Comm
+    from calibration.core.engine import ZeroCore
+    from calibration.core.memory import TensorMemoryTracker
+    from calibration.core.plan import build_plan
+
+    if world != sc.cluster.world_size:
+        raise SystemExit(f"scenario world size {sc.cluster.world_size} != torchrun world {world}")
+    plan = build_plan(sc)
+    comm = Comm()
+    core = ZeroCore(sc, plan, rank, world, comm, seed=args.seed)
+    losses, step_times, phase_times = [], [], {}
+    step = 0
+    for _ in range(args.warmup):
+        losses += core.train_step(step)
+        step += 1
+    for i in range(args.steps):
+        last = i == args.steps - 1
+        if last:
+            comm.log = []
+        dist.barrier()
+        t0 = time.perf_counter()
+        losses += core.train_step(step, record=True)
+        step_times.append(time.perf_counter() - t0)
+        per = {}
+        for name, stream, phase, micro, start, dur in core.times:
+            per[phase] = per.get(phase, 0.0) + dur
+        for k, v in per.items():
+            phase_times.setdefault(k, []).append(v)
+        step += 1
+    collectives = comm.log or []
+    comm.log = None
+    trace_times = core.times
+    peak = 0
+    if not args.no_memory:
+        dist.barrier()
+        tr = TensorMemoryTracker().start()
+        with tr:
+            losses += core.train_step(step)
+        peak = tr.peak
+        step += 1
+    peaks = [None] * world
+    dist.all_gather_object(peaks, peak)
+    all_losses = [None] * world
+    dist.all_gather_object(all_losses, losses)
+    if rank == 0:
+        out = {"engine": "own", "scenario": sc.name, "world_size": world, "steps": args.steps, "warmup": args.warmup,
+               **summarize_times(step_times, phase_times),
+               "peak_bytes": max(peaks), "peak_bytes_per_rank": peaks,
+               "collectives": [list(c) for c in collectives],
+               "losses": [sum(v) / world for v in zip(*all_losses)]}
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+        if args.trace:
+            with open(args.trace, "w") as f:
+                json.dump(chrome_trace(trace_times, sc.name, rank), f)
+    dist.barrier()
+    _exit_now()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""zsim validate: the pure comparison logic (no torch), the core's execution plan against zsim's
+schedule, and (with torch) the sharded core's loss equality with an unsharded AdamW run."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deepspeed_fixtures import fixture_names, load_fixture, scenario_for, simulated
+from zsim.cli import main as cli_main
+from zsim.validation import collective_summary, compare, first_difference, mape, rel_error, render_text
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_errors_and_mape():
+    assert rel_error(110, 100) == pytest.approx(0.1)
+    assert rel_error(1, 0) is None
+    assert mape([0.1, -0.3, None]) == pytest.approx(0.2)
+
+
+def test_collective_summary_and_difference():
+    calls = [("backward", "all_reduce", 10, 20), ("step", "all_gather", 8, 16), ("backward", "all_reduce", 2, 4)]
+    s = collective_summary(calls)
+    assert s == {"all_gather": {"count": 1, "numel": 8, "bytes": 16}, "all_reduce": {"count": 2, "numel": 12, "bytes": 24}}
+    assert first_difference(calls, [c[:3] for c in calls]) is None
+    d = first_difference(calls, calls[:1])
+    assert d["index"] == 1 and d["predicted"] is None
+
+
+def test_compare_report_renders():
+    m = {"step_time_s": 0.1, "step_time_spread": 0.05, "phases_s": {"forward": 0.03}, "peak_bytes": 100,
+         "collectives": [("step", "all_gather", 4)], "collectives_summary": {"all_gather": {"count": 1, "bytes": 8}}}
+    p = {"step_time_s": 0.09, "phases_s": {"forward": 0.033}, "peak_bytes": 105,
+         "collectives": [("step", "all_gather", 4)], "collectives_summary": {"all_gather": {"count": 1, "bytes": 8}}}
+    r = compare(m, p)
+    assert r["error"]["step_time"] == pytest.approx(-0.1)
+    assert r["error"]["peak_bytes"] == pytest.approx(0.05)
+    assert r["collectives_equal"]
+    text = render_text(r)
+    assert "step time" in text and "-10.0%" in text and "equal" in text
+
+
+@pytest.mark.parametrize("name", [n for n in fixture_names() if n != "stage1_grad_accum_fp32"])
+def test_core_plan_executes_deepspeed_schedule(name):
+    """The core's plan covers every op of zsim's schedule for each recorded DeepSpeed config,
+    assigns every gradient to exactly one bucket per micro-step, and expects the same calls."""
+    from calibration.core.plan import build_plan
+
+    fx = load_fixture(name)
+    sc = scenario_for(fx)
+    plan = build_plan(sc)
+    assert plan.expected == simulated(fx)
+    for micro in range(sc.gradient_accumulation_steps):
+        pids = [p for b in plan.buckets if b.micro == micro for p in b.pids]
+        if pids:
+            assert sorted(pids) == list(range(len(plan.numels)))
+
+
+def test_validate_bad_engine_is_one_line(capsys):
+    assert cli_main(["validate", str(ROOT / "scenarios/default.yaml"), "--engine", "megatron"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--engine" in err[0]
+
+
+def test_validate_unsupported_scenario_is_one_line(capsys):
+    rc = cli_main(["validate", str(ROOT / "scenarios/default.yaml"), "--set", "training.activation_checkpointing=full"])
+    assert rc == 2
+    assert "activation_checkpointing" in capsys.readouterr().err
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_core(tmp_path, sc_yaml: Path, steps: int, nproc: int = 2):
+    out = tmp_path / "m.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(_free_port()),
+           "-m", "calibration.core.run", "--scenario", str(sc_yaml), "--steps", str(steps), "--warmup", "0",
+           "--out", str(out), "--no-memory"]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and out.exists(), proc.stderr[-2000:]
+    return json.loads(out.read_text())
+
+
+LOSS_CASES = {
+    "stage0": dict(stage=0),
+    "stage1": dict(stage=1, reduce_bucket_size=3000),
+    "stage1_reduce_per_rank": dict(stage=1, reduce_bucket_size=3000, use_multi_rank_bucket_allreduce=False),
+    "stage2_gas2": dict(stage=2, reduce_bucket_size=3000, gas=2),
+    "stage2_noncontiguous": dict(stage=2, reduce_bucket_size=3000, contiguous_gradients=False),
+    "stage3": dict(stage=3, reduce_bucket_size=3000, stage3_prefetch_bucket_size=2000,
+                   stage3_param_persistence_threshold=64, stage3_max_reuse_distance=0),
+    "stage3_gas2_allreduce": dict(stage=3, reduce_bucket_size=5000, reduce_scatter=False, gas=2,
+                                  stage3_prefetch_bucket_size=0),
+    # world size 4 (tiny model, 4 ranks on the 2 cores)
+    "ws4_stage2": dict(stage=2, reduce_bucket_size=3000, world=4),
+    "ws4_stage3": dict(stage=3, reduce_bucket_size=3000, stage3_prefetch_bucket_size=2000,
+                       stage3_param_persistence_threshold=64, world=4),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LOSS_CASES))
+def test_sharded_core_matches_unsharded_adamw(case, tmp_path):
+    pytest.importorskip("torch")
+    import yaml
+
+    from calibration.core.reference import reference_losses
+    from zsim.config.scenario import load_scenario
+
+    zero = dict(LOSS_CASES[case])
+    gas = zero.pop("gas", 1)
+    world = zero.pop("world", 2)
+    raw = {"name": case,
+           "model": {"layers": 2, "hidden": 32, "heads": 2, "vocab": 64, "seq_len": 16, "ffn_hidden": 64,
+                     "tied_embeddings": False},
+           "hardware": {"profile": "dgx-a100-80g", "nodes": 1, "gpus_per_node": world},
+           "training": {"micro_batch_size": 2, "seq_len": 16, "precision": "fp32", "gradient_accumulation_steps": gas},
+           "deepspeed": {"zero_optimization": zero, "gradient_clipping": 0.5}}
+    path = tmp_path / "sc.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    steps = 3
+    measured = _run_core(tmp_path, path, steps, nproc=world)
+    sc = load_scenario(path)
+    ref = reference_losses(sc, steps, world=world)
+    assert len(measured["losses"]) == len(ref) == steps * gas
+    assert max(abs(a - b) for a, b in zip(measured["losses"], ref)) < 1e-5
+    from calibration.core.plan import build_plan
+    assert [tuple(c[:3]) for c in measured["collectives"]] == build_plan(sc).expected
+
+
+def test_validate_missing_engine_names_install_command(capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is not None:
+        pytest.skip("deepspeed is installed here")
+    rc = cli_main(["validate", str(ROOT / "scenarios/default.yaml"), "--engine", "deepspeed"])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install" in err[0] and "deepspeed" in err[0]

@@ -1,0 +1,158 @@
+"""zsim validate: run a scenario for real (torchrun, gloo on CPU) and put the measurement beside
+zsim's prediction on the calibrated profile: step time, phases, collectives, peak memory.
+
+torch is needed by the launched ranks only; this module imports no torch. See docs/validation.md.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from zsim.errors import ZsimInputError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_PROFILE = "cpu-gloo-localhost"
+ENGINES = ("own", "deepspeed", "fsdp")
+INSTALL = {
+    "own": "pip install torch==2.13.0",
+    "fsdp": "pip install torch==2.13.0",
+    "deepspeed": "pip install torch==2.13.0 && DS_BUILD_OPS=0 pip install deepspeed==0.19.8",
+}
+
+
+def add_parser(sub):
+    p = sub.add_parser("validate", help="run a scenario on the real sharded core and compare with the prediction",
+                       description="Launch the scenario under torchrun (the own ZeRO core, DeepSpeed or FSDP2), "
+                                   "simulate it on the calibrated profile and print measured vs predicted.")
+    p.add_argument("scenario", help="scenario YAML")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a scenario key (repeatable)")
+    p.add_argument("--engine", default="own", help="own | deepspeed | fsdp (default: own)")
+    p.add_argument("--profile", default=DEFAULT_PROFILE,
+                   help=f"hardware profile of the prediction (default: {DEFAULT_PROFILE}, written by zsim calibrate)")
+    p.add_argument("--nproc-per-node", default=None, metavar="N",
+                   help="ranks to launch (default: the scenario's world size; one node)")
+    p.add_argument("--steps", default="8", metavar="N", help="timed optimizer steps after warm-up (default 8)")
+    p.add_argument("--warmup", default="2", metavar="N", help="warm-up steps (default 2)")
+    p.add_argument("--python", default=None, metavar="PATH",
+                   help="python that runs the ranks (default: this one; e.g. a venv with deepspeed)")
+    p.add_argument("--json", metavar="PATH", help="write measured, predicted and errors as JSON")
+    p.add_argument("--trace", metavar="PATH", help="write the measured and the simulated step as one Chrome trace")
+    p.add_argument("--timeout", default="900", metavar="SECONDS", help="give up on the run after this long")
+    p.set_defaults(func=main)
+
+
+def _int(text, field, lo=1):
+    try:
+        v = int(text)
+    except (TypeError, ValueError):
+        raise ZsimInputError(field, text, f"give an integer >= {lo}") from None
+    if v < lo:
+        raise ZsimInputError(field, text, f"give an integer >= {lo}")
+    return v
+
+
+def check_engine(engine: str, python: str) -> None:
+    """One-line error naming the install command when the engine's packages are missing."""
+    if engine not in ENGINES:
+        raise ZsimInputError("--engine", engine, "use one of: " + ", ".join(ENGINES))
+    mods = ["torch"] + (["deepspeed"] if engine == "deepspeed" else [])
+    if python == sys.executable:
+        missing = [m for m in mods if importlib.util.find_spec(m) is None]
+    else:
+        code = "import importlib.util as u,sys;print(','.join(m for m in sys.argv[1:] if u.find_spec(m) is None))"
+        try:
+            out = subprocess.run([python, "-c", code, *mods], capture_output=True, text=True, timeout=60)
+        except OSError:
+            raise ZsimInputError("--python", python, "give the path of a python executable") from None
+        missing = [m for m in out.stdout.strip().split(",") if m]
+    if missing:
+        raise ZsimInputError("--engine", engine, f"{' and '.join(missing)} not installed in {python}: "
+                                                 f"run `{INSTALL[engine]}` (or pass --python of a venv that has it)")
+
+
+def predict(sc) -> tuple[dict, object]:
+    from zsim.api import run_scenario
+    from zsim.schedule.build import build_schedule
+    from zsim.validation import phase_times, schedule_collectives, schedule_summary
+
+    result, trace = run_scenario(sc)
+    _, schedule = build_schedule(sc)
+    return {"step_time_s": result["step_time_s"], "peak_bytes": result["memory"]["peak_bytes"],
+            "phases_s": phase_times(trace.schedule, trace.timings),
+            "collectives": [list(c) for c in schedule_collectives(schedule)],
+            "collectives_summary": schedule_summary(schedule),
+            "memory_breakdown": result["memory"]["breakdown"]}, trace
+
+
+def main(args) -> int:
+    from zsim.config.scenario import load_scenario
+    from zsim.report.writers import chrome_trace, write_atomic
+    from zsim.validation import TENSOR_ONLY_OVERRIDES, collective_summary, compare, render_text
+
+    python = args.python or sys.executable
+    if args.engine not in ENGINES:
+        raise ZsimInputError("--engine", args.engine, "use one of: " + ", ".join(ENGINES))
+    steps = _int(args.steps, "--steps")
+    warmup = _int(args.warmup, "--warmup", 0)
+    timeout = _int(args.timeout, "--timeout")
+    overrides = list(args.set or ())
+    sc0 = load_scenario(args.scenario, tuple(overrides))
+    nproc = _int(args.nproc_per_node, "--nproc-per-node") if args.nproc_per_node else sc0.cluster.world_size
+    overrides += [f"hardware.profile={args.profile}", "hardware.nodes=1", f"hardware.gpus_per_node={nproc}"]
+    overrides += list(TENSOR_ONLY_OVERRIDES)
+    sc = load_scenario(args.scenario, tuple(overrides))
+    if args.engine == "own":
+        from calibration.core.plan import unsupported   # pure python, no torch
+        why = unsupported(sc)
+        if why:
+            raise ZsimInputError("scenario", args.scenario, f"the training core does not run {why}")
+    check_engine(args.engine, python)
+    predicted, trace = predict(sc)
+
+    with tempfile.TemporaryDirectory(prefix="zsim-validate-") as tmp:
+        out = Path(tmp) / "measured.json"
+        mtrace = Path(tmp) / "measured_trace.json"
+        cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               "-m", "calibration.core.run", "--scenario", str(Path(args.scenario).resolve()),
+               "--engine", args.engine, "--steps", str(steps), "--warmup", str(warmup), "--out", str(out),
+               "--trace", str(mtrace)]
+        for o in overrides:
+            cmd += ["--set", o]
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+                   PYTHONPATH=os.pathsep.join([str(REPO_ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        if args.engine == "deepspeed":
+            env.setdefault("DS_ACCELERATOR", "cpu")
+            env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
+        print(f"zsim validate: running {sc.name} on {nproc} ranks ({args.engine}), {warmup}+{steps} steps ...",
+              file=sys.stderr)
+        try:
+            proc = subprocess.run(cmd, env=env, cwd=str(REPO_ROOT), capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            print(f"zsim: error: the {args.engine} run did not finish within {timeout} s", file=sys.stderr)
+            return 1
+        if proc.returncode != 0 or not out.exists():
+            tail = [ln for ln in (proc.stderr or "").splitlines() if ln.strip() and not ln.startswith("W")][-1:]
+            print(f"zsim: error: the {args.engine} run failed (exit {proc.returncode}): "
+                  f"{tail[0] if tail else 'no output'}", file=sys.stderr)
+            return 1
+        measured = json.loads(out.read_text())
+        measured_trace = json.loads(mtrace.read_text()) if mtrace.exists() else None
+    measured["collectives_summary"] = collective_summary(measured.get("collectives", []))
+    report = compare(measured, predicted)
+    report.update(scenario=sc.name, engine=args.engine, profile=args.profile, world_size=nproc)
+    print(f"{sc.name}: {args.engine} engine, {nproc} ranks, profile {args.profile}")
+    print(render_text(report))
+    if args.json:
+        write_atomic(args.json, json.dumps(report, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.trace:
+        sim = chrome_trace(trace, sc.name)
+        events = sim["traceEvents"] + (measured_trace["traceEvents"] if measured_trace else [])
+        write_atomic(args.trace, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}) + "\n")
+        print(f"wrote {args.trace}", file=sys.stderr)
+    return 0

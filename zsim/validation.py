@@ -1,0 +1,142 @@
+"""Measured vs predicted: the pure half of `zsim validate` (no torch).
+
+The measured side comes from calibration/core/run.py (JSON); the predicted side from
+zsim.api.run_scenario on the same scenario. Errors are signed, relative to the measurement:
+(predicted - measured) / measured.
+"""
+from __future__ import annotations
+
+from zsim.schedule.ops import Schedule
+
+PHASES = ("forward", "backward", "step")
+_PHASE = {"forward": "forward", "recompute": "backward", "backward": "backward", "step": "step"}
+
+# What the comparison changes in the scenario: the measured peak counts tensors only (as
+# torch.cuda.max_memory_allocated does), so the simulator's CUDA context and allocator reserve
+# are set to zero on the predicted side.
+TENSOR_ONLY_OVERRIDES = ("hardware.override.gpu.cuda_context_GiB=0",
+                         "hardware.override.gpu.allocator_fragmentation_fraction=0")
+
+
+def rel_error(predicted: float, measured: float) -> float | None:
+    if not measured:
+        return None
+    return (predicted - measured) / measured
+
+
+def mape(errors) -> float | None:
+    errs = [abs(e) for e in errors if e is not None]
+    return sum(errs) / len(errs) if errs else None
+
+
+def schedule_collectives(schedule: Schedule) -> list[tuple[str, str, int]]:
+    """(phase, collective, numel) of one step, in issue order (the measured list's format)."""
+    return [(_PHASE[op.phase], op.collective, int(op.numel)) for op in schedule.ops if op.collective]
+
+
+def collective_summary(calls, element_bytes: dict[int, int] | None = None) -> dict[str, dict]:
+    """{collective: {count, numel}} from (phase, collective, numel[, bytes]) entries."""
+    out: dict[str, dict] = {}
+    for c in calls:
+        kind, numel = c[1], int(c[2])
+        e = out.setdefault(kind, {"count": 0, "numel": 0, "bytes": 0})
+        e["count"] += 1
+        e["numel"] += numel
+        e["bytes"] += int(c[3]) if len(c) > 3 else 0
+    return dict(sorted(out.items()))
+
+
+def schedule_summary(schedule: Schedule) -> dict[str, dict]:
+    return collective_summary([(_PHASE[op.phase], op.collective, int(op.numel), int(op.size_bytes))
+                               for op in schedule.ops if op.collective])
+
+
+def phase_times(schedule: Schedule, timings) -> dict[str, float]:
+    """Busy time of each phase in the simulated step: length of the union of its ops' intervals."""
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for op, t in zip(schedule.ops, timings):
+        spans.setdefault(_PHASE[op.phase], []).append((t.start_s, t.end_s))
+    out = {}
+    for ph, iv in spans.items():
+        iv.sort()
+        total, cur_s, cur_e = 0.0, None, None
+        for s, e in iv:
+            if cur_e is None or s > cur_e:
+                if cur_e is not None:
+                    total += cur_e - cur_s
+                cur_s, cur_e = s, e
+            else:
+                cur_e = max(cur_e, e)
+        if cur_e is not None:
+            total += cur_e - cur_s
+        out[ph] = total
+    return out
+
+
+def first_difference(a, b) -> dict | None:
+    """Where two collective lists part (None when equal)."""
+    a, b = [tuple(x[:3]) for x in a], [tuple(x[:3]) for x in b]
+    if a == b:
+        return None
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return {"index": i, "measured": list(x), "predicted": list(y)}
+    i = min(len(a), len(b))
+    return {"index": i, "measured": list(a[i]) if i < len(a) else None,
+            "predicted": list(b[i]) if i < len(b) else None}
+
+
+def compare(measured: dict, predicted: dict) -> dict:
+    """The validate report: both sides, and the error of every figure."""
+    err = {"step_time": rel_error(predicted["step_time_s"], measured["step_time_s"]),
+           "peak_bytes": rel_error(predicted["peak_bytes"], measured["peak_bytes"]) if measured.get("peak_bytes") else None,
+           "phases": {p: rel_error(predicted["phases_s"].get(p, 0.0), measured["phases_s"].get(p, 0.0))
+                      for p in PHASES if p in measured.get("phases_s", {})}}
+    mc, pc = measured.get("collectives_summary", {}), predicted.get("collectives_summary", {})
+    err["collectives"] = {k: {"count": rel_error(pc.get(k, {}).get("count", 0), mc.get(k, {}).get("count", 0)),
+                              "bytes": rel_error(pc.get(k, {}).get("bytes", 0), mc.get(k, {}).get("bytes", 0))}
+                          for k in sorted(set(mc) | set(pc))}
+    diff = first_difference(measured.get("collectives", []), predicted.get("collectives", []))
+    return {"measured": measured, "predicted": predicted, "error": err,
+            "collectives_equal": diff is None, "collectives_first_difference": diff}
+
+
+def _pct(e):
+    return "-" if e is None else f"{100 * e:+.1f}%"
+
+
+def _fmt_s(x):
+    return f"{x * 1e3:.2f} ms"
+
+
+def _fmt_b(x):
+    return f"{x / 2**20:.2f} MiB"
+
+
+def table_rows(report: dict) -> list[tuple[str, str, str, str]]:
+    m, p, e = report["measured"], report["predicted"], report["error"]
+    spread = m.get("step_time_spread")
+    rows = [("step time", _fmt_s(m["step_time_s"]) + (f" (spread {100 * spread:.1f}%)" if spread is not None else ""),
+             _fmt_s(p["step_time_s"]), _pct(e["step_time"]))]
+    for ph in PHASES:
+        if ph in m.get("phases_s", {}):
+            rows.append((f"  {ph}", _fmt_s(m["phases_s"][ph]), _fmt_s(p["phases_s"].get(ph, 0.0)), _pct(e["phases"][ph])))
+    rows.append(("peak memory (tensors)", _fmt_b(m["peak_bytes"]) if m.get("peak_bytes") else "-",
+                 _fmt_b(p["peak_bytes"]), _pct(e["peak_bytes"])))
+    mc, pc = m.get("collectives_summary", {}), p.get("collectives_summary", {})
+    for k, v in e["collectives"].items():
+        a, b = mc.get(k, {}), pc.get(k, {})
+        rows.append((f"{k} calls", str(a.get("count", 0)), str(b.get("count", 0)), _pct(v["count"])))
+        rows.append((f"{k} bytes", _fmt_b(a.get("bytes", 0)), _fmt_b(b.get("bytes", 0)), _pct(v["bytes"])))
+    rows.append(("collective list", f"{len(m.get('collectives', []))} calls", f"{len(p.get('collectives', []))} calls",
+                 "equal" if report["collectives_equal"] else
+                 f"differs at #{report['collectives_first_difference']['index']}"))
+    return rows
+
+
+def render_text(report: dict) -> str:
+    rows = [("", "measured", "predicted", "error")] + table_rows(report)
+    w = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = ["  ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(r)) for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
