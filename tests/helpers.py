@@ -13,7 +13,8 @@ TINY = {
     "model": {"layers": 2, "hidden": 256, "heads": 4, "vocab": 1024, "seq_len": 256, "tied_embeddings": False},
     "hardware": {"profile": "dgx-a100-80g", "nodes": 1, "gpus_per_node": 8},
     "training": {"micro_batch_size": 2, "gradient_accumulation_steps": 1, "seq_len": 256, "precision": "bf16"},
-    "deepspeed": {"zero_optimization": {"stage": 2}},
+    # buckets sized to the tiny model (DeepSpeed allocates the full reduce_bucket_size)
+    "deepspeed": {"zero_optimization": {"stage": 2, "reduce_bucket_size": 200000}},
 }
 
 

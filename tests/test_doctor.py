@@ -15,8 +15,11 @@ NO_RESERVE = {"gpu": {"cuda_context_GiB": 0.0, "allocator_fragmentation_fraction
 
 
 def over_by(fraction: float, **changes) -> dict:
-    """TINY (micro-batch 8, no checkpointing) on a GPU whose HBM is `fraction` below its peak."""
+    """TINY (micro-batch 8, no checkpointing) on a GPU whose HBM is `fraction` below its peak.
+    Buckets sized to the tiny model: DeepSpeed's default 5e8-element IPG buffer would
+    dominate a 3M-parameter model's memory."""
     raw = mapping(**{"training.micro_batch_size": 8, "training.gradient_accumulation_steps": 2,
+                     "deepspeed.zero_optimization.reduce_bucket_size": 2e5,
                      "hardware.override": NO_RESERVE, **changes})
     peak = run_scenario(scenario_from_mapping(raw, ROOT))[0]["memory"]["peak_bytes"]
     raw["hardware"]["override"] = {"gpu": {**NO_RESERVE["gpu"], "hbm_capacity_GiB": peak / (1 + fraction) / GiB}}

@@ -188,9 +188,12 @@ def build(ctx: StepContext):
     states = offload.place_states(ctx, states, shard)
     for cat, size in states.items():
         ctx.b.static_alloc(cat, size)
-    if z.stage >= 1 and z.contiguous_gradients and hooks.reduce_in_hooks:
+    if z.stage >= 1 and z.contiguous_gradients and not hooks.bf16_optimizer:
+        # setup_buckets (stage_1_and_2.py:3256-3279): one IPG buffer of the full
+        # reduce_bucket_size elements in the parameter dtype, two with overlap_comm, however
+        # small the model
         buffers = 2 if z.overlap else 1
-        ctx.b.static_alloc("gradient buckets", buffers * min(z.reduce_bucket_size, n_params) * ctx.param_bytes)
+        ctx.b.static_alloc("gradient buckets", buffers * z.reduce_bucket_size * ctx.param_bytes)
     last = None
     for micro in range(ctx.gas):
         last = forward(ctx, hooks, micro, last)

@@ -261,7 +261,8 @@ def build(ctx: StepContext):
         ctx.b.static_alloc(cat, size)
     ctx.b.static_alloc("persistent params", sum(hooks.numels[p] for p in hooks.persistent) * ctx.param_bytes)
     if z.contiguous_gradients:
-        ctx.b.static_alloc("gradient buckets", min(z.reduce_bucket_size, n_params) * ctx.param_bytes)
+        # stage3.py:780-784: one IPG buffer of the full reduce_bucket_size elements
+        ctx.b.static_alloc("gradient buckets", z.reduce_bucket_size * ctx.param_bytes)
     last = None
     for micro in range(ctx.gas):
         last = forward(ctx, hooks, micro, last)
