@@ -249,6 +249,7 @@ def fit_compute(records: list[dict], dtype: str) -> tuple[dict, dict]:
     if layers:
         report["layers_before_closure"] = layer_residuals(layers, {**fields, "kernel_overhead_us": overhead_s * 1e6},
                                                           peak, hbm_GBps)
+        report["kernel_fits"] = dict(fields)
         closed, peak_scale, scales = fit_layer_closure(layers, fields, p, hbm_GBps, dtype)
         report["layer_closure_scales"] = scales
         report["layers_held_out"] = held_out_layer_errors(layers, fields, p, hbm_GBps, dtype)
