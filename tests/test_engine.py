@@ -80,3 +80,18 @@ def test_deadlock_is_reported():
     b.add("behind it", "compute", "forward", 0, gemms=((64, 64, 64),))
     with pytest.raises(RuntimeError, match="deadlock"):
         simulate(b.build(0, {}), cl, "bf16")
+
+
+def test_a_device_without_concurrent_streams_runs_in_program_order():
+    """CPU ranks (torch/DeepSpeed CPU backends) have one stream: no comm/compute overlap."""
+    times = {}
+    for concurrent in (True, False):
+        cl = scenario(**{"hardware.override": {"gpu": {"concurrent_streams": concurrent}}}).cluster
+        b = Builder()
+        b.add("ag", "allgather", "forward", 0, collective="all_gather", size_bytes=SIZE)
+        b.add("gemm", "compute", "forward", 0, gemms=((8192, 8192, 8192),))
+        trace = simulate(b.build(3, {}), cl, "bf16")
+        t = {op.name: tm for op, tm in zip(trace.schedule.ops, trace.timings)}
+        times[concurrent] = t
+    assert times[True]["gemm"].start_s == 0.0                       # overlaps the all-gather
+    assert times[False]["gemm"].start_s == pytest.approx(times[False]["ag"].end_s)   # waits for it

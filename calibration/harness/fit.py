@@ -469,7 +469,9 @@ def build_profile(name: str, records: list[dict], prov: dict, dtype: str) -> tup
            "hbm_capacity_GiB": float(prov.get("gpu_memory_GiB", host_GiB / max(per_node, 1))),
            "hbm_bw_GBps": comp["hbm_bw_GBps"],
            "cuda_context_GiB": 0.75 if cuda else 0.3,
-           "allocator_fragmentation_fraction": 0.02, **fields}
+           "allocator_fragmentation_fraction": 0.02,
+           # torch's and DeepSpeed's CPU backends run collectives and copies in program order
+           "concurrent_streams": bool(cuda), **fields}
     profile = {
         "name": name,
         "description": f"calibrated by zsim calibrate ({prov.get('mode', '?')} mode) on {prov.get('hosts', '?')}: "

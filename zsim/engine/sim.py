@@ -139,8 +139,10 @@ def simulate(schedule: Schedule, cluster, precision: str) -> Trace:
     done = [env.event() for _ in schedule.ops]
     timings: list[OpTiming | None] = [None] * len(schedule.ops)
     by_stream: dict[str, list[Op]] = {s: [] for s in STREAMS}
+    # a device without concurrent streams (a CPU rank) runs every op in program order
+    serial = not cluster.profile.gpu.concurrent_streams
     for op in schedule.ops:
-        by_stream[op.stream].append(op)
+        by_stream["compute" if serial else op.stream].append(op)
 
     meta = schedule.meta
     prof = cluster.profile

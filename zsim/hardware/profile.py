@@ -42,6 +42,8 @@ class GpuProfile:
     flash_attention_bwd_efficiency: float = spec(0.4, gt=0, le=1)
     memory_bound_efficiency: float = spec(0.7, gt=0, le=1, doc="fraction of HBM bandwidth reached by elementwise kernels")
     kernel_overhead_us: float = spec(5.0, ge=0, doc="launch + framework time per kernel")
+    concurrent_streams: bool = spec(True, doc="side streams run beside compute (CUDA); false: one stream in "
+                                              "program order, as DeepSpeed's and torch's CPU backends run")
 
 
 _COLLECTIVE_NAMES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "all_to_all")
