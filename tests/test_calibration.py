@@ -283,3 +283,11 @@ def test_layer_closure_recovers_known_scales():
     assert closed["flash_attention_fwd_efficiency"] == pytest.approx(0.5 / 1.5, rel=1e-6)
     for r in layer_residuals(layers, closed, {"bf16": peak * peak_scale}, hbm):
         assert abs(r["error"]) < 1e-6
+
+
+def test_sync_overhead_fit_reads_the_skew_benchmark():
+    from calibration.harness.fit import fit_sync_overhead_us
+    rec = {"kind": "sync_skew", "time_s": 2.7e-3, "sync_overhead_s": 2.5e-4}
+    assert fit_sync_overhead_us([rec]) == pytest.approx(250.0)
+    assert fit_sync_overhead_us([{**rec, "sync_overhead_s": -1e-5}]) == 0.0   # noise below zero: none
+    assert fit_sync_overhead_us([]) == 0.0

@@ -67,3 +67,14 @@ def test_single_rank_costs_nothing():
 def test_unknown_collective_is_rejected():
     with pytest.raises(ValueError):
         collective_cost("gather", 1.0, 1, 8, INTRA, INTER)
+
+
+def test_sync_overhead_is_paid_once_per_collective():
+    synced = Tier(busbw_Bps=200e9, latency_s=2e-6, efficiency=FLAT, sync_s=300e-6)
+    plain = collective_cost("all_gather", 1e6, 1, 8, INTRA, INTER)
+    with_sync = collective_cost("all_gather", 1e6, 1, 8, synced, INTER)
+    assert with_sync.latency_s == pytest.approx(plain.latency_s + 300e-6)
+    assert with_sync.transfer_s == plain.transfer_s
+    across = collective_cost("all_reduce", 1e6, 4, 8, synced, INTER)
+    no_sync = collective_cost("all_reduce", 1e6, 4, 8, INTRA, INTER)
+    assert across.latency_s == pytest.approx(no_sync.latency_s + 300e-6)

@@ -417,6 +417,14 @@ def fit_interference(records: list[dict]) -> dict:
             "comm_slowdown_during_compute": max(0.0, r["comm_during_gemm_s"] / r["comm_alone_s"] - 1.0)}
 
 
+def fit_sync_overhead_us(records: list[dict]) -> float:
+    """Per-collective synchronisation cost inside a step (worker.bench_sync_skew): the
+    excess of compute + collective over compute alone and the barrier-synchronised
+    collective. Zero when not measured."""
+    rs = _ok(records, "sync_skew")
+    return max(0.0, rs[0]["sync_overhead_s"]) * 1e6 if rs else 0.0
+
+
 # ----------------------------------------------------------------------------- the profile
 def build_profile(name: str, records: list[dict], prov: dict, dtype: str) -> tuple[dict, dict]:
     """The profile mapping (same keys as hardware_profiles/*.yaml) and the fit report."""
@@ -436,12 +444,15 @@ def build_profile(name: str, records: list[dict], prov: dict, dtype: str) -> tup
     intra = coll.get("intra_node") or coll.get("world")
     inter = coll.get("inter_node")
 
+    sync_us = fit_sync_overhead_us(records)
+
     def tier_map(t, fabric):
         if not t:
             return None
         eff_default = t["efficiency_by_collective"].get("all_reduce") or next(iter(t["efficiency_by_collective"].values()))
         return {"fabric": fabric, "busbw_GBps": t["busbw_GBps"], "latency_us": t["latency_us"],
-                "efficiency_by_size": eff_default, "efficiency_by_collective": t["efficiency_by_collective"]}
+                "efficiency_by_size": eff_default, "efficiency_by_collective": t["efficiency_by_collective"],
+                "sync_overhead_us": sync_us}
 
     backend = prov.get("backend", "gloo")
     intra_m = tier_map(intra, f"{backend}-intra-node" if cuda else "gloo-loopback (shared memory / TCP)")
@@ -451,12 +462,12 @@ def build_profile(name: str, records: list[dict], prov: dict, dtype: str) -> tup
                    "nic_bw_Gbps": inter["busbw_GBps"] * 8, "latency_us": inter["latency_us"],
                    "efficiency_by_size": inter["efficiency_by_collective"].get("all_reduce")
                    or next(iter(inter["efficiency_by_collective"].values())),
-                   "efficiency_by_collective": inter["efficiency_by_collective"]}
+                   "efficiency_by_collective": inter["efficiency_by_collective"], "sync_overhead_us": sync_us}
     else:   # single node: nothing to measure; mirror the intra tier so multi-node what-ifs stay finite
         inter_m = {"fabric": "not measured (single-node calibration; copy of intra_node)", "nics_per_node": 1,
                    "nic_bw_Gbps": intra["busbw_GBps"] * 8 * per_node, "latency_us": intra["latency_us"],
                    "efficiency_by_size": intra_m["efficiency_by_size"],
-                   "efficiency_by_collective": intra["efficiency_by_collective"]}
+                   "efficiency_by_collective": intra["efficiency_by_collective"], "sync_overhead_us": sync_us}
     pcie = [r for r in records if r.get("kind") == "pcie" and r.get("pinned") and "error" not in r]
     memcpy = _ok(records, "memcpy")
     if pcie:
@@ -494,7 +505,7 @@ def build_profile(name: str, records: list[dict], prov: dict, dtype: str) -> tup
                        "compute_dtype": dtype},
     }
     report = {"collectives": coll, "compute": comp, "adam": {"params_per_s_per_core": adam_rate, "impl": adam_impl},
-              "io": io, "interference": interf}
+              "io": io, "interference": interf, "sync_overhead_us": sync_us}
     return _round(profile), report
 
 

@@ -122,7 +122,7 @@ def items(plan: Plan, world_size: int, nodes: int) -> list[str]:
             names.append(f"attention/{dt}/{L.label}")
             names.append(f"membound/{dt}/{L.label}")
             names.append(f"layer/{dt}/{L.label}")
-    names += ["adam", "io", "interference"]
+    names += ["adam", "io", "interference", "sync_skew"]
     return names
 
 
@@ -149,4 +149,4 @@ def estimated_cost(name: str) -> float:
     if parts[0] == "collective":
         return 0.3 + math.log2(max(int(parts[-1]), 1024) / 1024) * 0.15
     return {"layer": 4.0, "gemm": 4.0, "attention": 1.5, "membound": 1.5, "io": 3.0,
-            "interference": 3.0, "adam": 2.0}.get(parts[0], 1.0)
+            "interference": 3.0, "adam": 2.0, "sync_skew": 2.0}.get(parts[0], 1.0)

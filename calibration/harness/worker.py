@@ -497,6 +497,63 @@ def bench_interference(ctx: Ctx) -> dict:
             "comm_alone_s": vals[2], "comm_during_gemm_s": vals[3]}
 
 
+def bench_sync_skew(ctx: Ctx) -> dict:
+    """What a collective costs inside a training step beyond its barrier-synchronised time:
+    ranks arrive at it at different times (OS noise, uneven cores), and the early one waits.
+    Each repetition runs a module-sized compute phase, then a one-element all-reduce, with no
+    barrier in between; the excess over compute alone and over the synchronised collective is
+    the per-call synchronisation cost."""
+    L = ctx.plan.layers[0]
+    dt = DTYPES[ctx.plan.profile_dtype]
+    a = torch.randn(L.tokens, L.hidden, dtype=dt, device=ctx.device)
+    w = torch.randn(4 * L.hidden, L.hidden, dtype=dt, device=ctx.device)
+    tiny = torch.ones(1, device=ctx.device)
+    calls = max(10, ctx.plan.reps * 3)
+
+    def compute():
+        F.linear(a, w)
+        ctx.sync()
+
+    def loop(with_collective: bool):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            compute()
+            if with_collective:
+                dist.all_reduce(tiny)
+        ctx.sync()
+        return time.perf_counter() - t0
+
+    def synced():
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            dist.barrier()
+            dist.all_reduce(tiny)
+        return time.perf_counter() - t0
+
+    ctx.at_sync()
+    for _ in range(2):
+        compute()
+    reps = max(3, ctx.plan.reps // 2)
+    with_c = [loop(True) for _ in range(reps)]
+    alone = [loop(False) for _ in range(reps)]
+    barrier_only = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            dist.barrier()
+        barrier_only.append(time.perf_counter() - t0)
+    sync_c = [synced() for _ in range(reps)]
+    vals = ctx.gather_max([min(with_c), min(alone), min(sync_c), min(barrier_only)])
+    coll_s = max(0.0, (vals[2] - vals[3]) / calls)
+    per_call = (vals[0] - vals[1]) / calls
+    return {"kind": "sync_skew", "dtype": ctx.plan.profile_dtype, "calls": calls, "time_s": vals[0] / calls,
+            "compute_phase_s": vals[1] / calls, "step_with_collective_s": vals[0] / calls,
+            "collective_synchronised_s": coll_s, "sync_overhead_s": max(0.0, per_call - coll_s)}
+
+
 # ----------------------------------------------------------------------------- driver
 def provenance(ctx: Ctx) -> dict:
     hosts = [None] * ctx.world
@@ -646,6 +703,8 @@ def dispatch(ctx: Ctx, name: str):
         return bench_io(ctx)
     if p[0] == "interference":
         return bench_interference(ctx)
+    if p[0] == "sync_skew":
+        return bench_sync_skew(ctx)
     raise ValueError(name)
 
 

@@ -36,6 +36,8 @@ class Tier:
     # calibrated profiles measure each collective's own curve (gloo's broadcast and all-reduce,
     # for example, differ by 2x at the same size); kinds not listed use `efficiency`
     by_collective: tuple[tuple[str, EffTable], ...] = ()
+    # paid once per collective, not per ring step: waiting for the last rank to arrive
+    sync_s: float = 0.0
 
     def efficiency_for(self, kind: str) -> EffTable:
         for k, table in self.by_collective:
@@ -118,23 +120,25 @@ def collective_cost(kind: str, size_bytes: float, nodes: int, gpus_per_node: int
     if n <= 1 or size_bytes <= 0:
         return CommCost(0.0, 0.0, "intra_node")
     if nodes == 1:
-        return ring_cost(kind, size_bytes, n, intra, "intra_node")
+        c = ring_cost(kind, size_bytes, n, intra, "intra_node")
+        return CommCost(c.latency_s + intra.sync_s, c.transfer_s, c.tier)
     if gpus_per_node == 1:
-        return ring_cost(kind, size_bytes, n, inter, "inter_node")
-    hier = hierarchical_cost(kind, size_bytes, nodes, gpus_per_node, intra, inter)
+        c = ring_cost(kind, size_bytes, n, inter, "inter_node")
+        return CommCost(c.latency_s + inter.sync_s, c.transfer_s, c.tier)
+    best = hierarchical_cost(kind, size_bytes, nodes, gpus_per_node, intra, inter)
     if kind == "all_reduce":
         tree = tree_allreduce_cost(size_bytes, nodes, gpus_per_node, intra, inter)
-        if tree.time_s < hier.time_s:
-            return tree
-    return hier
+        if tree.time_s < best.time_s:
+            best = tree
+    return CommCost(best.latency_s + max(intra.sync_s, inter.sync_s), best.transfer_s, best.tier)
 
 
 def tiers_for(cluster) -> tuple[Tier, Tier]:
     """The two tiers of a Cluster, in SI units; the inter tier is per rail (NICs / GPUs per node)."""
     p = cluster.profile
     intra = Tier(cluster.intra_busbw_Bps, p.intra_node.latency_us * 1e-6, p.intra_node.efficiency_by_size,
-                 tuple(sorted(p.intra_node.efficiency_by_collective.items())))
+                 tuple(sorted(p.intra_node.efficiency_by_collective.items())), p.intra_node.sync_overhead_us * 1e-6)
     rail_Bps = cluster.inter_node_bw_Bps / cluster.gpus_per_node
     inter = Tier(rail_Bps, p.inter_node.latency_us * 1e-6, p.inter_node.efficiency_by_size,
-                 tuple(sorted(p.inter_node.efficiency_by_collective.items())))
+                 tuple(sorted(p.inter_node.efficiency_by_collective.items())), p.inter_node.sync_overhead_us * 1e-6)
     return intra, inter

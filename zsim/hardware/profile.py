@@ -68,6 +68,8 @@ class LinkTierProfile:
     efficiency_by_size: EffTable = spec(((1.0, 1.0),))
     efficiency_by_collective: dict[str, EffTable] = spec(
         factory=dict, doc="per-collective tables that replace efficiency_by_size (calibrated profiles)")
+    sync_overhead_us: float = spec(0.0, ge=0, doc="extra time per collective inside a step: ranks reach it at "
+                                                  "different times and the early ones wait (calibration measures it)")
 
     def __post_init__(self):
         _check_collective_tables(self.efficiency_by_collective)
@@ -82,6 +84,8 @@ class InterNodeProfile:
     efficiency_by_size: EffTable = spec(((1.0, 1.0),))
     efficiency_by_collective: dict[str, EffTable] = spec(
         factory=dict, doc="per-collective tables that replace efficiency_by_size (calibrated profiles)")
+    sync_overhead_us: float = spec(0.0, ge=0, doc="extra time per collective inside a step: ranks reach it at "
+                                                  "different times and the early ones wait (calibration measures it)")
 
     def __post_init__(self):
         _check_collective_tables(self.efficiency_by_collective)
