@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from calibration.harness.plan import (Plan, LayerShape, default_plan, estimated_cost, groups, items,
-                                      layer_gemms, message_sizes, tier_of_group)
+from calibration.harness.plan import (Plan, LayerShape, default_plan, estimated_cost, items,
+                                      layer_gemms, tier_of_group)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
