@@ -69,3 +69,11 @@ def test_model_flops_follow_6n_plus_attention():
     matmul_params = 4 * 12 * 2048 * 2048 + 50000 * 2048          # blocks + lm_head
     attention = 4 * (4 * b * s * s * 2048)
     assert wl.model_flops == pytest.approx(3 * (2 * b * s * matmul_params + attention))
+
+
+def test_optimizer_step_traffic_counts_deepspeeds_passes():
+    from zsim.schedule.common import step_bytes_per_param
+    # bf16 with clipping: convert 2+4, clip 8, Adam 28, copy back 4+2, zero grads 2
+    assert step_bytes_per_param(2, True) == 6 + 8 + 28 + 6 + 2
+    # fp32 without clipping: no conversion, copy back 4+4, zero 4
+    assert step_bytes_per_param(4, False) == 28 + 8 + 4

@@ -293,12 +293,12 @@ def bench_membound(ctx: Ctx, dtype_name: str, L: LayerShape) -> list[dict]:
     y = F.layer_norm(x, (h,), w, bias)
     gy = torch.randn_like(y)
     u = torch.randn(t, f, dtype=dt, device=ctx.device, requires_grad=True)
-    gu_out = F.gelu(u)
+    gu_out = F.gelu(u, approximate="tanh")
     gu = torch.randn_like(gu_out)
     r = torch.randn(t, h, dtype=dt, device=ctx.device)
     cases = [("layernorm", "fwd", 2 * t * h * a, lambda: F.layer_norm(x, (h,), w, bias)),
              ("layernorm", "bwd", 3 * t * h * a, lambda: torch.autograd.grad(y, (x, w, bias), gy, retain_graph=True)),
-             ("gelu", "fwd", 2 * t * f * a, lambda: F.gelu(u)),
+             ("gelu", "fwd", 2 * t * f * a, lambda: F.gelu(u, approximate="tanh")),
              ("gelu", "bwd", 3 * t * f * a, lambda: torch.autograd.grad(gu_out, (u,), gu, retain_graph=True)),
              ("residual", "fwd", 3 * t * h * a, lambda: torch.add(r, r))]
     for op, pas, nbytes, fn in cases:
@@ -328,7 +328,8 @@ class Layer(torch.nn.Module):
         q, k, v = self.qkv(self.ln_1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
         x = x + self.o_proj(a)
-        return x + self.fc_out(F.gelu(self.fc_in(self.ln_2(x))))
+        # tanh GELU, as GPT-2's gelu_new and the training core (calibration/core/model.py) use
+        return x + self.fc_out(F.gelu(self.fc_in(self.ln_2(x)), approximate="tanh"))
 
 
 def bench_layer(ctx: Ctx, dtype_name: str, L: LayerShape) -> list[dict]:

@@ -15,8 +15,20 @@ from zsim.workload.transformer import Module, Workload
 FP32_BYTES = 4
 ADAM_STATE_BYTES = 8          # exp_avg + exp_avg_sq, fp32
 # Fused Adam traffic per parameter: read+write fp32 master, m, v (24 B), read the fp32 grad
-# (4 B), write the 16-bit param copy (2 B) (apex/DeepSpeed FusedAdam, multi_tensor_apply).
-ADAM_STEP_BYTES_PER_PARAM = 30
+# (4 B) (apex/DeepSpeed FusedAdam, multi_tensor_apply).
+ADAM_STEP_BYTES_PER_PARAM = 28
+
+
+def step_bytes_per_param(param_bytes: int, clipping: bool) -> float:
+    """HBM traffic per local parameter of one optimizer step, counting the passes DeepSpeed
+    makes (stage_1_and_2.py / stage3.py step): the 16-bit gradient partition converted to
+    fp32 (read 2, write 4), unscale/clip (read+write 8), fused Adam (28), the updated fp32
+    master copied back into the 16-bit params (read 4, write 2) and the gradient buffers
+    zeroed (write 2). fp32 training skips the conversion but still copies the master back."""
+    convert = param_bytes + FP32_BYTES if param_bytes < FP32_BYTES else 0.0
+    clip = 2 * FP32_BYTES if clipping else 0.0
+    copy_back = FP32_BYTES + param_bytes
+    return convert + clip + ADAM_STEP_BYTES_PER_PARAM + copy_back + param_bytes
 
 
 @dataclass
@@ -214,9 +226,9 @@ def optimizer_step(ctx: StepContext, shard_params: float, deps) -> int:
     """Fused Adam over the local shard; fp32 gradient copy lives during the step."""
     tag = "opt/fp32_grads"
     temp = FP32_BYTES * shard_params if ctx.param_bytes < FP32_BYTES else 0.0
-    clip = 8.0 * shard_params if ctx.sc.deepspeed.gradient_clipping > 0 else 0.0
+    per_param = step_bytes_per_param(ctx.param_bytes, ctx.sc.deepspeed.gradient_clipping > 0)
     op = ctx.b.add("optimizer step (Adam)", "compute", "step", ctx.gas - 1, deps,
-                   mem_bytes=ADAM_STEP_BYTES_PER_PARAM * shard_params + clip, kernels=4,
+                   mem_bytes=per_param * shard_params, kernels=6,
                    alloc=(Alloc(tag, "optimizer temporaries", temp),) if temp else ())
     ctx.b.add_free(op, tag)
     return op
