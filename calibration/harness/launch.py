@@ -274,8 +274,8 @@ def profile_header(profile: dict, report: dict, run_dir: Path) -> str:
              "# Method (calibration/harness/fit.py): collectives alpha-beta per tier with one efficiency table per",
              "# collective at every measured size; GEMM law fitted on the layer's shapes (peak = the law's asymptote);",
              "# attention and memory-bound efficiencies against zsim's FLOP/byte counts; then a layer closure",
-             "# (GEMM, attention fwd/bwd and memory-bound scales + per-kernel overhead, least squares) fits the",
-             "# measured transformer layers. Leave-one-shape-out errors: fit_report.json compute.layers_held_out."]
+             "# (GEMM and attention fwd/bwd scales, least squares; memory-bound and launch costs stay as measured)",
+             "# fits the measured transformer layers. Leave-one-shape-out errors: fit_report.json compute.layers_held_out."]
     for tier, t in report["collectives"].items():
         worst = max((abs(e) for ab in t["alpha_beta"].values() for _, e in ab["residuals"]), default=0.0)
         lines.append(f"# {tier}: alpha-beta fit worst residual {100 * worst:.0f}% (the per-size tables remove it).")
