@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from published_h100 import DEFAULT_CSV, read_rows, scenario_mapping  # noqa: E402
+from calibration.harness.fit import _nnls_relative  # noqa: E402  (pure numpy, no torch)
 from zsim.config.scenario import scenario_from_mapping  # noqa: E402
 from zsim.schedule.build import build_schedule  # noqa: E402
 
@@ -58,22 +59,7 @@ def components(sc) -> np.ndarray:
 def nnls_relative(X: np.ndarray, y: np.ndarray) -> np.ndarray:
     """min sum(((X b + k) - y) / y)^2 over b >= 0 for the first three columns; the kernel
     overhead column keeps coefficient 1 (it is already in seconds)."""
-    from itertools import product  # exhaustive active-set search over 3 variables
-    A = X[:, :3] / y[:, None]
-    r = 1.0 - X[:, 3] / y
-    best, best_b = None, None
-    for mask in product([0, 1], repeat=3):
-        cols = [i for i in range(3) if mask[i]]
-        b = np.zeros(3)
-        if cols:
-            sol, *_ = np.linalg.lstsq(A[:, cols], r, rcond=None)
-            if (sol < 0).any():
-                continue
-            b[cols] = sol
-        err = float(((A @ b - r) ** 2).sum())
-        if best is None or err < best:
-            best, best_b = err, b
-    return best_b
+    return _nnls_relative(X[:, :3], y - X[:, 3], weight=y)
 
 
 def main() -> int:

@@ -61,9 +61,9 @@ def _check_collective_tables(tables: dict) -> None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class LinkTierProfile:
+class _TierShape:
+    """What every communication tier carries besides its bandwidth."""
     fabric: str
-    busbw_GBps: float = spec(gt=0, doc="peak nccl-tests bus bandwidth per GPU on this tier")
     latency_us: float = spec(ge=0, doc="alpha: per ring step")
     efficiency_by_size: EffTable = spec(((1.0, 1.0),))
     efficiency_by_collective: dict[str, EffTable] = spec(
@@ -76,19 +76,14 @@ class LinkTierProfile:
 
 
 @dataclass(frozen=True, kw_only=True)
-class InterNodeProfile:
-    fabric: str
+class LinkTierProfile(_TierShape):
+    busbw_GBps: float = spec(gt=0, doc="peak nccl-tests bus bandwidth per GPU on this tier")
+
+
+@dataclass(frozen=True, kw_only=True)
+class InterNodeProfile(_TierShape):
     nics_per_node: int = spec(ge=1)
     nic_bw_Gbps: float = spec(gt=0)
-    latency_us: float = spec(ge=0)
-    efficiency_by_size: EffTable = spec(((1.0, 1.0),))
-    efficiency_by_collective: dict[str, EffTable] = spec(
-        factory=dict, doc="per-collective tables that replace efficiency_by_size (calibrated profiles)")
-    sync_overhead_us: float = spec(0.0, ge=0, doc="extra time per collective inside a step: ranks reach it at "
-                                                  "different times and the early ones wait (calibration measures it)")
-
-    def __post_init__(self):
-        _check_collective_tables(self.efficiency_by_collective)
 
 
 @dataclass(frozen=True, kw_only=True)
