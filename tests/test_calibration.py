@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from calibration.harness.fit import (build_profile, fit_collectives, fit_gemm, fit_layer_overhead_us, gemm_law,
-                                     layer_kernel_counts, predict_layer_s, robust_alpha_beta)
+from calibration.harness.fit import (build_profile, fit_collectives, fit_gemm, gemm_law, layer_components,
+                                     predict_layer_s, robust_alpha_beta)
 from calibration.harness.plan import LayerShape, default_plan, items, layer_gemms, message_sizes
 from zsim.config.fields import build
 from zsim.errors import ZsimInputError
@@ -116,19 +116,19 @@ def test_fit_gemm_recovers_law():
     assert max(abs(r["error"]) for r in fit["residuals"]) < 1e-9
 
 
-def test_layer_overhead_recovered():
+def test_layer_prediction_is_its_components_plus_launch_overhead():
     gpu = GpuProfile(model="x", peak_tflops_fp32=1, peak_tflops_tf32=1, peak_tflops_fp16=1, peak_tflops_bf16=1,
                      hbm_capacity_GiB=1, hbm_bw_GBps=20, gemm_max_efficiency=1.0, gemm_half_efficiency_dim=16,
                      flash_attention_fwd_efficiency=0.1, flash_attention_bwd_efficiency=0.05,
                      memory_bound_efficiency=0.4, kernel_overhead_us=7.0)
     shape = {"hidden": 256, "heads": 4, "seq_len": 128, "micro_batch": 1, "dtype": "bf16"}
-    layers = [{**shape, "pass": p, "layer": "x", "time_s": predict_layer_s(gpu, 1e12, shape, "bf16", p == "bwd", 2)}
-              for p in ("fwd", "bwd")]
-    fields = {k: getattr(gpu, k) for k in ("gemm_max_efficiency", "gemm_half_efficiency_dim",
-                                           "flash_attention_fwd_efficiency", "flash_attention_bwd_efficiency",
-                                           "memory_bound_efficiency", "kernel_overhead_us")}
-    assert fit_layer_overhead_us(layers, fields, 1.0, 20.0, "bf16") == pytest.approx(7.0, rel=1e-9)
-    assert layer_kernel_counts(shape, "bf16") == (8, 15)
+    kernels = []
+    for backward in (False, True):
+        g, a, m, k = layer_components(gpu, 1e12, shape, "bf16", backward)
+        assert g > 0 and a > 0 and m > 0
+        assert predict_layer_s(gpu, 1e12, shape, "bf16", backward) == pytest.approx(g + a + m + k * 7e-6, rel=1e-12)
+        kernels.append(k)
+    assert tuple(kernels) == (8, 15)
 
 
 def _synthetic_run():

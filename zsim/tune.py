@@ -144,28 +144,31 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int = 60) -> TuneR
     from zsim.errors import ZsimInputError
 
     t0 = time.perf_counter()
-    seen: dict = {}
+    seen: dict = {}    # candidate key -> (candidate, result or None), in evaluation order
     pruned = rejected = 0
     base_sc = base.scenario(())
     capacity = base_sc.cluster.hbm_capacity_bytes
 
-    def evaluate(c: Candidate):
+    def evaluate(c: Candidate, sc=None):
         nonlocal rejected
         if c.key() in seen:
-            return seen[c.key()]
+            return seen[c.key()][1]
+        result = None
         try:
-            sc = base.scenario(c.assignments())
+            sc = sc or base.scenario(c.assignments())
         except ZsimInputError:
             rejected += 1
-            seen[c.key()] = None
-            return None
-        result, _ = run_scenario(sc)
-        seen[c.key()] = result
+        else:
+            result, _ = run_scenario(sc)
+        seen[c.key()] = (c, result)
         return result
 
-    structural = structural_candidates(base_sc)
+    def ranked():
+        ok = [(c, r) for c, r in seen.values() if r is not None and fits(r)]
+        return sorted(ok, key=lambda cr: -_score(cr[1], objective))
+
     survivors = []
-    for c in structural:
+    for c in structural_candidates(base_sc):
         try:
             sc = base.scenario(c.assignments())
         except ZsimInputError:
@@ -174,21 +177,16 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int = 60) -> TuneR
         if memory_lower_bound(sc) > capacity:
             pruned += 1
         else:
-            survivors.append(c)
+            survivors.append((c, sc))
     # half the budget on structures; if none of those fits, keep going until one does
-    for i, c in enumerate(survivors):
-        r = evaluate(c)
-        if i + 1 >= max(1, budget // 2) and (any(x is not None and fits(x) for x in seen.values())
+    for i, (c, sc) in enumerate(survivors):
+        evaluate(c, sc)
+        if i + 1 >= max(1, budget // 2) and (any(r is not None and fits(r) for _, r in seen.values())
                                              or len(seen) >= budget):
             break
 
-    def ranked():
-        ok = [(c, r) for c, r in ((_c, seen[_c.key()]) for _c in _cands) if r is not None and fits(r)]
-        return sorted(ok, key=lambda cr: -_score(cr[1], objective))
-
-    _cands = [c for c in survivors if c.key() in seen]
     for c, _ in ranked()[:3]:
-        best_c, best_r = c, seen[c.key()]
+        best_c, best_r = c, seen[c.key()][1]
         knobs = dict(KNOBS)
         if c.stage == 3:
             knobs.update(KNOBS_STAGE3)
@@ -201,8 +199,7 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int = 60) -> TuneR
                 r = evaluate(trial)
                 if r is not None and fits(r) and _score(r, objective) > _score(best_r, objective):
                     best_c, best_r = trial, r
-                _cands.append(trial)
-    simulated = sum(1 for r in seen.values() if r is not None)
+    simulated = sum(1 for _, r in seen.values() if r is not None)
     return TuneResult(ranked(), simulated, pruned, rejected, time.perf_counter() - t0, objective)
 
 

@@ -187,26 +187,11 @@ def layer_modules(shape: dict, dtype: str):
     return wl.layer_modules(0)
 
 
-def predict_layer_s(gpu: GpuProfile, peak_flops: float, shape: dict, dtype: str, backward: bool,
-                    dtype_bytes: int) -> float:
+def predict_layer_s(gpu: GpuProfile, peak_flops: float, shape: dict, dtype: str, backward: bool) -> float:
     """What zsim's engine charges for block 0's compute ops (engine.sim.compute_work_s plus
     kernel overhead), without communication interference."""
-    from zsim.schedule.common import linear_gemms
-    t = 0.0
-    for mod in layer_modules(shape, dtype):
-        t += kernel_overhead_s(mod.kernels_bwd if backward else mod.kernels_fwd, gpu)
-        t += sum(gemm_time_s(m, n, k, dtype_bytes, gpu, peak_flops) for m, n, k in linear_gemms(mod, backward))
-        if mod.kind == "attention":
-            t += attention_time_s(mod.bwd_flops if backward else mod.fwd_flops, backward, gpu, peak_flops)
-        mem = mod.bwd_mem_bytes if backward else mod.fwd_mem_bytes
-        if mem:
-            t += memory_bound_time_s(mem, gpu)
-    return t
-
-
-def layer_kernel_counts(shape: dict, dtype: str) -> tuple[int, int]:
-    mods = layer_modules(shape, dtype)
-    return sum(m.kernels_fwd for m in mods), sum(m.kernels_bwd for m in mods)
+    g, a, m, k = layer_components(gpu, peak_flops, shape, dtype, backward)
+    return g + a + m + kernel_overhead_s(k, gpu)
 
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -363,29 +348,12 @@ def _gpu(fields: dict, peak: dict | float, hbm_GBps: float, dtype: str = "bf16")
                       hbm_bw_GBps=hbm_GBps, **fields)
 
 
-def fit_layer_overhead_us(layers: list[dict], fields: dict, peak_tflops: float, hbm_GBps: float, dtype: str) -> float:
-    """Per-kernel overhead (>= 0) that makes zsim's layer predictions match the measured
-    layers, least squares in relative error over every (layer, pass)."""
-    gpu0 = _gpu({**fields, "kernel_overhead_us": 0.0}, peak_tflops, hbm_GBps, dtype)
-    num = den = 0.0
-    for r in layers:
-        back = r["pass"] == "bwd"
-        base = predict_layer_s(gpu0, peak_tflops * 1e12, r, dtype, back, DTYPE_BYTES[dtype])
-        kf, kb = layer_kernel_counts(r, dtype)
-        k = kb if back else kf
-        y = _t(r)
-        # minimise sum(((base + k*o) - y)/y)^2 over o
-        num += k * (y - base) / (y * y)
-        den += k * k / (y * y)
-    return max(0.0, num / den * 1e6) if den else fields["kernel_overhead_us"]
-
-
 def layer_residuals(layers: list[dict], fields: dict, peak: dict, hbm_GBps: float) -> list[dict]:
     out = []
     for r in layers:
         d = r["dtype"]
         gpu = _gpu(fields, peak, hbm_GBps, d)
-        pred = predict_layer_s(gpu, peak[d] * 1e12, r, d, r["pass"] == "bwd", DTYPE_BYTES[d])
+        pred = predict_layer_s(gpu, peak[d] * 1e12, r, d, r["pass"] == "bwd")
         out.append({"layer": r["layer"], "dtype": d, "pass": r["pass"], "measured_s": _t(r),
                     "predicted_s": pred, "error": (pred - _t(r)) / _t(r), "spread": r.get("spread", 0.0)})
     return out

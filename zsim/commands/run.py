@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 
-from zsim.commands.common import DEFAULT_SCENARIO, add_scenario_args
+from zsim.commands.common import add_scenario_args
 
 
 def add_parser(sub):
@@ -30,5 +30,3 @@ def main(args) -> int:
         save(args.trace, trace_json(trace, sc.name))
     return 0
 
-
-__all__ = ["add_parser", "main", "DEFAULT_SCENARIO"]

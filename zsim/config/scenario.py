@@ -212,7 +212,7 @@ def _resolve_auto(ds: dict, model: ModelSpec, training: TrainingSpec, world_size
                 if v == "auto":
                     key = path + (k,)
                     if key[:1] == ("optimizer",) or key[:1] == ("scheduler",):
-                        node[k] = None  # lr, betts, warmup: no effect on time or memory
+                        node[k] = None  # lr, betas, warmup: no effect on time or memory
                         continue
                     if fills.get(key) is None:
                         dotted = "deepspeed." + ".".join(key)
