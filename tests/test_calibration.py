@@ -291,3 +291,30 @@ def test_sync_overhead_fit_reads_the_skew_benchmark():
     assert fit_sync_overhead_us([rec]) == pytest.approx(250.0)
     assert fit_sync_overhead_us([{**rec, "sync_overhead_s": -1e-5}]) == 0.0   # noise below zero: none
     assert fit_sync_overhead_us([]) == 0.0
+
+
+def test_attention_fit_separates_the_fixed_cost_per_call():
+    from calibration.harness.fit import fit_attention
+    peak = 1e12
+    rs = [{"layer": f"L{i}", "flops": f} for i, f in enumerate((1e8, 4e8, 1.6e9))]
+    times = [f / (peak * 0.25) + 300e-6 for f in (1e8, 4e8, 1.6e9)]
+    eff, fixed_s = fit_attention(rs, times, peak)
+    assert eff == pytest.approx(0.25, rel=1e-6) and fixed_s == pytest.approx(300e-6, rel=1e-6)
+    # one shape cannot separate the two: efficiency alone
+    eff1, fixed1 = fit_attention(rs[:1], times[:1], peak)
+    assert fixed1 == 0.0 and eff1 == pytest.approx(1e8 / (peak * times[0]))
+
+
+def test_fresh_alloc_fit_finds_the_mmap_threshold_and_first_touch_rate():
+    from calibration.harness.fit import fit_fresh_alloc
+    mib = 1 << 20
+    recs = []
+    for m in (8, 16, 31, 33, 48, 64):
+        kept = m * mib / 20e9
+        fresh = kept + (m * mib / 3e9 if m > 32 else 0.1 * kept)
+        recs.append({"kind": "fresh_alloc", "size_bytes": m * mib, "time_s": fresh, "kept_time_s": kept})
+    f = fit_fresh_alloc(recs)
+    assert f["fresh_alloc_threshold_bytes"] == 31 * mib
+    assert f["fresh_alloc_GBps"] == pytest.approx(3.0, rel=1e-9)
+    # a caching allocator (no size ever fresh): nothing to charge
+    assert fit_fresh_alloc([{**r, "time_s": r["kept_time_s"]} for r in recs]) == {}

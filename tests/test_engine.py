@@ -95,3 +95,36 @@ def test_a_device_without_concurrent_streams_runs_in_program_order():
         times[concurrent] = t
     assert times[True]["gemm"].start_s == 0.0                       # overlaps the all-gather
     assert times[False]["gemm"].start_s == pytest.approx(times[False]["ag"].end_s)   # waits for it
+
+
+def _cpu_cluster(**gpu):
+    return scenario(**{"hardware.override": {"gpu": gpu}}).cluster
+
+
+def test_fresh_allocation_above_the_threshold_is_charged_once_per_buffer():
+    # a gather's params live in one flat output: 40 MB > 32 MB pays first touch, while a
+    # compute op's allocations are separate tensors, each under the threshold
+    def step_s(cluster):
+        b = Builder()
+        b.add("ag", "allgather", "forward", 0, collective="all_gather", size_bytes=40e6,
+              alloc=tuple(Alloc(f"p{i}", "gathered params", 10e6) for i in range(4)))
+        b.add("f", "compute", "forward", 0, mem_bytes=1e6,
+              alloc=tuple(Alloc(f"a{i}", "activations", 20e6) for i in range(3)))
+        return simulate(b.build(3, {}), cluster, "bf16").step_time_s
+
+    ref = step_s(_cpu_cluster(fresh_alloc_threshold_bytes=32e6, fresh_alloc_GBps=2.0))
+    plain = step_s(_cpu_cluster())
+    assert ref - plain == pytest.approx(40e6 / 2e9, rel=1e-9)
+
+
+def test_optimizer_traffic_uses_its_own_efficiency():
+    from zsim.hardware.compute import optimizer_time_s
+    slow = _cpu_cluster(memory_bound_efficiency=0.2).profile.gpu
+    fast = _cpu_cluster(memory_bound_efficiency=0.2, optimizer_efficiency=0.8).profile.gpu
+    assert optimizer_time_s(1e9, slow) == pytest.approx(4 * optimizer_time_s(1e9, fast))
+    b = Builder()
+    b.add("optimizer step (Adam)", "compute", "step", 0, optimizer_bytes=1e9)
+    t_slow = simulate(b.build(0, {}), _cpu_cluster(memory_bound_efficiency=0.2), "bf16").step_time_s
+    t_fast = simulate(b.build(0, {}), _cpu_cluster(memory_bound_efficiency=0.2, optimizer_efficiency=0.8),
+                      "bf16").step_time_s
+    assert t_slow == pytest.approx(4 * t_fast, rel=1e-9)

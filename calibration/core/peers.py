@@ -190,9 +190,12 @@ def ds_config(sc) -> dict:
 def _optimizer(sc, params):
     import torch
 
+    # fused, as the own core's and as DeepSpeed's own choice for an "AdamW" ds_config optimizer
+    # (FusedAdam, multi_tensor_apply): zsim charges one fused pass over the shard
     o = sc.deepspeed.optimizer.params or {}
     return torch.optim.AdamW(params, lr=float(o.get("lr", 1e-3)), betas=tuple(o.get("betas", (0.9, 0.999))),
-                             eps=float(o.get("eps", 1e-8)), weight_decay=float(o.get("weight_decay", 0.01)))
+                             eps=float(o.get("eps", 1e-8)), weight_decay=float(o.get("weight_decay", 0.01)),
+                             fused=True)
 
 
 def main(args, sc) -> int:

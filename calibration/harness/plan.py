@@ -42,6 +42,7 @@ class Plan:
     warmup: int
     reps: int
     min_rep_time_s: float            # a repetition loops the op until it lasts at least this long
+    coll_calls_per_rep: int          # a collective repetition: this many calls, each after a compute phase
     memcpy_bytes: int
     io_path: str
     io_bytes: int
@@ -81,15 +82,15 @@ def default_plan(mode: str, *, max_size_bytes: int | None = None, io_path: str =
         return Plan(mode=mode, max_size_bytes=max_size_bytes or 1 << 20, size_step=4,
                     coll_dtypes=("fp32",), compute_dtypes=(profile_dtype,), profile_dtype=profile_dtype,
                     layers=layers or (LayerShape(256, 4, 128, 1),), warmup=1, reps=5, min_rep_time_s=0.002,
-                    memcpy_bytes=16 << 20, io_path=io_path, io_bytes=8 << 20, adam_params=1 << 20,
+                    coll_calls_per_rep=4, memcpy_bytes=16 << 20, io_path=io_path, io_bytes=8 << 20, adam_params=1 << 20,
                     timeout_s=timeout_s or 60.0)
     if mode == "full":
         return Plan(mode=mode, max_size_bytes=max_size_bytes or 64 << 20, size_step=2,
                     coll_dtypes=("fp32", "bf16"), compute_dtypes=tuple(dict.fromkeys((profile_dtype, "fp32", "bf16"))),
                     profile_dtype=profile_dtype,
-                    layers=layers or (LayerShape(512, 8, 256, 2), LayerShape(768, 12, 512, 1),
-                                      LayerShape(1024, 16, 256, 2)),
-                    warmup=3, reps=15, min_rep_time_s=0.01, memcpy_bytes=256 << 20, io_path=io_path,
+                    layers=layers or (LayerShape(256, 4, 128, 1), LayerShape(512, 8, 256, 2),
+                                      LayerShape(768, 12, 512, 1), LayerShape(1024, 16, 256, 2)),
+                    warmup=3, reps=15, min_rep_time_s=0.01, coll_calls_per_rep=8, memcpy_bytes=256 << 20, io_path=io_path,
                     io_bytes=256 << 20, adam_params=16 << 20, timeout_s=timeout_s or 180.0)
     raise ValueError(mode)
 
@@ -110,7 +111,7 @@ def layer_gemms(shape: LayerShape) -> list[tuple[str, str, int, int, int]]:
 
 def items(plan: Plan, world_size: int, nodes: int) -> list[str]:
     """Names of every benchmark, in run order (each becomes one or more records)."""
-    names = ["overhead", "memcpy"]
+    names = ["overhead", "memcpy", "fresh_alloc"]
     for grp in groups(world_size, nodes):
         for dt in plan.coll_dtypes:
             for op in plan.ops:
@@ -122,7 +123,7 @@ def items(plan: Plan, world_size: int, nodes: int) -> list[str]:
             names.append(f"attention/{dt}/{L.label}")
             names.append(f"membound/{dt}/{L.label}")
             names.append(f"layer/{dt}/{L.label}")
-    names += ["adam", "io", "interference", "sync_skew"]
+    names += ["adam", "optimizer_step", "io", "interference", "sync_skew"]
     return names
 
 
@@ -149,4 +150,4 @@ def estimated_cost(name: str) -> float:
     if parts[0] == "collective":
         return 0.3 + math.log2(max(int(parts[-1]), 1024) / 1024) * 0.15
     return {"layer": 4.0, "gemm": 4.0, "attention": 1.5, "membound": 1.5, "io": 3.0,
-            "interference": 3.0, "adam": 2.0, "sync_skew": 2.0}.get(parts[0], 1.0)
+            "interference": 3.0, "adam": 2.0, "optimizer_step": 1.5, "sync_skew": 2.0}.get(parts[0], 1.0)

@@ -21,6 +21,7 @@ import os
 import platform
 import signal
 import socket
+import statistics
 import sys
 import time
 
@@ -88,6 +89,13 @@ class Ctx:
         if self.rank == 0:
             with open(self.records_path, "a") as f:
                 f.write(json.dumps(rec, sort_keys=True) + "\n")
+
+    def gather_min(self, values: list[float], participant: bool = True) -> list[float]:
+        """Element-wise min over participating ranks of a per-rank vector (all ranks call)."""
+        t = torch.tensor([v if participant else float("inf") for v in values], dtype=torch.float64,
+                         device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return [0.0 if math.isinf(v) else v for v in t.cpu().tolist()]
 
     def gather_max(self, values: list[float], participant: bool = True) -> list[float]:
         """Element-wise max over participating ranks of a per-rank vector (all ranks call)."""
@@ -158,47 +166,61 @@ def _collective_fn(op: str, size_bytes: int, dtype, n: int, group, device):
     raise ValueError(op)
 
 
+def _step_compute(ctx: Ctx):
+    """A module-sized GEMM (the first layer's projection): what a step runs between collectives."""
+    L = ctx.plan.layers[0]
+    dt = DTYPES[ctx.plan.profile_dtype]
+    a = torch.randn(L.tokens, L.hidden, dtype=dt, device=ctx.device)
+    w = torch.randn(L.hidden, L.hidden, dtype=dt, device=ctx.device)
+
+    def run():
+        F.linear(a, w)
+        ctx.sync()
+    return run
+
+
 def bench_collective(ctx: Ctx, op: str, grp: str, dtype_name: str, size_bytes: int) -> dict:
+    """Each call is timed as a training step meets it: after a compute phase and with no barrier
+    in between, so the figure carries what a step pays per call on this platform (gloo's wake-up
+    stalls on a loaded CPU, a GPU's cold launch) and not only back-to-back streaming. A call's
+    cost is the minimum over ranks of its duration: the rank that arrives last measures the
+    collective itself, the early ones also their wait (charged separately, sync_overhead_us).
+    A repetition is the mean over `inner` calls, as a step sums many calls."""
     group = ctx.groups[grp]
     member = group != "skip"
     g = None if group in (None, "skip") else group
     n = dist.get_world_size(g) if member else 0
-    times, inner, real_size = [0.0] * ctx.plan.reps, 1, size_bytes
+    reps = ctx.plan.reps
+    inner = max(1, min(ctx.plan.coll_calls_per_rep, 2000))
+    calls = [0.0] * (reps * inner)
+    real_size = size_bytes
     err = ""
     ctx.at_sync()
     if member:
         try:
             fn, real_size = _collective_fn(op, size_bytes, DTYPES[dtype_name], n, g, ctx.device)
+            compute = _step_compute(ctx)
             for _ in range(ctx.plan.warmup):
                 fn()
             ctx.sync()
             dist.barrier(group=g)
-            t0 = time.perf_counter()
-            fn()
-            ctx.sync()
-            one = time.perf_counter() - t0
-            # every member must loop the same number of times or the group deadlocks
-            agree = torch.tensor([math.ceil(ctx.plan.min_rep_time_s / max(one, 1e-7))], device=ctx.device)
-            dist.all_reduce(agree, op=dist.ReduceOp.MAX, group=g)
-            inner = int(max(1, min(2000, agree.item())))
-            times = []
-            for _ in range(ctx.plan.reps):
-                dist.barrier(group=g)
+            for i in range(reps * inner):
+                compute()
                 t0 = time.perf_counter()
-                for _ in range(inner):
-                    fn()
+                fn()
                 ctx.sync()
-                times.append((time.perf_counter() - t0) / inner)
+                calls[i] = time.perf_counter() - t0
         except RuntimeError as exc:   # e.g. a dtype or op the backend lacks: keep going, say so
             if "unsupported" not in str(exc).lower() and "not supported" not in str(exc).lower():
                 raise
             err = str(exc).splitlines()[0][:200]
-            times = [0.0] * ctx.plan.reps
+            calls = [0.0] * (reps * inner)
     dist.barrier()
-    worst = ctx.gather_max(times, member)
+    per_call = ctx.gather_min(calls, member)
+    worst = [sum(per_call[r * inner:(r + 1) * inner]) / inner for r in range(reps)]
     rec = {"kind": "collective", "op": op, "group": grp, "tier": tier_of_group(grp, ctx.nodes),
            "ranks": ctx.world if grp == "world" else (ctx.local_world if grp == "intra_node" else ctx.nodes),
-           "dtype": dtype_name, "size_bytes": real_size, "inner": inner}
+           "dtype": dtype_name, "size_bytes": real_size, "inner": inner, "timing": "in-step"}
     if err or max(worst) <= 0:
         rec["error"] = err or "not measured"
         return rec
@@ -219,6 +241,28 @@ def bench_overhead(ctx: Ctx) -> dict:
     st_a, inner_a = _timed_everywhere(ctx, lambda: torch.autograd.grad(y, (xg,), g, retain_graph=True))
     return [{"kind": "kernel_overhead", "inner": inner, **st},
             {"kind": "autograd_overhead", "inner": inner_a, **st_a}]
+
+
+FRESH_ALLOC_MiB = (1, 2, 4, 8, 16, 24, 31, 33, 48, 64)
+
+
+def bench_fresh_alloc(ctx: Ctx) -> list[dict]:
+    """Allocate-and-fill against fill of a kept buffer, per size: on a CPU device, tensors above
+    malloc's mmap threshold are mapped fresh at every allocation and page-fault in (a CUDA
+    caching allocator reuses its blocks: not measured there)."""
+    if ctx.cuda:
+        return [{"kind": "fresh_alloc", "error": "not measured: the CUDA caching allocator reuses blocks"}]
+    out = []
+    for mib in FRESH_ALLOC_MiB:
+        n = (mib << 20) // 4
+        kept = torch.empty(n, device=ctx.device)
+        st_f, inner_f = _timed_everywhere(ctx, lambda: torch.empty(n, device=ctx.device).fill_(1.0),
+                                          reps=max(5, ctx.plan.reps // 2))
+        st_k, inner_k = _timed_everywhere(ctx, lambda: kept.fill_(1.0), reps=max(5, ctx.plan.reps // 2))
+        out.append({"kind": "fresh_alloc", "size_bytes": n * 4, "inner": inner_f, **st_f,
+                    "kept_time_s": st_k["time_s"], "kept_time_s_min": st_k["time_s_min"]})
+        del kept
+    return out
 
 
 def bench_memcpy(ctx: Ctx) -> list[dict]:
@@ -384,6 +428,41 @@ def bench_adam(ctx: Ctx) -> list[dict]:
     return out
 
 
+def bench_optimizer_step(ctx: Ctx) -> list[dict]:
+    """DeepSpeed's optimizer step on the device over one shard, pass by pass as zsim charges it
+    (zsim.schedule.common.step_bytes_per_param): 16-bit gradients converted to fp32, clipped,
+    fused AdamW on the fp32 master, master copied back into the 16-bit params, gradients zeroed.
+    The shard is larger than the caches, as a real shard is."""
+    from zsim.schedule.common import step_bytes_per_param
+
+    dtype_name = ctx.plan.profile_dtype
+    dt = DTYPES[dtype_name]
+    n = ctx.plan.adam_params
+    p16 = torch.randn(n, dtype=dt, device=ctx.device)
+    g16 = torch.randn(n, dtype=dt, device=ctx.device) * 1e-3
+    master = torch.nn.Parameter(p16.float(), requires_grad=False)
+    try:
+        opt = torch.optim.AdamW([master], lr=1e-6, fused=True)
+        impl = "torch.optim.AdamW(fused)"
+    except (RuntimeError, TypeError):
+        opt = torch.optim.AdamW([master], lr=1e-6, foreach=True)
+        impl = "torch.optim.AdamW(foreach)"
+
+    def step():
+        g = g16.float() if dt != torch.float32 else g16
+        g.mul_(0.5)                    # unscale / clip coefficient
+        master.grad = g
+        opt.step()
+        master.grad = None
+        p16.copy_(master)
+        g16.zero_()
+
+    st, inner = _timed_everywhere(ctx, step, reps=max(5, ctx.plan.reps // 2))
+    per_param = step_bytes_per_param(torch.tensor([], dtype=dt).element_size(), True)
+    return [{"kind": "optimizer_step", "dtype": dtype_name, "impl": impl, "params": n,
+             "bytes": per_param * n, "GBps": per_param * n / st["time_s"] / 1e9, "inner": inner, **st}]
+
+
 def _aligned(nbytes: int) -> mmap.mmap:
     return mmap.mmap(-1, nbytes)   # page-aligned, as O_DIRECT requires
 
@@ -547,7 +626,9 @@ def bench_sync_skew(ctx: Ctx) -> dict:
             dist.barrier()
         barrier_only.append(time.perf_counter() - t0)
     sync_c = [synced() for _ in range(reps)]
-    vals = ctx.gather_max([min(with_c), min(alone), min(sync_c), min(barrier_only)])
+    # medians, as the fit's statistic: a step pays the typical wait, not the luckiest one
+    vals = ctx.gather_max([statistics.median(with_c), statistics.median(alone), statistics.median(sync_c),
+                           statistics.median(barrier_only)])
     coll_s = max(0.0, (vals[2] - vals[3]) / calls)
     per_call = (vals[0] - vals[1]) / calls
     return {"kind": "sync_skew", "dtype": ctx.plan.profile_dtype, "calls": calls, "time_s": vals[0] / calls,
@@ -688,6 +769,8 @@ def dispatch(ctx: Ctx, name: str):
         return bench_overhead(ctx)
     if p[0] == "memcpy":
         return bench_memcpy(ctx)
+    if p[0] == "fresh_alloc":
+        return bench_fresh_alloc(ctx)
     if p[0] == "collective":
         return bench_collective(ctx, p[1], p[2], p[3], int(p[4]))
     if p[0] == "gemm":
@@ -700,6 +783,8 @@ def dispatch(ctx: Ctx, name: str):
         return bench_layer(ctx, p[1], layers[p[2]])
     if p[0] == "adam":
         return bench_adam(ctx)
+    if p[0] == "optimizer_step":
+        return bench_optimizer_step(ctx)
     if p[0] == "io":
         return bench_io(ctx)
     if p[0] == "interference":

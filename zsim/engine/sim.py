@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import simpy
 
 from zsim.hardware.collectives import collective_cost, tiers_for
-from zsim.hardware.compute import attention_time_s, gemm_time_s, kernel_overhead_s, memory_bound_time_s
+from zsim.hardware.compute import (attention_time_s, fresh_alloc_time_s, gemm_time_s, kernel_overhead_s,
+                                   memory_bound_time_s, optimizer_time_s)
 from zsim.hardware.host import cpu_adam_time_s, host_link_Bps, nvme_time_s, pcie_time_s
 from zsim.engine.ledger import Ledger
 from zsim.schedule.ops import STREAMS, Op, Schedule
@@ -125,6 +126,8 @@ def compute_work_s(op: Op, cluster, precision: str) -> float:
         t += attention_time_s(op.attention_flops, op.attention_backward, gpu, peak)
     if op.mem_bytes:
         t += memory_bound_time_s(op.mem_bytes, gpu)
+    if op.optimizer_bytes:
+        t += optimizer_time_s(op.optimizer_bytes, gpu)
     return t
 
 
@@ -186,6 +189,10 @@ def simulate(schedule: Schedule, cluster, precision: str) -> Trace:
             for a in op.alloc:
                 ledger.alloc(start, a)
             fixed = op.fixed_time_s + kernel_overhead_s(op.kernels, gpu)
+            if op.alloc and gpu.fresh_alloc_GBps:
+                # a gather's params are views of one flat output buffer; other ops' allocations are tensors
+                fixed += fresh_alloc_time_s([op.size_bytes] if op.collective == "all_gather"
+                                            else [a.size_bytes for a in op.alloc], gpu)
             if op.collective:
                 cost = collective_cost(op.collective, op.size_bytes, cluster.nodes, cluster.gpus_per_node, intra, inter)
                 fixed += cost.latency_s

@@ -30,9 +30,31 @@ def memory_bound_time_s(bytes_moved: float, gpu: GpuProfile) -> float:
     return bytes_moved / (gpu.hbm_bw_GBps * 1e9 * gpu.memory_bound_efficiency)
 
 
+def optimizer_time_s(bytes_moved: float, gpu: GpuProfile) -> float:
+    """The optimizer step's passes stream long fp32 buffers (multi_tensor_apply chunks), which
+    reach a different fraction of bandwidth than activation-sized elementwise kernels; a
+    profile without the calibrated figure uses memory_bound_efficiency."""
+    eff = gpu.optimizer_efficiency or gpu.memory_bound_efficiency
+    return bytes_moved / (gpu.hbm_bw_GBps * 1e9 * eff)
+
+
+def fresh_alloc_time_s(buffer_bytes, gpu: GpuProfile) -> float:
+    """First touch of the buffers an op allocates that the allocator maps fresh from the OS.
+
+    torch's CPU allocator is malloc: glibc serves a request above its mmap threshold (dynamic,
+    at most DEFAULT_MMAP_THRESHOLD_MAX = 32 MiB on 64-bit; mallopt(3)) with a new mapping and
+    returns it on free, so every such tensor page-faults its memory in again. The CUDA caching
+    allocator reuses blocks: profiles without the two fields pay nothing."""
+    lim, rate = gpu.fresh_alloc_threshold_bytes, gpu.fresh_alloc_GBps
+    if not lim or not rate:
+        return 0.0
+    return sum(b for b in buffer_bytes if b > lim) / (rate * 1e9)
+
+
 def attention_time_s(flops: float, backward: bool, gpu: GpuProfile, peak_flops: float) -> float:
     eff = gpu.flash_attention_bwd_efficiency if backward else gpu.flash_attention_fwd_efficiency
-    return flops / (peak_flops * eff)
+    fixed_us = gpu.flash_attention_bwd_overhead_us if backward else gpu.flash_attention_fwd_overhead_us
+    return flops / (peak_flops * eff) + fixed_us * 1e-6
 
 
 def kernel_overhead_s(kernels: int, gpu: GpuProfile) -> float:

@@ -40,8 +40,19 @@ class GpuProfile:
     gemm_half_efficiency_dim: float = spec(64.0, ge=0, doc="a GEMM dim of this size halves efficiency")
     flash_attention_fwd_efficiency: float = spec(0.5, gt=0, le=1)
     flash_attention_bwd_efficiency: float = spec(0.4, gt=0, le=1)
+    flash_attention_fwd_overhead_us: float = spec(0.0, ge=0, doc="fixed time per attention call beyond its "
+                                                               "FLOPs (set-up, partial tiles at short sequences)")
+    flash_attention_bwd_overhead_us: float = spec(0.0, ge=0)
     memory_bound_efficiency: float = spec(0.7, gt=0, le=1, doc="fraction of HBM bandwidth reached by elementwise kernels")
+    optimizer_efficiency: Optional[float] = spec(None, gt=0, le=1,
+                                                 doc="fraction of HBM bandwidth reached by the optimizer step's passes "
+                                                     "(long fp32 streams); unset: memory_bound_efficiency")
     kernel_overhead_us: float = spec(5.0, ge=0, doc="launch + framework time per kernel")
+    fresh_alloc_threshold_bytes: Optional[float] = spec(None, gt=0,
+                                                        doc="a tensor larger than this is mapped fresh from the OS "
+                                                            "at every allocation (glibc's mmap threshold on a CPU "
+                                                            "device); unset: a caching allocator, no such cost")
+    fresh_alloc_GBps: Optional[float] = spec(None, gt=0, doc="first-touch (page-fault) rate of such a tensor")
     concurrent_streams: bool = spec(True, doc="side streams run beside compute (CUDA); false: one stream in "
                                               "program order, as DeepSpeed's and torch's CPU backends run")
 

@@ -228,7 +228,7 @@ def optimizer_step(ctx: StepContext, shard_params: float, deps) -> int:
     temp = FP32_BYTES * shard_params if ctx.param_bytes < FP32_BYTES else 0.0
     per_param = step_bytes_per_param(ctx.param_bytes, ctx.sc.deepspeed.gradient_clipping > 0)
     op = ctx.b.add("optimizer step (Adam)", "compute", "step", ctx.gas - 1, deps,
-                   mem_bytes=per_param * shard_params, kernels=6,
+                   optimizer_bytes=per_param * shard_params, kernels=6,
                    alloc=(Alloc(tag, "optimizer temporaries", temp),) if temp else ())
     ctx.b.add_free(op, tag)
     return op

@@ -31,6 +31,7 @@ class Op:
     attention_flops: float = 0.0
     attention_backward: bool = False
     mem_bytes: float = 0.0          # memory-bound kernel traffic
+    optimizer_bytes: float = 0.0    # optimizer-step traffic (fp32 master, moments, grad conversion)
     kernels: int = 0
     model_flops: float = 0.0        # MFU convention (full attention); recompute included
     fixed_time_s: float = 0.0       # host-side time (hooks, launches) not tied to a resource
