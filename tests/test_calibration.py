@@ -318,3 +318,12 @@ def test_fresh_alloc_fit_finds_the_mmap_threshold_and_first_touch_rate():
     assert f["fresh_alloc_GBps"] == pytest.approx(3.0, rel=1e-9)
     # a caching allocator (no size ever fresh): nothing to charge
     assert fit_fresh_alloc([{**r, "time_s": r["kept_time_s"]} for r in recs]) == {}
+
+
+def test_isotonic_pools_noise_dips_and_keeps_monotone_data():
+    from calibration.harness.fit import isotonic_increasing
+    assert isotonic_increasing([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    # a stalled small call (3.0) followed by a quicker larger one (1.0): pooled to their mean
+    assert isotonic_increasing([0.5, 3.0, 1.0, 4.0]) == [0.5, 2.0, 2.0, 4.0]
+    out = isotonic_increasing([5.0, 1.0, 1.0, 1.0])
+    assert out == [2.0] * 4 and sum(out) == pytest.approx(8.0)

@@ -94,13 +94,40 @@ def _ok(records, kind):
     return [r for r in records if r.get("kind") == kind and "error" not in r and r.get("time_s", 0) > 0]
 
 
+def isotonic_increasing(y) -> list[float]:
+    """Least-squares non-decreasing fit of y (pool adjacent violators; Ayer et al. 1955)."""
+    blocks: list[list[float]] = []          # [mean, count]
+    for v in y:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, n2 = blocks.pop()
+            m1, n1 = blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    out: list[float] = []
+    for m, n in blocks:
+        out += [m] * int(n)
+    return out
+
+
+def smoothed_times(recs: list[dict]) -> dict[tuple[str, int], float]:
+    """{(op, size): time} with each collective's time made non-decreasing in size: moving more
+    bytes cannot be cheaper on average, so a dip is timing noise (gloo's small-message calls
+    stall at random), and pooling it with its neighbours averages the noise out."""
+    out = {}
+    for op in sorted({r["op"] for r in recs}):
+        pts = sorted((r["size_bytes"], _t(r)) for r in recs if r["op"] == op)
+        for (s, _), t in zip(pts, isotonic_increasing([t for _, t in pts])):
+            out[(op, s)] = t
+    return out
+
+
 def fit_collectives(records: list[dict], dtype: str) -> dict:
     """Per tier: latency_us, busbw_GBps, efficiency tables and the alpha-beta fits.
 
     The tier latency is the smallest per-step alpha over its collectives, capped at half the
     fastest measured step (x0.95) so that every measured time keeps a positive transfer part; the
     peak busbw is the best transfer rate any collective reached at any size, so all
-    efficiencies are <= 1. With these, zsim's ring_cost reproduces each median exactly."""
+    efficiencies are <= 1. With these, zsim's ring_cost reproduces each (size-smoothed) time exactly."""
     by_tier: dict[str, list[dict]] = defaultdict(list)
     for r in _ok(records, "collective"):
         if r["dtype"] == dtype and r["ranks"] > 1:
@@ -108,19 +135,20 @@ def fit_collectives(records: list[dict], dtype: str) -> dict:
     out = {}
     for tier, recs in sorted(by_tier.items()):
         n = recs[0]["ranks"]
+        sm = smoothed_times(recs)
         ab = {}
         for op in sorted({r["op"] for r in recs}):
-            pts = sorted((r["size_bytes"], _t(r)) for r in recs if r["op"] == op)
+            pts = sorted((r["size_bytes"], sm[(r["op"], r["size_bytes"])]) for r in recs if r["op"] == op)
             a, spb = robust_alpha_beta([p[0] for p in pts], [p[1] for p in pts])
             pred = [a + s * spb for s, _ in pts]
             ab[op] = {"alpha_us": a * 1e6, "alpha_per_step_us": a * 1e6 / ring_steps(op, n),
                       "busbw_GBps": (bus_factor(op, n) / spb / 1e9) if spb > 0 else float("inf"),
                       "residuals": [[s, e] for (s, _), e in zip(pts, relative_errors(pred, [p[1] for p in pts]))]}
-        min_step_s = min(_t(r) / ring_steps(r["op"], n) for r in recs)
+        min_step_s = min(sm[(r["op"], r["size_bytes"])] / ring_steps(r["op"], n) for r in recs)
         latency_s = min(min(v["alpha_per_step_us"] for v in ab.values()) * 1e-6, 0.95 * min_step_s)
         rate = {}
         for r in recs:
-            transfer_s = _t(r) - ring_steps(r["op"], n) * latency_s
+            transfer_s = sm[(r["op"], r["size_bytes"])] - ring_steps(r["op"], n) * latency_s
             rate[(r["op"], r["size_bytes"])] = r["size_bytes"] * bus_factor(r["op"], n) / transfer_s
         busbw_Bps = max(rate.values())
         tables = {}
@@ -214,11 +242,12 @@ def fit_attention(rs: list[dict], time_s: list[float], peak_flops: float) -> tup
 def fit_fresh_alloc(records: list[dict]) -> dict:
     """fresh_alloc_threshold_bytes and fresh_alloc_GBps (zsim.hardware.compute.fresh_alloc_time_s).
 
-    A size is "fresh" when allocating costs more than half again the fill of a kept buffer
-    (page faults run ~10x slower than a fill); the threshold is the largest size below every
+    A size is "fresh" when allocating costs over 3x the fill of a kept buffer on top of it (page
+    faults run ~10x slower than a fill; a size just under the threshold still costs up to ~1x
+    more because a kept buffer's fill hits the cache); the threshold is the largest size below every
     fresh one, the rate the median first-touch rate of the fresh sizes. No fresh size: {}."""
     rs = sorted(_ok(records, "fresh_alloc"), key=lambda r: r["size_bytes"])
-    is_fresh = [_t(r) - r["kept_time_s"] > 0.5 * r["kept_time_s"] for r in rs]
+    is_fresh = [_t(r) - r["kept_time_s"] > 3.0 * r["kept_time_s"] for r in rs]
     if not is_fresh or not is_fresh[-1]:
         return {}
     first = len(rs) - 1
@@ -238,7 +267,11 @@ def fit_compute(records: list[dict], dtype: str) -> tuple[dict, dict]:
     # start-up (paid once per layer backward, not per op), keeping the op's own kernel cost
     autograd_s = max(0.0, _t(ag[0]) - overhead_s) if ag else 0.0
     mc = [r for r in _ok(records, "memcpy") if r.get("where") in ("device", "host")]
-    hbm_GBps = _rate(mc[0], "GBps") if mc else 1.0
+    opt = [r for r in _ok(records, "optimizer_step") if r["dtype"] == dtype]
+    # the device's bandwidth is at least the best streaming rate any benchmark reached (the
+    # copy and the optimizer's passes), so every efficiency against it stays <= 1
+    rates = ([_rate(mc[0], "GBps")] if mc else []) + [o["bytes"] / _t(o) / 1e9 for o in opt]
+    hbm_GBps = max(rates) if rates else 1.0
     gemm = fit_gemm([r for r in records if r.get("kind") == "gemm"])
     peak = gemm["peak_tflops"]
     p = peak.get(dtype) or max(peak.values())
@@ -262,7 +295,6 @@ def fit_compute(records: list[dict], dtype: str) -> tuple[dict, dict]:
               "flash_attention_bwd_overhead_us": att_over_us.get("bwd", 0.0),
               "memory_bound_efficiency": mem_eff, "kernel_overhead_us": overhead_s * 1e6}
     fields.update(fit_fresh_alloc(records))
-    opt = [r for r in _ok(records, "optimizer_step") if r["dtype"] == dtype]
     if opt:   # bytes as zsim charges them (step_bytes_per_param), over the measured copy bandwidth
         fields["optimizer_efficiency"] = min(1.0, opt[0]["bytes"] / max(_t(opt[0]) - 6 * overhead_s, 1e-9)
                                              / (hbm_GBps * 1e9))

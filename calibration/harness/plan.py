@@ -88,7 +88,7 @@ def default_plan(mode: str, *, max_size_bytes: int | None = None, io_path: str =
         return Plan(mode=mode, max_size_bytes=max_size_bytes or 64 << 20, size_step=2,
                     coll_dtypes=("fp32", "bf16"), compute_dtypes=tuple(dict.fromkeys((profile_dtype, "fp32", "bf16"))),
                     profile_dtype=profile_dtype,
-                    layers=layers or (LayerShape(256, 4, 128, 1), LayerShape(512, 8, 256, 2),
+                    layers=layers or (LayerShape(256, 4, 128, 2), LayerShape(512, 8, 256, 2),
                                       LayerShape(768, 12, 512, 1), LayerShape(1024, 16, 256, 2)),
                     warmup=3, reps=15, min_rep_time_s=0.01, coll_calls_per_rep=8, memcpy_bytes=256 << 20, io_path=io_path,
                     io_bytes=256 << 20, adam_params=16 << 20, timeout_s=timeout_s or 180.0)
