@@ -134,9 +134,6 @@ def main(argv=None) -> int:
         if args.trace:
             with open(args.trace, "w") as f:
                 json.dump(chrome_trace(trace_times, sc.name, rank), f)
-    if args.trace and os.environ.get("ZSIM_TRACE_ALL_RANKS") and rank:
-        with open(f"{args.trace}.rank{rank}", "w") as f:
-            json.dump(chrome_trace(trace_times, sc.name, rank), f)
     dist.barrier()
     _exit_now()
 
