@@ -433,6 +433,16 @@ def layer_residuals(layers: list[dict], fields: dict, peak: dict, hbm_GBps: floa
 
 
 # ----------------------------------------------------------------------------- host side
+def fit_zero3_hooks(records: list[dict]) -> dict:
+    """cpu.zero3_hook_{fwd,bwd}_us from worker.bench_zero3_hooks (DeepSpeed installed): the
+    ZeRO-3 minus ZeRO-0 per-module slope of a tiny-module stack; {} when not measured."""
+    rs = _ok(records, "zero3_hooks")
+    if not rs:
+        return {}
+    return {"zero3_hook_fwd_us": max(0.0, rs[0]["fwd_s_per_visit"]) * 1e6,
+            "zero3_hook_bwd_us": max(0.0, rs[0]["bwd_s_per_visit"]) * 1e6}
+
+
 def fit_adam(records: list[dict]) -> tuple[float, str]:
     """(params/s per core, implementation): DeepSpeedCPUAdam when measured, else the fastest
     torch CPU Adam; a rank's rate is divided by the threads it ran with."""
@@ -539,13 +549,16 @@ def build_profile(name: str, records: list[dict], prov: dict, dtype: str) -> tup
                  "read_GBps_per_drive": io["read_GBps"] or 1.0, "write_GBps_per_drive": io["write_GBps"] or 1.0},
         "cpu": {"model": prov.get("cpu", "unknown"), "cores_per_node": int(prov.get("cpu_cores", 1)),
                 "memory_GiB": host_GiB, "memory_bw_GBps": (_rate(memcpy[0], "GBps") * per_node if memcpy else 10.0),
-                "adam_params_per_s_per_core": adam_rate},
+                "adam_params_per_s_per_core": adam_rate, **fit_zero3_hooks(records)},
         "interference": {"compute_slowdown_during_comm": min(1.0, interf["compute_slowdown_during_comm"])},
         "provenance": {**{k: str(v) for k, v in prov.items()}, "adam_implementation": adam_impl,
                        "file_io_o_direct": str(io["o_direct"]),
                        "comm_slowdown_during_compute": f"{interf['comm_slowdown_during_compute']:.3f}",
                        "compute_dtype": dtype},
     }
+    hooks = _ok(records, "zero3_hooks")
+    if hooks:
+        profile["provenance"]["zero3_hooks_deepspeed"] = hooks[0]["deepspeed"]
     report = {"collectives": coll, "compute": comp, "adam": {"params_per_s_per_core": adam_rate, "impl": adam_impl},
               "io": io, "interference": interf, "sync_overhead_us": sync_us}
     return _round(profile), report

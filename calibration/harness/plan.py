@@ -124,6 +124,8 @@ def items(plan: Plan, world_size: int, nodes: int) -> list[str]:
             names.append(f"membound/{dt}/{L.label}")
             names.append(f"layer/{dt}/{L.label}")
     names += ["adam", "optimizer_step", "io", "interference", "sync_skew"]
+    if plan.mode == "full":
+        names.append("zero3_hooks")
     return names
 
 
@@ -150,4 +152,5 @@ def estimated_cost(name: str) -> float:
     if parts[0] == "collective":
         return 0.3 + math.log2(max(int(parts[-1]), 1024) / 1024) * 0.15
     return {"layer": 4.0, "gemm": 4.0, "attention": 1.5, "membound": 1.5, "io": 3.0,
-            "interference": 3.0, "adam": 2.0, "optimizer_step": 1.5, "sync_skew": 2.0}.get(parts[0], 1.0)
+            "interference": 3.0, "adam": 2.0, "optimizer_step": 1.5, "sync_skew": 2.0,
+            "zero3_hooks": 4.0}.get(parts[0], 1.0)

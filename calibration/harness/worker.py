@@ -482,6 +482,66 @@ def bench_optimizer_step(ctx: Ctx) -> list[dict]:
              "bytes": per_param * n, "GBps": per_param * n / st["time_s"] / 1e9, "inner": inner, **st}]
 
 
+ZERO3_HOOK_MODULES = (8, 32)
+
+
+def bench_zero3_hooks(ctx: Ctx) -> list[dict]:
+    """Host time of DeepSpeed ZeRO-3's module hooks (pre/post forward and backward: fetch and
+    release bookkeeping, trace, prefetch coordinator) per module visit and pass. A stack of
+    tiny Linear modules, all below the persistence threshold (no gathers in the passes), runs
+    under ZeRO-3 and under ZeRO-0 at two depths; the difference of the per-module slopes is the
+    hooks' cost. Needs deepspeed (optional, like DeepSpeedCPUAdam)."""
+    try:
+        if not ctx.cuda:
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed
+    except Exception as exc:   # optional: absent is not a calibration failure
+        return [{"kind": "zero3_hooks", "error": f"not measured: deepspeed unavailable ({type(exc).__name__}); "
+                                                 "pip install deepspeed to measure it"}]
+    deepspeed.init_distributed(dist_backend="nccl" if ctx.cuda else "gloo")
+    width = 64
+    bf16 = ctx.plan.profile_dtype == "bf16"
+    reps = max(6, ctx.plan.reps)
+
+    def run(stage: int, n: int) -> tuple[list[float], list[float]]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(n)])
+        cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
+               "bf16": {"enabled": bf16}, "steps_per_print": 10**9, "wall_clock_breakdown": False}
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+        eng, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+        x = torch.randn(4, width, device=eng.device, dtype=torch.bfloat16 if bf16 else torch.float32)
+        fw, bw = [], []
+        for i in range(ctx.plan.warmup + reps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            y = eng(x).float().sum()
+            ctx.sync()
+            t1 = time.perf_counter()
+            eng.backward(y)
+            ctx.sync()
+            t2 = time.perf_counter()
+            eng.step()
+            if i >= ctx.plan.warmup:
+                fw.append(t1 - t0)
+                bw.append(t2 - t1)
+        eng.destroy()
+        return ctx.gather_max(fw), ctx.gather_max(bw)
+
+    ctx.at_sync()
+    med = {}
+    for stage in (0, 3):
+        for n in ZERO3_HOOK_MODULES:
+            fw, bw = run(stage, n)
+            med[(stage, n)] = (statistics.median(fw), statistics.median(bw))
+    lo, hi = ZERO3_HOOK_MODULES
+    slope = lambda st, k: (med[(st, hi)][k] - med[(st, lo)][k]) / (hi - lo)
+    return [{"kind": "zero3_hooks", "deepspeed": deepspeed.__version__, "modules": list(ZERO3_HOOK_MODULES),
+             "width": width, "times_s": {f"stage{s}/{n}": list(v) for (s, n), v in med.items()},
+             "fwd_s_per_visit": slope(3, 0) - slope(0, 0), "bwd_s_per_visit": slope(3, 1) - slope(0, 1),
+             "time_s": med[(3, hi)][0] + med[(3, hi)][1]}]
+
+
 def _aligned(nbytes: int) -> mmap.mmap:
     return mmap.mmap(-1, nbytes)   # page-aligned, as O_DIRECT requires
 
@@ -804,6 +864,8 @@ def dispatch(ctx: Ctx, name: str):
         return bench_adam(ctx)
     if p[0] == "optimizer_step":
         return bench_optimizer_step(ctx)
+    if p[0] == "zero3_hooks":
+        return bench_zero3_hooks(ctx)
     if p[0] == "io":
         return bench_io(ctx)
     if p[0] == "interference":

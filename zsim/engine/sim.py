@@ -189,6 +189,9 @@ def simulate(schedule: Schedule, cluster, precision: str) -> Trace:
             for a in op.alloc:
                 ledger.alloc(start, a)
             fixed = op.fixed_time_s + kernel_overhead_s(op.kernels, gpu)
+            if op.hook_visits:
+                fixed += op.hook_visits * 1e-6 * (prof.cpu.zero3_hook_bwd_us if op.phase == "backward"
+                                                  else prof.cpu.zero3_hook_fwd_us)
             if op.alloc and gpu.fresh_alloc_GBps:
                 # a gather's params are views of one flat output buffer; other ops' allocations are tensors
                 fixed += fresh_alloc_time_s([op.size_bytes] if op.collective == "all_gather"

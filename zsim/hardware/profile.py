@@ -123,6 +123,9 @@ class CpuProfile:
     memory_GiB: float = spec(gt=0)
     memory_bw_GBps: float = spec(gt=0)
     adam_params_per_s_per_core: float = spec(gt=0, doc="DeepSpeedCPUAdam (AVX) fp32 params/s per core")
+    zero3_hook_fwd_us: float = spec(0.0, ge=0, doc="host time of DeepSpeed ZeRO-3's hooks per module visit in "
+                                                   "forward (fetch/release bookkeeping); 0: not measured")
+    zero3_hook_bwd_us: float = spec(0.0, ge=0, doc="the same per module visit in backward")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -35,6 +35,7 @@ class Op:
     kernels: int = 0
     model_flops: float = 0.0        # MFU convention (full attention); recompute included
     fixed_time_s: float = 0.0       # host-side time (hooks, launches) not tied to a resource
+    hook_visits: int = 0            # ZeRO-3 module visits whose hooks run before this op (host time)
     # communication work
     collective: str = ""            # all_gather | reduce_scatter | all_reduce | ...
     size_bytes: float = 0.0         # full buffer (nccl-tests convention)
@@ -75,6 +76,10 @@ class Builder:
     def add_free(self, op_id: int, *tags: str):
         op = self.ops[op_id]
         self.ops[op_id] = Op(**{**op.__dict__, "free": op.free + tuple(tags)})
+
+    def add_hook_visits(self, op_id: int, visits: int):
+        op = self.ops[op_id]
+        self.ops[op_id] = Op(**{**op.__dict__, "hook_visits": op.hook_visits + visits})
 
     def add_alloc(self, op_id: int, *allocs: Alloc):
         op = self.ops[op_id]

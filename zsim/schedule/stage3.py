@@ -116,6 +116,7 @@ class Zero3Hooks(StageHooks):
         self.last_reduce = None
         self.last_d2h = None
         self.last_compute = None
+        self.pending_visits = 0
         self._reset_step()
 
     # -- coordinator state, reset per micro-step (reset_step) ---------------------------
@@ -147,6 +148,7 @@ class Zero3Hooks(StageHooks):
         return op
 
     def _visit(self, visit: Visit, micro: int, phase: str) -> list[int]:
+        self.pending_visits += 1
         z = self.ctx.sc.zero
         k = self.step_id
         own = list(visit.params)
@@ -212,6 +214,11 @@ class Zero3Hooks(StageHooks):
 
     def post_module(self, ctx, module: Module, micro, phase, op):
         self.last_compute = op
+        # the hooks of the visits since the last module (containers, this module) run on the host
+        # before the module computes; their cost is the profile's (engine), the count is data
+        if self.pending_visits:
+            ctx.b.add_hook_visits(op, self.pending_visits)
+            self.pending_visits = 0
         if self.current_visit is not None:
             self._release(self.current_visit, self.visits[self.current_visit].params, op)
         if phase == "backward":
