@@ -327,3 +327,12 @@ def test_isotonic_pools_noise_dips_and_keeps_monotone_data():
     assert isotonic_increasing([0.5, 3.0, 1.0, 4.0]) == [0.5, 2.0, 2.0, 4.0]
     out = isotonic_increasing([5.0, 1.0, 1.0, 1.0])
     assert out == [2.0] * 4 and sum(out) == pytest.approx(8.0)
+
+
+def test_zero3_hook_fit_reads_the_measured_slopes():
+    from calibration.harness.fit import fit_zero3_hooks
+    assert fit_zero3_hooks([]) == {}
+    assert fit_zero3_hooks([{"kind": "zero3_hooks", "error": "not measured: deepspeed unavailable"}]) == {}
+    f = fit_zero3_hooks([{"kind": "zero3_hooks", "fwd_s_per_visit": 1.5e-4, "bwd_s_per_visit": -1e-6,
+                          "deepspeed": "0.19.8", "time_s": 0.01}])
+    assert f == {"zero3_hook_fwd_us": pytest.approx(150.0), "zero3_hook_bwd_us": 0.0}

@@ -128,3 +128,27 @@ def test_optimizer_traffic_uses_its_own_efficiency():
     t_fast = simulate(b.build(0, {}), _cpu_cluster(memory_bound_efficiency=0.2, optimizer_efficiency=0.8),
                       "bf16").step_time_s
     assert t_slow == pytest.approx(4 * t_fast, rel=1e-9)
+
+
+def test_zero3_hook_time_is_charged_per_module_visit():
+    from zsim.api import run_scenario
+    from zsim.schedule.build import build_schedule, workload_for
+    from zsim.schedule.common import StepContext
+    from zsim.schedule.stage3 import visit_sequence
+
+    def cpu(fwd_us, bwd_us, stage=3):
+        # a serial device (one stream in program order): host time adds up exactly
+        return scenario(**{"deepspeed.zero_optimization.stage": stage, "hardware.profile": "cpu-gloo-localhost",
+                           "hardware.gpus_per_node": 2,
+                           "hardware.override": {"cpu": {"zero3_hook_fwd_us": fwd_us, "zero3_hook_bwd_us": bwd_us}}})
+    sc = cpu(0.0, 0.0)
+    sched = build_schedule(sc)[1]
+    fwd = sum(op.hook_visits for op in sched.ops if op.phase == "forward")
+    bwd = sum(op.hook_visits for op in sched.ops if op.phase == "backward")
+    n_visits = len(visit_sequence(StepContext(sc, workload_for(sc), None, 2, 2)))
+    # every visit's hooks land on a module's compute op, but for trailing param-less visits
+    assert 0 < fwd and 0 < bwd and fwd + bwd <= n_visits
+    base = run_scenario(sc)[0]["step_time_s"]
+    slow = run_scenario(cpu(100.0, 300.0))[0]["step_time_s"]
+    assert slow - base == pytest.approx(fwd * 100e-6 + bwd * 300e-6, rel=1e-6)
+    assert all(op.hook_visits == 0 for op in build_schedule(cpu(100.0, 300.0, stage=2))[1].ops)
