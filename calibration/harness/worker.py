@@ -256,12 +256,11 @@ def bench_fresh_alloc(ctx: Ctx) -> list[dict]:
     for mib in FRESH_ALLOC_MiB:
         n = (mib << 20) // 4
         kept = torch.empty(n, device=ctx.device)
-        st_f, inner_f = _timed_everywhere(ctx, lambda: torch.empty(n, device=ctx.device).fill_(1.0),
+        st_f, inner_f = _timed_everywhere(ctx, lambda n=n: torch.empty(n, device=ctx.device).fill_(1.0),
                                           reps=max(5, ctx.plan.reps // 2))
-        st_k, inner_k = _timed_everywhere(ctx, lambda: kept.fill_(1.0), reps=max(5, ctx.plan.reps // 2))
+        st_k, _ = _timed_everywhere(ctx, lambda kept=kept: kept.fill_(1.0), reps=max(5, ctx.plan.reps // 2))
         out.append({"kind": "fresh_alloc", "size_bytes": n * 4, "inner": inner_f, **st_f,
                     "kept_time_s": st_k["time_s"], "kept_time_s_min": st_k["time_s_min"]})
-        del kept
     return out
 
 
