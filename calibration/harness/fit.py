@@ -295,7 +295,7 @@ def fit_compute(records: list[dict], dtype: str) -> tuple[dict, dict]:
               "flash_attention_bwd_overhead_us": att_over_us.get("bwd", 0.0),
               "memory_bound_efficiency": mem_eff, "kernel_overhead_us": overhead_s * 1e6}
     fields.update(fit_fresh_alloc(records))
-    if opt:   # bytes as zsim charges them (step_bytes_per_param), over the measured copy bandwidth
+    if opt:   # bytes as zsim charges them (step_bytes_per_param), over the device bandwidth above
         fields["optimizer_efficiency"] = min(1.0, opt[0]["bytes"] / max(_t(opt[0]) - 6 * overhead_s, 1e-9)
                                              / (hbm_GBps * 1e9))
     report = {"kernel_overhead_measured_us": overhead_s * 1e6, "autograd_call_us": autograd_s * 1e6,

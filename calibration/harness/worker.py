@@ -90,18 +90,19 @@ class Ctx:
             with open(self.records_path, "a") as f:
                 f.write(json.dumps(rec, sort_keys=True) + "\n")
 
+    def _over_ranks(self, values: list[float], participant: bool, op, absent: float) -> list[float]:
+        """Element-wise `op` over participating ranks of a per-rank vector (all ranks call);
+        a non-participant contributes `absent`, the identity of `op`."""
+        t = torch.tensor([v if participant else absent for v in values], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=op)
+        return t.cpu().tolist()
+
     def gather_min(self, values: list[float], participant: bool = True) -> list[float]:
-        """Element-wise min over participating ranks of a per-rank vector (all ranks call)."""
-        t = torch.tensor([v if participant else float("inf") for v in values], dtype=torch.float64,
-                         device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        return [0.0 if math.isinf(v) else v for v in t.cpu().tolist()]
+        return [0.0 if math.isinf(v) else v
+                for v in self._over_ranks(values, participant, dist.ReduceOp.MIN, float("inf"))]
 
     def gather_max(self, values: list[float], participant: bool = True) -> list[float]:
-        """Element-wise max over participating ranks of a per-rank vector (all ranks call)."""
-        t = torch.tensor([v if participant else -1.0 for v in values], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.cpu().tolist()
+        return self._over_ranks(values, participant, dist.ReduceOp.MAX, -1.0)
 
 
 def _stats(times_s: list[float]) -> dict:
@@ -398,9 +399,8 @@ def bench_layer(ctx: Ctx, dtype_name: str, L: LayerShape) -> list[dict]:
 
     ctx.at_sync()
     dist.barrier()
-    _local_times(ctx, iteration)
-    n = len(fwd_s) - ctx.plan.warmup - 1               # the timed iterations, after warm-up and the probe
-    inner = max(1, n // ctx.plan.reps)
+    _, inner = _local_times(ctx, iteration)
+    n = ctx.plan.reps * inner                          # the timed iterations: the last ones
     per_rep = lambda xs: [sum(xs[-n:][i * inner:(i + 1) * inner]) / inner for i in range(ctx.plan.reps)]
     st_f = _stats(ctx.gather_max(per_rep(fwd_s)))
     st_b = _stats(ctx.gather_max(per_rep(bwd_s)))
@@ -840,37 +840,22 @@ def run(plan: Plan, run_dir: str):
     ctx.status("", state="done")
 
 
+_CTX_BENCHES = {"overhead": bench_overhead, "memcpy": bench_memcpy, "fresh_alloc": bench_fresh_alloc,
+                "adam": bench_adam, "optimizer_step": bench_optimizer_step, "zero3_hooks": bench_zero3_hooks,
+                "io": bench_io, "interference": bench_interference, "sync_skew": bench_sync_skew}
+_LAYER_BENCHES = {"gemm": bench_gemms, "attention": bench_attention, "membound": bench_membound,
+                  "layer": bench_layer}
+
+
 def dispatch(ctx: Ctx, name: str):
+    """Run the benchmark an item name (plan.items) stands for."""
     p = name.split("/")
-    layers = {L.label: L for L in ctx.plan.layers}
-    if p[0] == "overhead":
-        return bench_overhead(ctx)
-    if p[0] == "memcpy":
-        return bench_memcpy(ctx)
-    if p[0] == "fresh_alloc":
-        return bench_fresh_alloc(ctx)
+    if p[0] in _CTX_BENCHES:
+        return _CTX_BENCHES[p[0]](ctx)
+    if p[0] in _LAYER_BENCHES:
+        return _LAYER_BENCHES[p[0]](ctx, p[1], {L.label: L for L in ctx.plan.layers}[p[2]])
     if p[0] == "collective":
         return bench_collective(ctx, p[1], p[2], p[3], int(p[4]))
-    if p[0] == "gemm":
-        return bench_gemms(ctx, p[1], layers[p[2]])
-    if p[0] == "attention":
-        return bench_attention(ctx, p[1], layers[p[2]])
-    if p[0] == "membound":
-        return bench_membound(ctx, p[1], layers[p[2]])
-    if p[0] == "layer":
-        return bench_layer(ctx, p[1], layers[p[2]])
-    if p[0] == "adam":
-        return bench_adam(ctx)
-    if p[0] == "optimizer_step":
-        return bench_optimizer_step(ctx)
-    if p[0] == "zero3_hooks":
-        return bench_zero3_hooks(ctx)
-    if p[0] == "io":
-        return bench_io(ctx)
-    if p[0] == "interference":
-        return bench_interference(ctx)
-    if p[0] == "sync_skew":
-        return bench_sync_skew(ctx)
     raise ValueError(name)
 
 

@@ -6,7 +6,7 @@ allocated when it starts; the tags in `free` are released when it ends.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 STREAMS = ("compute", "allgather", "reduce", "h2d", "d2h", "cpu", "nvme")
 
@@ -73,17 +73,17 @@ class Builder:
         self.ops.append(op)
         return op.id
 
+    def _replace(self, op_id: int, **changes):
+        self.ops[op_id] = replace(self.ops[op_id], **changes)
+
     def add_free(self, op_id: int, *tags: str):
-        op = self.ops[op_id]
-        self.ops[op_id] = Op(**{**op.__dict__, "free": op.free + tuple(tags)})
+        self._replace(op_id, free=self.ops[op_id].free + tuple(tags))
 
     def add_hook_visits(self, op_id: int, visits: int):
-        op = self.ops[op_id]
-        self.ops[op_id] = Op(**{**op.__dict__, "hook_visits": op.hook_visits + visits})
+        self._replace(op_id, hook_visits=self.ops[op_id].hook_visits + visits)
 
     def add_alloc(self, op_id: int, *allocs: Alloc):
-        op = self.ops[op_id]
-        self.ops[op_id] = Op(**{**op.__dict__, "alloc": op.alloc + tuple(allocs)})
+        self._replace(op_id, alloc=self.ops[op_id].alloc + tuple(allocs))
 
     def static_alloc(self, category: str, size_bytes: float, tag: str | None = None):
         if size_bytes > 0:
