@@ -4,7 +4,7 @@ harness measured?
     python benchmarks/calibration_loop.py calibration/runs/cpu-gloo-localhost
     python benchmarks/calibration_loop.py RUN_DIR --profile PATH_OR_NAME   # another profile
 
-For every collective record (each op, size and dtype) it prints the measured median, its
+For every collective record (each op, size and dtype) it prints the measured mean per call, its
 spread ((p90 - p10) / median over repetitions), zsim's prediction
 (zsim.hardware.collectives.collective_cost on the profile's tiers, what `zsim run` charges)
 and the error; and a held-out error, predicting each size from a table refitted without it
@@ -17,7 +17,6 @@ Target: |error| <= 5% for every collective size (profile dtype) and every layer 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import tempfile
@@ -28,7 +27,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from calibration.harness.fit import FIT_STATISTIC, _t as measured_s  # noqa: E402
+from calibration.harness.fit import FIT_STATISTIC, _kind, _t as measured_s, _t_mean  # noqa: E402
 from zsim.api import run_scenario                                     # noqa: E402
 from zsim.config.scenario import load_scenario                         # noqa: E402
 from zsim.hardware.collectives import bus_factor, collective_cost, ring_steps, tiers_for  # noqa: E402
@@ -44,10 +43,8 @@ def predict_collective(profile, rec: dict) -> float:
     else:
         cluster = Cluster(profile=profile, nodes=1, gpus_per_node=n)
     intra, inter = tiers_for(cluster)
-    # the harness times collectives between barriers: ranks arrive together, so the in-step
-    # synchronisation term (sync_overhead_us, measured separately) does not apply here
-    intra, inter = dataclasses.replace(intra, sync_s=0.0), dataclasses.replace(inter, sync_s=0.0)
-    return collective_cost(rec["op"], rec["size_bytes"], cluster.nodes, cluster.gpus_per_node, intra, inter).time_s
+    return collective_cost(_kind(rec["op"]), rec["size_bytes"], cluster.nodes, cluster.gpus_per_node, intra, inter,
+                           coalesced=rec["op"] != _kind(rec["op"])).time_s
 
 
 def held_out(profile, rec: dict) -> float | None:
@@ -64,7 +61,7 @@ def held_out(profile, rec: dict) -> float | None:
     intra, _ = tiers_for(cluster)
     n = rec["ranks"]
     bw = intra.busbw_Bps * efficiency_at(rest, rec["size_bytes"])
-    return ring_steps(rec["op"], n) * intra.latency_s + rec["size_bytes"] * bus_factor(rec["op"], n) / bw
+    return ring_steps(_kind(rec["op"]), n) * intra.latency_s + rec["size_bytes"] * bus_factor(_kind(rec["op"]), n) / bw
 
 
 def layer_scenario(profile_path: str, rec: dict) -> str:
@@ -118,8 +115,8 @@ def main(argv=None) -> int:
     print(f"target: |error| <= {TARGET:.0%}, or within half the measurement's own spread when that is wider "
           f"(a prediction inside the p10-p90 band of its repetitions is as good as the data can show). "
           f"Collective tables fitted on {fit_dtype}, made non-decreasing in size. 'measured' is the fit's "
-          f"statistic ({FIT_STATISTIC} over repetitions; see calibration/harness/fit.py), 'spread' = "
-          f"(p90 - p10) / median.\n")
+          f"statistic (collectives: the mean per call; others: {FIT_STATISTIC} over repetitions; see "
+          f"calibration/harness/fit.py), 'spread' = (p90 - p10) / median.\n")
 
     print(f"{'collective':<15}{'tier':<11}{'dtype':<6}{'size':>10}{'measured':>12}{'spread':>8}"
           f"{'zsim':>12}{'error':>8}{'held-out':>10}")
@@ -127,7 +124,7 @@ def main(argv=None) -> int:
     for r in sorted((r for r in recs if r.get("kind") == "collective" and "error" not in r),
                     key=lambda r: (r["dtype"] != fit_dtype, r["dtype"], r["op"], r["size_bytes"])):
         pred = predict_collective(profile, r)
-        m = measured_s(r)
+        m = _t_mean(r)
         err = (pred - m) / m
         ho = held_out(profile, r)
         ho_err = (ho - m) / m if ho else None

@@ -69,6 +69,17 @@ def test_unknown_collective_is_rejected():
         collective_cost("gather", 1.0, 1, 8, INTRA, INTER)
 
 
+def test_coalesced_falls_back_to_the_collectives_own_table():
+    tables = (("all_gather", ((1.0, 0.5),)), ("all_gather_coalesced", ((1.0, 0.25),)))
+    tier = Tier(busbw_Bps=200e9, latency_s=2e-6, efficiency=FLAT, by_collective=tables)
+    one = collective_cost("all_gather", 1e6, 1, 8, tier, INTER)
+    batch = collective_cost("all_gather", 1e6, 1, 8, tier, INTER, coalesced=True)
+    assert batch.transfer_s == pytest.approx(2 * one.transfer_s)
+    # reduce_scatter has no coalesced table: its own curve (the shared one here) applies
+    assert collective_cost("reduce_scatter", 1e6, 1, 8, tier, INTER, coalesced=True) == \
+        collective_cost("reduce_scatter", 1e6, 1, 8, tier, INTER)
+
+
 def test_sync_overhead_is_paid_once_per_collective():
     synced = Tier(busbw_Bps=200e9, latency_s=2e-6, efficiency=FLAT, sync_s=300e-6)
     plain = collective_cost("all_gather", 1e6, 1, 8, INTRA, INTER)

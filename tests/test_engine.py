@@ -152,3 +152,21 @@ def test_zero3_hook_time_is_charged_per_module_visit():
     slow = run_scenario(cpu(100.0, 300.0))[0]["step_time_s"]
     assert slow - base == pytest.approx(fwd * 100e-6 + bwd * 300e-6, rel=1e-6)
     assert all(op.hook_visits == 0 for op in build_schedule(cpu(100.0, 300.0, stage=2))[1].ops)
+
+
+def test_post_step_persistent_gathers_are_coalesced_and_priced_by_their_table():
+    from zsim.api import run_scenario
+    from zsim.schedule.build import build_schedule
+
+    def sc(coalesced_eff):
+        tables = {"all_gather_coalesced": [[1024, coalesced_eff], [1e9, coalesced_eff]]} if coalesced_eff else {}
+        return scenario(**{"deepspeed.zero_optimization.stage": 3, "hardware.profile": "cpu-gloo-localhost",
+                           "hardware.gpus_per_node": 2,
+                           "hardware.override": {"intra_node": {"efficiency_by_collective": tables}}})
+    ops = build_schedule(sc(None))[1].ops
+    post = [op for op in ops if op.name.startswith("all-gather persistent")]
+    assert len(post) > 1 and all(op.coalesced for op in post)
+    assert not any(op.coalesced for op in ops if op.collective and op not in post)
+    # a slower batched curve slows exactly those calls
+    fast, slow = (run_scenario(sc(e))[0]["step_time_s"] for e in (1.0, 0.001))
+    assert slow > fast

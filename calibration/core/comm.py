@@ -32,9 +32,9 @@ class Comm:
         self._rec("reduce", t)
         dist.reduce(t, dst=dst, group=self.group)
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor):
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
         self._rec("all_gather", out)
-        _ALL_GATHER(out, inp, group=self.group)
+        return _ALL_GATHER(out, inp, group=self.group, async_op=async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor):
         self._rec("reduce_scatter", inp)

@@ -8,14 +8,14 @@ Model states, as DeepSpeed 0.19.8 keeps them:
   and keeps only its own partition (16-bit) after the bucket's reduction.
 - stages 1-3: fp32 master weights and AdamW moments of the local partition only; after the
   step the updated 16-bit partitions are all-gathered (stage 1/2, one call) or the persistent
-  params are re-gathered one call each (stage 3).
+  params are re-gathered one call each (stage 3), all launched async before any is waited.
 - stage 3: each rank keeps ceil(n/world) elements of every param; a gather allocates the full
   params and points them at it (p.data = ...), a release drops it (p.data = empty), so
   autograd's saved weights see whatever is gathered when backward runs (ZeRO-3's trick).
   Gradients go into a rank-major IPG buffer and are reduce-scattered (or all-reduced).
 Gradients are communicated as sums and divided by the world size once, at the step.
 Collectives are blocking and issued in program order (on CPU DeepSpeed does the same: the
-accelerator is "synchronized", no side streams).
+accelerator is "synchronized", no side streams), except that post-step batch.
 """
 from __future__ import annotations
 
@@ -103,6 +103,19 @@ class ZeroCore:
                 size = max(min(b.numel, size + W * len(b.pids)) for b in plan.buckets)   # padding slack
             self.ipg = torch.zeros(int(size), dtype=self.dtype)
         self.times: list[tuple[str, str, str, int, float, float]] = []
+        # runs of post-step persistent gathers, launched async together as DeepSpeed's
+        # _allgather_params_coalesced does (zsim Op.coalesced): first position -> the run's pids
+        self.coalesced_runs: dict[int, list[int]] = {}
+        acts = plan.actions
+        i = 0
+        while i < len(acts):
+            j = i
+            while j < len(acts) and acts[j].kind == "gather_persistent":
+                j += 1
+            if j - i > 1:
+                self.coalesced_runs[i] = [acts[t].pids[0] for t in range(i, j)]
+            i = max(j, i + 1)
+        self.inflight: dict[int, tuple] = {}
 
     # -- helpers -----------------------------------------------------------------------
     def P(self, pid):
@@ -248,6 +261,18 @@ class ZeroCore:
             self.params[p].data = view[:, o:o + c].reshape(-1)[: self.numels[p]].view(self.shapes[p])
             o += c
 
+    def _launch_coalesced(self, pids):
+        W = self.world
+        for p in pids:
+            inp = self.shard16[self.soff[p]:self.soff[p + 1]]
+            out = torch.empty(inp.numel() * W, dtype=self.dtype)
+            self.inflight[p] = (self.comm.all_gather(out, inp, async_op=True), out)
+
+    def _finish_gather(self, p):
+        handle, out = self.inflight.pop(p)
+        handle.wait()
+        self.params[p].data = out[: self.numels[p]].view(self.shapes[p])
+
     def _fp32_grads(self):
         if self.stage == 0:
             return self.flatgrad[: self.total].float().div_(self.world)
@@ -291,7 +316,7 @@ class ZeroCore:
         self.micro = 0
         times = []
         t_start = time.perf_counter()
-        for a in self.plan.actions:
+        for pos, a in enumerate(self.plan.actions):
             t0 = time.perf_counter()
             self.comm.phase = {"recompute": "backward"}.get(a.phase, a.phase)
             k = a.kind
@@ -328,7 +353,12 @@ class ZeroCore:
             elif k == "gather":
                 self._gather(list(a.pids))
             elif k == "gather_persistent":
-                self._gather(list(a.pids))
+                if pos in self.coalesced_runs:
+                    self._launch_coalesced(self.coalesced_runs[pos])
+                if a.pids[0] in self.inflight:
+                    self._finish_gather(a.pids[0])
+                else:
+                    self._gather(list(a.pids))
             elif k == "reduce":
                 self._reduce(a)
             elif k == "grads_allreduce":

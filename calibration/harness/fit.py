@@ -33,11 +33,11 @@ from zsim.hardware.profile import GpuProfile
 
 HUBER_K = 1.345   # 95% efficiency under Gaussian noise (Huber 1964)
 # Which per-benchmark statistic the fit reproduces: the median repetition, each repetition the
-# mean of its calls. zsim predicts the typical step (zsim validate compares with the median
-# step), and a step sums many calls, so it pays the mean per-call cost, occasional stalls
-# included. The fastest repetition (Chen & Revels 2016) is the more repeatable estimate of the
-# uncontended time, but it biased every in-step prediction low (collectives by 2-3x on gloo).
-# Records keep the minimum and the spread too.
+# mean of its calls (collectives: the mean over all calls, _t_mean). zsim predicts the typical
+# step (zsim validate compares with the median step), and a step sums many calls, so it pays
+# the mean per-call cost, occasional stalls included. The fastest repetition (Chen & Revels
+# 2016) is the more repeatable estimate of the uncontended time, but it biased every in-step
+# prediction low (collectives by 2-3x on gloo). Records keep the minimum and the spread too.
 FIT_STATISTIC = "time_s"
 
 
@@ -109,16 +109,30 @@ def isotonic_increasing(y) -> list[float]:
     return out
 
 
+def _t_mean(r: dict) -> float:
+    """Mean per-call time over all repetitions. A step's collectives are many calls in a row, so
+    their sum is the mean times the count: gloo's random stalls (a small call is 0.2 ms typically
+    and 1-5 ms one time in ten after a compute phase) land in the step and must land in the fit,
+    which the median repetition drops."""
+    ts = r.get("times_s")
+    return float(np.mean(ts)) if ts else _t(r)
+
+
 def smoothed_times(recs: list[dict]) -> dict[tuple[str, int], float]:
     """{(op, size): time} with each collective's time made non-decreasing in size: moving more
     bytes cannot be cheaper on average, so a dip is timing noise (gloo's small-message calls
     stall at random), and pooling it with its neighbours averages the noise out."""
     out = {}
     for op in sorted({r["op"] for r in recs}):
-        pts = sorted((r["size_bytes"], _t(r)) for r in recs if r["op"] == op)
+        pts = sorted((r["size_bytes"], _t_mean(r)) for r in recs if r["op"] == op)
         for (s, _), t in zip(pts, isotonic_increasing([t for _, t in pts])):
             out[(op, s)] = t
     return out
+
+
+def _kind(op: str) -> str:
+    """The collective an op name times ("all_gather_coalesced" is a batch of all_gather calls)."""
+    return op.removesuffix("_coalesced")
 
 
 def fit_collectives(records: list[dict], dtype: str) -> dict:
@@ -141,15 +155,15 @@ def fit_collectives(records: list[dict], dtype: str) -> dict:
             pts = sorted((r["size_bytes"], sm[(r["op"], r["size_bytes"])]) for r in recs if r["op"] == op)
             a, spb = robust_alpha_beta([p[0] for p in pts], [p[1] for p in pts])
             pred = [a + s * spb for s, _ in pts]
-            ab[op] = {"alpha_us": a * 1e6, "alpha_per_step_us": a * 1e6 / ring_steps(op, n),
-                      "busbw_GBps": (bus_factor(op, n) / spb / 1e9) if spb > 0 else float("inf"),
+            ab[op] = {"alpha_us": a * 1e6, "alpha_per_step_us": a * 1e6 / ring_steps(_kind(op), n),
+                      "busbw_GBps": (bus_factor(_kind(op), n) / spb / 1e9) if spb > 0 else float("inf"),
                       "residuals": [[s, e] for (s, _), e in zip(pts, relative_errors(pred, [p[1] for p in pts]))]}
-        min_step_s = min(sm[(r["op"], r["size_bytes"])] / ring_steps(r["op"], n) for r in recs)
+        min_step_s = min(sm[(r["op"], r["size_bytes"])] / ring_steps(_kind(r["op"]), n) for r in recs)
         latency_s = min(min(v["alpha_per_step_us"] for v in ab.values()) * 1e-6, 0.95 * min_step_s)
         rate = {}
         for r in recs:
-            transfer_s = sm[(r["op"], r["size_bytes"])] - ring_steps(r["op"], n) * latency_s
-            rate[(r["op"], r["size_bytes"])] = r["size_bytes"] * bus_factor(r["op"], n) / transfer_s
+            transfer_s = sm[(r["op"], r["size_bytes"])] - ring_steps(_kind(r["op"]), n) * latency_s
+            rate[(r["op"], r["size_bytes"])] = r["size_bytes"] * bus_factor(_kind(r["op"]), n) / transfer_s
         busbw_Bps = max(rate.values())
         tables = {}
         for op in sorted({r["op"] for r in recs}):
@@ -469,14 +483,6 @@ def fit_interference(records: list[dict]) -> dict:
             "comm_slowdown_during_compute": max(0.0, r["comm_during_gemm_s"] / r["comm_alone_s"] - 1.0)}
 
 
-def fit_sync_overhead_us(records: list[dict]) -> float:
-    """Per-collective synchronisation cost inside a step (worker.bench_sync_skew): the
-    excess of compute + collective over compute alone and the barrier-synchronised
-    collective. Zero when not measured."""
-    rs = _ok(records, "sync_skew")
-    return max(0.0, rs[0]["sync_overhead_s"]) * 1e6 if rs else 0.0
-
-
 # ----------------------------------------------------------------------------- the profile
 def build_profile(name: str, records: list[dict], prov: dict, dtype: str) -> tuple[dict, dict]:
     """The profile mapping (same keys as hardware_profiles/*.yaml) and the fit report."""
@@ -496,15 +502,12 @@ def build_profile(name: str, records: list[dict], prov: dict, dtype: str) -> tup
     intra = coll.get("intra_node") or coll.get("world")
     inter = coll.get("inter_node")
 
-    sync_us = fit_sync_overhead_us(records)
-
     def tier_map(t, fabric):
         if not t:
             return None
         eff_default = t["efficiency_by_collective"].get("all_reduce") or next(iter(t["efficiency_by_collective"].values()))
         return {"fabric": fabric, "busbw_GBps": t["busbw_GBps"], "latency_us": t["latency_us"],
-                "efficiency_by_size": eff_default, "efficiency_by_collective": t["efficiency_by_collective"],
-                "sync_overhead_us": sync_us}
+                "efficiency_by_size": eff_default, "efficiency_by_collective": t["efficiency_by_collective"]}
 
     backend = prov.get("backend", "gloo")
     intra_m = tier_map(intra, f"{backend}-intra-node" if cuda else "gloo-loopback (shared memory / TCP)")
@@ -514,12 +517,12 @@ def build_profile(name: str, records: list[dict], prov: dict, dtype: str) -> tup
                    "nic_bw_Gbps": inter["busbw_GBps"] * 8, "latency_us": inter["latency_us"],
                    "efficiency_by_size": inter["efficiency_by_collective"].get("all_reduce")
                    or next(iter(inter["efficiency_by_collective"].values())),
-                   "efficiency_by_collective": inter["efficiency_by_collective"], "sync_overhead_us": sync_us}
+                   "efficiency_by_collective": inter["efficiency_by_collective"]}
     else:   # single node: nothing to measure; mirror the intra tier so multi-node what-ifs stay finite
         inter_m = {"fabric": "not measured (single-node calibration; copy of intra_node)", "nics_per_node": 1,
                    "nic_bw_Gbps": intra["busbw_GBps"] * 8 * per_node, "latency_us": intra["latency_us"],
                    "efficiency_by_size": intra_m["efficiency_by_size"],
-                   "efficiency_by_collective": intra["efficiency_by_collective"], "sync_overhead_us": sync_us}
+                   "efficiency_by_collective": intra["efficiency_by_collective"]}
     pcie = [r for r in records if r.get("kind") == "pcie" and r.get("pinned") and "error" not in r]
     memcpy = _ok(records, "memcpy")
     if pcie:
@@ -560,7 +563,7 @@ def build_profile(name: str, records: list[dict], prov: dict, dtype: str) -> tup
     if hooks:
         profile["provenance"]["zero3_hooks_deepspeed"] = hooks[0]["deepspeed"]
     report = {"collectives": coll, "compute": comp, "adam": {"params_per_s_per_core": adam_rate, "impl": adam_impl},
-              "io": io, "interference": interf, "sync_overhead_us": sync_us}
+              "io": io, "interference": interf}
     return _round(profile), report
 
 

@@ -10,7 +10,10 @@ import math
 from dataclasses import asdict, dataclass, field
 
 KB = 1024
-COLLECTIVE_OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "all_to_all")
+# all_gather_coalesced: a batch of async all-gathers waited together, as DeepSpeed re-gathers
+# ZeRO-3's persistent parameters after the step (zsim Op.coalesced)
+COLLECTIVE_OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "all_to_all",
+                  "all_gather_coalesced")
 
 
 @dataclass(frozen=True)
@@ -123,7 +126,7 @@ def items(plan: Plan, world_size: int, nodes: int) -> list[str]:
             names.append(f"attention/{dt}/{L.label}")
             names.append(f"membound/{dt}/{L.label}")
             names.append(f"layer/{dt}/{L.label}")
-    names += ["adam", "optimizer_step", "io", "interference", "sync_skew"]
+    names += ["adam", "optimizer_step", "io", "interference"]
     if plan.mode == "full":
         names.append("zero3_hooks")
     return names
@@ -150,7 +153,8 @@ def estimated_cost(name: str) -> float:
     """Relative weight of an item for the ETA (collectives scale with their size)."""
     parts = name.split("/")
     if parts[0] == "collective":
-        return 0.3 + math.log2(max(int(parts[-1]), 1024) / 1024) * 0.15
+        size = max(int(parts[-1]), 1024)   # sizes up to 1 MiB run 3x the repetitions (worker)
+        return (0.9 if size <= 1 << 20 else 0.3) + math.log2(size / 1024) * 0.15
     return {"layer": 4.0, "gemm": 4.0, "attention": 1.5, "membound": 1.5, "io": 3.0,
-            "interference": 3.0, "adam": 2.0, "optimizer_step": 1.5, "sync_skew": 2.0,
+            "interference": 3.0, "adam": 2.0, "optimizer_step": 1.5,
             "zero3_hooks": 4.0}.get(parts[0], 1.0)

@@ -142,7 +142,7 @@ def _timed_everywhere(ctx: Ctx, fn, reps: int | None = None) -> tuple[dict, int]
 
 
 # ----------------------------------------------------------------------------- collectives
-def _collective_fn(op: str, size_bytes: int, dtype, n: int, group, device):
+def _collective_fn(op: str, size_bytes: int, dtype, n: int, group, device, calls: int = 1):
     esize = torch.tensor([], dtype=dtype).element_size()
     numel = max(n, (size_bytes // esize) // n * n)   # the full buffer, divisible by the group size
     full = torch.ones(numel, dtype=dtype, device=device)
@@ -150,6 +150,16 @@ def _collective_fn(op: str, size_bytes: int, dtype, n: int, group, device):
     if op == "all_gather":
         f = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         return (lambda: f(full, part, group=group)), numel * esize
+    if op == "all_gather_coalesced":
+        # partition_parameters.py _allgather_params_coalesced: one async call per buffer, then
+        # every handle waited; `calls` buffers per batch
+        f = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        outs = [torch.empty_like(full) for _ in range(calls)]
+
+        def batch():
+            for h in [f(o, part, group=group, async_op=True) for o in outs]:
+                h.wait()
+        return batch, numel * esize
     if op == "reduce_scatter":
         f = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         return (lambda: f(part, full, group=group)), numel * esize
@@ -168,11 +178,12 @@ def _collective_fn(op: str, size_bytes: int, dtype, n: int, group, device):
 
 
 def _step_compute(ctx: Ctx):
-    """A module-sized GEMM (the first layer's projection): what a step runs between collectives."""
+    """A module-sized GEMM (the first layer's MLP input projection): what a step runs between
+    collectives."""
     L = ctx.plan.layers[0]
     dt = DTYPES[ctx.plan.profile_dtype]
     a = torch.randn(L.tokens, L.hidden, dtype=dt, device=ctx.device)
-    w = torch.randn(L.hidden, L.hidden, dtype=dt, device=ctx.device)
+    w = torch.randn(4 * L.hidden, L.hidden, dtype=dt, device=ctx.device)
 
     def run():
         F.linear(a, w)
@@ -180,37 +191,57 @@ def _step_compute(ctx: Ctx):
     return run
 
 
+SMALL_MESSAGE_BYTES = 1 << 20
+SMALL_MESSAGE_REPS = 3
+
+
 def bench_collective(ctx: Ctx, op: str, grp: str, dtype_name: str, size_bytes: int) -> dict:
-    """Each call is timed as a training step meets it: after a compute phase and with no barrier
-    in between, so the figure carries what a step pays per call on this platform (gloo's wake-up
-    stalls on a loaded CPU, a GPU's cold launch) and not only back-to-back streaming. A call's
-    cost is the minimum over ranks of its duration: the rank that arrives last measures the
-    collective itself, the early ones also their wait (charged separately, sync_overhead_us).
-    A repetition is the mean over `inner` calls, as a step sums many calls."""
+    """A collective timed as a training step meets it: `inner` calls, each after a compute phase
+    and with no barrier in between, against the same compute phases alone. A call costs the step
+    what the loop with calls takes beyond the loop without (slowest rank of each): the transfer,
+    gloo's wake-up stalls on a loaded CPU (a GPU's cold launch), and the wait for the rank that
+    left the previous call last, which a per-call duration on the last-arriving rank misses
+    (0.5 MB gloo all-reduce in a ZeRO-2 step: 1.6 ms on that rank, 3 ms to the step). A call can
+    never cost less than its duration on the last-arriving rank, which bounds a noisy difference.
+    A repetition is the mean over `inner` calls, as a step sums many calls. A "_coalesced" op
+    launches its `inner` calls async after one compute phase and then waits them all."""
+    coalesced = op.endswith("_coalesced")
     group = ctx.groups[grp]
     member = group != "skip"
     g = None if group in (None, "skip") else group
     n = dist.get_world_size(g) if member else 0
-    reps = ctx.plan.reps
+    # a small call is 0.2 ms typically and several ms when gloo stalls: its mean needs more
+    # calls than a large one's (cheap: each costs about a compute phase)
+    reps = ctx.plan.reps * (SMALL_MESSAGE_REPS if size_bytes <= SMALL_MESSAGE_BYTES else 1)
     inner = max(1, min(ctx.plan.coll_calls_per_rep, 2000))
     calls = [0.0] * (reps * inner)
+    with_s, alone_s = [0.0] * reps, [0.0] * reps
     real_size = size_bytes
     err = ""
     ctx.at_sync()
     if member:
         try:
-            fn, real_size = _collective_fn(op, size_bytes, DTYPES[dtype_name], n, g, ctx.device)
+            batch = inner if coalesced else 1
+            fn, real_size = _collective_fn(op, size_bytes, DTYPES[dtype_name], n, g, ctx.device, batch)
             compute = _step_compute(ctx)
             for _ in range(ctx.plan.warmup):
                 fn()
             ctx.sync()
-            dist.barrier(group=g)
-            for i in range(reps * inner):
-                compute()
+            for r in range(reps):
+                dist.barrier(group=g)
                 t0 = time.perf_counter()
-                fn()
-                ctx.sync()
-                calls[i] = time.perf_counter() - t0
+                for _ in range(inner // batch):
+                    compute()
+                alone_s[r] = time.perf_counter() - t0
+                dist.barrier(group=g)
+                t_loop = time.perf_counter()
+                for i in range(r * inner, (r + 1) * inner, batch):
+                    compute()
+                    t0 = time.perf_counter()
+                    fn()
+                    ctx.sync()
+                    calls[i:i + batch] = [(time.perf_counter() - t0) / batch] * batch
+                with_s[r] = time.perf_counter() - t_loop
         except RuntimeError as exc:   # e.g. a dtype or op the backend lacks: keep going, say so
             if "unsupported" not in str(exc).lower() and "not supported" not in str(exc).lower():
                 raise
@@ -218,14 +249,17 @@ def bench_collective(ctx: Ctx, op: str, grp: str, dtype_name: str, size_bytes: i
             calls = [0.0] * (reps * inner)
     dist.barrier()
     per_call = ctx.gather_min(calls, member)
-    worst = [sum(per_call[r * inner:(r + 1) * inner]) / inner for r in range(reps)]
+    loops = ctx.gather_max(with_s + alone_s, member)
+    last_arriver = [sum(per_call[r * inner:(r + 1) * inner]) / inner for r in range(reps)]
+    cost = [max(last_arriver[r], (loops[r] - loops[reps + r]) / inner) for r in range(reps)]
     rec = {"kind": "collective", "op": op, "group": grp, "tier": tier_of_group(grp, ctx.nodes),
            "ranks": ctx.world if grp == "world" else (ctx.local_world if grp == "intra_node" else ctx.nodes),
-           "dtype": dtype_name, "size_bytes": real_size, "inner": inner, "timing": "in-step"}
-    if err or max(worst) <= 0:
+           "dtype": dtype_name, "size_bytes": real_size, "inner": inner, "timing": "in-step loop"}
+    if err or max(cost) <= 0:
         rec["error"] = err or "not measured"
         return rec
-    rec.update(_stats(worst))
+    rec.update(_stats(cost))
+    rec["last_arriver_s"] = statistics.mean(last_arriver)
     return rec
 
 
@@ -655,65 +689,6 @@ def bench_interference(ctx: Ctx) -> dict:
             "comm_alone_s": vals[2], "comm_during_gemm_s": vals[3]}
 
 
-def bench_sync_skew(ctx: Ctx) -> dict:
-    """What a collective costs inside a training step beyond its barrier-synchronised time:
-    ranks arrive at it at different times (OS noise, uneven cores), and the early one waits.
-    Each repetition runs a module-sized compute phase, then a one-element all-reduce, with no
-    barrier in between; the excess over compute alone and over the synchronised collective is
-    the per-call synchronisation cost."""
-    L = ctx.plan.layers[0]
-    dt = DTYPES[ctx.plan.profile_dtype]
-    a = torch.randn(L.tokens, L.hidden, dtype=dt, device=ctx.device)
-    w = torch.randn(4 * L.hidden, L.hidden, dtype=dt, device=ctx.device)
-    tiny = torch.ones(1, device=ctx.device)
-    calls = max(10, ctx.plan.reps * 3)
-
-    def compute():
-        F.linear(a, w)
-        ctx.sync()
-
-    def loop(with_collective: bool):
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            compute()
-            if with_collective:
-                dist.all_reduce(tiny)
-        ctx.sync()
-        return time.perf_counter() - t0
-
-    def synced():
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            dist.barrier()
-            dist.all_reduce(tiny)
-        return time.perf_counter() - t0
-
-    ctx.at_sync()
-    for _ in range(2):
-        compute()
-    reps = max(3, ctx.plan.reps // 2)
-    with_c = [loop(True) for _ in range(reps)]
-    alone = [loop(False) for _ in range(reps)]
-    barrier_only = []
-    for _ in range(reps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            dist.barrier()
-        barrier_only.append(time.perf_counter() - t0)
-    sync_c = [synced() for _ in range(reps)]
-    # medians, as the fit's statistic: a step pays the typical wait, not the luckiest one
-    vals = ctx.gather_max([statistics.median(with_c), statistics.median(alone), statistics.median(sync_c),
-                           statistics.median(barrier_only)])
-    coll_s = max(0.0, (vals[2] - vals[3]) / calls)
-    per_call = (vals[0] - vals[1]) / calls
-    return {"kind": "sync_skew", "dtype": ctx.plan.profile_dtype, "calls": calls, "time_s": vals[0] / calls,
-            "compute_phase_s": vals[1] / calls, "step_with_collective_s": vals[0] / calls,
-            "collective_synchronised_s": coll_s, "sync_overhead_s": max(0.0, per_call - coll_s)}
-
-
 # ----------------------------------------------------------------------------- driver
 def provenance(ctx: Ctx) -> dict:
     hosts = [None] * ctx.world
@@ -842,7 +817,7 @@ def run(plan: Plan, run_dir: str):
 
 _CTX_BENCHES = {"overhead": bench_overhead, "memcpy": bench_memcpy, "fresh_alloc": bench_fresh_alloc,
                 "adam": bench_adam, "optimizer_step": bench_optimizer_step, "zero3_hooks": bench_zero3_hooks,
-                "io": bench_io, "interference": bench_interference, "sync_skew": bench_sync_skew}
+                "io": bench_io, "interference": bench_interference}
 _LAYER_BENCHES = {"gemm": bench_gemms, "attention": bench_attention, "membound": bench_membound,
                   "layer": bench_layer}
 

@@ -197,7 +197,8 @@ def simulate(schedule: Schedule, cluster, precision: str) -> Trace:
                 fixed += fresh_alloc_time_s([op.size_bytes] if op.collective == "all_gather"
                                             else [a.size_bytes for a in op.alloc], gpu)
             if op.collective:
-                cost = collective_cost(op.collective, op.size_bytes, cluster.nodes, cluster.gpus_per_node, intra, inter)
+                cost = collective_cost(op.collective, op.size_bytes, cluster.nodes, cluster.gpus_per_node, intra, inter,
+                                       op.coalesced)
                 fixed += cost.latency_s
                 if fixed > 0:
                     yield env.timeout(fixed)

@@ -39,11 +39,11 @@ class Tier:
     # paid once per collective, not per ring step: waiting for the last rank to arrive
     sync_s: float = 0.0
 
-    def efficiency_for(self, kind: str) -> EffTable:
-        for k, table in self.by_collective:
-            if k == kind:
-                return table
-        return self.efficiency
+    def efficiency_for(self, kind: str, coalesced: bool = False) -> EffTable:
+        tables = dict(self.by_collective)
+        if coalesced and f"{kind}_coalesced" in tables:
+            return tables[f"{kind}_coalesced"]
+        return tables.get(kind, self.efficiency)
 
 
 @dataclass(frozen=True)
@@ -79,11 +79,12 @@ def ring_steps(kind: str, n: int) -> int:
     return 2 * (n - 1) if kind == "all_reduce" else n - 1
 
 
-def ring_cost(kind: str, size_bytes: float, n: int, tier: Tier, tier_name: str) -> CommCost:
+def ring_cost(kind: str, size_bytes: float, n: int, tier: Tier, tier_name: str,
+              coalesced: bool = False) -> CommCost:
     """One ring over `n` ranks on a single tier: alpha*steps + size*factor/(busbw*eff(size))."""
     if n <= 1 or size_bytes <= 0:
         return CommCost(0.0, 0.0, tier_name)
-    bw = tier.busbw_Bps * efficiency_at(tier.efficiency_for(kind), size_bytes)
+    bw = tier.busbw_Bps * efficiency_at(tier.efficiency_for(kind, coalesced), size_bytes)
     return CommCost(ring_steps(kind, n) * tier.latency_s, size_bytes * bus_factor(kind, n) / bw, tier_name)
 
 
@@ -97,14 +98,14 @@ def tree_allreduce_cost(size_bytes: float, nodes: int, gpus_per_node: int, intra
 
 
 def hierarchical_cost(kind: str, size_bytes: float, nodes: int, gpus_per_node: int,
-                      intra: Tier, inter: Tier) -> CommCost:
+                      intra: Tier, inter: Tier, coalesced: bool = False) -> CommCost:
     """Intra-node ring on the full buffer plus one inter-node ring per rail on 1/g of it.
 
     `inter.busbw_Bps` is the bandwidth one rail gets: the node's NIC bandwidth / g.
     """
     g = gpus_per_node
-    intra_c = ring_cost(kind, size_bytes, g, intra, "intra_node")
-    inter_c = ring_cost(kind, size_bytes / g, nodes, inter, "inter_node")
+    intra_c = ring_cost(kind, size_bytes, g, intra, "intra_node", coalesced)
+    inter_c = ring_cost(kind, size_bytes / g, nodes, inter, "inter_node", coalesced)
     if inter_c.transfer_s >= intra_c.transfer_s:
         return CommCost(intra_c.latency_s + inter_c.latency_s, inter_c.transfer_s, "inter_node")
     return CommCost(intra_c.latency_s + inter_c.latency_s, intra_c.transfer_s, "intra_node")
@@ -112,20 +113,21 @@ def hierarchical_cost(kind: str, size_bytes: float, nodes: int, gpus_per_node: i
 
 @functools.lru_cache(maxsize=4096)   # pure; schedules repeat the same sizes layer after layer
 def collective_cost(kind: str, size_bytes: float, nodes: int, gpus_per_node: int,
-                    intra: Tier, inter: Tier) -> CommCost:
-    """Cost of one collective over a data-parallel group of nodes x gpus_per_node ranks."""
+                    intra: Tier, inter: Tier, coalesced: bool = False) -> CommCost:
+    """Cost of one collective over a data-parallel group of nodes x gpus_per_node ranks;
+    `coalesced`: launched async with its neighbours before any is waited (Op.coalesced)."""
     if kind not in COLLECTIVES:
         raise ValueError(f"unknown collective {kind!r}")
     n = nodes * gpus_per_node
     if n <= 1 or size_bytes <= 0:
         return CommCost(0.0, 0.0, "intra_node")
     if nodes == 1:
-        c = ring_cost(kind, size_bytes, n, intra, "intra_node")
+        c = ring_cost(kind, size_bytes, n, intra, "intra_node", coalesced)
         return CommCost(c.latency_s + intra.sync_s, c.transfer_s, c.tier)
     if gpus_per_node == 1:
-        c = ring_cost(kind, size_bytes, n, inter, "inter_node")
+        c = ring_cost(kind, size_bytes, n, inter, "inter_node", coalesced)
         return CommCost(c.latency_s + inter.sync_s, c.transfer_s, c.tier)
-    best = hierarchical_cost(kind, size_bytes, nodes, gpus_per_node, intra, inter)
+    best = hierarchical_cost(kind, size_bytes, nodes, gpus_per_node, intra, inter, coalesced)
     if kind == "all_reduce":
         tree = tree_allreduce_cost(size_bytes, nodes, gpus_per_node, intra, inter)
         if tree.time_s < best.time_s:

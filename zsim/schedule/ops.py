@@ -40,6 +40,9 @@ class Op:
     collective: str = ""            # all_gather | reduce_scatter | all_reduce | ...
     size_bytes: float = 0.0         # full buffer (nccl-tests convention)
     numel: int = 0
+    # launched async together with its neighbours, then all waited (DeepSpeed's
+    # _allgather_params_coalesced); its cost comes from the tier's "<collective>_coalesced" table
+    coalesced: bool = False
     # host work: PCIe copies (h2d | d2h), NVMe I/O (nvme_read | nvme_write) of size_bytes;
     # CPU optimizer updates of cpu_adam_params parameters
     transfer: str = ""

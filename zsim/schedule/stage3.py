@@ -280,8 +280,10 @@ def build(ctx: StepContext):
         last = offload.offloaded_step(ctx, shard, [last, hooks.last_d2h], z.sub_group_size)
     else:
         last = optimizer_step(ctx, shard, [last])
-    # _post_step: persistent params re-gathered one call each, in registration order
+    # _post_step: persistent params re-gathered one call each, in registration order, all launched
+    # async before any is waited (partition_parameters.py _allgather_params_coalesced)
     for p in sorted(hooks.persistent):
         n = padded(hooks.numels[p], ctx.world)
         last = ctx.b.add(f"all-gather persistent {ctx.wl.params[p].name}", "compute", "step", ctx.gas - 1,
-                         [last], collective="all_gather", size_bytes=n * ctx.param_bytes, numel=n)
+                         [last], collective="all_gather", size_bytes=n * ctx.param_bytes, numel=n,
+                         coalesced=len(hooks.persistent) > 1)
