@@ -83,7 +83,8 @@ class _TierShape:
     efficiency_by_collective: dict[str, EffTable] = spec(
         factory=dict, doc="per-collective tables that replace efficiency_by_size (calibrated profiles)")
     sync_overhead_us: float = spec(0.0, ge=0, doc="extra time per collective inside a step: ranks reach it at "
-                                                  "different times and the early ones wait (calibration measures it)")
+                                                  "different times and the early ones wait (zsim calibrate leaves it 0: "
+                                                  "its collective tables are timed in-step and include the wait)")
 
     def __post_init__(self):
         _check_collective_tables(self.efficiency_by_collective)
