@@ -170,3 +170,34 @@ def test_post_step_persistent_gathers_are_coalesced_and_priced_by_their_table():
     # a slower batched curve slows exactly those calls
     fast, slow = (run_scenario(sc(e))[0]["step_time_s"] for e in (1.0, 0.001))
     assert slow > fast
+
+
+def test_zero3_reduce_scatter_charges_deepspeeds_bucket_passes():
+    from zsim.api import run_scenario
+    from zsim.hardware.compute import memory_bound_time_s
+    from zsim.schedule.build import build_schedule
+    sc = scenario(**{"deepspeed.zero_optimization.stage": 3, "hardware.profile": "cpu-gloo-localhost",
+                     "hardware.gpus_per_node": 2, "deepspeed.zero_optimization.reduce_bucket_size": 5e8})
+    ops = build_schedule(sc)[1].ops
+    rs = [op for op in ops if op.collective == "reduce_scatter"]
+    assert len(rs) == 1   # every gradient in one bucket of many tensors
+    for op in rs:   # interleave + pre-divide (read + write each) + copy of this rank's partition
+        assert op.mem_bytes == pytest.approx(4 * op.size_bytes + 2 * op.size_bytes / 2)
+    one = scenario(**{"deepspeed.zero_optimization.stage": 3, "hardware.profile": "cpu-gloo-localhost",
+                      "hardware.gpus_per_node": 2, "deepspeed.zero_optimization.reduce_bucket_size": 1})
+    for op in build_schedule(one)[1].ops:   # one tensor per bucket: no interleave when it divides evenly
+        if op.collective == "reduce_scatter":
+            assert op.mem_bytes in (pytest.approx(3 * op.size_bytes), pytest.approx(5 * op.size_bytes))
+    gpu = sc.cluster.profile.gpu
+    plain = scenario(**{"deepspeed.zero_optimization.stage": 3, "hardware.profile": "cpu-gloo-localhost",
+                        "hardware.gpus_per_node": 2, "deepspeed.zero_optimization.reduce_scatter": False})
+    assert all(op.mem_bytes == 0 for op in build_schedule(plain)[1].ops if op.collective == "all_reduce")
+    # on a serial device the passes add up in the step time
+    import dataclasses
+    from zsim.engine.sim import simulate
+    sched = build_schedule(sc)[1]
+    bare = dataclasses.replace(sched, ops=tuple(dataclasses.replace(op, mem_bytes=0.0) if op.collective else op
+                                                for op in sched.ops))
+    t = simulate(sched, sc.cluster, "bf16").step_time_s
+    t0 = simulate(bare, sc.cluster, "bf16").step_time_s
+    assert t - t0 == pytest.approx(sum(memory_bound_time_s(op.mem_bytes, gpu) for op in rs), rel=1e-6)

@@ -242,6 +242,21 @@ class Zero3Hooks(StageHooks):
         self.bucket.append(pid)
         self.bucket_numel += numel
 
+    def _scatter_traffic_bytes(self, numel: int, micro: int) -> float:
+        """Buffer passes around one bucket's reduce-scatter in DeepSpeed 0.19.8: stage3.py
+        __avg_scatter_grads -> coalesced_collectives.py reduce_scatter_coalesced interleaves the
+        bucket's per-rank chunks into a new buffer (torch.cat: read + write, skipped for a single
+        tensor that divides evenly) and pre-divides it in place (div_: read + write); then
+        partition_grads copies each rank's partition into its grad buffer (copy_ at the first
+        micro-step, add_ after: read + write, or 2 reads + write)."""
+        ctx = self.ctx
+        b = ctx.param_bytes
+        single = len(self.bucket) == 1 and self.numels[self.bucket[0]] % ctx.world == 0
+        interleave = 0.0 if single else 2.0 * numel * b
+        predivide = 2.0 * numel * b
+        partition = (2.0 if micro == 0 else 3.0) * numel / ctx.world * b
+        return interleave + predivide + partition
+
     def _flush(self, micro: int, after: int):
         if not self.bucket:
             return
@@ -250,7 +265,9 @@ class Zero3Hooks(StageHooks):
         kind = "reduce_scatter" if z.reduce_scatter else "all_reduce"
         self.last_reduce = ctx.b.add(f"{kind.replace('_', '-')} bucket {self.flushes}", ctx.grad_stream,
                                      "backward", micro, [after], collective=kind,
-                                     size_bytes=numel * ctx.param_bytes, numel=numel)
+                                     size_bytes=numel * ctx.param_bytes, numel=numel,
+                                     mem_bytes=self._scatter_traffic_bytes(numel, micro) if kind == "reduce_scatter"
+                                     else 0.0)
         if offload.optimizer_device(ctx) != "none":
             self.last_d2h = offload.grads_to_host(ctx, numel / ctx.world, micro, self.last_reduce,
                                                   f"bucket {self.flushes}")
