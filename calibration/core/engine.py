@@ -12,8 +12,10 @@ Model states, as DeepSpeed 0.19.8 keeps them:
 - stage 3: each rank keeps ceil(n/world) elements of every param; a gather allocates the full
   params and points them at it (p.data = ...), a release drops it (p.data = empty), so
   autograd's saved weights see whatever is gathered when backward runs (ZeRO-3's trick).
-  Gradients go into a rank-major IPG buffer and are reduce-scattered (or all-reduced).
-Gradients are communicated as sums and divided by the world size once, at the step.
+  Gradients go into the IPG buffer in gradient order; at a bucket's reduce-scatter they are
+  interleaved per rank into a new buffer and pre-divided by the world size, as DeepSpeed's
+  reduce_scatter_coalesced does (with reduce_scatter false: a rank-major buffer, all-reduced).
+Other gradients are communicated as sums and divided by the world size once, at the step.
 Collectives are blocking and issued in program order (on CPU DeepSpeed does the same: the
 accelerator is "synchronized", no side streams), except that post-step batch.
 """
@@ -88,13 +90,18 @@ class ZeroCore:
                                      betas=tuple(opt.get("betas", (0.9, 0.999))), eps=float(opt.get("eps", 1e-8)),
                                      weight_decay=float(opt.get("weight_decay", 0.01)), fused=True)
         # IPG bucket buffer (contiguous_gradients) for hook-time reductions of stages 2/3
+        z = sc.zero
+        # stage 3 with reduce_scatter fills the IPG buffer in gradient order and interleaves it
+        # per rank at the reduction, as DeepSpeed does (reduce_scatter_coalesced); otherwise
+        # stage 3 fills it rank-major and stages 1/2 in gradient order
+        self.scatter_coalesced = self.stage == 3 and z.reduce_scatter
+        rank_major = self.stage == 3 and not self.scatter_coalesced
         self.bucket_of: dict[tuple[int, int], tuple[int, int]] = {}
         for b in plan.buckets:
             o = 0
             for pid in b.pids:
                 self.bucket_of[(b.micro, pid)] = (b.id, o)
-                o += self.c[pid] if self.stage == 3 else self.numels[pid]
-        z = sc.zero
+                o += self.c[pid] if rank_major else self.numels[pid]
         self.contiguous = z.contiguous_gradients and self.stage >= 2
         self.ipg = None
         if self.contiguous and plan.buckets:
@@ -161,7 +168,7 @@ class ZeroCore:
             else:
                 self._held[pid] = g        # contiguous_gradients false: the grad waits for its bucket
                 continue
-            if self.stage == 3:
+            if self.stage == 3 and not self.scatter_coalesced:
                 c, W, n = self.c[pid], self.world, self.numels[pid]
                 seg = b.numel // W
                 for r in range(W):
@@ -193,8 +200,10 @@ class ZeroCore:
                     self._own_write(self.offsets[pid] + st, t[o:o + ln])
                     o += ln
         elif call["collective"] == "reduce_scatter":
+            flat = self._interleave(b, buf)
+            flat.div_(W)   # pre-divide (reduce_scatter_coalesced): the step does not divide again
             out = torch.empty(b.numel // W, dtype=self.dtype)
-            self.comm.reduce_scatter(out, buf)
+            self.comm.reduce_scatter(out, flat)
             self._stage3_take(b, out)
         else:   # all_reduce of a chunk (or the whole bucket)
             chunk = buf[self._cur: self._cur + call["numel"]]
@@ -237,6 +246,22 @@ class ZeroCore:
         else:
             dst.add_(values)
 
+    def _interleave(self, b, buf):
+        """coalesced_collectives.py reduce_scatter_coalesced: each rank's chunk of every gradient
+        in the bucket (gradient order), padded to ceil(n/world), concatenated rank by rank into
+        a new buffer (padding zeroed here, where DeepSpeed leaves it uninitialised)."""
+        parts, o = [[] for _ in range(self.world)], 0
+        for pid in b.pids:
+            c, n = self.c[pid], self.numels[pid]
+            g = buf[o: o + n]
+            o += n
+            for r in range(self.world):
+                lo, hi = min(r * c, n), min((r + 1) * c, n)
+                parts[r].append(g[lo:hi])
+                if hi - lo < c:
+                    parts[r].append(torch.zeros(c - (hi - lo), dtype=self.dtype))
+        return torch.cat([t for ts in parts for t in ts])
+
     def _stage3_take(self, b, out):
         o = 0
         for pid in b.pids:
@@ -276,6 +301,8 @@ class ZeroCore:
     def _fp32_grads(self):
         if self.stage == 0:
             return self.flatgrad[: self.total].float().div_(self.world)
+        if self.scatter_coalesced:
+            return self.gpart.float()
         return self.gpart.float().div_(self.world)
 
     def _step(self):
