@@ -118,7 +118,7 @@ def main(argv=None) -> int:
           f"statistic (collectives: the mean per call; others: {FIT_STATISTIC} over repetitions; see "
           f"calibration/harness/fit.py), 'spread' = (p90 - p10) / median.\n")
 
-    print(f"{'collective':<15}{'tier':<11}{'dtype':<6}{'size':>10}{'measured':>12}{'spread':>8}"
+    print(f"{'collective':<22}{'tier':<11}{'dtype':<6}{'size':>10}{'measured':>12}{'spread':>8}"
           f"{'zsim':>12}{'error':>8}{'held-out':>10}")
     worst = {}
     for r in sorted((r for r in recs if r.get("kind") == "collective" and "error" not in r),
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
         w[1] = max(w[1], abs(ho_err)) if ho_err is not None else w[1]
         w[2] += 1
         if r["dtype"] == fit_dtype or args.all_sizes:
-            print(f"{r['op']:<15}{r['tier']:<11}{r['dtype']:<6}{r['size_bytes']:>10}{m * 1e3:>10.4f}ms"
+            print(f"{r['op']:<22}{r['tier']:<11}{r['dtype']:<6}{r['size_bytes']:>10}{m * 1e3:>10.4f}ms"
                   f"{r.get('spread', 0):>7.0%} {pred * 1e3:>10.4f}ms{err:>+8.1%}"
                   + (f"{ho_err:>+10.1%}" if ho_err is not None else f"{'':>10}"))
     print("\nsummary (max |error| over sizes)")
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     for (op, dt), (w, h, n, within) in sorted(worst.items()):
         flag = "" if dt != fit_dtype else ("  OK" if within else "  MISS")
         ok &= dt != fit_dtype or within
-        print(f"  {op:<15}{dt:<6}{n:>3} sizes  max |err| {w:6.1%}   held-out max |err| {h:6.1%}{flag}")
+        print(f"  {op:<22}{dt:<6}{n:>3} sizes  max |err| {w:6.1%}   held-out max |err| {h:6.1%}{flag}")
 
     print(f"\n{'layer':<22}{'dtype':<6}{'pass':<5}{'measured':>12}{'spread':>8}{'zsim run':>12}{'error':>8}")
     layers = [r for r in recs if r.get("kind") == "layer" and "error" not in r]
