@@ -15,9 +15,7 @@ Model states, as DeepSpeed 0.19.8 keeps them:
   Gradients go into the IPG buffer in gradient order; at a bucket's reduce-scatter they are
   interleaved per rank into a new buffer and pre-divided by the world size, as DeepSpeed's
   reduce_scatter_coalesced does (with reduce_scatter false: a rank-major buffer, all-reduced).
-Stage 0 all-reduces a copy of the flat gradients, post-scales it by 1/world and copies it back
-(engine.py allreduce_and_copy). Stage 1/2 gradients (and stage 3's with reduce_scatter false)
-are communicated as sums and divided by the world size once, at the step.
+Other gradients are communicated as sums and divided by the world size once, at the step.
 Collectives are blocking and issued in program order (on CPU DeepSpeed does the same: the
 accelerator is "synchronized", no side streams), except that post-step batch.
 """
@@ -302,7 +300,7 @@ class ZeroCore:
 
     def _fp32_grads(self):
         if self.stage == 0:
-            return self.flatgrad[: self.total].float()
+            return self.flatgrad[: self.total].float().div_(self.world)
         if self.scatter_coalesced:
             return self.gpart.float()
         return self.gpart.float().div_(self.world)
@@ -393,13 +391,7 @@ class ZeroCore:
             elif k == "grads_allreduce":
                 i = int(a.name.rsplit(" ", 1)[1])
                 lo = i * int(5e8)
-                grads = self.flatgrad[lo: lo + a.numel]
-                # engine.py allreduce_and_copy: flatten into a new buffer, all-reduce, post-scale
-                # by 1/world, copy back; the step then does not divide again
-                flat = grads.clone()
-                self.comm.all_reduce(flat)
-                flat.mul_(1.0 / self.world)
-                grads.copy_(flat)
+                self.comm.all_reduce(self.flatgrad[lo: lo + a.numel])
             elif k == "norm_local":
                 self._g32 = self._fp32_grads()
                 self._sq = torch.dot(self._g32, self._g32)   # no temporary of the shard's size

@@ -162,9 +162,7 @@ class Zero012Hooks(StageHooks):
 
     def _boundary_allreduce(self, micro, after):
         """engine.allreduce_gradients -> buffered_allreduce_fallback: all grads, in
-        MEMORY_OPT_ALLREDUCE_SIZE (5e8) element buffers. Each buffer's passes run with its call
-        (engine.py allreduce_and_copy): flatten the grads into a new buffer, post-scale by
-        1/world (gradient_predivide_factor 1.0), copy back into the grads; read + write each."""
+        MEMORY_OPT_ALLREDUCE_SIZE (5e8) element buffers."""
         ctx = self.ctx
         remaining = sum(self.numels)
         last = after
@@ -173,8 +171,7 @@ class Zero012Hooks(StageHooks):
         while remaining > 0:
             n = min(chunk, remaining)
             last = ctx.b.add(f"allreduce gradients {i}", "compute", "backward", micro, [last],
-                             collective="all_reduce", size_bytes=n * ctx.param_bytes, numel=n,
-                             mem_bytes=3 * 2.0 * n * ctx.param_bytes)
+                             collective="all_reduce", size_bytes=n * ctx.param_bytes, numel=n)
             remaining -= n
             i += 1
         self.last_reduce = last
