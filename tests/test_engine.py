@@ -183,6 +183,8 @@ def test_zero3_reduce_scatter_charges_deepspeeds_bucket_passes():
     assert len(rs) == 1   # every gradient in one bucket of many tensors
     for op in rs:   # interleave + pre-divide (read + write each) + copy of this rank's partition
         assert op.mem_bytes == pytest.approx(4 * op.size_bytes + 2 * op.size_bytes / 2)
+        # the interleaved copy is allocated for the call and freed after it
+        assert [a.size_bytes for a in op.alloc] == [op.size_bytes] and op.free == (op.alloc[0].tag,)
     one = scenario(**{"deepspeed.zero_optimization.stage": 3, "hardware.profile": "cpu-gloo-localhost",
                       "hardware.gpus_per_node": 2, "deepspeed.zero_optimization.reduce_bucket_size": 1})
     for op in build_schedule(one)[1].ops:   # one tensor per bucket: no interleave when it divides evenly

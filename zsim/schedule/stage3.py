@@ -263,11 +263,17 @@ class Zero3Hooks(StageHooks):
         ctx, z = self.ctx, self.ctx.sc.zero
         numel = sum(padded(self.numels[p], ctx.world) for p in self.bucket)
         kind = "reduce_scatter" if z.reduce_scatter else "all_reduce"
+        # reduce_scatter_coalesced's interleaved copy of the bucket lives for the call
+        single = len(self.bucket) == 1 and self.numels[self.bucket[0]] % ctx.world == 0
+        interleaved = (Alloc(f"rs/{micro}/{self.flushes}", "gradient buckets", numel * ctx.param_bytes),) \
+            if kind == "reduce_scatter" and not single else ()
         self.last_reduce = ctx.b.add(f"{kind.replace('_', '-')} bucket {self.flushes}", ctx.grad_stream,
                                      "backward", micro, [after], collective=kind,
                                      size_bytes=numel * ctx.param_bytes, numel=numel,
                                      mem_bytes=self._scatter_traffic_bytes(numel, micro) if kind == "reduce_scatter"
-                                     else 0.0)
+                                     else 0.0, alloc=interleaved)
+        if interleaved:
+            ctx.b.add_free(self.last_reduce, interleaved[0].tag)
         if offload.optimizer_device(ctx) != "none":
             self.last_d2h = offload.grads_to_host(ctx, numel / ctx.world, micro, self.last_reduce,
                                                   f"bucket {self.flushes}")
