@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import time
+from itertools import groupby
 
 import torch
 
@@ -113,15 +114,10 @@ class ZeroCore:
         # runs of post-step persistent gathers, launched async together as DeepSpeed's
         # _allgather_params_coalesced does (zsim Op.coalesced): first position -> the run's pids
         self.coalesced_runs: dict[int, list[int]] = {}
-        acts = plan.actions
-        i = 0
-        while i < len(acts):
-            j = i
-            while j < len(acts) and acts[j].kind == "gather_persistent":
-                j += 1
-            if j - i > 1:
-                self.coalesced_runs[i] = [acts[t].pids[0] for t in range(i, j)]
-            i = max(j, i + 1)
+        for persistent, run in groupby(enumerate(plan.actions), key=lambda t: t[1].kind == "gather_persistent"):
+            run = list(run)
+            if persistent and len(run) > 1:
+                self.coalesced_runs[run[0][0]] = [a.pids[0] for _, a in run]
         self.inflight: dict[int, tuple] = {}
 
     # -- helpers -----------------------------------------------------------------------

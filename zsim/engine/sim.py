@@ -198,7 +198,7 @@ def simulate(schedule: Schedule, cluster, precision: str) -> Trace:
                                             else [a.size_bytes for a in op.alloc], gpu)
             if op.collective:
                 # the collective's own buffer passes (packing, pre-division) run on its stream first
-                fixed += memory_bound_time_s(op.mem_bytes, gpu) if op.mem_bytes else 0.0
+                fixed += memory_bound_time_s(op.mem_bytes, gpu)
                 cost = collective_cost(op.collective, op.size_bytes, cluster.nodes, cluster.gpus_per_node, intra, inter,
                                        op.coalesced)
                 fixed += cost.latency_s

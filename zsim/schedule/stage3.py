@@ -242,19 +242,17 @@ class Zero3Hooks(StageHooks):
         self.bucket.append(pid)
         self.bucket_numel += numel
 
-    def _scatter_traffic_bytes(self, numel: int, micro: int) -> float:
+    def _scatter_traffic_bytes(self, numel: int, micro: int, interleaved: bool) -> float:
         """Buffer passes around one bucket's reduce-scatter in DeepSpeed 0.19.8: stage3.py
         __avg_scatter_grads -> coalesced_collectives.py reduce_scatter_coalesced interleaves the
         bucket's per-rank chunks into a new buffer (torch.cat: read + write, skipped for a single
         tensor that divides evenly) and pre-divides it in place (div_: read + write); then
         partition_grads copies each rank's partition into its grad buffer (copy_ at the first
         micro-step, add_ after: read + write, or 2 reads + write)."""
-        ctx = self.ctx
-        b = ctx.param_bytes
-        single = len(self.bucket) == 1 and self.numels[self.bucket[0]] % ctx.world == 0
-        interleave = 0.0 if single else 2.0 * numel * b
+        b = self.ctx.param_bytes
+        interleave = 2.0 * numel * b if interleaved else 0.0
         predivide = 2.0 * numel * b
-        partition = (2.0 if micro == 0 else 3.0) * numel / ctx.world * b
+        partition = (2.0 if micro == 0 else 3.0) * numel / self.ctx.world * b
         return interleave + predivide + partition
 
     def _flush(self, micro: int, after: int):
@@ -263,17 +261,17 @@ class Zero3Hooks(StageHooks):
         ctx, z = self.ctx, self.ctx.sc.zero
         numel = sum(padded(self.numels[p], ctx.world) for p in self.bucket)
         kind = "reduce_scatter" if z.reduce_scatter else "all_reduce"
-        # reduce_scatter_coalesced's interleaved copy of the bucket lives for the call
-        single = len(self.bucket) == 1 and self.numels[self.bucket[0]] % ctx.world == 0
-        interleaved = (Alloc(f"rs/{micro}/{self.flushes}", "gradient buckets", numel * ctx.param_bytes),) \
-            if kind == "reduce_scatter" and not single else ()
+        mem_bytes, allocs = 0.0, ()
+        if kind == "reduce_scatter":
+            interleaved = not (len(self.bucket) == 1 and self.numels[self.bucket[0]] % ctx.world == 0)
+            mem_bytes = self._scatter_traffic_bytes(numel, micro, interleaved)
+            if interleaved:   # reduce_scatter_coalesced's interleaved copy lives for the call
+                allocs = (Alloc(f"rs/{micro}/{self.flushes}", "gradient buckets", numel * ctx.param_bytes),)
         self.last_reduce = ctx.b.add(f"{kind.replace('_', '-')} bucket {self.flushes}", ctx.grad_stream,
                                      "backward", micro, [after], collective=kind,
-                                     size_bytes=numel * ctx.param_bytes, numel=numel,
-                                     mem_bytes=self._scatter_traffic_bytes(numel, micro) if kind == "reduce_scatter"
-                                     else 0.0, alloc=interleaved)
-        if interleaved:
-            ctx.b.add_free(self.last_reduce, interleaved[0].tag)
+                                     size_bytes=numel * ctx.param_bytes, numel=numel, mem_bytes=mem_bytes,
+                                     alloc=allocs)
+        ctx.b.add_free(self.last_reduce, *(a.tag for a in allocs))
         if offload.optimizer_device(ctx) != "none":
             self.last_d2h = offload.grads_to_host(ctx, numel / ctx.world, micro, self.last_reduce,
                                                   f"bucket {self.flushes}")
