@@ -119,6 +119,7 @@ class ZeroCore:
             if persistent and len(run) > 1:
                 self.coalesced_runs[run[0][0]] = [a.pids[0] for _, a in run]
         self.inflight: dict[int, tuple] = {}
+        self.check_overflow = any(a.kind == "overflow" for a in plan.actions)
 
     # -- helpers -----------------------------------------------------------------------
     def P(self, pid):
@@ -294,15 +295,45 @@ class ZeroCore:
         handle.wait()
         self.params[p].data = out[: self.numels[p]].view(self.shapes[p])
 
+    def _grad_pieces(self):
+        """The local gradient partition as DeepSpeed's averaged_gradients: one view per parameter
+        with elements in it, plus the alignment padding of the last partition."""
+        if self.stage == 3:
+            return [self.gpart[self.soff[p]:self.soff[p + 1]] for p in range(len(self.numels))], []
+        lo, hi = self.own.start, self.own.stop
+        pieces = []
+        for p in range(len(self.numels)):
+            a, b = max(lo, self.offsets[p]), min(hi, self.offsets[p + 1])
+            if a < b:
+                pieces.append(self.gpart[a - lo:b - lo])
+        covered = min(hi, self.total) - lo
+        return pieces, ([self.gpart[covered:]] if covered < hi - lo else [])
+
     def _fp32_grads(self):
         if self.stage == 0:
             return self.flatgrad[: self.total].float().div_(self.world)
-        if self.scatter_coalesced:
-            return self.gpart.float()
-        return self.gpart.float().div_(self.world)
+        # flattened (a new buffer, as self.flatten(averaged_gradients)) and then converted
+        pieces, pad = self._grad_pieces()
+        flat = torch.cat(pieces + pad).float()
+        return flat if self.scatter_coalesced else flat.div_(self.world)
+
+    def _norm_and_overflow_local(self):
+        """DeepSpeed's passes before the scalar all-reduces: each piece checked for inf/NaN with
+        amax/amin when the overflow flag is reduced (has_inf_or_nan), and its norm taken in fp64
+        (get_grad_norm_direct, get_norm_dtype)."""
+        pieces, _ = self._grad_pieces()
+        if self.check_overflow:
+            bad = torch.zeros(1)
+            for g in pieces:
+                bad += torch.isfinite(g.amax()).logical_and(torch.isfinite(g.amin())).logical_not()
+            self._bad = bad
+        sq = torch.stack([g.to(torch.float64).norm() for g in pieces]).pow(2).sum()
+        if not self.scatter_coalesced:   # the pieces hold sums over ranks; the step divides them
+            sq = sq / self.world ** 2
+        self._sq = sq.float()
 
     def _step(self):
-        g = self._g32 if self._g32 is not None else self._fp32_grads()
+        g = self._fp32_grads()
         if self.clip > 0:
             norm = self._norm if self._norm is not None else torch.dot(g, g).sqrt()
             coef = self.clip / (float(norm) + 1e-6)
@@ -311,7 +342,6 @@ class ZeroCore:
         self.master.grad = g
         self.opt.step()
         self.master.grad = None
-        self._g32 = None
         if self.stage == 0:
             if self.master.data_ptr() != self.flat16.data_ptr():
                 self.flat16[: self.total].copy_(self.master)
@@ -335,7 +365,7 @@ class ZeroCore:
         saved: dict = {}
         losses = []
         self.pending, self.open_bucket, self._filled, self._held = [], 0, {}, {}
-        self._g32, self._norm, self._buf = None, None, None
+        self._norm, self._buf = None, None
         self.micro = 0
         times = []
         t_start = time.perf_counter()
@@ -389,10 +419,9 @@ class ZeroCore:
                 lo = i * int(5e8)
                 self.comm.all_reduce(self.flatgrad[lo: lo + a.numel])
             elif k == "norm_local":
-                self._g32 = self._fp32_grads()
-                self._sq = torch.dot(self._g32, self._g32)   # no temporary of the shard's size
+                self._norm_and_overflow_local()
             elif k == "overflow":
-                flag = torch.tensor([0 if bool(torch.isfinite(self._sq)) else 1], dtype=torch.uint8)
+                flag = self._bad.to(torch.uint8)
                 self.comm.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
             elif k == "norm_allreduce":
                 t = self._sq.reshape(1).clone()

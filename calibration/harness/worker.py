@@ -481,17 +481,23 @@ def bench_adam(ctx: Ctx) -> list[dict]:
 
 
 def bench_optimizer_step(ctx: Ctx) -> list[dict]:
-    """DeepSpeed's optimizer step on the device over one shard, pass by pass as zsim charges it
-    (zsim.schedule.common.step_bytes_per_param): 16-bit gradients converted to fp32, clipped,
-    fused AdamW on the fp32 master, master copied back into the 16-bit params, gradients zeroed.
-    The shard is larger than the caches, as a real shard is."""
-    from zsim.schedule.common import step_bytes_per_param
+    """DeepSpeed 0.19.8's ZeRO-1/2 optimizer step on the device over one shard, pass by pass as
+    zsim charges it (zsim.schedule.common grad_norm_ops and optimizer_step): per gradient piece
+    the overflow check (amax/amin) and the fp64 norm, then the pieces flattened and converted to
+    fp32, clipped, fused AdamW on the fp32 master, the master copied back into the 16-bit
+    params, the gradients zeroed. The shard is larger than the caches, as a real shard is, and
+    its fp32 gradient copy (4 B per param, a third of adam_params) stays under glibc's 32 MiB
+    mmap ceiling: zsim charges the first touch of a fresh copy on its own (fresh_alloc), so the
+    rate measured here must not include it."""
+    from zsim.schedule.common import (NORM_KERNELS_PER_TENSOR, OVERFLOW_KERNELS_PER_TENSOR, norm_bytes_per_param,
+                                      overflow_bytes_per_param, step_bytes_per_param)
 
     dtype_name = ctx.plan.profile_dtype
     dt = DTYPES[dtype_name]
-    n = ctx.plan.adam_params
+    n = ctx.plan.adam_params // 3
     p16 = torch.randn(n, dtype=dt, device=ctx.device)
     g16 = torch.randn(n, dtype=dt, device=ctx.device) * 1e-3
+    pieces = g16.split(1 << 20)    # a partition's gradient pieces (averaged_gradients)
     master = torch.nn.Parameter(p16.float(), requires_grad=False)
     try:
         opt = torch.optim.AdamW([master], lr=1e-6, fused=True)
@@ -499,10 +505,17 @@ def bench_optimizer_step(ctx: Ctx) -> list[dict]:
     except (RuntimeError, TypeError):
         opt = torch.optim.AdamW([master], lr=1e-6, foreach=True)
         impl = "torch.optim.AdamW(foreach)"
+    check = dt != torch.float32
 
     def step():
-        g = g16.float() if dt != torch.float32 else g16
-        g.mul_(0.5)                    # unscale / clip coefficient
+        if check:   # has_overflow_partitioned_grads_serial
+            bad = torch.zeros(1, device=ctx.device)
+            for g in pieces:
+                bad += torch.isfinite(g.amax()).logical_and(torch.isfinite(g.amin())).logical_not()
+        # get_grad_norm_direct
+        norm = torch.stack([g.to(torch.float64).norm() for g in pieces]).pow(2).sum().sqrt()
+        g = torch.cat(pieces).to(torch.float32)
+        g.mul_(0.5 if float(norm) >= 0 else 1.0)     # unscale / clip coefficient
         master.grad = g
         opt.step()
         master.grad = None
@@ -510,8 +523,12 @@ def bench_optimizer_step(ctx: Ctx) -> list[dict]:
         g16.zero_()
 
     st, inner = _timed_everywhere(ctx, step, reps=max(5, ctx.plan.reps // 2))
-    per_param = step_bytes_per_param(torch.tensor([], dtype=dt).element_size(), True)
-    return [{"kind": "optimizer_step", "dtype": dtype_name, "impl": impl, "params": n,
+    width = torch.tensor([], dtype=dt).element_size()
+    per_param = (step_bytes_per_param(width, True) + norm_bytes_per_param(width)
+                 + (overflow_bytes_per_param(width) if check else 0.0))
+    kernels = 6 + 3 + len(pieces) * (NORM_KERNELS_PER_TENSOR + (OVERFLOW_KERNELS_PER_TENSOR if check else 0))
+    return [{"kind": "optimizer_step", "dtype": dtype_name, "impl": impl, "params": n, "pieces": len(pieces),
+             "kernels": kernels, "fp32_copy_bytes": 4 * n,
              "bytes": per_param * n, "GBps": per_param * n / st["time_s"] / 1e9, "inner": inner, **st}]
 
 

@@ -17,18 +17,41 @@ ADAM_STATE_BYTES = 8          # exp_avg + exp_avg_sq, fp32
 # Fused Adam traffic per parameter: read+write fp32 master, m, v (24 B), read the fp32 grad
 # (4 B) (apex/DeepSpeed FusedAdam, multi_tensor_apply).
 ADAM_STEP_BYTES_PER_PARAM = 28
+NORM_DTYPE_BYTES = 8          # fp64
 
 
-def step_bytes_per_param(param_bytes: int, clipping: bool) -> float:
+def step_bytes_per_param(param_bytes: int, clipping: bool, flatten: bool = True) -> float:
     """HBM traffic per local parameter of one optimizer step, counting the passes DeepSpeed
-    makes (stage_1_and_2.py / stage3.py step): the 16-bit gradient partition converted to
-    fp32 (read 2, write 4), unscale/clip (read+write 8), fused Adam (28), the updated fp32
-    master copied back into the 16-bit params (read 4, write 2) and the gradient buffers
-    zeroed (write 2). fp32 training skips the conversion but still copies the master back."""
+    makes (stage_1_and_2.py / stage3.py step): the partition's gradient pieces flattened into one
+    buffer (read, write; `self.flatten(self.averaged_gradients[i])`), converted to fp32 (read 2,
+    write 4), unscale/clip (read+write 8), fused Adam (28), the updated fp32 master copied back
+    into the 16-bit params (read 4, write 2) and the gradient buffers zeroed (write 2). fp32
+    training skips the conversion but still copies the master back. The stage-0 optimizer
+    converts each gradient on its own and does not flatten (fp16/unfused_optimizer.py)."""
+    flat = 2.0 * param_bytes if flatten else 0.0
     convert = param_bytes + FP32_BYTES if param_bytes < FP32_BYTES else 0.0
     clip = 2 * FP32_BYTES if clipping else 0.0
     copy_back = FP32_BYTES + param_bytes
-    return convert + clip + ADAM_STEP_BYTES_PER_PARAM + copy_back + param_bytes
+    return flat + convert + clip + ADAM_STEP_BYTES_PER_PARAM + copy_back + param_bytes
+
+
+def norm_bytes_per_param(param_bytes: int) -> float:
+    """get_grad_norm_direct (stage_1_and_2.py, stage3.py): each gradient piece is converted to
+    fp64 (zero/utils.py get_norm_dtype, wherever the device has fp64) and then reduced: read it,
+    write 8, read 8."""
+    return param_bytes + 2 * NORM_DTYPE_BYTES
+
+
+def overflow_bytes_per_param(param_bytes: int) -> float:
+    """The overflow check reads each local gradient twice: amax and amin per piece
+    (runtime/utils.py has_inf_or_nan, stages 1/2) or isinf/isnan over the flat buffer (stage 3)."""
+    return 2.0 * param_bytes
+
+
+# kernels per gradient piece: has_inf_or_nan (amax, amin, 2 isfinite, and, not) and its
+# accumulation; the fp64 conversion and the norm
+OVERFLOW_KERNELS_PER_TENSOR = 7
+NORM_KERNELS_PER_TENSOR = 2
 
 
 @dataclass
@@ -222,11 +245,12 @@ def model_state_bytes(n_params: int, shard_params: float, stage: int, param_byte
     }
 
 
-def optimizer_step(ctx: StepContext, shard_params: float, deps) -> int:
-    """Fused Adam over the local shard; fp32 gradient copy lives during the step."""
+def optimizer_step(ctx: StepContext, shard_params: float, deps, flatten: bool = True) -> int:
+    """Fused Adam over the local shard; the fp32 gradient copy (the flattened partition, converted
+    if 16-bit) lives during the step."""
     tag = "opt/fp32_grads"
-    temp = FP32_BYTES * shard_params if ctx.param_bytes < FP32_BYTES else 0.0
-    per_param = step_bytes_per_param(ctx.param_bytes, ctx.sc.deepspeed.gradient_clipping > 0)
+    temp = FP32_BYTES * shard_params if (ctx.param_bytes < FP32_BYTES or flatten) else 0.0
+    per_param = step_bytes_per_param(ctx.param_bytes, ctx.sc.deepspeed.gradient_clipping > 0, flatten)
     op = ctx.b.add("optimizer step (Adam)", "compute", "step", ctx.gas - 1, deps,
                    optimizer_bytes=per_param * shard_params, kernels=6,
                    alloc=(Alloc(tag, "optimizer temporaries", temp),) if temp else ())
@@ -234,12 +258,23 @@ def optimizer_step(ctx: StepContext, shard_params: float, deps) -> int:
     return op
 
 
-def grad_norm_ops(ctx: StepContext, shard_params: float, deps, overflow_check: bool = True) -> int:
-    """Norm of the local gradient shard, then scalar all-reduces (fp16/bf16 overflow flag,
-    squared norm) as DeepSpeed 0.19.8 issues them before the step (recorded, tests/fixtures)."""
-    last = ctx.b.add("grad norm (local)", "compute", "step", ctx.gas - 1, deps,
-                     mem_bytes=ctx.param_bytes * shard_params, kernels=2)
-    if overflow_check and ctx.param_bytes < FP32_BYTES:
+def grad_norm_ops(ctx: StepContext, shard_params: float, n_tensors: int, deps, overflow_check: bool = True,
+                  device_passes: bool = True) -> int:
+    """The local gradient shard's overflow check and norm, then scalar all-reduces (fp16/bf16
+    overflow flag, squared norm) as DeepSpeed 0.19.8 issues them before the step (recorded,
+    tests/fixtures). The local passes stream the shard like the step does and are charged at
+    its rate (calibration times them together). With the optimizer offloaded the gradients are
+    checked on the host as they are copied (`local_overflow`, the CPU norm): one read here."""
+    check = overflow_check and ctx.param_bytes < FP32_BYTES
+    if device_passes:
+        per_param = norm_bytes_per_param(ctx.param_bytes) + (overflow_bytes_per_param(ctx.param_bytes) if check else 0.0)
+        kernels = n_tensors * (NORM_KERNELS_PER_TENSOR + (OVERFLOW_KERNELS_PER_TENSOR if check else 0)) + 3
+        last = ctx.b.add("grad norm (local)", "compute", "step", ctx.gas - 1, deps,
+                         optimizer_bytes=per_param * shard_params, kernels=kernels)
+    else:
+        last = ctx.b.add("grad norm (local)", "compute", "step", ctx.gas - 1, deps,
+                         mem_bytes=ctx.param_bytes * shard_params, kernels=2)
+    if check:
         last = ctx.b.add("overflow check", "compute", "step", ctx.gas - 1, [last],
                          collective="all_reduce", size_bytes=1, numel=1)
     last = ctx.b.add("grad norm all-reduce", "compute", "step", ctx.gas - 1, [last],

@@ -63,6 +63,12 @@ class Zero012Hooks(StageHooks):
         self.reduce_in_hooks = not self.boundary_allreduce and (self.stage == 2 or (self.stage == 1 and z.overlap))
         self.stream = ctx.grad_stream if self.stage == 2 or z.overlap else "compute"
 
+    def pieces_in_partition(self, rank: int) -> int:
+        """Parameters with elements in `rank`'s partition of the flat group (its
+        averaged_gradients pieces)."""
+        lo, hi = rank * self.partition, (rank + 1) * self.partition
+        return sum(1 for o, n in zip(self.offsets, self.numels) if o < hi and o + n > lo)
+
     # -- gradient buckets -------------------------------------------------------------
     def _slices(self) -> list[tuple[int, int]]:
         """(destination rank, elements) slices of the bucket in bucket order; consecutive
@@ -201,11 +207,12 @@ def build(ctx: StepContext):
     # the step waits for every reduction (reduction stream synchronised before the step)
     step_deps = [last, hooks.last_reduce]
     if z.stage == 0:
-        last = optimizer_step(ctx, n_params, step_deps)
+        last = optimizer_step(ctx, n_params, step_deps, flatten=False)
         return
+    offloaded = offload.optimizer_device(ctx) != "none"
     if not hooks.bf16_optimizer:
-        step_deps = [grad_norm_ops(ctx, shard, step_deps)]
-    if offload.optimizer_device(ctx) != "none":
+        step_deps = [grad_norm_ops(ctx, shard, hooks.pieces_in_partition(0), step_deps, device_passes=not offloaded)]
+    if offloaded:
         last = offload.offloaded_step(ctx, shard, step_deps + [hooks.last_d2h], None)
     else:
         last = optimizer_step(ctx, shard, step_deps)

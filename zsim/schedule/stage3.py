@@ -296,8 +296,10 @@ def build(ctx: StepContext):
         last = forward(ctx, hooks, micro, last)
         last = backward(ctx, hooks, micro, last)
     # stage3.py _overflow_check_and_loss_scale_update: the overflow all-reduce runs for fp16 only
-    last = grad_norm_ops(ctx, shard, [last, hooks.last_reduce], overflow_check=ctx.sc.precision == "fp16")
-    if offload.optimizer_device(ctx) != "none":
+    offloaded = offload.optimizer_device(ctx) != "none"
+    last = grad_norm_ops(ctx, shard, len(hooks.numels), [last, hooks.last_reduce],
+                         overflow_check=ctx.sc.precision == "fp16", device_passes=not offloaded)
+    if offloaded:
         last = offload.offloaded_step(ctx, shard, [last, hooks.last_d2h], z.sub_group_size)
     else:
         last = optimizer_step(ctx, shard, [last])
