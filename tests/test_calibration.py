@@ -359,3 +359,8 @@ def test_zero3_hook_fit_reads_the_measured_slopes():
     f = fit_zero3_hooks([{"kind": "zero3_hooks", "fwd_s_per_visit": 1.5e-4, "bwd_s_per_visit": -1e-6,
                           "deepspeed": "0.19.8", "time_s": 0.01}])
     assert f == {"zero3_hook_fwd_us": pytest.approx(150.0), "zero3_hook_bwd_us": 0.0}
+    f = fit_zero3_hooks([{"kind": "zero3_hooks", "fwd_s_per_visit": 1e-5, "bwd_s_per_visit": 2e-4,
+                          "grad_hook_s_per_param": {"0": 4e-5, "1": 7e-5, "2": -1e-6}, "time_s": 0.01}])
+    assert f == {"zero3_hook_fwd_us": pytest.approx(10.0), "zero3_hook_bwd_us": pytest.approx(200.0),
+                 "zero0_grad_hook_us": pytest.approx(40.0), "zero1_grad_hook_us": pytest.approx(70.0),
+                 "zero2_grad_hook_us": 0.0}

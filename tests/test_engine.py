@@ -154,6 +154,26 @@ def test_zero3_hook_time_is_charged_per_module_visit():
     assert all(op.hook_visits == 0 for op in build_schedule(cpu(100.0, 300.0, stage=2))[1].ops)
 
 
+@pytest.mark.parametrize("stage,gas", [(0, 1), (1, 2), (2, 2)])
+def test_zero012_gradient_handling_is_charged_per_parameter(stage, gas):
+    """DeepSpeed's per-parameter host work in backward: every parameter once per step at stages
+    0/1 (the boundary), once per micro-step at stage 2 (its hooks)."""
+    from zsim.api import run_scenario
+    from zsim.schedule.build import build_schedule, workload_for
+
+    def cpu(us):
+        fields = {f"zero{s}_grad_hook_us": (us if s == stage else 999.0) for s in range(3)}
+        return scenario(**{"deepspeed.zero_optimization.stage": stage, "hardware.profile": "cpu-gloo-localhost",
+                           "hardware.gpus_per_node": 2, "training.gradient_accumulation_steps": gas,
+                           "hardware.override": {"cpu": fields}})
+    sc = cpu(0.0)
+    hooks = sum(op.grad_hooks for op in build_schedule(sc)[1].ops)
+    n_params = len(workload_for(sc).params)
+    assert hooks == n_params * (gas if stage == 2 else 1)
+    slow = run_scenario(cpu(50.0))[0]["step_time_s"]
+    assert slow - run_scenario(sc)[0]["step_time_s"] == pytest.approx(hooks * 50e-6, rel=1e-6)
+
+
 def test_post_step_persistent_gathers_are_coalesced_and_priced_by_their_table():
     from zsim.api import run_scenario
     from zsim.schedule.build import build_schedule

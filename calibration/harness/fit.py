@@ -455,13 +455,18 @@ def layer_residuals(layers: list[dict], fields: dict, peak: dict, hbm_GBps: floa
 
 # ----------------------------------------------------------------------------- host side
 def fit_zero3_hooks(records: list[dict]) -> dict:
-    """cpu.zero3_hook_{fwd,bwd}_us from worker.bench_zero3_hooks (DeepSpeed installed): the
-    ZeRO-3 minus ZeRO-0 per-module slope of a tiny-module stack; {} when not measured."""
+    """cpu.zero3_hook_{fwd,bwd}_us and cpu.zero{0,1,2}_grad_hook_us from
+    worker.bench_zero3_hooks (DeepSpeed installed): per-module slopes of a tiny-module stack over
+    plain torch (records before the plain baseline: over ZeRO-0, ZeRO-3 only); {} when not
+    measured."""
     rs = _ok(records, "zero3_hooks")
     if not rs:
         return {}
-    return {"zero3_hook_fwd_us": max(0.0, rs[0]["fwd_s_per_visit"]) * 1e6,
-            "zero3_hook_bwd_us": max(0.0, rs[0]["bwd_s_per_visit"]) * 1e6}
+    out = {"zero3_hook_fwd_us": max(0.0, rs[0]["fwd_s_per_visit"]) * 1e6,
+           "zero3_hook_bwd_us": max(0.0, rs[0]["bwd_s_per_visit"]) * 1e6}
+    for stage, s_per_param in rs[0].get("grad_hook_s_per_param", {}).items():
+        out[f"zero{stage}_grad_hook_us"] = max(0.0, s_per_param) * 1e6
+    return out
 
 
 def fit_adam(records: list[dict]) -> tuple[float, str]:

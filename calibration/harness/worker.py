@@ -536,11 +536,14 @@ ZERO3_HOOK_MODULES = (8, 32)
 
 
 def bench_zero3_hooks(ctx: Ctx) -> list[dict]:
-    """Host time of DeepSpeed ZeRO-3's module hooks (pre/post forward and backward: fetch and
-    release bookkeeping, trace, prefetch coordinator) per module visit and pass. A stack of
-    tiny Linear modules, all below the persistence threshold (no gathers in the passes), runs
-    under ZeRO-3 and under ZeRO-0 at two depths; the difference of the per-module slopes is the
-    hooks' cost. Needs deepspeed (optional, like DeepSpeedCPUAdam)."""
+    """DeepSpeed's host time per module and per parameter over plain torch: ZeRO-3's module hooks
+    (pre/post forward and backward: fetch and release bookkeeping, trace, prefetch coordinator)
+    per module visit and pass, and ZeRO-0/1/2's gradient handling per parameter in backward
+    (stage 2's hooks, stage 1's boundary bucketing, stage 0's fallback all-reduce with its
+    per-tensor flatten and copy-back). A stack of tiny Linear modules (2 params each), all below
+    the persistence threshold (no gathers in the passes), runs in plain torch and under each
+    stage at two depths; the difference of the per-module slopes is DeepSpeed's cost. Needs
+    deepspeed (optional, like DeepSpeedCPUAdam)."""
     try:
         if not ctx.cuda:
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -551,44 +554,61 @@ def bench_zero3_hooks(ctx: Ctx) -> list[dict]:
     deepspeed.init_distributed(dist_backend="nccl" if ctx.cuda else "gloo")
     width = 64
     bf16 = ctx.plan.profile_dtype == "bf16"
+    dt = torch.bfloat16 if bf16 else torch.float32
     reps = max(6, ctx.plan.reps)
 
-    def run(stage: int, n: int) -> tuple[list[float], list[float]]:
+    def run(stage: int | None, n: int) -> tuple[list[float], list[float]]:
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(n)])
-        cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
-               "bf16": {"enabled": bf16}, "steps_per_print": 10**9, "wall_clock_breakdown": False}
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-        eng, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
-        x = torch.randn(4, width, device=eng.device, dtype=torch.bfloat16 if bf16 else torch.float32)
+        if stage is None:
+            model = model.to(device=ctx.device, dtype=dt)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+            fwd, bwd = model, lambda y: y.backward()
+
+            def step():
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            eng = None
+        else:
+            cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
+                   "bf16": {"enabled": bf16}, "steps_per_print": 10**9, "wall_clock_breakdown": False}
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+            eng, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+            fwd, bwd, step = eng, eng.backward, eng.step
+        x = torch.randn(4, width, device=ctx.device, dtype=dt)
         fw, bw = [], []
         for i in range(ctx.plan.warmup + reps):
             dist.barrier()
             t0 = time.perf_counter()
-            y = eng(x).float().sum()
+            y = fwd(x).float().sum()
             ctx.sync()
             t1 = time.perf_counter()
-            eng.backward(y)
+            bwd(y)
             ctx.sync()
             t2 = time.perf_counter()
-            eng.step()
+            step()
             if i >= ctx.plan.warmup:
                 fw.append(t1 - t0)
                 bw.append(t2 - t1)
-        eng.destroy()
+        if eng is not None:
+            eng.destroy()
         return ctx.gather_max(fw), ctx.gather_max(bw)
 
     ctx.at_sync()
     med = {}
-    for stage in (0, 3):
+    stages = (None, 0, 1, 2, 3)
+    for stage in stages:
         for n in ZERO3_HOOK_MODULES:
             fw, bw = run(stage, n)
             med[(stage, n)] = (statistics.median(fw), statistics.median(bw))
     lo, hi = ZERO3_HOOK_MODULES
     slope = lambda st, k: (med[(st, hi)][k] - med[(st, lo)][k]) / (hi - lo)
+    over = lambda st, k: slope(st, k) - slope(None, k)
     return [{"kind": "zero3_hooks", "deepspeed": deepspeed.__version__, "modules": list(ZERO3_HOOK_MODULES),
-             "width": width, "times_s": {f"stage{s}/{n}": list(v) for (s, n), v in med.items()},
-             "fwd_s_per_visit": slope(3, 0) - slope(0, 0), "bwd_s_per_visit": slope(3, 1) - slope(0, 1),
+             "width": width, "baseline": "plain torch",
+             "times_s": {f"{'plain' if s is None else f'stage{s}'}/{n}": list(v) for (s, n), v in med.items()},
+             "fwd_s_per_visit": over(3, 0), "bwd_s_per_visit": over(3, 1),
+             "grad_hook_s_per_param": {str(s): over(s, 1) / 2 for s in (0, 1, 2)},
              "time_s": med[(3, hi)][0] + med[(3, hi)][1]}]
 
 

@@ -192,6 +192,8 @@ def simulate(schedule: Schedule, cluster, precision: str) -> Trace:
             if op.hook_visits:
                 fixed += op.hook_visits * 1e-6 * (prof.cpu.zero3_hook_bwd_us if op.phase == "backward"
                                                   else prof.cpu.zero3_hook_fwd_us)
+            if op.grad_hooks:
+                fixed += op.grad_hooks * 1e-6 * prof.cpu.grad_hook_us(schedule.stage)
             if op.alloc and gpu.fresh_alloc_GBps:
                 # a gather's params are views of one flat output buffer; other ops' allocations are tensors
                 fixed += fresh_alloc_time_s([op.size_bytes] if op.collective == "all_gather"

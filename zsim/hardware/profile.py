@@ -128,8 +128,17 @@ class CpuProfile:
     memory_bw_GBps: float = spec(gt=0)
     adam_params_per_s_per_core: float = spec(gt=0, doc="DeepSpeedCPUAdam (AVX) fp32 params/s per core")
     zero3_hook_fwd_us: float = spec(0.0, ge=0, doc="host time of DeepSpeed ZeRO-3's hooks per module visit in "
-                                                   "forward (fetch/release bookkeeping); 0: not measured")
+                                                   "forward (fetch/release bookkeeping) over plain torch; "
+                                                   "0: not measured")
     zero3_hook_bwd_us: float = spec(0.0, ge=0, doc="the same per module visit in backward")
+    zero0_grad_hook_us: float = spec(0.0, ge=0, doc="host time of DeepSpeed ZeRO-0's gradient handling per "
+                                                    "parameter (the boundary all-reduce's per-tensor flatten and "
+                                                    "copy-back) over plain torch; 0: not measured")
+    zero1_grad_hook_us: float = spec(0.0, ge=0, doc="the same for ZeRO-1 (per-parameter bucketing at the boundary)")
+    zero2_grad_hook_us: float = spec(0.0, ge=0, doc="the same for ZeRO-2 (per-parameter gradient hooks)")
+
+    def grad_hook_us(self, stage: int) -> float:
+        return (self.zero0_grad_hook_us, self.zero1_grad_hook_us, self.zero2_grad_hook_us)[stage] if stage < 3 else 0.0
 
 
 @dataclass(frozen=True, kw_only=True)

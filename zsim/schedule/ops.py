@@ -36,6 +36,7 @@ class Op:
     model_flops: float = 0.0        # MFU convention (full attention); recompute included
     fixed_time_s: float = 0.0       # host-side time (hooks, launches) not tied to a resource
     hook_visits: int = 0            # ZeRO-3 module visits whose hooks run before this op (host time)
+    grad_hooks: int = 0             # ZeRO-0/1/2 parameters whose gradients DeepSpeed handles after this op (host time)
     # communication work
     collective: str = ""            # all_gather | reduce_scatter | all_reduce | ...
     size_bytes: float = 0.0         # full buffer (nccl-tests convention)
@@ -84,6 +85,9 @@ class Builder:
 
     def add_hook_visits(self, op_id: int, visits: int):
         self._replace(op_id, hook_visits=self.ops[op_id].hook_visits + visits)
+
+    def add_grad_hooks(self, op_id: int, params: int):
+        self._replace(op_id, grad_hooks=self.ops[op_id].grad_hooks + params)
 
     def add_alloc(self, op_id: int, *allocs: Alloc):
         self._replace(op_id, alloc=self.ops[op_id].alloc + tuple(allocs))

@@ -144,6 +144,10 @@ class Zero012Hooks(StageHooks):
         self.bucket_numel += numel
 
     def post_module(self, ctx, module: Module, micro, phase, op):
+        if phase == "backward" and (self.stage == 2 or micro == ctx.gas - 1) and self.ready[module.name]:
+            # DeepSpeed's per-parameter gradient handling on the host: stage 2's hooks every
+            # micro-step, stage 0/1's boundary walk over the gradients (charged where each is ready)
+            ctx.b.add_grad_hooks(op, len(self.ready[module.name]))
         if phase != "backward" or not self.reduce_in_hooks:
             return
         if self.stage == 1 and micro != ctx.gas - 1:
