@@ -47,6 +47,33 @@ def test_plan_items_and_roundtrip():
     assert any(n.startswith("collective/all_reduce/inter_node") for n in items(plan, 16, 2))
 
 
+def test_collective_passes_are_spread_and_pooled():
+    """Full mode measures every collective size in 3 passes over all sizes; the fit pools them
+    into one point whose mean per call is the mean over every pass's calls."""
+    from dataclasses import replace
+    from calibration.harness.fit import _t_mean, pool_passes
+    plan = replace(default_plan("quick"), coll_passes=3)
+    names = [n for n in items(plan, 2, 1) if n.startswith("collective/")]
+    assert len(names) == 3 * 7 * 6 and len(set(names)) == len(names)
+    first = names.index("collective/all_reduce/world/fp32/1024/pass1")
+    second = names.index("collective/all_reduce/world/fp32/1024/pass2")
+    assert second - first == 7 * 6            # a whole pass over the sizes in between
+    assert default_plan("full").coll_passes == 3
+    base = {"kind": "collective", "op": "all_reduce", "group": "world", "tier": "intra_node", "dtype": "bf16",
+            "size_bytes": 1024, "ranks": 2}
+    recs = [dict(base, item="collective/all_reduce/world/bf16/1024/pass1", times_s=[1.0, 2.0], time_s=1.5,
+                 last_arriver_s=1.0),
+            {"kind": "gemm", "time_s": 0.1},
+            dict(base, item="collective/all_reduce/world/bf16/1024/pass2", times_s=[6.0], time_s=6.0,
+                 last_arriver_s=4.0)]
+    pooled = pool_passes(recs)
+    assert len(pooled) == 2 and pooled[1] == {"kind": "gemm", "time_s": 0.1}
+    assert _t_mean(pooled[0]) == pytest.approx(3.0) and pooled[0]["time_s"] == 2.0
+    assert pooled[0]["last_arriver_s"] == pytest.approx(2.0)
+    assert pooled[0]["item"] == "collective/all_reduce/world/bf16/1024"
+    assert recs[0]["times_s"] == [1.0, 2.0]   # the input records are left as they were
+
+
 # ----------------------------------------------------------------------------- regression
 def test_alpha_beta_exact_on_linear_data():
     a, spb = robust_alpha_beta(SIZES, [50e-6 + s / 2e9 for s in SIZES])

@@ -27,6 +27,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from calibration.harness.plan import stats
 from zsim.hardware.collectives import bus_factor, ring_steps
 from zsim.hardware.compute import attention_time_s, gemm_time_s, kernel_overhead_s, memory_bound_time_s
 from zsim.hardware.profile import GpuProfile
@@ -135,6 +136,28 @@ def _kind(op: str) -> str:
     return op.removesuffix("_coalesced")
 
 
+def pool_passes(records: list[dict]) -> list[dict]:
+    """One record per collective point: the passes over a size (plan.coll_passes) pooled into the
+    first one's place, their repetitions and last-arriver means combined."""
+    out, first = [], {}
+    for r in records:
+        if r.get("kind") != "collective" or "error" in r or not r.get("times_s"):
+            out.append(r)
+            continue
+        key = (r["op"], r["group"], r["tier"], r["dtype"], r["size_bytes"], r["ranks"])
+        if key not in first:
+            first[key] = dict(r)
+            out.append(first[key])
+            continue
+        p = first[key]
+        n_p, n_r = len(p["times_s"]), len(r["times_s"])
+        last = (p.get("last_arriver_s", 0.0) * n_p + r.get("last_arriver_s", 0.0) * n_r) / (n_p + n_r)
+        p.update(stats(p["times_s"] + r["times_s"]))
+        p["last_arriver_s"] = last
+        p["item"] = p.get("item", "").split("/pass")[0]
+    return out
+
+
 def fit_collectives(records: list[dict], dtype: str) -> dict:
     """Per tier: latency_us, busbw_GBps, efficiency tables and the alpha-beta fits.
 
@@ -143,7 +166,7 @@ def fit_collectives(records: list[dict], dtype: str) -> dict:
     peak busbw is the best transfer rate any collective reached at any size, so all
     efficiencies are <= 1. With these, zsim's ring_cost reproduces each (size-smoothed) time exactly."""
     by_tier: dict[str, list[dict]] = defaultdict(list)
-    for r in _ok(records, "collective"):
+    for r in _ok(pool_passes(records), "collective"):
         if r["dtype"] == dtype and r["ranks"] > 1:
             by_tier[r["tier"]].append(r)
     out = {}

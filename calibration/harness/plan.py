@@ -51,6 +51,10 @@ class Plan:
     io_bytes: int
     adam_params: int
     timeout_s: float
+    # collectives run in this many passes over all sizes, each with 1/passes of the
+    # repetitions: a size's calls then meet the machine at moments minutes apart (a 1 MiB gloo
+    # all-reduce's in-step mean moved between 2 and 5 ms from one minute to the next here)
+    coll_passes: int = 1
     ops: tuple[str, ...] = COLLECTIVE_OPS
     extra: dict = field(default_factory=dict)
 
@@ -94,7 +98,7 @@ def default_plan(mode: str, *, max_size_bytes: int | None = None, io_path: str =
                     layers=layers or (LayerShape(256, 4, 128, 2), LayerShape(512, 8, 256, 2),
                                       LayerShape(768, 12, 512, 1), LayerShape(1024, 16, 256, 2)),
                     warmup=3, reps=15, min_rep_time_s=0.01, coll_calls_per_rep=8, memcpy_bytes=256 << 20, io_path=io_path,
-                    io_bytes=256 << 20, adam_params=16 << 20, timeout_s=timeout_s or 180.0)
+                    io_bytes=256 << 20, adam_params=16 << 20, timeout_s=timeout_s or 180.0, coll_passes=3)
     raise ValueError(mode)
 
 
@@ -112,14 +116,23 @@ def layer_gemms(shape: LayerShape) -> list[tuple[str, str, int, int, int]]:
     return out
 
 
+def stats(times_s: list[float]) -> dict:
+    """Median, min, p10, p90 and relative spread of repetition times (all of them kept)."""
+    xs = sorted(times_s)
+    q = lambda p: xs[min(len(xs) - 1, max(0, round(p * (len(xs) - 1))))]
+    return {"time_s": q(0.5), "time_s_min": xs[0], "time_s_p10": q(0.1), "time_s_p90": q(0.9),
+            "spread": (q(0.9) - q(0.1)) / q(0.5) if q(0.5) > 0 else 0.0, "times_s": xs}
+
+
 def items(plan: Plan, world_size: int, nodes: int) -> list[str]:
     """Names of every benchmark, in run order (each becomes one or more records)."""
     names = ["overhead", "memcpy", "fresh_alloc"]
-    for grp in groups(world_size, nodes):
-        for dt in plan.coll_dtypes:
-            for op in plan.ops:
-                for s in message_sizes(plan.max_size_bytes, plan.size_step):
-                    names.append(f"collective/{op}/{grp}/{dt}/{s}")
+    for p in range(plan.coll_passes):
+        for grp in groups(world_size, nodes):
+            for dt in plan.coll_dtypes:
+                for op in plan.ops:
+                    for s in message_sizes(plan.max_size_bytes, plan.size_step):
+                        names.append(f"collective/{op}/{grp}/{dt}/{s}" + (f"/pass{p + 1}" if plan.coll_passes > 1 else ""))
     for dt in plan.compute_dtypes:
         for L in plan.layers:
             names.append(f"gemm/{dt}/{L.label}")
@@ -153,8 +166,9 @@ def estimated_cost(name: str) -> float:
     """Relative weight of an item for the ETA (collectives scale with their size)."""
     parts = name.split("/")
     if parts[0] == "collective":
-        size = max(int(parts[-1]), 1024)   # sizes up to 1 MiB run 3x the repetitions (worker)
-        return (0.9 if size <= 1 << 20 else 0.3) + math.log2(size / 1024) * 0.15
+        size = max(int(parts[4]), 1024)   # sizes up to 1 MiB run 3x the repetitions (worker)
+        passes = 3.0 if len(parts) > 5 else 1.0
+        return ((0.9 if size <= 1 << 20 else 0.3) + math.log2(size / 1024) * 0.15) / passes
     return {"layer": 4.0, "gemm": 4.0, "attention": 1.5, "membound": 1.5, "io": 3.0,
             "interference": 3.0, "adam": 2.0, "optimizer_step": 1.5,
             "zero3_hooks": 4.0}.get(parts[0], 1.0)

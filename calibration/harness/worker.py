@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from calibration.harness.plan import (Plan, LayerShape, default_plan, estimated_cost, items,
+from calibration.harness.plan import (Plan, LayerShape, default_plan, estimated_cost, items, stats,
                                       layer_gemms, tier_of_group)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -106,11 +106,7 @@ class Ctx:
         return self._over_ranks(values, participant, dist.ReduceOp.MAX, -1.0)
 
 
-def _stats(times_s: list[float]) -> dict:
-    xs = sorted(times_s)
-    q = lambda p: xs[min(len(xs) - 1, max(0, round(p * (len(xs) - 1))))]
-    return {"time_s": q(0.5), "time_s_min": xs[0], "time_s_p10": q(0.1), "time_s_p90": q(0.9),
-            "spread": (q(0.9) - q(0.1)) / q(0.5) if q(0.5) > 0 else 0.0, "times_s": xs}
+_stats = stats
 
 
 def _local_times(ctx: Ctx, fn, reps: int | None = None, warmup: int | None = None) -> tuple[list[float], int]:
@@ -214,6 +210,7 @@ def bench_collective(ctx: Ctx, op: str, grp: str, dtype_name: str, size_bytes: i
     # a small call is 0.2 ms typically and several ms when gloo stalls: its mean needs more
     # calls than a large one's (cheap: each costs about a compute phase)
     reps = ctx.plan.reps * (SMALL_MESSAGE_REPS if size_bytes <= SMALL_MESSAGE_BYTES else 1)
+    reps = max(2, math.ceil(reps / ctx.plan.coll_passes))   # the fit pools the passes
     inner = max(1, min(ctx.plan.coll_calls_per_rep, 2000))
     calls = [0.0] * (reps * inner)
     with_s, alone_s = [0.0] * reps, [0.0] * reps
