@@ -28,6 +28,7 @@ from itertools import groupby
 import torch
 
 from calibration.core.comm import Comm
+from calibration.core.ds_passes import overflow_count, squared_norm
 from calibration.core.model import DTYPES, batch, build_segments, init_params, param_shapes
 from calibration.core.plan import Plan
 
@@ -323,11 +324,8 @@ class ZeroCore:
         (get_grad_norm_direct, get_norm_dtype)."""
         pieces, _ = self._grad_pieces()
         if self.check_overflow:
-            bad = torch.zeros(1)
-            for g in pieces:
-                bad += torch.isfinite(g.amax()).logical_and(torch.isfinite(g.amin())).logical_not()
-            self._bad = bad
-        sq = torch.stack([g.to(torch.float64).norm() for g in pieces]).pow(2).sum()
+            self._bad = overflow_count(pieces)
+        sq = squared_norm(pieces)
         if not self.scatter_coalesced:   # the pieces hold sums over ranks; the step divides them
             sq = sq / self.world ** 2
         self._sq = sq.float()

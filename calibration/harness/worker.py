@@ -106,9 +106,6 @@ class Ctx:
         return self._over_ranks(values, participant, dist.ReduceOp.MAX, -1.0)
 
 
-_stats = stats
-
-
 def _local_times(ctx: Ctx, fn, reps: int | None = None, warmup: int | None = None) -> tuple[list[float], int]:
     """Time fn on this rank only: warm-up, then reps repetitions of `inner` calls each."""
     plan = ctx.plan
@@ -135,7 +132,7 @@ def _timed_everywhere(ctx: Ctx, fn, reps: int | None = None) -> tuple[dict, int]
     ctx.at_sync()
     dist.barrier()
     times, inner = _local_times(ctx, fn, reps)
-    return _stats(ctx.gather_max(times)), inner
+    return stats(ctx.gather_max(times)), inner
 
 
 # ----------------------------------------------------------------------------- collectives
@@ -256,7 +253,7 @@ def bench_collective(ctx: Ctx, op: str, grp: str, dtype_name: str, size_bytes: i
     if err or max(cost) <= 0:
         rec["error"] = err or "not measured"
         return rec
-    rec.update(_stats(cost))
+    rec.update(stats(cost))
     rec["last_arriver_s"] = statistics.mean(last_arriver)
     return rec
 
@@ -434,8 +431,8 @@ def bench_layer(ctx: Ctx, dtype_name: str, L: LayerShape) -> list[dict]:
     _, inner = _local_times(ctx, iteration)
     n = ctx.plan.reps * inner                          # the timed iterations: the last ones
     per_rep = lambda xs: [sum(xs[-n:][i * inner:(i + 1) * inner]) / inner for i in range(ctx.plan.reps)]
-    st_f = _stats(ctx.gather_max(per_rep(fwd_s)))
-    st_b = _stats(ctx.gather_max(per_rep(bwd_s)))
+    st_f = stats(ctx.gather_max(per_rep(fwd_s)))
+    st_b = stats(ctx.gather_max(per_rep(bwd_s)))
     base = {"kind": "layer", "dtype": dtype_name, "layer": L.label, "hidden": L.hidden, "heads": L.heads,
             "seq_len": L.seq_len, "micro_batch": L.micro_batch, "timing": "fwd+bwd alternating"}
     return [{**base, "pass": "fwd", "inner": inner, **st_f}, {**base, "pass": "bwd", "inner": inner, **st_b}]
@@ -487,6 +484,7 @@ def bench_optimizer_step(ctx: Ctx) -> list[dict]:
     its fp32 gradient copy (4 B per param, a third of adam_params) stays under glibc's 32 MiB
     mmap ceiling: zsim charges the first touch of a fresh copy on its own (fresh_alloc), so the
     rate measured here must not include it."""
+    from calibration.core.ds_passes import overflow_count, squared_norm
     from zsim.schedule.common import (NORM_KERNELS_PER_TENSOR, OVERFLOW_KERNELS_PER_TENSOR, norm_bytes_per_param,
                                       overflow_bytes_per_param, step_bytes_per_param)
 
@@ -506,12 +504,9 @@ def bench_optimizer_step(ctx: Ctx) -> list[dict]:
     check = dt != torch.float32
 
     def step():
-        if check:   # has_overflow_partitioned_grads_serial
-            bad = torch.zeros(1, device=ctx.device)
-            for g in pieces:
-                bad += torch.isfinite(g.amax()).logical_and(torch.isfinite(g.amin())).logical_not()
-        # get_grad_norm_direct
-        norm = torch.stack([g.to(torch.float64).norm() for g in pieces]).pow(2).sum().sqrt()
+        if check:
+            overflow_count(pieces)
+        norm = squared_norm(pieces).sqrt()
         g = torch.cat(pieces).to(torch.float32)
         g.mul_(0.5 if float(norm) >= 0 else 1.0)     # unscale / clip coefficient
         master.grad = g
@@ -526,7 +521,7 @@ def bench_optimizer_step(ctx: Ctx) -> list[dict]:
                  + (overflow_bytes_per_param(width) if check else 0.0))
     kernels = 6 + 3 + len(pieces) * (NORM_KERNELS_PER_TENSOR + (OVERFLOW_KERNELS_PER_TENSOR if check else 0))
     return [{"kind": "optimizer_step", "dtype": dtype_name, "impl": impl, "params": n, "pieces": len(pieces),
-             "kernels": kernels, "fp32_copy_bytes": 4 * n,
+             "kernels": kernels,
              "bytes": per_param * n, "GBps": per_param * n / st["time_s"] / 1e9, "inner": inner, **st}]
 
 
@@ -672,7 +667,7 @@ def bench_io(ctx: Ctx) -> list[dict]:
                 t0 = time.perf_counter()
                 fn()
                 times.append(time.perf_counter() - t0)
-            st = _stats(ctx.gather_max(times))
+            st = stats(ctx.gather_max(times))
             # ranks of a node share its drives: the node's rate is all its ranks' bytes over the slowest
             out.append({"kind": "file_io", "op": op, "path": base, "o_direct": direct, "block_bytes": block,
                         "size_bytes_per_rank": nblocks * block, "ranks_per_node": ctx.local_world,
@@ -721,8 +716,8 @@ def bench_interference(ctx: Ctx) -> dict:
         if n:
             g_during.append((t1 - tg0) / n)
     g_during = g_during or [0.0]
-    vals = ctx.gather_max([_stats(g_alone)["time_s"], _stats(g_during)["time_s"],
-                           _stats(c_alone)["time_s"], _stats(c_during)["time_s"]])
+    vals = ctx.gather_max([stats(g_alone)["time_s"], stats(g_during)["time_s"],
+                           stats(c_alone)["time_s"], stats(c_during)["time_s"]])
     return {"kind": "interference", "gemm": [L.tokens, 4 * L.hidden, L.hidden], "dtype": ctx.plan.profile_dtype,
             "collective": "all_reduce", "size_bytes": buf.numel() * 4,
             "gemm_alone_s": vals[0], "gemm_during_comm_s": vals[1],
