@@ -32,3 +32,21 @@ def mapping(**changes) -> dict:
 
 def scenario(**changes):
     return scenario_from_mapping(mapping(**changes), ROOT)
+
+
+MODEL_STATES = ("parameters", "gradients", "optimizer states")
+
+
+def model_states_held(sc) -> float:
+    """The most model-state bytes alive at once in the simulated step: the static states plus the
+    gradients that exist only during it (stage 1/2 16-bit gradients are allocated in backward
+    and their partition is dropped after the step, as DeepSpeed does)."""
+    from zsim.api import run_scenario
+
+    _, trace = run_scenario(sc)
+    live = peak = 0.0
+    for _, delta, category, _ in trace.ledger_events:
+        if category in MODEL_STATES:
+            live += delta
+            peak = max(peak, live)
+    return peak

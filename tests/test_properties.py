@@ -1,14 +1,12 @@
 """Hypothesis properties: more bandwidth is never slower; a higher stage never holds more
 model states; the same input gives byte-identical JSON."""
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from helpers import scenario
+from helpers import model_states_held, scenario
 from zsim.api import run_scenario
 from zsim.report.writers import dumps
-from zsim.schedule.build import build_schedule
 
-MODEL_STATES = ("parameters", "gradients", "optimizer states")
 FAST = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 configs = st.fixed_dictionaries({
@@ -38,12 +36,14 @@ def test_more_bandwidth_is_never_slower(cfg, factor):
 @given(layers=st.integers(1, 4), hidden=st.sampled_from([128, 256, 512]), nodes=st.integers(1, 4),
        gpus=st.sampled_from([1, 2, 8]))
 def test_higher_stage_never_holds_more_model_states(layers, hidden, nodes, gpus):
+    # on one rank stage 1's partition is the whole gradient, written while the later buckets'
+    # gradients still exist: more than stage 0 holds, as in DeepSpeed; ZeRO shards from 2 ranks
+    assume(nodes * gpus >= 2)
     states = []
     for stage in (0, 1, 2, 3):
         sc = scenario(**{"model.layers": layers, "model.hidden": hidden, "hardware.nodes": nodes,
                          "hardware.gpus_per_node": gpus, "deepspeed.zero_optimization.stage": stage})
-        _, sched = build_schedule(sc)
-        states.append(sum(a.size_bytes for a in sched.static if a.category in MODEL_STATES))
+        states.append(model_states_held(sc))
     assert all(b <= a for a, b in zip(states, states[1:]))
 
 

@@ -94,6 +94,7 @@ def _run_core(tmp_path, sc_yaml: Path, steps: int, nproc: int = 2):
 LOSS_CASES = {
     "stage0": dict(stage=0),
     "stage1": dict(stage=1, reduce_bucket_size=3000),
+    "stage1_gas2": dict(stage=1, reduce_bucket_size=3000, gas=2),
     "stage1_reduce_per_rank": dict(stage=1, reduce_bucket_size=3000, use_multi_rank_bucket_allreduce=False),
     "stage2_gas2": dict(stage=2, reduce_bucket_size=3000, gas=2),
     "stage2_noncontiguous": dict(stage=2, reduce_bucket_size=3000, contiguous_gradients=False),

@@ -3,9 +3,12 @@ schedule for the scenario op by op (calibration/core/plan.py).
 
 Model states, as DeepSpeed 0.19.8 keeps them:
 - stages 0-2: one flat 16-bit buffer of all parameters (padded to 2*world), params are views;
-  stage 0/1 gradients are views of one flat 16-bit gradient buffer (accumulated in place over
-  micro-steps); stage 2 copies each gradient into the IPG bucket buffer (contiguous_gradients)
-  and keeps only its own partition (16-bit) after the bucket's reduction.
+  stage 0 gradients are views of one flat 16-bit gradient buffer (accumulated in place over
+  micro-steps). Stage 1/2 gradients are autograd's own .grad tensors (stage 1 accumulates them
+  over micro-steps); at a bucket's reduction they are copied into the IPG bucket buffer
+  (contiguous_gradients; stage 2 from the hooks, stage 1 at the boundary) and dropped, and
+  only this rank's partition is kept (16-bit, allocated by the step's first reduction, freed
+  after the step). The IPG buffer lives from a backward's first gradient to its end.
 - stages 1-3: fp32 master weights and AdamW moments of the local partition only; after the
   step the updated 16-bit partitions are all-gathered (stage 1/2, one call) or the persistent
   params are re-gathered one call each (stage 3), all launched async before any is waited.
@@ -61,7 +64,7 @@ class ZeroCore:
                 self.params[pid].data = self.flat16[self.offsets[pid]:self.offsets[pid + 1]].view(self.shapes[pid])
             part = plan.partition
             self.own = slice(rank * part, (rank + 1) * part)
-            if self.stage <= 1:
+            if self.stage == 0:
                 self.flatgrad = torch.zeros(plan.flat_padded, dtype=self.dtype)
                 for pid in range(len(self.numels)):
                     self.params[pid].grad = self.flatgrad[self.offsets[pid]:self.offsets[pid + 1]].view(self.shapes[pid])
@@ -70,7 +73,7 @@ class ZeroCore:
                 master = src if self.dtype == torch.float32 else src.float()
             else:
                 master = self.flat16[self.own].float()
-                self.gpart = self.flatgrad[self.own] if self.stage == 1 else torch.zeros(part, dtype=self.dtype)
+                self.gpart = None   # allocated by the first reduction of a step (grads_in_partition)
         else:
             self.c = [math.ceil(n / W) for n in self.numels]
             self.soff = [0]
@@ -104,13 +107,17 @@ class ZeroCore:
             for pid in b.pids:
                 self.bucket_of[(b.micro, pid)] = (b.id, o)
                 o += self.c[pid] if rank_major else self.numels[pid]
-        self.contiguous = z.contiguous_gradients and self.stage >= 2
-        self.ipg = None
+        self.contiguous = z.contiguous_gradients and self.stage >= 1
+        self.ipg, self.ipg_numel = None, 0
         if self.contiguous and plan.buckets:
             size = min(z.reduce_bucket_size, self.total)
             if self.stage == 3:
                 size = max(min(b.numel, size + W * len(b.pids)) for b in plan.buckets)   # padding slack
-            self.ipg = torch.zeros(int(size), dtype=self.dtype)
+                self.ipg = torch.zeros(int(size), dtype=self.dtype)
+            else:
+                # stages 1/2: allocated at the first gradient of each backward and dropped at its
+                # end (setup_buckets, _release_ipg_buffers), as zsim's ledger charges it
+                self.ipg_numel = int(size)
         self.times: list[tuple[str, str, str, int, float, float]] = []
         # runs of post-step persistent gathers, launched async together as DeepSpeed's
         # _allgather_params_coalesced does (zsim Op.coalesced): first position -> the run's pids
@@ -131,12 +138,25 @@ class ZeroCore:
             self.params[pid].data = self.empty
 
     def _bucket_buffer(self, b):
-        if self.stage < 2:
+        if self.stage == 0:
             pids = b.pids
             contiguous = all(pids[i + 1] == pids[i] + 1 for i in range(len(pids) - 1))
             if contiguous:
                 return self.flatgrad[self.offsets[pids[0]]:self.offsets[pids[0]] + b.numel]
             return torch.cat([self.params[p].grad.reshape(-1) for p in pids])
+        if self.stage == 1:
+            # the boundary walk copies each accumulated .grad into the IPG buffer and drops it
+            # (reduce_independent_p_g_buckets_and_remove_grads)
+            if self.ipg is not None and b.numel <= self.ipg.numel():
+                buf = self.ipg[: b.numel]
+            else:
+                buf = torch.empty(b.numel, dtype=self.dtype)
+            o = 0
+            for p in b.pids:
+                buf[o: o + self.numels[p]].copy_(self.params[p].grad.reshape(-1))
+                self.params[p].grad = None
+                o += self.numels[p]
+            return buf
         if self.ipg is not None and b.numel <= self.ipg.numel():
             return self.ipg[: b.numel]
         if self.stage == 2:
@@ -159,7 +179,7 @@ class ZeroCore:
             b = self.plan.buckets[bid]
             if self.ipg is not None and b.numel <= self.ipg.numel():
                 buf = self.ipg
-            elif self.stage == 3 or self.ipg is not None:
+            elif self.stage == 3 or self.contiguous:
                 buf = self._filled.get(bid)
                 if buf is None:
                     buf = self._filled[bid] = torch.zeros(b.numel, dtype=self.dtype)
@@ -235,12 +255,16 @@ class ZeroCore:
             o += self.numels[pid]
         return pos
 
+    def _partition_grads(self):
+        if self.gpart is None:
+            self.gpart = torch.zeros(self.plan.partition, dtype=self.dtype)
+        return self.gpart
+
     def _own_write(self, flat_index, values):
         i = flat_index - self.rank * self.plan.partition
-        dst = self.gpart[i: i + values.numel()]
+        dst = self._partition_grads()[i: i + values.numel()]
         if self.stage == 1:
-            if dst.data_ptr() != values.data_ptr():
-                dst.copy_(values)
+            dst.copy_(values)
         else:
             dst.add_(values)
 
@@ -302,13 +326,14 @@ class ZeroCore:
         if self.stage == 3:
             return [self.gpart[self.soff[p]:self.soff[p + 1]] for p in range(len(self.numels))], []
         lo, hi = self.own.start, self.own.stop
+        gpart = self._partition_grads()
         pieces = []
         for p in range(len(self.numels)):
             a, b = max(lo, self.offsets[p]), min(hi, self.offsets[p + 1])
             if a < b:
-                pieces.append(self.gpart[a - lo:b - lo])
+                pieces.append(gpart[a - lo:b - lo])
         covered = min(hi, self.total) - lo
-        return pieces, ([self.gpart[covered:]] if covered < hi - lo else [])
+        return pieces, ([gpart[covered:]] if covered < hi - lo else [])
 
     def _fp32_grads(self):
         if self.stage == 0:
@@ -346,10 +371,7 @@ class ZeroCore:
             self.flatgrad.zero_()
         elif self.stage < 3:
             self.flat16[self.own].copy_(self.master)
-            if self.stage == 1:
-                self.flatgrad.zero_()
-            else:
-                self.gpart.zero_()
+            self.gpart = None   # averaged_gradients dropped after the step
         else:
             self.shard16.copy_(self.master)
             self.gpart.zero_()
@@ -371,6 +393,8 @@ class ZeroCore:
             t0 = time.perf_counter()
             self.comm.phase = {"recompute": "backward"}.get(a.phase, a.phase)
             k = a.kind
+            if self.ipg is not None and self.ipg_numel and a.phase not in ("backward", "recompute"):
+                self.ipg = None   # the backward epilogue
             if k == "fwd":
                 if a.micro != self.micro or not env:
                     self.micro = a.micro
@@ -398,6 +422,8 @@ class ZeroCore:
                     if t.is_floating_point() and t.grad is not None:
                         grads[n] = grads[n] + t.grad if n in grads else t.grad
                 del ins, out
+                if a.pids and self.ipg_numel and self.ipg is None:
+                    self.ipg = torch.empty(self.ipg_numel, dtype=self.dtype)
                 if a.pids and self.stage >= 2:
                     self.pending.extend(a.pids)
                     self._fill()

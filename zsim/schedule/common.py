@@ -250,11 +250,15 @@ def optimizer_step(ctx: StepContext, shard_params: float, deps, flatten: bool = 
     if 16-bit) lives during the step."""
     tag = "opt/fp32_grads"
     temp = FP32_BYTES * shard_params if (ctx.param_bytes < FP32_BYTES or flatten) else 0.0
+    allocs = [Alloc(tag, "optimizer temporaries", temp)] if temp else []
+    if flatten and ctx.param_bytes < FP32_BYTES:
+        # self.flatten(averaged_gradients).to(fp32): the flat 16-bit copy is alive while it is
+        # converted (stage_1_and_2.py step, stage3.py _prepare_fp32_grad_for_sub_group)
+        allocs.append(Alloc("opt/flat16_grads", "optimizer temporaries", ctx.param_bytes * shard_params))
     per_param = step_bytes_per_param(ctx.param_bytes, ctx.sc.deepspeed.gradient_clipping > 0, flatten)
     op = ctx.b.add("optimizer step (Adam)", "compute", "step", ctx.gas - 1, deps,
-                   optimizer_bytes=per_param * shard_params, kernels=6,
-                   alloc=(Alloc(tag, "optimizer temporaries", temp),) if temp else ())
-    ctx.b.add_free(op, tag)
+                   optimizer_bytes=per_param * shard_params, kernels=6, alloc=tuple(allocs))
+    ctx.b.add_free(op, *[a.tag for a in allocs])
     return op
 
 

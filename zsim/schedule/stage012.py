@@ -62,6 +62,22 @@ class Zero012Hooks(StageHooks):
         self.boundary_allreduce = self.stage == 0 or self.bf16_optimizer
         self.reduce_in_hooks = not self.boundary_allreduce and (self.stage == 2 or (self.stage == 1 and z.overlap))
         self.stream = ctx.grad_stream if self.stage == 2 or z.overlap else "compute"
+        # setup_buckets (stage_1_and_2.py:3256-3279) allocates the IPG buffer at the first
+        # gradient hook of each backward (one of the full reduce_bucket_size elements in the
+        # parameter dtype, two with overlap_comm, however small the model) and
+        # _release_ipg_buffers drops it in the backward epilogue
+        self.ipg_bytes = ((2 if z.overlap else 1) * z.reduce_bucket_size * ctx.param_bytes
+                          if self.stage >= 1 and z.contiguous_gradients and not self.bf16_optimizer else 0.0)
+        self.ipg_micro = -1
+        self.micro_flush: tuple[int, int] | None = None   # (micro-step, its last reduction op)
+        # Gradients exist only while DeepSpeed holds them: autograd allocates each 16-bit .grad
+        # in backward (zero_grad set them to None after the last step); a reduced bucket's
+        # gradients move into this rank's 16-bit partition (copy_grads_in_partition,
+        # grads_in_partition), which the step flattens and frees (averaged_gradients = None).
+        # Offloaded gradients go to the host instead (offload.place_states).
+        self.lazy_grads = (self.stage in (1, 2) and not self.bf16_optimizer
+                           and offload.optimizer_device(ctx) == "none")
+        self.partition_live = False
 
     def pieces_in_partition(self, rank: int) -> int:
         """Parameters with elements in `rank`'s partition of the flat group (its
@@ -105,6 +121,9 @@ class Zero012Hooks(StageHooks):
         ctx, z = self.ctx, self.ctx.sc.zero
         width = ctx.param_bytes
         last = after
+        # the previous reduction of this micro-step (or the op the bucket waits for): the
+        # bucket's gradients were copied into the IPG buffer before this one starts
+        before = self.micro_flush[1] if self.micro_flush and self.micro_flush[0] == micro else after
         name = f"reduce bucket {self.flushes}"
         if not z.reduce_scatter:
             # gradient_reduction_w_predivide: the whole bucket in one all-reduce
@@ -119,6 +138,12 @@ class Zero012Hooks(StageHooks):
         for kind, label, numel in calls:
             last = ctx.b.add(label, self.stream, phase, micro, [after], collective=kind,
                              size_bytes=numel * width, numel=numel)
+            if self.lazy_grads and not self.partition_live:
+                ctx.b.add_alloc(last, Alloc("grads/partition", "gradients", self.partition * width))
+                self.partition_live = True
+        if self.lazy_grads and self.stage == 1:
+            ctx.b.add_free(before, *[f"grad16/{pid}" for pid in self.bucket])
+        self.micro_flush = (micro, last)
         if offload.optimizer_device(ctx) != "none":
             owned = sum(n for r, n in self._slices() if r == 0)   # rank 0's slice (ranks are symmetric)
             if owned:
@@ -144,6 +169,13 @@ class Zero012Hooks(StageHooks):
         self.bucket_numel += numel
 
     def post_module(self, ctx, module: Module, micro, phase, op):
+        if phase == "backward" and self.ready[module.name]:
+            if self.ipg_bytes and self.ipg_micro != micro:
+                ctx.b.add_alloc(op, Alloc(f"ipg/{micro}", "gradient buckets", self.ipg_bytes))
+                self.ipg_micro = micro
+            if self.lazy_grads and self.stage == 1 and micro == 0:
+                ctx.b.add_alloc(op, *[Alloc(f"grad16/{pid}", "gradients", self.numels[pid] * ctx.param_bytes)
+                                      for pid in self.ready[module.name]])
         if phase == "backward" and (self.stage == 2 or micro == ctx.gas - 1) and self.ready[module.name]:
             # DeepSpeed's per-parameter gradient handling on the host: stage 2's hooks every
             # micro-step, stage 0/1's boundary walk over the gradients (charged where each is ready)
@@ -163,12 +195,15 @@ class Zero012Hooks(StageHooks):
                 self._boundary_allreduce(micro, last_op)
             return
         if self.stage == 1 and not self.reduce_in_hooks:
-            if micro != ctx.gas - 1:
-                return
-            for pid in range(len(self.numels)):
-                self._add_grad(pid, micro, last_op)
+            if micro == ctx.gas - 1:
+                for pid in range(len(self.numels)):
+                    self._add_grad(pid, micro, last_op)
         if self.stage == 2 or micro == ctx.gas - 1:
             self._flush(micro, last_op)
+        if self.ipg_micro == micro:
+            # the epilogue after this micro-step's last reduction
+            flushed = self.micro_flush and self.micro_flush[0] == micro
+            ctx.b.add_free(self.micro_flush[1] if flushed else last_op, f"ipg/{micro}")
 
     def _boundary_allreduce(self, micro, after):
         """engine.allreduce_gradients -> buffered_allreduce_fallback: all grads, in
@@ -195,15 +230,11 @@ def build(ctx: StepContext):
     states = model_state_bytes(n_params, shard, z.stage, ctx.param_bytes)
     if hooks.bf16_optimizer:
         states["gradients"] = FP32_BYTES * n_params   # fp32 accumulation buffers for every param
+    if hooks.lazy_grads:
+        states["gradients"] = 0.0
     states = offload.place_states(ctx, states, shard)
     for cat, size in states.items():
         ctx.b.static_alloc(cat, size)
-    if z.stage >= 1 and z.contiguous_gradients and not hooks.bf16_optimizer:
-        # setup_buckets (stage_1_and_2.py:3256-3279): one IPG buffer of the full
-        # reduce_bucket_size elements in the parameter dtype, two with overlap_comm, however
-        # small the model
-        buffers = 2 if z.overlap else 1
-        ctx.b.static_alloc("gradient buckets", buffers * z.reduce_bucket_size * ctx.param_bytes)
     last = None
     for micro in range(ctx.gas):
         last = forward(ctx, hooks, micro, last)
@@ -220,6 +251,8 @@ def build(ctx: StepContext):
         last = offload.offloaded_step(ctx, shard, step_deps + [hooks.last_d2h], None)
     else:
         last = optimizer_step(ctx, shard, step_deps)
+        if hooks.partition_live:
+            ctx.b.add_free(last, "grads/partition")
     # all_gather_dp_groups: one all-gather of the whole flat 16-bit group
     ctx.b.add("all-gather updated params", "compute", "step", ctx.gas - 1, [last],
               collective="all_gather", size_bytes=hooks.padded * ctx.param_bytes, numel=hooks.padded)
