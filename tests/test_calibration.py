@@ -391,3 +391,82 @@ def test_zero3_hook_fit_reads_the_measured_slopes():
     assert f == {"zero3_hook_fwd_us": pytest.approx(10.0), "zero3_hook_bwd_us": pytest.approx(200.0),
                  "zero0_grad_hook_us": pytest.approx(40.0), "zero1_grad_hook_us": pytest.approx(70.0),
                  "zero2_grad_hook_us": 0.0}
+
+
+# ----------------------------------------------------------------------------- pooled collectives
+def _run_doc(tmp_path, name, factor, date, **prov_changes):
+    """A complete run whose all-reduce calls take factor * k ms at the k-th size."""
+    recs, prov = _synthetic_run()
+    recs = [r for r in recs if r["kind"] != "collective"]
+    recs += [{"kind": "collective", "op": "all_reduce", "group": "world", "tier": "intra_node", "ranks": 2,
+              "dtype": "bf16", "size_bytes": s, "time_s": factor * 1e-3 * k, "times_s": [factor * 1e-3 * k] * 4}
+             for k, s in enumerate(SIZES, start=1)]
+    prov = {**prov, "date": date, **prov_changes}
+    d = tmp_path / "calibration" / "runs" / name
+    d.mkdir(parents=True)
+    (d / "records.json").write_text(json.dumps({"format": 1, "status": "complete", "error": "", "provenance": prov,
+                                                "plan": {}, "records": recs}))
+    return d, recs, prov
+
+
+def test_pooled_collectives_fit_the_mean_call_over_all_runs(tmp_path):
+    from calibration.harness.pool import add_sources, pooled
+
+    _, recs, prov = _run_doc(tmp_path, "a", 1.0, "2026-01-01T00:00:00Z")
+    b, _, _ = _run_doc(tmp_path, "b", 3.0, "2026-01-01T01:00:00Z")
+    pool = add_sources([], [str(b)], prov)
+    records, prov2 = pooled(recs, prov, pool)
+    assert "2026-01-01T01:00:00Z" in prov2["pooled_collectives"]
+    fit = fit_collectives(records, "bf16")["intra_node"]
+    tier = Tier(fit["busbw_GBps"] * 1e9, fit["latency_us"] * 1e-6, ((1.0, 1.0),),
+                tuple((k, tuple(map(tuple, v))) for k, v in fit["efficiency_by_collective"].items()))
+    for k, s in enumerate(SIZES, start=1):   # every call of both runs: (1 + 3) / 2 ms per k
+        assert collective_cost("all_reduce", s, 1, 2, tier, tier).time_s == pytest.approx(2e-3 * k, rel=1e-9)
+    # the compute figures are the fitted run's alone
+    assert build_profile("x", records, prov2, "bf16")[0]["gpu"] == build_profile("x", recs, prov, "bf16")[0]["gpu"]
+
+
+@pytest.mark.parametrize("changes,needle", [
+    ({"world_size": "4"}, "world_size"),
+    ({"backend": "nccl"}, "backend"),
+    ({"date": "2026-01-01T00:00:00Z"}, "already pooled"),
+])
+def test_pooling_another_cluster_or_the_same_run_is_refused(tmp_path, changes, needle):
+    from calibration.harness.pool import add_sources
+
+    _, _, prov = _run_doc(tmp_path, "a", 1.0, "2026-01-01T00:00:00Z")
+    b, _, _ = _run_doc(tmp_path, "b", 3.0, changes.pop("date", "2026-01-01T01:00:00Z"), **changes)
+    with pytest.raises(ZsimInputError) as e:
+        add_sources([], [str(b)], prov)
+    assert "--pool-collectives" in str(e.value) and needle in str(e.value)
+
+
+def test_pooling_an_incomplete_or_missing_run_or_the_one_being_replaced_is_refused(tmp_path):
+    from calibration.harness.pool import precheck
+
+    b, _, _ = _run_doc(tmp_path, "b", 1.0, "2026-01-01T01:00:00Z")
+    doc = json.loads((b / "records.json").read_text())
+    (b / "records.json").write_text(json.dumps({**doc, "status": "failed"}))
+    for src, needle in ((b, "not complete"), (tmp_path / "nope", "records.json"), (tmp_path / "x", "overwrites")):
+        with pytest.raises(ZsimInputError) as e:
+            precheck([str(src)], tmp_path / "x")
+        assert needle in str(e.value)
+
+
+def test_pooled_refit_from_the_cli_reproduces_the_profile(tmp_path):
+    pytest.importorskip("torch")
+    a, _, _ = _run_doc(tmp_path, "a", 1.0, "2026-01-01T00:00:00Z")
+    b, _, _ = _run_doc(tmp_path, "b", 3.0, "2026-01-01T01:00:00Z")
+    r = _zsim("calibrate", "--out", "p", "--from-run", str(a), "--pool-collectives", str(b), "--root", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    run = tmp_path / "calibration" / "runs" / "p"
+    assert json.loads((run / "pooled_collectives.json").read_text())["runs"][0]["source"] == str(b)
+    prof = tmp_path / "hardware_profiles" / "p.yaml"
+    first = prof.read_text()
+    assert "pooled_collectives" in first
+    r = _zsim("calibrate", "--out", "p", "--from-run", str(run), "--force", "--root", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert prof.read_text() == first
+    r = _zsim("calibrate", "--out", "p", "--from-run", str(run), "--force", "--pool-collectives", str(b),
+              "--root", str(tmp_path))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "already pooled" in r.stderr

@@ -589,7 +589,9 @@ def build_profile(name: str, records: list[dict], prov: dict, dtype: str) -> tup
                 "memory_GiB": host_GiB, "memory_bw_GBps": (_rate(memcpy[0], "GBps") * per_node if memcpy else 10.0),
                 "adam_params_per_s_per_core": adam_rate, **fit_zero3_hooks(records)},
         "interference": {"compute_slowdown_during_comm": min(1.0, interf["compute_slowdown_during_comm"])},
-        "provenance": {**{k: str(v) for k, v in prov.items()}, "adam_implementation": adam_impl,
+        # sorted: a fresh run and a refit of its records.json (written with sorted keys) give
+        # byte-identical profiles
+        "provenance": {**{k: str(v) for k, v in sorted(prov.items())}, "adam_implementation": adam_impl,
                        "file_io_o_direct": str(io["o_direct"]),
                        "comm_slowdown_during_compute": f"{interf['comm_slowdown_during_compute']:.3f}",
                        "compute_dtype": dtype},

@@ -21,6 +21,7 @@ import yaml
 
 from calibration.harness.fit import build_profile
 from calibration.harness.plan import Plan, estimated_cost, items
+from calibration.harness.pool import POOL_FILE
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -231,6 +232,8 @@ def finish(name: str, scratch: Path, profile_path: Path, run_dir: Path, dtype: s
         prov = json.loads((scratch / "provenance.json").read_text())
     plan = json.loads((scratch / "plan.json").read_text()) if (scratch / "plan.json").exists() else {}
     run_dir.mkdir(parents=True, exist_ok=True)
+    # collectives pooled into the run this one replaces belong to that run's profile
+    (run_dir / POOL_FILE).unlink(missing_ok=True)
     doc = {"format": 1, "status": status, "error": error, "provenance": prov, "plan": plan, "records": records}
     write_atomic(run_dir / "records.json", json.dumps(doc, indent=1, sort_keys=True) + "\n")
     if (scratch / "torchrun.log").exists():
@@ -276,6 +279,9 @@ def profile_header(profile: dict, report: dict, run_dir: Path) -> str:
              "# attention and memory-bound efficiencies against zsim's FLOP/byte counts; then a layer closure",
              "# (GEMM and attention fwd/bwd scales, least squares; memory-bound and launch costs stay as measured)",
              "# fits the measured transformer layers. Leave-one-shape-out errors: fit_report.json compute.layers_held_out."]
+    if p.get("pooled_collectives"):
+        lines.append(f"# Collective timings pooled with {p['pooled_collectives']} "
+                     "(calibration/runs/<name>/pooled_collectives.json).")
     for tier, t in report["collectives"].items():
         worst = max((abs(e) for ab in t["alpha_beta"].values() for _, e in ab["residuals"]), default=0.0)
         lines.append(f"# {tier}: alpha-beta fit worst residual {100 * worst:.0f}% (the per-size tables remove it).")

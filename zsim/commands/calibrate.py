@@ -42,6 +42,10 @@ def add_parser(sub):
     p.add_argument("--from-run", default=None, metavar="DIR",
                    help="fit records already measured (a calibration/runs/NAME directory, e.g. from a multi-node "
                         "torchrun/srun launch) instead of measuring")
+    p.add_argument("--pool-collectives", action="append", default=[], metavar="DIR",
+                   help="also fit the collective timings of this earlier complete run of the same cluster "
+                        "(calibration/runs/NAME; repeatable): each size's calls are pooled across the runs, "
+                        "averaging over the windows in which the cluster's collective times drift")
     p.add_argument("--root", default=None, metavar="DIR",
                    help="directory holding hardware_profiles/ and calibration/runs/ (default: the zsim checkout)")
     p.set_defaults(func=main)
@@ -134,6 +138,7 @@ def _fit_existing(args, dtype, profile_path: Path, run_dir: Path, fit_and_write)
     worker's run directory from a torchrun/srun launch (records.partial.jsonl + status/)."""
     import json
     from calibration.harness.launch import read_records, write_atomic
+    from calibration.harness.pool import add_sources, pooled, read_pool, write_pool
 
     src = Path(args.from_run)
     if profile_path.exists() and not args.force:
@@ -152,10 +157,14 @@ def _fit_existing(args, dtype, profile_path: Path, run_dir: Path, fit_and_write)
     if doc.get("status") != "complete":
         raise ZsimInputError("--from-run", args.from_run, f"the run is {doc.get('status')!r}, not complete "
                              "(a rank did not finish); measure again")
+    prov = doc.get("provenance", {})
+    pool = add_sources(read_pool(src), args.pool_collectives, prov)
     if src.resolve() != run_dir.resolve():
         write_atomic(run_dir / "records.json", json.dumps(doc, indent=1, sort_keys=True) + "\n")
-    fit_and_write(args.out, doc["records"], doc.get("provenance", {}), dtype, profile_path, run_dir)
-    print(f"wrote {profile_path} and {run_dir}/", file=sys.stderr)
+    write_pool(run_dir, pool, write_atomic)
+    fit_and_write(args.out, *pooled(doc["records"], prov, pool), dtype, profile_path, run_dir)
+    print(f"wrote {profile_path} and {run_dir}/" + (f" (collectives pooled with {len(pool)} more runs)" if pool else ""),
+          file=sys.stderr)
     return 0
 
 
@@ -178,6 +187,9 @@ def main(args) -> int:
         raise ZsimInputError("torch", "not installed", "the calibration harness needs it: "
                              "`pip install torch==2.13.0` then `pip install -e '.[calibration]'`") from None
     from calibration.harness.launch import CalibrationFailed, calibrate, fit_and_write
+    from calibration.harness.pool import precheck
+    if args.pool_collectives and not args.from_run:
+        precheck(args.pool_collectives, run_dir)
     if args.from_run:
         return _fit_existing(args, dtype, profile_path, run_dir, fit_and_write)
     if nproc is None:
@@ -199,4 +211,9 @@ def main(args) -> int:
               f"zsim {r['predicted_s'] * 1e3:.3f} ms ({100 * r['error']:+.1f}%)", file=sys.stderr)
     print(f"wrote {out['profile_path']} and {out['run_dir']}/ ({out['records']} records, {out['wall_s']:.1f} s)",
           file=sys.stderr)
+    if args.pool_collectives:
+        args.from_run = str(out["run_dir"])
+        args.force = True   # refit the run just written, with the pooled collectives
+        from calibration.harness.launch import fit_and_write
+        return _fit_existing(args, dtype, profile_path, run_dir, fit_and_write)
     return 0
