@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from calibration.harness.fit import FIT_STATISTIC, _kind, _t as measured_s, _t_mean, pool_passes  # noqa: E402
+from calibration.harness.pool import read_pool                          # noqa: E402
 from zsim.api import run_scenario                                     # noqa: E402
 from zsim.config.scenario import load_scenario                         # noqa: E402
 from zsim.hardware.collectives import bus_factor, collective_cost, ring_steps, tiers_for  # noqa: E402
@@ -103,7 +104,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     run = Path(args.run_dir)
     doc = json.loads((run / "records.json").read_text())
-    recs = pool_passes(doc["records"])
+    # the collectives of the runs pooled into the profile (--pool-collectives) are what it fits
+    recs = pool_passes(doc["records"] + [r for p in read_pool(run) for r in p["records"]])
     profile_ref = args.profile or str(ROOT / "hardware_profiles" / f"{run.name}.yaml")
     profile = load_profile(profile_ref)
     dtype = profile.provenance.get("compute_dtype", "bf16")
