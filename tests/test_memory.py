@@ -60,3 +60,26 @@ def test_optimizer_offload_moves_states_to_host():
     assert off["memory"]["host"]["breakdown"]["optimizer states"] > 0
     assert off["memory"]["peak_bytes"] < on_gpu["memory"]["peak_bytes"]
     assert off["host_time_s"]["cpu_adam"] > 0 and off["host_time_s"]["d2h"] > 0
+
+
+@pytest.mark.parametrize("changes", [
+    {"deepspeed.zero_optimization.stage": 1, "deepspeed.zero_optimization.overlap_comm": True,
+     "training.activation_checkpointing": "full"},
+    {"deepspeed.zero_optimization.stage": 1, "training.gradient_accumulation_steps": 3},
+    {"deepspeed.zero_optimization.stage": 1, "deepspeed.zero_optimization.overlap_comm": True,
+     "training.gradient_accumulation_steps": 3, "deepspeed.zero_optimization.use_multi_rank_bucket_allreduce": False},
+    {"deepspeed.zero_optimization.stage": 2, "deepspeed.zero_optimization.contiguous_gradients": False,
+     "training.gradient_accumulation_steps": 2, "training.activation_checkpointing": "selective"},
+    {"deepspeed.zero_optimization.stage": 2, "deepspeed.zero_optimization.offload_optimizer": {"device": "cpu"}},
+    {"deepspeed.zero_optimization.stage": 1, "deepspeed.data_types": {"grad_accum_dtype": "fp32"}},
+])
+def test_every_step_allocation_is_freed_by_the_end_of_the_step(changes):
+    # a free ordered before its allocation is dropped by the ledger and the tag stays live
+    sc = scenario(**changes)
+    _, trace = run_scenario(sc)
+    _, sched = build_schedule(sc)
+    live: dict[str, float] = {}
+    for _, delta, _, tag in trace.ledger_events:
+        live[tag] = live.get(tag, 0.0) + delta
+    static = {a.tag for a in sched.static}
+    assert {t: v for t, v in live.items() if v and t not in static} == {}

@@ -121,8 +121,8 @@ class Zero012Hooks(StageHooks):
         ctx, z = self.ctx, self.ctx.sc.zero
         width = ctx.param_bytes
         last = after
-        # the previous reduction of this micro-step (or the op the bucket waits for): the
-        # bucket's gradients were copied into the IPG buffer before this one starts
+        # the boundary walk's previous reduction (or the op the walk starts after): the bucket's
+        # gradients were copied into the IPG buffer before this one starts
         before = self.micro_flush[1] if self.micro_flush and self.micro_flush[0] == micro else after
         name = f"reduce bucket {self.flushes}"
         if not z.reduce_scatter:
@@ -141,7 +141,7 @@ class Zero012Hooks(StageHooks):
             if self.lazy_grads and not self.partition_live:
                 ctx.b.add_alloc(last, Alloc("grads/partition", "gradients", self.partition * width))
                 self.partition_live = True
-        if self.lazy_grads and self.stage == 1:
+        if self.lazy_grads and self.stage == 1 and not self.reduce_in_hooks:
             ctx.b.add_free(before, *[f"grad16/{pid}" for pid in self.bucket])
         self.micro_flush = (micro, last)
         if offload.optimizer_device(ctx) != "none":
@@ -165,6 +165,9 @@ class Zero012Hooks(StageHooks):
             tag = f"grad/{micro}/{pid}"
             self.ctx.b.add_alloc(after, Alloc(tag, "gradient buckets", numel * self.ctx.param_bytes))
             self.pending_tags.append(tag)
+        if self.lazy_grads and self.stage == 1 and self.reduce_in_hooks:
+            # the boundary micro-step's hook copies the accumulated gradient into the IPG buffer
+            self.ctx.b.add_free(after, f"grad16/{pid}")
         self.bucket.append(pid)
         self.bucket_numel += numel
 
