@@ -33,6 +33,8 @@ from zsim.api import run_scenario                                     # noqa: E4
 from zsim.config.scenario import load_scenario                         # noqa: E402
 from zsim.hardware.collectives import bus_factor, collective_cost, ring_steps, tiers_for  # noqa: E402
 from zsim.hardware.profile import Cluster, efficiency_at, load_profile  # noqa: E402
+from zsim.schedule.build import workload_for                         # noqa: E402
+from zsim.schedule.ir import OpKind                                  # noqa: E402
 
 TARGET = 0.05
 
@@ -84,11 +86,13 @@ def predict_layer(profile_path: str, rec: dict) -> tuple[float, float]:
         sc = load_scenario(p)
     _, trace = run_scenario(sc)
     fwd = bwd = 0.0
+    block0 = {m.name for m in workload_for(sc).layer_modules(0)}
     for op, t in zip(trace.schedule.ops, trace.timings):
-        if op.name.startswith("forward layers.0."):
-            fwd += t.end_s - t.start_s
-        elif op.name.startswith("backward layers.0."):
-            bwd += t.end_s - t.start_s
+        if op.kind in (OpKind.FORWARD, OpKind.BACKWARD) and op.payload.module in block0:
+            if op.kind == OpKind.FORWARD:
+                fwd += t.end_s - t.start_s
+            else:
+                bwd += t.end_s - t.start_s
     return fwd, bwd
 
 

@@ -41,18 +41,19 @@ def components(sc) -> np.ndarray:
     _, schedule = build_schedule(sc)
     g = af = ab = mem = kern = 0.0
     for op in schedule.ops:
-        if op.collective or op.stream != "compute":
+        if op.comm or op.stream != "compute":
             continue
-        for m, n, k in op.gemms:
+        w = op.work
+        for m, n, k in w.gemms:
             dim = (m / (m + dh)) * (n / (n + dh)) * (k / (k + dh))
             g += 2 * m * n * k / (peak * dim)
-        if op.attention_flops:
-            if op.attention_backward:
-                ab += op.attention_flops / peak
+        if w.attention_flops:
+            if w.attention_backward:
+                ab += w.attention_flops / peak
             else:
-                af += op.attention_flops / peak
-        mem += op.mem_bytes / hbm
-        kern += op.kernels * gpu.kernel_overhead_us * 1e-6
+                af += w.attention_flops / peak
+        mem += w.mem_bytes / hbm
+        kern += w.kernels * gpu.kernel_overhead_us * 1e-6
     return np.array([g, af + ab / FA2_BWD_OVER_FWD, mem, kern])
 
 

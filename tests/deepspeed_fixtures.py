@@ -54,4 +54,4 @@ def simulated(fx: dict) -> list[tuple[str, str, int]]:
     sc = scenario_for(fx)
     _, schedule = build_schedule(sc)
     phase = {"forward": "forward", "recompute": "backward", "backward": "backward", "step": "step"}
-    return [(phase[op.phase], op.collective, op.numel) for op in schedule.ops if op.collective]
+    return [(phase[op.phase], op.comm.collective.value, op.comm.numel) for op in schedule.ops if op.comm]

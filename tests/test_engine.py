@@ -1,11 +1,12 @@
 """The simpy engine: FIFO streams, dependencies, bandwidth sharing, interference, ledger."""
 import pytest
 
-from helpers import scenario
-from zsim.engine.ledger import peak_and_breakdown
+from helpers import add_compute, add_gather, build, scenario
+from zsim.engine.ledger import LedgerError, peak_and_breakdown
 from zsim.engine.sim import simulate
 from zsim.hardware.collectives import collective_cost, tiers_for
-from zsim.schedule.ops import Alloc, Builder
+from zsim.schedule.builder import Builder
+from zsim.schedule.ir import Alloc, Buffer, Category, OpKind, Tag
 
 SIZE = 1e9
 
@@ -22,9 +23,9 @@ def _one_collective_s(cluster):
 def test_two_concurrent_collectives_share_the_link():
     cl = _cluster()
     b = Builder()
-    b.add("ag", "allgather", "forward", 0, collective="all_gather", size_bytes=SIZE)
-    b.add("ag2", "reduce", "forward", 0, collective="all_gather", size_bytes=SIZE)
-    trace = simulate(b.build(3, {}), cl, "bf16")
+    add_gather(b, SIZE)
+    add_gather(b, SIZE, stream="reduce")
+    trace = simulate(build(b), cl, "bf16")
     c = _one_collective_s(cl)
     # both finish together: latency once each, the bandwidth part served at half rate
     assert trace.step_time_s == pytest.approx(c.latency_s + 2 * c.transfer_s, rel=1e-9)
@@ -33,16 +34,14 @@ def test_two_concurrent_collectives_share_the_link():
 def test_same_stream_is_fifo_and_deps_wait():
     cl = _cluster()
     b = Builder()
-    a = b.add("ag", "allgather", "forward", 0, collective="all_gather", size_bytes=SIZE)
-    b.add("ag2", "allgather", "forward", 0, collective="all_gather", size_bytes=SIZE)
-    c1 = b.add("gemm", "compute", "forward", 0, deps=[a], gemms=((4096, 4096, 4096),))
-    trace = simulate(b.build(3, {}), cl, "bf16")
-    t = {op.name: tm for op, tm in zip(trace.schedule.ops, trace.timings)}
+    ag = add_gather(b, SIZE)
+    ag2 = add_gather(b, SIZE)
+    gemm = add_compute(b, deps=[ag], gemms=((4096, 4096, 4096),))
+    t = simulate(build(b), cl, "bf16").timings
     one = _one_collective_s(cl).time_s
-    assert t["ag2"].start_s == pytest.approx(t["ag"].end_s)          # FIFO on the allgather stream
-    assert t["gemm"].start_s == pytest.approx(t["ag"].end_s)         # waits for its dependency only
-    assert t["ag"].end_s == pytest.approx(one)
-    assert c1 == 2
+    assert t[ag2].start_s == pytest.approx(t[ag].end_s)          # FIFO on the allgather stream
+    assert t[gemm].start_s == pytest.approx(t[ag].end_s)         # waits for its dependency only
+    assert t[ag].end_s == pytest.approx(one)
 
 
 def test_compute_slows_while_a_collective_runs():
@@ -50,36 +49,57 @@ def test_compute_slows_while_a_collective_runs():
     for slowdown, out in ((0.0, quiet), (0.25, busy)):
         cl = _cluster(slowdown)
         b = Builder()
-        b.add("ag", "allgather", "forward", 0, collective="all_gather", size_bytes=SIZE * 100)
-        b.add("gemm", "compute", "forward", 0, gemms=((8192, 8192, 8192),))
-        trace = simulate(b.build(3, {}), cl, "bf16")
+        add_gather(b, SIZE * 100)
+        add_compute(b, gemms=((8192, 8192, 8192),))
+        trace = simulate(build(b), cl, "bf16")
         out.append(trace.timings[1].end_s - trace.timings[1].start_s)
     # the slowdown applies while the collective moves data (after its alpha latency)
     lat = _one_collective_s(_cluster()).latency_s
     assert busy[0] == pytest.approx(lat + 1.25 * (quiet[0] - lat), rel=1e-9)
 
 
+def _tag(name):
+    return Tag(Buffer.ACTIVATION, 0, name)
+
+
 def test_ledger_peak_and_breakdown():
     cl = _cluster()
     b = Builder()
-    b.static_alloc("parameters", 100.0)
-    x = b.add("fwd", "compute", "forward", 0, gemms=((128, 128, 128),), alloc=(Alloc("a", "activations", 50.0),))
-    y = b.add("bwd", "compute", "backward", 0, deps=[x], gemms=((128, 128, 128),),
-              alloc=(Alloc("g", "activation gradients", 30.0),))
-    b.add_free(y, "a", "g")
-    trace = simulate(b.build(0, {}), cl, "bf16")
+    b.static_alloc(Category.PARAMETERS, 100.0)
+    x = add_compute(b, gemms=((128, 128, 128),), alloc=(Alloc(_tag("a"), Category.ACTIVATIONS, 50.0),))
+    y = add_compute(b, deps=[x], phase="backward", gemms=((128, 128, 128),),
+                    alloc=(Alloc(_tag("g"), Category.ACTIVATION_GRADIENTS, 30.0),))
+    b.add_free(y, _tag("a"), _tag("g"))
+    trace = simulate(build(b, 0), cl, "bf16")
     peak, _, breakdown = peak_and_breakdown(trace.ledger_events)
     assert peak == 180.0
     assert breakdown == {"activation gradients": 30.0, "activations": 50.0, "parameters": 100.0}
 
 
+@pytest.mark.parametrize("case", ["unknown", "twice", "leak"])
+def test_ledger_refuses_inconsistent_memory_effects(case):
+    """Freeing what was never allocated or was already freed, or leaving a step buffer alive at
+    the end of the step, is a builder bug: the ledger raises instead of ignoring it."""
+    b = Builder()
+    x = add_compute(b, mem_bytes=1e6, alloc=(Alloc(_tag("a"), Category.ACTIVATIONS, 50.0),))
+    y = add_compute(b, deps=[x], mem_bytes=1e6)
+    if case == "unknown":
+        b.add_free(y, _tag("b"))
+    elif case == "twice":
+        b.add_free(x, _tag("a"))
+        b.add_free(y, _tag("a"))
+    message = {"unknown": "never allocated", "twice": "already freed", "leak": "alive at the end"}[case]
+    with pytest.raises(LedgerError, match=message):
+        simulate(build(b, 0), _cluster(), "bf16")
+
+
 def test_deadlock_is_reported():
     cl = _cluster()
     b = Builder()
-    b.add("waits for later op", "compute", "forward", 0, deps=[1], gemms=((64, 64, 64),))
-    b.add("behind it", "compute", "forward", 0, gemms=((64, 64, 64),))
+    add_compute(b, deps=[1], gemms=((64, 64, 64),))
+    add_compute(b, gemms=((64, 64, 64),))
     with pytest.raises(RuntimeError, match="deadlock"):
-        simulate(b.build(0, {}), cl, "bf16")
+        simulate(build(b, 0), cl, "bf16")
 
 
 def test_a_device_without_concurrent_streams_runs_in_program_order():
@@ -88,13 +108,11 @@ def test_a_device_without_concurrent_streams_runs_in_program_order():
     for concurrent in (True, False):
         cl = scenario(**{"hardware.override": {"gpu": {"concurrent_streams": concurrent}}}).cluster
         b = Builder()
-        b.add("ag", "allgather", "forward", 0, collective="all_gather", size_bytes=SIZE)
-        b.add("gemm", "compute", "forward", 0, gemms=((8192, 8192, 8192),))
-        trace = simulate(b.build(3, {}), cl, "bf16")
-        t = {op.name: tm for op, tm in zip(trace.schedule.ops, trace.timings)}
-        times[concurrent] = t
-    assert times[True]["gemm"].start_s == 0.0                       # overlaps the all-gather
-    assert times[False]["gemm"].start_s == pytest.approx(times[False]["ag"].end_s)   # waits for it
+        add_gather(b, SIZE)
+        add_compute(b, gemms=((8192, 8192, 8192),))
+        times[concurrent] = simulate(build(b), cl, "bf16").timings
+    assert times[True][1].start_s == 0.0                                         # overlaps the all-gather
+    assert times[False][1].start_s == pytest.approx(times[False][0].end_s)       # waits for it
 
 
 def _cpu_cluster(**gpu):
@@ -106,11 +124,13 @@ def test_fresh_allocation_above_the_threshold_is_charged_once_per_buffer():
     # compute op's allocations are separate tensors, each under the threshold
     def step_s(cluster):
         b = Builder()
-        b.add("ag", "allgather", "forward", 0, collective="all_gather", size_bytes=40e6,
-              alloc=tuple(Alloc(f"p{i}", "gathered params", 10e6) for i in range(4)))
-        b.add("f", "compute", "forward", 0, mem_bytes=1e6,
-              alloc=tuple(Alloc(f"a{i}", "activations", 20e6) for i in range(3)))
-        return simulate(b.build(3, {}), cluster, "bf16").step_time_s
+        gathered = tuple(Alloc(Tag(Buffer.GATHERED, 0, i), Category.GATHERED, 10e6) for i in range(4))
+        acts = tuple(Alloc(_tag(str(i)), Category.ACTIVATIONS, 20e6) for i in range(3))
+        g = add_gather(b, 40e6, alloc=gathered)
+        f = add_compute(b, mem_bytes=1e6, alloc=acts)
+        b.add_free(g, *(a.tag for a in gathered))
+        b.add_free(f, *(a.tag for a in acts))
+        return simulate(build(b), cluster, "bf16").step_time_s
 
     ref = step_s(_cpu_cluster(fresh_alloc_threshold_bytes=32e6, fresh_alloc_GBps=2.0))
     plain = step_s(_cpu_cluster())
@@ -123,9 +143,9 @@ def test_optimizer_traffic_uses_its_own_efficiency():
     fast = _cpu_cluster(memory_bound_efficiency=0.2, optimizer_efficiency=0.8).profile.gpu
     assert optimizer_time_s(1e9, slow) == pytest.approx(4 * optimizer_time_s(1e9, fast))
     b = Builder()
-    b.add("optimizer step (Adam)", "compute", "step", 0, optimizer_bytes=1e9)
-    t_slow = simulate(b.build(0, {}), _cpu_cluster(memory_bound_efficiency=0.2), "bf16").step_time_s
-    t_fast = simulate(b.build(0, {}), _cpu_cluster(memory_bound_efficiency=0.2, optimizer_efficiency=0.8),
+    add_compute(b, phase="step", optimizer_bytes=1e9)
+    t_slow = simulate(build(b, 0), _cpu_cluster(memory_bound_efficiency=0.2), "bf16").step_time_s
+    t_fast = simulate(build(b, 0), _cpu_cluster(memory_bound_efficiency=0.2, optimizer_efficiency=0.8),
                       "bf16").step_time_s
     assert t_slow == pytest.approx(4 * t_fast, rel=1e-9)
 
@@ -133,8 +153,8 @@ def test_optimizer_traffic_uses_its_own_efficiency():
 def test_zero3_hook_time_is_charged_per_module_visit():
     from zsim.api import run_scenario
     from zsim.schedule.build import build_schedule, workload_for
-    from zsim.schedule.common import StepContext
-    from zsim.schedule.stage3 import visit_sequence
+    from zsim.schedule.context import StepContext
+    from zsim.schedule.param_fetch import visit_sequence
 
     def cpu(fwd_us, bwd_us, stage=3):
         # a serial device (one stream in program order): host time adds up exactly
@@ -184,9 +204,9 @@ def test_post_step_persistent_gathers_are_coalesced_and_priced_by_their_table():
                            "hardware.gpus_per_node": 2,
                            "hardware.override": {"intra_node": {"efficiency_by_collective": tables}}})
     ops = build_schedule(sc(None))[1].ops
-    post = [op for op in ops if op.name.startswith("all-gather persistent")]
-    assert len(post) > 1 and all(op.coalesced for op in post)
-    assert not any(op.coalesced for op in ops if op.collective and op not in post)
+    post = [op for op in ops if op.kind == OpKind.PERSISTENT_GATHER]
+    assert len(post) > 1 and all(op.comm.coalesced for op in post)
+    assert not any(op.comm.coalesced for op in ops if op.comm and op not in post)
     # a slower batched curve slows exactly those calls
     fast, slow = (run_scenario(sc(e))[0]["step_time_s"] for e in (1.0, 0.001))
     assert slow > fast
@@ -199,27 +219,29 @@ def test_zero3_reduce_scatter_charges_deepspeeds_bucket_passes():
     sc = scenario(**{"deepspeed.zero_optimization.stage": 3, "hardware.profile": "cpu-gloo-localhost",
                      "hardware.gpus_per_node": 2, "deepspeed.zero_optimization.reduce_bucket_size": 5e8})
     ops = build_schedule(sc)[1].ops
-    rs = [op for op in ops if op.collective == "reduce_scatter"]
+    rs = [op for op in ops if op.comm and op.comm.collective == "reduce_scatter"]
     assert len(rs) == 1   # every gradient in one bucket of many tensors
     for op in rs:   # interleave + pre-divide (read + write each) + copy of this rank's partition
-        assert op.mem_bytes == pytest.approx(4 * op.size_bytes + 2 * op.size_bytes / 2)
+        assert op.comm.buffer_bytes == pytest.approx(4 * op.comm.size_bytes + 2 * op.comm.size_bytes / 2)
         # the interleaved copy is allocated for the call and freed after it
-        assert [a.size_bytes for a in op.alloc] == [op.size_bytes] and op.free == (op.alloc[0].tag,)
+        assert [a.size_bytes for a in op.alloc] == [op.comm.size_bytes] and op.free == (op.alloc[0].tag,)
     one = scenario(**{"deepspeed.zero_optimization.stage": 3, "hardware.profile": "cpu-gloo-localhost",
                       "hardware.gpus_per_node": 2, "deepspeed.zero_optimization.reduce_bucket_size": 1})
     for op in build_schedule(one)[1].ops:   # one tensor per bucket: no interleave when it divides evenly
-        if op.collective == "reduce_scatter":
-            assert op.mem_bytes in (pytest.approx(3 * op.size_bytes), pytest.approx(5 * op.size_bytes))
+        if op.comm and op.comm.collective == "reduce_scatter":
+            assert op.comm.buffer_bytes in (pytest.approx(3 * op.comm.size_bytes), pytest.approx(5 * op.comm.size_bytes))
     gpu = sc.cluster.profile.gpu
     plain = scenario(**{"deepspeed.zero_optimization.stage": 3, "hardware.profile": "cpu-gloo-localhost",
                         "hardware.gpus_per_node": 2, "deepspeed.zero_optimization.reduce_scatter": False})
-    assert all(op.mem_bytes == 0 for op in build_schedule(plain)[1].ops if op.collective == "all_reduce")
+    assert all(op.comm.buffer_bytes == 0 for op in build_schedule(plain)[1].ops
+               if op.comm and op.comm.collective == "all_reduce")
     # on a serial device the passes add up in the step time
     import dataclasses
     from zsim.engine.sim import simulate
     sched = build_schedule(sc)[1]
-    bare = dataclasses.replace(sched, ops=tuple(dataclasses.replace(op, mem_bytes=0.0) if op.collective else op
-                                                for op in sched.ops))
+    bare = dataclasses.replace(sched, ops=tuple(
+        dataclasses.replace(op, payload=dataclasses.replace(op.payload, comm=dataclasses.replace(op.comm, buffer_bytes=0.0)))
+        if op.comm else op for op in sched.ops))
     t = simulate(sched, sc.cluster, "bf16").step_time_s
     t0 = simulate(bare, sc.cluster, "bf16").step_time_s
-    assert t - t0 == pytest.approx(sum(memory_bound_time_s(op.mem_bytes, gpu) for op in rs), rel=1e-6)
+    assert t - t0 == pytest.approx(sum(memory_bound_time_s(op.comm.buffer_bytes, gpu) for op in rs), rel=1e-6)

@@ -57,7 +57,7 @@ def test_core_plan_executes_deepspeed_schedule(name):
     plan = build_plan(sc)
     assert plan.expected == simulated(fx)
     for micro in range(sc.gradient_accumulation_steps):
-        pids = [p for b in plan.buckets if b.micro == micro for p in b.pids]
+        pids = [p for b in plan.buckets.values() if b.micro == micro for p in b.pids]
         if pids:
             assert sorted(pids) == list(range(len(plan.numels)))
 

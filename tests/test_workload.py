@@ -72,7 +72,7 @@ def test_model_flops_follow_6n_plus_attention():
 
 
 def test_optimizer_step_traffic_counts_deepspeeds_passes():
-    from zsim.schedule.common import step_bytes_per_param
+    from zsim.schedule.optimizer import step_bytes_per_param
     # bf16 with clipping: flatten 2+2, convert 2+4, clip 8, Adam 28, copy back 4+2, zero grads 2
     assert step_bytes_per_param(2, True) == 4 + 6 + 8 + 28 + 6 + 2
     # fp32 without clipping: flatten 4+4, no conversion, copy back 4+4, zero 4
@@ -87,14 +87,15 @@ def test_norm_and_overflow_passes_are_charged_at_the_step_rate():
     from pathlib import Path
     from zsim.config.scenario import load_scenario
     from zsim.schedule.build import build_schedule
-    from zsim.schedule.common import norm_bytes_per_param, overflow_bytes_per_param
+    from zsim.schedule.ir import OpKind
+    from zsim.schedule.optimizer import norm_bytes_per_param, overflow_bytes_per_param
     assert norm_bytes_per_param(2) == 2 + 8 + 8
     assert overflow_bytes_per_param(2) == 4
     sc = load_scenario(str(Path(__file__).resolve().parents[1] / "scenarios" / "default.yaml"), ("deepspeed.zero_optimization.stage=2",
                                                                   "training.precision=bf16"))
     _, sched = build_schedule(sc)
-    norm = next(o for o in sched.ops if o.name == "grad norm (local)")
-    adam = next(o for o in sched.ops if o.name.startswith("optimizer step"))
-    shard = adam.optimizer_bytes / 54   # bf16 with clipping, flattened
-    assert norm.optimizer_bytes == pytest.approx(shard * (18 + 4))
-    assert norm.mem_bytes == 0
+    norm = next(o for o in sched.ops if o.kind == OpKind.GRAD_NORM)
+    adam = next(o for o in sched.ops if o.kind == OpKind.OPTIMIZER_STEP)
+    shard = adam.work.optimizer_bytes / 54   # bf16 with clipping, flattened
+    assert norm.work.optimizer_bytes == pytest.approx(shard * (18 + 4))
+    assert norm.work.mem_bytes == 0

@@ -64,7 +64,7 @@ def diagnose(result: dict, trace) -> dict:
     at_op = None
     for op in trace.schedule.ops:
         if any(a.tag == tag for a in op.alloc):
-            at_op = {"op": op.name, "phase": op.phase, "micro_step": op.micro_step}
+            at_op = {"op": op.name, "phase": op.phase.value, "micro_step": op.micro_step}
             break
     if at_op is None:
         at_op = {"op": "model states (allocated before the step)", "phase": "static", "micro_step": 0}

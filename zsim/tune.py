@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from zsim.explore import Base, fits
 from zsim.schedule.build import workload_for
-from zsim.schedule.common import model_state_bytes
+from zsim.schedule.optimizer import model_state_bytes
 from zsim.workload.transformer import DTYPE_BYTES
 
 Z = "deepspeed.zero_optimization"

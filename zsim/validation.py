@@ -6,7 +6,7 @@ zsim.api.run_scenario on the same scenario. Errors are signed, relative to the m
 """
 from __future__ import annotations
 
-from zsim.schedule.ops import Schedule
+from zsim.schedule.ir import Schedule
 
 PHASES = ("forward", "backward", "step")
 _PHASE = {"forward": "forward", "recompute": "backward", "backward": "backward", "step": "step"}
@@ -31,7 +31,7 @@ def mape(errors) -> float | None:
 
 def schedule_collectives(schedule: Schedule) -> list[tuple[str, str, int]]:
     """(phase, collective, numel) of one step, in issue order (the measured list's format)."""
-    return [(_PHASE[op.phase], op.collective, int(op.numel)) for op in schedule.ops if op.collective]
+    return [(_PHASE[op.phase], op.comm.collective.value, int(op.comm.numel)) for op in schedule.ops if op.comm]
 
 
 def collective_summary(calls, element_bytes: dict[int, int] | None = None) -> dict[str, dict]:
@@ -47,8 +47,8 @@ def collective_summary(calls, element_bytes: dict[int, int] | None = None) -> di
 
 
 def schedule_summary(schedule: Schedule) -> dict[str, dict]:
-    return collective_summary([(_PHASE[op.phase], op.collective, int(op.numel), int(op.size_bytes))
-                               for op in schedule.ops if op.collective])
+    return collective_summary([(_PHASE[op.phase], op.comm.collective.value, int(op.comm.numel),
+                                int(op.comm.size_bytes)) for op in schedule.ops if op.comm])
 
 
 def phase_times(schedule: Schedule, timings) -> dict[str, float]:

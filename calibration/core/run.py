@@ -31,7 +31,7 @@ def parse(argv=None):
 def chrome_trace(times, name: str, rank: int) -> dict:
     """Same shape as zsim/report/writers.py chrome_trace: one thread per stream, op names as
     the simulator's, times in microseconds."""
-    from zsim.schedule.ops import STREAMS
+    from zsim.schedule.ir import STREAMS
 
     tids = {s: i + 1 for i, s in enumerate(STREAMS)}
     ev = [{"ph": "M", "pid": 2, "tid": 0, "name": "process_name", "args": {"name": f"measured: {name} (rank {rank})"}}]

@@ -362,7 +362,7 @@ def fit_compute(records: list[dict], dtype: str) -> tuple[dict, dict]:
 
 def layer_components(gpu: GpuProfile, peak_flops: float, shape: dict, dtype: str, backward: bool) -> tuple:
     """(GEMM s, attention s, memory-bound s, kernels) of block 0, the terms predict_layer_s sums."""
-    from zsim.schedule.common import linear_gemms
+    from zsim.schedule.passes import linear_gemms
     g = a = m = 0.0
     k = 0
     for mod in layer_modules(shape, dtype):

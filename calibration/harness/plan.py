@@ -105,7 +105,7 @@ def default_plan(mode: str, *, max_size_bytes: int | None = None, io_path: str =
 def layer_gemms(shape: LayerShape) -> list[tuple[str, str, int, int, int]]:
     """(module, pass, m, n, k) of the GEMMs of one layer, in the layouts autograd runs them.
 
-    Mirrors zsim.schedule.common.linear_gemms: fwd (t, out, in); dgrad (t, in, out);
+    Mirrors zsim.schedule.passes.linear_gemms: fwd (t, out, in); dgrad (t, in, out);
     wgrad (out, in, t)."""
     h, t = shape.hidden, shape.tokens
     out = []

@@ -477,7 +477,7 @@ def bench_adam(ctx: Ctx) -> list[dict]:
 
 def bench_optimizer_step(ctx: Ctx) -> list[dict]:
     """DeepSpeed 0.19.8's ZeRO-1/2 optimizer step on the device over one shard, pass by pass as
-    zsim charges it (zsim.schedule.common grad_norm_ops and optimizer_step): per gradient piece
+    zsim charges it (zsim.schedule.optimizer grad_norm_ops and optimizer_step): per gradient piece
     the overflow check (amax/amin) and the fp64 norm, then the pieces flattened and converted to
     fp32, clipped, fused AdamW on the fp32 master, the master copied back into the 16-bit
     params, the gradients zeroed. The shard is larger than the caches, as a real shard is, and
@@ -485,8 +485,8 @@ def bench_optimizer_step(ctx: Ctx) -> list[dict]:
     mmap ceiling: zsim charges the first touch of a fresh copy on its own (fresh_alloc), so the
     rate measured here must not include it."""
     from calibration.core.ds_passes import overflow_count, squared_norm
-    from zsim.schedule.common import (NORM_KERNELS_PER_TENSOR, OVERFLOW_KERNELS_PER_TENSOR, norm_bytes_per_param,
-                                      overflow_bytes_per_param, step_bytes_per_param)
+    from zsim.schedule.optimizer import (NORM_KERNELS_PER_TENSOR, OVERFLOW_KERNELS_PER_TENSOR, norm_bytes_per_param,
+                                         overflow_bytes_per_param, step_bytes_per_param)
 
     dtype_name = ctx.plan.profile_dtype
     dt = DTYPES[dtype_name]

@@ -1,31 +1,49 @@
 """Memory ledger: every allocation and free in simulated time. Peak, breakdown at the peak and
-the timeline all come from these events (never from a second formula)."""
+the timeline all come from these events (never from a second formula).
+
+The ledger is strict: a tag is allocated once, freed once, and only after it was allocated;
+`close` checks that only the step's static buffers outlive it. Empty buffers are tracked like
+any other (so their frees are checked) but produce no events."""
 from __future__ import annotations
 
-from zsim.schedule.ops import Alloc
+from zsim.schedule.ir import Alloc, Tag
+
+
+class LedgerError(RuntimeError):
+    """The schedule's memory effects are inconsistent (a builder bug)."""
 
 
 class Ledger:
     def __init__(self):
-        self._live: dict[str, tuple[str, float]] = {}
-        self._events: list[tuple[float, float, str, str]] = []
+        self._live: dict[Tag, tuple[str, float]] = {}
+        self._freed: set[Tag] = set()
+        self._events: list[tuple[float, float, str, Tag]] = []
 
     def alloc(self, time_s: float, a: Alloc):
-        if a.size_bytes <= 0:
-            return
         if a.tag in self._live:
-            raise RuntimeError(f"ledger: tag {a.tag!r} allocated twice")
+            raise LedgerError(f"ledger: {a.tag} allocated twice")
+        self._freed.discard(a.tag)
         self._live[a.tag] = (a.category, a.size_bytes)
-        self._events.append((time_s, a.size_bytes, a.category, a.tag))
+        if a.size_bytes > 0:
+            self._events.append((time_s, a.size_bytes, a.category, a.tag))
 
-    def free(self, time_s: float, tag: str):
+    def free(self, time_s: float, tag: Tag):
         entry = self._live.pop(tag, None)
         if entry is None:
-            return  # zero-sized allocations are never recorded
+            state = "already freed" if tag in self._freed else "never allocated"
+            raise LedgerError(f"ledger: free of {tag}, {state}")
+        self._freed.add(tag)
         category, size = entry
-        self._events.append((time_s, -size, category, tag))
+        if size > 0:
+            self._events.append((time_s, -size, category, tag))
 
-    def events(self) -> tuple[tuple[float, float, str, str], ...]:
+    def close(self, static: tuple[Alloc, ...]):
+        """The end of the step: everything but the static buffers must have been freed."""
+        leaked = [t for t in self._live if t not in {a.tag for a in static}]
+        if leaked:
+            raise LedgerError(f"ledger: {len(leaked)} buffers alive at the end of the step, first {leaked[0]}")
+
+    def events(self) -> tuple[tuple[float, float, str, Tag], ...]:
         return tuple(self._events)
 
 
@@ -39,7 +57,7 @@ def peak_and_breakdown(events) -> tuple[float, float, dict[str, float]]:
         per_cat[category] = per_cat.get(category, 0.0) + delta
         if current > peak + 1e-6:
             peak, peak_t, peak_cat = current, time_s, dict(per_cat)
-    return peak, peak_t, {k: v for k, v in sorted(peak_cat.items()) if v > 0.5}
+    return peak, peak_t, {str(k): v for k, v in sorted(peak_cat.items()) if v > 0.5}
 
 
 def timeline(events) -> list[tuple[float, float]]:

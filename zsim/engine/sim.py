@@ -16,21 +16,11 @@ from dataclasses import dataclass
 
 import simpy
 
-from zsim.hardware.collectives import collective_cost, tiers_for
-from zsim.hardware.compute import (attention_time_s, fresh_alloc_time_s, gemm_time_s, kernel_overhead_s,
-                                   memory_bound_time_s, optimizer_time_s)
-from zsim.hardware.host import cpu_adam_time_s, host_link_Bps, nvme_time_s, pcie_time_s
 from zsim.engine.ledger import Ledger
-from zsim.schedule.ops import STREAMS, Op, Schedule
-from zsim.workload.transformer import DTYPE_BYTES
+from zsim.hardware.cost_model import COMM_LINKS, COMPUTE, CostModel
+from zsim.schedule.ir import STREAMS, Op, Schedule, Stream, Tag
 
 _EPS_S = 1e-15
-COMPUTE = ("compute",)
-# links each transfer direction crosses (see module doc)
-H2D_LINKS = ("gpu_link_down", "uplink_down")
-D2H_LINKS = ("gpu_link_up", "uplink_up")
-NVME_READ_LINKS = ("nvme", "uplink_up")      # drive -> host memory
-NVME_WRITE_LINKS = ("nvme", "uplink_down")
 
 
 @dataclass(frozen=True)
@@ -45,9 +35,16 @@ class OpTiming:
 class Trace:
     schedule: Schedule
     timings: tuple[OpTiming, ...]
-    ledger_events: tuple[tuple[float, float, str, str], ...]   # (time_s, delta_bytes, category, tag)
+    ledger_events: tuple[tuple[float, float, str, Tag], ...]   # (time_s, delta_bytes, category, tag)
     step_time_s: float
     events_processed: int
+
+
+class _Job:
+    __slots__ = ("remaining_s", "rate", "event", "links")
+
+    def __init__(self, remaining_s: float, event: simpy.Event, links: tuple[str, ...]):
+        self.remaining_s, self.rate, self.event, self.links = remaining_s, 1.0, event, links
 
 
 class _Fluid:
@@ -59,7 +56,7 @@ class _Fluid:
     def __init__(self, env: simpy.Environment, compute_slowdown: float):
         self.env = env
         self.slowdown = compute_slowdown
-        self.jobs: dict[int, list] = {}       # id -> [remaining_work_s, rate, event, links]
+        self.jobs: dict[int, _Job] = {}
         self.next_id = 0
         self.last_s = 0.0
         self.version = 0
@@ -70,7 +67,7 @@ class _Fluid:
             ev.succeed()
             return ev
         self._advance()
-        self.jobs[self.next_id] = [work_s, 1.0, ev, links]
+        self.jobs[self.next_id] = _Job(work_s, ev, links)
         self.next_id += 1
         self._rerate()
         self._reschedule()
@@ -80,27 +77,27 @@ class _Fluid:
         dt = self.env.now - self.last_s
         if dt > 0:
             for job in self.jobs.values():
-                job[0] -= dt * job[1]
+                job.remaining_s -= dt * job.rate
         self.last_s = self.env.now
 
     def _rerate(self):
         count: dict[str, int] = {}
         for job in self.jobs.values():
-            for link in job[3]:
+            for link in job.links:
                 count[link] = count.get(link, 0) + 1
         # NCCL kernels occupy SMs; copy engines (PCIe), NVMe and the host do not slow the GPU
-        comm_active = bool(count.get("intra_node") or count.get("inter_node"))
+        comm_active = any(count.get(link) for link in COMM_LINKS)
         for job in self.jobs.values():
-            if job[3] == COMPUTE:
-                job[1] = 1.0 / (1.0 + self.slowdown) if comm_active else 1.0
+            if job.links == COMPUTE:
+                job.rate = 1.0 / (1.0 + self.slowdown) if comm_active else 1.0
             else:
-                job[1] = 1.0 / max(count[link] for link in job[3])
+                job.rate = 1.0 / max(count[link] for link in job.links)
 
     def _reschedule(self):
         self.version += 1
         if not self.jobs:
             return
-        dt = min(j[0] / j[1] for j in self.jobs.values())
+        dt = min(j.remaining_s / j.rate for j in self.jobs.values())
         version = self.version
         timer = self.env.timeout(max(dt, 0.0))
         timer.callbacks.append(lambda _ev: self._fire(version))
@@ -110,75 +107,27 @@ class _Fluid:
             return
         self._advance()
         limit = _EPS_S * max(1.0, self.env.now)
-        done = [k for k, j in self.jobs.items() if j[0] <= limit]
+        done = [k for k, j in self.jobs.items() if j.remaining_s <= limit]
         for k in done:
-            self.jobs.pop(k)[2].succeed()
+            self.jobs.pop(k).event.succeed()
         self._rerate()
         self._reschedule()
 
 
-def compute_work_s(op: Op, cluster, precision: str) -> float:
-    gpu = cluster.profile.gpu
-    peak = cluster.peak_flops(precision)
-    dtype_bytes = DTYPE_BYTES[precision]
-    t = sum(gemm_time_s(m, n, k, dtype_bytes, gpu, peak) for m, n, k in op.gemms)
-    if op.attention_flops:
-        t += attention_time_s(op.attention_flops, op.attention_backward, gpu, peak)
-    if op.mem_bytes:
-        t += memory_bound_time_s(op.mem_bytes, gpu)
-    if op.optimizer_bytes:
-        t += optimizer_time_s(op.optimizer_bytes, gpu)
-    return t
-
-
 def simulate(schedule: Schedule, cluster, precision: str) -> Trace:
+    cost = CostModel(cluster, precision, schedule.stage, schedule.host)
     env = simpy.Environment()
-    fluid = _Fluid(env, cluster.profile.interference.compute_slowdown_during_comm)
-    intra, inter = tiers_for(cluster)
-    gpu = cluster.profile.gpu
+    fluid = _Fluid(env, cost.compute_slowdown)
     ledger = Ledger()
     for a in schedule.static:
         ledger.alloc(0.0, a)
     done = [env.event() for _ in schedule.ops]
     timings: list[OpTiming | None] = [None] * len(schedule.ops)
-    by_stream: dict[str, list[Op]] = {s: [] for s in STREAMS}
+    by_stream: dict[Stream, list[Op]] = {s: [] for s in STREAMS}
     # a device without concurrent streams (a CPU rank) runs every op in program order
     serial = not cluster.profile.gpu.concurrent_streams
     for op in schedule.ops:
-        by_stream["compute" if serial else op.stream].append(op)
-
-    meta = schedule.meta
-    prof = cluster.profile
-
-    uplink_Bps = prof.pcie.switch_uplink_GBps * 1e9 if prof.pcie.switch_uplink_GBps else None
-    # only the job's GPUs copy: a 1-GPU job has its switch's uplink to itself
-    sharers = min(prof.pcie.gpus_per_switch, cluster.gpus_per_node)
-    host_Bps = host_link_Bps(cluster.pcie_bw_Bps, uplink_Bps, sharers)
-    nic_links = ("inter_node", "gpu_link_up", "gpu_link_down") if prof.pcie.nics_share_gpu_link else ("inter_node",)
-
-    def links(path: tuple[str, ...]) -> tuple[str, ...]:
-        # without a shared switch uplink, host traffic has no uplink to contend for
-        return path if uplink_Bps is not None else tuple(x for x in path if not x.startswith("uplink"))
-
-    def host_work(op: Op) -> tuple[float, float, tuple[str, ...]]:
-        """(fixed_s, shared work_s, links) of a copy, NVMe or CPU op."""
-        if op.transfer in ("h2d", "d2h"):
-            pinned = meta.get("pin_memory", True) if op.pinned is None else op.pinned
-            lat, xfer = pcie_time_s(op.size_bytes, host_Bps, prof.pcie.latency_us * 1e-6, pinned)
-            return lat, xfer, links(H2D_LINKS if op.transfer == "h2d" else D2H_LINKS)
-        if op.transfer in ("nvme_read", "nvme_write"):
-            read = op.transfer == "nvme_read"
-            per_drive = prof.nvme.read_GBps_per_drive if read else prof.nvme.write_GBps_per_drive
-            node_bw = max(prof.nvme.drives_per_node, 1) * per_drive * 1e9
-            if uplink_Bps is not None:   # drives sit under the switches: their traffic crosses the uplinks too
-                node_bw = min(node_bw, uplink_Bps * cluster.gpus_per_node / sharers)
-            t = nvme_time_s(op.size_bytes, node_bw, cluster.gpus_per_node, meta.get("aio_efficiency", 1.0))
-            return 0.0, t, links(NVME_READ_LINKS if read else NVME_WRITE_LINKS)
-        if op.cpu_adam_params:
-            t = cpu_adam_time_s(op.cpu_adam_params, prof.cpu.adam_params_per_s_per_core, prof.cpu.cores_per_node,
-                                cluster.gpus_per_node, meta.get("cpu_cores_fraction", 1.0))
-            return t, 0.0, ("cpu",)
-        return 0.0, 0.0, ("cpu",)
+        by_stream[Stream.COMPUTE if serial else op.stream].append(op)
 
     def run_stream(ops: list[Op]):
         for op in ops:
@@ -188,36 +137,11 @@ def simulate(schedule: Schedule, cluster, precision: str) -> Trace:
             start = env.now
             for a in op.alloc:
                 ledger.alloc(start, a)
-            fixed = op.fixed_time_s + kernel_overhead_s(op.kernels, gpu)
-            if op.hook_visits:
-                fixed += op.hook_visits * 1e-6 * (prof.cpu.zero3_hook_bwd_us if op.phase == "backward"
-                                                  else prof.cpu.zero3_hook_fwd_us)
-            if op.grad_hooks:
-                fixed += op.grad_hooks * 1e-6 * prof.cpu.grad_hook_us(schedule.stage)
-            if op.alloc and gpu.fresh_alloc_GBps:
-                # a gather's params are views of one flat output buffer; other ops' allocations are tensors
-                fixed += fresh_alloc_time_s([op.size_bytes] if op.collective == "all_gather"
-                                            else [a.size_bytes for a in op.alloc], gpu)
-            if op.collective:
-                # the collective's own buffer passes (packing, pre-division) run on its stream first
-                fixed += memory_bound_time_s(op.mem_bytes, gpu)
-                cost = collective_cost(op.collective, op.size_bytes, cluster.nodes, cluster.gpus_per_node, intra, inter,
-                                       op.coalesced)
-                fixed += cost.latency_s
-                if fixed > 0:
-                    yield env.timeout(fixed)
-                yield fluid.submit(nic_links if cost.tier == "inter_node" else (cost.tier,), cost.transfer_s)
-            elif op.transfer or op.cpu_adam_params:
-                lat, work, path = host_work(op)
-                if fixed + lat > 0:
-                    yield env.timeout(fixed + lat)
-                yield fluid.submit(path, work)
-            else:
-                if fixed > 0:
-                    yield env.timeout(fixed)
-                work = compute_work_s(op, cluster, precision)
-                if work > 0:
-                    yield fluid.submit(COMPUTE, work)
+            c = cost.op_cost(op)
+            if c.fixed_s > 0:
+                yield env.timeout(c.fixed_s)
+            if c.work_s > 0 or c.links != COMPUTE:
+                yield fluid.submit(c.links, c.work_s)
             for tag in op.free:
                 ledger.free(env.now, tag)
             timings[op.id] = OpTiming(op.id, start, env.now)
@@ -230,5 +154,6 @@ def simulate(schedule: Schedule, cluster, precision: str) -> Trace:
     missing = [op.name for op, t in zip(schedule.ops, timings) if t is None]
     if missing:
         raise RuntimeError(f"schedule deadlock: {len(missing)} ops never ran, first {missing[0]!r}")
+    ledger.close(schedule.static)
     step = max((t.end_s for t in timings), default=0.0)
     return Trace(schedule, tuple(timings), ledger.events(), step, len(schedule.ops))

@@ -5,6 +5,7 @@ from zsim.config.scenario import Scenario
 from zsim.engine.ledger import peak_and_breakdown
 from zsim.engine.sim import Trace
 from zsim.hardware.collectives import bus_factor
+from zsim.schedule.ir import Copy, CpuAdam, Stream
 from zsim.workload.transformer import Workload
 
 RESERVED = "CUDA context + allocator reserve"
@@ -64,18 +65,20 @@ def summarize(sc: Scenario, wl: Workload, trace: Trace) -> dict:
     comm_time: dict[str, float] = {}
     host_time: dict[str, float] = {}
     for op, t in zip(ops, trace.timings):
-        if op.transfer or op.cpu_adam_params:
-            key = op.transfer or "cpu_adam"
+        p, comm = op.payload, op.comm
+        if isinstance(p, (Copy, CpuAdam)):
+            key = p.transfer.value if isinstance(p, Copy) else "cpu_adam"
             host_time[key] = host_time.get(key, 0.0) + (t.end_s - t.start_s)
-        if op.collective:
+        if comm is not None:
+            kind = comm.collective.value
             comm_iv.append((t.start_s, t.end_s))
-            sent = op.size_bytes * bus_factor(op.collective, world)
-            comm_bytes[op.collective] = comm_bytes.get(op.collective, 0.0) + sent
-            comm_count[op.collective] = comm_count.get(op.collective, 0) + 1
-            comm_time[op.collective] = comm_time.get(op.collective, 0.0) + (t.end_s - t.start_s)
-        elif op.stream == "compute":
+            sent = comm.size_bytes * bus_factor(kind, world)
+            comm_bytes[kind] = comm_bytes.get(kind, 0.0) + sent
+            comm_count[kind] = comm_count.get(kind, 0) + 1
+            comm_time[kind] = comm_time.get(kind, 0.0) + (t.end_s - t.start_s)
+        elif op.stream == Stream.COMPUTE:
             compute_iv.append((t.start_s, t.end_s))
-            hw_flops_gpu += op.model_flops
+            hw_flops_gpu += op.work.model_flops
     peak_alloc, peak_t, breakdown = peak_and_breakdown(trace.ledger_events)
     reserved = cl.reserved_bytes
     peak = peak_alloc + reserved
@@ -86,7 +89,7 @@ def summarize(sc: Scenario, wl: Workload, trace: Trace) -> dict:
     for a in trace.schedule.host_static:
         host_breakdown[a.category] = host_breakdown.get(a.category, 0.0) + a.size_bytes * cl.gpus_per_node
     host_need = sum(host_breakdown.values())
-    host_load = trace.schedule.meta.get("host_load_bytes_per_gpu", 0.0) * cl.gpus_per_node
+    host_load = trace.schedule.host.host_load_bytes_per_gpu * cl.gpus_per_node
     peak_flops = cl.peak_flops(sc.precision)
     tflops = model_flops_gpu / step / 1e12 if step > 0 else 0.0
     return {

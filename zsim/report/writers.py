@@ -9,7 +9,7 @@ from pathlib import Path
 
 from zsim.engine.ledger import timeline
 from zsim.engine.sim import Trace
-from zsim.schedule.ops import STREAMS
+from zsim.schedule.ir import STREAMS
 
 GiB = 1024**3
 
@@ -81,11 +81,12 @@ def chrome_trace(trace: Trace, name: str) -> dict:
             events.append({"ph": "M", "pid": 1, "tid": tids[s], "name": "thread_name", "args": {"name": f"{s} stream"}})
             events.append({"ph": "M", "pid": 1, "tid": tids[s], "name": "thread_sort_index", "args": {"sort_index": tids[s]}})
     for op, t in zip(trace.schedule.ops, trace.timings):
-        args = {"phase": op.phase, "micro_step": op.micro_step}
-        if op.collective:
-            args.update(collective=op.collective, numel=op.numel, bytes=op.size_bytes)
+        args = {"phase": op.phase.value, "micro_step": op.micro_step}
+        comm = op.comm
+        if comm is not None:
+            args.update(collective=comm.collective.value, numel=comm.numel, bytes=comm.size_bytes)
         events.append({"ph": "X", "pid": 1, "tid": tids[op.stream], "name": op.name,
-                       "cat": "comm" if op.collective else op.phase,
+                       "cat": "comm" if comm is not None else op.phase.value,
                        "ts": round(t.start_s * 1e6, 3), "dur": round((t.end_s - t.start_s) * 1e6, 3), "args": args})
     for time_s, used_bytes in timeline(trace.ledger_events):
         events.append({"ph": "C", "pid": 1, "tid": 0, "name": "memory allocated", "ts": round(time_s * 1e6, 3),

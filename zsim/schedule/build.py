@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from zsim.config.scenario import Scenario
 from zsim.schedule import offload, stage3, stage012
-from zsim.schedule.common import StepContext
-from zsim.schedule.ops import Builder, Schedule
+from zsim.schedule.builder import Builder
+from zsim.schedule.context import StepContext
+from zsim.schedule.ir import Schedule
 from zsim.workload.transformer import DTYPE_BYTES, Workload, build_workload
 
 
@@ -22,4 +23,4 @@ def build_schedule(sc: Scenario, wl: Workload | None = None) -> tuple[Workload, 
         stage3.build(ctx)
     else:
         stage012.build(ctx)
-    return wl, ctx.b.build(sc.zero.stage, {"world_size": ctx.world, **offload.host_meta(ctx)})
+    return wl, ctx.b.build(sc.zero.stage, ctx.world, offload.host_settings(ctx))

@@ -16,9 +16,13 @@ from __future__ import annotations
 import math
 
 from zsim.hardware.host import aio_efficiency
-from zsim.schedule.common import ADAM_STATE_BYTES, FP32_BYTES, StepContext
+from zsim.schedule.context import StepContext
+from zsim.schedule.ir import (Category, ComputeWork, Copy, CpuAdam, HostSettings, OpKind, Phase, StepCompute, Stream,
+                              Transfer)
+from zsim.schedule.optimizer import ADAM_STATE_BYTES, FP32_BYTES, optimizer_step
 
 OPT_STATE_BYTES = FP32_BYTES + ADAM_STATE_BYTES   # fp32 master + exp_avg + exp_avg_sq
+H2D, D2H = Transfer.H2D, Transfer.D2H
 
 
 def optimizer_device(ctx: StepContext) -> str:
@@ -40,7 +44,7 @@ def host_load_bytes(ctx: StepContext) -> float:
     return n * ctx.param_bytes
 
 
-def host_meta(ctx: StepContext) -> dict:
+def host_settings(ctx: StepContext) -> HostSettings:
     z, ds = ctx.sc.zero, ctx.sc.deepspeed
     pin = True
     if z.offload_optimizer is not None:
@@ -48,8 +52,8 @@ def host_meta(ctx: StepContext) -> dict:
     if z.offload_param is not None:
         pin = pin and z.offload_param.pin_memory
     frac = z.offload_optimizer.cpuadam_cores_perc if z.offload_optimizer is not None else 0.8
-    return {"pin_memory": pin, "cpu_cores_fraction": frac, "host_load_bytes_per_gpu": host_load_bytes(ctx),
-            "aio_efficiency": aio_efficiency(ds.aio.block_size, ds.aio.queue_depth, ds.aio.thread_count)}
+    return HostSettings(pin_memory=pin, cpu_cores_fraction=frac, host_load_bytes_per_gpu=host_load_bytes(ctx),
+                        aio_efficiency=aio_efficiency(ds.aio.block_size, ds.aio.queue_depth, ds.aio.thread_count))
 
 
 def place_states(ctx: StepContext, states: dict[str, float], shard: float) -> dict[str, float]:
@@ -59,10 +63,10 @@ def place_states(ctx: StepContext, states: dict[str, float], shard: float) -> di
     opt = optimizer_device(ctx)
     if opt != "none":
         ratio = z.offload_optimizer.ratio if z.offload_optimizer is not None else 1.0
-        moved = states["optimizer states"] * ratio
-        states["optimizer states"] -= moved
+        moved = states[Category.OPTIMIZER_STATES] * ratio
+        states[Category.OPTIMIZER_STATES] -= moved
         if opt == "cpu":
-            ctx.b.host_alloc("optimizer states", moved)
+            ctx.b.host_alloc(Category.OPTIMIZER_STATES, moved)
         else:
             o = z.offload_optimizer
             sub = min(z.sub_group_size, shard) if z.stage == 3 else shard
@@ -79,10 +83,10 @@ def place_states(ctx: StepContext, states: dict[str, float], shard: float) -> di
                 # accumulated_grads_in_cpu: 16-bit, per parameter in the partition (stage_1_and_2.py:1822-1825)
                 ctx.b.host_alloc("gradient accumulation buffer (16-bit)", ctx.param_bytes * shard)
         if ctx.sc.zero.stage >= 2:
-            states["gradients"] = 0.0
+            states[Category.GRADIENTS] = 0.0
     if param_device(ctx) != "none":
-        moved = states["parameters"]
-        states["parameters"] = 0.0
+        moved = states[Category.PARAMETERS]
+        states[Category.PARAMETERS] = 0.0
         if param_device(ctx) == "cpu":
             ctx.b.host_alloc("parameters (16-bit)", moved)
         else:
@@ -106,15 +110,15 @@ def grads_to_host(ctx: StepContext, numel_owned: float, micro: int, after: int, 
     boundary = micro == ctx.gas - 1
     last = after
     if ctx.sc.zero.stage == 3:
-        steps = [("d2h", w), ("h2d", w)] if micro == 0 else [("h2d", w), ("d2h", w)]
+        steps = [(D2H, w), (H2D, w)] if micro == 0 else [(H2D, w), (D2H, w)]
     else:
-        steps = ([("h2d", w)] if micro > 0 else []) + ([] if boundary else [("d2h", w)])
+        steps = ([(H2D, w)] if micro > 0 else []) + ([] if boundary else [(D2H, w)])
     if boundary:
-        steps.append(("d2h", FP32_BYTES))
-    for kind, width in steps:
-        what = "fp32 grads" if width == FP32_BYTES and kind == "d2h" and boundary else "grad accumulation"
-        last = b.add(f"{kind.upper()} {what} {label}", kind, "backward", micro, [last], transfer=kind,
-                     size_bytes=numel_owned * width)
+        steps.append((D2H, FP32_BYTES))
+    for transfer, width in steps:
+        what = "fp32 grads" if width == FP32_BYTES and transfer == Transfer.D2H and boundary else "grad accumulation"
+        last = b.add(OpKind.GRAD_COPY, Stream(transfer.value), Phase.BACKWARD, micro,
+                     Copy(transfer, numel_owned * width, what=f"{what} {label}"), [last])
     return last
 
 
@@ -122,14 +126,13 @@ def offloaded_step(ctx: StepContext, shard: float, deps, sub_group_size: int | N
     """CPU (or NVMe-backed) optimizer step over the local shard; returns the op after which
     the GPU holds the updated 16-bit partition."""
     z = ctx.sc.zero
-    step = ctx.gas - 1
+    step = ctx.last_micro
     deps = list(deps)
     # partial offload (stage 3 `ratio`): that fraction of the shard steps on the CPU, the rest
     # with the GPU's fused Adam, concurrently
     ratio = z.offload_optimizer.ratio if z.offload_optimizer is not None else 1.0
     gpu_part = None
     if ratio < 1.0:
-        from zsim.schedule.common import optimizer_step
         gpu_part = optimizer_step(ctx, shard * (1.0 - ratio), deps)
         shard = shard * ratio
     groups = 1 if not sub_group_size else max(1, math.ceil(shard / sub_group_size))
@@ -139,30 +142,31 @@ def offloaded_step(ctx: StepContext, shard: float, deps, sub_group_size: int | N
     pipelined = bool(o and (o.pipeline_read or o.pipeline_write or o.pipeline))
     last_h2d = None
     prev_write = None
+    b = ctx.b
     for g in range(groups):
         read = None
         if nvme:
             read_deps = deps if pipelined or prev_write is None else deps + [prev_write]
-            read = ctx.b.add(f"NVMe read optimizer group {g}", "nvme", "step", step, read_deps,
-                             transfer="nvme_read", size_bytes=per * OPT_STATE_BYTES)
-        adam = ctx.b.add(f"CPU Adam group {g}", "cpu", "step", step, deps + [read], cpu_adam_params=per)
+            read = b.add(OpKind.OPTIMIZER_SWAP, Stream.NVME, Phase.STEP, step,
+                         Copy(Transfer.NVME_READ, per * OPT_STATE_BYTES, what=f"optimizer group {g}"), read_deps)
+        adam = b.add(OpKind.CPU_ADAM, Stream.CPU, Phase.STEP, step, CpuAdam(per, g), deps + [read])
         if nvme:
-            prev_write = ctx.b.add(f"NVMe write optimizer group {g}", "nvme", "step", step, [adam],
-                                   transfer="nvme_write", size_bytes=per * OPT_STATE_BYTES)
+            prev_write = b.add(OpKind.OPTIMIZER_SWAP, Stream.NVME, Phase.STEP, step,
+                               Copy(Transfer.NVME_WRITE, per * OPT_STATE_BYTES, what=f"optimizer group {g}"), [adam])
         if param_device(ctx) == "none":
-            last_h2d = ctx.b.add(f"H2D updated params group {g}", "h2d", "step", step, [adam],
-                                 transfer="h2d", size_bytes=per * ctx.param_bytes)
+            last_h2d = b.add(OpKind.PARAM_UPLOAD, Stream.H2D, Phase.STEP, step,
+                             Copy(Transfer.H2D, per * ctx.param_bytes, what=f"updated params group {g}"), [adam])
         else:
             last_h2d = adam   # the updated 16-bit partition stays on the host with the params
-    return ctx.b.add("optimizer step done", "compute", "step", step, [last_h2d, prev_write, gpu_part])
+    return b.add(OpKind.STEP_DONE, Stream.COMPUTE, Phase.STEP, step, StepCompute(ComputeWork()),
+                 [last_h2d, prev_write, gpu_part])
 
 
 def params_to_device(ctx: StepContext, numel_shard: float, micro: int, phase: str, deps, label: str) -> int:
     """Stage 3 offload_param: bring this rank's partitions to the GPU before the all-gather."""
-    last = None
+    size_bytes = numel_shard * ctx.param_bytes
     if param_device(ctx) == "nvme":
-        last = ctx.b.add(f"NVMe read params {label}", "nvme", phase, micro, deps, transfer="nvme_read",
-                         size_bytes=numel_shard * ctx.param_bytes)
-        deps = [last]
-    return ctx.b.add(f"H2D params {label}", "h2d", phase, micro, deps, transfer="h2d",
-                     size_bytes=numel_shard * ctx.param_bytes)
+        deps = [ctx.b.add(OpKind.PARAM_FETCH, Stream.NVME, phase, micro,
+                          Copy(Transfer.NVME_READ, size_bytes, what=f"params {label}"), deps)]
+    return ctx.b.add(OpKind.PARAM_FETCH, Stream.H2D, phase, micro, Copy(Transfer.H2D, size_bytes, what=f"params {label}"),
+                     deps)

@@ -1,0 +1,223 @@
+"""Gradient buckets in the training core, as DeepSpeed 0.19.8 fills and reduces them
+(zsim/schedule/grad_buckets.py has the schedule; this moves the tensors).
+
+- ZeRO-1: at the boundary each accumulated .grad is copied into the IPG buffer and dropped
+  (reduce_independent_p_g_buckets_and_remove_grads); the bucket is reduced from there.
+- ZeRO-2/3: the hooks move each ready gradient into the open bucket's buffer; without
+  contiguous_gradients (ZeRO-2) the .grad is kept until its bucket is reduced.
+- ZeRO-3 with reduce_scatter fills the IPG buffer in gradient order and interleaves it per rank
+  at the reduction, pre-divided by the world size (reduce_scatter_coalesced); with
+  reduce_scatter false it is filled rank-major and all-reduced.
+- ZeRO-1/2 keep only this rank's 16-bit partition of the reduced gradients (grads_in_partition,
+  allocated by the step's first reduction, freed after the step).
+"""
+from __future__ import annotations
+
+import torch
+
+from zsim.schedule.ir import Collective, GradReduce
+
+
+class GradBuckets:
+    def __init__(self, core):
+        self.core = core
+        plan, z = core.plan, core.sc.zero
+        self.stage, self.world, self.rank = plan.stage, core.world, core.rank
+        self.dtype, self.numels = core.dtype, core.numels
+        self.scatter_coalesced = self.stage == 3 and z.reduce_scatter
+        rank_major = self.stage == 3 and not self.scatter_coalesced
+        self.bucket_of: dict[tuple[int, int], tuple[int, int]] = {}   # (micro, pid) -> (bucket, offset)
+        for b in plan.buckets.values():
+            o = 0
+            for pid in b.pids:
+                self.bucket_of[(b.micro, pid)] = (b.id, o)
+                o += core.c[pid] if rank_major else self.numels[pid]
+        self.contiguous = z.contiguous_gradients and self.stage >= 1
+        self.ipg, self.ipg_numel = None, 0
+        if self.contiguous and plan.buckets:
+            size = min(z.reduce_bucket_size, core.total)
+            if self.stage == 3:
+                size = max(min(b.numel, size + self.world * len(b.pids)) for b in plan.buckets.values())   # padding
+                self.ipg = torch.zeros(int(size), dtype=self.dtype)
+            else:
+                # [Note: IPG buffer lifetime] allocated at the first gradient of each backward and
+                # dropped at its end (setup_buckets, _release_ipg_buffers), as zsim's ledger charges it
+                self.ipg_numel = int(size)
+        self.gpart = torch.zeros(core.soff[-1], dtype=self.dtype) if self.stage == 3 else None
+        self.begin_step()
+
+    def begin_step(self):
+        self.pending: list[int] = []
+        self.open_bucket = 0   # bucket ids count up from the step's first
+        self.filled: dict[int, torch.Tensor] = {}
+        self.held: dict[int, torch.Tensor] = {}
+        self.buf = None
+        self.cur = 0
+        self.micro = 0
+
+    # -- hooks -------------------------------------------------------------------------------
+    def grads_ready(self, micro: int, pids: tuple[int, ...]):
+        """The hooks after a backward op: the IPG buffer exists from the first one; ZeRO-2/3 move
+        the gradients into their bucket."""
+        self.micro = micro
+        if self.ipg_numel and self.ipg is None:
+            self.ipg = torch.empty(self.ipg_numel, dtype=self.dtype)
+        if self.stage >= 2:
+            self.pending.extend(pids)
+            self._fill()
+
+    def end_backward(self):
+        if self.ipg is not None and self.ipg_numel:
+            self.ipg = None   # the backward epilogue
+
+    def _uses_ipg(self, b) -> bool:
+        return self.ipg is not None and b.numel <= self.ipg.numel()
+
+    def _fill(self):
+        """Move ready gradients that belong to the open bucket into its buffer."""
+        core = self.core
+        while self.pending:
+            pid = self.pending[0]
+            bid, off = self.bucket_of[(self.micro, pid)]
+            if bid != self.open_bucket:
+                return
+            self.pending.pop(0)
+            p = core.params[pid]
+            g = p.grad.reshape(-1)
+            p.grad = None
+            b = core.plan.buckets[bid]
+            if self._uses_ipg(b):
+                buf = self.ipg
+            elif self.stage == 3 or self.contiguous:
+                buf = self.filled.get(bid)
+                if buf is None:
+                    buf = self.filled[bid] = torch.zeros(b.numel, dtype=self.dtype)
+            else:
+                self.held[pid] = g        # contiguous_gradients false: the grad waits for its bucket
+                continue
+            if self.stage == 3 and not self.scatter_coalesced:
+                self._fill_rank_major(buf, b, pid, off, g)
+            else:
+                buf[off: off + self.numels[pid]].copy_(g)
+
+    def _fill_rank_major(self, buf, b, pid: int, off: int, g):
+        c, W, n = self.core.c[pid], self.world, self.numels[pid]
+        seg = b.numel // W
+        for r in range(W):
+            lo, hi = r * c, min((r + 1) * c, n)
+            dst = buf[r * seg + off: r * seg + off + c]
+            if hi > lo:
+                dst[: hi - lo].copy_(g[lo:hi])
+            if hi - lo < c:
+                dst[max(hi - lo, 0):].zero_()
+
+    # -- reductions --------------------------------------------------------------------------
+    def _bucket_buffer(self, b):
+        core = self.core
+        if self.stage == 1:
+            buf = self.ipg[: b.numel] if self._uses_ipg(b) else torch.empty(b.numel, dtype=self.dtype)
+            o = 0
+            for p in b.pids:
+                buf[o: o + self.numels[p]].copy_(core.params[p].grad.reshape(-1))
+                core.params[p].grad = None
+                o += self.numels[p]
+            return buf
+        if self._uses_ipg(b):
+            return self.ipg[: b.numel]
+        if self.stage == 2 and self.filled.get(b.id) is None:
+            return torch.cat([self.held[p].reshape(-1) for p in b.pids])
+        return self.filled[b.id]
+
+    def reduce(self, p: GradReduce):
+        """One call of a bucket's reduction (zsim's BUCKET_REDUCE op)."""
+        b = self.core.plan.buckets[p.bucket]
+        call = p.call
+        if call == 0:
+            self.buf, self.cur = self._bucket_buffer(b), 0
+        comm, W = self.core.comm, self.world
+        kind = p.comm.collective
+        if kind == Collective.REDUCE:
+            pos = self._positions(b)
+            pieces = b.pieces[call]
+            t = torch.cat([self.buf[pos[pid] + st: pos[pid] + st + ln] for _, pid, st, ln in pieces])
+            comm.reduce(t, p.dst)
+            if p.dst == self.rank:
+                o = 0
+                for _, pid, st, ln in pieces:
+                    self._own_write(self.core.offsets[pid] + st, t[o:o + ln])
+                    o += ln
+        elif kind == Collective.REDUCE_SCATTER:
+            flat = self._interleave(b, self.buf)
+            flat.div_(W)   # pre-divide (reduce_scatter_coalesced): the step does not divide again
+            out = torch.empty(b.numel // W, dtype=self.dtype)
+            comm.reduce_scatter(out, flat)
+            self._stage3_take(b, out)
+        else:   # all_reduce of a chunk (or the whole bucket)
+            comm.all_reduce(self.buf[self.cur: self.cur + p.comm.numel])
+            self.cur += p.comm.numel
+            if call == len(b.calls) - 1:
+                self._take_allreduced(b)
+        if call == len(b.calls) - 1:
+            self.buf = None
+            self.filled.pop(b.id, None)
+            for q in b.pids:
+                self.held.pop(q, None)
+            self.open_bucket = b.id + 1
+            self._fill()
+
+    def _take_allreduced(self, b):
+        if self.stage == 3:
+            seg = b.numel // self.world
+            self._stage3_take(b, self.buf[self.rank * seg:(self.rank + 1) * seg])
+            return
+        core, part = self.core, self.core.plan.partition
+        pos = self._positions(b)
+        for pid in b.pids:
+            lo = max(core.offsets[pid], self.rank * part)
+            hi = min(core.offsets[pid + 1], (self.rank + 1) * part)
+            if hi > lo:
+                st = lo - core.offsets[pid]
+                self._own_write(lo, self.buf[pos[pid] + st: pos[pid] + st + hi - lo])
+
+    def _positions(self, b) -> dict[int, int]:
+        pos, o = {}, 0
+        for pid in b.pids:
+            pos[pid] = o
+            o += self.numels[pid]
+        return pos
+
+    def partition_grads(self):
+        if self.gpart is None:
+            self.gpart = torch.zeros(self.core.plan.partition, dtype=self.dtype)
+        return self.gpart
+
+    def _own_write(self, flat_index: int, values):
+        i = flat_index - self.rank * self.core.plan.partition
+        dst = self.partition_grads()[i: i + values.numel()]
+        if self.stage == 1:
+            dst.copy_(values)
+        else:
+            dst.add_(values)
+
+    def _interleave(self, b, buf):
+        """coalesced_collectives.py reduce_scatter_coalesced: each rank's chunk of every gradient
+        in the bucket (gradient order), padded to ceil(n/world), concatenated rank by rank into
+        a new buffer (padding zeroed here, where DeepSpeed leaves it uninitialised)."""
+        parts, o = [[] for _ in range(self.world)], 0
+        for pid in b.pids:
+            c, n = self.core.c[pid], self.numels[pid]
+            g = buf[o: o + n]
+            o += n
+            for r in range(self.world):
+                lo, hi = min(r * c, n), min((r + 1) * c, n)
+                parts[r].append(g[lo:hi])
+                if hi - lo < c:
+                    parts[r].append(torch.zeros(c - (hi - lo), dtype=self.dtype))
+        return torch.cat([t for ts in parts for t in ts])
+
+    def _stage3_take(self, b, out):
+        o = 0
+        soff = self.core.soff
+        for pid in b.pids:
+            self.gpart[soff[pid]:soff[pid + 1]].add_(out[o: o + self.core.c[pid]])
+            o += self.core.c[pid]

@@ -1,0 +1,114 @@
+"""The cost model the engine calls: one op's fixed time, shared work and the links it crosses.
+
+Fixed time (latencies, kernel launches, host-side hooks, first touch of fresh allocations) is
+not shared; work is served by the engine's processor-sharing model over `links`: the GPU's
+compute, the NVLink tier or the IB rails (a NIC may share the GPU's PCIe link), the GPU's PCIe
+link per direction, its PCIe switch's uplink per direction, NVMe, and the CPU.
+Every figure comes from the pure functions of compute.py, collectives.py and host.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zsim.hardware.collectives import collective_cost, tiers_for
+from zsim.hardware.compute import (attention_time_s, fresh_alloc_time_s, gemm_time_s, kernel_overhead_s,
+                                   memory_bound_time_s, optimizer_time_s)
+from zsim.hardware.host import cpu_adam_time_s, host_link_Bps, nvme_time_s, pcie_time_s
+from zsim.schedule.ir import Collective, ComputeWork, Copy, CpuAdam, HostSettings, Op, Phase, Transfer
+from zsim.workload.transformer import DTYPE_BYTES
+
+COMPUTE = ("compute",)
+COMM_LINKS = ("intra_node", "inter_node")   # an NCCL transfer on these slows the compute stream
+CPU = ("cpu",)
+_PATHS = {   # links each host transfer crosses
+    Transfer.H2D: ("gpu_link_down", "uplink_down"),
+    Transfer.D2H: ("gpu_link_up", "uplink_up"),
+    Transfer.NVME_READ: ("nvme", "uplink_up"),     # drive -> host memory
+    Transfer.NVME_WRITE: ("nvme", "uplink_down"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class OpCost:
+    fixed_s: float
+    work_s: float
+    links: tuple[str, ...]
+
+
+class CostModel:
+    def __init__(self, cluster, precision: str, stage: int, host: HostSettings):
+        prof = cluster.profile
+        self.cluster, self.stage, self.host = cluster, stage, host
+        self.gpu = prof.gpu
+        self.cpu = prof.cpu
+        self.peak_flops = cluster.peak_flops(precision)
+        self.dtype_bytes = DTYPE_BYTES[precision]
+        self.compute_slowdown = prof.interference.compute_slowdown_during_comm
+        self.intra, self.inter = tiers_for(cluster)
+        self.uplink_Bps = prof.pcie.switch_uplink_GBps * 1e9 if prof.pcie.switch_uplink_GBps else None
+        # only the job's GPUs copy: a 1-GPU job has its switch's uplink to itself
+        self.sharers = min(prof.pcie.gpus_per_switch, cluster.gpus_per_node)
+        self.host_Bps = host_link_Bps(cluster.pcie_bw_Bps, self.uplink_Bps, self.sharers)
+        self.nic_links = (("inter_node", "gpu_link_up", "gpu_link_down") if prof.pcie.nics_share_gpu_link
+                          else ("inter_node",))
+        nvme = prof.nvme
+        self.nvme_node_Bps = {Transfer.NVME_READ: max(nvme.drives_per_node, 1) * nvme.read_GBps_per_drive * 1e9,
+                              Transfer.NVME_WRITE: max(nvme.drives_per_node, 1) * nvme.write_GBps_per_drive * 1e9}
+        if self.uplink_Bps is not None:   # drives sit under the switches: their traffic crosses the uplinks too
+            cap = self.uplink_Bps * cluster.gpus_per_node / self.sharers
+            self.nvme_node_Bps = {k: min(v, cap) for k, v in self.nvme_node_Bps.items()}
+
+    def _links(self, path: tuple[str, ...]) -> tuple[str, ...]:
+        # without a shared switch uplink, host traffic has no uplink to contend for
+        return path if self.uplink_Bps is not None else tuple(x for x in path if not x.startswith("uplink"))
+
+    def host_fixed_s(self, op: Op) -> float:
+        """Host-side time before the op's work: kernel launches, DeepSpeed's hooks, fresh mappings."""
+        work = op.work
+        fixed = kernel_overhead_s(work.kernels if work is not None else 0, self.gpu)
+        if op.hook_visits:
+            per_visit_us = self.cpu.zero3_hook_bwd_us if op.phase == Phase.BACKWARD else self.cpu.zero3_hook_fwd_us
+            fixed += op.hook_visits * 1e-6 * per_visit_us
+        if op.grad_hooks:
+            fixed += op.grad_hooks * 1e-6 * self.cpu.grad_hook_us(self.stage)
+        if op.alloc and self.gpu.fresh_alloc_GBps:
+            comm = op.comm
+            # a gather's params are views of one flat output buffer; other ops' allocations are tensors
+            sizes = ([comm.size_bytes] if comm is not None and comm.collective == Collective.ALL_GATHER
+                     else [a.size_bytes for a in op.alloc])
+            fixed += fresh_alloc_time_s(sizes, self.gpu)
+        return fixed
+
+    def compute_work_s(self, work: ComputeWork) -> float:
+        t = sum(gemm_time_s(m, n, k, self.dtype_bytes, self.gpu, self.peak_flops) for m, n, k in work.gemms)
+        if work.attention_flops:
+            t += attention_time_s(work.attention_flops, work.attention_backward, self.gpu, self.peak_flops)
+        if work.mem_bytes:
+            t += memory_bound_time_s(work.mem_bytes, self.gpu)
+        if work.optimizer_bytes:
+            t += optimizer_time_s(work.optimizer_bytes, self.gpu)
+        return t
+
+    def op_cost(self, op: Op) -> OpCost:
+        fixed = self.host_fixed_s(op)
+        comm, p = op.comm, op.payload
+        cl = self.cluster
+        if comm is not None:
+            # the collective's own buffer passes (packing, pre-division) run on its stream first
+            fixed += memory_bound_time_s(comm.buffer_bytes, self.gpu)
+            cost = collective_cost(comm.collective.value, comm.size_bytes, cl.nodes, cl.gpus_per_node, self.intra,
+                                   self.inter, comm.coalesced)
+            links = self.nic_links if cost.tier == "inter_node" else (cost.tier,)
+            return OpCost(fixed + cost.latency_s, cost.transfer_s, links)
+        if isinstance(p, Copy):
+            if p.transfer in (Transfer.H2D, Transfer.D2H):
+                pinned = self.host.pin_memory if p.pinned is None else p.pinned
+                lat, xfer = pcie_time_s(p.size_bytes, self.host_Bps, cl.profile.pcie.latency_us * 1e-6, pinned)
+                return OpCost(fixed + lat, xfer, self._links(_PATHS[p.transfer]))
+            t = nvme_time_s(p.size_bytes, self.nvme_node_Bps[p.transfer], cl.gpus_per_node, self.host.aio_efficiency)
+            return OpCost(fixed + 0.0, t, self._links(_PATHS[p.transfer]))
+        if isinstance(p, CpuAdam):
+            t = cpu_adam_time_s(p.params, self.cpu.adam_params_per_s_per_core, self.cpu.cores_per_node,
+                                cl.gpus_per_node, self.host.cpu_cores_fraction)
+            return OpCost(fixed + t, 0.0, CPU)
+        return OpCost(fixed, self.compute_work_s(op.work), COMPUTE)

@@ -1,0 +1,72 @@
+"""Builds a Schedule in program order. Ops stay mutable drafts until `build` freezes them, so
+hooks can attach frees, allocations and host-side effects to an op added earlier without
+copying it."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from zsim.schedule.ir import Alloc, Buffer, HostSettings, ModulePass, Op, OpKind, Phase, Schedule, Stream, Tag
+
+
+class _Draft:
+    __slots__ = ("kind", "stream", "phase", "micro", "payload", "deps", "alloc", "free", "hook_visits",
+                 "grad_hooks", "bucketed")
+
+    def __init__(self, kind, stream, phase, micro, payload, deps, alloc):
+        self.kind, self.stream, self.phase, self.micro, self.payload = kind, stream, phase, micro, payload
+        self.deps, self.alloc, self.free = deps, list(alloc), []
+        self.hook_visits = self.grad_hooks = 0
+        self.bucketed: list[int] = []
+
+
+class Builder:
+    def __init__(self):
+        self._ops: list[_Draft] = []
+        self.static: list[Alloc] = []
+        self.host_static: list[Alloc] = []
+
+    def add(self, kind: OpKind, stream: Stream, phase: Phase, micro: int, payload, deps=(),
+            alloc: tuple[Alloc, ...] = ()) -> int:
+        deps = tuple(sorted({d for d in deps if d is not None}))
+        self._ops.append(_Draft(kind, stream, phase, micro, payload, deps, alloc))
+        return len(self._ops) - 1
+
+    def kind(self, op_id: int) -> OpKind:
+        return self._ops[op_id].kind
+
+    def add_free(self, op_id: int, *tags: Tag):
+        self._ops[op_id].free.extend(tags)
+
+    def add_alloc(self, op_id: int, *allocs: Alloc):
+        self._ops[op_id].alloc.extend(allocs)
+
+    def add_hook_visits(self, op_id: int, visits: int):
+        self._ops[op_id].hook_visits += visits
+
+    def add_grad_hooks(self, op_id: int, params: int):
+        self._ops[op_id].grad_hooks += params
+
+    def add_bucketed(self, op_id: int, pid: int):
+        """A gradient hook after this (backward) op puts `pid` into the IPG bucket."""
+        self._ops[op_id].bucketed.append(pid)
+
+    def static_alloc(self, category: str, size_bytes: float):
+        if size_bytes > 0:
+            self.static.append(Alloc(Tag(Buffer.STATE, key=category), category, float(size_bytes)))
+
+    def host_alloc(self, category: str, size_bytes: float):
+        if size_bytes > 0:
+            self.host_static.append(Alloc(Tag(Buffer.STATE, key=category), category, float(size_bytes)))
+
+    def build(self, stage: int, world_size: int, host: HostSettings) -> Schedule:
+        ops = []
+        for i, d in enumerate(self._ops):
+            payload = d.payload
+            if d.bucketed:
+                assert isinstance(payload, ModulePass)
+                payload = replace(payload, bucketed=tuple(d.bucketed))
+            ops.append(Op(i, d.kind, d.stream, d.phase, d.micro, payload, d.deps, tuple(d.alloc), tuple(d.free),
+                          d.hook_visits, d.grad_hooks))
+        return Schedule(stage=stage, world_size=world_size, ops=tuple(ops), static=tuple(self.static), host=host,
+                        host_static=tuple(self.host_static))
+

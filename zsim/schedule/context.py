@@ -1,0 +1,64 @@
+"""What a stage builder works with: the scenario, the workload, the builder, and the hooks the
+forward/backward passes call so each ZeRO stage adds its own collectives and memory."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from zsim.config.scenario import Scenario
+from zsim.schedule.builder import Builder
+from zsim.schedule.ir import Phase, Stream
+from zsim.workload.transformer import Module, Workload
+
+
+@dataclass
+class StepContext:
+    sc: Scenario
+    wl: Workload
+    b: Builder
+    param_bytes: int            # 16-bit (2) or fp32 (4) model/gradient width
+    world: int
+    ckpt_offload_ops: dict = field(default_factory=dict)   # (micro, layer) -> D2H op of its checkpoint
+
+    @property
+    def gas(self) -> int:
+        return self.sc.gradient_accumulation_steps
+
+    @property
+    def last_micro(self) -> int:
+        return self.sc.gradient_accumulation_steps - 1
+
+    @property
+    def checkpointing(self) -> str:
+        return self.sc.training.activation_checkpointing
+
+    @property
+    def cpu_checkpointing(self) -> bool:
+        """deepspeed.checkpointing with cpu_checkpointing: each block's input goes to host memory
+        (activation_checkpointing/checkpointing.py:613-616 forward, 639-640 backward). It applies
+        to checkpointed blocks, i.e. full checkpointing."""
+        return self.checkpointing == "full" and self.sc.deepspeed.activation_checkpointing.cpu_checkpointing
+
+    @property
+    def grad_stream(self) -> Stream:
+        return Stream.REDUCE if self.sc.zero.overlap else Stream.COMPUTE
+
+    @property
+    def optimizer_offloaded(self) -> bool:
+        return self.sc.zero.optimizer_offload_device != "none"
+
+    @property
+    def params_offloaded(self) -> bool:
+        return self.sc.zero.param_offload_device != "none"
+
+
+class StageHooks:
+    """Default: a plain data-parallel replica (no communication in the passes)."""
+
+    def pre_module(self, ctx: StepContext, module: Module, micro: int, phase: Phase) -> list[int]:
+        return []
+
+    def post_module(self, ctx: StepContext, module: Module, micro: int, phase: Phase, op: int):
+        pass
+
+    def end_backward(self, ctx: StepContext, micro: int, last_op: int):
+        pass

@@ -1,0 +1,167 @@
+"""Gradient reduction through IPG buckets, as DeepSpeed 0.19.8 runs it
+(runtime/zero/stage_1_and_2.py, runtime/zero/stage3.py; recorded in tests/fixtures/deepspeed).
+
+Gradients enter a bucket of reduce_bucket_size elements in the order their hooks fire; the
+bucket is reduced when the next gradient would overflow it (reduce_independent_p_g_buckets_and_
+remove_grads) and at the end of the backward. How one bucket becomes calls differs:
+- ZeRO-1/2 (`Zero12Buckets`): one all-reduce of the whole bucket without reduce_scatter; with it
+  (the default) one all-reduce per reduce_bucket_size of the rank slices
+  (use_multi_rank_bucket_allreduce, average_tensor), else one `reduce` per destination rank.
+  This moves 2x the bytes of the ZeRO paper's reduce-scatter (2(N-1)/N vs (N-1)/N).
+- ZeRO-3 (`Zero3Buckets`): one coalesced reduce-scatter of the padded bucket (all-reduce with
+  reduce_scatter false), with reduce_scatter_coalesced's buffer passes.
+With the optimizer offloaded, this rank's reduced slice goes to the host after each bucket.
+"""
+from __future__ import annotations
+
+from zsim.schedule import offload
+from zsim.schedule.context import StepContext
+from zsim.schedule.ir import Alloc, Buffer, Category, Collective, Comm, GradReduce, OpKind, Phase, Tag
+from zsim.schedule.partition import bucket_pieces, call_sizes, flat_partition, offsets, padded, rank_slices
+
+
+class _Buckets:
+    """Bucket filling shared by the stages; `_flush` turns a bucket into calls."""
+
+    def __init__(self, ctx: StepContext):
+        self.ctx = ctx
+        self.numels = [p.numel for p in ctx.wl.params]
+        self.bucket: list[int] = []
+        self.bucket_numel = 0
+        self.flushes = 0
+        self.last_reduce: int | None = None
+        self.last_d2h: int | None = None
+
+    def add(self, pid: int, micro: int, after: int):
+        """A gradient hook after op `after` puts `pid` into the bucket."""
+        numel = self.numels[pid]
+        if self.bucket_numel + numel > self.ctx.sc.zero.reduce_bucket_size:
+            self.flush(micro, after)
+        self._on_add(pid, micro, after)
+        self.ctx.b.add_bucketed(after, pid)
+        self.bucket.append(pid)
+        self.bucket_numel += numel
+
+    def _on_add(self, pid: int, micro: int, after: int):
+        pass
+
+    def flush(self, micro: int, after: int):
+        if not self.bucket:
+            return
+        self._flush(micro, after)
+        self.flushes += 1
+        self.bucket, self.bucket_numel = [], 0
+
+    def _reduce_op(self, micro: int, after: int, call: int, comm: Comm, dst: int = -1, alloc=()) -> int:
+        payload = GradReduce(comm, bucket=self.flushes, call=call, pids=tuple(self.bucket), dst=dst)
+        return self.ctx.b.add(OpKind.BUCKET_REDUCE, self.ctx.grad_stream, Phase.BACKWARD, micro, payload, [after],
+                              alloc)
+
+    def _flush(self, micro: int, after: int):
+        raise NotImplementedError
+
+
+class Zero12Buckets(_Buckets):
+    """ZeRO-1/2 buckets over the flat 16-bit group. [Note: ZeRO-1/2 gradient lifetime]: gradients
+    exist only while DeepSpeed holds them. Autograd allocates each 16-bit .grad in backward
+    (zero_grad set them to None after the last step); a reduced bucket's gradients move into this
+    rank's 16-bit partition (copy_grads_in_partition, grads_in_partition), which the step
+    flattens and frees (averaged_gradients = None). Offloaded gradients go to the host instead."""
+
+    def __init__(self, ctx: StepContext, lazy_grads: bool, walk_at_boundary: bool):
+        super().__init__(ctx)
+        self.starts = offsets(self.numels)
+        self.padded, self.partition = flat_partition(self.numels, ctx.world)
+        self.lazy_grads = lazy_grads
+        self.walk_at_boundary = walk_at_boundary     # ZeRO-1 without overlap_comm: reduce_gradients
+        self.partition_live = False
+        self.pending: list[Tag] = []
+        self.micro_flush: tuple[int, int] | None = None   # (micro-step, its last reduction op)
+
+    def _on_add(self, pid: int, micro: int, after: int):
+        z = self.ctx.sc.zero
+        if z.stage == 2 and not z.contiguous_gradients:
+            # without contiguous_gradients each .grad stays allocated until its bucket is reduced
+            tag = Tag(Buffer.GRAD_PENDING, micro, pid)
+            self.ctx.b.add_alloc(after, Alloc(tag, Category.BUCKETS, self.numels[pid] * self.ctx.param_bytes))
+            self.pending.append(tag)
+        if self.lazy_grads and z.stage == 1 and not self.walk_at_boundary:
+            # the boundary micro-step's hook copies the accumulated gradient into the IPG buffer
+            self.ctx.b.add_free(after, Tag(Buffer.GRAD16, key=pid))
+
+    def _calls(self) -> list[tuple[Collective, int, int]]:
+        """(collective, destination rank or -1, elements) of the current bucket's calls."""
+        z = self.ctx.sc.zero
+        if not z.reduce_scatter:
+            # gradient_reduction_w_predivide: the whole bucket in one all-reduce
+            return [(Collective.ALL_REDUCE, -1, self.bucket_numel)]
+        slices = rank_slices(bucket_pieces(self.bucket, self.starts, self.numels, self.partition))
+        if z.use_multi_rank_bucket_allreduce:
+            return [(Collective.ALL_REDUCE, -1, n) for n in call_sizes([n for _, n in slices], z.reduce_bucket_size)]
+        per_rank: dict[int, list[int]] = {}
+        for rank, n in slices:
+            per_rank.setdefault(rank, []).append(n)
+        return [(Collective.REDUCE, r, n) for r, sizes in per_rank.items() for n in call_sizes(sizes, z.reduce_bucket_size)]
+
+    def _flush(self, micro: int, after: int):
+        ctx, width = self.ctx, self.ctx.param_bytes
+        # the boundary walk's previous reduction (or the op the walk starts after): the bucket's
+        # gradients were copied into the IPG buffer before this one starts
+        before = self.micro_flush[1] if self.micro_flush and self.micro_flush[0] == micro else after
+        last = after
+        for call, (collective, dst, numel) in enumerate(self._calls()):
+            alloc = ()
+            if self.lazy_grads and not self.partition_live:
+                alloc = (Alloc(Tag(Buffer.GRAD_PARTITION), Category.GRADIENTS, self.partition * width),)
+                self.partition_live = True
+            last = self._reduce_op(micro, after, call, Comm(collective, numel, numel * width), dst, alloc)
+        if self.lazy_grads and ctx.sc.zero.stage == 1 and self.walk_at_boundary:
+            ctx.b.add_free(before, *[Tag(Buffer.GRAD16, key=pid) for pid in self.bucket])
+        self.micro_flush = (micro, last)
+        if ctx.optimizer_offloaded:
+            pieces = bucket_pieces(self.bucket, self.starts, self.numels, self.partition)
+            owned = sum(n for r, _, _, n in pieces if r == 0)   # rank 0's slice (ranks are symmetric)
+            if owned:
+                self.last_d2h = offload.grads_to_host(ctx, owned, micro, last, f"bucket {self.flushes}")
+        if self.pending:
+            ctx.b.add_free(last, *self.pending)
+            self.pending = []
+        self.last_reduce = last
+
+    def flushed_in(self, micro: int) -> int | None:
+        """The last reduction op of `micro`, if it had one."""
+        return self.micro_flush[1] if self.micro_flush and self.micro_flush[0] == micro else None
+
+
+class Zero3Buckets(_Buckets):
+    def _scatter_traffic_bytes(self, numel: int, micro: int, interleaved: bool) -> float:
+        """Buffer passes around one bucket's reduce-scatter in DeepSpeed 0.19.8: stage3.py
+        __avg_scatter_grads -> coalesced_collectives.py reduce_scatter_coalesced interleaves the
+        bucket's per-rank chunks into a new buffer (torch.cat: read + write, skipped for a single
+        tensor that divides evenly) and pre-divides it in place (div_: read + write); then
+        partition_grads copies each rank's partition into its grad buffer (copy_ at the first
+        micro-step, add_ after: read + write, or 2 reads + write)."""
+        b = self.ctx.param_bytes
+        interleave = 2.0 * numel * b if interleaved else 0.0
+        predivide = 2.0 * numel * b
+        partition = (2.0 if micro == 0 else 3.0) * numel / self.ctx.world * b
+        return interleave + predivide + partition
+
+    def _flush(self, micro: int, after: int):
+        ctx = self.ctx
+        numel = sum(padded(self.numels[p], ctx.world) for p in self.bucket)
+        size_bytes = numel * ctx.param_bytes
+        if not ctx.sc.zero.reduce_scatter:
+            comm, allocs = Comm(Collective.ALL_REDUCE, numel, size_bytes), ()
+        else:
+            interleaved = not (len(self.bucket) == 1 and self.numels[self.bucket[0]] % ctx.world == 0)
+            comm = Comm(Collective.REDUCE_SCATTER, numel, size_bytes,
+                        buffer_bytes=self._scatter_traffic_bytes(numel, micro, interleaved))
+            # reduce_scatter_coalesced's interleaved copy lives for the call
+            allocs = ((Alloc(Tag(Buffer.SCATTER_COPY, micro, self.flushes), Category.BUCKETS, size_bytes),)
+                      if interleaved else ())
+        self.last_reduce = self._reduce_op(micro, after, 0, comm, alloc=allocs)
+        ctx.b.add_free(self.last_reduce, *(a.tag for a in allocs))
+        if ctx.optimizer_offloaded:
+            self.last_d2h = offload.grads_to_host(ctx, numel / ctx.world, micro, self.last_reduce,
+                                                  f"bucket {self.flushes}")

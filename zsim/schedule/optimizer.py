@@ -1,0 +1,102 @@
+"""Model states and the optimizer step on the device: what ZeRO shards (Rajbhandari et al. 2020,
+sec. 5), the passes DeepSpeed 0.19.8's step makes over the local gradient shard, and the
+scalar all-reduces before it."""
+from __future__ import annotations
+
+from zsim.schedule.context import StepContext
+from zsim.schedule.ir import (Alloc, Buffer, Category, Collective, Comm, ComputeWork, OpKind, Phase,
+                              ScalarAllReduce, StepCompute, Stream, Tag)
+
+FP32_BYTES = 4
+ADAM_STATE_BYTES = 8          # exp_avg + exp_avg_sq, fp32
+# Fused Adam traffic per parameter: read+write fp32 master, m, v (24 B), read the fp32 grad
+# (4 B) (apex/DeepSpeed FusedAdam, multi_tensor_apply).
+ADAM_STEP_BYTES_PER_PARAM = 28
+NORM_DTYPE_BYTES = 8          # fp64
+# kernels per gradient piece: has_inf_or_nan (amax, amin, 2 isfinite, and, not) and its
+# accumulation; the fp64 conversion and the norm
+OVERFLOW_KERNELS_PER_TENSOR = 7
+NORM_KERNELS_PER_TENSOR = 2
+
+
+def step_bytes_per_param(param_bytes: int, clipping: bool, flatten: bool = True) -> float:
+    """HBM traffic per local parameter of one optimizer step, counting the passes DeepSpeed
+    makes (stage_1_and_2.py / stage3.py step): the partition's gradient pieces flattened into one
+    buffer (read, write; `self.flatten(self.averaged_gradients[i])`), converted to fp32 (read 2,
+    write 4), unscale/clip (read+write 8), fused Adam (28), the updated fp32 master copied back
+    into the 16-bit params (read 4, write 2) and the gradient buffers zeroed (write 2). fp32
+    training skips the conversion but still copies the master back. The stage-0 optimizer
+    converts each gradient on its own and does not flatten (fp16/unfused_optimizer.py)."""
+    flat = 2.0 * param_bytes if flatten else 0.0
+    convert = param_bytes + FP32_BYTES if param_bytes < FP32_BYTES else 0.0
+    clip = 2 * FP32_BYTES if clipping else 0.0
+    copy_back = FP32_BYTES + param_bytes
+    return flat + convert + clip + ADAM_STEP_BYTES_PER_PARAM + copy_back + param_bytes
+
+
+def norm_bytes_per_param(param_bytes: int) -> float:
+    """get_grad_norm_direct (stage_1_and_2.py, stage3.py): each gradient piece is converted to
+    fp64 (zero/utils.py get_norm_dtype, wherever the device has fp64) and then reduced: read it,
+    write 8, read 8."""
+    return param_bytes + 2 * NORM_DTYPE_BYTES
+
+
+def overflow_bytes_per_param(param_bytes: int) -> float:
+    """The overflow check reads each local gradient twice: amax and amin per piece
+    (runtime/utils.py has_inf_or_nan, stages 1/2) or isinf/isnan over the flat buffer (stage 3)."""
+    return 2.0 * param_bytes
+
+
+def model_state_bytes(n_params: int, shard_params: float, stage: int, param_bytes: int) -> dict[str, float]:
+    """Model states per GPU (Rajbhandari et al. 2020, ZeRO, sec. 5): 16-bit params and grads,
+    fp32 master weights and Adam moments; sharded by stage."""
+    master = FP32_BYTES if (param_bytes < FP32_BYTES or stage > 0) else 0
+    opt_params = shard_params if stage >= 1 else n_params
+    return {
+        Category.PARAMETERS: param_bytes * (shard_params if stage >= 3 else n_params),
+        Category.GRADIENTS: param_bytes * (shard_params if stage >= 2 else n_params),
+        Category.OPTIMIZER_STATES: (master + ADAM_STATE_BYTES) * opt_params,
+    }
+
+
+def optimizer_step(ctx: StepContext, shard_params: float, deps, flatten: bool = True) -> int:
+    """Fused Adam over the local shard; the fp32 gradient copy (the flattened partition, converted
+    if 16-bit) lives during the step."""
+    temp = FP32_BYTES * shard_params if (ctx.param_bytes < FP32_BYTES or flatten) else 0.0
+    allocs = [Alloc(Tag(Buffer.OPT_FP32_GRADS), Category.OPTIMIZER_TEMPORARIES, temp)] if temp else []
+    if flatten and ctx.param_bytes < FP32_BYTES:
+        # self.flatten(averaged_gradients).to(fp32): the flat 16-bit copy is alive while it is
+        # converted (stage_1_and_2.py step, stage3.py _prepare_fp32_grad_for_sub_group)
+        allocs.append(Alloc(Tag(Buffer.OPT_FLAT16), Category.OPTIMIZER_TEMPORARIES, ctx.param_bytes * shard_params))
+    per_param = step_bytes_per_param(ctx.param_bytes, ctx.sc.deepspeed.gradient_clipping > 0, flatten)
+    op = ctx.b.add(OpKind.OPTIMIZER_STEP, Stream.COMPUTE, Phase.STEP, ctx.last_micro,
+                   StepCompute(ComputeWork(optimizer_bytes=per_param * shard_params, kernels=6), shard_params),
+                   deps, tuple(allocs))
+    ctx.b.add_free(op, *[a.tag for a in allocs])
+    return op
+
+
+def _scalar_allreduce(ctx: StepContext, kind: OpKind, size_bytes: int, deps) -> int:
+    return ctx.b.add(kind, Stream.COMPUTE, Phase.STEP, ctx.last_micro,
+                     ScalarAllReduce(Comm(Collective.ALL_REDUCE, 1, size_bytes)), deps)
+
+
+def grad_norm_ops(ctx: StepContext, shard_params: float, n_tensors: int, deps, overflow_check: bool = True,
+                  device_passes: bool = True) -> int:
+    """The local gradient shard's overflow check and norm, then scalar all-reduces (fp16/bf16
+    overflow flag, squared norm) as DeepSpeed 0.19.8 issues them before the step (recorded,
+    tests/fixtures). The local passes stream the shard like the step does and are charged at
+    its rate (calibration times them together). With the optimizer offloaded the gradients are
+    checked on the host as they are copied (`local_overflow`, the CPU norm): one read here."""
+    check = overflow_check and ctx.param_bytes < FP32_BYTES
+    if device_passes:
+        per_param = norm_bytes_per_param(ctx.param_bytes) + (overflow_bytes_per_param(ctx.param_bytes) if check else 0.0)
+        kernels = n_tensors * (NORM_KERNELS_PER_TENSOR + (OVERFLOW_KERNELS_PER_TENSOR if check else 0)) + 3
+        work = ComputeWork(optimizer_bytes=per_param * shard_params, kernels=kernels)
+    else:
+        work = ComputeWork(mem_bytes=ctx.param_bytes * shard_params, kernels=2)
+    last = ctx.b.add(OpKind.GRAD_NORM, Stream.COMPUTE, Phase.STEP, ctx.last_micro, StepCompute(work, shard_params),
+                     deps)
+    if check:
+        last = _scalar_allreduce(ctx, OpKind.OVERFLOW_ALLREDUCE, 1, [last])
+    return _scalar_allreduce(ctx, OpKind.NORM_ALLREDUCE, 4, [last])

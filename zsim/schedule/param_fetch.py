@@ -1,0 +1,187 @@
+"""ZeRO-3 parameter fetch and release as DeepSpeed 0.19.8's coordinator runs it
+(runtime/zero/partitioned_param_coordinator.py), in steady state (trace complete):
+
+- A module visit (pre-forward / pre-backward hook, containers included) first all-gathers
+  its own NOT_AVAILABLE parameters in one coalesced call, then prefetches along the recorded
+  parameter trace: pop params while numel_prefetching < min(max_live_parameters -
+  n_available, prefetch_bucket_size), gathering those NOT_AVAILABLE in one more call and
+  marking every popped use (most_recent_step_id_param_fetched_for).
+- After a visit, its non-persistent params are released unless a later use was already
+  passed by the prefetcher or a use occurs within max_reuse_distance numel of the trace.
+- At the end of each backward everything non-persistent is released (release_and_reset_all),
+  so every micro-step gathers again.
+- Params with numel <= param_persistence_threshold stay gathered (partition.persistent_params).
+Timing assumption: the host reaches a visit's hook when the previous compute op has finished
+(lock-step), so a prefetch overlaps the compute of the module before its consumer.
+"""
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass
+
+from zsim.schedule import offload
+from zsim.schedule.context import StepContext
+from zsim.schedule.ir import Alloc, Buffer, Category, Collective, Comm, OpKind, ParamGather, Phase, Stream, Tag
+from zsim.schedule.partition import padded
+from zsim.workload.transformer import Module
+
+NOT_AVAILABLE, AVAILABLE = 0, 1
+
+
+@dataclass(frozen=True)
+class Visit:
+    module: str              # workload module name, or a container name
+    params: tuple[int, ...]  # distinct param ids fetched by this visit
+    phase: Phase
+
+
+def _containers_before(module: Module, prev: Module | None) -> list[str]:
+    """Containers whose hooks fire before this leaf (block, attn, mlp), GPT/Llama layout."""
+    out = []
+    if module.layer >= 0 and (prev is None or prev.layer != module.layer):
+        out.append(f"layers.{module.layer}")
+    name = module.name
+    if ".attn." in name and (prev is None or ".attn." not in prev.name):
+        out.append(name.rsplit(".", 1)[0])
+    if ".mlp." in name and (prev is None or ".mlp." not in prev.name):
+        out.append(name.rsplit(".", 1)[0])
+    return out
+
+
+def _visits_of(mods, phase: Phase) -> list[Visit]:
+    seq, prev = [], None
+    for m in mods:
+        seq += [Visit(c, (), phase) for c in _containers_before(m, prev)]
+        seq.append(Visit(m.name, tuple(dict.fromkeys(m.params)), phase))
+        prev = m
+    return seq
+
+
+def visit_sequence(ctx: StepContext) -> list[Visit]:
+    """The recorded module trace of one micro-step: forward, then backward (with recompute)."""
+    # only nn.Modules with parameters get ZeRO hooks in zsim's model; functional pieces
+    # (attention core, activation, loss) are not visits
+    mods = [m for m in ctx.wl.modules if m.params]
+    seq = [Visit("<root>", (), Phase.FORWARD)] + _visits_of(mods, Phase.FORWARD) + [Visit("<root>", (), Phase.BACKWARD)]
+    recomputed: set[int] = set()
+    full = ctx.checkpointing == "full"
+    for m in reversed(mods):
+        if full and m.layer >= 0 and m.layer not in recomputed:
+            recomputed.add(m.layer)
+            # the recomputed block's leaves are visited whether or not they hold params
+            seq += _visits_of(ctx.wl.layer_modules(m.layer), Phase.RECOMPUTE)
+        seq.append(Visit(m.name, tuple(dict.fromkeys(m.params)), Phase.BACKWARD))
+    return seq
+
+
+class ParamCoordinator:
+    """The coordinator's state over one micro-step; `visit` and `release` add the gathers and
+    the frees to the schedule."""
+
+    def __init__(self, ctx: StepContext, persistent: tuple[int, ...]):
+        self.ctx = ctx
+        self.numels = [p.numel for p in ctx.wl.params]
+        self.persistent = set(persistent)
+        self.visits = visit_sequence(ctx)
+        self.trace = [(pid, k) for k, v in enumerate(self.visits) for pid in sorted(v.params)]
+        # prefix sums of visited numel and each param's visit positions, for the reuse-distance scan
+        self.visit_prefix = [0]
+        self.uses: dict[int, list[int]] = {}
+        for k, v in enumerate(self.visits):
+            self.visit_prefix.append(self.visit_prefix[-1] + sum(self.numels[p] for p in v.params))
+            for p in v.params:
+                self.uses.setdefault(p, []).append(k)
+        self.last_compute: int | None = None
+        self.reset()
+
+    def reset(self):
+        """reset_step: every non-persistent param back in its partition, the trace rewound."""
+        self.status = {pid: (AVAILABLE if pid in self.persistent else NOT_AVAILABLE) for pid in range(len(self.numels))}
+        self.gather_op: dict[int, int] = {}
+        self.queue = deque(self.trace)
+        self.most_recent = {pid: -10**10 for pid in range(len(self.numels))}
+        self.n_available = 0
+        self.step_id = 0
+
+    def _gather(self, pids, micro: int, phase: Phase, visit: str, prefetch: bool) -> int | None:
+        pids = [p for p in pids if self.status[p] == NOT_AVAILABLE]
+        if not pids:
+            return None
+        ctx = self.ctx
+        numel = sum(padded(self.numels[p], ctx.world) for p in pids)
+        what = f"prefetch from {visit}" if prefetch else visit
+        deps = [self.last_compute]
+        if ctx.params_offloaded:
+            deps = [offload.params_to_device(ctx, numel / ctx.world, micro, phase, deps, what)]
+        op = ctx.b.add(OpKind.PARAM_GATHER, Stream.ALLGATHER, phase, micro,
+                       ParamGather(Comm(Collective.ALL_GATHER, numel, numel * ctx.param_bytes), tuple(pids), visit,
+                                   prefetch),
+                       deps, tuple(Alloc(Tag(Buffer.GATHERED, micro, p), Category.GATHERED,
+                                         self.numels[p] * ctx.param_bytes) for p in pids))
+        for p in pids:
+            self.status[p] = AVAILABLE
+            self.gather_op[p] = op
+            self.n_available += self.numels[p]
+        return op
+
+    def visit(self, visit: Visit, micro: int, phase: Phase) -> list[int]:
+        """fetch_sub_module: gather this visit's params, then prefetch along the trace; returns
+        the gathers the module's compute waits for."""
+        z = self.ctx.sc.zero
+        k = self.step_id
+        own = list(visit.params)
+        self._gather(sorted(own), micro, phase, visit.module, prefetch=False)
+        deps = [self.gather_op[p] for p in own if p in self.gather_op]
+        not_fetched = [p for p in own if self.most_recent[p] < k]
+        popped = 0
+        while self.queue and popped < len(set(not_fetched)):
+            pid, used_at = self.queue.popleft()
+            self.most_recent[pid] = used_at
+            popped += 1
+        if z.prefetch_bucket_size > 0:
+            limit = min(z.max_live_parameters - self.n_available, z.prefetch_bucket_size)
+            chosen, numel = [], 0
+            while self.queue and numel < limit:
+                pid, used_at = self.queue.popleft()
+                if self.status[pid] == NOT_AVAILABLE and pid not in chosen:
+                    chosen.append(pid)
+                    numel += self.numels[pid]
+                self.most_recent[pid] = max(self.most_recent[pid], used_at)
+            if chosen:
+                self._gather(sorted(chosen), micro, phase, visit.module, prefetch=True)
+        self.step_id += 1
+        return deps
+
+    def release(self, visit_index: int, micro: int, op: int):
+        """release_sub_module after the visit's module ran (op)."""
+        z = self.ctx.sc.zero
+        params = self.visits[visit_index].params
+        candidates = [p for p in params if p not in self.persistent and self.most_recent[p] <= visit_index]
+        if z.max_reuse_distance > 0 and candidates:
+            # __params_to_release: walking the trace from the next visit, a param reused at
+            # visit j is kept if the numel traversed before j is still under the distance
+            start = self.visit_prefix[visit_index + 1]
+            kept = set()
+            for p in candidates:
+                uses = self.uses[p]
+                j = bisect.bisect_right(uses, visit_index)
+                if j < len(uses) and self.visit_prefix[uses[j]] - start < z.max_reuse_distance:
+                    kept.add(p)
+            candidates = [p for p in candidates if p not in kept]
+        for p in candidates:
+            if self.status[p] == AVAILABLE:
+                self._drop(p)
+                self.ctx.b.add_free(op, Tag(Buffer.GATHERED, micro, p))
+
+    def release_all(self, micro: int, op: int):
+        """release_and_reset_all at the end of backward."""
+        for p, st in self.status.items():
+            if st == AVAILABLE and p not in self.persistent:
+                self.ctx.b.add_free(op, Tag(Buffer.GATHERED, micro, p))
+        self.reset()
+
+    def _drop(self, p: int):
+        self.status[p] = NOT_AVAILABLE
+        self.gather_op.pop(p, None)
+        self.n_available -= self.numels[p]

@@ -1,0 +1,104 @@
+"""DeepSpeed 0.19.8's partitioning rules as pure functions: the one home of these rules for the
+simulator and for the training core that executes its schedule (calibration/core)."""
+from __future__ import annotations
+
+import math
+
+# DeepSpeed pads the flat 16-bit group so each rank's partition is aligned
+# (stage_1_and_2.py: nccl_start_alignment_factor = 2).
+ALIGNMENT = 2
+
+
+def flat_partition(numels: list[int], world: int) -> tuple[int, int]:
+    """ZeRO-1/2: (padded flat size, partition size) of one parameter group."""
+    total = sum(numels)
+    unit = ALIGNMENT * world
+    padded_total = int(math.ceil(total / unit) * unit)
+    return padded_total, padded_total // world
+
+
+def offsets(numels: list[int]) -> list[int]:
+    """Start of each param in the flat group."""
+    out, acc = [], 0
+    for n in numels:
+        out.append(acc)
+        acc += n
+    return out
+
+
+def padded(numel: int, world: int) -> int:
+    """ZeRO-3: gathered size of one partitioned param, ceil(numel / world) * world."""
+    return int(math.ceil(numel / world)) * world
+
+
+def shard_numel(numels: list[int], world: int) -> int:
+    """ZeRO-3: elements one rank keeps, ceil(numel / world) of every param."""
+    return sum(math.ceil(n / world) for n in numels)
+
+
+def persistent_params(numels: list[int], param_threshold: float, model_threshold: float) -> tuple[int, ...]:
+    """stage3.py _mark_persistent_parameters: params at or under param_persistence_threshold stay
+    gathered, in registration order, while the total stays under model_persistence_threshold."""
+    out, total = [], 0
+    for pid, n in enumerate(numels):
+        if n <= param_threshold and total + n <= model_threshold:
+            out.append(pid)
+            total += n
+    return tuple(out)
+
+
+def bucket_pieces(pids, starts: list[int], numels: list[int], partition: int) -> list[tuple[int, int, int, int]]:
+    """ZeRO-1/2: (destination rank, pid, start within the param, elements) pieces of a bucket in
+    bucket order, cut at partition boundaries."""
+    out = []
+    for pid in pids:
+        start, end = starts[pid], starts[pid] + numels[pid]
+        while start < end:
+            rank = start // partition
+            stop = min(end, (rank + 1) * partition)
+            out.append((rank, pid, start - starts[pid], stop - start))
+            start = stop
+    return out
+
+
+def rank_slices(pieces) -> list[tuple[int, int]]:
+    """(destination rank, elements) of a bucket; consecutive pieces for the same rank merge
+    (average_tensor's rank_and_offsets)."""
+    out: list[list[int]] = []
+    for rank, _, _, n in pieces:
+        if out and out[-1][0] == rank:
+            out[-1][1] += n
+        else:
+            out.append([rank, n])
+    return [(r, n) for r, n in out]
+
+
+def call_sizes(sizes: list[int], bucket_size: float) -> list[int]:
+    """allreduce_and_scatter / allreduce_no_retain: issue a call once the accumulated slices
+    exceed reduce_bucket_size elements."""
+    calls, acc = [], 0
+    for n in sizes:
+        acc += n
+        if acc > bucket_size:
+            calls.append(acc)
+            acc = 0
+    if acc:
+        calls.append(acc)
+    return calls
+
+
+def pieces_in_partition(starts: list[int], numels: list[int], partition: int, rank: int) -> int:
+    """ZeRO-1/2: params with elements in `rank`'s partition of the flat group (its
+    averaged_gradients pieces)."""
+    lo, hi = rank * partition, (rank + 1) * partition
+    return sum(1 for o, n in zip(starts, numels) if o < hi and o + n > lo)
+
+
+def grads_ready_at(wl) -> dict[str, tuple[int, ...]]:
+    """Param ids whose gradient is final after each module's backward, in registration order.
+    A tied weight's gradient is final only at its first module in forward order."""
+    first_use: dict[int, int] = {}
+    for i, m in enumerate(wl.modules):
+        for pid in m.params:
+            first_use.setdefault(pid, i)
+    return {m.name: tuple(p for p in m.params if first_use[p] == i) for i, m in enumerate(wl.modules)}

@@ -1,0 +1,138 @@
+"""The forward and backward passes over the workload's modules, with activation memory under
+each checkpointing mode. Stage behaviour plugs in through StageHooks (context.py)."""
+from __future__ import annotations
+
+from zsim.schedule.context import StageHooks, StepContext
+from zsim.schedule.ir import (Alloc, Buffer, Category, ComputeWork, Copy, ModulePass, OpKind, Phase, Stream, Tag,
+                              Transfer)
+from zsim.workload.transformer import Module, Workload
+
+
+def linear_gemms(module: Module, backward: bool) -> tuple:
+    if module.gemm is None:
+        return ()
+    m, n, k = module.gemm
+    # backward: dgrad (m x k from m x n . n x k) and wgrad (n x k from n x m . m x k)
+    return ((m, k, n), (n, k, m)) if backward else ((m, n, k),)
+
+
+def _saved_bytes(ctx: StepContext, module: Module) -> float:
+    if ctx.checkpointing == "selective":
+        return module.act_bytes - module.act_bytes_s2
+    return module.act_bytes
+
+
+def _is_layer(module: Module) -> bool:
+    return module.layer >= 0
+
+
+def _is_last_in_layer(wl: Workload, module: Module) -> bool:
+    return wl.layer_modules(module.layer)[-1].name == module.name
+
+
+def _forward_op(ctx: StepContext, module: Module, micro: int, phase: Phase, deps, keep: bool) -> int:
+    allocs = []
+    saved = _saved_bytes(ctx, module)
+    if keep:   # allocated even when empty, so backward's free always names a live buffer
+        allocs.append(Alloc(Tag(Buffer.ACTIVATION, micro, module.name), Category.ACTIVATIONS, saved))
+    workspace = None
+    if module.fwd_workspace_bytes > 0:
+        workspace = Tag(Buffer.WORKSPACE, micro, module.name, phase)
+        category = Category.LOGITS if module.kind == "loss" else Category.ACTIVATIONS
+        allocs.append(Alloc(workspace, category, module.fwd_workspace_bytes))
+    work = ComputeWork(gemms=linear_gemms(module, False),
+                       attention_flops=module.fwd_flops if module.kind == "attention" else 0.0,
+                       mem_bytes=module.fwd_mem_bytes, kernels=module.kernels_fwd, model_flops=module.model_fwd_flops)
+    op = ctx.b.add(OpKind.FORWARD, Stream.COMPUTE, phase, micro, ModulePass(module.name, work), deps, tuple(allocs))
+    if workspace:
+        ctx.b.add_free(op, workspace)
+    return op
+
+
+def forward(ctx: StepContext, hooks: StageHooks, micro: int, after: int | None) -> int:
+    full = ctx.checkpointing == "full"
+    last = after
+    block_temps: list[Tag] = []
+    for module in ctx.wl.modules:
+        deps = hooks.pre_module(ctx, module, micro, Phase.FORWARD) + [last]
+        checkpointed = full and _is_layer(module)
+        op = _forward_op(ctx, module, micro, Phase.FORWARD, deps, keep=not checkpointed)
+        if checkpointed:
+            if module.name == ctx.wl.layer_modules(module.layer)[0].name:
+                _checkpoint_block_input(ctx, module.layer, micro, op)
+            # activations inside a checkpointed block live only while the block runs
+            saved = _saved_bytes(ctx, module)
+            if saved > 0:
+                tag = Tag(Buffer.BLOCK_TEMP, micro, module.name)
+                ctx.b.add_alloc(op, Alloc(tag, Category.ACTIVATIONS, saved))
+                block_temps.append(tag)
+        hooks.post_module(ctx, module, micro, Phase.FORWARD, op)
+        last = op
+        if checkpointed and _is_last_in_layer(ctx.wl, module):
+            ctx.b.add_free(op, *block_temps)
+            block_temps = []
+    if ctx.cpu_checkpointing and micro == 0:
+        # .to("cpu") tensors: pageable host memory, one micro-step's block inputs at a time
+        ctx.b.host_alloc("activation checkpoints (cpu_checkpointing)", ctx.wl.layers * ctx.wl.layer_input_bytes)
+    return last
+
+
+def _checkpoint_block_input(ctx: StepContext, layer: int, micro: int, op: int):
+    tag = Tag(Buffer.CHECKPOINT, micro, layer)
+    ctx.b.add_alloc(op, Alloc(tag, Category.CHECKPOINTS, ctx.wl.layer_input_bytes))
+    if ctx.cpu_checkpointing:
+        # copy_to_device(cpu): the GPU copy lives until the D2H copy ends
+        d2h = ctx.b.add(OpKind.CHECKPOINT_COPY, Stream.D2H, Phase.FORWARD, micro,
+                        Copy(Transfer.D2H, ctx.wl.layer_input_bytes, pinned=False, what=f"checkpoint layer {layer}"),
+                        [op])
+        ctx.b.add_free(d2h, tag)
+        ctx.ckpt_offload_ops[(micro, layer)] = d2h
+
+
+def _recompute_block(ctx: StepContext, hooks: StageHooks, layer: int, micro: int, last: int) -> int:
+    """torch.utils.checkpoint / deepspeed.checkpointing: re-run the block's forward first."""
+    if ctx.cpu_checkpointing:
+        # CheckpointFunction.backward moves the saved input back before recomputing (blocking);
+        # it can only come back once it has reached the host
+        size = ctx.wl.layer_input_bytes
+        last = ctx.b.add(OpKind.CHECKPOINT_COPY, Stream.H2D, Phase.RECOMPUTE, micro,
+                         Copy(Transfer.H2D, size, pinned=False, what=f"checkpoint layer {layer}"),
+                         [last, ctx.ckpt_offload_ops.get((micro, layer))],
+                         (Alloc(Tag(Buffer.CHECKPOINT, micro, layer), Category.CHECKPOINTS, size),))
+    for rm in ctx.wl.layer_modules(layer):
+        deps = hooks.pre_module(ctx, rm, micro, Phase.RECOMPUTE) + [last]
+        last = _forward_op(ctx, rm, micro, Phase.RECOMPUTE, deps, keep=True)
+        hooks.post_module(ctx, rm, micro, Phase.RECOMPUTE, last)
+    return last
+
+
+def backward(ctx: StepContext, hooks: StageHooks, micro: int, after: int) -> int:
+    full = ctx.checkpointing == "full"
+    last = after
+    recomputed: set[int] = set()
+    for module in reversed(ctx.wl.modules):
+        checkpointed = full and _is_layer(module)
+        if checkpointed and module.layer not in recomputed:
+            recomputed.add(module.layer)
+            last = _recompute_block(ctx, hooks, module.layer, micro, last)
+        deps = hooks.pre_module(ctx, module, micro, Phase.BACKWARD) + [last]
+        frees = [Tag(Buffer.ACTIVATION, micro, module.name)]
+        if checkpointed and ctx.wl.layer_modules(module.layer)[0].name == module.name:
+            frees.append(Tag(Buffer.CHECKPOINT, micro, module.layer))
+        selective_recompute = ctx.checkpointing == "selective" and module.act_bytes_s2 > 0
+        # Korthikanti selective: recompute the attention core
+        extra_attn = module.fwd_flops if selective_recompute else 0.0
+        workspace = Tag(Buffer.WORKSPACE, micro, module.name, Phase.BACKWARD)
+        work = ComputeWork(gemms=linear_gemms(module, True),
+                           attention_flops=(module.bwd_flops + extra_attn) if module.kind == "attention" else 0.0,
+                           attention_backward=True, mem_bytes=module.bwd_mem_bytes, kernels=module.kernels_bwd,
+                           model_flops=(3 if extra_attn else 2) * module.model_fwd_flops)
+        allocs = ((Alloc(workspace, Category.ACTIVATION_GRADIENTS, module.bwd_workspace),)
+                  if module.bwd_workspace > 0 else ())
+        op = ctx.b.add(OpKind.BACKWARD, Stream.COMPUTE, Phase.BACKWARD, micro, ModulePass(module.name, work), deps,
+                       allocs)
+        ctx.b.add_free(op, *((workspace,) if allocs else ()), *frees)
+        hooks.post_module(ctx, module, micro, Phase.BACKWARD, op)
+        last = op
+    hooks.end_backward(ctx, micro, last)
+    return last
