@@ -40,7 +40,7 @@ MODEL_STATES = ("parameters", "gradients", "optimizer states")
 def model_states_held(sc) -> float:
     """The most model-state bytes alive at once in the simulated step: the static states plus the
     gradients that exist only during it (stage 1/2 16-bit gradients are allocated in backward
-    and their partition is dropped after the step, as DeepSpeed does)."""
+    and their partition is dropped after the step, as DeepSpeed does; see [Note: ZeRO-1/2 gradient lifetime])."""
     from zsim.api import run_scenario
 
     _, trace = run_scenario(sc)
@@ -73,4 +73,5 @@ def add_copy(b, transfer: str, size_bytes: float) -> int:
 
 def build(b, stage: int = 3):
     from zsim.schedule.ir import HostSettings
-    return b.build(stage, 8, HostSettings())
+    return b.build(stage, 8, HostSettings(pin_memory=True, cpu_cores_fraction=1.0, aio_block_size=1 << 20,
+                                          aio_queue_depth=8, aio_thread_count=1, host_load_bytes_per_gpu=0.0))

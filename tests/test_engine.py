@@ -195,6 +195,7 @@ def test_zero012_gradient_handling_is_charged_per_parameter(stage, gas):
 
 
 def test_post_step_persistent_gathers_are_coalesced_and_priced_by_their_table():
+    """See [Note: coalesced post-step gathers]."""
     from zsim.api import run_scenario
     from zsim.schedule.build import build_schedule
 
@@ -213,6 +214,7 @@ def test_post_step_persistent_gathers_are_coalesced_and_priced_by_their_table():
 
 
 def test_zero3_reduce_scatter_charges_deepspeeds_bucket_passes():
+    """See [Note: reduce-scatter buffer passes]."""
     from zsim.api import run_scenario
     from zsim.hardware.compute import memory_bound_time_s
     from zsim.schedule.build import build_schedule

@@ -68,7 +68,7 @@ class ZeroCore:
                                      weight_decay=float(opt.get("weight_decay", 0.01)), fused=True)
         self.grads = GradBuckets(self)
         self.times: list[tuple[str, str, str, int, float, float]] = []
-        # [Note: coalesced post-step gathers] runs of post-step persistent gathers, launched async
+        # see [Note: coalesced post-step gathers]: runs of post-step persistent gathers, launched async
         # together as DeepSpeed's _allgather_params_coalesced does: first op id -> the run's pids
         self.coalesced_runs: dict[int, list[int]] = {}
         for persistent, run in groupby(plan.ops, key=lambda op: op.kind == OpKind.PERSISTENT_GATHER):

@@ -1,5 +1,6 @@
 """Gradient buckets in the training core, as DeepSpeed 0.19.8 fills and reduces them
-(zsim/schedule/grad_buckets.py has the schedule; this moves the tensors).
+(zsim/schedule/grad_buckets.py has the schedule; this moves the tensors). See [Note: gradient
+hook order], see [Note: bucket reduction calls], see [Note: ZeRO-1/2 gradient lifetime].
 
 - ZeRO-1: at the boundary each accumulated .grad is copied into the IPG buffer and dropped
   (reduce_independent_p_g_buckets_and_remove_grads); the bucket is reduced from there.
@@ -40,7 +41,7 @@ class GradBuckets:
                 size = max(min(b.numel, size + self.world * len(b.pids)) for b in plan.buckets.values())   # padding
                 self.ipg = torch.zeros(int(size), dtype=self.dtype)
             else:
-                # [Note: IPG buffer lifetime] allocated at the first gradient of each backward and
+                # see [Note: IPG buffer lifetime]: allocated at the first gradient of each backward and
                 # dropped at its end (setup_buckets, _release_ipg_buffers), as zsim's ledger charges it
                 self.ipg_numel = int(size)
         self.gpart = torch.zeros(core.soff[-1], dtype=self.dtype) if self.stage == 3 else None
@@ -200,7 +201,7 @@ class GradBuckets:
             dst.add_(values)
 
     def _interleave(self, b, buf):
-        """coalesced_collectives.py reduce_scatter_coalesced: each rank's chunk of every gradient
+        """See [Note: reduce-scatter buffer passes]. coalesced_collectives.py reduce_scatter_coalesced: each rank's chunk of every gradient
         in the bucket (gradient order), padded to ceil(n/world), concatenated rank by rank into
         a new buffer (padding zeroed here, where DeepSpeed leaves it uninitialised)."""
         parts, o = [[] for _ in range(self.world)], 0

@@ -65,7 +65,7 @@ def unsupported(sc) -> str | None:
     if sc.zero.optimizer_offload_device != "none" or sc.zero.param_offload_device != "none":
         return "deepspeed.zero_optimization offload (no device/host split on CPU)"
     if sc.deepspeed.uses_bf16_optimizer:
-        return "data_types.grad_accum_dtype fp32 with stage 1 (BF16_Optimizer)"
+        return "data_types.grad_accum_dtype fp32 with stage 1 (BF16_Optimizer)"   # see [Note: BF16_Optimizer]
     if sc.training.dropout:
         return "training.dropout (the core is deterministic, no dropout)"
     return None

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from zsim.hardware.collectives import collective_cost, tiers_for
 from zsim.hardware.compute import (attention_time_s, fresh_alloc_time_s, gemm_time_s, kernel_overhead_s,
                                    memory_bound_time_s, optimizer_time_s)
-from zsim.hardware.host import cpu_adam_time_s, host_link_Bps, nvme_time_s, pcie_time_s
+from zsim.hardware.host import aio_efficiency, cpu_adam_time_s, host_link_Bps, nvme_time_s, pcie_time_s
 from zsim.schedule.ir import Collective, ComputeWork, Copy, CpuAdam, HostSettings, Op, Phase, Transfer
 from zsim.workload.transformer import DTYPE_BYTES
 
@@ -51,6 +51,7 @@ class CostModel:
         self.host_Bps = host_link_Bps(cluster.pcie_bw_Bps, self.uplink_Bps, self.sharers)
         self.nic_links = (("inter_node", "gpu_link_up", "gpu_link_down") if prof.pcie.nics_share_gpu_link
                           else ("inter_node",))
+        self.aio_efficiency = aio_efficiency(host.aio_block_size, host.aio_queue_depth, host.aio_thread_count)
         nvme = prof.nvme
         self.nvme_node_Bps = {Transfer.NVME_READ: max(nvme.drives_per_node, 1) * nvme.read_GBps_per_drive * 1e9,
                               Transfer.NVME_WRITE: max(nvme.drives_per_node, 1) * nvme.write_GBps_per_drive * 1e9}
@@ -105,7 +106,7 @@ class CostModel:
                 pinned = self.host.pin_memory if p.pinned is None else p.pinned
                 lat, xfer = pcie_time_s(p.size_bytes, self.host_Bps, cl.profile.pcie.latency_us * 1e-6, pinned)
                 return OpCost(fixed + lat, xfer, self._links(_PATHS[p.transfer]))
-            t = nvme_time_s(p.size_bytes, self.nvme_node_Bps[p.transfer], cl.gpus_per_node, self.host.aio_efficiency)
+            t = nvme_time_s(p.size_bytes, self.nvme_node_Bps[p.transfer], cl.gpus_per_node, self.aio_efficiency)
             return OpCost(fixed + 0.0, t, self._links(_PATHS[p.transfer]))
         if isinstance(p, CpuAdam):
             t = cpu_adam_time_s(p.params, self.cpu.adam_params_per_s_per_core, self.cpu.cores_per_node,

@@ -3,13 +3,22 @@
 
 Gradients enter a bucket of reduce_bucket_size elements in the order their hooks fire; the
 bucket is reduced when the next gradient would overflow it (reduce_independent_p_g_buckets_and_
-remove_grads) and at the end of the backward. How one bucket becomes calls differs:
+remove_grads) and at the end of the backward.
+
+[Note: gradient hook order] DeepSpeed's hooks bucket a module's gradients in a fixed order,
+recorded in tests/fixtures/deepspeed: stage 2's fire bias before weight, stage 3's weight
+before bias, and stage 1 without overlap_comm walks every parameter in registration order at
+the accumulation boundary (reduce_gradients). A tied weight's gradient is final at its first
+module in forward order (partition.grads_ready_at).
+
+[Note: bucket reduction calls] How one bucket becomes calls:
 - ZeRO-1/2 (`Zero12Buckets`): one all-reduce of the whole bucket without reduce_scatter; with it
   (the default) one all-reduce per reduce_bucket_size of the rank slices
   (use_multi_rank_bucket_allreduce, average_tensor), else one `reduce` per destination rank.
   This moves 2x the bytes of the ZeRO paper's reduce-scatter (2(N-1)/N vs (N-1)/N).
 - ZeRO-3 (`Zero3Buckets`): one coalesced reduce-scatter of the padded bucket (all-reduce with
-  reduce_scatter false), with reduce_scatter_coalesced's buffer passes.
+  reduce_scatter false), with reduce_scatter_coalesced's buffer passes (see [Note: reduce-scatter
+  buffer passes]).
 With the optimizer offloaded, this rank's reduced slice goes to the host after each bucket.
 """
 from __future__ import annotations
@@ -135,7 +144,7 @@ class Zero12Buckets(_Buckets):
 
 class Zero3Buckets(_Buckets):
     def _scatter_traffic_bytes(self, numel: int, micro: int, interleaved: bool) -> float:
-        """Buffer passes around one bucket's reduce-scatter in DeepSpeed 0.19.8: stage3.py
+        """[Note: reduce-scatter buffer passes] Around one bucket's reduce-scatter, DeepSpeed 0.19.8's stage3.py
         __avg_scatter_grads -> coalesced_collectives.py reduce_scatter_coalesced interleaves the
         bucket's per-rank chunks into a new buffer (torch.cat: read + write, skipped for a single
         tensor that divides evenly) and pre-divides it in place (div_: read + write); then

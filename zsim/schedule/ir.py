@@ -108,8 +108,8 @@ class Comm:
     numel: int
     size_bytes: float               # full buffer (nccl-tests convention)
     buffer_bytes: float = 0.0       # the call's own buffer passes (packing, pre-division) on its stream
-    # launched async with its neighbours, then all waited (DeepSpeed's _allgather_params_coalesced);
-    # priced from the tier's "<collective>_coalesced" table
+    # launched async with its neighbours, then all waited; priced from the tier's
+    # "<collective>_coalesced" table (see [Note: coalesced post-step gathers])
     coalesced: bool = False
 
 
@@ -281,10 +281,12 @@ _FIXED_LABELS = {
 @dataclass(frozen=True, slots=True)
 class HostSettings:
     """Host-side settings of the step the cost model needs (from the ds_config)."""
-    pin_memory: bool = True
-    cpu_cores_fraction: float = 1.0
-    aio_efficiency: float = 1.0
-    host_load_bytes_per_gpu: float = 0.0   # while the model is built and loaded, before training
+    pin_memory: bool
+    cpu_cores_fraction: float            # offload_optimizer.cpuadam_cores_perc
+    aio_block_size: int                  # the ds_config's aio block
+    aio_queue_depth: int
+    aio_thread_count: int
+    host_load_bytes_per_gpu: float       # while the model is built and loaded, before training
 
 
 @dataclass(frozen=True)
@@ -293,5 +295,5 @@ class Schedule:
     world_size: int
     ops: tuple[Op, ...]
     static: tuple[Alloc, ...]       # allocated for the whole step (model states, persistent buffers)
-    host: HostSettings = HostSettings()
+    host: HostSettings
     host_static: tuple[Alloc, ...] = ()  # host (CPU) memory per GPU: offloaded states, pinned buffers

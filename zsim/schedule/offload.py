@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 
-from zsim.hardware.host import aio_efficiency
 from zsim.schedule.context import StepContext
 from zsim.schedule.ir import (Category, ComputeWork, Copy, CpuAdam, HostSettings, OpKind, Phase, StepCompute, Stream,
                               Transfer)
@@ -53,7 +52,8 @@ def host_settings(ctx: StepContext) -> HostSettings:
         pin = pin and z.offload_param.pin_memory
     frac = z.offload_optimizer.cpuadam_cores_perc if z.offload_optimizer is not None else 0.8
     return HostSettings(pin_memory=pin, cpu_cores_fraction=frac, host_load_bytes_per_gpu=host_load_bytes(ctx),
-                        aio_efficiency=aio_efficiency(ds.aio.block_size, ds.aio.queue_depth, ds.aio.thread_count))
+                        aio_block_size=ds.aio.block_size, aio_queue_depth=ds.aio.queue_depth,
+                        aio_thread_count=ds.aio.thread_count)
 
 
 def place_states(ctx: StepContext, states: dict[str, float], shard: float) -> dict[str, float]:

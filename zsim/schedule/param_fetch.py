@@ -6,8 +6,10 @@
   parameter trace: pop params while numel_prefetching < min(max_live_parameters -
   n_available, prefetch_bucket_size), gathering those NOT_AVAILABLE in one more call and
   marking every popped use (most_recent_step_id_param_fetched_for).
-- After a visit, its non-persistent params are released unless a later use was already
-  passed by the prefetcher or a use occurs within max_reuse_distance numel of the trace.
+- [Note: parameter release] After a visit, its non-persistent params are released unless a
+  later use was already passed by the prefetcher (most_recent_step_id_param_fetched_for) or a
+  use occurs within max_reuse_distance numel of the trace (__params_to_release); so a small
+  max_reuse_distance or prefetch re-gathers a tied or recomputed weight.
 - At the end of each backward everything non-persistent is released (release_and_reset_all),
   so every micro-step gathers again.
 - Params with numel <= param_persistence_threshold stay gathered (partition.persistent_params).
@@ -154,7 +156,7 @@ class ParamCoordinator:
         return deps
 
     def release(self, visit_index: int, micro: int, op: int):
-        """release_sub_module after the visit's module ran (op)."""
+        """release_sub_module after the visit's module ran (op); see [Note: parameter release]."""
         z = self.ctx.sc.zero
         params = self.visits[visit_index].params
         candidates = [p for p in params if p not in self.persistent and self.most_recent[p] <= visit_index]

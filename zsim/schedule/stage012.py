@@ -8,8 +8,9 @@ runtime/engine.py), checked against recorded runs in tests/fixtures/deepspeed.
 - After the step the updated 16-bit partitions are all-gathered in one call per parameter
   group (allgather_bucket_size does not split it in 0.19.8; see the recorded fixtures).
 - Stage 0 all-reduces every gradient after backward at the boundary (engine.allreduce_gradients).
-- Stage 1 with bf16 weights and data_types.grad_accum_dtype fp32 runs BF16_Optimizer: fp32
-  gradient accumulation buffers, the engine's boundary all-reduce, no overflow/norm collectives.
+- [Note: BF16_Optimizer] Stage 1 with bf16 weights and data_types.grad_accum_dtype fp32 runs
+  DeepSpeed's BF16_Optimizer (engine.py _configure_bf16_optimizer): fp32 gradient accumulation
+  buffers for every parameter, the engine's boundary all-reduce, no overflow/norm collectives.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class Zero012Hooks(StageHooks):
         self.bf16_optimizer = ctx.sc.deepspeed.uses_bf16_optimizer
         self.boundary_allreduce = self.stage == 0 or self.bf16_optimizer
         self.reduce_in_hooks = not self.boundary_allreduce and (self.stage == 2 or (self.stage == 1 and z.overlap))
+        # see [Note: ZeRO-1/2 gradient lifetime]
         lazy_grads = self.stage in (1, 2) and not self.bf16_optimizer and not ctx.optimizer_offloaded
         self.buckets = Zero12Buckets(ctx, lazy_grads, walk_at_boundary=self.stage == 1 and not self.reduce_in_hooks)
         # [Note: IPG buffer lifetime] setup_buckets (stage_1_and_2.py:3256-3279) allocates the IPG
@@ -63,7 +65,7 @@ class Zero012Hooks(StageHooks):
             ctx.b.add_grad_hooks(op, len(ready))
         if not self.reduce_in_hooks or (self.stage == 1 and micro != ctx.last_micro):
             return
-        # stage 2 hooks fire bias before weight (recorded, tests/fixtures/deepspeed)
+        # see [Note: gradient hook order]
         for pid in reversed(ready):
             self.buckets.add(pid, micro, op)
 

@@ -49,7 +49,7 @@ class Zero3Hooks(StageHooks):
         if self.current_visit is not None:
             self.fetch.release(self.current_visit, micro, op)
         if phase == Phase.BACKWARD:
-            # stage 3 hooks fire weight before bias (recorded, tests/fixtures/deepspeed)
+            # see [Note: gradient hook order]
             for pid in self.ready[module.name]:
                 self.buckets.add(pid, micro, op)
 

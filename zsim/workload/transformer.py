@@ -18,6 +18,7 @@ Sources:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from zsim.config.scenario import ModelSpec
 
@@ -30,10 +31,19 @@ class Param:
     numel: int
 
 
-@dataclass(frozen=True)
+class ModuleKind(StrEnum):
+    EMBEDDING = "embedding"
+    NORM = "norm"
+    LINEAR = "linear"
+    ATTENTION = "attention"        # the attention core (no params)
+    ACTIVATION = "activation"
+    LOSS = "loss"
+
+
+@dataclass(frozen=True, kw_only=True)
 class Module:
     name: str
-    kind: str                  # embedding | norm | linear | attention | activation | loss
+    kind: ModuleKind
     layer: int                 # transformer block index; -1 before the blocks, -2 after
     params: tuple[int, ...]    # indices into Workload.params (tied weights share an index)
     gemm: tuple[int, int, int] | None  # (m tokens, n out, k in) for linear modules
@@ -85,6 +95,21 @@ class Workload:
         return by_layer.get(layer, ())
 
 
+def _activation(name: str, layer: int, flops: float, fwd_mem: float, bwd_mem: float, act: float) -> Module:
+    return Module(name=name, kind=ModuleKind.ACTIVATION, layer=layer, params=(), gemm=None, fwd_flops=flops,
+                  bwd_flops=2 * flops, model_fwd_flops=0.0, fwd_mem_bytes=fwd_mem, bwd_mem_bytes=bwd_mem,
+                  act_bytes=act, kernels_fwd=1, kernels_bwd=1)
+
+
+def _loss(logits: float, fwd_mem: float, bwd_mem: float, act: float, kernels: int, fwd_workspace: float,
+          bwd_workspace: float) -> Module:
+    """Cross-entropy over `logits` (tokens x vocab) elements."""
+    return Module(name="loss", kind=ModuleKind.LOSS, layer=-2, params=(), gemm=None, fwd_flops=5.0 * logits,
+                  bwd_flops=3.0 * logits, model_fwd_flops=0.0, fwd_mem_bytes=fwd_mem, bwd_mem_bytes=bwd_mem,
+                  act_bytes=act, kernels_fwd=kernels, kernels_bwd=kernels, fwd_workspace_bytes=fwd_workspace,
+                  bwd_workspace_bytes=bwd_workspace)
+
+
 def count_params(m: ModelSpec, seq_len: int | None = None) -> int:
     return build_workload(m, micro_batch_size=1, seq_len=seq_len or m.seq_len, precision="bf16",
                           flash_attention=True, dropout=False).n_params
@@ -109,8 +134,9 @@ def build_workload(m: ModelSpec, micro_batch_size: int, seq_len: int, precision:
     def norm(name, layer):
         ids = (P(f"{name}.weight", h),) + ((P(f"{name}.bias", h),) if m.norm == "layernorm" else ())
         # fwd: read x, write y; bwd: read dy and x, write dx (Korthikanti: stores its input, 2sbh)
-        modules.append(Module(name, "norm", layer, ids, None, 8.0 * t * h, 16.0 * t * h, 0.0,
-                              2 * t * h * a, 3 * t * h * a, t * h * a))
+        modules.append(Module(name=name, kind=ModuleKind.NORM, layer=layer, params=ids, gemm=None,
+                              fwd_flops=8.0 * t * h, bwd_flops=16.0 * t * h, model_fwd_flops=0.0,
+                              fwd_mem_bytes=2 * t * h * a, bwd_mem_bytes=3 * t * h * a, act_bytes=t * h * a))
 
     def linear(name, layer, n_in, n_out, bias, extra_act=0.0, fwd_mem=0.0, bwd_mem=0.0, weight=None,
                saves_input=True):
@@ -118,17 +144,21 @@ def build_workload(m: ModelSpec, micro_batch_size: int, seq_len: int, precision:
         if bias:
             ids += (P(f"{name}.bias", n_out),)
         flops = 2.0 * t * n_in * n_out
-        modules.append(Module(name, "linear", layer, ids, (t, n_out, n_in), flops, 2 * flops, flops,
-                              fwd_mem, bwd_mem, t * n_in * a * saves_input + extra_act, 0.0, 1, 2))
+        modules.append(Module(name=name, kind=ModuleKind.LINEAR, layer=layer, params=ids, gemm=(t, n_out, n_in),
+                              fwd_flops=flops, bwd_flops=2 * flops, model_fwd_flops=flops,
+                              fwd_mem_bytes=fwd_mem, bwd_mem_bytes=bwd_mem,
+                              act_bytes=t * n_in * a * saves_input + extra_act, kernels_fwd=1, kernels_bwd=2))
 
     wte = P("wte.weight", V * h)
     # token embedding: gather rows (write t*h); backward scatter-adds into the fp32-width table
-    modules.append(Module("wte", "embedding", -1, (wte,), None, 0.0, 0.0, 0.0,
-                          t * h * a, 2 * t * h * a, drop * t * h, 0.0, 1, 1))
+    modules.append(Module(name="wte", kind=ModuleKind.EMBEDDING, layer=-1, params=(wte,), gemm=None,
+                          fwd_flops=0.0, bwd_flops=0.0, model_fwd_flops=0.0, fwd_mem_bytes=t * h * a,
+                          bwd_mem_bytes=2 * t * h * a, act_bytes=drop * t * h, kernels_fwd=1, kernels_bwd=1))
     if m.position == "learned":
         wpe = P("wpe.weight", m.seq_len * h)
-        modules.append(Module("wpe", "embedding", -1, (wpe,), None, 0.0, 0.0, 0.0,
-                              3 * t * h * a, 2 * t * h * a, 0.0, 0.0, 1, 1))
+        modules.append(Module(name="wpe", kind=ModuleKind.EMBEDDING, layer=-1, params=(wpe,), gemm=None,
+                              fwd_flops=0.0, bwd_flops=0.0, model_fwd_flops=0.0, fwd_mem_bytes=3 * t * h * a,
+                              bwd_mem_bytes=2 * t * h * a, act_bytes=0.0, kernels_fwd=1, kernels_bwd=1))
     if m.embedding_norm:
         norm("emb_ln", -1)
 
@@ -160,8 +190,10 @@ def build_workload(m: ModelSpec, micro_batch_size: int, seq_len: int, precision:
             mem_f = rope_mem + s2 * a * (3 + 2 * drop)   # scores write, softmax read/write
             mem_b = rope_mem + s2 * a * (4 + 2 * drop)
             kf, kb = 4, 6
-        modules.append(Module(f"{pfx}.attn.core", "attention", i, (), None, fwd, bwd, model_flops,
-                              mem_f, mem_b, act, act_s2, kf, kb))
+        modules.append(Module(name=f"{pfx}.attn.core", kind=ModuleKind.ATTENTION, layer=i, params=(), gemm=None,
+                              fwd_flops=fwd, bwd_flops=bwd, model_fwd_flops=model_flops, fwd_mem_bytes=mem_f,
+                              bwd_mem_bytes=mem_b, act_bytes=act, act_bytes_s2=act_s2, kernels_fwd=kf,
+                              kernels_bwd=kb))
         # output projection + residual add (+ dropout mask): read 2, write 1
         linear(f"{pfx}.attn.o_proj", i, h, h, m.bias, extra_act=drop * t * h,
                fwd_mem=3 * t * h * a, bwd_mem=2 * t * h * a)
@@ -170,12 +202,12 @@ def build_workload(m: ModelSpec, micro_batch_size: int, seq_len: int, precision:
             linear(f"{pfx}.mlp.gate_proj", i, h, f, m.bias)
             linear(f"{pfx}.mlp.up_proj", i, h, f, m.bias, saves_input=False)
             # SiLU(gate)*up: stores gate and up (above as the projections' outputs) and the product
-            modules.append(Module(f"{pfx}.mlp.act", "activation", i, (), None, 4.0 * t * f, 8.0 * t * f, 0.0,
-                                  3 * t * f * a, 5 * t * f * a, 2 * t * f * a, 0.0, 1, 1))
+            modules.append(_activation(f"{pfx}.mlp.act", i, flops=4.0 * t * f, fwd_mem=3 * t * f * a,
+                                       bwd_mem=5 * t * f * a, act=2 * t * f * a))
         else:
             linear(f"{pfx}.mlp.fc_in", i, h, f, m.bias)
-            modules.append(Module(f"{pfx}.mlp.act", "activation", i, (), None, 8.0 * t * f, 16.0 * t * f, 0.0,
-                                  2 * t * f * a, 3 * t * f * a, t * f * a, 0.0, 1, 1))
+            modules.append(_activation(f"{pfx}.mlp.act", i, flops=8.0 * t * f, fwd_mem=2 * t * f * a,
+                                       bwd_mem=3 * t * f * a, act=t * f * a))
         linear(f"{pfx}.mlp.fc_out", i, f, h, m.bias, extra_act=drop * t * h,
                fwd_mem=3 * t * h * a, bwd_mem=2 * t * h * a)
 
@@ -185,13 +217,12 @@ def build_workload(m: ModelSpec, micro_batch_size: int, seq_len: int, precision:
     if fused_cross_entropy:
         # fused kernel (e.g. flash-attn's CrossEntropyLoss): keeps the 16-bit logits and the
         # log-sum-exp, writes the gradient in place
-        modules.append(Module("loss", "loss", -2, (), None, 5.0 * t * V, 3.0 * t * V, 0.0,
-                              t * V * a, 2 * t * V * a, t * V * a + 4 * t, 0.0, 1, 1,
-                              fwd_workspace_bytes=0.0, bwd_workspace_bytes=0.0))
+        modules.append(_loss(t * V, fwd_mem=t * V * a, bwd_mem=2 * t * V * a, act=t * V * a + 4 * t, kernels=1,
+                             fwd_workspace=0.0, bwd_workspace=0.0))
     else:
         # HF-style: logits upcast to fp32 and held by the model output, log-softmax output saved
         # by cross_entropy; the 16-bit logits are transient; backward makes fp32 and 16-bit grads.
-        modules.append(Module("loss", "loss", -2, (), None, 5.0 * t * V, 3.0 * t * V, 0.0,
-                              t * V * (a + 12), t * V * (24 + a), 8 * t * V, 0.0, 3, 3,
-                              fwd_workspace_bytes=t * V * a, bwd_workspace_bytes=t * V * (4 + a)))
-    return Workload(tuple(params), tuple(modules), m.layers, t, b, s, float(t * h * a), a)
+        modules.append(_loss(t * V, fwd_mem=t * V * (a + 12), bwd_mem=t * V * (24 + a), act=8 * t * V, kernels=3,
+                             fwd_workspace=t * V * a, bwd_workspace=t * V * (4 + a)))
+    return Workload(params=tuple(params), modules=tuple(modules), layers=m.layers, tokens=t, micro_batch_size=b,
+                    seq_len=s, layer_input_bytes=float(t * h * a), act_dtype_bytes=a)
