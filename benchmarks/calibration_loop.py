@@ -27,7 +27,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from calibration.harness.fit import FIT_STATISTIC, _kind, _t as measured_s, _t_mean, pool_passes  # noqa: E402
+from calibration.harness.fit_comm import collective_kind, mean_call_time_s, pool_passes  # noqa: E402
+from calibration.harness.fit_common import FIT_STATISTIC, fit_time_s  # noqa: E402
 from calibration.harness.pool import read_pool                          # noqa: E402
 from zsim.api import run_scenario                                     # noqa: E402
 from zsim.config.scenario import load_scenario                         # noqa: E402
@@ -46,8 +47,9 @@ def predict_collective(profile, rec: dict) -> float:
     else:
         cluster = Cluster(profile=profile, nodes=1, gpus_per_node=n)
     intra, inter = tiers_for(cluster)
-    return collective_cost(_kind(rec["op"]), rec["size_bytes"], cluster.nodes, cluster.gpus_per_node, intra, inter,
-                           coalesced=rec["op"] != _kind(rec["op"])).time_s
+    kind = collective_kind(rec["op"])
+    return collective_cost(kind, rec["size_bytes"], cluster.nodes, cluster.gpus_per_node, intra, inter,
+                           coalesced=rec["op"] != kind).time_s
 
 
 def held_out(profile, rec: dict) -> float | None:
@@ -64,7 +66,8 @@ def held_out(profile, rec: dict) -> float | None:
     intra, _ = tiers_for(cluster)
     n = rec["ranks"]
     bw = intra.busbw_Bps * efficiency_at(rest, rec["size_bytes"])
-    return ring_steps(_kind(rec["op"]), n) * intra.latency_s + rec["size_bytes"] * bus_factor(_kind(rec["op"]), n) / bw
+    kind = collective_kind(rec["op"])
+    return ring_steps(kind, n) * intra.latency_s + rec["size_bytes"] * bus_factor(kind, n) / bw
 
 
 def layer_scenario(profile_path: str, rec: dict) -> str:
@@ -130,7 +133,7 @@ def main(argv=None) -> int:
     for r in sorted((r for r in recs if r.get("kind") == "collective" and "error" not in r),
                     key=lambda r: (r["dtype"] != fit_dtype, r["dtype"], r["op"], r["size_bytes"])):
         pred = predict_collective(profile, r)
-        m = _t_mean(r)
+        m = mean_call_time_s(r)
         err = (pred - m) / m
         ho = held_out(profile, r)
         ho_err = (ho - m) / m if ho else None
@@ -159,7 +162,7 @@ def main(argv=None) -> int:
         if key not in cache:
             cache[key] = predict_layer(profile_ref, r)
         pred = cache[key][r["pass"] == "bwd"]
-        m = measured_s(r)
+        m = fit_time_s(r)
         err = (pred - m) / m
         flag = ("  OK" if abs(err) <= tolerance(r) else "  MISS") if r["dtype"] == dtype else "  (other dtype)"
         ok &= r["dtype"] != dtype or abs(err) <= tolerance(r)

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from published_h100 import DEFAULT_CSV, read_rows, scenario_mapping  # noqa: E402
-from calibration.harness.fit import _nnls_relative  # noqa: E402  (pure numpy, no torch)
+from calibration.harness.fit_layer import nnls_relative  # noqa: E402  (pure numpy, no torch)
 from zsim.config.scenario import scenario_from_mapping  # noqa: E402
 from zsim.schedule.build import build_schedule  # noqa: E402
 
@@ -57,10 +57,10 @@ def components(sc) -> np.ndarray:
     return np.array([g, af + ab / FA2_BWD_OVER_FWD, mem, kern])
 
 
-def nnls_relative(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+def fit_scales(X: np.ndarray, y: np.ndarray) -> np.ndarray:
     """min sum(((X b + k) - y) / y)^2 over b >= 0 for the first three columns; the kernel
     overhead column keeps coefficient 1 (it is already in seconds)."""
-    return _nnls_relative(X[:, :3], y - X[:, 3], weight=y)
+    return nnls_relative(X[:, :3], y - X[:, 3], weight=y)
 
 
 def main() -> int:
@@ -73,7 +73,7 @@ def main() -> int:
         y.append(tokens / float(row["tokens_per_s_per_gpu"]))
         models.append(row["model"])
     X, y = np.array(X), np.array(y)
-    b = nnls_relative(X, y)
+    b = fit_scales(X, y)
     eff = [1 / v if v > 0 else float("inf") for v in b]
     names = ["gemm_max_efficiency", "flash_attention_fwd_efficiency", "memory_bound_efficiency"]
     for n, e in zip(names, eff):
@@ -85,7 +85,7 @@ def main() -> int:
     cv = []
     for m in sorted(set(models)):
         train = np.array([x != m for x in models])
-        bm = nnls_relative(X[train], y[train])
+        bm = fit_scales(X[train], y[train])
         p = X[~train, :3] @ bm + X[~train, 3]
         cv.extend((np.abs(p - y[~train]) / y[~train]).tolist())
     print(f"leave-one-model-out MAPE: {statistics.mean(cv) * 100:.1f}% (max {max(cv) * 100:.1f}%)")

@@ -1,9 +1,11 @@
 """The collectives zsim schedules for stages 0-3 equal those real DeepSpeed 0.19.8 issued on
 CPU/gloo (world size 2) for the same model and ds_config, recorded by wrapping
-torch.distributed (calibration/deepspeed_record.py, tests/fixtures/deepspeed/)."""
+torch.distributed (calibration/deepspeed_record/, tests/fixtures/deepspeed/)."""
 import pytest
 
-from deepspeed_fixtures import fixture_names, load_fixture, recorded_steady_state, simulated
+from calibration.deepspeed_record.cases import MODEL
+from deepspeed_fixtures import fixture_names, load_fixture, recorded_steady_state, scenario_for, simulated
+from zsim.schedule.build import workload_for
 
 NAMES = fixture_names()
 
@@ -16,6 +18,17 @@ def test_fixtures_cover_every_stage_and_knob():
                  "stage3_max_reuse_distance", "stage3_param_persistence_threshold", "reduce_scatter",
                  "use_multi_rank_bucket_allreduce", "contiguous_gradients"):
         assert knob in knobs
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fixture_model_is_the_recorders_and_the_workloads(name):
+    """The fixture was recorded on the model the recorder builds today (calibration's GPT of
+    cases.MODEL) and the simulator rebuilds; DeepSpeed's parameters came in zsim's order."""
+    fx = load_fixture(name)
+    sc = scenario_for(fx)
+    assert sc.model == MODEL
+    wl = workload_for(sc)
+    assert [p["numel"] for p in fx["params"]] == [p.numel for p in wl.params]
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -1,5 +1,5 @@
 """DeepSpeed 0.19.8's passes over the local gradient pieces before the optimizer step, shared by
-the own core (engine.py) and the calibration benchmark that times them (harness/worker.py
+the own core (engine.py) and the calibration benchmark that times them (harness/bench_zero.py
 bench_optimizer_step), so the rate zsim charges is measured on the code the core runs."""
 from __future__ import annotations
 

@@ -1,13 +1,28 @@
-"""The GPT the training core runs, built from a scenario's model section.
+"""The one torch GPT of calibration, built from a scenario's ModelSpec.
 
-It mirrors zsim/workload/transformer.py module for module (same names, same parameters in
-the same registration order), so the simulator's op names ("forward layers.0.attn.qkv") map
-onto code here. The model is functional: each workload module is a *segment*
-(inputs -> output) that can be run and back-propagated on its own, which lets the core run
-the schedule op by op (gathers before a module, releases and gradient buckets after it).
-Parameters are leaf tensors owned by the core; their storage is swapped in and out
-(p.data = ...) the way DeepSpeed ZeRO-3 does, so autograd's saved weights see the re-gathered
-data in backward.
+It mirrors zsim/workload/transformer.py module for module: the same module names, the same
+parameters in the same registration order (tied weights registered once), so the simulator's
+op names ("forward layers.0.attn.qkv") and its parameter ids map onto this model, and
+DeepSpeed's flat groups, buckets and ZeRO-3 module trace match what zsim schedules
+(tests/test_gpt.py checks the mirror for every model variant the workload supports).
+
+It runs two ways, through the same code:
+- As an nn.Module, `GPT(spec)(ids, labels) -> loss`: what DeepSpeed, FSDP2 and DDP wrap
+  (calibration/core/peers.py), what the fixture recorder hands DeepSpeed
+  (calibration/deepspeed_record/) and whose block the calibration worker times
+  (calibration/harness/bench_compute.py). Every container and every module with parameters
+  is *called* as a module, so ZeRO-3's per-module hooks see the tree zsim schedules.
+- Segment by segment, `GPT(spec).segments()`: one Segment per workload module
+  (inputs -> output) that can be run and back-propagated on its own, with the parameters
+  supplied by the caller (`P(pid)`); the training core runs the schedule op by op this way
+  (gathers before a module, releases and gradient buckets after it). The core owns the
+  parameters as leaf tensors and swaps their storage in and out (p.data = ...) the way
+  DeepSpeed ZeRO-3 does, so autograd's saved weights see the re-gathered data in backward.
+
+A module's direct parameters and its segment's work are one leaf (`_Leaf.run`): the module
+path passes its own parameters, the segment path the core's. Parameterless workload modules
+(attention core, MLP activation, loss) are plain functions, not nn.Modules, as in HF models:
+DeepSpeed's module trace does not see them.
 """
 from __future__ import annotations
 
@@ -15,9 +30,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+NORM_EPS = 1e-5
 
 
 @dataclass
@@ -50,13 +67,229 @@ class _Linear(torch.autograd.Function):
         return gx, gw, gb
 
 
-def linear(x, w, b=None):
+def swappable_linear(x, w, b=None):
+    """The segment path's linear: the core swaps weights as ZeRO-3 does (see _Linear). A model
+    handed to DeepSpeed or FSDP is not built under deepspeed.zero.Init (which installs
+    zero3_linear_wrap), so the module path runs F.linear, as an HF model does there."""
     return _Linear.apply(x, w, b)
 
 
+# ----------------------------------------------------------------------------- leaves
+class _Leaf(nn.Module):
+    """A workload module with direct parameters: `run(weights, linear, *inputs)` is its work."""
+
+    def forward(self, *inputs):
+        return self.run(tuple(self._parameters.values()), F.linear, *inputs)
+
+
+class Embedding(_Leaf):
+    """Token embedding (wte): rows of the table."""
+
+    def __init__(self, rows: int, hidden: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, hidden))
+
+    def run(self, ws, linear, ids):
+        return F.embedding(ids, ws[0])
+
+
+class PositionEmbedding(_Leaf):
+    """Learned positions (wpe), added to the token embedding."""
+
+    def __init__(self, rows: int, hidden: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, hidden))
+
+    def run(self, ws, linear, x):
+        return x + ws[0][: x.shape[1]]
+
+
+class Norm(_Leaf):
+    def __init__(self, kind: str, hidden: int):
+        super().__init__()
+        self.kind, self.hidden = kind, hidden
+        self.weight = nn.Parameter(torch.empty(hidden))
+        if kind == "layernorm":
+            self.bias = nn.Parameter(torch.empty(hidden))
+
+    def run(self, ws, linear, x):
+        if self.kind == "layernorm":
+            return F.layer_norm(x, (self.hidden,), ws[0], ws[1], NORM_EPS)
+        return F.rms_norm(x, (self.hidden,), ws[0], NORM_EPS)
+
+
+class Linear(_Leaf):
+    """y = x W^T (+ b), plus the residual stream when given one: zsim's workload charges the
+    residual add of o_proj and fc_out to those modules (transformer.py fwd_mem)."""
+
+    def __init__(self, n_in: int, n_out: int, bias: bool, weight: nn.Parameter | None = None):
+        super().__init__()
+        self.weight = weight if weight is not None else nn.Parameter(torch.empty(n_out, n_in))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(n_out))
+
+    def run(self, ws, linear, x, residual=None):
+        y = linear(x, ws[0], ws[1] if len(ws) > 1 else None)
+        return y if residual is None else residual + y
+
+
+# ----------------------------------------------------------------------------- parameterless ops
+def attend(heads: int, kv_heads: int, head_dim: int, q, k, v):
+    """Causal SDPA over (B, S, heads * head_dim) projections; GQA when kv_heads < heads."""
+    B, S, _ = q.shape
+    q = q.reshape(B, S, heads, head_dim).transpose(1, 2)
+    k = k.reshape(B, S, kv_heads, head_dim).transpose(1, 2)
+    v = v.reshape(B, S, kv_heads, head_dim).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != heads)
+    return o.transpose(1, 2).reshape(B, S, heads * head_dim)
+
+
+def cross_entropy(logits, labels):
+    """HF-style loss: logits upcast to fp32, mean cross-entropy over the micro-batch's tokens."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+# ----------------------------------------------------------------------------- containers
+class _Graph(nn.Module):
+    """A container whose forward runs its steps in order. A step (name, inputs, output) calls a
+    child module (its hooks fire) or a parameterless op, reading and writing named values; the
+    same steps, flattened, are the training core's segments."""
+
+    inputs: tuple[str, ...]
+    output: str
+
+    def __init__(self, inputs: tuple[str, ...], output: str):
+        super().__init__()
+        self.inputs, self.output = inputs, output
+        self.steps: list[tuple[str, tuple[str, ...], str]] = []
+        self.ops: dict[str, Callable] = {}
+
+    def forward(self, *args):
+        env = dict(zip(self.inputs, args))
+        for name, ins, out in self.steps:
+            f = self.ops[name] if name in self.ops else self.get_submodule(name)
+            env[out] = f(*[env[i] for i in ins])
+        return env[self.output]
+
+
+class Attention(_Graph):
+    def __init__(self, m):
+        super().__init__(("a", "x"), "x1")
+        h, kvd = m.hidden, m.n_kv_heads * (m.hidden // m.heads)
+        core = lambda *qkv: attend(m.heads, m.n_kv_heads, h // m.heads, *qkv)
+        if m.fused_qkv:
+            self.qkv = Linear(h, h + 2 * kvd, m.bias)
+            self.steps.append(("qkv", ("a",), "qkv"))
+            self.ops["core"] = lambda qkv: core(*qkv.split([h, kvd, kvd], dim=-1))
+            self.steps.append(("core", ("qkv",), "c"))
+        else:
+            self.q_proj = Linear(h, h, m.bias)
+            self.k_proj = Linear(h, kvd, m.bias)
+            self.v_proj = Linear(h, kvd, m.bias)
+            self.steps += [(f"{n}_proj", ("a",), n) for n in "qkv"]
+            self.ops["core"] = core
+            self.steps.append(("core", ("q", "k", "v"), "c"))
+        self.o_proj = Linear(h, h, m.bias)
+        self.steps.append(("o_proj", ("c", "x"), "x1"))
+
+
+class MLP(_Graph):
+    def __init__(self, m):
+        super().__init__(("b", "x1"), "x2")
+        h, f = m.hidden, m.ffn
+        if m.glu:
+            self.gate_proj = Linear(h, f, m.bias)
+            self.up_proj = Linear(h, f, m.bias)
+            self.ops["act"] = lambda g, u: F.silu(g) * u
+            self.steps += [("gate_proj", ("b",), "gate"), ("up_proj", ("b",), "up"), ("act", ("gate", "up"), "g")]
+        else:
+            self.fc_in = Linear(h, f, m.bias)
+            # tanh GELU, as GPT-2's gelu_new
+            self.ops["act"] = lambda x: F.gelu(x, approximate="tanh")
+            self.steps += [("fc_in", ("b",), "f"), ("act", ("f",), "g")]
+        self.fc_out = Linear(f, h, m.bias)
+        self.steps.append(("fc_out", ("g", "x1"), "x2"))
+
+
+class Block(_Graph):
+    def __init__(self, m):
+        super().__init__(("x",), "x2")
+        self.ln_1 = Norm(m.norm, m.hidden)
+        self.attn = Attention(m)
+        self.ln_2 = Norm(m.norm, m.hidden)
+        self.mlp = MLP(m)
+        self.steps = [("ln_1", ("x",), "a"), ("attn", ("a", "x"), "x1"), ("ln_2", ("x1",), "b"),
+                      ("mlp", ("b", "x1"), "x2")]
+
+
+class GPT(_Graph):
+    """Decoder-only GPT from a zsim ModelSpec; forward(ids, labels) -> mean loss."""
+
+    def __init__(self, m):
+        super().__init__(("ids", "labels"), "loss")
+        h = m.hidden
+        self.wte = Embedding(m.vocab, h)
+        self.steps.append(("wte", ("ids",), "x.emb"))
+        cur = "x.emb"
+        if m.position == "learned":
+            self.wpe = PositionEmbedding(m.seq_len, h)
+            self.steps.append(("wpe", (cur,), "x.pos"))
+            cur = "x.pos"
+        if m.embedding_norm:
+            self.emb_ln = Norm(m.norm, h)
+            self.steps.append(("emb_ln", (cur,), "x.embln"))
+            cur = "x.embln"
+        self.layers = nn.ModuleList([Block(m) for _ in range(m.layers)])
+        for i in range(m.layers):
+            self.steps.append((f"layers.{i}", (cur,), f"layers.{i}.x2"))
+            cur = f"layers.{i}.x2"
+        self.ln_f = Norm(m.norm, h)
+        # the lm_head is a Linear whose weight is wte's when tied (DeepSpeed ZeRO-3 fetches it again)
+        self.lm_head = Linear(h, m.vocab, False, weight=self.wte.weight if m.tied_embeddings else None)
+        self.ops["loss"] = cross_entropy
+        self.steps += [("ln_f", (cur,), "x.f"), ("lm_head", ("x.f",), "logits"), ("loss", ("logits", "labels"), "loss")]
+
+    def initialized(self, seed: int) -> "GPT":
+        """This model with init_params' values (the training core's initial parameters)."""
+        params = list(self.parameters())
+        values = initial_values([n for n, _ in self.named_parameters()], [tuple(p.shape) for p in params], seed)
+        with torch.no_grad():
+            for p, t in zip(params, values):
+                p.copy_(t)
+        return self
+
+    def segments(self) -> dict[str, Segment]:
+        """One segment per workload module, in forward order; a segment's fn(P, *inputs) takes
+        its parameters from P(pid), pid the index in self.parameters() (the workload's order)."""
+        pid = {id(p): i for i, p in enumerate(self.parameters())}
+        out: dict[str, Segment] = {}
+
+        def flatten(graph: _Graph, prefix: str, values: dict[str, str]):
+            for name, ins, res in graph.steps:
+                path = prefix + name
+                ins = tuple(values.get(i, prefix + i) for i in ins)
+                res = values.get(res, prefix + res)
+                if name in graph.ops:
+                    op = graph.ops[name]
+                    out[path] = Segment(path, ins, res, lambda P, *x, op=op: op(*x))
+                    continue
+                child = graph.get_submodule(name)
+                if isinstance(child, _Graph):
+                    flatten(child, path + ".", {**dict(zip(child.inputs, ins)), child.output: res})
+                    continue
+                pids = tuple(pid[id(p)] for p in child._parameters.values())
+                out[path] = Segment(path, ins, res, lambda P, *x, leaf=child, pids=pids:
+                                    leaf.run(tuple(P(i) for i in pids), swappable_linear, *x))
+
+        flatten(self, "", {"ids": "ids", "labels": "labels", "loss": "loss"})
+        return out
+
+
+# ----------------------------------------------------------------------------- the core's view
 def param_shapes(wl) -> list[tuple[int, ...]]:
     """Shape of every workload param, from the module that owns it."""
     shapes: dict[int, tuple[int, ...]] = {}
+    hidden = next(wl.params[m.params[0]].numel for m in wl.modules if m.kind == "norm")
     for m in wl.modules:
         for pid in m.params:
             if pid in shapes:
@@ -67,26 +300,18 @@ def param_shapes(wl) -> list[tuple[int, ...]]:
                 _, n_out, n_in = m.gemm
                 shapes[pid] = (n_out, n_in) if name.endswith(".weight") else (n_out,)
             elif m.kind == "embedding":
-                shapes[pid] = (n // _hidden(wl, m), _hidden(wl, m))
+                shapes[pid] = (n // hidden, hidden)
             else:
                 shapes[pid] = (n,)
     return [shapes[i] for i in range(len(wl.params))]
 
 
-def _hidden(wl, module) -> int:
-    # every embedding is (rows, hidden); hidden = a norm's numel
-    for m in wl.modules:
-        if m.kind == "norm":
-            return wl.params[m.params[0]].numel
-    raise ValueError("model without a norm")
-
-
-def init_params(wl, shapes, seed: int) -> list[torch.Tensor]:
+def initial_values(names, shapes, seed: int) -> list[torch.Tensor]:
     """fp32 initial values (GPT-2 style), identical on every rank."""
     g = torch.Generator().manual_seed(seed)
     out = []
-    for p, shape in zip(wl.params, shapes):
-        if p.name.endswith(".bias"):
+    for name, shape in zip(names, shapes):
+        if name.endswith(".bias"):
             t = torch.zeros(shape)
         elif len(shape) == 1:          # norm weights
             t = torch.ones(shape)
@@ -96,105 +321,18 @@ def init_params(wl, shapes, seed: int) -> list[torch.Tensor]:
     return out
 
 
+def init_params(wl, shapes, seed: int) -> list[torch.Tensor]:
+    return initial_values([p.name for p in wl.params], shapes, seed)
+
+
 def build_segments(sc, wl) -> dict[str, Segment]:
-    """One segment per workload module; `P(pid)` returns the parameter tensor at call time."""
-    m = sc.model
-    h, heads = m.hidden, m.heads
-    kv_heads = m.kv_heads or heads
-    hd = h // heads
-    kvd = kv_heads * hd
-    pid = {p.name: i for i, p in enumerate(wl.params)}
-    segs: dict[str, Segment] = {}
-
-    def norm_fn(wname, bname):
-        def f(P, x):
-            if m.norm == "layernorm":
-                return F.layer_norm(x, (h,), P(pid[wname]), P(pid[bname]) if bname else None, 1e-5)
-            return F.rms_norm(x, (h,), P(pid[wname]), 1e-5)
-        return f
-
-    def lin(mod):
-        w = mod.params[0]
-        b = mod.params[1] if len(mod.params) > 1 else None
-        return w, b
-
-    cur = "ids"
-    mods = {mm.name: mm for mm in wl.modules}
-
-    def add(name, inputs, output, fn):
-        segs[name] = Segment(name, tuple(inputs), output, fn)
-
-    add("wte", ["ids"], "x.emb", lambda P, ids: F.embedding(ids, P(mods["wte"].params[0])))
-    cur = "x.emb"
-    if "wpe" in mods:
-        w = mods["wpe"].params[0]
-        add("wpe", [cur], "x.pos", lambda P, x, w=w: x + P(w)[: x.shape[1]])
-        cur = "x.pos"
-    if "emb_ln" in mods:
-        add("emb_ln", [cur], "x.embln", norm_fn("emb_ln.weight", "emb_ln.bias" if m.norm == "layernorm" else None))
-        cur = "x.embln"
-    for i in range(m.layers):
-        p = f"layers.{i}"
-        x0 = cur
-        add(f"{p}.ln_1", [x0], f"{p}.a", norm_fn(f"{p}.ln_1.weight", f"{p}.ln_1.bias" if m.norm == "layernorm" else None))
-        if m.fused_qkv:
-            w, b = lin(mods[f"{p}.attn.qkv"])
-            add(f"{p}.attn.qkv", [f"{p}.a"], f"{p}.qkv", lambda P, x, w=w, b=b: linear(x, P(w), P(b) if b is not None else None))
-            core_in = [f"{p}.qkv"]
-
-            def core(P, qkv):
-                B, S, _ = qkv.shape
-                q, k, v = qkv.split([h, kvd, kvd], dim=-1)
-                return _attend(q, k, v, B, S, heads, kv_heads, hd)
-        else:
-            for nm in ("q_proj", "k_proj", "v_proj"):
-                w, b = lin(mods[f"{p}.attn.{nm}"])
-                add(f"{p}.attn.{nm}", [f"{p}.a"], f"{p}.{nm[0]}",
-                    lambda P, x, w=w, b=b: linear(x, P(w), P(b) if b is not None else None))
-            core_in = [f"{p}.q", f"{p}.k", f"{p}.v"]
-
-            def core(P, q, k, v):
-                B, S, _ = q.shape
-                return _attend(q, k, v, B, S, heads, kv_heads, hd)
-        add(f"{p}.attn.core", core_in, f"{p}.c", core)
-        w, b = lin(mods[f"{p}.attn.o_proj"])
-        add(f"{p}.attn.o_proj", [f"{p}.c", x0], f"{p}.x1",
-            lambda P, c, x, w=w, b=b: x + linear(c, P(w), P(b) if b is not None else None))
-        add(f"{p}.ln_2", [f"{p}.x1"], f"{p}.b",
-            norm_fn(f"{p}.ln_2.weight", f"{p}.ln_2.bias" if m.norm == "layernorm" else None))
-        if m.glu:
-            for nm in ("gate_proj", "up_proj"):
-                w, b = lin(mods[f"{p}.mlp.{nm}"])
-                add(f"{p}.mlp.{nm}", [f"{p}.b"], f"{p}.{nm}",
-                    lambda P, x, w=w, b=b: linear(x, P(w), P(b) if b is not None else None))
-            add(f"{p}.mlp.act", [f"{p}.gate_proj", f"{p}.up_proj"], f"{p}.g", lambda P, g, u: F.silu(g) * u)
-        else:
-            w, b = lin(mods[f"{p}.mlp.fc_in"])
-            add(f"{p}.mlp.fc_in", [f"{p}.b"], f"{p}.f",
-                lambda P, x, w=w, b=b: linear(x, P(w), P(b) if b is not None else None))
-            add(f"{p}.mlp.act", [f"{p}.f"], f"{p}.g", lambda P, x: F.gelu(x, approximate="tanh"))
-        w, b = lin(mods[f"{p}.mlp.fc_out"])
-        add(f"{p}.mlp.fc_out", [f"{p}.g", f"{p}.x1"], f"{p}.x2",
-            lambda P, g, x, w=w, b=b: x + linear(g, P(w), P(b) if b is not None else None))
-        cur = f"{p}.x2"
-    add("ln_f", [cur], "x.f", norm_fn("ln_f.weight", "ln_f.bias" if m.norm == "layernorm" else None))
-    w, _ = lin(mods["lm_head"])
-    add("lm_head", ["x.f"], "logits", lambda P, x, w=w: linear(x, P(w)))
-    # HF-style loss: logits upcast to fp32, mean cross-entropy over the micro-batch's tokens
-    add("loss", ["logits", "labels"], "loss",
-        lambda P, lg, y: F.cross_entropy(lg.float().reshape(-1, lg.shape[-1]), y.reshape(-1)))
-    missing = [mm.name for mm in wl.modules if mm.name not in segs]
+    """The scenario's GPT (on the meta device: the core owns the parameters) as segments."""
+    with torch.device("meta"):
+        segs = GPT(sc.model).segments()
+    missing = [m.name for m in wl.modules if m.name not in segs]
     if missing:
         raise ValueError(f"modules without a segment: {missing}")
     return segs
-
-
-def _attend(q, k, v, B, S, heads, kv_heads, hd):
-    q = q.reshape(B, S, heads, hd).transpose(1, 2)
-    k = k.reshape(B, S, kv_heads, hd).transpose(1, 2)
-    v = v.reshape(B, S, kv_heads, hd).transpose(1, 2)
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != heads)
-    return o.transpose(1, 2).reshape(B, S, heads * hd)
 
 
 def batch(sc, step: int, micro: int, rank: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

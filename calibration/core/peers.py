@@ -2,8 +2,8 @@
 measured the way the own core is (calibration/core/run.py): step time after warm-up, phases,
 the collectives of one step, peak tensor memory per rank.
 
-The nn.Module mirrors zsim's workload (same module names and parameter order, same initial
-values and data as the own core), so DeepSpeed's flat groups, buckets and ZeRO-3 module trace
+The model is calibration/core/model.py's GPT (zsim's workload module for module, the own
+core's initial values and data), so DeepSpeed's flat groups, buckets and ZeRO-3 module trace
 match what zsim schedules.
 - DeepSpeed: the scenario's ds_config (stage, buckets, prefetch, persistence, clipping, bf16),
   client optimizer torch.optim.AdamW, gloo (DS_ACCELERATOR=cpu on this machine).
@@ -14,7 +14,6 @@ match what zsim schedules.
 from __future__ import annotations
 
 import functools
-import json
 import threading
 import time
 
@@ -66,111 +65,6 @@ def install_recorder():
             setattr(dist, name, w)
 
 
-def build_module(sc, seed: int):
-    """nn.Module GPT with zsim's module names, initialised like the own core."""
-    import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
-
-    from calibration.core.model import init_params, param_shapes
-    from zsim.schedule.build import workload_for
-
-    m = sc.model
-    h, heads = m.hidden, m.heads
-    kvh = m.kv_heads or heads
-    hd = h // heads
-    kvd = kvh * hd
-    ffn = m.ffn_hidden or 4 * h
-
-    def Norm():
-        return nn.LayerNorm(h, eps=1e-5) if m.norm == "layernorm" else nn.RMSNorm(h, eps=1e-5)
-
-    class Attn(nn.Module):
-        def __init__(self):
-            super().__init__()
-            if m.fused_qkv:
-                self.qkv = nn.Linear(h, h + 2 * kvd, bias=m.bias)
-            else:
-                self.q_proj = nn.Linear(h, h, bias=m.bias)
-                self.k_proj = nn.Linear(h, kvd, bias=m.bias)
-                self.v_proj = nn.Linear(h, kvd, bias=m.bias)
-            self.o_proj = nn.Linear(h, h, bias=m.bias)
-
-        def forward(self, x):
-            B, S, _ = x.shape
-            if m.fused_qkv:
-                q, k, v = self.qkv(x).split([h, kvd, kvd], dim=-1)
-            else:
-                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-            q = q.reshape(B, S, heads, hd).transpose(1, 2)
-            k = k.reshape(B, S, kvh, hd).transpose(1, 2)
-            v = v.reshape(B, S, kvh, hd).transpose(1, 2)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kvh != heads)
-            return self.o_proj(o.transpose(1, 2).reshape(B, S, h))
-
-    class MLP(nn.Module):
-        def __init__(self):
-            super().__init__()
-            if m.glu:
-                self.gate_proj = nn.Linear(h, ffn, bias=m.bias)
-                self.up_proj = nn.Linear(h, ffn, bias=m.bias)
-            else:
-                self.fc_in = nn.Linear(h, ffn, bias=m.bias)
-            self.fc_out = nn.Linear(ffn, h, bias=m.bias)
-
-        def forward(self, x):
-            if m.glu:
-                return self.fc_out(F.silu(self.gate_proj(x)) * self.up_proj(x))
-            return self.fc_out(F.gelu(self.fc_in(x), approximate="tanh"))
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ln_1 = Norm()
-            self.attn = Attn()
-            self.ln_2 = Norm()
-            self.mlp = MLP()
-
-        def forward(self, x):
-            x = x + self.attn(self.ln_1(x))
-            return x + self.mlp(self.ln_2(x))
-
-    class GPT(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.wte = nn.Embedding(m.vocab, h)
-            if m.position == "learned":
-                self.wpe = nn.Embedding(m.seq_len, h)
-            if m.embedding_norm:
-                self.emb_ln = Norm()
-            self.layers = nn.ModuleList([Block() for _ in range(m.layers)])
-            self.ln_f = Norm()
-            self.lm_head = nn.Linear(h, m.vocab, bias=False)
-            if m.tied_embeddings:
-                self.lm_head.weight = self.wte.weight
-
-        def forward(self, ids, labels):
-            x = self.wte(ids)
-            if m.position == "learned":
-                x = x + self.wpe(torch.arange(ids.shape[1]))
-            if m.embedding_norm:
-                x = self.emb_ln(x)
-            for blk in self.layers:
-                x = blk(x)
-            logits = self.lm_head(self.ln_f(x))
-            return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
-
-    model = GPT()
-    wl = workload_for(sc)
-    names = [n for n, _ in model.named_parameters()]
-    if names != [p.name for p in wl.params]:
-        raise RuntimeError(f"module parameters {names[:4]}... do not mirror zsim's workload")
-    with torch.no_grad():
-        for p, t in zip(model.parameters(), init_params(wl, param_shapes(wl), seed)):
-            p.copy_(t)
-    return model
-
-
 def ds_config(sc) -> dict:
     z = sc.zero
     zero = {"stage": z.stage, "contiguous_gradients": z.contiguous_gradients, "reduce_scatter": z.reduce_scatter,
@@ -203,17 +97,17 @@ def main(args, sc) -> int:
     import torch
     import torch.distributed as dist
 
+    from calibration.core.measured import exit_without_teardown, write_measurement
     from calibration.core.memory import TensorMemoryTracker
-    from calibration.core.model import batch
-    from calibration.core.run import _exit_now, summarize_times
+    from calibration.core.model import GPT, batch
 
     gas = sc.gradient_accumulation_steps
     if args.engine == "deepspeed":
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")
-        rank, world = dist.get_rank(), dist.get_world_size()
-        model = build_module(sc, args.seed)
+        rank = dist.get_rank()
+        model = GPT(sc.model).initialized(args.seed)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=_optimizer(sc, model.parameters()),
                                                config=ds_config(sc))
 
@@ -227,8 +121,8 @@ def main(args, sc) -> int:
             engine.step()
     else:
         dist.init_process_group("gloo")
-        rank, world = dist.get_rank(), dist.get_world_size()
-        model = build_module(sc, args.seed)
+        rank = dist.get_rank()
+        model = GPT(sc.model).initialized(args.seed)
         dtype = torch.bfloat16 if sc.precision == "bf16" else torch.float32
         if sc.zero.stage == 0:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -303,17 +197,6 @@ def main(args, sc) -> int:
         with tr:
             losses += train_step(s)
         peak = tr.peak
-    peaks = [None] * world
-    dist.all_gather_object(peaks, peak)
-    all_losses = [None] * world
-    dist.all_gather_object(all_losses, losses)
-    if rank == 0:
-        out = {"engine": args.engine, "scenario": sc.name, "world_size": world, "steps": args.steps,
-               "warmup": args.warmup, **summarize_times(step_times, phase_times),
-               "peak_bytes": max(peaks), "peak_bytes_per_rank": peaks,
-               "collectives": [list(c) for c in collectives],
-               "losses": [sum(v) / world for v in zip(*all_losses)]}
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+    write_measurement(args.out, args.engine, sc, args, step_times, phase_times, peak, collectives, losses)
     dist.barrier()
-    _exit_now()
+    exit_without_teardown()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -44,26 +43,6 @@ def chrome_trace(times, name: str, rank: int) -> dict:
     return {"traceEvents": ev, "displayTimeUnit": "ms"}
 
 
-def summarize_times(step_times, phase_times) -> dict:
-    med = statistics.median(step_times)
-    return {
-        "step_time_s": med,
-        "step_times_s": step_times,
-        "step_time_min_s": min(step_times),
-        "step_time_max_s": max(step_times),
-        "step_time_spread": (max(step_times) - min(step_times)) / med if med else 0.0,
-        "phases_s": {k: statistics.median(v) for k, v in phase_times.items()},
-    }
-
-
-def _exit_now():
-    """Leave without tearing gloo down: its destructor can abort a rank whose peer already left
-    ("terminate called without an active exception")."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 def main(argv=None) -> int:
     args = parse(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -81,6 +60,7 @@ def main(argv=None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     from calibration.core.comm import Comm
     from calibration.core.engine import ZeroCore
+    from calibration.core.measured import exit_without_teardown, write_measurement
     from calibration.core.memory import TensorMemoryTracker
     from calibration.core.plan import build_plan
 
@@ -119,23 +99,12 @@ def main(argv=None) -> int:
             losses += core.train_step(step)
         peak = tr.peak
         step += 1
-    peaks = [None] * world
-    dist.all_gather_object(peaks, peak)
-    all_losses = [None] * world
-    dist.all_gather_object(all_losses, losses)
-    if rank == 0:
-        out = {"engine": "own", "scenario": sc.name, "world_size": world, "steps": args.steps, "warmup": args.warmup,
-               **summarize_times(step_times, phase_times),
-               "peak_bytes": max(peaks), "peak_bytes_per_rank": peaks,
-               "collectives": [list(c) for c in collectives],
-               "losses": [sum(v) / world for v in zip(*all_losses)]}
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
-        if args.trace:
-            with open(args.trace, "w") as f:
-                json.dump(chrome_trace(trace_times, sc.name, rank), f)
+    write_measurement(args.out, "own", sc, args, step_times, phase_times, peak, collectives, losses)
+    if rank == 0 and args.trace:
+        with open(args.trace, "w") as f:
+            json.dump(chrome_trace(trace_times, sc.name, rank), f)
     dist.barrier()
-    _exit_now()
+    exit_without_teardown()
 
 
 if __name__ == "__main__":

@@ -9,6 +9,10 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
+from zsim.config.scenario import ModelSpec
+from zsim.schedule.passes import linear_gemms
+from zsim.workload.transformer import Module, build_workload
+
 KB = 1024
 # all_gather_coalesced: a batch of async all-gathers waited together, as DeepSpeed re-gathers
 # ZeRO-3's persistent parameters after the step (zsim Op.coalesced)
@@ -31,6 +35,22 @@ class LayerShape:
     @property
     def label(self) -> str:
         return f"h{self.hidden}-a{self.heads}-s{self.seq_len}-b{self.micro_batch}"
+
+    @staticmethod
+    def of(record: dict) -> "LayerShape":
+        """The shape a layer record (or any mapping with these keys) was measured at."""
+        return LayerShape(record["hidden"], record["heads"], record["seq_len"], record["micro_batch"])
+
+    def model_spec(self) -> ModelSpec:
+        """A one-block model of this shape with zsim's default (GPT-2 style) architecture: the
+        worker times calibration's GPT built from it, the fit predicts zsim's workload of it."""
+        return ModelSpec(layers=1, hidden=self.hidden, heads=self.heads, vocab=128, seq_len=self.seq_len)
+
+    def block_modules(self, dtype: str) -> tuple[Module, ...]:
+        """zsim's workload modules of the block, as the simulator costs them."""
+        wl = build_workload(self.model_spec(), self.micro_batch, self.seq_len, dtype, flash_attention=True,
+                            dropout=False)
+        return wl.layer_modules(0)
 
 
 @dataclass(frozen=True)
@@ -103,16 +123,15 @@ def default_plan(mode: str, *, max_size_bytes: int | None = None, io_path: str =
 
 
 def layer_gemms(shape: LayerShape) -> list[tuple[str, str, int, int, int]]:
-    """(module, pass, m, n, k) of the GEMMs of one layer, in the layouts autograd runs them.
-
-    Mirrors zsim.schedule.passes.linear_gemms: fwd (t, out, in); dgrad (t, in, out);
-    wgrad (out, in, t)."""
-    h, t = shape.hidden, shape.tokens
+    """(module, pass, m, n, k) of the GEMMs of one layer, in the layouts autograd runs them:
+    zsim.schedule.passes.linear_gemms of the block's workload modules, fwd (t, out, in);
+    dgrad (t, in, out); wgrad (out, in, t)."""
     out = []
-    for name, n_in, n_out in (("qkv", h, 3 * h), ("o_proj", h, h), ("fc_in", h, 4 * h), ("fc_out", 4 * h, h)):
-        out.append((name, "fwd", t, n_out, n_in))
-        out.append((name, "dgrad", t, n_in, n_out))
-        out.append((name, "wgrad", n_out, n_in, t))
+    for mod in shape.block_modules("bf16"):
+        if mod.gemm is not None:
+            (fwd,), (dgrad, wgrad) = linear_gemms(mod, False), linear_gemms(mod, True)
+            name = mod.name.rsplit(".", 1)[1]
+            out += [(name, "fwd", *fwd), (name, "dgrad", *dgrad), (name, "wgrad", *wgrad)]
     return out
 
 

@@ -1,0 +1,132 @@
+"""One recorded case under torchrun, or every case one after another."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+from calibration.core.measured import exit_without_teardown
+from calibration.core.model import GPT
+from calibration.deepspeed_record.annotations import install_annotations
+from calibration.deepspeed_record.cases import CASES, MICRO_BATCH, MODEL, OPT_STEPS, WORLD_SIZE
+from calibration.deepspeed_record.recorder import MODULE_NAME, PARAM_INDEX, RECORDS, STATE, install_recorder
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_case(name, out_dir):
+    install_recorder()
+
+    import torch
+    import torch.distributed as td
+
+    rank = int(os.environ["RANK"])
+    td.init_process_group("gloo")
+
+    import deepspeed  # noqa: E402  (after the wrappers are installed)
+
+    deepspeed.init_distributed(dist_backend="gloo")
+
+    cfg = copy.deepcopy(CASES[name])
+    gas = cfg["gradient_accumulation_steps"]
+    model = GPT(MODEL).initialized(seed=1234)
+    param_list = [{"index": i, "name": n, "numel": int(p.numel()), "shape": list(p.shape)}
+                  for i, (n, p) in enumerate(model.named_parameters())]
+    for i, (n, p) in enumerate(model.named_parameters()):
+        PARAM_INDEX[id(p)] = i
+    for n, m in model.named_modules():
+        MODULE_NAME[id(m)] = n or "<root>"
+    install_annotations()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    STATE["phase"] = "init"
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    engine.train()
+
+    g = torch.Generator().manual_seed(4321 + rank)
+    losses = []
+    for s in range(OPT_STEPS):
+        for m in range(gas):
+            idx = torch.randint(0, MODEL.vocab, (MICRO_BATCH, MODEL.seq_len), generator=g)
+            tgt = torch.randint(0, MODEL.vocab, (MICRO_BATCH, MODEL.seq_len), generator=g)
+            STATE.update(opt_step=s, micro_step=m, phase="forward")
+            loss = engine(idx, tgt)
+            STATE["phase"] = "backward"
+            engine.backward(loss)
+            STATE["phase"] = "step"
+            engine.step()
+            STATE.update(phase="post", micro_step=None, opt_step=None)
+            losses.append(float(loss.detach().float()))
+
+    for i, r in enumerate(RECORDS):
+        r["idx"] = i
+
+    # compare with rank 1 (traces must be identical apart from per-rank content)
+    def _key(r):
+        return (r["op"], r["fn"], r["numel"], r["dtype"], r["phase"], r["micro_step"], r["opt_step"])
+
+    mine = [list(_key(r)) for r in RECORDS]
+    gathered = [None] * td.get_world_size()
+    STATE["phase"] = "post"
+    n_before = len(RECORDS)
+    td.all_gather_object(gathered, mine)
+    del RECORDS[n_before:]
+    identical = all(x == gathered[0] for x in gathered)
+
+    if rank == 0:
+        doc = {
+            "case": name,
+            "world_size": td.get_world_size(),
+            "backend": td.get_backend(),
+            "versions": {"deepspeed": deepspeed.__version__, "torch": torch.__version__,
+                         "python": sys.version.split()[0]},
+            "accelerator": type(deepspeed.get_accelerator()).__name__,
+            "ds_config": cfg,
+            "model": {"vocab": MODEL.vocab, "seq_len": MODEL.seq_len, "layers": MODEL.layers,
+                      "hidden": MODEL.hidden, "heads": MODEL.heads, "ffn": MODEL.ffn,
+                      "tied_lm_head": MODEL.tied_embeddings,
+                      "total_params": sum(p["numel"] for p in param_list)},
+            "params": param_list,
+            "optimizer": {"class": type(engine.optimizer).__name__,
+                          "client": "torch.optim.AdamW(lr=1e-3)"},
+            "gradient_accumulation_steps": gas,
+            "optimizer_steps": OPT_STEPS,
+            "losses": losses,
+            "final_loss": losses[-1],
+            "ranks_identical_trace": identical,
+            "collectives": RECORDS,
+        }
+        os.makedirs(out_dir, exist_ok=True)
+        path = os.path.join(out_dir, f"{name}.json")
+        with open(path, "w") as fh:
+            json.dump(doc, fh, indent=1, sort_keys=True)
+            fh.write("\n")
+        print(f"[record] {name}: {len(RECORDS)} collectives, identical={identical}, "
+              f"loss={losses[-1]:.4f} -> {path}", flush=True)
+    td.barrier()
+    td.destroy_process_group()
+    # Skip interpreter teardown: with gloo + DeepSpeed's shm comm op a background C++
+    # thread occasionally aborts at exit ("terminate called without an active
+    # exception") after all work is done, which would make torchrun report a failure.
+    exit_without_teardown()
+
+
+def run_all(names, out_dir):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (REPO_ROOT, env.get("PYTHONPATH"))))
+    env.setdefault("DS_ACCELERATOR", "cpu")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("TORCH_EXTENSIONS_DIR", "/work/.torch_ext")
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    failed = []
+    for n in names:
+        cmd = [torchrun, "--standalone", "--nproc-per-node", str(WORLD_SIZE), "-m", "calibration.deepspeed_record",
+               "--case", n, "--out", out_dir]
+        print("+", " ".join(cmd), flush=True)
+        if subprocess.call(cmd, env=env) != 0:
+            failed.append(n)
+    if failed:
+        print("FAILED:", failed)
+        sys.exit(1)

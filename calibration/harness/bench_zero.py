@@ -1,0 +1,149 @@
+"""DeepSpeed ZeRO benchmarks: the ZeRO-1/2 optimizer step pass by pass, and the per-module and
+per-parameter host cost of DeepSpeed's hooks."""
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from calibration.core.model import DTYPES
+from calibration.harness.context import Ctx, timed_everywhere
+
+
+def bench_optimizer_step(ctx: Ctx) -> list[dict]:
+    """DeepSpeed 0.19.8's ZeRO-1/2 optimizer step on the device over one shard, pass by pass as
+    zsim charges it (zsim.schedule.optimizer grad_norm_ops and optimizer_step): per gradient piece
+    the overflow check (amax/amin) and the fp64 norm, then the pieces flattened and converted to
+    fp32, clipped, fused AdamW on the fp32 master, the master copied back into the 16-bit
+    params, the gradients zeroed. The shard is larger than the caches, as a real shard is, and
+    its fp32 gradient copy (4 B per param, a third of adam_params) stays under glibc's 32 MiB
+    mmap ceiling: zsim charges the first touch of a fresh copy on its own (fresh_alloc), so the
+    rate measured here must not include it."""
+    from calibration.core.ds_passes import overflow_count, squared_norm
+    from zsim.schedule.optimizer import (NORM_KERNELS_PER_TENSOR, OVERFLOW_KERNELS_PER_TENSOR, norm_bytes_per_param,
+                                         overflow_bytes_per_param, step_bytes_per_param)
+
+    dtype_name = ctx.plan.profile_dtype
+    dt = DTYPES[dtype_name]
+    n = ctx.plan.adam_params // 3
+    p16 = torch.randn(n, dtype=dt, device=ctx.device)
+    g16 = torch.randn(n, dtype=dt, device=ctx.device) * 1e-3
+    pieces = g16.split(1 << 20)    # a partition's gradient pieces (averaged_gradients)
+    master = torch.nn.Parameter(p16.float(), requires_grad=False)
+    try:
+        opt = torch.optim.AdamW([master], lr=1e-6, fused=True)
+        impl = "torch.optim.AdamW(fused)"
+    except (RuntimeError, TypeError):
+        opt = torch.optim.AdamW([master], lr=1e-6, foreach=True)
+        impl = "torch.optim.AdamW(foreach)"
+    check = dt != torch.float32
+
+    def step():
+        if check:
+            overflow_count(pieces)
+        norm = squared_norm(pieces).sqrt()
+        g = torch.cat(pieces).to(torch.float32)
+        g.mul_(0.5 if float(norm) >= 0 else 1.0)     # unscale / clip coefficient
+        master.grad = g
+        opt.step()
+        master.grad = None
+        p16.copy_(master)
+        g16.zero_()
+
+    st, inner = timed_everywhere(ctx, step, reps=max(5, ctx.plan.reps // 2))
+    width = torch.tensor([], dtype=dt).element_size()
+    per_param = (step_bytes_per_param(width, True) + norm_bytes_per_param(width)
+                 + (overflow_bytes_per_param(width) if check else 0.0))
+    kernels = 6 + 3 + len(pieces) * (NORM_KERNELS_PER_TENSOR + (OVERFLOW_KERNELS_PER_TENSOR if check else 0))
+    return [{"kind": "optimizer_step", "dtype": dtype_name, "impl": impl, "params": n, "pieces": len(pieces),
+             "kernels": kernels,
+             "bytes": per_param * n, "GBps": per_param * n / st["time_s"] / 1e9, "inner": inner, **st}]
+
+
+ZERO3_HOOK_MODULES = (8, 64)
+
+
+def bench_zero3_hooks(ctx: Ctx) -> list[dict]:
+    """DeepSpeed's host time per module and per parameter over plain torch: ZeRO-3's module hooks
+    (pre/post forward and backward: fetch and release bookkeeping, trace, prefetch coordinator)
+    per module visit and pass, and ZeRO-0/1/2's gradient handling per parameter in backward
+    (stage 2's hooks, stage 1's boundary bucketing, stage 0's fallback all-reduce with its
+    per-tensor flatten and copy-back). A stack of tiny Linear modules (2 params each), all below
+    the persistence threshold (no gathers in the passes), runs in plain torch and under each
+    stage at two depths; the difference of the per-module slopes is DeepSpeed's cost. Needs
+    deepspeed (optional, like DeepSpeedCPUAdam)."""
+    try:
+        if not ctx.cuda:
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed
+    except Exception as exc:   # optional: absent is not a calibration failure
+        return [{"kind": "zero3_hooks", "error": f"not measured: deepspeed unavailable ({type(exc).__name__}); "
+                                                 "pip install deepspeed to measure it"}]
+    deepspeed.init_distributed(dist_backend="nccl" if ctx.cuda else "gloo")
+    width = 64
+    bf16 = ctx.plan.profile_dtype == "bf16"
+    dt = torch.bfloat16 if bf16 else torch.float32
+    reps = max(20, ctx.plan.reps)
+
+    def run(stage: int | None, n: int) -> tuple[list[float], list[float]]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(n)])
+        if stage is None:
+            model = model.to(device=ctx.device, dtype=dt)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+            fwd, bwd = model, lambda y: y.backward()
+
+            def step():
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            eng = None
+        else:
+            cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
+                   "bf16": {"enabled": bf16}, "steps_per_print": 10**9, "wall_clock_breakdown": False}
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+            eng, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+            fwd, bwd, step = eng, eng.backward, eng.step
+        x = torch.randn(4, width, device=ctx.device, dtype=dt)
+        fw, bw = [], []
+        for i in range(ctx.plan.warmup + reps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            y = fwd(x).float().sum()
+            ctx.sync()
+            t1 = time.perf_counter()
+            bwd(y)
+            ctx.sync()
+            t2 = time.perf_counter()
+            step()
+            if i >= ctx.plan.warmup:
+                fw.append(t1 - t0)
+                bw.append(t2 - t1)
+        if eng is not None:
+            eng.destroy()
+        return ctx.gather_max(fw), ctx.gather_max(bw)
+
+    ctx.at_sync()
+    # ZeRO-3 first, against a plain run before it: an engine built after others in the same
+    # process ran its hooks up to 2x slower than in a fresh one (as zsim validate runs it), and
+    # ZeRO-3 leaves the process slower after it, so ZeRO-0/1/2 get a plain baseline of their own
+    med = {}
+    for key, stage in (("plain", None), ("stage3", 3), ("plain_after3", None), ("stage0", 0), ("stage1", 1),
+                       ("stage2", 2)):
+        for n in ZERO3_HOOK_MODULES:
+            fw, bw = run(stage, n)
+            gc.collect()   # the engine just destroyed is a cycle of hooks and buffers
+            med[(key, n)] = (statistics.median(fw), statistics.median(bw))
+    lo, hi = ZERO3_HOOK_MODULES
+    slope = lambda key, k: (med[(key, hi)][k] - med[(key, lo)][k]) / (hi - lo)
+    return [{"kind": "zero3_hooks", "deepspeed": deepspeed.__version__, "modules": list(ZERO3_HOOK_MODULES),
+             "width": width, "baseline": "plain torch",
+             "times_s": {f"{key}/{n}": list(v) for (key, n), v in med.items()},
+             "fwd_s_per_visit": slope("stage3", 0) - slope("plain", 0),
+             "bwd_s_per_visit": slope("stage3", 1) - slope("plain", 1),
+             "grad_hook_s_per_param": {str(s): (slope(f"stage{s}", 1) - slope("plain_after3", 1)) / 2
+                                       for s in (0, 1, 2)},
+             "time_s": med[("stage3", hi)][0] + med[("stage3", hi)][1]}]

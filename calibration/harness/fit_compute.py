@@ -1,0 +1,148 @@
+"""Compute fits: the GEMM efficiency law, attention and memory-bound efficiencies, fresh
+allocations and the optimizer step, then the layer closure (fit_layer.py)."""
+from __future__ import annotations
+
+import numpy as np
+
+from calibration.harness.fit_common import fit_rate, fit_time_s, usable
+from calibration.harness.fit_layer import (fit_layer_closure, held_out_layer_errors, layer_residuals,
+                                           nnls_relative)
+
+def gemm_law(m: float, n: float, k: float, d_half: float) -> float:
+    return (m / (m + d_half)) * (n / (n + d_half)) * (k / (k + d_half))
+
+
+def fit_gemm(records: list[dict]) -> dict:
+    """Peak TFLOP/s per dtype and d_half shared by all dtypes, max_eff = 1.
+
+    A rank has no trustworthy datasheet peak (a CPU rank's share of cores, turbo, AVX
+    licences), so the peak reported is the law's asymptote: the rate the fitted law reaches
+    for infinitely large GEMMs. For each d_half on a log grid, 1/peak per dtype has a closed
+    form (least squares in relative time error); the d_half with the smallest error wins."""
+    recs = [r for r in usable(records, "gemm")]
+    if not recs:
+        raise ValueError("no GEMM records")
+    best = None
+    dtypes = sorted({r["dtype"] for r in recs})
+    for d_half in [0.0] + [float(v) for v in np.geomspace(1, 4096, 97)]:
+        peaks, err = {}, 0.0
+        for d in dtypes:
+            rs = [r for r in recs if r["dtype"] == d]
+            x = np.array([r["flops"] / gemm_law(r["m"], r["n"], r["k"], d_half) for r in rs])
+            y = np.array([fit_time_s(r) for r in rs])
+            inv_peak = float(np.sum(x / y) / np.sum(x * x / (y * y)))   # time = x / peak
+            peaks[d] = 1.0 / inv_peak
+            err += float(np.sum(((inv_peak * x - y) / y) ** 2))
+        if best is None or err < best[0] - 1e-15:
+            best = (err, d_half, peaks)
+    err, d_half, peaks = best
+    res = []
+    for r in recs:
+        pred = r["flops"] / (peaks[r["dtype"]] * gemm_law(r["m"], r["n"], r["k"], d_half))
+        res.append({"dtype": r["dtype"], "shape": [r["m"], r["n"], r["k"]], "module": r.get("module"),
+                    "pass": r.get("pass"), "measured_s": fit_time_s(r), "predicted_s": pred,
+                    "error": (pred - fit_time_s(r)) / fit_time_s(r)})
+    return {"peak_tflops": {d: p / 1e12 for d, p in sorted(peaks.items())}, "gemm_max_efficiency": 1.0,
+            "gemm_half_efficiency_dim": d_half, "residuals": res}
+
+
+def fit_efficiency_ratio(work: list[float], time_s: list[float], rate: float) -> float:
+    """Single efficiency e with sum(work)/(rate*e) = sum(time): the ratio of totals, so the
+    efficiency reproduces the total time of the measured kernels (what a layer sums)."""
+    return float(sum(work) / (rate * sum(time_s)))
+
+
+def fit_attention(rs: list[dict], time_s: list[float], peak_flops: float) -> tuple[float, float]:
+    """(efficiency, fixed s per call) of t = flops / (peak * eff) + fixed over the layer shapes,
+    least squares in relative error, eff <= 1 and fixed >= 0. On CPU a short sequence's
+    attention is far from its FLOP rate (h256/s128 backward ran at 40% of the s256 rate), which
+    one efficiency cannot hold. One shape: the efficiency alone (ratio of totals)."""
+    if len({r.get("layer") for r in rs}) < 2:
+        return min(1.0, fit_efficiency_ratio([r["flops"] for r in rs], time_s, peak_flops)), 0.0
+    X = np.array([[r["flops"] / peak_flops, 1.0] for r in rs])
+    inv_eff, fixed_s = nnls_relative(X, np.array(time_s), np.array([1.0, 0.0]))
+    return float(1.0 / inv_eff), float(fixed_s)
+
+
+def fit_fresh_alloc(records: list[dict]) -> dict:
+    """fresh_alloc_threshold_bytes and fresh_alloc_GBps (zsim.hardware.compute.fresh_alloc_time_s).
+
+    A size is "fresh" when allocating costs over 3x the fill of a kept buffer on top of it (page
+    faults run ~10x slower than a fill; a size just under the threshold still costs up to ~1x
+    more because a kept buffer's fill hits the cache); the threshold is the largest size below every
+    fresh one, the rate the median first-touch rate of the fresh sizes. No fresh size: {}."""
+    rs = sorted(usable(records, "fresh_alloc"), key=lambda r: r["size_bytes"])
+    is_fresh = [fit_time_s(r) - r["kept_time_s"] > 3.0 * r["kept_time_s"] for r in rs]
+    if not is_fresh or not is_fresh[-1]:
+        return {}
+    first = len(rs) - 1
+    while first > 0 and is_fresh[first - 1]:
+        first -= 1
+    lim = rs[first - 1]["size_bytes"] if first > 0 else rs[0]["size_bytes"] / 2
+    rates = sorted(r["size_bytes"] / (fit_time_s(r) - r["kept_time_s"]) for r in rs[first:])
+    return {"fresh_alloc_threshold_bytes": float(lim), "fresh_alloc_GBps": rates[len(rates) // 2] / 1e9}
+
+
+def _optimizer_passes_s(rec: dict, overhead_s: float) -> float:
+    """The optimizer benchmark's time without its kernels' launch overhead, which zsim charges
+    apart from optimizer_bytes (kernel_overhead_us per kernel)."""
+    return fit_time_s(rec) - rec.get("kernels", 6) * overhead_s
+
+
+def fit_compute(records: list[dict], dtype: str) -> tuple[dict, dict]:
+    """GpuProfile fields for `dtype` (the training precision) and a report of residuals."""
+    over = usable(records, "kernel_overhead")
+    overhead_s = fit_time_s(over[0]) if over else 0.0
+    ag = usable(records, "autograd_overhead")
+    # a backward benchmark is one autograd.grad call on an isolated op: drop the engine's
+    # start-up (paid once per layer backward, not per op), keeping the op's own kernel cost
+    autograd_s = max(0.0, fit_time_s(ag[0]) - overhead_s) if ag else 0.0
+    mc = [r for r in usable(records, "memcpy") if r.get("where") in ("device", "host")]
+    opt = [r for r in usable(records, "optimizer_step") if r["dtype"] == dtype]
+    # the device's bandwidth is at least the best streaming rate any benchmark reached (the
+    # copy and the optimizer's passes), so every efficiency against it stays <= 1
+    rates = ([fit_rate(mc[0], "GBps")] if mc else []) + [o["bytes"] / _optimizer_passes_s(o, overhead_s) / 1e9
+                                                      for o in opt]
+    hbm_GBps = max(rates) if rates else 1.0
+    gemm = fit_gemm([r for r in records if r.get("kind") == "gemm"])
+    peak = gemm["peak_tflops"]
+    p = peak.get(dtype) or max(peak.values())
+    att = [r for r in usable(records, "attention") if r["dtype"] == dtype]
+    eff, att_over_us = {}, {}
+    for pas, kernels in (("fwd", 1), ("bwd", 2)):
+        rs = [r for r in att if r["pass"] == pas]
+        if rs:
+            y = [max(fit_time_s(r) - kernels * overhead_s - (autograd_s if pas == "bwd" else 0.0), 1e-9) for r in rs]
+            e, over_s = fit_attention(rs, y, p * 1e12)
+            eff[pas], att_over_us[pas] = e, over_s * 1e6
+    mb = [r for r in usable(records, "membound") if r["dtype"] == dtype]
+    mem_eff = min(1.0, fit_efficiency_ratio([r["bytes"] for r in mb],
+                                            [max(fit_time_s(r) - overhead_s - (autograd_s if r["pass"] == "bwd" else 0.0), 1e-9)
+                                             for r in mb], hbm_GBps * 1e9)) if mb else 0.5
+    fields = {"gemm_max_efficiency": gemm["gemm_max_efficiency"],
+              "gemm_half_efficiency_dim": gemm["gemm_half_efficiency_dim"],
+              "flash_attention_fwd_efficiency": eff.get("fwd", 0.5),
+              "flash_attention_bwd_efficiency": eff.get("bwd", 0.4),
+              "flash_attention_fwd_overhead_us": att_over_us.get("fwd", 0.0),
+              "flash_attention_bwd_overhead_us": att_over_us.get("bwd", 0.0),
+              "memory_bound_efficiency": mem_eff, "kernel_overhead_us": overhead_s * 1e6}
+    fields.update(fit_fresh_alloc(records))
+    if opt:   # bytes as zsim charges them (step_bytes_per_param), over the device bandwidth above
+        fields["optimizer_efficiency"] = min(1.0, opt[0]["bytes"] / max(_optimizer_passes_s(opt[0], overhead_s), 1e-9)
+                                             / (hbm_GBps * 1e9))
+    report = {"kernel_overhead_measured_us": overhead_s * 1e6, "autograd_call_us": autograd_s * 1e6,
+              "hbm_bw_GBps": hbm_GBps, "gemm": gemm}
+    layers = [r for r in usable(records, "layer") if r["dtype"] == dtype]
+    if layers:
+        report["layers_before_closure"] = layer_residuals(layers, {**fields, "kernel_overhead_us": overhead_s * 1e6},
+                                                          peak, hbm_GBps)
+        report["kernel_fits"] = dict(fields)
+        closed, peak_scale, scales = fit_layer_closure(layers, fields, p, hbm_GBps, dtype)
+        report["layer_closure_scales"] = scales
+        report["layers_held_out"] = held_out_layer_errors(layers, fields, p, hbm_GBps, dtype)
+        fields = closed
+        if peak_scale != 1.0:
+            gemm["peak_tflops"] = {**peak, dtype: p * peak_scale}
+            peak = gemm["peak_tflops"]
+        report["layers"] = layer_residuals(layers, fields, peak, hbm_GBps)
+    return fields, report

@@ -1,0 +1,84 @@
+"""calibration's one torch GPT mirrors zsim's workload: the same parameters (names, shapes,
+registration order, tied weights once), the same modules owning them, one segment per workload
+module in forward order, and the module path computing what the segment path computes. A drift
+between the torch model and the simulator fails here."""
+from __future__ import annotations
+
+import pytest
+
+from zsim.config.scenario import ModelSpec
+from zsim.workload.presets import PRESETS
+from zsim.workload.transformer import build_workload
+
+torch = pytest.importorskip("torch")
+from calibration.core.model import GPT, build_segments, param_shapes  # noqa: E402  (needs torch)
+
+SMALL = dict(layers=2, hidden=32, heads=4, vocab=64, seq_len=16, ffn_hidden=48)
+VARIANTS = {
+    "gpt2_tied": dict(SMALL),
+    "untied": dict(SMALL, tied_embeddings=False),
+    "llama_gqa": dict(SMALL, position="rope", norm="rmsnorm", glu=True, fused_qkv=False, bias=False,
+                      kv_heads=2, tied_embeddings=False),
+    "mqa_fused_rope": dict(SMALL, position="rope", kv_heads=1),
+    "bloom": dict(SMALL, position="alibi", embedding_norm=True),
+    "rmsnorm_glu_fused_bias": dict(SMALL, norm="rmsnorm", glu=True),
+}
+
+
+def _workload(spec: ModelSpec):
+    return build_workload(spec, micro_batch_size=2, seq_len=spec.seq_len, precision="fp32",
+                          flash_attention=True, dropout=False)
+
+
+def _check_mirror(spec: ModelSpec):
+    wl = _workload(spec)
+    with torch.device("meta"):
+        gpt = GPT(spec)
+    named = list(gpt.named_parameters())
+    assert [n for n, _ in named] == [p.name for p in wl.params]
+    assert [tuple(p.shape) for _, p in named] == param_shapes(wl)
+    assert [p.numel() for _, p in named] == [p.numel for p in wl.params]
+    # every workload module with parameters is the nn.Module owning exactly those parameters
+    pid = {id(p): i for i, (_, p) in enumerate(named)}
+    for m in wl.modules:
+        if m.params:
+            owned = gpt.get_submodule(m.name)._parameters.values()
+            assert tuple(pid[id(p)] for p in owned) == m.params, m.name
+    with torch.device("meta"):
+        segments = GPT(spec).segments()
+    assert list(segments) == [m.name for m in wl.modules]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_gpt_mirrors_the_workload(variant):
+    _check_mirror(ModelSpec(**VARIANTS[variant]))
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_gpt_mirrors_every_preset(preset):
+    _check_mirror(ModelSpec(**PRESETS[preset]))
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_module_path_computes_what_the_segments_compute(variant):
+    """The nn.Module the DeepSpeed/FSDP peers run and the segments the core runs: same loss and
+    same gradients (the segments' swappable linear differs from F.linear only in how it saves
+    the weight)."""
+    from types import SimpleNamespace
+
+    spec = ModelSpec(**VARIANTS[variant])
+    wl = _workload(spec)
+    gpt = GPT(spec).initialized(seed=7)
+    ids = torch.randint(0, spec.vocab, (2, spec.seq_len), generator=torch.Generator().manual_seed(0))
+    labels = ids.roll(-1, dims=1)
+    loss = gpt(ids, labels)
+    loss.backward()
+    params = [p.detach().clone().requires_grad_(True) for p in gpt.parameters()]
+    segs = build_segments(SimpleNamespace(model=spec), wl)
+    env = {"ids": ids, "labels": labels}
+    for s in segs.values():
+        env[s.output] = s.fn(lambda i: params[i], *[env[k] for k in s.inputs])
+    env["loss"].backward()
+    assert float(env["loss"].detach()) == pytest.approx(float(loss.detach()), rel=1e-6)
+    for (name, p), q in zip(gpt.named_parameters(), params):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
