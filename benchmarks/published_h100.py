@@ -50,6 +50,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(ROOT))
     from zsim.api import run_scenario
     from zsim.config.scenario import scenario_from_mapping
+    from zsim.units import GiB
 
     if not args.csv.is_file():
         print(f"published_h100: error: --csv {args.csv}: file not found", file=sys.stderr)
@@ -63,14 +64,14 @@ def main(argv=None) -> int:
         sc = scenario_from_mapping(scenario_mapping(row), ROOT)
         result, _ = run_scenario(sc)
         pub = float(row["tokens_per_s_per_gpu"])
-        pred = result["tokens_per_s_per_gpu"]
+        pred = result.tokens_per_s_per_gpu
         err = (pred - pub) / pub
         errors.append(abs(err))
-        fits = result["memory"]["fits"]
+        fits = result.memory.fits
         ooms += not fits
         print(f"{row['model']:9} {row['seq_len']:>6} {row['gpus']:>4} {row['micro_batch']:>3} {row['grad_accum']:>3} "
               f"{row['act_ckpt']:>5} {pub:>10.0f} {pred:>10.0f} {err * 100:>7.1f}% {float(row['mfu_pct']):>7.1f}% "
-              f"{result['mfu'] * 100:>7.1f}% {result['memory']['peak_bytes'] / 2**30:>8.1f}{'' if fits else ' OOM'}")
+              f"{result.mfu * 100:>7.1f}% {result.memory.peak_bytes / GiB:>8.1f}{'' if fits else ' OOM'}")
     wall = time.perf_counter() - t0
     print(f"\nrows: {len(rows)}  MAPE: {statistics.mean(errors) * 100:.1f}%  median APE: "
           f"{statistics.median(errors) * 100:.1f}%  max APE: {max(errors) * 100:.1f}%  predicted OOM: {ooms}  "

@@ -168,8 +168,8 @@ def test_zero3_hook_time_is_charged_per_module_visit():
     n_visits = len(visit_sequence(StepContext(sc, workload_for(sc), None, 2, 2)))
     # every visit's hooks land on a module's compute op, but for trailing param-less visits
     assert 0 < fwd and 0 < bwd and fwd + bwd <= n_visits
-    base = run_scenario(sc)[0]["step_time_s"]
-    slow = run_scenario(cpu(100.0, 300.0))[0]["step_time_s"]
+    base = run_scenario(sc)[0].step_time_s
+    slow = run_scenario(cpu(100.0, 300.0))[0].step_time_s
     assert slow - base == pytest.approx(fwd * 100e-6 + bwd * 300e-6, rel=1e-6)
     assert all(op.hook_visits == 0 for op in build_schedule(cpu(100.0, 300.0, stage=2))[1].ops)
 
@@ -190,8 +190,8 @@ def test_zero012_gradient_handling_is_charged_per_parameter(stage, gas):
     hooks = sum(op.grad_hooks for op in build_schedule(sc)[1].ops)
     n_params = len(workload_for(sc).params)
     assert hooks == n_params * (gas if stage == 2 else 1)
-    slow = run_scenario(cpu(50.0))[0]["step_time_s"]
-    assert slow - run_scenario(sc)[0]["step_time_s"] == pytest.approx(hooks * 50e-6, rel=1e-6)
+    slow = run_scenario(cpu(50.0))[0].step_time_s
+    assert slow - run_scenario(sc)[0].step_time_s == pytest.approx(hooks * 50e-6, rel=1e-6)
 
 
 def test_post_step_persistent_gathers_are_coalesced_and_priced_by_their_table():
@@ -209,7 +209,7 @@ def test_post_step_persistent_gathers_are_coalesced_and_priced_by_their_table():
     assert len(post) > 1 and all(op.comm.coalesced for op in post)
     assert not any(op.comm.coalesced for op in ops if op.comm and op not in post)
     # a slower batched curve slows exactly those calls
-    fast, slow = (run_scenario(sc(e))[0]["step_time_s"] for e in (1.0, 0.001))
+    fast, slow = (run_scenario(sc(e))[0].step_time_s for e in (1.0, 0.001))
     assert slow > fast
 
 

@@ -27,8 +27,8 @@ def test_more_bandwidth_is_never_slower(cfg, factor):
     faster = scenario(**cfg, **{"hardware.override": {
         "intra_node": {"busbw_GBps": p.intra_node.busbw_GBps * factor},
         "inter_node": {"nic_bw_Gbps": p.inter_node.nic_bw_Gbps * factor}}})
-    t0 = run_scenario(base)[0]["step_time_s"]
-    t1 = run_scenario(faster)[0]["step_time_s"]
+    t0 = run_scenario(base)[0].step_time_s
+    t1 = run_scenario(faster)[0].step_time_s
     assert t1 <= t0 * (1 + 1e-9)
 
 
@@ -50,6 +50,6 @@ def test_higher_stage_never_holds_more_model_states(layers, hidden, nodes, gpus)
 @FAST
 @given(cfg=configs)
 def test_same_input_gives_byte_identical_json(cfg):
-    a = dumps(run_scenario(scenario(**cfg))[0])
-    b = dumps(run_scenario(scenario(**cfg))[0])
+    a = dumps(run_scenario(scenario(**cfg))[0].to_dict())
+    b = dumps(run_scenario(scenario(**cfg))[0].to_dict())
     assert a == b

@@ -23,10 +23,10 @@ def _run(raw):
 
 def test_zero_offload_10b_fits_one_32gb_v100_only_with_offload():
     with_off = run_file(SEED002)[0]
-    assert with_off["n_params"] > 10e9
-    assert with_off["memory"]["fits"] and with_off["memory"]["host"]["fits"]
+    assert with_off.n_params > 10e9
+    assert with_off.fits
     without = run_file(SEED002, ("deepspeed.zero_optimization.offload_optimizer.device=none",))[0]
-    assert not without["memory"]["fits"]
+    assert not without.memory.fits
 
 
 GPT3_13B_ONE_V100 = {
@@ -41,17 +41,17 @@ GPT3_13B_ONE_V100 = {
 
 def test_zero_offload_13b_fits_one_v100_and_the_bottleneck_moves_to_cpu_and_pcie():
     r = _run(GPT3_13B_ONE_V100)
-    assert 12e9 < r["n_params"] < 14e9
-    assert r["memory"]["fits"] and r["memory"]["host"]["fits"]
+    assert 12e9 < r.n_params < 14e9
+    assert r.fits
     raw = copy.deepcopy(GPT3_13B_ONE_V100)
     del raw["deepspeed"]["zero_optimization"]["offload_optimizer"]
     plain = _run(raw)
-    assert not plain["memory"]["fits"]
-    host = r["host_time_s"]
+    assert not plain.memory.fits
+    host = r.host_time_s
     offload_s = host["cpu_adam"] + host["d2h"] + host["h2d"]
     # CPU Adam + PCIe take longer than the GPU's compute: they, not the GPU, set the step time
-    assert offload_s > r["compute_time_s"]
-    assert r["step_time_s"] > 1.5 * plain["step_time_s"]
+    assert offload_s > r.compute_time_s
+    assert r.step_time_s > 1.5 * plain.step_time_s
 
 
 # ~101B parameters (80 layers x 10240, GPT-style), one DGX-2 (16 x V100 32 GB, 1.5 TB DDR4, 8 NVMe drives)
@@ -68,17 +68,17 @@ INFINITY_100B = {
 
 def test_zero_infinity_100b_fits_one_dgx2_with_nvme_but_not_in_gpu_or_cpu_memory():
     r = _run(INFINITY_100B)
-    assert r["n_params"] > 100e9
-    assert r["memory"]["fits"] and r["memory"]["host"]["fits"]
-    assert r["host_time_s"]["nvme_read"] > 0 and r["host_time_s"]["nvme_write"] > 0
+    assert r.n_params > 100e9
+    assert r.fits
+    assert r.host_time_s["nvme_read"] > 0 and r.host_time_s["nvme_write"] > 0
     gpu_only = copy.deepcopy(INFINITY_100B)
     gpu_only["deepspeed"]["zero_optimization"] = {"stage": 3}
-    assert not _run(gpu_only)["memory"]["fits"]
+    assert not _run(gpu_only).memory.fits
     cpu = copy.deepcopy(INFINITY_100B)
     cpu["deepspeed"]["zero_optimization"] = {"stage": 3, "offload_optimizer": {"device": "cpu"},
                                              "offload_param": {"device": "cpu"}}
     r_cpu = _run(cpu)
-    assert r_cpu["memory"]["fits"] and not r_cpu["memory"]["host"]["fits"]   # a CPU OOM is an OOM too
+    assert r_cpu.memory.fits and not r_cpu.memory.host.fits   # a CPU OOM is an OOM too
 
 
 def test_cpu_checkpointing_moves_checkpoints_to_host_over_pcie():
@@ -86,11 +86,11 @@ def test_cpu_checkpointing_moves_checkpoints_to_host_over_pcie():
     raw["deepspeed"]["activation_checkpointing"] = {"cpu_checkpointing": True}
     r = _run(raw)
     base = _run(GPT3_13B_ONE_V100)
-    assert "activation checkpoints (cpu_checkpointing)" in r["memory"]["host"]["breakdown"]
-    assert r["memory"]["peak_bytes"] < base["memory"]["peak_bytes"]
-    assert r["host_time_s"]["d2h"] > base["host_time_s"]["d2h"]
-    assert r["host_time_s"]["h2d"] > base["host_time_s"]["h2d"]
-    assert not any("cpu_checkpointing" in w for w in r["warnings"])
+    assert "activation checkpoints (cpu_checkpointing)" in r.memory.host.breakdown
+    assert r.memory.peak_bytes < base.memory.peak_bytes
+    assert r.host_time_s["d2h"] > base.host_time_s["d2h"]
+    assert r.host_time_s["h2d"] > base.host_time_s["h2d"]
+    assert not any("cpu_checkpointing" in w for w in r.warnings)
 
 
 def test_cpu_checkpointing_without_full_checkpointing_warns_and_changes_nothing():
@@ -99,5 +99,5 @@ def test_cpu_checkpointing_without_full_checkpointing_warns_and_changes_nothing(
     plain = _run(raw)
     raw["deepspeed"]["activation_checkpointing"] = {"cpu_checkpointing": True}
     r = _run(raw)
-    assert any("cpu_checkpointing" in w for w in r["warnings"])
-    assert r["step_time_s"] == plain["step_time_s"]
+    assert any("cpu_checkpointing" in w for w in r.warnings)
+    assert r.step_time_s == plain.step_time_s

@@ -61,17 +61,17 @@ def test_partial_offload_ratio_splits_the_step_between_cpu_and_gpu():
                                             {"device": "cpu", "ratio": 1.0}}))[0]
     half = run_scenario(scenario(**base, **{"deepspeed.zero_optimization.offload_optimizer":
                                             {"device": "cpu", "ratio": 0.5}}))[0]
-    assert half["host_time_s"]["cpu_adam"] == pytest.approx(full["host_time_s"]["cpu_adam"] / 2)
-    assert half["memory"]["breakdown"]["optimizer states"] > 0
-    assert "optimizer states" not in full["memory"]["breakdown"]
+    assert half.host_time_s["cpu_adam"] == pytest.approx(full.host_time_s["cpu_adam"] / 2)
+    assert half.memory.breakdown["optimizer states"] > 0
+    assert "optimizer states" not in full.memory.breakdown
 
 
 def test_loading_the_model_can_exhaust_host_memory_without_zero_init():
     from zsim.api import run_scenario
     common = {"model": {"preset": "llama2-70b"}, "training.seq_len": 512, "training.micro_batch_size": 1,
               "hardware.override": {"cpu": {"memory_GiB": 512}}}
-    stage2 = run_scenario(scenario(**common, **{"deepspeed.zero_optimization.stage": 2}))[0]["memory"]["host"]
-    stage3 = run_scenario(scenario(**common, **{"deepspeed.zero_optimization.stage": 3}))[0]["memory"]["host"]
+    stage2 = run_scenario(scenario(**common, **{"deepspeed.zero_optimization.stage": 2}))[0].memory.host
+    stage3 = run_scenario(scenario(**common, **{"deepspeed.zero_optimization.stage": 3}))[0].memory.host
     # 8 ranks x 69 B params x 2 bytes each, vs. one partition each with zero.Init
-    assert stage2["load_bytes_per_node"] == pytest.approx(8 * 68_976_648_192 * 2)
-    assert stage2["fits"] is False and stage3["fits"] is True
+    assert stage2.load_bytes_per_node == pytest.approx(8 * 68_976_648_192 * 2)
+    assert stage2.fits is False and stage3.fits is True

@@ -6,14 +6,15 @@ from pathlib import Path
 from zsim.config.scenario import Scenario, load_scenario
 from zsim.engine.sim import Trace, simulate
 from zsim.report.metrics import summarize
+from zsim.result import Result
 from zsim.schedule.build import build_schedule
 
 
-def run_scenario(sc: Scenario) -> tuple[dict, Trace]:
+def run_scenario(sc: Scenario) -> tuple[Result, Trace]:
     wl, schedule = build_schedule(sc)
     trace = simulate(schedule, sc.cluster, sc.precision)
     return summarize(sc, wl, trace), trace
 
 
-def run_file(path: str | Path, overrides: tuple[str, ...] = ()) -> tuple[dict, Trace]:
+def run_file(path: str | Path, overrides: tuple[str, ...] = ()) -> tuple[Result, Trace]:
     return run_scenario(load_scenario(path, overrides))

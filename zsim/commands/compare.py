@@ -30,22 +30,23 @@ def variants(has_nvme: bool) -> list[tuple[str, str, tuple[str, ...]]]:
 
 
 def compare_rows(base) -> list[dict]:
-    from zsim.explore import fits, run_assignments, total_comm_bytes
+    from zsim.search.variants import Variant
     sc = base.scenario(())
     rows = []
     for label, mode, assignments in variants(sc.cluster.profile.nvme.drives_per_node > 0):
-        out = run_assignments(base, assignments)
+        out = base.run(Variant(label, assignments))
         row = {"variant": label, "stage": int(assignments[0].rsplit("=", 1)[1]), "offload": mode,
-               "set": list(assignments), "error": out["error"]}
-        r = out["result"]
+               "set": list(assignments), "error": out.error}
+        r = out.result
         if r is not None:
+            mem = r.memory
             row.update({
-                "fits": fits(r), "gpu_fits": r["memory"]["fits"], "host_fits": r["memory"]["host"]["fits"],
-                "peak_bytes": r["memory"]["peak_bytes"], "capacity_bytes": r["memory"]["capacity_bytes"],
-                "host_bytes_per_node": r["memory"]["host"]["bytes_per_node"],
-                "step_time_s": r["step_time_s"], "tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"],
-                "mfu": r["mfu"], "comm_bytes_per_gpu": total_comm_bytes(r),
-                "exposed_comm_s": r["comm"]["exposed_time_s"], "breakdown": r["memory"]["breakdown"],
+                "fits": r.fits, "gpu_fits": mem.fits, "host_fits": mem.host.fits,
+                "peak_bytes": mem.peak_bytes, "capacity_bytes": mem.capacity_bytes,
+                "host_bytes_per_node": mem.host.bytes_per_node,
+                "step_time_s": r.step_time_s, "tokens_per_s_per_gpu": r.tokens_per_s_per_gpu,
+                "mfu": r.mfu, "comm_bytes_per_gpu": r.comm.total_bytes_per_gpu,
+                "exposed_comm_s": r.comm.exposed_time_s, "breakdown": mem.breakdown,
             })
         else:
             row.update({"fits": False})
@@ -68,7 +69,7 @@ def add_parser(sub):
 
 
 def main(args) -> int:
-    from zsim.explore import Base
+    from zsim.search.variants import Base
     from zsim.report.table import compare_table
     from zsim.report.writers import dumps, rows_csv, save
 

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 
 from zsim.commands.common import add_scenario_args
-
-GiB = 1024**3
+from zsim.units import GiB
 
 
 def add_parser(sub):
@@ -46,7 +45,7 @@ def render(rep: dict, top: int = 10):
 
 
 def main(args) -> int:
-    from zsim.doctor import doctor_file
+    from zsim.search.doctor import doctor_file
     from zsim.report.writers import dumps, save
 
     rep = doctor_file(args.scenario, tuple(args.set or ()))

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from zsim.commands.common import add_scenario_args
 from zsim.errors import ZsimInputError
-
-GiB = 1024**3
+from zsim.units import GiB
 
 
 def add_parser(sub):
@@ -78,7 +77,7 @@ def print_like_deepspeed(rep: dict):
         opts.append(f"offload_optimizer={'cpu ' if r['offload_optimizer'] == 'cpu' else 'none'}")
         if "zero_init" in r:
             opts.append(f"zero_init={1 if r['zero_init'] else 0}")
-        print(f" {r['cpu_bytes'] / 2**30:7.2f}GB | {r['gpu_bytes'] / 2**30:6.2f}GB | {', '.join(opts)}")
+        print(f" {r['cpu_bytes'] / GiB:7.2f}GB | {r['gpu_bytes'] / GiB:6.2f}GB | {', '.join(opts)}")
 
 
 def compare_report(args) -> dict:
@@ -94,17 +93,17 @@ def compare_report(args) -> dict:
     z = sc.zero
     rows = deepspeed_rows(z.stage, total, largest, sc.cluster.gpus_per_node, sc.cluster.nodes, args.buffer_factor)
     row = matching_row(rows, z.optimizer_offload_device, z.param_offload_device)
-    mem = result["memory"]
+    mem = result.memory
     model_state_keys = ("parameters", "gradients", "optimizer states")
-    zsim_states = sum(v for k, v in mem["breakdown"].items() if k in model_state_keys)
-    others = {k: v for k, v in mem["breakdown"].items() if k not in model_state_keys}
+    zsim_states = sum(v for k, v in mem.breakdown.items() if k in model_state_keys)
+    others = {k: v for k, v in mem.breakdown.items() if k not in model_state_keys}
     return {
         "scenario": sc.name, "stage": z.stage, "n_params": total, "largest_layer_params": largest,
         "deepspeed_estimate": row,
-        "zsim": {"peak_bytes": mem["peak_bytes"], "capacity_bytes": mem["capacity_bytes"], "fits": mem["fits"],
-                 "peak_time_s": mem["peak_time_s"], "model_states_bytes": zsim_states,
-                 "host_bytes_per_node": mem["host"]["bytes_per_node"], "host_fits": mem["host"]["fits"],
-                 "breakdown": mem["breakdown"], "host_breakdown": mem["host"]["breakdown"]},
+        "zsim": {"peak_bytes": mem.peak_bytes, "capacity_bytes": mem.capacity_bytes, "fits": mem.fits,
+                 "peak_time_s": mem.peak_time_s, "model_states_bytes": zsim_states,
+                 "host_bytes_per_node": mem.host.bytes_per_node, "host_fits": mem.host.fits,
+                 "breakdown": mem.breakdown, "host_breakdown": mem.host.breakdown},
         "differences": {k: {"bytes": v, "why": DIFFERENCES.get(k, "not in DeepSpeed's estimator")}
                         for k, v in sorted(others.items(), key=lambda kv: -kv[1])},
         "notes": _state_notes(sc, row, zsim_states),

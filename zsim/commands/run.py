@@ -25,7 +25,7 @@ def main(args) -> int:
     if not args.quiet:
         render(result)
     if args.json:
-        save(args.json, dumps(result))
+        save(args.json, dumps(result.to_dict()))
     if args.trace:
         save(args.trace, trace_json(trace, sc.name))
     return 0

@@ -51,23 +51,24 @@ _BASE = None
 
 def _init_worker(path, overrides):
     global _BASE
-    from zsim.explore import Base
+    from zsim.search.variants import Base
     _BASE = Base.load(path, overrides)
 
 
 def _run_point(args):
     index, assignments = args
     from zsim.config.scenario import parse_value
-    from zsim.explore import flatten, run_assignments
-    out = run_assignments(_BASE, assignments)
+    from zsim.report.writers import flatten
+    from zsim.search.variants import Variant
+    out = _BASE.run(Variant(f"point {index}", assignments))
     row = {"point": index, "varied": [a.split("=", 1)[0] for a in assignments]}
     for a in assignments:
         k, v = a.split("=", 1)
         row[k] = parse_value(v)
-    row["ok"] = out["ok"]
-    row["error"] = out["error"]
-    if out["result"] is not None:
-        row.update(flatten(out["result"]))
+    row["ok"] = out.ok
+    row["error"] = out.error
+    if out.result is not None:
+        row.update(flatten(out.result.to_dict()))
     return row
 
 
@@ -114,12 +115,12 @@ def add_parser(sub):
 
 
 def main(args) -> int:
-    from zsim.explore import Base
     from zsim.report.writers import dumps, rows_csv, save
 
     if args.workers < 1:
         raise ZsimInputError("--workers", args.workers, "use 1 or more worker processes")
     axes = parse_vary(args.vary)
+    from zsim.search.variants import Base
     Base.load(args.scenario, tuple(args.set or ()))   # bad base input fails once, here
     import time
     t0 = time.perf_counter()

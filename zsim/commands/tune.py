@@ -23,10 +23,10 @@ def add_parser(sub):
 def main(args) -> int:
     from pathlib import Path
 
-    from zsim.explore import Base
     from zsim.report.table import tune_table
     from zsim.report.writers import dumps, save
-    from zsim.tune import ds_config, tune
+    from zsim.search.tune import ds_config, tune
+    from zsim.search.variants import Base
 
     if args.budget < 1:
         raise ZsimInputError("--budget", args.budget, "simulate at least 1 configuration")
@@ -35,7 +35,7 @@ def main(args) -> int:
     base = Base.load(args.scenario, tuple(args.set or ()))
     res = tune(base, args.objective, args.budget)
     tune_table(res, args.top)
-    print(f"simulated {res.simulated} configurations ({res.pruned} pruned by the memory lower bound, "
+    print(f"simulated {res.simulated} configurations ({len(res.pruned)} pruned by the memory lower bound, "
           f"{res.rejected} rejected as invalid) in {res.wall_s:.1f} s", file=sys.stderr)
     if not res.ranked:
         print("zsim: no configuration fits; see zsim doctor for offload/NVMe options", file=sys.stderr)
@@ -50,8 +50,8 @@ def main(args) -> int:
         rows = [{"rank": i + 1, "set": list(c.assignments()), "stage": c.stage, "offload": c.offload,
                  "micro_batch_size": c.micro_batch, "gradient_accumulation_steps": c.gas,
                  "activation_checkpointing": c.checkpointing, "knobs": c.knobs,
-                 "tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"], "mfu": r["mfu"], "step_time_s": r["step_time_s"],
-                 "peak_bytes": r["memory"]["peak_bytes"]} for i, (c, r) in enumerate(res.ranked)]
-        save(args.json, dumps({"objective": res.objective, "simulated": res.simulated, "pruned": res.pruned,
+                 "tokens_per_s_per_gpu": r.tokens_per_s_per_gpu, "mfu": r.mfu, "step_time_s": r.step_time_s,
+                 "peak_bytes": r.memory.peak_bytes} for i, (c, r) in enumerate(res.ranked)]
+        save(args.json, dumps({"objective": res.objective, "simulated": res.simulated, "pruned": len(res.pruned),
                                "rejected": res.rejected, "candidates": rows}))
     return 0

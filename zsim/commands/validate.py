@@ -82,11 +82,11 @@ def predict(sc) -> tuple[dict, object]:
 
     result, trace = run_scenario(sc)
     _, schedule = build_schedule(sc)
-    return {"step_time_s": result["step_time_s"], "peak_bytes": result["memory"]["peak_bytes"],
+    return {"step_time_s": result.step_time_s, "peak_bytes": result.memory.peak_bytes,
             "phases_s": phase_times(trace.schedule, trace.timings),
             "collectives": [list(c) for c in schedule_collectives(schedule)],
             "collectives_summary": schedule_summary(schedule),
-            "memory_breakdown": result["memory"]["breakdown"]}, trace
+            "memory_breakdown": result.memory.breakdown}, trace
 
 
 def main(args) -> int:

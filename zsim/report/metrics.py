@@ -1,11 +1,15 @@
 """Trace -> Result: throughput, FLOP rates, memory verdict and communication figures."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from zsim.config.scenario import Scenario
 from zsim.engine.ledger import peak_and_breakdown
 from zsim.engine.sim import Trace
 from zsim.hardware.collectives import bus_factor
+from zsim.result import Comm, HostMemory, Memory, Result
 from zsim.schedule.ir import Copy, CpuAdam, Stream
+from zsim.units import TFLOP
 from zsim.workload.transformer import Workload
 
 RESERVED = "CUDA context + allocator reserve"
@@ -50,21 +54,28 @@ def _exposed(comm, compute) -> float:
     return exposed
 
 
-def summarize(sc: Scenario, wl: Workload, trace: Trace) -> dict:
-    cl = sc.cluster
-    world = cl.world_size
-    step = trace.step_time_s
-    ops = trace.schedule.ops
-    samples = sc.global_batch_size
-    tokens = samples * sc.seq_len
-    model_flops_gpu = wl.model_flops * sc.gradient_accumulation_steps
-    hw_flops_gpu = 0.0
+@dataclass(frozen=True)
+class _OpTotals:
+    """What summarize needs from the ops of one step, gathered in one pass."""
+    compute_iv: list[tuple[float, float]]
+    comm_iv: list[tuple[float, float]]
+    hw_flops_gpu: float
+    comm_bytes: dict[str, float]
+    comm_count: dict[str, int]
+    comm_time_s: dict[str, float]
+    host_time_s: dict[str, float]
+
+
+def _op_totals(trace: Trace, world: int) -> _OpTotals:
+    """The only reader of the schedule's op fields here (transfer, cpu_adam_params, collective,
+    size_bytes, stream, model_flops): one pass over the ops and their timings."""
     compute_iv, comm_iv = [], []
+    hw_flops_gpu = 0.0
     comm_bytes: dict[str, float] = {}
     comm_count: dict[str, int] = {}
     comm_time: dict[str, float] = {}
     host_time: dict[str, float] = {}
-    for op, t in zip(ops, trace.timings):
+    for op, t in zip(trace.schedule.ops, trace.timings):
         p, comm = op.payload, op.comm
         if isinstance(p, (Copy, CpuAdam)):
             key = p.transfer.value if isinstance(p, Copy) else "cpu_adam"
@@ -79,63 +90,68 @@ def summarize(sc: Scenario, wl: Workload, trace: Trace) -> dict:
         elif op.stream == Stream.COMPUTE:
             compute_iv.append((t.start_s, t.end_s))
             hw_flops_gpu += op.work.model_flops
+    return _OpTotals(compute_iv, comm_iv, hw_flops_gpu, comm_bytes, comm_count, comm_time, host_time)
+
+
+def _host_memory(sc: Scenario, trace: Trace) -> HostMemory:
+    cl = sc.cluster
+    breakdown: dict[str, float] = {}
+    for a in trace.schedule.host_static:
+        breakdown[a.category] = breakdown.get(a.category, 0.0) + a.size_bytes * cl.gpus_per_node
+    need = sum(breakdown.values())
+    load = trace.schedule.host.host_load_bytes_per_gpu * cl.gpus_per_node
+    return HostMemory(bytes_per_node=need, load_bytes_per_node=load, capacity_bytes=cl.host_memory_bytes,
+                      fits=max(need, load) <= cl.host_memory_bytes, breakdown=dict(sorted(breakdown.items())))
+
+
+def _memory(sc: Scenario, trace: Trace) -> Memory:
+    cl = sc.cluster
     peak_alloc, peak_t, breakdown = peak_and_breakdown(trace.ledger_events)
     reserved = cl.reserved_bytes
     peak = peak_alloc + reserved
     breakdown = dict(breakdown)
     breakdown[RESERVED] = reserved
     capacity = cl.hbm_capacity_bytes
-    host_breakdown: dict[str, float] = {}
-    for a in trace.schedule.host_static:
-        host_breakdown[a.category] = host_breakdown.get(a.category, 0.0) + a.size_bytes * cl.gpus_per_node
-    host_need = sum(host_breakdown.values())
-    host_load = trace.schedule.host.host_load_bytes_per_gpu * cl.gpus_per_node
+    return Memory(peak_bytes=peak, capacity_bytes=capacity, fits=peak <= capacity, headroom_bytes=capacity - peak,
+                  peak_time_s=peak_t, breakdown=breakdown, host=_host_memory(sc, trace))
+
+
+def summarize(sc: Scenario, wl: Workload, trace: Trace) -> Result:
+    cl = sc.cluster
+    world = cl.world_size
+    step = trace.step_time_s
+    samples = sc.global_batch_size
+    tokens = samples * sc.seq_len
+    model_flops_gpu = wl.model_flops * sc.gradient_accumulation_steps
+    ops = _op_totals(trace, world)
     peak_flops = cl.peak_flops(sc.precision)
-    tflops = model_flops_gpu / step / 1e12 if step > 0 else 0.0
-    return {
-        "scenario": sc.name,
-        "stage": sc.zero.stage,
-        "world_size": world,
-        "nodes": cl.nodes,
-        "gpus_per_node": cl.gpus_per_node,
-        "hardware_profile": cl.profile.name,
-        "precision": sc.precision,
-        "n_params": wl.n_params,
-        "micro_batch_size": sc.micro_batch_size,
-        "gradient_accumulation_steps": sc.gradient_accumulation_steps,
-        "global_batch_size": samples,
-        "seq_len": sc.seq_len,
-        "step_time_s": step,
-        "samples_per_s": samples / step,
-        "tokens_per_s": tokens / step,
-        "tokens_per_s_per_gpu": tokens / step / world,
-        "tflops_per_gpu": tflops,
-        "mfu": model_flops_gpu / step / peak_flops,
-        "hfu": hw_flops_gpu / step / peak_flops,
-        "compute_time_s": _union_length(compute_iv),
-        "model_flops_per_gpu": model_flops_gpu,
-        "memory": {
-            "peak_bytes": peak,
-            "capacity_bytes": capacity,
-            "fits": peak <= capacity,
-            "headroom_bytes": capacity - peak,
-            "peak_time_s": peak_t,
-            "breakdown": breakdown,
-            "host": {
-                "bytes_per_node": host_need,
-                "load_bytes_per_node": host_load,
-                "capacity_bytes": cl.host_memory_bytes,
-                "fits": max(host_need, host_load) <= cl.host_memory_bytes,
-                "breakdown": dict(sorted(host_breakdown.items())),
-            },
-        },
-        "comm": {
-            "bytes_per_gpu": comm_bytes,
-            "calls": comm_count,
-            "time_s": comm_time,
-            "exposed_time_s": _exposed(comm_iv, compute_iv),
-        },
-        "host_time_s": dict(sorted(host_time.items())),
-        "events": len(ops),
-        "warnings": list(sc.warnings),
-    }
+    tflops = model_flops_gpu / step / TFLOP if step > 0 else 0.0
+    return Result(
+        scenario=sc.name,
+        stage=sc.zero.stage,
+        world_size=world,
+        nodes=cl.nodes,
+        gpus_per_node=cl.gpus_per_node,
+        hardware_profile=cl.profile.name,
+        precision=sc.precision,
+        n_params=wl.n_params,
+        micro_batch_size=sc.micro_batch_size,
+        gradient_accumulation_steps=sc.gradient_accumulation_steps,
+        global_batch_size=samples,
+        seq_len=sc.seq_len,
+        step_time_s=step,
+        samples_per_s=samples / step,
+        tokens_per_s=tokens / step,
+        tokens_per_s_per_gpu=tokens / step / world,
+        tflops_per_gpu=tflops,
+        mfu=model_flops_gpu / step / peak_flops,
+        hfu=ops.hw_flops_gpu / step / peak_flops,
+        compute_time_s=_union_length(ops.compute_iv),
+        model_flops_per_gpu=model_flops_gpu,
+        memory=_memory(sc, trace),
+        comm=Comm(bytes_per_gpu=ops.comm_bytes, calls=ops.comm_count, time_s=ops.comm_time_s,
+                  exposed_time_s=_exposed(ops.comm_iv, ops.compute_iv)),
+        host_time_s=dict(sorted(ops.host_time_s.items())),
+        events=len(trace.schedule.ops),
+        warnings=tuple(sc.warnings),
+    )

@@ -9,8 +9,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from zsim.errors import ZsimInputError  # noqa: E402
+from zsim.result import row_fits  # noqa: E402
+from zsim.units import GiB  # noqa: E402
 
-GiB = 1024**3
 FORMATS = (".png", ".svg")
 PALETTE = plt.get_cmap("tab20").colors
 
@@ -121,7 +122,7 @@ def load_results(path: str):
     except json.JSONDecodeError as exc:
         raise ZsimInputError("RESULTS", path, f"not valid JSON (line {exc.lineno}); give a zsim output file") from None
     if isinstance(data, list):
-        from zsim.explore import flatten
+        from zsim.report.writers import flatten
         return "rows", [flatten(r) if "memory" in r else r for r in data]
     if isinstance(data, dict) and "traceEvents" in data:
         return "trace", data
@@ -137,12 +138,6 @@ def _need(kind: str, have: str, want: tuple[str, ...]):
 
 # ---- scaling ---------------------------------------------------------------------------
 
-def _fits(r) -> bool:
-    f = r.get("memory.fits", r.get("fits"))
-    h = r.get("memory.host.fits", True)
-    return bool(f) and bool(h)
-
-
 def scaling_data(rows: list[dict]) -> dict:
     """Per stage: the best configuration at each GPU count (the fitting one with the most
     tokens/s; if none fits, the fastest, flagged OOM)."""
@@ -156,7 +151,7 @@ def scaling_data(rows: list[dict]) -> dict:
         pts = []
         for ws in sorted({int(r["world_size"]) for r in rs}):
             at = [r for r in rs if int(r["world_size"]) == ws]
-            ok = [r for r in at if _fits(r)]
+            ok = [r for r in at if row_fits(r)]
             best = max(ok or at, key=lambda r: r["tokens_per_s"])
             pts.append({"gpus": ws, "tokens_per_s": best["tokens_per_s"],
                         "tokens_per_s_per_gpu": best["tokens_per_s_per_gpu"], "oom": not ok})
@@ -224,7 +219,7 @@ def throughput_data(rows: list[dict]) -> list[dict]:
     for r in rows:
         if not r.get("ok", True) or r.get("error"):
             continue
-        out.append({"label": _label(r, keys), "tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"], "fits": _fits(r)})
+        out.append({"label": _label(r, keys), "tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"], "fits": row_fits(r)})
     return out
 
 

@@ -4,75 +4,62 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-GiB = 1024**3
+from zsim.report.format import fmt_bytes, fmt_setting, fmt_time
+from zsim.result import Result, row_fits
+from zsim.units import GiB
 
 
-def _time(s: float) -> str:
-    if s >= 1:
-        return f"{s:.3f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.2f} ms"
-    return f"{s * 1e6:.1f} us"
-
-
-def _bytes(b: float) -> str:
-    if b >= GiB:
-        return f"{b / GiB:.2f} GiB"
-    return f"{b / 2**20:.1f} MiB"
-
-
-def render(result: dict, console: Console | None = None):
+def render(r: Result, console: Console | None = None):
     console = console or Console()
-    r = result
-    head = (f"[bold]{r['scenario']}[/bold]: ZeRO stage {r['stage']}, {r['world_size']} GPUs "
-            f"({r['nodes']} x {r['gpus_per_node']} {r['hardware_profile']}), {r['precision']}, "
-            f"{r['n_params'] / 1e9:.2f} B params, micro-batch {r['micro_batch_size']} x GAS "
-            f"{r['gradient_accumulation_steps']} -> global batch {r['global_batch_size']} x {r['seq_len']} tokens")
+    head = (f"[bold]{r.scenario}[/bold]: ZeRO stage {r.stage}, {r.world_size} GPUs "
+            f"({r.nodes} x {r.gpus_per_node} {r.hardware_profile}), {r.precision}, "
+            f"{r.n_params / 1e9:.2f} B params, micro-batch {r.micro_batch_size} x GAS "
+            f"{r.gradient_accumulation_steps} -> global batch {r.global_batch_size} x {r.seq_len} tokens")
     console.print(head)
-    for w in r.get("warnings", []):
+    for w in r.warnings:
         console.print(f"[yellow]warning: {w}[/yellow]")
     perf = Table(title="Speed", show_header=False)
     perf.add_column("metric")
     perf.add_column("value", justify="right")
-    perf.add_row("step time", _time(r["step_time_s"]))
-    perf.add_row("samples/s", f"{r['samples_per_s']:,.2f}")
-    perf.add_row("tokens/s", f"{r['tokens_per_s']:,.0f}")
-    perf.add_row("tokens/s per GPU", f"{r['tokens_per_s_per_gpu']:,.1f}")
-    perf.add_row("TFLOP/s per GPU (model)", f"{r['tflops_per_gpu']:.1f}")
-    perf.add_row("MFU / HFU", f"{r['mfu'] * 100:.1f}% / {r['hfu'] * 100:.1f}%")
-    perf.add_row("compute time", _time(r["compute_time_s"]))
-    perf.add_row("exposed communication", _time(r["comm"]["exposed_time_s"]))
+    perf.add_row("step time", fmt_time(r.step_time_s))
+    perf.add_row("samples/s", f"{r.samples_per_s:,.2f}")
+    perf.add_row("tokens/s", f"{r.tokens_per_s:,.0f}")
+    perf.add_row("tokens/s per GPU", f"{r.tokens_per_s_per_gpu:,.1f}")
+    perf.add_row("TFLOP/s per GPU (model)", f"{r.tflops_per_gpu:.1f}")
+    perf.add_row("MFU / HFU", f"{r.mfu * 100:.1f}% / {r.hfu * 100:.1f}%")
+    perf.add_row("compute time", fmt_time(r.compute_time_s))
+    perf.add_row("exposed communication", fmt_time(r.comm.exposed_time_s))
     console.print(perf)
-    mem = r["memory"]
-    verdict = "[green]fits[/green]" if mem["fits"] else "[bold red]OOM[/bold red]"
-    mt = Table(title=f"Peak memory per GPU: {_bytes(mem['peak_bytes'])} of {_bytes(mem['capacity_bytes'])} -> {verdict}")
+    mem = r.memory
+    verdict = "[green]fits[/green]" if mem.fits else "[bold red]OOM[/bold red]"
+    mt = Table(title=f"Peak memory per GPU: {fmt_bytes(mem.peak_bytes)} of {fmt_bytes(mem.capacity_bytes)} -> {verdict}")
     mt.add_column("component")
     mt.add_column("at peak", justify="right")
     mt.add_column("share", justify="right")
-    for name, b in sorted(mem["breakdown"].items(), key=lambda kv: -kv[1]):
-        mt.add_row(name, _bytes(b), f"{100 * b / mem['peak_bytes']:.1f}%")
+    for name, b in sorted(mem.breakdown.items(), key=lambda kv: -kv[1]):
+        mt.add_row(name, fmt_bytes(b), f"{100 * b / mem.peak_bytes:.1f}%")
     console.print(mt)
-    host = mem["host"]
-    if host.get("load_bytes_per_node", 0) > host["capacity_bytes"]:
-        console.print(f"[bold red]host OOM while loading the model: {_bytes(host['load_bytes_per_node'])} per node "
-                      f"of {_bytes(host['capacity_bytes'])} (every rank materialises it; ZeRO-3's zero.Init "
+    host = mem.host
+    if host.load_bytes_per_node > host.capacity_bytes:
+        console.print(f"[bold red]host OOM while loading the model: {fmt_bytes(host.load_bytes_per_node)} per node "
+                      f"of {fmt_bytes(host.capacity_bytes)} (every rank materialises it; ZeRO-3's zero.Init "
                       "partitions it)[/bold red]")
-    if host["bytes_per_node"] > 0:
-        hv = "[green]fits[/green]" if host["fits"] else "[bold red]host OOM[/bold red]"
-        parts = ", ".join(f"{k} {_bytes(v)}" for k, v in host["breakdown"].items())
-        console.print(f"Host memory per node: {_bytes(host['bytes_per_node'])} of {_bytes(host['capacity_bytes'])} "
+    if host.bytes_per_node > 0:
+        hv = "[green]fits[/green]" if host.fits else "[bold red]host OOM[/bold red]"
+        parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in host.breakdown.items())
+        console.print(f"Host memory per node: {fmt_bytes(host.bytes_per_node)} of {fmt_bytes(host.capacity_bytes)} "
                       f"-> {hv} ({parts})")
     ct = Table(title="Communication per GPU per step")
     ct.add_column("collective")
     ct.add_column("calls", justify="right")
     ct.add_column("bytes sent", justify="right")
     ct.add_column("busy time", justify="right")
-    c = r["comm"]
-    for k in sorted(c["bytes_per_gpu"]):
-        ct.add_row(k, str(c["calls"][k]), _bytes(c["bytes_per_gpu"][k]), _time(c["time_s"][k]))
+    c = r.comm
+    for k in sorted(c.bytes_per_gpu):
+        ct.add_row(k, str(c.calls[k]), fmt_bytes(c.bytes_per_gpu[k]), fmt_time(c.time_s[k]))
     console.print(ct)
-    if r.get("host_time_s"):
-        parts = ", ".join(f"{k} {_time(v)}" for k, v in r["host_time_s"].items())
+    if r.host_time_s:
+        parts = ", ".join(f"{k} {fmt_time(v)}" for k, v in r.host_time_s.items())
         console.print(f"Offload busy time per GPU: {parts}")
 
 
@@ -114,8 +101,7 @@ def sweep_table(rows: list[dict], keys: list[str], console: Console | None = Non
         if not r["ok"]:
             t.add_row(*vals, "[red]error[/red]", r["error"][:50], "", "", "")
             continue
-        fits = r["memory.fits"] and r["memory.host.fits"]
-        t.add_row(*vals, "[green]yes[/green]" if fits else "[red]OOM[/red]", f"{r['step_time_s']:.3g}",
+        t.add_row(*vals, "[green]yes[/green]" if row_fits(r) else "[red]OOM[/red]", f"{r['step_time_s']:.3g}",
                   f"{r['tokens_per_s_per_gpu']:,.0f}", f"{r['mfu'] * 100:.1f}%", f"{r['memory.peak_bytes'] / GiB:.1f}")
     console.print(t)
 
@@ -130,11 +116,10 @@ def tune_table(res, top: int, console: Console | None = None):
     abbrev = {"reduce_bucket_size": "rb", "overlap_comm": "ov", "stage3_prefetch_bucket_size": "pf",
               "stage3_param_persistence_threshold": "pt", "stage3_max_live_parameters": "ml"}
     for i, (c, r) in enumerate(res.ranked[:top]):
-        from zsim.tune import _fmt
-        knobs = " ".join(f"{abbrev.get(k, k)}={_fmt(v)}" for k, v in sorted(c.knobs.items())) or "-"
+        knobs = " ".join(f"{abbrev.get(k, k)}={fmt_setting(v)}" for k, v in sorted(c.knobs.items())) or "-"
         t.add_row(str(i + 1), str(c.stage), short.get(c.offload, c.offload), f"{c.micro_batch}x{c.gas}",
                   c.checkpointing, knobs,
-                  f"{r['tokens_per_s_per_gpu']:,.0f}", f"{r['mfu'] * 100:.1f}%", f"{r['memory']['peak_bytes'] / GiB:.1f}")
+                  f"{r.tokens_per_s_per_gpu:,.0f}", f"{r.mfu * 100:.1f}%", f"{r.memory.peak_bytes / GiB:.1f}")
     console.print(t)
     if res.ranked:
         console.print("knobs: rb reduce_bucket_size, ov overlap_comm, pf stage3_prefetch_bucket_size, "

@@ -10,8 +10,7 @@ from pathlib import Path
 from zsim.engine.ledger import timeline
 from zsim.engine.sim import Trace
 from zsim.schedule.ir import STREAMS
-
-GiB = 1024**3
+from zsim.units import GiB
 
 
 def _round(obj):
@@ -25,8 +24,23 @@ def _round(obj):
     return obj
 
 
-def dumps(result: dict) -> str:
-    return json.dumps(_round(result), indent=2, sort_keys=True) + "\n"
+def dumps(obj: dict | list) -> str:
+    """Deterministic JSON of plain data (a Result goes through Result.to_dict() first)."""
+    return json.dumps(_round(obj), indent=2, sort_keys=True) + "\n"
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    """Nested result -> one level with dotted keys (CSV columns)."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        elif isinstance(v, list):
+            out[key] = "; ".join(map(str, v))
+        else:
+            out[key] = v
+    return out
 
 
 def rows_csv(rows: list[dict]) -> str:

@@ -10,17 +10,20 @@ Search (deterministic):
    micro-batches), until half the budget is spent.
 3. Knob refinement: for the best fitting structures, coordinate descent over bucket sizes,
    prefetch, persistence threshold, max live parameters and overlap_comm.
-A candidate is a list of `--set` assignments, so every result is re-runnable.
+A point of the search space is a `TunePoint`; it runs as a `Variant` (a list of `--set`
+assignments) through the shared runner, so every result is re-runnable.
 """
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, field
 
-from zsim.explore import Base, fits
+from zsim.errors import ZsimInputError
+from zsim.report.format import fmt_setting
+from zsim.result import Result
 from zsim.schedule.build import workload_for
 from zsim.schedule.optimizer import model_state_bytes
+from zsim.search.variants import Base, Outcome, Variant
 from zsim.workload.transformer import DTYPE_BYTES
 
 Z = "deepspeed.zero_optimization"
@@ -46,7 +49,8 @@ OBJECTIVES = {"tokens_per_s": True, "mfu": True, "step_time_s": False}
 
 
 @dataclass
-class Candidate:
+class TunePoint:
+    """One configuration of the search space: the structure and the ZeRO knobs it sets."""
     stage: int
     offload: str
     micro_batch: int
@@ -60,18 +64,17 @@ class Candidate:
                f"training.gradient_accumulation_steps={self.gas}",
                "deepspeed.train_micro_batch_size_per_gpu=null", "deepspeed.gradient_accumulation_steps=null",
                f"training.activation_checkpointing={self.checkpointing}"]
-        out += [f"{Z}.{k}={_fmt(v)}" for k, v in sorted(self.knobs.items())]
+        out += [f"{Z}.{k}={fmt_setting(v)}" for k, v in sorted(self.knobs.items())]
         return tuple(out)
+
+    @property
+    def variant(self) -> Variant:
+        knobs = "".join(f", {k}={fmt_setting(v)}" for k, v in sorted(self.knobs.items()))
+        return Variant(f"ZeRO-{self.stage}, offload {self.offload}, {self.micro_batch}x{self.gas}, "
+                       f"checkpointing {self.checkpointing}{knobs}", self.assignments())
 
     def key(self):
         return (self.stage, self.offload, self.micro_batch, self.checkpointing, tuple(sorted(self.knobs.items())))
-
-
-def _fmt(v) -> str:
-    """5e7 rather than 5e+07: how DeepSpeed users write sizes, and valid YAML for --set."""
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return re.sub(r"e\+?0*(\d)", r"e\1", f"{v:g}") if isinstance(v, float) else str(v)
 
 
 def memory_lower_bound(sc) -> float:
@@ -101,7 +104,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def structural_candidates(sc) -> list[Candidate]:
+def structural_candidates(sc) -> list[TunePoint]:
     per_gpu = sc.global_batch_size // sc.cluster.world_size
     out = []
     for stage in (0, 1, 2, 3):
@@ -116,7 +119,7 @@ def structural_candidates(sc) -> list[Candidate]:
                 for ck in ("none", "selective", "full"):
                     if ck == "selective" and sc.training.flash_attention:
                         continue   # with FlashAttention nothing s^2-sized is stored: same as none
-                    out.append(Candidate(stage, off, mb, per_gpu // mb, ck))
+                    out.append(TunePoint(stage, off, mb, per_gpu // mb, ck))
     # cheapest-looking first: no offload, no recompute, big micro-batches, higher stages last for ties
     off_rank = {k: i for i, k in enumerate(OFFLOADS)}
     ck_rank = {"none": 0, "selective": 1, "full": 2}
@@ -126,46 +129,43 @@ def structural_candidates(sc) -> list[Candidate]:
 
 @dataclass
 class TuneResult:
-    ranked: list[tuple[Candidate, dict]]
-    simulated: int
-    pruned: int
-    rejected: int
+    ranked: list[tuple[TunePoint, Result]]       # the points that fit, best first on the objective
+    evaluated: list[tuple[TunePoint, Outcome]]   # every point run (simulated or invalid), in order
+    pruned: list[TunePoint]                      # over capacity by the lower bound, never simulated
+    rejected: int                                # invalid configurations
     wall_s: float
     objective: str
 
+    @property
+    def simulated(self) -> int:
+        return sum(out.ok for _, out in self.evaluated)
 
-def _score(result: dict, objective: str) -> float:
-    v = result[objective]
+
+def score(result: Result, objective: str) -> float:
+    """The objective, signed so that higher is better."""
+    v = getattr(result, objective)
     return v if OBJECTIVES[objective] else -v
 
 
 def tune(base: Base, objective: str = "tokens_per_s", budget: int = 60) -> TuneResult:
-    from zsim.api import run_scenario
-    from zsim.errors import ZsimInputError
-
     t0 = time.perf_counter()
-    seen: dict = {}    # candidate key -> (candidate, result or None), in evaluation order
-    pruned = rejected = 0
+    seen: dict = {}    # point key -> (point, Outcome), in evaluation order
+    pruned: list[TunePoint] = []
+    rejected = 0
     base_sc = base.scenario(())
     capacity = base_sc.cluster.hbm_capacity_bytes
 
-    def evaluate(c: Candidate, sc=None):
+    def evaluate(c: TunePoint, sc=None) -> Result | None:
         nonlocal rejected
-        if c.key() in seen:
-            return seen[c.key()][1]
-        result = None
-        try:
-            sc = sc or base.scenario(c.assignments())
-        except ZsimInputError:
-            rejected += 1
-        else:
-            result, _ = run_scenario(sc)
-        seen[c.key()] = (c, result)
-        return result
+        if c.key() not in seen:
+            out = base.run(c.variant, sc)
+            rejected += not out.ok
+            seen[c.key()] = (c, out)
+        return seen[c.key()][1].result
 
     def ranked():
-        ok = [(c, r) for c, r in seen.values() if r is not None and fits(r)]
-        return sorted(ok, key=lambda cr: -_score(cr[1], objective))
+        ok = [(c, out.result) for c, out in seen.values() if out.fits]
+        return sorted(ok, key=lambda cr: -score(cr[1], objective))
 
     survivors = []
     for c in structural_candidates(base_sc):
@@ -175,18 +175,17 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int = 60) -> TuneR
             rejected += 1
             continue
         if memory_lower_bound(sc) > capacity:
-            pruned += 1
+            pruned.append(c)
         else:
             survivors.append((c, sc))
     # half the budget on structures; if none of those fits, keep going until one does
     for i, (c, sc) in enumerate(survivors):
         evaluate(c, sc)
-        if i + 1 >= max(1, budget // 2) and (any(r is not None and fits(r) for _, r in seen.values())
-                                             or len(seen) >= budget):
+        if i + 1 >= max(1, budget // 2) and (any(out.fits for _, out in seen.values()) or len(seen) >= budget):
             break
 
-    for c, _ in ranked()[:3]:
-        best_c, best_r = c, seen[c.key()][1]
+    for c, r in ranked()[:3]:
+        best_c, best_r = c, r
         knobs = dict(KNOBS)
         if c.stage == 3:
             knobs.update(KNOBS_STAGE3)
@@ -194,16 +193,15 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int = 60) -> TuneR
             for v in values:
                 if len(seen) >= budget:
                     break
-                trial = Candidate(best_c.stage, best_c.offload, best_c.micro_batch, best_c.gas, best_c.checkpointing,
+                trial = TunePoint(best_c.stage, best_c.offload, best_c.micro_batch, best_c.gas, best_c.checkpointing,
                                   {**best_c.knobs, name: v})
                 r = evaluate(trial)
-                if r is not None and fits(r) and _score(r, objective) > _score(best_r, objective):
+                if r is not None and r.fits and score(r, objective) > score(best_r, objective):
                     best_c, best_r = trial, r
-    simulated = sum(1 for _, r in seen.values() if r is not None)
-    return TuneResult(ranked(), simulated, pruned, rejected, time.perf_counter() - t0, objective)
+    return TuneResult(ranked(), list(seen.values()), pruned, rejected, time.perf_counter() - t0, objective)
 
 
-def ds_config(base: Base, c: Candidate) -> dict:
+def ds_config(base: Base, c: TunePoint) -> dict:
     """A complete ds_config.json for the candidate (DeepSpeed 0.19.8 keys)."""
     sc = base.scenario(c.assignments())
     z = sc.zero

@@ -8,8 +8,10 @@ import yaml
 
 from helpers import mapping
 from zsim.cli import main
-from zsim.explore import Base
+from helpers import ROOT
 from zsim.report import plots
+from zsim.search.tune import memory_lower_bound, score, tune
+from zsim.search.variants import Base, Variant
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -35,8 +37,14 @@ def test_compare_rows_winner_and_files(tmp_path, scen):
     assert [r["stage"] for r in rows[:4]] == [0, 1, 2, 3]
     assert {r["offload"] for r in rows} >= {"none", "optimizer cpu", "optimizer+params cpu"}
     winners = [r for r in rows if r["winner"]]
-    assert len(winners) == 1 and winners[0]["fits"]
+    assert len(winners) == 1
     assert winners[0]["tokens_per_s_per_gpu"] == max(r["tokens_per_s_per_gpu"] for r in rows if r["fits"])
+    # the winner's assignments, run again through `zsim run --set`, fit and give the same throughput
+    again = tmp_path / "again.json"
+    assert main(["run", str(scen), "--quiet", "--json", str(again), *(a for s in winners[0]["set"] for a in ("--set", s))]) == 0
+    r = json.loads(again.read_text())
+    assert r["memory"]["fits"] and r["memory"]["host"]["fits"]
+    assert r["tokens_per_s_per_gpu"] == pytest.approx(winners[0]["tokens_per_s_per_gpu"], rel=1e-9)
     # full replicas hold the most (on this tiny model buckets and gathered params blur the rest)
     peaks = [r["peak_bytes"] for r in rows[:4]]
     assert peaks[0] == max(peaks)
@@ -114,7 +122,8 @@ def test_memory_timeline_and_gantt_from_a_run(tmp_path, scen):
     reserve = result["memory"]["breakdown"]["CUDA context + allocator reserve"]
     assert mt["peak_GiB"] * 2**30 == pytest.approx(result["memory"]["peak_bytes"] - reserve, rel=1e-5)
     mem = plots.memory_data("run", result)
-    assert sum(mem[0]["breakdown"].values()) == pytest.approx(result["memory"]["peak_bytes"])
+    assert mem == [{"label": result["scenario"], "breakdown": result["memory"]["breakdown"],
+                    "capacity_bytes": result["memory"]["capacity_bytes"]}]
     for k in ("timeline", "memory-timeline"):
         out = tmp_path / f"{k}.png"
         assert main(["plot", str(trace), "--kind", k, "--out", str(out)]) == 0
@@ -134,38 +143,62 @@ def test_plot_rejects_the_wrong_input(capsys, tmp_path, scen):
     assert len(err) == 2 and "needs trace results" in err[0] and ".png or .svg" in err[1]
 
 
-def test_tune_fits_ranks_and_writes_a_complete_ds_config(tmp_path, scen):
-    from zsim.tune import memory_lower_bound, tune
+def tight_gpu(fraction: float) -> dict:
+    """The tiny scenario on a GPU with `fraction` of its no-reserve peak: tune must prune and trade."""
+    no_reserve = {"cuda_context_GiB": 0.0, "allocator_fragmentation_fraction": 0.0}
+    raw = mapping(**{"training.micro_batch_size": 4, "hardware.override": {"gpu": no_reserve}})
+    peak = Base(raw, ROOT, "tight").run(Variant("base", ())).result.memory.peak_bytes
+    raw["hardware"]["override"]["gpu"]["hbm_capacity_GiB"] = fraction * peak / 2**30
+    return raw
+
+
+@pytest.mark.parametrize("objective", ["tokens_per_s", "step_time_s"])
+def test_tune_winner_beats_every_evaluated_point_and_pruning_is_sound(objective):
+    base = Base(tight_gpu(0.5), ROOT, "tight")
+    res = tune(base, objective, budget=24)
+    assert res.pruned and res.simulated <= 24
+    winner, best = res.ranked[0]
+    for c, out in res.evaluated:
+        again = base.run(c.variant).result     # simulated afresh, outside tune's bookkeeping
+        assert again == out.result
+        if again is not None and again.fits:
+            assert score(best, objective) >= score(again, objective)
+            # the pruning bound is a true lower bound of the simulated peak
+            assert memory_lower_bound(base.scenario(c.assignments())) <= again.memory.peak_bytes
+    for c in res.pruned:
+        again = base.run(c.variant).result
+        assert again is None or not again.fits
+
+
+def test_tune_writes_a_ds_config_that_reproduces_the_winner(tmp_path, scen):
     base = Base.load(scen)
-    res = tune(base, "tokens_per_s", budget=24)
-    assert res.ranked and res.simulated <= 24
-    scores = [r["tokens_per_s"] for _, r in res.ranked]
-    assert scores == sorted(scores, reverse=True)
-    for c, r in res.ranked:
-        assert r["memory"]["fits"]
-        # the pruning bound is a true lower bound of the simulated peak
-        assert memory_lower_bound(base.scenario(c.assignments())) <= r["memory"]["peak_bytes"]
+    winner, best = tune(base, "tokens_per_s", budget=24).ranked[0]
     out = tmp_path / "ds.json"
     assert main(["tune", str(scen), "--budget", "24", "--out", str(out)]) == 0
     cfg = json.loads(out.read_text())
     world = 8
     assert cfg["train_batch_size"] == cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * world
-    assert cfg["bf16"] == {"enabled": True} and cfg["zero_optimization"]["stage"] in (0, 1, 2, 3)
-    # the written config runs in zsim as the deepspeed block, and does not get overwritten silently
+    assert cfg["train_micro_batch_size_per_gpu"] == winner.micro_batch
+    assert cfg["bf16"] == {"enabled": True} and cfg["zero_optimization"]["stage"] == winner.stage
+    # the written config runs in zsim as the deepspeed block, with the winner's step time, and does
+    # not get overwritten silently
     raw = mapping(**{"training.micro_batch_size": None})
     raw["training"].pop("micro_batch_size")
     raw["training"].pop("gradient_accumulation_steps")
+    raw["training"]["activation_checkpointing"] = winner.checkpointing
     raw["deepspeed"] = str(out)
     p2 = tmp_path / "from_tune.yaml"
     p2.write_text(yaml.safe_dump(raw))
-    assert main(["run", str(p2), "--quiet"]) == 0
+    run_json = tmp_path / "r.json"
+    assert main(["run", str(p2), "--quiet", "--json", str(run_json)]) == 0
+    assert json.loads(run_json.read_text())["step_time_s"] == pytest.approx(best.step_time_s, rel=1e-9)
     assert main(["tune", str(scen), "--budget", "4", "--out", str(out)]) == 2
 
 
 def test_tuned_ds_config_loads_in_deepspeed(tmp_path, scen):
     pytest.importorskip("deepspeed")
     import deepspeed.runtime.config as dsc
-    from zsim.tune import ds_config, tune
+    from zsim.search.tune import ds_config
     base = Base.load(scen)
     best, _ = tune(base, "tokens_per_s", budget=12).ranked[0]
     cfg = ds_config(base, best)

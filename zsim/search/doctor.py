@@ -8,43 +8,20 @@ assignments `zsim run` takes, so every fix is printable and re-applicable):
   offload; smaller buckets / prefetch / max_live_parameters; 16-bit precision.
 `doctor` simulates every candidate (and pairs of them when too few fit alone) and returns those
 that fit on the GPU and on the host, ranked by throughput. It is a pure function of the raw
-scenario mapping, so `zsim tune` can reuse `evaluate` and `playbook`.
+scenario mapping (a `Base`), and runs its candidates through the shared variant runner.
 """
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 from pathlib import Path
 
-from zsim.config.scenario import Scenario, apply_set, scenario_from_mapping
-from zsim.errors import ZsimInputError
+from zsim.config.scenario import Scenario, parse_value
+from zsim.engine.sim import Trace
+from zsim.result import Result
+from zsim.search.variants import Base, Variant
 
 MODEL_STATES = ("parameters", "gradients", "optimizer states")
 MIN_FITTING = 3
-
-
-@dataclass(frozen=True)
-class Candidate:
-    name: str
-    overrides: tuple[str, ...]     # dotted --set assignments
-
-    def __add__(self, other: "Candidate") -> "Candidate":
-        keys = {o.split("=", 1)[0] for o in self.overrides}
-        extra = tuple(o for o in other.overrides if o.split("=", 1)[0] not in keys)
-        return Candidate(f"{self.name} + {other.name}", self.overrides + extra)
-
-
-def run(raw: dict, base_dir: Path, name: str, overrides=()) -> tuple[Scenario, dict, object]:
-    from zsim.api import run_scenario
-    for o in overrides:
-        raw = apply_set(raw, o)
-    sc = scenario_from_mapping(raw, base_dir, name_default=name)
-    result, trace = run_scenario(sc)
-    return sc, result, trace
-
-
-def fits(result: dict) -> bool:
-    return bool(result["memory"]["fits"] and result["memory"]["host"]["fits"])
 
 
 def _peak_event(events) -> tuple[float, str]:
@@ -56,19 +33,21 @@ def _peak_event(events) -> tuple[float, str]:
     return peak, tag
 
 
-def diagnose(result: dict, trace) -> dict:
-    """Where the peak is, what it is made of, and by how much it misses the capacity."""
-    mem = result["memory"]
-    over = mem["peak_bytes"] - mem["capacity_bytes"]
+def _op_at_peak(trace: Trace) -> dict:
+    """The op whose allocation reaches the peak (the only reader of op fields here: alloc tags,
+    name, phase, micro_step)."""
     _, tag = _peak_event(trace.ledger_events)
-    at_op = None
     for op in trace.schedule.ops:
         if any(a.tag == tag for a in op.alloc):
-            at_op = {"op": op.name, "phase": op.phase.value, "micro_step": op.micro_step}
-            break
-    if at_op is None:
-        at_op = {"op": "model states (allocated before the step)", "phase": "static", "micro_step": 0}
-    comps = sorted(mem["breakdown"].items(), key=lambda kv: -kv[1])
+            return {"op": op.name, "phase": op.phase.value, "micro_step": op.micro_step}
+    return {"op": "model states (allocated before the step)", "phase": "static", "micro_step": 0}
+
+
+def diagnose(result: Result, trace: Trace) -> dict:
+    """Where the peak is, what it is made of, and by how much it misses the capacity."""
+    mem = result.memory
+    over = mem.peak_bytes - mem.capacity_bytes
+    comps = sorted(mem.breakdown.items(), key=lambda kv: -kv[1])
     # the components that, largest first, make up at least the overflow
     pushing, acc = [], 0.0
     for k, v in comps:
@@ -76,15 +55,15 @@ def diagnose(result: dict, trace) -> dict:
             break
         pushing.append(k)
         acc += v
-    host = mem["host"]
-    return {"fits": mem["fits"], "host_fits": host["fits"], "over_bytes": over,
-            "over_fraction": over / mem["capacity_bytes"], "peak_bytes": mem["peak_bytes"],
-            "capacity_bytes": mem["capacity_bytes"], "peak_time_s": mem["peak_time_s"], "at": at_op,
+    host = mem.host
+    return {"fits": mem.fits, "host_fits": host.fits, "over_bytes": over,
+            "over_fraction": over / mem.capacity_bytes, "peak_bytes": mem.peak_bytes,
+            "capacity_bytes": mem.capacity_bytes, "peak_time_s": mem.peak_time_s, "at": _op_at_peak(trace),
             "components": dict(comps), "pushing_over": pushing,
-            "host_over_bytes": host["bytes_per_node"] - host["capacity_bytes"]}
+            "host_over_bytes": host.bytes_per_node - host.capacity_bytes}
 
 
-def _batch_candidates(raw: dict, sc: Scenario) -> list[Candidate]:
+def _batch_candidates(raw: dict, sc: Scenario) -> list[Variant]:
     mb, gas = sc.micro_batch_size, sc.gradient_accumulation_steps
     per_rank = mb * gas
     training = raw.get("training") or {}
@@ -97,31 +76,31 @@ def _batch_candidates(raw: dict, sc: Scenario) -> list[Candidate]:
             sets.append(f"training.micro_batch_size={new_mb}")
         if training.get("gradient_accumulation_steps") is not None:
             sets.append(f"training.gradient_accumulation_steps={new_gas}")
-        out.append(Candidate(f"micro-batch {new_mb} x GAS {new_gas} (same global batch)", tuple(sets)))
+        out.append(Variant(f"micro-batch {new_mb} x GAS {new_gas} (same global batch)", tuple(sets)))
     return out
 
 
-def playbook(raw: dict, sc: Scenario) -> list[Candidate]:
+def playbook(raw: dict, sc: Scenario) -> list[Variant]:
     """Single changes an expert would try, in a fixed order (micro-batch candidates largest first)."""
     z, tr = sc.zero, sc.training
-    out: list[Candidate] = []
+    out: list[Variant] = []
     if tr.activation_checkpointing == "none" and not tr.flash_attention:
         # with FlashAttention nothing s^2-sized is stored, so selective recompute frees nothing
-        out.append(Candidate("selective activation checkpointing", ("training.activation_checkpointing=selective",)))
+        out.append(Variant("selective activation checkpointing", ("training.activation_checkpointing=selective",)))
     if tr.activation_checkpointing != "full":
-        out.append(Candidate("full activation checkpointing", ("training.activation_checkpointing=full",)))
+        out.append(Variant("full activation checkpointing", ("training.activation_checkpointing=full",)))
     if not sc.deepspeed.activation_checkpointing.cpu_checkpointing:
-        out.append(Candidate("full activation checkpointing, checkpoints in CPU memory",
+        out.append(Variant("full activation checkpointing, checkpoints in CPU memory",
                              ("training.activation_checkpointing=full",
                               "deepspeed.activation_checkpointing.cpu_checkpointing=true")))
     for stage in range(z.stage + 1, 4):
-        out.append(Candidate(f"ZeRO stage {stage}", (f"deepspeed.zero_optimization.stage={stage}",)))
+        out.append(Variant(f"ZeRO stage {stage}", (f"deepspeed.zero_optimization.stage={stage}",)))
     if z.optimizer_offload_device == "none":
         sets = ("deepspeed.zero_optimization.offload_optimizer.device=cpu",
                 "deepspeed.zero_optimization.offload_optimizer.pin_memory=true")
         if z.stage == 0:
             sets = ("deepspeed.zero_optimization.stage=2",) + sets
-        out.append(Candidate("optimizer offload to CPU" + (" (ZeRO-2)" if z.stage == 0 else ""), sets))
+        out.append(Variant("optimizer offload to CPU" + (" (ZeRO-2)" if z.stage == 0 else ""), sets))
     if z.param_offload_device == "none":
         sets = ("deepspeed.zero_optimization.offload_param.device=cpu",
                 "deepspeed.zero_optimization.offload_param.pin_memory=true")
@@ -130,15 +109,15 @@ def playbook(raw: dict, sc: Scenario) -> list[Candidate]:
                      "deepspeed.zero_optimization.offload_optimizer.pin_memory=true")
         if z.stage != 3:
             sets = ("deepspeed.zero_optimization.stage=3",) + sets
-        out.append(Candidate("parameter + optimizer offload to CPU (ZeRO-Infinity, stage 3)", sets))
+        out.append(Variant("parameter + optimizer offload to CPU (ZeRO-Infinity, stage 3)", sets))
     if z.stage >= 1:
         small = max(int(z.reduce_bucket_size // 4), 1)
         if small < z.reduce_bucket_size:
-            out.append(Candidate(f"reduce_bucket_size {small:.3g}", (f"deepspeed.zero_optimization.reduce_bucket_size={small}",)))
+            out.append(Variant(f"reduce_bucket_size {small:.3g}", (f"deepspeed.zero_optimization.reduce_bucket_size={small}",)))
     if z.stage == 3:
         pf = int(z.prefetch_bucket_size // 4)
         live = int(z.max_live_parameters // 4)
-        out.append(Candidate(f"stage3_prefetch_bucket_size {pf:.3g}, stage3_max_live_parameters {live:.3g}, "
+        out.append(Variant(f"stage3_prefetch_bucket_size {pf:.3g}, stage3_max_live_parameters {live:.3g}, "
                              "stage3_max_reuse_distance 0",
                              (f"deepspeed.zero_optimization.stage3_prefetch_bucket_size={pf}",
                               f"deepspeed.zero_optimization.stage3_max_live_parameters={live}",
@@ -146,24 +125,25 @@ def playbook(raw: dict, sc: Scenario) -> list[Candidate]:
     if sc.precision == "fp32":
         gpu = sc.cluster.profile.gpu
         half = "bf16" if gpu.peak_tflops_bf16 > gpu.peak_tflops_fp32 else "fp16"
-        out.append(Candidate(f"{half} mixed precision", (f"training.precision={half}", f"deepspeed.{half}.enabled=true")))
+        out.append(Variant(f"{half} mixed precision", (f"training.precision={half}", f"deepspeed.{half}.enabled=true")))
     out.extend(_batch_candidates(raw, sc))
     return out
 
 
-def evaluate(raw: dict, base_dir: Path, name: str, cand: Candidate, baseline: dict) -> dict:
-    try:
-        _, r, _ = run(raw, base_dir, name, cand.overrides)
-    except (ZsimInputError, ValueError) as err:
-        return {"name": cand.name, "overrides": list(cand.overrides), "valid": False, "error": str(err)}
-    mem = r["memory"]
-    return {"name": cand.name, "overrides": list(cand.overrides), "valid": True, "fits": fits(r),
-            "gpu_fits": mem["fits"], "host_fits": mem["host"]["fits"],
-            "step_time_s": r["step_time_s"], "tokens_per_s": r["tokens_per_s"], "mfu": r["mfu"],
-            "peak_bytes": mem["peak_bytes"], "capacity_bytes": mem["capacity_bytes"],
-            "host_bytes_per_node": mem["host"]["bytes_per_node"],
-            "throughput_change": r["tokens_per_s"] / baseline["tokens_per_s"] - 1.0,
-            "ds_config_change": ds_config_change(cand.overrides)}
+def evaluate(base: Base, cand: Variant, baseline: Result) -> dict:
+    """Simulate one candidate: a row of the doctor's report (its keys are the JSON schema)."""
+    out = base.run(cand)
+    r = out.result
+    if r is None:
+        return {"name": cand.name, "overrides": list(cand.assignments), "valid": False, "error": out.error}
+    mem = r.memory
+    return {"name": cand.name, "overrides": list(cand.assignments), "valid": True, "fits": r.fits,
+            "gpu_fits": mem.fits, "host_fits": mem.host.fits,
+            "step_time_s": r.step_time_s, "tokens_per_s": r.tokens_per_s, "mfu": r.mfu,
+            "peak_bytes": mem.peak_bytes, "capacity_bytes": mem.capacity_bytes,
+            "host_bytes_per_node": mem.host.bytes_per_node,
+            "throughput_change": r.tokens_per_s / baseline.tokens_per_s - 1.0,
+            "ds_config_change": ds_config_change(cand.assignments)}
 
 
 def ds_config_change(overrides) -> dict:
@@ -175,22 +155,17 @@ def ds_config_change(overrides) -> dict:
         parts = key.split(".")
         for k in parts[:-1]:
             node = node.setdefault(k, {})
-        node[parts[-1]] = _yaml_value(value)
+        node[parts[-1]] = parse_value(value)
     return out
 
 
-def _yaml_value(text: str):
-    from zsim.config.scenario import parse_value
-    return parse_value(text)
-
-
-def doctor(raw: dict, base_dir: Path, name: str = "scenario", max_pairs: int = 40) -> dict:
-    sc, base, trace = run(raw, base_dir, name)
-    report = {"scenario": sc.name, "baseline": {"fits": fits(base), "step_time_s": base["step_time_s"],
-                                                "tokens_per_s": base["tokens_per_s"]},
-              "diagnosis": diagnose(base, trace)}
-    singles = playbook(raw, sc)
-    evaluated = [evaluate(raw, base_dir, name, c, base) for c in singles]
+def doctor(base: Base, max_pairs: int = 40) -> dict:
+    sc, baseline, trace = base.simulate()
+    report = {"scenario": sc.name, "baseline": {"fits": baseline.fits, "step_time_s": baseline.step_time_s,
+                                                "tokens_per_s": baseline.tokens_per_s},
+              "diagnosis": diagnose(baseline, trace)}
+    singles = playbook(base.raw, sc)
+    evaluated = [evaluate(base, c, baseline) for c in singles]
     # micro-batch candidates: keep the largest micro-batch that fits (smaller ones are only slower)
     evaluated = _prune_batches(evaluated)
     fitting = [e for e in evaluated if e["valid"] and e["fits"]]
@@ -206,7 +181,7 @@ def doctor(raw: dict, base_dir: Path, name: str = "scenario", max_pairs: int = 4
             if a.startswith("micro-batch") and b.startswith("micro-batch"):
                 continue
             cand = by_name[a] + by_name[b]
-            evaluated.append(evaluate(raw, base_dir, name, cand, base))
+            evaluated.append(evaluate(base, cand, baseline))
             pairs += 1
         evaluated = _prune_batches(evaluated)
         fitting = [e for e in evaluated if e["valid"] and e["fits"]]
@@ -235,9 +210,4 @@ def _prune_batches(evaluated: list[dict]) -> list[dict]:
 
 
 def doctor_file(path: str | Path, overrides=()) -> dict:
-    from zsim.config.scenario import load_raw
-    path = Path(path)
-    raw = load_raw(path)
-    for o in overrides:
-        raw = apply_set(raw, o)
-    return doctor(raw, path.parent, path.stem)
+    return doctor(Base.load(path, tuple(overrides)))

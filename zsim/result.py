@@ -1,0 +1,98 @@
+"""The typed result of one simulated training step: what `summarize` returns and every reader
+(table, JSON/CSV writers, plots, doctor, tune, compare, sweep) consumes.
+
+Field names and order are the JSON schema of `zsim run --json`: `to_dict()` is the
+serialisation, so a field added here appears in the JSON (and as a CSV column of a sweep) in
+the position it is declared. Byte sizes are per GPU unless the name says per node.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Mapping
+
+
+def fits(gpu_fits: bool, host_fits: bool) -> bool:
+    """The OOM rule every tool shares: a configuration fits when its peak fits in HBM and its
+    host-side buffers fit in the node's memory (a CPU OOM kills the job too)."""
+    return bool(gpu_fits and host_fits)
+
+
+def row_fits(row: Mapping) -> bool:
+    """`fits` read back from a written row: a sweep row (a flattened Result, `memory.fits` and
+    `memory.host.fits` columns) or a compare row (its `fits` column is already the rule)."""
+    return fits(row.get("memory.fits", row.get("fits")), row.get("memory.host.fits", True))
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """Host (CPU) memory per node: the offloaded states and pinned buffers of its ranks."""
+    bytes_per_node: float
+    load_bytes_per_node: float      # while loading the model (every rank materialises it without zero.Init)
+    capacity_bytes: float
+    fits: bool
+    breakdown: dict[str, float]
+
+
+@dataclass(frozen=True)
+class Memory:
+    """GPU memory per rank at the step's peak (`fits` is the HBM verdict alone; Result.fits adds the host)."""
+    peak_bytes: float
+    capacity_bytes: float
+    fits: bool
+    headroom_bytes: float
+    peak_time_s: float
+    breakdown: dict[str, float]     # category -> bytes at the peak instant, CUDA reserve included
+    host: HostMemory
+
+
+@dataclass(frozen=True)
+class Comm:
+    """Collectives of one rank in one step, per collective kind."""
+    bytes_per_gpu: dict[str, float]     # bytes sent (bus bytes)
+    calls: dict[str, int]
+    time_s: dict[str, float]            # busy time on the comm streams
+    exposed_time_s: float               # comm time not hidden under compute
+
+    @property
+    def total_bytes_per_gpu(self) -> float:
+        return sum(self.bytes_per_gpu.values())
+
+
+@dataclass(frozen=True)
+class Result:
+    scenario: str
+    stage: int
+    world_size: int
+    nodes: int
+    gpus_per_node: int
+    hardware_profile: str
+    precision: str
+    n_params: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    global_batch_size: int
+    seq_len: int
+    step_time_s: float
+    samples_per_s: float
+    tokens_per_s: float
+    tokens_per_s_per_gpu: float
+    tflops_per_gpu: float
+    mfu: float
+    hfu: float
+    compute_time_s: float
+    model_flops_per_gpu: float
+    memory: Memory
+    comm: Comm
+    host_time_s: dict[str, float]       # offload busy time per transfer kind / cpu_adam
+    events: int                         # ops simulated
+    warnings: tuple[str, ...]
+
+    @property
+    def fits(self) -> bool:
+        return fits(self.memory.fits, self.memory.host.fits)
+
+    def to_dict(self) -> dict:
+        """The JSON/CSV shape: nested mappings in declaration order, warnings as a list."""
+        out = asdict(self)
+        out["warnings"] = list(self.warnings)
+        return out
