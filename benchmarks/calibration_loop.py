@@ -30,9 +30,10 @@ sys.path.insert(0, str(ROOT))
 from calibration.harness.fit import FIT_STATISTIC, _kind, _t as measured_s, _t_mean, pool_passes  # noqa: E402
 from calibration.harness.pool import read_pool                          # noqa: E402
 from zsim.api import run_scenario                                     # noqa: E402
+from zsim.config.profile import load_profile                           # noqa: E402
 from zsim.config.scenario import load_scenario                         # noqa: E402
-from zsim.hardware.collectives import bus_factor, collective_cost, ring_steps, tiers_for  # noqa: E402
-from zsim.hardware.profile import Cluster, efficiency_at, load_profile  # noqa: E402
+from zsim.hardware.collectives import bus_factor, collective_cost, efficiency_at, ring_steps, tiers_for  # noqa: E402
+from zsim.specs.hardware import Cluster                                 # noqa: E402
 
 TARGET = 0.05
 

@@ -15,10 +15,11 @@ import yaml
 from calibration.harness.fit import (build_profile, fit_collectives, fit_gemm, gemm_law, layer_components,
                                      predict_layer_s, robust_alpha_beta)
 from calibration.harness.plan import LayerShape, default_plan, items, layer_gemms, message_sizes
-from zsim.config.fields import build
+from zsim.config.profile import load_profile
 from zsim.errors import ZsimInputError
 from zsim.hardware.collectives import Tier, collective_cost, ring_cost
-from zsim.hardware.profile import Cluster, GpuProfile, HardwareProfile, load_profile
+from zsim.schema import build
+from zsim.specs.hardware import Cluster, GpuProfile, HardwareProfile
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = [1024 * 4**i for i in range(8)]
@@ -117,7 +118,7 @@ def test_fit_collectives_reproduces_every_measurement():
 
 
 def test_profile_efficiency_by_collective_is_used_and_validated():
-    base, _ = __import__("zsim.hardware.profile", fromlist=["x"]).read_profile_mapping("dgx-a100-80g")
+    base, _ = __import__("zsim.config.profile", fromlist=["x"]).read_profile_mapping("dgx-a100-80g")
     base["intra_node"]["efficiency_by_collective"] = {"broadcast": [[1e3, 0.5], [1e9, 0.5]]}
     prof = build(HardwareProfile, base)
     cl = Cluster(profile=prof, nodes=1, gpus_per_node=8)

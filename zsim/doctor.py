@@ -16,8 +16,9 @@ import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
-from zsim.config.scenario import Scenario, apply_set, scenario_from_mapping
+from zsim.config.scenario import apply_set, scenario_from_mapping
 from zsim.errors import ZsimInputError
+from zsim.specs.scenario import Scenario
 
 MODEL_STATES = ("parameters", "gradients", "optimizer states")
 MIN_FITTING = 3

@@ -30,7 +30,7 @@ import numpy as np
 from calibration.harness.plan import stats
 from zsim.hardware.collectives import bus_factor, ring_steps
 from zsim.hardware.compute import attention_time_s, gemm_time_s, kernel_overhead_s, memory_bound_time_s
-from zsim.hardware.profile import GpuProfile
+from zsim.specs.hardware import GpuProfile
 
 HUBER_K = 1.345   # 95% efficiency under Gaussian noise (Huber 1964)
 # Which per-benchmark statistic the fit reproduces: the median repetition, each repetition the
@@ -242,7 +242,7 @@ def fit_efficiency_ratio(work: list[float], time_s: list[float], rate: float) ->
 
 
 def _model_spec(shape: dict):
-    from zsim.config.scenario import ModelSpec
+    from zsim.specs.model import ModelSpec
     return ModelSpec(layers=1, hidden=shape["hidden"], heads=shape["heads"], vocab=128, seq_len=shape["seq_len"])
 
 

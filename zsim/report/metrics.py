@@ -1,7 +1,7 @@
 """Trace -> Result: throughput, FLOP rates, memory verdict and communication figures."""
 from __future__ import annotations
 
-from zsim.config.scenario import Scenario
+from zsim.specs.scenario import Scenario
 from zsim.engine.ledger import peak_and_breakdown
 from zsim.engine.sim import Trace
 from zsim.hardware.collectives import bus_factor

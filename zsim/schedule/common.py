@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from zsim.config.scenario import Scenario
+from zsim.specs.scenario import Scenario
 from zsim.schedule.ops import Alloc, Builder
 from zsim.workload.transformer import Module, Workload
 
