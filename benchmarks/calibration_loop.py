@@ -31,11 +31,12 @@ from calibration.harness.fit_comm import collective_kind, mean_call_time_s, pool
 from calibration.harness.fit_common import FIT_STATISTIC, fit_time_s  # noqa: E402
 from calibration.harness.pool import read_pool                          # noqa: E402
 from zsim.api import run_scenario                                     # noqa: E402
+from zsim.config.profile import load_profile                           # noqa: E402
 from zsim.config.scenario import load_scenario                         # noqa: E402
-from zsim.hardware.collectives import bus_factor, collective_cost, ring_steps, tiers_for  # noqa: E402
-from zsim.hardware.profile import Cluster, efficiency_at, load_profile  # noqa: E402
+from zsim.hardware.collectives import bus_factor, collective_cost, efficiency_at, ring_steps, tiers_for  # noqa: E402
 from zsim.schedule.build import workload_for                         # noqa: E402
 from zsim.schedule.ir import OpKind                                  # noqa: E402
+from zsim.specs.hardware import Cluster                              # noqa: E402
 
 TARGET = 0.05
 

@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT))
 
 from zsim.config.scenario import scenario_from_mapping  # noqa: E402
 from zsim.engine.sim import simulate  # noqa: E402
-from zsim.report.metrics import summarize  # noqa: E402
+from zsim.result.summarize import summarize  # noqa: E402
 from zsim.schedule.build import build_schedule  # noqa: E402
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from _validate_common import CASES, run_case  # noqa: E402
 
-from zsim.validation import mape, rel_error  # noqa: E402
+from calibration.validation import mape, rel_error  # noqa: E402
 
 
 def combine(runs: list[dict]) -> dict:

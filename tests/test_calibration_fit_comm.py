@@ -6,10 +6,11 @@ import pytest
 
 from calibration.harness.fit_comm import fit_collectives, robust_alpha_beta
 from calibration_records import SIZES, coll_records
-from zsim.config.fields import build
+from zsim.schema import build
 from zsim.errors import ZsimInputError
 from zsim.hardware.collectives import Tier, collective_cost
-from zsim.hardware.profile import Cluster, HardwareProfile, load_profile
+from zsim.config.profile import load_profile
+from zsim.specs.hardware import Cluster, HardwareProfile
 
 
 def test_alpha_beta_exact_on_linear_data():
@@ -46,7 +47,7 @@ def test_fit_collectives_reproduces_every_measurement():
 
 
 def test_profile_efficiency_by_collective_is_used_and_validated():
-    base, _ = __import__("zsim.hardware.profile", fromlist=["x"]).read_profile_mapping("dgx-a100-80g")
+    base, _ = __import__("zsim.config.profile", fromlist=["x"]).read_profile_mapping("dgx-a100-80g")
     base["intra_node"]["efficiency_by_collective"] = {"broadcast": [[1e3, 0.5], [1e9, 0.5]]}
     prof = build(HardwareProfile, base)
     cl = Cluster(profile=prof, nodes=1, gpus_per_node=8)

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from calibration_records import zsim_cli
-from zsim.hardware.profile import load_profile
+from zsim.config.profile import load_profile
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from zsim.config.scenario import ModelSpec
-from zsim.workload.presets import PRESETS
+from zsim.specs.model import ModelSpec
+from zsim.specs.model import PRESETS
 from zsim.workload.transformer import build_workload
 
 torch = pytest.importorskip("torch")

@@ -9,9 +9,9 @@ import pytest
 
 from helpers import ROOT
 from zsim.cli import main as cli_main
-from zsim.memory_estimate import deepspeed_rows, ds_zero2_estimate, ds_zero3_estimate, params_like_deepspeed
-from zsim.config.fields import build
-from zsim.config.scenario import ModelSpec
+from zsim.report.memory_estimate import deepspeed_rows, ds_zero2_estimate, ds_zero3_estimate, params_like_deepspeed
+from zsim.schema import build
+from zsim.specs.model import ModelSpec
 from zsim.workload.transformer import build_workload
 
 GRID = json.loads((Path(__file__).parent / "fixtures" / "ds_estimator_grid.json").read_text())

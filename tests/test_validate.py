@@ -13,7 +13,7 @@ import pytest
 
 from deepspeed_fixtures import fixture_names, load_fixture, scenario_for, simulated
 from zsim.cli import main as cli_main
-from zsim.validation import collective_summary, compare, first_difference, mape, rel_error, render_text
+from calibration.validation import collective_summary, compare, first_difference, mape, rel_error, render_text
 
 ROOT = Path(__file__).resolve().parents[1]
 

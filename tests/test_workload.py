@@ -1,9 +1,8 @@
 """Parameter counts equal the published ones; activation bytes follow Korthikanti et al. 2022."""
 import pytest
 
-from zsim.config.fields import build
-from zsim.config.scenario import ModelSpec
-from zsim.workload.presets import PRESETS, PUBLISHED_NOMINAL_PARAMS, PUBLISHED_PARAMS
+from zsim.schema import build
+from zsim.specs.model import PRESETS, PUBLISHED_NOMINAL_PARAMS, PUBLISHED_PARAMS, ModelSpec
 from zsim.workload.transformer import build_workload, count_params
 
 

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from zsim.config.scenario import Scenario, load_scenario
+from zsim.config.scenario import load_scenario
 from zsim.engine.sim import Trace, simulate
-from zsim.report.metrics import summarize
+from zsim.result.summarize import summarize
 from zsim.result import Result
 from zsim.schedule.build import build_schedule
+from zsim.specs.scenario import Scenario
 
 
 def run_scenario(sc: Scenario) -> tuple[Result, Trace]:

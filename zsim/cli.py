@@ -1,17 +1,22 @@
 """zsim command line. Bad input: one line on stderr naming field, value and fix; exit 2.
 
-Each subcommand lives in zsim/commands/<name>.py with add_parser(subparsers) and main(args);
-heavy imports happen inside main so `zsim --help` stays fast.
+Each subcommand is a module with add_parser(subparsers) and main(args); heavy imports happen
+inside main so `zsim --help` stays fast. zsim's own subcommands live in zsim/commands/<name>.py
+and are listed in COMMANDS. Packages layered above zsim contribute theirs through the
+`zsim.commands` entry point group (pyproject.toml: `calibrate = "calibration.commands.calibrate"`),
+so zsim never imports them by name: the layer contract in pyproject.toml forbids zsim -> calibration.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+from importlib.metadata import entry_points
 
 from zsim.errors import ZsimInputError
 
-COMMANDS = ("run", "compare", "sweep", "plot", "tune", "doctor", "memory", "calibrate", "validate")
+COMMANDS = ("run", "compare", "sweep", "plot", "tune", "doctor", "memory")
+PLUGIN_GROUP = "zsim.commands"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -23,13 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="zsim", description="Simulate DeepSpeed ZeRO training steps before renting GPUs.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"zsim.commands.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name == f"zsim.commands.{name}":
-                continue   # command not built yet
-            raise
-        module.add_parser(sub)
+        importlib.import_module(f"zsim.commands.{name}").add_parser(sub)
+    # sorted: the help lists them in the same order whatever order the installer recorded
+    for ep in sorted(entry_points(group=PLUGIN_GROUP), key=lambda ep: ep.name):
+        if ep.name in COMMANDS:
+            raise RuntimeError(f"entry point {ep.value} redefines the built-in command {ep.name!r}")
+        ep.load().add_parser(sub)
     return p
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import copy
 
-from zsim.config.scenario import ModelSpec
+from zsim.specs.model import ModelSpec
 
 WORLD_SIZE = 2
 MICRO_BATCH = 2

@@ -9,7 +9,7 @@ import numpy as np
 from calibration.harness.fit_common import fit_time_s
 from calibration.harness.plan import LayerShape
 from zsim.hardware.compute import attention_time_s, gemm_time_s, kernel_overhead_s, memory_bound_time_s
-from zsim.hardware.profile import GpuProfile
+from zsim.specs.hardware import GpuProfile
 from zsim.schedule.passes import linear_gemms
 from zsim.workload.transformer import DTYPE_BYTES
 

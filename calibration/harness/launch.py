@@ -245,8 +245,8 @@ def finish(name: str, scratch: Path, profile_path: Path, run_dir: Path, dtype: s
 
 
 def fit_and_write(name: str, records: list[dict], prov: dict, dtype: str, profile_path: Path, run_dir: Path):
-    from zsim.config.fields import build
-    from zsim.hardware.profile import HardwareProfile
+    from zsim.schema import build
+    from zsim.specs.hardware import HardwareProfile
     profile, report = build_profile(name, records, prov, dtype)
     build(HardwareProfile, profile, str(profile_path))   # refuse to write a profile zsim cannot load
     write_atomic(run_dir / "fit_report.json", json.dumps(report, indent=1, sort_keys=True, default=float) + "\n")

@@ -9,7 +9,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
-from zsim.config.scenario import ModelSpec
+from zsim.specs.model import ModelSpec
 from zsim.schedule.passes import linear_gemms
 from zsim.workload.transformer import Module, build_workload
 

@@ -2,7 +2,7 @@
 accounting of the same scenario differs.
 
 - `zsim memory scenario.yaml --like-deepspeed`: the rows estimate_zero{2,3}_model_states_mem_needs_all_live
-  prints for the scenario's model and cluster (byte-exact, zsim/memory_estimate.py).
+  prints for the scenario's model and cluster (byte-exact, zsim/report/memory_estimate.py).
 - `zsim memory --like-deepspeed --total-params N [--largest-layer-params N]`: the all_cold rows.
 - `zsim memory scenario.yaml`: zsim's simulated peak (GPU and host) beside the estimator row for
   the scenario's own offload settings, component by component, with why each differs.
@@ -36,7 +36,7 @@ def _positive(name: str, value):
 
 def estimator_report(args) -> dict:
     from zsim.config.scenario import load_scenario
-    from zsim.memory_estimate import deepspeed_rows, params_like_deepspeed
+    from zsim.report.memory_estimate import deepspeed_rows, params_like_deepspeed
     from zsim.schedule.build import workload_for
 
     for name in ("total_params", "gpus_per_node", "nodes", "buffer_factor"):
@@ -84,7 +84,7 @@ def compare_report(args) -> dict:
     """zsim's simulated peak next to the estimator row for the scenario's settings."""
     from zsim.api import run_scenario
     from zsim.config.scenario import load_scenario
-    from zsim.memory_estimate import DIFFERENCES, deepspeed_rows, matching_row, params_like_deepspeed
+    from zsim.report.memory_estimate import DIFFERENCES, deepspeed_rows, matching_row, params_like_deepspeed
     from zsim.schedule.build import workload_for
 
     sc = load_scenario(args.scenario, tuple(args.set or ()))

@@ -1,4 +1,5 @@
-"""The scenario: one YAML file (public contract, see docs/scenario.md) -> a frozen Scenario.
+"""The scenario loader: one YAML file (public contract, see docs/scenario.md) -> a frozen
+Scenario (zsim.specs.scenario).
 
 Resolution order: read YAML -> inline the ds_config.json if `deepspeed:` is a path ->
 apply `--set` overrides -> model preset + explicit keys -> HF-Trainer-style "auto" ->
@@ -8,108 +9,18 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal, Optional
 
 import yaml
 
-from zsim.config.deepspeed import IGNORED_TOP_LEVEL, DeepSpeedConfig
-from zsim.config.fields import _number, accepted_keys, build, spec
+from zsim.config.profile import load_profile
 from zsim.errors import ZsimInputError, did_you_mean, unknown_key
-from zsim.hardware.profile import Cluster, load_profile
-from zsim.workload.presets import PRESETS
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelSpec:
-    layers: int = spec(gt=0)
-    hidden: int = spec(gt=0)
-    heads: int = spec(gt=0)
-    vocab: int = spec(gt=0)
-    seq_len: int = spec(gt=0, doc="maximum positions (learned position table size)")
-    kv_heads: Optional[int] = spec(None, gt=0, doc="GQA/MQA key-value heads; default = heads")
-    ffn_hidden: Optional[int] = spec(None, gt=0, doc="default 4*hidden")
-    glu: bool = spec(False, doc="gated MLP (SwiGLU): three projections")
-    tied_embeddings: bool = spec(True)
-    position: Literal["learned", "rope", "alibi"] = spec("learned")
-    norm: Literal["layernorm", "rmsnorm"] = spec("layernorm")
-    bias: bool = spec(True)
-    fused_qkv: bool = spec(True, doc="one QKV Linear (GPT-2/MPT/BLOOM) or q/k/v_proj modules (Llama)")
-    embedding_norm: bool = spec(False, doc="LayerNorm after the embedding (BLOOM)")
-    preset: Optional[str] = spec(None)
-
-    def __post_init__(self):
-        if self.hidden % self.heads:
-            raise ValueError("hidden", self.hidden, f"must be divisible by heads ({self.heads})")
-        if self.kv_heads is not None and self.heads % self.kv_heads:
-            raise ValueError("kv_heads", self.kv_heads, f"must divide heads ({self.heads})")
-
-    @property
-    def n_kv_heads(self) -> int:
-        return self.kv_heads or self.heads
-
-    @property
-    def ffn(self) -> int:
-        return self.ffn_hidden or 4 * self.hidden
-
-
-@dataclass(frozen=True, kw_only=True)
-class HardwareSpec:
-    profile: str = spec()
-    nodes: int = spec(1, gt=0)
-    gpus_per_node: Optional[int] = spec(None, gt=0, doc="default: the profile's")
-    override: dict[str, Any] = spec(factory=dict, doc="profile fields to override, nested like the profile")
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainingSpec:
-    micro_batch_size: Optional[int] = spec(None, gt=0)
-    gradient_accumulation_steps: Optional[int] = spec(None, gt=0)
-    seq_len: Optional[int] = spec(None, gt=0, doc="default: model.seq_len")
-    precision: Optional[Literal["fp32", "fp16", "bf16"]] = spec(None, doc="default: from the ds_config fp16/bf16 blocks")
-    activation_checkpointing: Literal["none", "full", "selective"] = spec("none")
-    flash_attention: bool = spec(True)
-    dropout: bool = spec(False, doc="dropout layers present (stores masks, Korthikanti 2022)")
-    fused_cross_entropy: bool = spec(False, doc="fused loss kernel (no fp32 logits copies)")
-    max_grad_norm: float = spec(1.0, ge=0, doc="HF Trainer's max_grad_norm, used for gradient_clipping: auto")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Scenario:
-    name: str
-    model: ModelSpec
-    cluster: Cluster
-    training: TrainingSpec
-    deepspeed: DeepSpeedConfig
-    description: str = ""
-    warnings: tuple[str, ...] = ()
-
-    # Resolved values (DeepSpeed's batch rule, precision): the simulator reads these.
-    @property
-    def micro_batch_size(self) -> int:
-        return self.deepspeed.train_micro_batch_size_per_gpu
-
-    @property
-    def gradient_accumulation_steps(self) -> int:
-        return self.deepspeed.gradient_accumulation_steps
-
-    @property
-    def global_batch_size(self) -> int:
-        return self.deepspeed.train_batch_size
-
-    @property
-    def seq_len(self) -> int:
-        return self.training.seq_len or self.model.seq_len
-
-    @property
-    def precision(self) -> str:
-        return self.training.precision
-
-    @property
-    def zero(self):
-        return self.deepspeed.zero_optimization
-
+from zsim.schema import _number, accepted_keys, build
+from zsim.specs.deepspeed import IGNORED_TOP_LEVEL, DeepSpeedConfig
+from zsim.specs.hardware import Cluster
+from zsim.specs.model import PRESETS, ModelSpec
+from zsim.specs.scenario import HardwareSpec, Scenario, TrainingSpec
 
 _TOP_KEYS = ("name", "description", "model", "hardware", "training", "deepspeed")
 

@@ -19,13 +19,35 @@ measures each), which replaces the tier's shared table for that collective.
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 from dataclasses import dataclass
 
-from zsim.hardware.profile import EffTable, efficiency_at
+from zsim.specs.hardware import EffTable
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "all_to_all")
+
+
+@functools.lru_cache(maxsize=256)
+def _log_sizes(table: EffTable) -> tuple[float, ...]:
+    return tuple(math.log(max(s, 1.0)) for s, _ in table)
+
+
+def efficiency_at(table: EffTable, size_bytes: float) -> float:
+    """Piecewise-linear in log(size) between table points, flat beyond both ends."""
+    if size_bytes <= 0:
+        return table[0][1]
+    xs = _log_sizes(table)
+    x = math.log(max(size_bytes, 1.0))
+    i = bisect.bisect_left(xs, x)
+    if i == 0:
+        return table[0][1]
+    if i >= len(xs):
+        return table[-1][1]
+    x0, x1 = xs[i - 1], xs[i]
+    y0, y1 = table[i - 1][1], table[i][1]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
 @dataclass(frozen=True)

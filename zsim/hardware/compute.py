@@ -8,7 +8,7 @@ run at a fraction of HBM bandwidth. Every kernel pays a fixed launch/framework o
 """
 from __future__ import annotations
 
-from zsim.hardware.profile import GpuProfile
+from zsim.specs.hardware import GpuProfile
 
 
 def gemm_efficiency(m: float, n: float, k: float, gpu: GpuProfile) -> float:

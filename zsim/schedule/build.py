@@ -1,7 +1,7 @@
 """scenario -> (workload, schedule): picks the stage builder."""
 from __future__ import annotations
 
-from zsim.config.scenario import Scenario
+from zsim.specs.scenario import Scenario
 from zsim.schedule import offload, stage3, stage012
 from zsim.schedule.builder import Builder
 from zsim.schedule.context import StepContext

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from zsim.config.scenario import Scenario
+from zsim.specs.scenario import Scenario
 from zsim.schedule.builder import Builder
 from zsim.schedule.ir import Phase, Stream
 from zsim.workload.transformer import Module, Workload

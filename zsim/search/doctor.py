@@ -15,10 +15,11 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
-from zsim.config.scenario import Scenario, parse_value
+from zsim.config.scenario import parse_value
 from zsim.engine.sim import Trace
 from zsim.result import Result
 from zsim.search.variants import Base, Variant
+from zsim.specs.scenario import Scenario
 
 MODEL_STATES = ("parameters", "gradients", "optimizer states")
 MIN_FITTING = 3

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zsim.api import run_scenario
-from zsim.config.scenario import Scenario, apply_set, load_raw, scenario_from_mapping
+from zsim.config.scenario import apply_set, load_raw, scenario_from_mapping
+from zsim.specs.scenario import Scenario
 from zsim.engine.sim import Trace
 from zsim.errors import ZsimInputError
 from zsim.result import Result

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from zsim.config.scenario import ModelSpec
+from zsim.specs.model import ModelSpec
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 

@@ -1,7 +1,9 @@
 """zsim validate: run a scenario for real (torchrun, gloo on CPU) and put the measurement beside
 zsim's prediction on the calibrated profile: step time, phases, collectives, peak memory.
 
-torch is needed by the launched ranks only; this module imports no torch. See docs/validation.md.
+Contributed to the `zsim` CLI through the `zsim.commands` entry point group (pyproject.toml;
+zsim never imports calibration). torch is needed by the launched ranks only; this module
+imports no torch. See docs/validation.md.
 """
 from __future__ import annotations
 
@@ -78,7 +80,7 @@ def check_engine(engine: str, python: str) -> None:
 def predict(sc) -> tuple[dict, object]:
     from zsim.api import run_scenario
     from zsim.schedule.build import build_schedule
-    from zsim.validation import phase_times, schedule_collectives, schedule_summary
+    from calibration.validation import phase_times, schedule_collectives, schedule_summary
 
     result, trace = run_scenario(sc)
     _, schedule = build_schedule(sc)
@@ -92,7 +94,7 @@ def predict(sc) -> tuple[dict, object]:
 def main(args) -> int:
     from zsim.config.scenario import load_scenario
     from zsim.report.writers import chrome_trace, write_atomic
-    from zsim.validation import TENSOR_ONLY_OVERRIDES, collective_summary, compare, render_text
+    from calibration.validation import TENSOR_ONLY_OVERRIDES, collective_summary, compare, render_text
 
     python = args.python or sys.executable
     if args.engine not in ENGINES:

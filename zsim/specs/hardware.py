@@ -1,24 +1,17 @@
-"""Hardware profiles: YAML with human units in the key names, frozen dataclasses here.
+"""Hardware profiles: frozen dataclasses with human units in the key names (the YAML files in
+hardware_profiles/ are read by zsim.config.profile).
 
 A profile describes one node type. `Cluster` adds the node count and converts to SI
 units (bytes, seconds, FLOP/s) once, so no other module sees GiB or Gbps.
 """
 from __future__ import annotations
 
-import bisect
-import functools
-import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
-import yaml
-
-from zsim.config.fields import build, spec
-from zsim.errors import ZsimInputError, did_you_mean
-
-GiB = 1024**3
-GB = 1e9
+from zsim.errors import did_you_mean
+from zsim.schema import spec
+from zsim.units import GB, GiB
 
 # Size-dependent efficiency: list of (message_bytes, fraction of the tier's peak bus bandwidth).
 EffTable = tuple[tuple[float, float], ...]
@@ -160,78 +153,6 @@ class HardwareProfile:
     cpu: CpuProfile = spec()
     interference: InterferenceProfile = spec(factory=InterferenceProfile)
     provenance: dict[str, str] = spec(factory=dict, doc="where the numbers came from (calibration run, datasheet)")
-
-
-@functools.lru_cache(maxsize=256)
-def _log_sizes(table: EffTable) -> tuple[float, ...]:
-    return tuple(math.log(max(s, 1.0)) for s, _ in table)
-
-
-def efficiency_at(table: EffTable, size_bytes: float) -> float:
-    """Piecewise-linear in log(size) between table points, flat beyond both ends."""
-    if size_bytes <= 0:
-        return table[0][1]
-    xs = _log_sizes(table)
-    x = math.log(max(size_bytes, 1.0))
-    i = bisect.bisect_left(xs, x)
-    if i == 0:
-        return table[0][1]
-    if i >= len(xs):
-        return table[-1][1]
-    x0, x1 = xs[i - 1], xs[i]
-    y0, y1 = table[i - 1][1], table[i][1]
-    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-
-
-def profiles_dir() -> Path:
-    return Path(__file__).resolve().parents[2] / "hardware_profiles"
-
-
-def available_profiles() -> list[str]:
-    return sorted(p.stem for p in profiles_dir().glob("*.yaml"))
-
-
-def read_profile_mapping(ref: str, base_dir: Path | None = None) -> tuple[dict, str]:
-    """Return the raw mapping of a profile named `ref` (a name in hardware_profiles/ or a path)."""
-    candidates = []
-    p = Path(ref)
-    if p.suffix in (".yaml", ".yml"):
-        candidates.append(p if p.is_absolute() or base_dir is None else base_dir / p)
-        candidates.append(p)
-    else:
-        candidates.append(profiles_dir() / f"{ref}.yaml")
-    for c in candidates:
-        if c.is_file():
-            try:
-                data = yaml.safe_load(c.read_text())
-            except yaml.YAMLError as exc:
-                line = getattr(getattr(exc, "problem_mark", None), "line", -1) + 1
-                raise ZsimInputError("hardware.profile", str(c), f"the profile is not valid YAML (line {line}); fix its syntax") from None
-            return data, str(c)
-    names = available_profiles()
-    raise ZsimInputError("hardware.profile", ref,
-                         f"no such profile{did_you_mean(ref, names)}; available: {', '.join(names)} or a path to a .yaml file")
-
-
-def deep_merge(base: dict, override: dict) -> dict:
-    out = dict(base)
-    for k, v in (override or {}).items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = deep_merge(out[k], v)
-        else:
-            out[k] = v
-    return out
-
-
-def load_profile(ref: str, override: dict | None = None, base_dir: Path | None = None) -> HardwareProfile:
-    data, where = read_profile_mapping(ref, base_dir)
-    merged = deep_merge(data or {}, override or {})
-    try:
-        return build(HardwareProfile, merged, "hardware.override" if override else "hardware.profile")
-    except ZsimInputError as err:
-        if override:
-            raise
-        raise ZsimInputError(f"{where}: {err.field}", err.value, err.fix) from None
 
 
 @dataclass(frozen=True, kw_only=True)

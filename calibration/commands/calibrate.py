@@ -1,7 +1,8 @@
 """zsim calibrate: measure this machine with torch.distributed and write a hardware profile.
 
-torch is imported only inside main() (through calibration.harness), so `import zsim` and
-`zsim run` work without it. See docs/calibration.md.
+Contributed to the `zsim` CLI through the `zsim.commands` entry point group (pyproject.toml;
+zsim never imports calibration). torch is imported only inside main() (through
+calibration.harness), so `zsim --help` works without it. See docs/calibration.md.
 """
 from __future__ import annotations
 
@@ -69,24 +70,8 @@ def _positive(text, field, kind=float):
     return v
 
 
-def _harness_importable():
-    """The harness lives in the checkout's calibration/ package (installed with `pip install -e .`);
-    an older install may not map it yet, so fall back to the checkout next to this file."""
-    try:
-        import calibration.harness  # noqa: F401
-    except ModuleNotFoundError as exc:
-        if not (exc.name or "").startswith("calibration"):
-            raise
-        root = Path(__file__).resolve().parents[2]
-        if not (root / "calibration" / "harness").is_dir():
-            raise ZsimInputError("calibration", "not installed", "run zsim calibrate from a zsim checkout "
-                                 "installed with `pip install -e '.[calibration]'`") from None
-        sys.path.insert(0, str(root))
-
-
 def resolve(args):
     """Validate every argument before anything is launched (one-line errors, exit 2)."""
-    _harness_importable()
     from calibration.harness.plan import LayerShape, default_plan
 
     if not _NAME.match(args.out or ""):

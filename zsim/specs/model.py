@@ -1,6 +1,48 @@
-"""Model presets. Each shape reproduces the parameter count its authors published
-(tests/test_workload.py checks them). Keys are those of the scenario's `model:` block."""
+"""The model: the scenario's `model:` block as a frozen dataclass, and the named presets.
+
+Each preset reproduces the parameter count its authors published (tests/test_workload.py
+checks them). Preset keys are those of the `model:` block.
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from zsim.schema import spec
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    layers: int = spec(gt=0)
+    hidden: int = spec(gt=0)
+    heads: int = spec(gt=0)
+    vocab: int = spec(gt=0)
+    seq_len: int = spec(gt=0, doc="maximum positions (learned position table size)")
+    kv_heads: Optional[int] = spec(None, gt=0, doc="GQA/MQA key-value heads; default = heads")
+    ffn_hidden: Optional[int] = spec(None, gt=0, doc="default 4*hidden")
+    glu: bool = spec(False, doc="gated MLP (SwiGLU): three projections")
+    tied_embeddings: bool = spec(True)
+    position: Literal["learned", "rope", "alibi"] = spec("learned")
+    norm: Literal["layernorm", "rmsnorm"] = spec("layernorm")
+    bias: bool = spec(True)
+    fused_qkv: bool = spec(True, doc="one QKV Linear (GPT-2/MPT/BLOOM) or q/k/v_proj modules (Llama)")
+    embedding_norm: bool = spec(False, doc="LayerNorm after the embedding (BLOOM)")
+    preset: Optional[str] = spec(None)
+
+    def __post_init__(self):
+        if self.hidden % self.heads:
+            raise ValueError("hidden", self.hidden, f"must be divisible by heads ({self.heads})")
+        if self.kv_heads is not None and self.heads % self.kv_heads:
+            raise ValueError("kv_heads", self.kv_heads, f"must divide heads ({self.heads})")
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden or 4 * self.hidden
+
 
 _GPT2 = dict(vocab=50257, seq_len=1024, position="learned", tied_embeddings=True, norm="layernorm",
              bias=True, glu=False, fused_qkv=True)

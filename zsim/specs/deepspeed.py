@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
-from zsim.config.fields import spec
+from zsim.schema import spec
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,71 @@
+"""The scenario as frozen dataclasses: model, cluster, training and DeepSpeed config.
+
+zsim.config.scenario builds one from YAML (strict, with DeepSpeed's batch and precision
+rules); everything downstream reads only these types.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+
+from zsim.schema import spec
+from zsim.specs.deepspeed import DeepSpeedConfig
+from zsim.specs.hardware import Cluster
+from zsim.specs.model import ModelSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareSpec:
+    profile: str = spec()
+    nodes: int = spec(1, gt=0)
+    gpus_per_node: Optional[int] = spec(None, gt=0, doc="default: the profile's")
+    override: dict[str, Any] = spec(factory=dict, doc="profile fields to override, nested like the profile")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingSpec:
+    micro_batch_size: Optional[int] = spec(None, gt=0)
+    gradient_accumulation_steps: Optional[int] = spec(None, gt=0)
+    seq_len: Optional[int] = spec(None, gt=0, doc="default: model.seq_len")
+    precision: Optional[Literal["fp32", "fp16", "bf16"]] = spec(None, doc="default: from the ds_config fp16/bf16 blocks")
+    activation_checkpointing: Literal["none", "full", "selective"] = spec("none")
+    flash_attention: bool = spec(True)
+    dropout: bool = spec(False, doc="dropout layers present (stores masks, Korthikanti 2022)")
+    fused_cross_entropy: bool = spec(False, doc="fused loss kernel (no fp32 logits copies)")
+    max_grad_norm: float = spec(1.0, ge=0, doc="HF Trainer's max_grad_norm, used for gradient_clipping: auto")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scenario:
+    name: str
+    model: ModelSpec
+    cluster: Cluster
+    training: TrainingSpec
+    deepspeed: DeepSpeedConfig
+    description: str = ""
+    warnings: tuple[str, ...] = ()
+
+    # Resolved values (DeepSpeed's batch rule, precision): the simulator reads these.
+    @property
+    def micro_batch_size(self) -> int:
+        return self.deepspeed.train_micro_batch_size_per_gpu
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.deepspeed.gradient_accumulation_steps
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.deepspeed.train_batch_size
+
+    @property
+    def seq_len(self) -> int:
+        return self.training.seq_len or self.model.seq_len
+
+    @property
+    def precision(self) -> str:
+        return self.training.precision
+
+    @property
+    def zero(self):
+        return self.deepspeed.zero_optimization
