@@ -1,5 +1,1 @@
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).parent))
+"""tests/ is a package (imported as tests.*); shared helpers live in tests/helpers.py."""

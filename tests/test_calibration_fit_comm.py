@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from calibration.harness.fit_comm import fit_collectives, robust_alpha_beta
-from calibration_records import SIZES, coll_records
+from tests.calibration_records import SIZES, coll_records
 from zsim.schema import build
 from zsim.errors import ZsimInputError
 from zsim.hardware.collectives import Tier, collective_cost

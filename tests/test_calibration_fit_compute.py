@@ -7,7 +7,7 @@ import pytest
 from calibration.harness.fit import build_profile
 from calibration.harness.fit_compute import fit_gemm, gemm_law
 from calibration.harness.fit_layer import layer_components, predict_layer_s
-from calibration_records import synthetic_run
+from tests.calibration_records import synthetic_run
 from zsim.schema import build
 from zsim.specs.hardware import GpuProfile, HardwareProfile
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import yaml
 
-from calibration_records import zsim_cli
+from tests.calibration_records import zsim_cli
 from zsim.config.profile import load_profile
 
 

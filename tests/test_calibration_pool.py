@@ -8,7 +8,7 @@ import pytest
 
 from calibration.harness.fit import build_profile
 from calibration.harness.fit_comm import fit_collectives
-from calibration_records import SIZES, run_doc, zsim_cli
+from tests.calibration_records import SIZES, run_doc, zsim_cli
 from zsim.errors import ZsimInputError
 from zsim.hardware.collectives import Tier, collective_cost
 

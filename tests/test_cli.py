@@ -6,7 +6,7 @@ import sys
 import pytest
 import yaml
 
-from helpers import ROOT, mapping
+from tests.helpers import ROOT, mapping
 from zsim.cli import main
 
 REQUIRED = ["step_time_s", "samples_per_s", "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu",

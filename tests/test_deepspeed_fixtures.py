@@ -4,7 +4,7 @@ torch.distributed (calibration/deepspeed_record/, tests/fixtures/deepspeed/)."""
 import pytest
 
 from calibration.deepspeed_record.cases import MODEL
-from deepspeed_fixtures import fixture_names, load_fixture, recorded_steady_state, scenario_for, simulated
+from tests.deepspeed_fixtures import fixture_names, load_fixture, recorded_steady_state, scenario_for, simulated
 from zsim.schedule.build import workload_for
 
 NAMES = fixture_names()

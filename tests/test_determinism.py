@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT
+from tests.helpers import ROOT
 
 CASES = [
     ("default.yaml", ()),

@@ -5,7 +5,7 @@ import json
 import pytest
 import yaml
 
-from helpers import ROOT, mapping
+from tests.helpers import ROOT, mapping
 from zsim.api import run_scenario
 from zsim.cli import main as cli_main
 from zsim.config.scenario import scenario_from_mapping

@@ -1,7 +1,7 @@
 """The simpy engine: FIFO streams, dependencies, bandwidth sharing, interference, ledger."""
 import pytest
 
-from helpers import add_compute, add_gather, build, scenario
+from tests.helpers import add_compute, add_gather, build, scenario
 from zsim.engine.ledger import LedgerError, peak_and_breakdown
 from zsim.engine.sim import simulate
 from zsim.hardware.collectives import collective_cost, tiers_for

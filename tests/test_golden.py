@@ -3,14 +3,14 @@ import json
 
 import pytest
 
-from golden_util import GOLDEN, compute, scenario_files
+from tests.golden_util import GOLDEN, compute, scenario_files
 
 FILES = scenario_files()
 
 
 def test_every_scenario_has_a_golden():
     missing = [p.stem for p in FILES if not (GOLDEN / f"{p.stem}.json").exists()]
-    assert not missing, f"run python tests/update_goldens.py for {missing}"
+    assert not missing, f"run python -m tests.update_goldens for {missing}"
 
 
 @pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])

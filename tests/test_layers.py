@@ -12,7 +12,7 @@ import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from helpers import ROOT
+from tests.helpers import ROOT
 
 LINT = "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
 

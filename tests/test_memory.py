@@ -3,7 +3,7 @@
 persistent params) counted separately."""
 import pytest
 
-from helpers import model_states_held, scenario
+from tests.helpers import model_states_held, scenario
 from zsim.api import run_scenario
 from zsim.engine.ledger import timeline
 from zsim.schedule.build import build_schedule

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT
+from tests.helpers import ROOT
 from zsim.cli import main as cli_main
 from zsim.report.memory_estimate import deepspeed_rows, ds_zero2_estimate, ds_zero3_estimate, params_like_deepspeed
 from zsim.schema import build

@@ -4,7 +4,7 @@ note that does not exist, or a note written twice, fails here."""
 import re
 from collections import defaultdict
 
-from helpers import ROOT
+from tests.helpers import ROOT
 
 NOTE = re.compile(r"(see\s+)?\[Note:\s+([^\]]+?)\]", re.IGNORECASE)
 TREES = ("zsim", "calibration", "tests", "docs", "benchmarks")

@@ -3,7 +3,7 @@ model states; the same input gives byte-identical JSON."""
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from helpers import model_states_held, scenario
+from tests.helpers import model_states_held, scenario
 from zsim.api import run_scenario
 from zsim.report.writers import dumps
 

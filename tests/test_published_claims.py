@@ -10,7 +10,7 @@
 """
 import copy
 
-from helpers import ROOT
+from tests.helpers import ROOT
 from zsim.api import run_file, run_scenario
 from zsim.config.scenario import scenario_from_mapping
 

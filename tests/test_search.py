@@ -6,9 +6,9 @@ import matplotlib.image as mpimg
 import pytest
 import yaml
 
-from helpers import mapping
+from tests.helpers import mapping
 from zsim.cli import main
-from helpers import ROOT
+from tests.helpers import ROOT
 from zsim.report import plots
 from zsim.search.tune import memory_lower_bound, score, tune
 from zsim.search.variants import Base, Variant

@@ -2,7 +2,7 @@
 GPUDirect RDMA the NIC traffic crosses the GPU's own PCIe link; PCIe is full duplex."""
 import pytest
 
-from helpers import add_copy, add_gather, build, scenario
+from tests.helpers import add_copy, add_gather, build, scenario
 from zsim.engine.sim import simulate
 from zsim.hardware.host import host_link_Bps
 from zsim.schedule.builder import Builder

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from deepspeed_fixtures import fixture_names, load_fixture, scenario_for, simulated
+from tests.deepspeed_fixtures import fixture_names, load_fixture, scenario_for, simulated
 from zsim.cli import main as cli_main
 from calibration.validation import collective_summary, compare, first_difference, mape, rel_error, render_text
 

@@ -1,13 +1,11 @@
-"""Regenerate tests/golden/*.json from scenarios/. Existing files are kept unless --force."""
+"""Regenerate tests/golden/*.json from scenarios/ (`python -m tests.update_goldens`). Existing
+files are kept unless --force."""
 import argparse
 import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from golden_util import GOLDEN, compute, scenario_files  # noqa: E402
-
-from zsim.report.writers import write_atomic  # noqa: E402
+from tests.golden_util import GOLDEN, compute, scenario_files
+from zsim.report.writers import write_atomic
 
 
 def main() -> int:
