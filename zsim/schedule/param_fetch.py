@@ -39,16 +39,9 @@ class Visit:
 
 
 def _containers_before(module: Module, prev: Module | None) -> list[str]:
-    """Containers whose hooks fire before this leaf (block, attn, mlp), GPT/Llama layout."""
-    out = []
-    if module.layer >= 0 and (prev is None or prev.layer != module.layer):
-        out.append(f"layers.{module.layer}")
-    name = module.name
-    if ".attn." in name and (prev is None or ".attn." not in prev.name):
-        out.append(name.rsplit(".", 1)[0])
-    if ".mlp." in name and (prev is None or ".mlp." not in prev.name):
-        out.append(name.rsplit(".", 1)[0])
-    return out
+    """Containers whose hooks fire before this leaf: those it sits in that `prev` did not."""
+    entered = prev.containers if prev is not None else ()
+    return [c for c in module.containers if c not in entered]
 
 
 def _visits_of(mods, phase: Phase) -> list[Visit]:

@@ -58,6 +58,9 @@ class Module:
     kernels_bwd: int = 2
     fwd_workspace_bytes: float = 0.0   # transient while the forward kernel runs
     bwd_workspace_bytes: float | None = None  # transient in backward; default: act_bytes (input grads)
+    # the nn.Module containers it sits in, outermost first (("layers.0", "layers.0.attn")): ZeRO-3's
+    # hooks visit each container as the forward enters it
+    containers: tuple[str, ...] = ()
 
     @property
     def bwd_workspace(self) -> float:
@@ -95,10 +98,11 @@ class Workload:
         return by_layer.get(layer, ())
 
 
-def _activation(name: str, layer: int, flops: float, fwd_mem: float, bwd_mem: float, act: float) -> Module:
+def _activation(name: str, layer: int, flops: float, fwd_mem: float, bwd_mem: float, act: float,
+                containers: tuple[str, ...]) -> Module:
     return Module(name=name, kind=ModuleKind.ACTIVATION, layer=layer, params=(), gemm=None, fwd_flops=flops,
                   bwd_flops=2 * flops, model_fwd_flops=0.0, fwd_mem_bytes=fwd_mem, bwd_mem_bytes=bwd_mem,
-                  act_bytes=act, kernels_fwd=1, kernels_bwd=1)
+                  act_bytes=act, kernels_fwd=1, kernels_bwd=1, containers=containers)
 
 
 def _loss(logits: float, fwd_mem: float, bwd_mem: float, act: float, kernels: int, fwd_workspace: float,
@@ -131,12 +135,15 @@ def build_workload(m: ModelSpec, micro_batch_size: int, seq_len: int, precision:
         params.append(Param(name, int(numel)))
         return len(params) - 1
 
+    scope: list[tuple[str, ...]] = [()]   # the containers the modules being added sit in
+
     def norm(name, layer):
         ids = (P(f"{name}.weight", h),) + ((P(f"{name}.bias", h),) if m.norm == "layernorm" else ())
         # fwd: read x, write y; bwd: read dy and x, write dx (Korthikanti: stores its input, 2sbh)
         modules.append(Module(name=name, kind=ModuleKind.NORM, layer=layer, params=ids, gemm=None,
                               fwd_flops=8.0 * t * h, bwd_flops=16.0 * t * h, model_fwd_flops=0.0,
-                              fwd_mem_bytes=2 * t * h * a, bwd_mem_bytes=3 * t * h * a, act_bytes=t * h * a))
+                              fwd_mem_bytes=2 * t * h * a, bwd_mem_bytes=3 * t * h * a, act_bytes=t * h * a,
+                              containers=scope[0]))
 
     def linear(name, layer, n_in, n_out, bias, extra_act=0.0, fwd_mem=0.0, bwd_mem=0.0, weight=None,
                saves_input=True):
@@ -147,7 +154,8 @@ def build_workload(m: ModelSpec, micro_batch_size: int, seq_len: int, precision:
         modules.append(Module(name=name, kind=ModuleKind.LINEAR, layer=layer, params=ids, gemm=(t, n_out, n_in),
                               fwd_flops=flops, bwd_flops=2 * flops, model_fwd_flops=flops,
                               fwd_mem_bytes=fwd_mem, bwd_mem_bytes=bwd_mem,
-                              act_bytes=t * n_in * a * saves_input + extra_act, kernels_fwd=1, kernels_bwd=2))
+                              act_bytes=t * n_in * a * saves_input + extra_act, kernels_fwd=1, kernels_bwd=2,
+                              containers=scope[0]))
 
     wte = P("wte.weight", V * h)
     # token embedding: gather rows (write t*h); backward scatter-adds into the fp32-width table
@@ -164,7 +172,9 @@ def build_workload(m: ModelSpec, micro_batch_size: int, seq_len: int, precision:
 
     for i in range(m.layers):
         pfx = f"layers.{i}"
+        scope[0] = (pfx,)
         norm(f"{pfx}.ln_1", i)
+        scope[0] = (pfx, f"{pfx}.attn")
         if m.fused_qkv:
             linear(f"{pfx}.attn.qkv", i, h, h + 2 * kvd, m.bias)
         else:
@@ -193,24 +203,27 @@ def build_workload(m: ModelSpec, micro_batch_size: int, seq_len: int, precision:
         modules.append(Module(name=f"{pfx}.attn.core", kind=ModuleKind.ATTENTION, layer=i, params=(), gemm=None,
                               fwd_flops=fwd, bwd_flops=bwd, model_fwd_flops=model_flops, fwd_mem_bytes=mem_f,
                               bwd_mem_bytes=mem_b, act_bytes=act, act_bytes_s2=act_s2, kernels_fwd=kf,
-                              kernels_bwd=kb))
+                              kernels_bwd=kb, containers=scope[0]))
         # output projection + residual add (+ dropout mask): read 2, write 1
         linear(f"{pfx}.attn.o_proj", i, h, h, m.bias, extra_act=drop * t * h,
                fwd_mem=3 * t * h * a, bwd_mem=2 * t * h * a)
+        scope[0] = (pfx,)
         norm(f"{pfx}.ln_2", i)
+        scope[0] = (pfx, f"{pfx}.mlp")
         if m.glu:
             linear(f"{pfx}.mlp.gate_proj", i, h, f, m.bias)
             linear(f"{pfx}.mlp.up_proj", i, h, f, m.bias, saves_input=False)
             # SiLU(gate)*up: stores gate and up (above as the projections' outputs) and the product
             modules.append(_activation(f"{pfx}.mlp.act", i, flops=4.0 * t * f, fwd_mem=3 * t * f * a,
-                                       bwd_mem=5 * t * f * a, act=2 * t * f * a))
+                                       bwd_mem=5 * t * f * a, act=2 * t * f * a, containers=scope[0]))
         else:
             linear(f"{pfx}.mlp.fc_in", i, h, f, m.bias)
             modules.append(_activation(f"{pfx}.mlp.act", i, flops=8.0 * t * f, fwd_mem=2 * t * f * a,
-                                       bwd_mem=3 * t * f * a, act=t * f * a))
+                                       bwd_mem=3 * t * f * a, act=t * f * a, containers=scope[0]))
         linear(f"{pfx}.mlp.fc_out", i, f, h, m.bias, extra_act=drop * t * h,
                fwd_mem=3 * t * h * a, bwd_mem=2 * t * h * a)
 
+    scope[0] = ()
     norm("ln_f", -2)
     # lm_head: a Linear whose weight is wte's when tied (DeepSpeed ZeRO-3 fetches it again here)
     linear("lm_head", -2, h, V, False, weight=wte if m.tied_embeddings else None)
