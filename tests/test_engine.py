@@ -247,3 +247,28 @@ def test_zero3_reduce_scatter_charges_deepspeeds_bucket_passes():
     t = simulate(sched, sc.cluster, "bf16").step_time_s
     t0 = simulate(bare, sc.cluster, "bf16").step_time_s
     assert t - t0 == pytest.approx(sum(memory_bound_time_s(op.comm.buffer_bytes, gpu) for op in rs), rel=1e-6)
+
+
+def test_zero3_recompute_visits_the_modules_the_forward_visited():
+    """A checkpointed block's recompute re-runs its forward: ZeRO-3's hooks visit the same
+    nn.Modules (containers and modules with params) in the same order, and no functional piece
+    (attention core, activation), which holds no params and is no module."""
+    from zsim.schedule.build import workload_for
+    from zsim.schedule.context import StepContext
+    from zsim.schedule.ir import Phase
+    from zsim.schedule.param_fetch import visit_sequence
+
+    sc = scenario(**{"deepspeed.zero_optimization.stage": 3, "training.activation_checkpointing": "full"})
+    wl = workload_for(sc)
+    visits = visit_sequence(StepContext(sc, wl, None, 2, 8))
+    layer_of = {m.name: m.layer for m in wl.modules} | {c: m.layer for m in wl.modules for c in m.containers}
+
+    def per_layer(phase):
+        out = {}
+        for v in visits:
+            if v.phase == phase and layer_of.get(v.module, -1) >= 0:
+                out.setdefault(layer_of[v.module], []).append(v.module)
+        return out
+
+    forward, recompute = per_layer(Phase.FORWARD), per_layer(Phase.RECOMPUTE)
+    assert forward and recompute == forward

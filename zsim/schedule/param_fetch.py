@@ -64,8 +64,7 @@ def visit_sequence(ctx: StepContext) -> list[Visit]:
     for m in reversed(mods):
         if full and m.layer >= 0 and m.layer not in recomputed:
             recomputed.add(m.layer)
-            # the recomputed block's leaves are visited whether or not they hold params
-            seq += _visits_of(ctx.wl.layer_modules(m.layer), Phase.RECOMPUTE)
+            seq += _visits_of([rm for rm in ctx.wl.layer_modules(m.layer) if rm.params], Phase.RECOMPUTE)
         seq.append(Visit(m.name, tuple(dict.fromkeys(m.params)), Phase.BACKWARD))
     return seq
 
