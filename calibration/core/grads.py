@@ -23,28 +23,32 @@ class GradBuckets:
     def __init__(self, core):
         self.core = core
         plan, z = core.plan, core.sc.zero
-        self.stage, self.world, self.rank = plan.stage, core.world, core.rank
+        self.world, self.rank = core.world, core.rank
         self.dtype, self.numels = core.dtype, core.numels
-        self.scatter_coalesced = self.stage == 3 and z.reduce_scatter
-        rank_major = self.stage == 3 and not self.scatter_coalesced
+        # the mechanisms, named once: how each stage's buckets behave
+        self.sharded = plan.stage == 3               # params partitioned: the gradient partition is the shard
+        self.hooks_fill = plan.stage >= 2            # hooks move ready gradients into the bucket buffer
+        self.boundary_copy = plan.stage == 1         # the boundary walk copies accumulated .grads in
+        self.scatter_coalesced = self.sharded and z.reduce_scatter
+        self.rank_major = self.sharded and not self.scatter_coalesced
         self.bucket_of: dict[tuple[int, int], tuple[int, int]] = {}   # (micro, pid) -> (bucket, offset)
         for b in plan.buckets.values():
             o = 0
             for pid in b.pids:
                 self.bucket_of[(b.micro, pid)] = (b.id, o)
-                o += core.c[pid] if rank_major else self.numels[pid]
-        self.contiguous = z.contiguous_gradients and self.stage >= 1
+                o += core.c[pid] if self.rank_major else self.numels[pid]
+        self.contiguous = z.contiguous_gradients
         self.ipg, self.ipg_numel = None, 0
         if self.contiguous and plan.buckets:
             size = min(z.reduce_bucket_size, core.total)
-            if self.stage == 3:
+            if self.sharded:   # one static IPG buffer (stage3.py:780-784)
                 size = max(min(b.numel, size + self.world * len(b.pids)) for b in plan.buckets.values())   # padding
                 self.ipg = torch.zeros(int(size), dtype=self.dtype)
             else:
                 # see [Note: IPG buffer lifetime]: allocated at the first gradient of each backward and
                 # dropped at its end (setup_buckets, _release_ipg_buffers), as zsim's ledger charges it
                 self.ipg_numel = int(size)
-        self.gpart = torch.zeros(core.soff[-1], dtype=self.dtype) if self.stage == 3 else None
+        self.gpart = torch.zeros(core.soff[-1], dtype=self.dtype) if self.sharded else None
         self.begin_step()
 
     def begin_step(self):
@@ -63,7 +67,7 @@ class GradBuckets:
         self.micro = micro
         if self.ipg_numel and self.ipg is None:
             self.ipg = torch.empty(self.ipg_numel, dtype=self.dtype)
-        if self.stage >= 2:
+        if self.hooks_fill:
             self.pending.extend(pids)
             self._fill()
 
@@ -89,14 +93,14 @@ class GradBuckets:
             b = core.plan.buckets[bid]
             if self._uses_ipg(b):
                 buf = self.ipg
-            elif self.stage == 3 or self.contiguous:
+            elif self.sharded or self.contiguous:
                 buf = self.filled.get(bid)
                 if buf is None:
                     buf = self.filled[bid] = torch.zeros(b.numel, dtype=self.dtype)
             else:
                 self.held[pid] = g        # contiguous_gradients false: the grad waits for its bucket
                 continue
-            if self.stage == 3 and not self.scatter_coalesced:
+            if self.rank_major:
                 self._fill_rank_major(buf, b, pid, off, g)
             else:
                 buf[off: off + self.numels[pid]].copy_(g)
@@ -115,7 +119,7 @@ class GradBuckets:
     # -- reductions --------------------------------------------------------------------------
     def _bucket_buffer(self, b):
         core = self.core
-        if self.stage == 1:
+        if self.boundary_copy:
             buf = self.ipg[: b.numel] if self._uses_ipg(b) else torch.empty(b.numel, dtype=self.dtype)
             o = 0
             for p in b.pids:
@@ -125,7 +129,7 @@ class GradBuckets:
             return buf
         if self._uses_ipg(b):
             return self.ipg[: b.numel]
-        if self.stage == 2 and self.filled.get(b.id) is None:
+        if not self.sharded and self.filled.get(b.id) is None:   # contiguous_gradients false
             return torch.cat([self.held[p].reshape(-1) for p in b.pids])
         return self.filled[b.id]
 
@@ -152,7 +156,7 @@ class GradBuckets:
             flat.div_(W)   # pre-divide (reduce_scatter_coalesced): the step does not divide again
             out = torch.empty(b.numel // W, dtype=self.dtype)
             comm.reduce_scatter(out, flat)
-            self._stage3_take(b, out)
+            self._shard_take(b, out)
         else:   # all_reduce of a chunk (or the whole bucket)
             comm.all_reduce(self.buf[self.cur: self.cur + p.comm.numel])
             self.cur += p.comm.numel
@@ -167,9 +171,9 @@ class GradBuckets:
             self._fill()
 
     def _take_allreduced(self, b):
-        if self.stage == 3:
+        if self.sharded:
             seg = b.numel // self.world
-            self._stage3_take(b, self.buf[self.rank * seg:(self.rank + 1) * seg])
+            self._shard_take(b, self.buf[self.rank * seg:(self.rank + 1) * seg])
             return
         core, part = self.core, self.core.plan.partition
         pos = self._positions(b)
@@ -195,7 +199,7 @@ class GradBuckets:
     def _own_write(self, flat_index: int, values):
         i = flat_index - self.rank * self.core.plan.partition
         dst = self.partition_grads()[i: i + values.numel()]
-        if self.stage == 1:
+        if self.boundary_copy:   # reduced once per step, at the boundary
             dst.copy_(values)
         else:
             dst.add_(values)
@@ -216,7 +220,7 @@ class GradBuckets:
                     parts[r].append(torch.zeros(c - (hi - lo), dtype=self.dtype))
         return torch.cat([t for ts in parts for t in ts])
 
-    def _stage3_take(self, b, out):
+    def _shard_take(self, b, out):
         o = 0
         soff = self.core.soff
         for pid in b.pids:
