@@ -215,7 +215,6 @@ def test_post_step_persistent_gathers_are_coalesced_and_priced_by_their_table():
 
 def test_zero3_reduce_scatter_charges_deepspeeds_bucket_passes():
     """See [Note: reduce-scatter buffer passes]."""
-    from zsim.api import run_scenario
     from zsim.hardware.compute import memory_bound_time_s
     from zsim.schedule.build import build_schedule
     sc = scenario(**{"deepspeed.zero_optimization.stage": 3, "hardware.profile": "cpu-gloo-localhost",

@@ -98,6 +98,36 @@ class Workload:
         return by_layer.get(layer, ())
 
 
+def _attention_core(m: ModelSpec, name: str, layer: int, b: int, s: int, a: int, flash_attention: bool,
+                    dropout: bool, containers: tuple[str, ...]) -> Module:
+    """The attention core (no params). Model FLOPs: QK^T and AV, 2*b*s*s*h each (full matrix,
+    MFU convention)."""
+    h, t = m.hidden, b * s
+    kvd = m.n_kv_heads * (h // m.heads)
+    drop = 1 if dropout else 0
+    model_flops = 4.0 * b * s * s * h
+    rope_mem = 4 * t * (h + kvd) * a if m.position == "rope" else 0.0
+    qkv_saved = t * (h + 2 * kvd) * a
+    if flash_attention:
+        fwd = model_flops / 2          # causal: lower triangle only
+        bwd = fwd * 2.5                # 5 matmuls vs 2 (FlashAttention-2)
+        act, act_s2 = qkv_saved + 4 * b * m.heads * s, 0.0  # Q,K,V + logsumexp (fp32)
+        mem_f, mem_b = rope_mem + 2 * t * (h + 2 * kvd) * a, rope_mem + 4 * t * (h + 2 * kvd) * a
+        kf, kb = 1, 2
+    else:
+        fwd, bwd = model_flops, 2 * model_flops
+        s2 = b * m.heads * s * s
+        # softmax output (a bytes per score); with dropout also its mask (1 B) and output (a B)
+        act_s2 = s2 * (2 * a + 1) if dropout else s2 * a
+        act = qkv_saved + act_s2
+        mem_f = rope_mem + s2 * a * (3 + 2 * drop)   # scores write, softmax read/write
+        mem_b = rope_mem + s2 * a * (4 + 2 * drop)
+        kf, kb = 4, 6
+    return Module(name=name, kind=ModuleKind.ATTENTION, layer=layer, params=(), gemm=None, fwd_flops=fwd,
+                  bwd_flops=bwd, model_fwd_flops=model_flops, fwd_mem_bytes=mem_f, bwd_mem_bytes=mem_b,
+                  act_bytes=act, act_bytes_s2=act_s2, kernels_fwd=kf, kernels_bwd=kb, containers=containers)
+
+
 def _activation(name: str, layer: int, flops: float, fwd_mem: float, bwd_mem: float, act: float,
                 containers: tuple[str, ...]) -> Module:
     return Module(name=name, kind=ModuleKind.ACTIVATION, layer=layer, params=(), gemm=None, fwd_flops=flops,
@@ -181,29 +211,7 @@ def build_workload(m: ModelSpec, micro_batch_size: int, seq_len: int, precision:
             linear(f"{pfx}.attn.q_proj", i, h, h, m.bias)
             linear(f"{pfx}.attn.k_proj", i, h, kvd, m.bias, saves_input=False)  # shares q_proj's input
             linear(f"{pfx}.attn.v_proj", i, h, kvd, m.bias, saves_input=False)
-        # Attention core. Model FLOPs: QK^T and AV, 2*b*s*s*h each (full matrix, MFU convention).
-        model_flops = 4.0 * b * s * s * h
-        rope_mem = 4 * t * (h + kvd) * a if m.position == "rope" else 0.0
-        qkv_saved = t * (h + 2 * kvd) * a
-        if flash_attention:
-            fwd = model_flops / 2          # causal: lower triangle only
-            bwd = fwd * 2.5                # 5 matmuls vs 2 (FlashAttention-2)
-            act, act_s2 = qkv_saved + 4 * b * m.heads * s, 0.0  # Q,K,V + logsumexp (fp32)
-            mem_f, mem_b = rope_mem + 2 * t * (h + 2 * kvd) * a, rope_mem + 4 * t * (h + 2 * kvd) * a
-            kf, kb = 1, 2
-        else:
-            fwd, bwd = model_flops, 2 * model_flops
-            s2 = b * m.heads * s * s
-            # softmax output (a bytes per score); with dropout also its mask (1 B) and output (a B)
-            act_s2 = s2 * (2 * a + 1) if dropout else s2 * a
-            act = qkv_saved + act_s2
-            mem_f = rope_mem + s2 * a * (3 + 2 * drop)   # scores write, softmax read/write
-            mem_b = rope_mem + s2 * a * (4 + 2 * drop)
-            kf, kb = 4, 6
-        modules.append(Module(name=f"{pfx}.attn.core", kind=ModuleKind.ATTENTION, layer=i, params=(), gemm=None,
-                              fwd_flops=fwd, bwd_flops=bwd, model_fwd_flops=model_flops, fwd_mem_bytes=mem_f,
-                              bwd_mem_bytes=mem_b, act_bytes=act, act_bytes_s2=act_s2, kernels_fwd=kf,
-                              kernels_bwd=kb, containers=scope[0]))
+        modules.append(_attention_core(m, f"{pfx}.attn.core", i, b, s, a, flash_attention, dropout, scope[0]))
         # output projection + residual add (+ dropout mask): read 2, write 1
         linear(f"{pfx}.attn.o_proj", i, h, h, m.bias, extra_act=drop * t * h,
                fwd_mem=3 * t * h * a, bwd_mem=2 * t * h * a)
