@@ -86,3 +86,37 @@ def test_every_step_allocation_is_freed_by_the_end_of_the_step(changes):
         live[tag] = live.get(tag, 0.0) + delta
     static = {a.tag for a in sched.static}
     assert {t: v for t, v in live.items() if v and t not in static} == {}
+
+
+def test_zero3_sub_groups_follow_deepspeeds_param_boundaries():
+    from zsim.schedule.partition import sub_group_sizes
+    # partition numels 3, 3, 2, 5 on 2 ranks (6, 5, 3, 9 elements): a group closes once it reaches 4
+    assert sub_group_sizes([6, 5, 3, 9], 2, 4) == [6, 7]
+    assert sub_group_sizes([6, 5, 3, 9], 2, 0) == [13]          # 0: no sub-groups
+    assert sub_group_sizes([6, 5, 3, 9], 2, 10**12) == [13]
+
+
+def test_zero3_optimizer_temporaries_peak_at_the_largest_sub_group():
+    """See [Note: ZeRO-3 optimizer sub-groups]: DeepSpeed converts and frees one sub-group's
+    gradients at a time, so sub_group_size bounds the step's fp32 (4 B) and flat 16-bit (2 B)
+    copies; with one group they cover the whole shard."""
+    from zsim.api import run_scenario
+    from zsim.schedule.build import build_schedule
+    from zsim.schedule.ir import OpKind
+    from zsim.schedule.partition import sub_group_sizes
+
+    peaks = {}
+    for size in (50_000, 100_000, 10**12):
+        sc = scenario(**{"deepspeed.zero_optimization.stage": 3, "deepspeed.zero_optimization.sub_group_size": size})
+        wl, sched = build_schedule(sc)
+        groups = sub_group_sizes([p.numel for p in wl.params], sc.cluster.world_size, size)
+        steps = [op for op in sched.ops if op.kind == OpKind.OPTIMIZER_STEP]
+        assert [op.payload.shard_params for op in steps] == groups
+        live = peak = 0.0
+        for _, delta, category, _ in run_scenario(sc)[1].ledger_events:
+            if category == "optimizer temporaries":
+                live += delta
+                peak = max(peak, live)
+        assert peak == 6 * max(groups)      # bf16: 4 B fp32 copy + 2 B flat copy per element
+        peaks[size] = peak
+    assert peaks[50_000] < peaks[100_000] < peaks[10**12]

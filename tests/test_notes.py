@@ -1,12 +1,12 @@
-"""Named notes: each subtle DeepSpeed behaviour is written once, as `[Note: title]` where the
-rule lives, and cited elsewhere as `see [Note: title]` (code, tests, docs). A citation of a
+"""Named notes: each subtle DeepSpeed behaviour is written once, as `[Note: <title>]` where the
+rule lives, and cited elsewhere as `see [Note: <title>]` (code, tests, docs). A citation of a
 note that does not exist, or a note written twice, fails here."""
 import re
 from collections import defaultdict
 
 from tests.helpers import ROOT
 
-NOTE = re.compile(r"(see\s+)?\[Note:\s+([^\]]+?)\]", re.IGNORECASE)
+NOTE = re.compile(r"(see\s+)?\[Note:\s+([A-Za-z0-9][^\]]*?)\]", re.IGNORECASE)
 TREES = ("zsim", "calibration", "tests", "docs", "benchmarks")
 
 

@@ -130,6 +130,11 @@ def build_plan(sc) -> Plan:
             buckets[p.bucket].calls.append(p)
     if bucketed:
         raise PlanError(f"{len(bucketed)} gradients never reduced")
+    if sum(op.kind == OpKind.OPTIMIZER_STEP for op in sched.ops) > 1:
+        # see [Note: ZeRO-3 optimizer sub-groups]: the core keeps one fp32 master of the shard
+        raise PlanError(f"deepspeed.zero_optimization.sub_group_size {z.sub_group_size:g} splits this rank's shard "
+                        f"of {part} elements into optimizer sub-groups; the core steps the shard at once "
+                        f"(set sub_group_size to at least {part})")
     for b in buckets.values():
         total = sum(c.comm.numel for c in b.calls)
         if total != b.numel:

@@ -59,18 +59,20 @@ def model_state_bytes(n_params: int, shard_params: float, stage: int, param_byte
     }
 
 
-def optimizer_step(ctx: StepContext, shard_params: float, deps, flatten: bool = True) -> int:
-    """Fused Adam over the local shard; the fp32 gradient copy (the flattened partition, converted
-    if 16-bit) lives during the step."""
+def optimizer_step(ctx: StepContext, shard_params: float, deps, flatten: bool = True, sub_group: int = 0) -> int:
+    """Fused Adam over the local shard, or over one ZeRO-3 sub-group of it; the fp32 gradient
+    copy (the flattened partition, converted if 16-bit) lives during the step."""
     temp = FP32_BYTES * shard_params if (ctx.param_bytes < FP32_BYTES or flatten) else 0.0
-    allocs = [Alloc(Tag(Buffer.OPT_FP32_GRADS), Category.OPTIMIZER_TEMPORARIES, temp)] if temp else []
+    allocs = [Alloc(Tag(Buffer.OPT_FP32_GRADS, key=sub_group), Category.OPTIMIZER_TEMPORARIES, temp)] if temp else []
     if flatten and ctx.param_bytes < FP32_BYTES:
         # self.flatten(averaged_gradients).to(fp32): the flat 16-bit copy is alive while it is
         # converted (stage_1_and_2.py step, stage3.py _prepare_fp32_grad_for_sub_group)
-        allocs.append(Alloc(Tag(Buffer.OPT_FLAT16), Category.OPTIMIZER_TEMPORARIES, ctx.param_bytes * shard_params))
+        allocs.append(Alloc(Tag(Buffer.OPT_FLAT16, key=sub_group), Category.OPTIMIZER_TEMPORARIES,
+                            ctx.param_bytes * shard_params))
     per_param = step_bytes_per_param(ctx.param_bytes, ctx.sc.deepspeed.gradient_clipping > 0, flatten)
     op = ctx.b.add(OpKind.OPTIMIZER_STEP, Stream.COMPUTE, Phase.STEP, ctx.last_micro,
-                   StepCompute(ComputeWork(optimizer_bytes=per_param * shard_params, kernels=6), shard_params),
+                   StepCompute(ComputeWork(optimizer_bytes=per_param * shard_params, kernels=6), shard_params,
+                               sub_group),
                    deps, tuple(allocs))
     ctx.b.add_free(op, *[a.tag for a in allocs])
     return op

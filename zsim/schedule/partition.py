@@ -47,6 +47,23 @@ def persistent_params(numels: list[int], param_threshold: float, model_threshold
     return tuple(out)
 
 
+def sub_group_sizes(numels: list[int], world: int, sub_group_size: int) -> list[int]:
+    """ZeRO-3: elements of this rank's shard in each optimizer sub-group. stage3.py
+    _create_fp16_sub_groups walks the params in registration order and closes a sub-group once its
+    partition numel reaches sub_group_size (so a group may exceed it by its last param); one
+    group when sub_group_size is 0 or covers the whole shard."""
+    parts = [math.ceil(n / world) for n in numels]
+    if not sub_group_size or sub_group_size >= sum(parts):
+        return [sum(parts)]
+    groups, acc = [], 0
+    for i, n in enumerate(parts):
+        acc += n
+        if acc >= sub_group_size or i == len(parts) - 1:
+            groups.append(acc)
+            acc = 0
+    return groups
+
+
 def bucket_pieces(pids, starts: list[int], numels: list[int], partition: int) -> list[tuple[int, int, int, int]]:
     """ZeRO-1/2: (destination rank, pid, start within the param, elements) pieces of a bucket in
     bucket order, cut at partition boundaries."""

@@ -10,7 +10,7 @@ from zsim.schedule.grad_buckets import Zero3Buckets
 from zsim.schedule.ir import Category, Collective, Comm, OpKind, ParamGather, Phase, Stream
 from zsim.schedule.optimizer import grad_norm_ops, model_state_bytes, optimizer_step
 from zsim.schedule.param_fetch import ParamCoordinator
-from zsim.schedule.partition import grads_ready_at, padded, persistent_params, shard_numel
+from zsim.schedule.partition import grads_ready_at, padded, persistent_params, shard_numel, sub_group_sizes
 from zsim.schedule.passes import backward, forward
 from zsim.workload.transformer import Module
 
@@ -81,7 +81,12 @@ def build(ctx: StepContext):
     if ctx.optimizer_offloaded:
         last = offload.offloaded_step(ctx, shard, [last, hooks.buckets.last_d2h], z.sub_group_size)
     else:
-        last = optimizer_step(ctx, shard, [last])
+        # [Note: ZeRO-3 optimizer sub-groups] stage3.py step() updates one sub-group at a time:
+        # _prepare_fp32_grad_for_sub_group flattens and converts that group's gradients, the
+        # optimizer steps it, and _release_sub_group drops its fp32 gradient before the next, so
+        # the temporaries peak at the largest sub-group, not the whole shard
+        for g, numel in enumerate(sub_group_sizes(numels, ctx.world, z.sub_group_size)):
+            last = optimizer_step(ctx, numel, [last], sub_group=g)
     # [Note: coalesced post-step gathers] _post_step: persistent params re-gathered one call each,
     # in registration order, all launched async before any is waited
     # (partition_parameters.py _allgather_params_coalesced)
