@@ -15,7 +15,7 @@ from zsim.workload.transformer import Module, build_workload
 
 KB = 1024
 # all_gather_coalesced: a batch of async all-gathers waited together, as DeepSpeed re-gathers
-# ZeRO-3's persistent parameters after the step (zsim Op.coalesced)
+# ZeRO-3's persistent parameters after the step (zsim's Comm.coalesced)
 COLLECTIVE_OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "all_to_all",
                   "all_gather_coalesced")
 

@@ -137,7 +137,7 @@ def hierarchical_cost(kind: str, size_bytes: float, nodes: int, gpus_per_node: i
 def collective_cost(kind: str, size_bytes: float, nodes: int, gpus_per_node: int,
                     intra: Tier, inter: Tier, coalesced: bool = False) -> CommCost:
     """Cost of one collective over a data-parallel group of nodes x gpus_per_node ranks;
-    `coalesced`: launched async with its neighbours before any is waited (Op.coalesced)."""
+    `coalesced`: launched async with its neighbours before any is waited (Comm.coalesced)."""
     if kind not in COLLECTIVES:
         raise ValueError(f"unknown collective {kind!r}")
     n = nodes * gpus_per_node
