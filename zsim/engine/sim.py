@@ -71,11 +71,12 @@ class Trace:
 
 
 class _Job:
-    __slots__ = ("remaining_s", "rate", "event", "links", "compute")
+    __slots__ = ("remaining_s", "rate", "event", "links", "compute", "nccl")
 
     def __init__(self, remaining_s: float, event: Event, links: tuple[str, ...]):
         self.remaining_s, self.rate, self.event, self.links = remaining_s, 1.0, event, links
         self.compute = links == COMPUTE
+        self.nccl = any(link in COMM_LINKS for link in links)
 
 
 class _Fluid:
@@ -89,6 +90,7 @@ class _Fluid:
         self.compute_rate = 1.0 / (1.0 + compute_slowdown)
         self.jobs: list[_Job] = []
         self.count: dict[str, int] = {}
+        self.nccl_jobs = 0
         self.last_s = 0.0
         self.version = 0
 
@@ -98,7 +100,9 @@ class _Fluid:
             ev.succeed()
             return ev
         self._advance()
-        self.jobs.append(_Job(work_s, ev, links))
+        job = _Job(work_s, ev, links)
+        self.jobs.append(job)
+        self.nccl_jobs += job.nccl
         count = self.count
         for link in links:
             count[link] = count.get(link, 0) + 1
@@ -117,13 +121,15 @@ class _Fluid:
         """New shares for the current job set, then one timer for the next completion."""
         count = self.count
         # NCCL kernels occupy SMs; copy engines (PCIe), NVMe and the host do not slow the GPU
-        comm_active = any(count.get(link) for link in COMM_LINKS)
+        compute_rate = self.compute_rate if self.nccl_jobs else 1.0
         dt = float("inf")
         for job in self.jobs:
             if job.compute:
-                job.rate = self.compute_rate if comm_active else 1.0
+                job.rate = compute_rate
             else:
-                job.rate = 1.0 / max(count[link] for link in job.links)
+                links = job.links
+                sharers = count[links[0]] if len(links) == 1 else max(count[link] for link in links)
+                job.rate = 1.0 / sharers
             t = job.remaining_s / job.rate
             if t < dt:
                 dt = t
@@ -143,6 +149,7 @@ class _Fluid:
             if job.remaining_s <= limit:
                 for link in job.links:
                     self.count[link] -= 1
+                self.nccl_jobs -= job.nccl
                 job.event.succeed()
             else:
                 keep.append(job)
