@@ -101,23 +101,24 @@ def _tune_configurations(out: Path) -> int | None:
 
 def measure(tree: Path, repeat: int, tmp: Path) -> dict:
     figures: dict = {}
+    slow = max(1, repeat // 2)   # repetitions of the commands that take seconds to minutes
     for gas in (1, 16, 10_000):
         figures[f"175B ZeRO-3 1024 GPUs GAS {gas} (s)"] = _in_process(tree, gas, repeat if gas == 1 else 3)
     figures["zsim run default (s)"] = _cli(tree, ["run", "--quiet"], repeat)
     tune_json = tmp / f"tune-{tree.name}.json"
     figures["zsim tune gpt3-175b-zero3 (s)"] = _cli(
-        tree, ["tune", "scenarios/gpt3-175b-zero3.yaml", "--json", str(tune_json)], 1)
+        tree, ["tune", "scenarios/gpt3-175b-zero3.yaml", "--json", str(tune_json)], slow)
     figures["  configurations simulated"] = _tune_configurations(tune_json)
     chat = tmp / "chat70b.yaml"
     chat.write_text(yaml.safe_dump(CHAT_70B))
-    figures["zsim doctor 70B 8 GPUs ZeRO-3 (s)"] = _cli(tree, ["doctor", str(chat)], 1)
+    figures["zsim doctor 70B 8 GPUs ZeRO-3 (s)"] = _cli(tree, ["doctor", str(chat)], slow)
     base = tmp / "gpt3.yaml"
     base.write_text(yaml.safe_dump({"name": "gpt3-sweep", **GPT3}))
     vary = [a for v in SWEEP_VARY for a in ("--vary", v)]
     points = 1
     for v in SWEEP_VARY:
         points *= len(v.split("=", 1)[1].split(","))
-    wall = _cli(tree, ["sweep", str(base), *vary, "--workers", "2", "--quiet"], 1)
+    wall = _cli(tree, ["sweep", str(base), *vary, "--workers", "2", "--quiet"], slow)
     figures["zsim sweep 175B points/s (2 workers)"] = points / wall
     return figures
 

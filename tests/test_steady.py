@@ -72,3 +72,18 @@ def test_a_long_accumulation_simulates_four_micro_steps():
     assert trace.repeat is not None and trace.repeat.copies == 10_000 - trace.repeat.micro - 1
     assert {op.micro_step for op in trace.schedule.ops} == set(range(trace.repeat.micro + 2))
     assert result.events == len(trace.schedule.ops) + (trace.repeat.copies - 1) * trace.repeat.ops_per_micro
+
+
+def test_the_trace_shows_the_simulated_micro_steps_and_marks_the_repeated_one():
+    from zsim.report.writers import chrome_trace
+    sc = scenario(**{f"{ZERO}.stage": 3, "training.gradient_accumulation_steps": 12})
+    result, trace = run_scenario(sc)
+    events = chrome_trace(trace, "t")["traceEvents"]
+    ops = [e for e in events if e["ph"] == "X" and e["cat"] != "steady state"]
+    repeated = [e for e in ops if "repeated_micro_steps" in e["args"]]
+    assert repeated and {e["args"]["micro_step"] for e in repeated} == {trace.repeat.micro}
+    assert all(e["args"]["repeated_micro_steps"] == 12 - trace.repeat.micro - 1 for e in repeated)
+    [skipped] = [e for e in events if e.get("cat") == "steady state"]
+    assert skipped["dur"] == pytest.approx(trace.repeat.skipped_s * 1e6, abs=1e-3)
+    # on the full step's clock: the last op ends with the step
+    assert max(e["ts"] + e["dur"] for e in ops) == pytest.approx(result.step_time_s * 1e6, abs=1e-2)

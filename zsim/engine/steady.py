@@ -55,8 +55,10 @@ def simulate_scenario(sc: Scenario, steady: bool = True) -> tuple[Workload, Trac
 def _simulate(sc: Scenario, steady: bool) -> tuple[Workload, Trace]:
     gas = sc.gradient_accumulation_steps
     wl = None
+    spent = 0   # micro-steps simulated in attempts: never more than the full step's
     for micro_steps in SIMULATED_MICRO_STEPS if steady else ():
-        if gas <= micro_steps:
+        spent += micro_steps
+        if gas <= micro_steps or spent > gas:
             break
         wl, reduced = build_schedule(sc, wl, micro_steps=micro_steps)
         timings, ledger = run_ops(reduced, sc.cluster, sc.precision)
