@@ -2,13 +2,15 @@
 trees (medians over repetitions; ratios against the first tree given):
 
 - GPT-3 175B, ZeRO-3, 128 nodes of dgx-a100-80g (1024 GPUs): in-process build + simulate +
-  summarize at GAS 1, 16 and 10,000 (target: GAS 1 <= 0.05 s, GAS 16 <= 1.5x GAS 1,
+  summarize at GAS 1, 16 and 10,000, in process CPU time (the wall time of a single-threaded
+  step on an idle machine; steadier than wall time on a machine shared with other work) (target: GAS 1 <= 0.05 s, GAS 16 <= 1.5x GAS 1,
   GAS 10,000 <= 2x GAS 1; a tree without the steady-state engine skips GAS 10,000);
 - `zsim run` of the default scenario, process start to table (target <= 0.3 s);
 - `zsim tune scenarios/gpt3-175b-zero3.yaml` (target: >= 1,000 configurations in <= 10 s);
 - `zsim doctor` on a 70B model, 8 GPUs, DeepSpeed-Chat-like ZeRO-3 config (target <= 5 s);
 - `zsim sweep` points/s on 2 local workers over 175B-class points (target >= 100).
-Every figure runs in a subprocess with PYTHONPATH set to the tree, from the tree's root.
+Every figure runs in a subprocess with PYTHONPATH set to the tree, from the tree's root, the
+trees taking turns repetition by repetition.
 Usage: python benchmarks/sim_speed.py [--tree DIR ...] [--repeat N]
   e.g. python benchmarks/sim_speed.py --tree /work/ref --tree .   (before, after)
 """
@@ -63,11 +65,13 @@ if gas > 16:
 raw = dict(raw, name=f"gpt3-175b-zero3-1024-gas{gas}")
 raw["training"] = dict(raw["training"], gradient_accumulation_steps=gas)
 sc = scenario_from_mapping(raw, Path("."))
+if gas == 1:
+    run_scenario(sc)   # warm-up: first-call imports and caches
 walls = []
 for _ in range(repeat):
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     run_scenario(sc)
-    walls.append(time.perf_counter() - t0)
+    walls.append(time.process_time() - t0)
 print(json.dumps(statistics.median(walls)))
 """
 
@@ -82,14 +86,10 @@ def _in_process(tree: Path, gas: int, repeat: int) -> float | None:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _cli(tree: Path, args: list[str], repeat: int) -> float:
-    walls = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "zsim.cli", *args], cwd=tree, env=_env(tree),
-                       capture_output=True, text=True)
-        walls.append(time.perf_counter() - t0)
-    return statistics.median(walls)
+def _cli(tree: Path, args: list[str]) -> float:
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "zsim.cli", *args], cwd=tree, env=_env(tree), capture_output=True, text=True)
+    return time.perf_counter() - t0
 
 
 def _tune_configurations(out: Path) -> int | None:
@@ -99,27 +99,38 @@ def _tune_configurations(out: Path) -> int | None:
         return None
 
 
-def measure(tree: Path, repeat: int, tmp: Path) -> dict:
+def _interleaved(trees: list[Path], repeat: int, fn) -> list:
+    """Median of `repeat` measurements per tree, the trees taking turns (so a change of the
+    machine's load falls on all of them alike)."""
+    walls: list[list] = [[] for _ in trees]
+    for _ in range(repeat):
+        for i, tree in enumerate(trees):
+            walls[i].append(fn(tree))
+    return [None if None in w else statistics.median(w) for w in walls]
+
+
+def measure(trees: list[Path], repeat: int, tmp: Path) -> dict:
     figures: dict = {}
     slow = max(1, repeat // 2)   # repetitions of the commands that take seconds to minutes
     for gas in (1, 16, 10_000):
-        figures[f"175B ZeRO-3 1024 GPUs GAS {gas} (s)"] = _in_process(tree, gas, repeat if gas == 1 else 3)
-    figures["zsim run default (s)"] = _cli(tree, ["run", "--quiet"], repeat)
-    tune_json = tmp / f"tune-{tree.name}.json"
-    figures["zsim tune gpt3-175b-zero3 (s)"] = _cli(
-        tree, ["tune", "scenarios/gpt3-175b-zero3.yaml", "--json", str(tune_json)], slow)
-    figures["  configurations simulated"] = _tune_configurations(tune_json)
+        figures[f"175B ZeRO-3 1024 GPUs GAS {gas} (CPU s)"] = _interleaved(
+            trees, repeat if gas == 1 else slow, lambda t: _in_process(t, gas, 3 if gas == 1 else 1))
+    figures["zsim run default (s)"] = _interleaved(trees, repeat, lambda t: _cli(t, ["run", "--quiet"]))
+    tune_json = {t: tmp / f"tune-{i}.json" for i, t in enumerate(trees)}
+    figures["zsim tune gpt3-175b-zero3 (s)"] = _interleaved(
+        trees, slow, lambda t: _cli(t, ["tune", "scenarios/gpt3-175b-zero3.yaml", "--json", str(tune_json[t])]))
+    figures["  configurations simulated"] = [_tune_configurations(tune_json[t]) for t in trees]
     chat = tmp / "chat70b.yaml"
     chat.write_text(yaml.safe_dump(CHAT_70B))
-    figures["zsim doctor 70B 8 GPUs ZeRO-3 (s)"] = _cli(tree, ["doctor", str(chat)], slow)
+    figures["zsim doctor 70B 8 GPUs ZeRO-3 (s)"] = _interleaved(trees, slow, lambda t: _cli(t, ["doctor", str(chat)]))
     base = tmp / "gpt3.yaml"
     base.write_text(yaml.safe_dump({"name": "gpt3-sweep", **GPT3}))
     vary = [a for v in SWEEP_VARY for a in ("--vary", v)]
     points = 1
     for v in SWEEP_VARY:
         points *= len(v.split("=", 1)[1].split(","))
-    wall = _cli(tree, ["sweep", str(base), *vary, "--workers", "2", "--quiet"], slow)
-    figures["zsim sweep 175B points/s (2 workers)"] = points / wall
+    walls = _interleaved(trees, slow, lambda t: _cli(t, ["sweep", str(base), *vary, "--workers", "2", "--quiet"]))
+    figures["zsim sweep 175B points/s (2 workers)"] = [points / w for w in walls]
     return figures
 
 
@@ -131,7 +142,8 @@ def main(argv=None) -> int:
     trees = [t.resolve() for t in (args.tree or [ROOT])]
     print(f"load average before: {os.getloadavg()[0]:.2f}")
     with tempfile.TemporaryDirectory() as d:
-        results = [measure(t, args.repeat, Path(d)) for t in trees]
+        figures = measure(trees, args.repeat, Path(d))
+    results = [{k: v[i] for k, v in figures.items()} for i in range(len(trees))]
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     names = [str(t) for t in trees]
     print(f"{'figure (median)':<42}" + "".join(f"{n[-24:]:>26}" for n in names)
@@ -142,7 +154,7 @@ def main(argv=None) -> int:
         ratios = "".join(f"{(v / vals[0]) if v and vals[0] else float('nan'):>12.3f}" for v in vals[1:])
         print(f"{key:<42}{cells}{ratios}")
     for name, r in zip(names, results):
-        g1, g16, g10k = (r[f"175B ZeRO-3 1024 GPUs GAS {g} (s)"] for g in (1, 16, 10_000))
+        g1, g16, g10k = (r[f"175B ZeRO-3 1024 GPUs GAS {g} (CPU s)"] for g in (1, 16, 10_000))
         print(f"{name}: GAS 16 / GAS 1 = {g16 / g1:.2f}x"
               + (f", GAS 10,000 / GAS 1 = {g10k / g1:.2f}x" if g10k else ", GAS 10,000 not measured"))
     return 0
