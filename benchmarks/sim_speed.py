@@ -1,54 +1,162 @@
-"""Wall time of simulating one training step of GPT-3 175B, ZeRO-3, 128 nodes of dgx-a100-80g
-(1024 GPUs), at GAS 1 and GAS 16, and simulated events per second.
-Targets (issue 2): GAS 1 <= 0.5 s (goal 0.1 s). Prints median and spread over repetitions.
-Usage: python benchmarks/sim_speed.py [--repeat N]
+"""The speed targets of issue 14, measured side by side in one run for one or more source
+trees (medians over repetitions; ratios against the first tree given):
+
+- GPT-3 175B, ZeRO-3, 128 nodes of dgx-a100-80g (1024 GPUs): in-process build + simulate +
+  summarize at GAS 1, 16 and 10,000, in process CPU time (the wall time of a single-threaded
+  step on an idle machine; steadier than wall time on a machine shared with other work) (target: GAS 1 <= 0.05 s, GAS 16 <= 1.5x GAS 1,
+  GAS 10,000 <= 2x GAS 1; a tree without the steady-state engine skips GAS 10,000);
+- `zsim run` of the default scenario, process start to table (target <= 0.3 s);
+- `zsim tune scenarios/gpt3-175b-zero3.yaml` (target: >= 1,000 configurations in <= 10 s);
+- `zsim doctor` on a 70B model, 8 GPUs, DeepSpeed-Chat-like ZeRO-3 config (target <= 5 s);
+- `zsim sweep` points/s on 2 local workers over 175B-class points (target >= 100).
+Every figure runs in a subprocess with PYTHONPATH set to the tree, from the tree's root, the
+trees taking turns repetition by repetition.
+Usage: python benchmarks/sim_speed.py [--tree DIR ...] [--repeat N]
+  e.g. python benchmarks/sim_speed.py --tree /work/ref --tree .   (before, after)
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from zsim.config.scenario import scenario_from_mapping  # noqa: E402
-from zsim.engine.sim import simulate  # noqa: E402
-from zsim.result.summarize import summarize  # noqa: E402
-from zsim.schedule.build import build_schedule  # noqa: E402
+GPT3 = {
+    "model": {"preset": "gpt3-175b"},
+    "hardware": {"profile": "dgx-a100-80g", "nodes": 128},
+    "training": {"micro_batch_size": 1, "seq_len": 2048, "precision": "bf16", "activation_checkpointing": "full"},
+    "deepspeed": {"zero_optimization": {"stage": 3, "overlap_comm": True}},
+}
+# DeepSpeed-Chat's ZeRO-3 settings (training/utils/ds_utils.py get_train_ds_config) on a 70B model, one node
+CHAT_70B = {
+    "name": "llama2-70b-dschat-zero3-8gpu",
+    "model": {"preset": "llama2-70b"},
+    "hardware": {"profile": "dgx-a100-80g", "nodes": 1, "gpus_per_node": 8},
+    "training": {"micro_batch_size": 4, "gradient_accumulation_steps": 1, "seq_len": 2048, "precision": "bf16",
+                 "activation_checkpointing": "full"},
+    "deepspeed": {"zero_optimization": {"stage": 3, "overlap_comm": True,
+                                        "stage3_param_persistence_threshold": 1e4,
+                                        "stage3_max_live_parameters": 3e7,
+                                        "stage3_prefetch_bucket_size": 3e7}},
+}
+SWEEP_VARY = ["hardware.nodes=16,32,64,128", "training.micro_batch_size=1,2",
+              "deepspeed.zero_optimization.stage=1,2,3", "deepspeed.zero_optimization.overlap_comm=true,false"]
+
+_IN_PROCESS = """
+import json, statistics, sys, time
+from pathlib import Path
+from zsim.api import run_scenario
+from zsim.config.scenario import scenario_from_mapping
+raw, gas, repeat = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+if gas > 16:
+    try:
+        import zsim.engine.steady  # noqa: F401
+    except ImportError:
+        print(json.dumps(None)); sys.exit(0)
+raw = dict(raw, name=f"gpt3-175b-zero3-1024-gas{gas}")
+raw["training"] = dict(raw["training"], gradient_accumulation_steps=gas)
+sc = scenario_from_mapping(raw, Path("."))
+if gas == 1:
+    run_scenario(sc)   # warm-up: first-call imports and caches
+walls = []
+for _ in range(repeat):
+    t0 = time.process_time()
+    run_scenario(sc)
+    walls.append(time.process_time() - t0)
+print(json.dumps(statistics.median(walls)))
+"""
 
 
-def scenario(gas: int):
-    return scenario_from_mapping({
-        "name": f"gpt3-175b-zero3-1024-gas{gas}",
-        "model": {"preset": "gpt3-175b"},
-        "hardware": {"profile": "dgx-a100-80g", "nodes": 128},
-        "training": {"micro_batch_size": 1, "gradient_accumulation_steps": gas, "seq_len": 2048,
-                     "precision": "bf16", "activation_checkpointing": "full"},
-        "deepspeed": {"zero_optimization": {"stage": 3, "overlap_comm": True}},
-    }, ROOT)
+def _env(tree: Path) -> dict:
+    return {**os.environ, "PYTHONPATH": str(tree)}
+
+
+def _in_process(tree: Path, gas: int, repeat: int) -> float | None:
+    out = subprocess.run([sys.executable, "-c", _IN_PROCESS, json.dumps(GPT3), str(gas), str(repeat)],
+                         cwd=tree, env=_env(tree), capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _cli(tree: Path, args: list[str]) -> float:
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "zsim.cli", *args], cwd=tree, env=_env(tree), capture_output=True, text=True)
+    return time.perf_counter() - t0
+
+
+def _tune_configurations(out: Path) -> int | None:
+    try:
+        return int(json.loads(out.read_text()).get("simulated"))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _interleaved(trees: list[Path], repeat: int, fn) -> list:
+    """Median of `repeat` measurements per tree, the trees taking turns (so a change of the
+    machine's load falls on all of them alike)."""
+    walls: list[list] = [[] for _ in trees]
+    for _ in range(repeat):
+        for i, tree in enumerate(trees):
+            walls[i].append(fn(tree))
+    return [None if None in w else statistics.median(w) for w in walls]
+
+
+def measure(trees: list[Path], repeat: int, tmp: Path) -> dict:
+    figures: dict = {}
+    slow = max(1, repeat // 2)   # repetitions of the commands that take seconds to minutes
+    for gas in (1, 16, 10_000):
+        figures[f"175B ZeRO-3 1024 GPUs GAS {gas} (CPU s)"] = _interleaved(
+            trees, repeat if gas == 1 else slow, lambda t: _in_process(t, gas, 3 if gas == 1 else 1))
+    figures["zsim run default (s)"] = _interleaved(trees, repeat, lambda t: _cli(t, ["run", "--quiet"]))
+    tune_json = {t: tmp / f"tune-{i}.json" for i, t in enumerate(trees)}
+    figures["zsim tune gpt3-175b-zero3 (s)"] = _interleaved(
+        trees, slow, lambda t: _cli(t, ["tune", "scenarios/gpt3-175b-zero3.yaml", "--json", str(tune_json[t])]))
+    figures["  configurations simulated"] = [_tune_configurations(tune_json[t]) for t in trees]
+    chat = tmp / "chat70b.yaml"
+    chat.write_text(yaml.safe_dump(CHAT_70B))
+    figures["zsim doctor 70B 8 GPUs ZeRO-3 (s)"] = _interleaved(trees, slow, lambda t: _cli(t, ["doctor", str(chat)]))
+    base = tmp / "gpt3.yaml"
+    base.write_text(yaml.safe_dump({"name": "gpt3-sweep", **GPT3}))
+    vary = [a for v in SWEEP_VARY for a in ("--vary", v)]
+    points = 1
+    for v in SWEEP_VARY:
+        points *= len(v.split("=", 1)[1].split(","))
+    walls = _interleaved(trees, slow, lambda t: _cli(t, ["sweep", str(base), *vary, "--workers", "2", "--quiet"]))
+    figures["zsim sweep 175B points/s (2 workers)"] = [points / w for w in walls]
+    return figures
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--tree", action="append", type=Path, help="source tree to measure (repeatable; default: this one)")
+    ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args(argv)
-    for gas in (1, 16):
-        sc = scenario(gas)
-        walls, events = [], 0
-        for _ in range(args.repeat if gas == 1 else max(3, args.repeat // 2)):
-            t0 = time.perf_counter()
-            wl, sched = build_schedule(sc)
-            trace = simulate(sched, sc.cluster, sc.precision)
-            summarize(sc, wl, trace)
-            walls.append(time.perf_counter() - t0)
-            events = trace.events_processed
-        med = statistics.median(walls)
-        print(f"GPT-3 175B ZeRO-3 1024 GPUs GAS {gas:>2}: wall median {med:.3f} s "
-              f"(min {min(walls):.3f}, max {max(walls):.3f}, n={len(walls)}), {events} ops, "
-              f"{events / med:,.0f} ops/s, simulated step {trace.step_time_s:.2f} s")
+    trees = [t.resolve() for t in (args.tree or [ROOT])]
+    print(f"load average before: {os.getloadavg()[0]:.2f}")
+    with tempfile.TemporaryDirectory() as d:
+        figures = measure(trees, args.repeat, Path(d))
+    results = [{k: v[i] for k, v in figures.items()} for i in range(len(trees))]
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+    names = [str(t) for t in trees]
+    print(f"{'figure (median)':<42}" + "".join(f"{n[-24:]:>26}" for n in names)
+          + ("".join(f"{'ratio ' + str(i + 2):>12}" for i in range(len(trees) - 1))))
+    for key in results[0]:
+        vals = [r[key] for r in results]
+        cells = "".join(f"{'-' if v is None else f'{v:.3f}':>26}" for v in vals)
+        ratios = "".join(f"{(v / vals[0]) if v and vals[0] else float('nan'):>12.3f}" for v in vals[1:])
+        print(f"{key:<42}{cells}{ratios}")
+    for name, r in zip(names, results):
+        g1, g16, g10k = (r[f"175B ZeRO-3 1024 GPUs GAS {g} (CPU s)"] for g in (1, 16, 10_000))
+        print(f"{name}: GAS 16 / GAS 1 = {g16 / g1:.2f}x"
+              + (f", GAS 10,000 / GAS 1 = {g10k / g1:.2f}x" if g10k else ", GAS 10,000 not measured"))
     return 0
 
 

@@ -211,3 +211,17 @@ def test_tuned_ds_config_loads_in_deepspeed(tmp_path, scen):
     parsed = dsc.DeepSpeedConfig(cfg, mpu=MPU())
     assert parsed.train_batch_size == cfg["train_batch_size"]
     assert parsed.zero_optimization_stage == cfg["zero_optimization"]["stage"]
+
+
+def test_variants_resolving_to_one_scenario_are_simulated_once(tmp_path, monkeypatch):
+    from zsim.search import variants
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(mapping()))
+    base = variants.Base.load(path)
+    calls = []
+    real = variants.run_scenario
+    monkeypatch.setattr(variants, "run_scenario", lambda sc, *a: calls.append(sc) or real(sc, *a))
+    same = base.run(variants.Variant("stage 2 again", ("deepspeed.zero_optimization.stage=2",)))
+    plain = base.run(variants.Variant("as is", ()))
+    other = base.run(variants.Variant("stage 3", ("deepspeed.zero_optimization.stage=3",)))
+    assert len(calls) == 2 and same.result is plain.result and other.result is not plain.result

@@ -82,7 +82,8 @@ def predict(sc) -> tuple[dict, object]:
     from zsim.schedule.build import build_schedule
     from calibration.validation import phase_times, schedule_collectives, schedule_summary
 
-    result, trace = run_scenario(sc)
+    # every micro-step simulated: phase times are compared with a run that executes them all
+    result, trace = run_scenario(sc, steady=False)
     _, schedule = build_schedule(sc)
     return {"step_time_s": result.step_time_s, "peak_bytes": result.memory.peak_bytes,
             "phases_s": phase_times(trace.schedule, trace.timings),

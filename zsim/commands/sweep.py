@@ -55,12 +55,16 @@ def _init_worker(path, overrides):
     _BASE = Base.load(path, overrides)
 
 
-def _run_point(args):
-    index, assignments = args
+def point_row(base, index: int, assignments: tuple[str, ...]) -> dict:
+    """One sweep point as a table row; a point that fails is a row with its error, never an abort."""
     from zsim.config.scenario import parse_value
     from zsim.report.writers import flatten
-    from zsim.search.variants import Variant
-    out = _BASE.run(Variant(f"point {index}", assignments))
+    from zsim.search.variants import Outcome, Variant
+    variant = Variant(f"point {index}", assignments)
+    try:
+        out = base.run(variant)
+    except Exception as err:   # a model error on one point (a builder bug) must not lose the others
+        out = Outcome(variant, None, f"{type(err).__name__}: {err}")
     row = {"point": index, "varied": [a.split("=", 1)[0] for a in assignments]}
     for a in assignments:
         k, v = a.split("=", 1)
@@ -72,13 +76,24 @@ def _run_point(args):
     return row
 
 
-def run_sweep(path: str, overrides: tuple[str, ...], axes, workers: int, progress: bool = True) -> list[dict]:
+def _run_point(args):
+    return point_row(_BASE, *args)
+
+
+def run_sweep(path: str, overrides: tuple[str, ...], axes, workers: int, progress: bool = True,
+              scheduler: str | None = None) -> list[dict]:
+    """Rows of every point, in point order: on `workers` local processes, or on the Dask
+    cluster whose scheduler listens at `scheduler` (zsim/commands/sweep_dask.py)."""
     todo = list(enumerate(points(axes)))
     rows: list[dict] = []
-    if workers <= 1:
+    pool = None
+    if scheduler is not None:
+        from zsim.commands.sweep_dask import dask_rows
+        from zsim.search.variants import Base
+        it = dask_rows(Base.load(path, overrides), todo, scheduler)
+    elif workers <= 1:
         _init_worker(path, overrides)
         it = map(_run_point, todo)
-        pool = None
     else:
         import multiprocessing as mp
         pool = mp.get_context("fork" if sys.platform != "win32" else "spawn").Pool(
@@ -99,7 +114,7 @@ def run_sweep(path: str, overrides: tuple[str, ...], axes, workers: int, progres
         if pool is not None:
             pool.close()
             pool.join()
-    return rows
+    return sorted(rows, key=lambda r: r["point"])
 
 
 def add_parser(sub):
@@ -110,6 +125,10 @@ def add_parser(sub):
     p.add_argument("--csv", metavar="PATH", help="one row per point, run JSON keys flattened")
     p.add_argument("--json", metavar="PATH", help="the same rows as a JSON list")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="worker processes (default: CPU count)")
+    p.add_argument("--executor", choices=("local", "dask"), default="local",
+                   help="local: a process pool on this machine (default); dask: the workers of a Dask "
+                        "distributed cluster (pip install -e '.[distributed]')")
+    p.add_argument("--scheduler", metavar="ADDRESS", help="the Dask scheduler, e.g. tcp://HOST:8786 (--executor dask)")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=main)
 
@@ -119,12 +138,16 @@ def main(args) -> int:
 
     if args.workers < 1:
         raise ZsimInputError("--workers", args.workers, "use 1 or more worker processes")
+    if (args.executor == "dask") != (args.scheduler is not None):
+        raise ZsimInputError("--scheduler", args.scheduler,
+                             "give --scheduler tcp://HOST:8786 with --executor dask, and only with it")
     axes = parse_vary(args.vary)
     from zsim.search.variants import Base
     Base.load(args.scenario, tuple(args.set or ()))   # bad base input fails once, here
     import time
     t0 = time.perf_counter()
-    rows = run_sweep(args.scenario, tuple(args.set or ()), axes, args.workers, progress=not args.quiet)
+    rows = run_sweep(args.scenario, tuple(args.set or ()), axes, args.workers, progress=not args.quiet,
+                     scheduler=args.scheduler)
     wall = time.perf_counter() - t0
     failed = sum(not r["ok"] for r in rows)
     if not args.quiet:
@@ -135,4 +158,8 @@ def main(args) -> int:
         save(args.csv, rows_csv(rows))
     if args.json:
         save(args.json, dumps(rows))
+    if rows and failed == len(rows):
+        print(f"zsim: error: every one of the {len(rows)} sweep points failed; the first: {rows[0]['error']}",
+              file=sys.stderr)
+        return 1
     return 0

@@ -9,12 +9,17 @@ smallest share it gets on any link it crosses (1/jobs on that link), and the com
 slows by the profile's interference factor while an NCCL transfer is active.
 Fixed latencies (alpha, launch overheads) are not shared. Memory effects of every op go to
 the ledger in simulated time.
+
+A step whose micro-steps repeat is simulated once per distinct micro-step (steady.py): the
+trace then carries a `Repeat` saying which time window stands for how many micro-steps.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import simpy
+from simpy.events import Event
 
 from zsim.engine.ledger import Ledger
 from zsim.hardware.cost_model import COMM_LINKS, COMPUTE, CostModel
@@ -23,12 +28,36 @@ from zsim.schedule.ir import STREAMS, Op, Schedule, Stream, Tag
 _EPS_S = 1e-15
 
 
-@dataclass(frozen=True)
-class OpTiming:
+class OpTiming(NamedTuple):
     op_id: int
     start_s: float
     end_s: float
-    exposed_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Repeat:
+    """The simulated steady state: the ops of micro-step `micro` and the time window
+    [start_s, end_s) they open stand for `copies` identical micro-steps, one `period_s` apart.
+    Times in the trace are those simulated; `shift_s` maps them to the full step's clock."""
+    micro: int
+    copies: int
+    period_s: float
+    start_s: float
+    end_s: float
+    ops_per_micro: int
+
+    @property
+    def skipped_s(self) -> float:
+        """Simulated time the copies not simulated take."""
+        return (self.copies - 1) * self.period_s
+
+    def shift_s(self, time_s: float) -> float:
+        """A simulated instant on the full step's clock: after the window, later by the skipped copies."""
+        return time_s + self.skipped_s if time_s >= self.end_s else time_s
+
+    def weight(self, op: Op) -> int:
+        """How many ops of the full step this simulated op stands for."""
+        return self.copies if op.micro_step == self.micro else 1
 
 
 @dataclass(frozen=True)
@@ -37,97 +66,113 @@ class Trace:
     timings: tuple[OpTiming, ...]
     ledger_events: tuple[tuple[float, float, str, Tag], ...]   # (time_s, delta_bytes, category, tag)
     step_time_s: float
-    events_processed: int
+    events_processed: int              # ops of the full step
+    repeat: Repeat | None = None       # None: every op of the step was simulated
 
 
 class _Job:
-    __slots__ = ("remaining_s", "rate", "event", "links")
+    __slots__ = ("remaining_s", "rate", "event", "links", "compute", "nccl")
 
-    def __init__(self, remaining_s: float, event: simpy.Event, links: tuple[str, ...]):
+    def __init__(self, remaining_s: float, event: Event, links: tuple[str, ...]):
         self.remaining_s, self.rate, self.event, self.links = remaining_s, 1.0, event, links
+        self.compute = links == COMPUTE
+        self.nccl = any(link in COMM_LINKS for link in links)
 
 
 class _Fluid:
     """Processor sharing over all resource-bound work in flight. Driven by timer callbacks
     rather than a process: each change of the job set reschedules one timer for the next
     completion, and timers made stale by a later change are ignored (cheaper than waiting on
-    a condition of two events)."""
+    a condition of two events). Jobs per link are counted as jobs come and go."""
 
     def __init__(self, env: simpy.Environment, compute_slowdown: float):
         self.env = env
-        self.slowdown = compute_slowdown
-        self.jobs: dict[int, _Job] = {}
-        self.next_id = 0
+        self.compute_rate = 1.0 / (1.0 + compute_slowdown)
+        self.jobs: list[_Job] = []
+        self.count: dict[str, int] = {}
+        self.nccl_jobs = 0
         self.last_s = 0.0
         self.version = 0
 
-    def submit(self, links: tuple[str, ...], work_s: float) -> simpy.Event:
-        ev = self.env.event()
+    def submit(self, links: tuple[str, ...], work_s: float) -> Event:
+        ev = Event(self.env)
         if work_s <= 0:
             ev.succeed()
             return ev
         self._advance()
-        self.jobs[self.next_id] = _Job(work_s, ev, links)
-        self.next_id += 1
+        job = _Job(work_s, ev, links)
+        self.jobs.append(job)
+        self.nccl_jobs += job.nccl
+        count = self.count
+        for link in links:
+            count[link] = count.get(link, 0) + 1
         self._rerate()
-        self._reschedule()
         return ev
 
     def _advance(self):
-        dt = self.env.now - self.last_s
+        now = self.env.now
+        dt = now - self.last_s
         if dt > 0:
-            for job in self.jobs.values():
+            for job in self.jobs:
                 job.remaining_s -= dt * job.rate
-        self.last_s = self.env.now
+        self.last_s = now
 
     def _rerate(self):
-        count: dict[str, int] = {}
-        for job in self.jobs.values():
-            for link in job.links:
-                count[link] = count.get(link, 0) + 1
+        """New shares for the current job set, then one timer for the next completion."""
+        count = self.count
         # NCCL kernels occupy SMs; copy engines (PCIe), NVMe and the host do not slow the GPU
-        comm_active = any(count.get(link) for link in COMM_LINKS)
-        for job in self.jobs.values():
-            if job.links == COMPUTE:
-                job.rate = 1.0 / (1.0 + self.slowdown) if comm_active else 1.0
+        compute_rate = self.compute_rate if self.nccl_jobs else 1.0
+        dt = float("inf")
+        for job in self.jobs:
+            if job.compute:
+                job.rate = compute_rate
             else:
-                job.rate = 1.0 / max(count[link] for link in job.links)
-
-    def _reschedule(self):
+                links = job.links
+                sharers = count[links[0]] if len(links) == 1 else max(count[link] for link in links)
+                job.rate = 1.0 / sharers
+            t = job.remaining_s / job.rate
+            if t < dt:
+                dt = t
         self.version += 1
-        if not self.jobs:
-            return
-        dt = min(j.remaining_s / j.rate for j in self.jobs.values())
-        version = self.version
-        timer = self.env.timeout(max(dt, 0.0))
-        timer.callbacks.append(lambda _ev: self._fire(version))
+        if self.jobs:
+            version = self.version
+            timer = self.env.timeout(dt if dt > 0 else 0.0)
+            timer.callbacks.append(lambda _ev: self._fire(version))
 
     def _fire(self, version: int):
         if version != self.version:
             return
         self._advance()
         limit = _EPS_S * max(1.0, self.env.now)
-        done = [k for k, j in self.jobs.items() if j.remaining_s <= limit]
-        for k in done:
-            self.jobs.pop(k).event.succeed()
+        keep = []
+        for job in self.jobs:
+            if job.remaining_s <= limit:
+                for link in job.links:
+                    self.count[link] -= 1
+                self.nccl_jobs -= job.nccl
+                job.event.succeed()
+            else:
+                keep.append(job)
+        self.jobs = keep
         self._rerate()
-        self._reschedule()
 
 
-def simulate(schedule: Schedule, cluster, precision: str) -> Trace:
+def run_ops(schedule: Schedule, cluster, precision: str) -> tuple[list[OpTiming], Ledger]:
+    """Simulate every op of `schedule`: their timings and the ledger of their memory effects."""
     cost = CostModel(cluster, precision, schedule.stage, schedule.host)
     env = simpy.Environment()
     fluid = _Fluid(env, cost.compute_slowdown)
     ledger = Ledger()
     for a in schedule.static:
         ledger.alloc(0.0, a)
-    done = [env.event() for _ in schedule.ops]
+    done = [Event(env) for _ in schedule.ops]
     timings: list[OpTiming | None] = [None] * len(schedule.ops)
     by_stream: dict[Stream, list[Op]] = {s: [] for s in STREAMS}
     # a device without concurrent streams (a CPU rank) runs every op in program order
     serial = not cluster.profile.gpu.concurrent_streams
     for op in schedule.ops:
         by_stream[Stream.COMPUTE if serial else op.stream].append(op)
+    op_cost, alloc, free, timeout, submit = cost.op_cost, ledger.alloc, ledger.free, env.timeout, fluid.submit
 
     def run_stream(ops: list[Op]):
         for op in ops:
@@ -136,15 +181,16 @@ def simulate(schedule: Schedule, cluster, precision: str) -> Trace:
                     yield done[d]
             start = env.now
             for a in op.alloc:
-                ledger.alloc(start, a)
-            c = cost.op_cost(op)
+                alloc(start, a)
+            c = op_cost(op)
             if c.fixed_s > 0:
-                yield env.timeout(c.fixed_s)
+                yield timeout(c.fixed_s)
             if c.work_s > 0 or c.links != COMPUTE:
-                yield fluid.submit(c.links, c.work_s)
+                yield submit(c.links, c.work_s)
+            end = env.now
             for tag in op.free:
-                ledger.free(env.now, tag)
-            timings[op.id] = OpTiming(op.id, start, env.now)
+                free(end, tag)
+            timings[op.id] = OpTiming(op.id, start, end)
             done[op.id].succeed()
 
     for stream in STREAMS:
@@ -155,5 +201,10 @@ def simulate(schedule: Schedule, cluster, precision: str) -> Trace:
     if missing:
         raise RuntimeError(f"schedule deadlock: {len(missing)} ops never ran, first {missing[0]!r}")
     ledger.close(schedule.static)
+    return timings, ledger
+
+
+def simulate(schedule: Schedule, cluster, precision: str) -> Trace:
+    timings, ledger = run_ops(schedule, cluster, precision)
     step = max((t.end_s for t in timings), default=0.0)
     return Trace(schedule, tuple(timings), ledger.events(), step, len(schedule.ops))

@@ -58,6 +58,7 @@ class CostModel:
         if self.uplink_Bps is not None:   # drives sit under the switches: their traffic crosses the uplinks too
             cap = self.uplink_Bps * cluster.gpus_per_node / self.sharers
             self.nvme_node_Bps = {k: min(v, cap) for k, v in self.nvme_node_Bps.items()}
+        self._cache: dict[tuple, OpCost] = {}
 
     def _links(self, path: tuple[str, ...]) -> tuple[str, ...]:
         # without a shared switch uplink, host traffic has no uplink to contend for
@@ -91,6 +92,20 @@ class CostModel:
         return t
 
     def op_cost(self, op: Op) -> OpCost:
+        """The op's cost, computed once per op shape: a cost depends only on the shape's fields
+        (the work, call or copy, the hooks before it, the sizes it allocates), never on names."""
+        p = op.payload
+        shape = getattr(p, "comm", None) or getattr(p, "work", None)
+        if shape is None:
+            shape = (p.transfer, p.size_bytes, p.pinned) if isinstance(p, Copy) else p
+        sizes = tuple(a.size_bytes for a in op.alloc) if op.alloc and self.gpu.fresh_alloc_GBps else ()
+        key = (shape, op.phase if op.hook_visits else None, op.hook_visits, op.grad_hooks, sizes)
+        cost = self._cache.get(key)
+        if cost is None:
+            cost = self._cache[key] = self._op_cost(op)
+        return cost
+
+    def _op_cost(self, op: Op) -> OpCost:
         fixed = self.host_fixed_s(op)
         comm, p = op.comm, op.payload
         cl = self.cluster

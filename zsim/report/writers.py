@@ -86,7 +86,12 @@ def save(path: str | Path, text: str):
 
 def chrome_trace(trace: Trace, name: str) -> dict:
     """Chrome trace-event format (also read by Perfetto): one thread per stream, a memory
-    counter track from the ledger. Times in microseconds."""
+    counter track from the ledger. Times in microseconds. A steady-state trace shows the
+    micro-steps simulated, on the full step's clock: the ops of the repeated micro-step are
+    marked with the number of micro-steps they stand for, and a "steady state" track spans
+    the time of the copies not simulated."""
+    repeat = trace.repeat
+    shift = (lambda t: t) if repeat is None else repeat.shift_s
     events = [{"ph": "M", "pid": 1, "tid": 0, "name": "process_name", "args": {"name": f"zsim: {name} (rank 0)"}}]
     tids = {s: i + 1 for i, s in enumerate(STREAMS)}
     used = {op.stream for op in trace.schedule.ops}
@@ -99,11 +104,21 @@ def chrome_trace(trace: Trace, name: str) -> dict:
         comm = op.comm
         if comm is not None:
             args.update(collective=comm.collective.value, numel=comm.numel, bytes=comm.size_bytes)
+        if repeat is not None and op.micro_step == repeat.micro:
+            args["repeated_micro_steps"] = repeat.copies
+        start, end = shift(t.start_s), shift(t.end_s)
         events.append({"ph": "X", "pid": 1, "tid": tids[op.stream], "name": op.name,
                        "cat": "comm" if comm is not None else op.phase.value,
-                       "ts": round(t.start_s * 1e6, 3), "dur": round((t.end_s - t.start_s) * 1e6, 3), "args": args})
+                       "ts": round(start * 1e6, 3), "dur": round((end - start) * 1e6, 3), "args": args})
+    if repeat is not None:
+        tid = len(STREAMS) + 1
+        events.append({"ph": "M", "pid": 1, "tid": tid, "name": "thread_name", "args": {"name": "steady state"}})
+        events.append({"ph": "X", "pid": 1, "tid": tid, "cat": "steady state",
+                       "name": f"micro-step {repeat.micro} repeated {repeat.copies - 1} more times (not simulated)",
+                       "ts": round(repeat.end_s * 1e6, 3), "dur": round(repeat.skipped_s * 1e6, 3),
+                       "args": {"period_s": repeat.period_s, "copies": repeat.copies}})
     for time_s, used_bytes in timeline(trace.ledger_events):
-        events.append({"ph": "C", "pid": 1, "tid": 0, "name": "memory allocated", "ts": round(time_s * 1e6, 3),
+        events.append({"ph": "C", "pid": 1, "tid": 0, "name": "memory allocated", "ts": round(shift(time_s) * 1e6, 3),
                        "args": {"GiB": round(used_bytes / GiB, 6)}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 

@@ -68,7 +68,9 @@ class _OpTotals:
 
 def _op_totals(trace: Trace, world: int) -> _OpTotals:
     """The only reader of the schedule's op fields here (transfer, cpu_adam_params, collective,
-    size_bytes, stream, model_flops): one pass over the ops and their timings."""
+    size_bytes, stream, model_flops): one pass over the ops and their timings. An op of a
+    repeated micro-step counts once per micro-step it stands for."""
+    repeat = trace.repeat
     compute_iv, comm_iv = [], []
     hw_flops_gpu = 0.0
     comm_bytes: dict[str, float] = {}
@@ -77,20 +79,36 @@ def _op_totals(trace: Trace, world: int) -> _OpTotals:
     host_time: dict[str, float] = {}
     for op, t in zip(trace.schedule.ops, trace.timings):
         p, comm = op.payload, op.comm
+        n = 1 if repeat is None else repeat.weight(op)
         if isinstance(p, (Copy, CpuAdam)):
             key = p.transfer.value if isinstance(p, Copy) else "cpu_adam"
-            host_time[key] = host_time.get(key, 0.0) + (t.end_s - t.start_s)
+            host_time[key] = host_time.get(key, 0.0) + n * (t.end_s - t.start_s)
         if comm is not None:
             kind = comm.collective.value
             comm_iv.append((t.start_s, t.end_s))
             sent = comm.size_bytes * bus_factor(kind, world)
-            comm_bytes[kind] = comm_bytes.get(kind, 0.0) + sent
-            comm_count[kind] = comm_count.get(kind, 0) + 1
-            comm_time[kind] = comm_time.get(kind, 0.0) + (t.end_s - t.start_s)
+            comm_bytes[kind] = comm_bytes.get(kind, 0.0) + n * sent
+            comm_count[kind] = comm_count.get(kind, 0) + n
+            comm_time[kind] = comm_time.get(kind, 0.0) + n * (t.end_s - t.start_s)
         elif op.stream == Stream.COMPUTE:
             compute_iv.append((t.start_s, t.end_s))
-            hw_flops_gpu += op.work.model_flops
+            hw_flops_gpu += n * op.work.model_flops
     return _OpTotals(compute_iv, comm_iv, hw_flops_gpu, comm_bytes, comm_count, comm_time, host_time)
+
+
+def _windows(trace: Trace) -> tuple[tuple[float, float, int], ...]:
+    """(start_s, end_s, copies): the simulated time split so that each window stands for
+    `copies` windows of the full step (a measure over the step is their weighted sum)."""
+    r = trace.repeat
+    if r is None:
+        return ((float("-inf"), float("inf"), 1),)
+    return ((float("-inf"), r.start_s, 1), (r.start_s, r.end_s, r.copies), (r.end_s, float("inf"), 1))
+
+
+def _clip(intervals, lo: float, hi: float) -> list[tuple[float, float]]:
+    if lo == float("-inf") and hi == float("inf"):
+        return intervals
+    return [(max(s, lo), min(e, hi)) for s, e in intervals if e > lo and s < hi]
 
 
 def _host_memory(sc: Scenario, trace: Trace) -> HostMemory:
@@ -106,7 +124,10 @@ def _host_memory(sc: Scenario, trace: Trace) -> HostMemory:
 
 def _memory(sc: Scenario, trace: Trace) -> Memory:
     cl = sc.cluster
+    # a repeated window leaves every category as it found it, so its copies peak where it does
     peak_alloc, peak_t, breakdown = peak_and_breakdown(trace.ledger_events)
+    if trace.repeat is not None:
+        peak_t = trace.repeat.shift_s(peak_t)
     reserved = cl.reserved_bytes
     peak = peak_alloc + reserved
     breakdown = dict(breakdown)
@@ -124,6 +145,7 @@ def summarize(sc: Scenario, wl: Workload, trace: Trace) -> Result:
     tokens = samples * sc.seq_len
     model_flops_gpu = wl.model_flops * sc.gradient_accumulation_steps
     ops = _op_totals(trace, world)
+    windows = _windows(trace)
     peak_flops = cl.peak_flops(sc.precision)
     tflops = model_flops_gpu / step / TFLOP if step > 0 else 0.0
     return Result(
@@ -146,12 +168,13 @@ def summarize(sc: Scenario, wl: Workload, trace: Trace) -> Result:
         tflops_per_gpu=tflops,
         mfu=model_flops_gpu / step / peak_flops,
         hfu=ops.hw_flops_gpu / step / peak_flops,
-        compute_time_s=_union_length(ops.compute_iv),
+        compute_time_s=sum(n * _union_length(_clip(ops.compute_iv, lo, hi)) for lo, hi, n in windows),
         model_flops_per_gpu=model_flops_gpu,
         memory=_memory(sc, trace),
         comm=Comm(bytes_per_gpu=ops.comm_bytes, calls=ops.comm_count, time_s=ops.comm_time_s,
-                  exposed_time_s=_exposed(ops.comm_iv, ops.compute_iv)),
+                  exposed_time_s=sum(n * _exposed(_clip(ops.comm_iv, lo, hi), _clip(ops.compute_iv, lo, hi))
+                                     for lo, hi, n in windows)),
         host_time_s=dict(sorted(ops.host_time_s.items())),
-        events=len(trace.schedule.ops),
+        events=trace.events_processed,
         warnings=tuple(sc.warnings),
     )

@@ -1,6 +1,8 @@
 """scenario -> (workload, schedule): picks the stage builder."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from zsim.specs.scenario import Scenario
 from zsim.schedule import offload, stage3, stage012
 from zsim.schedule.builder import Builder
@@ -16,8 +18,22 @@ def workload_for(sc: Scenario) -> Workload:
                           fused_cross_entropy=sc.training.fused_cross_entropy)
 
 
-def build_schedule(sc: Scenario, wl: Workload | None = None) -> tuple[Workload, Schedule]:
+def with_micro_steps(sc: Scenario, micro_steps: int) -> Scenario:
+    """`sc` accumulating `micro_steps` micro-steps (the batch triple kept consistent)."""
+    ds = sc.deepspeed
+    world = sc.cluster.world_size
+    ds = replace(ds, gradient_accumulation_steps=micro_steps,
+                 train_batch_size=ds.train_micro_batch_size_per_gpu * micro_steps * world)
+    return replace(sc, deepspeed=ds)
+
+
+def build_schedule(sc: Scenario, wl: Workload | None = None,
+                   micro_steps: int | None = None) -> tuple[Workload, Schedule]:
+    """The step's schedule; `micro_steps` builds it with that many micro-steps instead of
+    the scenario's gradient accumulation steps (the steady-state engine's shortened step)."""
     wl = wl or workload_for(sc)
+    if micro_steps is not None:
+        sc = with_micro_steps(sc, micro_steps)
     ctx = StepContext(sc=sc, wl=wl, b=Builder(), param_bytes=DTYPE_BYTES[sc.precision], world=sc.cluster.world_size)
     if sc.zero.stage == 3:
         stage3.build(ctx)

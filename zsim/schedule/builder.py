@@ -3,8 +3,6 @@ hooks can attach frees, allocations and host-side effects to an op added earlier
 copying it."""
 from __future__ import annotations
 
-from dataclasses import replace
-
 from zsim.schedule.ir import Alloc, Buffer, HostSettings, ModulePass, Op, OpKind, Phase, Schedule, Stream, Tag
 
 
@@ -64,7 +62,7 @@ class Builder:
             payload = d.payload
             if d.bucketed:
                 assert isinstance(payload, ModulePass)
-                payload = replace(payload, bucketed=tuple(d.bucketed))
+                payload = ModulePass(payload.module, payload.work, tuple(d.bucketed))
             ops.append(Op(i, d.kind, d.stream, d.phase, d.micro, payload, d.deps, tuple(d.alloc), tuple(d.free),
                           d.hook_visits, d.grad_hooks))
         return Schedule(stage=stage, world_size=world_size, ops=tuple(ops), static=tuple(self.static), host=host,

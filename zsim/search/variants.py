@@ -6,7 +6,7 @@ so every variant is reproducible with `zsim run scenario.yaml --set ...`.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from zsim.api import run_scenario
@@ -51,6 +51,9 @@ class Base:
     raw: dict
     base_dir: Path
     name: str
+    # resolved scenario (its repr) -> Result: variants that resolve to the same scenario (a knob
+    # set to the value it has, a fix already applied) are simulated once
+    _results: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def load(cls, path: str | Path, overrides: tuple[str, ...] = ()) -> "Base":
@@ -75,9 +78,13 @@ class Base:
         return sc, result, trace
 
     def run(self, variant: Variant, scenario: Scenario | None = None) -> Outcome:
-        """Simulate one variant; an invalid combination becomes an Outcome with its error."""
+        """Simulate one variant (once per distinct scenario); an invalid combination becomes an
+        Outcome with its error."""
         try:
-            _, result, _ = self.simulate(variant.assignments, scenario)
+            sc = scenario or self.scenario(variant.assignments)
+            key = repr(sc)
+            if key not in self._results:
+                self._results[key] = self.simulate(scenario=sc)[1]
         except ZsimInputError as err:
             return Outcome(variant, None, str(err))
-        return Outcome(variant, result)
+        return Outcome(variant, self._results[key])

@@ -1,0 +1,89 @@
+"""The steady-state engine (zsim/engine/steady.py) gives the result of simulating every
+micro-step: step time to 1e-9, peak memory and its breakdown exactly, collective counts
+exactly, for every ZeRO stage, offload and checkpointing variant at GAS 1..8."""
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import scenario
+from zsim.api import run_scenario
+
+ZERO = "deepspeed.zero_optimization"
+VARIANTS = {
+    "stage0": {f"{ZERO}.stage": 0},
+    "stage1": {f"{ZERO}.stage": 1},
+    "stage1-overlap": {f"{ZERO}.stage": 1, f"{ZERO}.overlap_comm": True},
+    "stage1-bf16-optimizer": {f"{ZERO}.stage": 1, "deepspeed.data_types": {"grad_accum_dtype": "fp32"}},
+    "stage2": {f"{ZERO}.stage": 2},
+    "stage2-overlap-no-contiguous": {f"{ZERO}.stage": 2, f"{ZERO}.overlap_comm": True,
+                                     f"{ZERO}.contiguous_gradients": False},
+    "stage2-offload-cpu": {f"{ZERO}.stage": 2, f"{ZERO}.offload_optimizer": {"device": "cpu"}},
+    "stage2-offload-nvme": {f"{ZERO}.stage": 2, f"{ZERO}.offload_optimizer": {"device": "nvme"}},
+    "stage3": {f"{ZERO}.stage": 3},
+    "stage3-fp16": {f"{ZERO}.stage": 3, "training.precision": "fp16"},
+    "stage3-offload-cpu": {f"{ZERO}.stage": 3, f"{ZERO}.offload_optimizer": {"device": "cpu"},
+                           f"{ZERO}.offload_param": {"device": "cpu"}},
+    "stage3-offload-nvme": {f"{ZERO}.stage": 3, f"{ZERO}.offload_optimizer": {"device": "nvme"},
+                            f"{ZERO}.offload_param": {"device": "nvme"}},
+    "stage3-selective": {f"{ZERO}.stage": 3, "training.activation_checkpointing": "selective"},
+    "stage3-full": {f"{ZERO}.stage": 3, "training.activation_checkpointing": "full"},
+    "stage2-full-cpu-checkpointing": {f"{ZERO}.stage": 2, "training.activation_checkpointing": "full",
+                                      "deepspeed.activation_checkpointing": {"cpu_checkpointing": True}},
+    "stage1-selective": {f"{ZERO}.stage": 1, "training.activation_checkpointing": "selective"},
+}
+# per-parameter gradients reduced on the reduction stream while the next micro-step computes:
+# the overlap shifts a little every micro-step and never settles, so every micro-step is simulated
+NEVER_SETTLES = {"stage2-overlap-no-contiguous"}
+
+
+def _same(steady, full):
+    assert steady.step_time_s == pytest.approx(full.step_time_s, rel=1e-9)
+    assert steady.memory.peak_bytes == full.memory.peak_bytes
+    assert steady.memory.breakdown == full.memory.breakdown
+    assert steady.memory.host == full.memory.host
+    assert steady.comm.calls == full.comm.calls
+    assert steady.comm.bytes_per_gpu == pytest.approx(full.comm.bytes_per_gpu, rel=1e-12)
+    assert steady.comm.time_s == pytest.approx(full.comm.time_s, rel=1e-9)
+    assert steady.comm.exposed_time_s == pytest.approx(full.comm.exposed_time_s, rel=1e-9, abs=1e-12)
+    assert steady.compute_time_s == pytest.approx(full.compute_time_s, rel=1e-9)
+    assert steady.hfu == pytest.approx(full.hfu, rel=1e-9)
+    assert steady.host_time_s == pytest.approx(full.host_time_s, rel=1e-9)
+    assert steady.events == full.events
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_steady_state_equals_full_simulation(name):
+    reused = []
+    for gas in range(1, 9):
+        sc = scenario(**VARIANTS[name], **{"training.gradient_accumulation_steps": gas})
+        steady, trace = run_scenario(sc)
+        full, full_trace = run_scenario(sc, steady=False)
+        assert full_trace.repeat is None
+        _same(steady, full)
+        if trace.repeat is not None:
+            reused.append(gas)
+    # a step longer than the longest shortened one (six micro-steps) reuses the steady state
+    assert set(reused) >= (set() if name in NEVER_SETTLES else {7, 8})
+
+
+def test_a_long_accumulation_simulates_four_micro_steps():
+    sc = scenario(**{f"{ZERO}.stage": 3, "training.gradient_accumulation_steps": 10_000})
+    result, trace = run_scenario(sc)
+    assert trace.repeat is not None and trace.repeat.copies == 10_000 - trace.repeat.micro - 1
+    assert {op.micro_step for op in trace.schedule.ops} == set(range(trace.repeat.micro + 2))
+    assert result.events == len(trace.schedule.ops) + (trace.repeat.copies - 1) * trace.repeat.ops_per_micro
+
+
+def test_the_trace_shows_the_simulated_micro_steps_and_marks_the_repeated_one():
+    from zsim.report.writers import chrome_trace
+    sc = scenario(**{f"{ZERO}.stage": 3, "training.gradient_accumulation_steps": 12})
+    result, trace = run_scenario(sc)
+    events = chrome_trace(trace, "t")["traceEvents"]
+    ops = [e for e in events if e["ph"] == "X" and e["cat"] != "steady state"]
+    repeated = [e for e in ops if "repeated_micro_steps" in e["args"]]
+    assert repeated and {e["args"]["micro_step"] for e in repeated} == {trace.repeat.micro}
+    assert all(e["args"]["repeated_micro_steps"] == 12 - trace.repeat.micro - 1 for e in repeated)
+    [skipped] = [e for e in events if e.get("cat") == "steady state"]
+    assert skipped["dur"] == pytest.approx(trace.repeat.skipped_s * 1e6, abs=1e-3)
+    # on the full step's clock: the last op ends with the step
+    assert max(e["ts"] + e["dur"] for e in ops) == pytest.approx(result.step_time_s * 1e6, abs=1e-2)
