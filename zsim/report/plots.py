@@ -9,6 +9,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from zsim.errors import ZsimInputError  # noqa: E402
+from zsim.inputs import parse_json, read_text  # noqa: E402
 from zsim.result import row_fits  # noqa: E402
 from zsim.units import GiB  # noqa: E402
 
@@ -109,19 +110,16 @@ def load_results(path: str):
     """('rows', [flat dicts]) for sweep CSV/JSON or compare JSON, ('run', dict) for a run
     JSON, ('trace', dict) for a Chrome trace written by zsim run --trace."""
     import csv
-    import json
     p = Path(path)
-    if not p.is_file():
-        raise ZsimInputError("RESULTS", path, "file not found; give a sweep CSV/JSON, a run JSON or a trace")
-    text = p.read_text()
+    text = read_text(p, "RESULTS", "a sweep CSV/JSON, a compare or run JSON or a trace")
     if p.suffix.lower() == ".csv":
         rows = [{k: _num(v) for k, v in r.items()} for r in csv.DictReader(text.splitlines())]
         return "rows", rows
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ZsimInputError("RESULTS", path, f"not valid JSON (line {exc.lineno}); give a zsim output file") from None
+    data = parse_json(text, "RESULTS", path)
     if isinstance(data, list):
+        if not all(isinstance(r, dict) for r in data):
+            raise ZsimInputError("RESULTS", path, "a results list holds one mapping per row; give a zsim sweep or "
+                                 "compare JSON")
         from zsim.report.writers import flatten
         return "rows", [flatten(r) if "memory" in r else r for r in data]
     if isinstance(data, dict) and "traceEvents" in data:
