@@ -15,7 +15,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from zsim.errors import ZsimInputError, unknown_key
 
-_SCI = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
+SCIENTIFIC = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
 
 # Every number zsim reads is a count, a size in bytes, a rate, a time or a fraction. Sizes and
 # counts are int64 in DeepSpeed and torch (numel, bucket sizes), so a magnitude above 2**63 is
@@ -38,7 +38,7 @@ def _number(value, path: str, want_int: bool):
     # YAML 1.1 reads 5e8 as a string, and DeepSpeed users write 5e8 in JSON: accept both.
     if isinstance(value, bool):
         raise ZsimInputError(path, value, "expected a number, not a boolean")
-    if isinstance(value, str) and _SCI.match(value.strip()):
+    if isinstance(value, str) and SCIENTIFIC.match(value.strip()):
         value = float(value)
     if not isinstance(value, (int, float)):
         kind = "an integer" if want_int else "a number"

@@ -20,13 +20,17 @@ def _extract(reader, args, *inputs):
     shape zsim writes (a column missing, a text where a number belongs): one line naming it."""
     from zsim.errors import ZsimInputError
     try:
-        return reader(*inputs)
+        data = reader(*inputs)
     except (KeyError, IndexError) as exc:
         raise ZsimInputError("RESULTS", args.results, f"lacks {exc} that a --kind {args.kind} plot reads; give the "
                              "file zsim wrote") from None
     except (TypeError, ValueError, AttributeError) as exc:
         raise ZsimInputError("RESULTS", args.results, f"has a value of the wrong type for a --kind {args.kind} "
                              f"plot ({exc}); give the file zsim wrote") from None
+    if not data:
+        raise ZsimInputError("RESULTS", args.results, f"holds nothing a --kind {args.kind} plot can draw; give the "
+                             "file zsim wrote")
+    return data
 
 
 def main(args) -> int:

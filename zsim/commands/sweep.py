@@ -5,7 +5,7 @@ import itertools
 import os
 import sys
 
-from zsim.commands.common import add_scenario_args
+from zsim.commands.common import add_scenario_args, scenario_overrides
 from zsim.errors import ZsimInputError
 
 
@@ -121,10 +121,11 @@ def main(args) -> int:
         raise ZsimInputError("--workers", args.workers, "use 1 or more worker processes")
     axes = parse_vary(args.vary)
     from zsim.search.variants import Base
-    Base.load(args.scenario, tuple(args.set or ()))   # bad base input fails once, here
+    overrides = scenario_overrides(args)
+    Base.load(args.scenario, overrides)   # bad base input fails once, here
     import time
     t0 = time.perf_counter()
-    rows = run_sweep(args.scenario, tuple(args.set or ()), axes, args.workers, progress=not args.quiet)
+    rows = run_sweep(args.scenario, overrides, axes, args.workers, progress=not args.quiet)
     wall = time.perf_counter() - t0
     failed = sum(not r["ok"] for r in rows)
     if not args.quiet:

@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from zsim.config.profile import load_profile
+from zsim.config.source import SCENARIO_KEYS, as_scenario, is_ds_config
 from zsim.errors import ZsimInputError, did_you_mean, unknown_key
 from zsim.inputs import MAX_NESTING, check_nesting, parse_json, parse_yaml, read_text
 from zsim.schema import _number, accepted_keys, build
@@ -21,8 +22,6 @@ from zsim.specs.deepspeed import COMM_DATA_TYPES, IGNORED_TOP_LEVEL, DeepSpeedCo
 from zsim.specs.hardware import Cluster
 from zsim.specs.model import PRESETS, ModelSpec
 from zsim.specs.scenario import MAX_WORLD_SIZE, HardwareSpec, Scenario, TrainingSpec
-
-_TOP_KEYS = ("name", "description", "model", "hardware", "training", "deepspeed")
 
 
 def parse_value(text: str):
@@ -45,8 +44,8 @@ def apply_set(raw: dict, assignment: str) -> dict:
     keys = [k for k in path.strip().split(".") if k]
     if not keys:
         raise ZsimInputError("--set", assignment, "the key path is empty; use --set a.b.c=value")
-    if keys[0] not in _TOP_KEYS:
-        raise unknown_key("", keys[0], _TOP_KEYS)
+    if keys[0] not in SCENARIO_KEYS:
+        raise unknown_key("", keys[0], SCENARIO_KEYS)
     out = copy.deepcopy(raw)
     node = out
     for i, k in enumerate(keys[:-1]):
@@ -64,7 +63,8 @@ def _read_yaml(path: Path) -> dict:
     text = read_text(path, "scenario", "a scenario YAML or a ds_config.json")
     data = parse_yaml(text, "scenario", str(path))
     if not isinstance(data, dict):
-        raise ZsimInputError("scenario", str(path), "expected a mapping with keys model, hardware, training, deepspeed")
+        raise ZsimInputError("scenario", str(path), "expected a mapping with keys model, hardware, training, "
+                             "deepspeed (or a ds_config.json)")
     return data
 
 
@@ -205,11 +205,11 @@ def _resolve_precision(ds: DeepSpeedConfig, training: TrainingSpec) -> tuple[Dee
 
 def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenario") -> Scenario:
     for key in raw:
-        if key not in _TOP_KEYS:
-            raise unknown_key("", str(key), _TOP_KEYS)
-    for key in ("model", "hardware"):
+        if key not in SCENARIO_KEYS:
+            raise unknown_key("", str(key), SCENARIO_KEYS)
+    for key, flag in (("model", "--model NAME"), ("hardware", "--gpus N")):
         if key not in raw:
-            raise ZsimInputError(key, None, f"the scenario needs a '{key}:' block")
+            raise ZsimInputError(key, None, f"the scenario needs a '{key}:' block (or add {flag})")
     model = _resolve_model(raw["model"])
     hw = build(HardwareSpec, raw["hardware"], "hardware")
     profile = load_profile(hw.profile, hw.override or None, base_dir)
@@ -249,10 +249,19 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
 
 
 def load_raw(path: Path) -> dict:
+    """A scenario file's mapping; a ds_config.json given instead becomes {name, deepspeed}
+    (zsim.config.source), to which --model/--gpus add the model and the cluster."""
     raw = _read_yaml(path)
+    if is_ds_config(raw):
+        return as_scenario(raw, path)
     if isinstance(raw.get("deepspeed"), str):
         raw["deepspeed"] = _read_ds_config(raw["deepspeed"], path.parent)
     return raw
+
+
+def source_is_ds_config(path: str | Path) -> bool:
+    """Whether the file given where a scenario belongs is a ds_config.json (read errors are the loader's)."""
+    return is_ds_config(_read_yaml(Path(path)))
 
 
 def load_scenario(path: str | Path, overrides: tuple[str, ...] = ()) -> Scenario:
