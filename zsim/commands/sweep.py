@@ -117,8 +117,11 @@ def add_parser(sub):
 def main(args) -> int:
     from zsim.report.writers import dumps, rows_csv, save
 
-    if args.workers < 1:
-        raise ZsimInputError("--workers", args.workers, "use 1 or more worker processes")
+    # each worker is a forked process holding a copy of the scenario: more than a few per core
+    # only costs memory
+    max_workers = 4 * (os.cpu_count() or 1)
+    if not 1 <= args.workers <= max_workers:
+        raise ZsimInputError("--workers", args.workers, f"use 1 to {max_workers} worker processes (4 per CPU core)")
     axes = parse_vary(args.vary)
     from zsim.search.variants import Base
     overrides = scenario_overrides(args)
@@ -136,4 +139,7 @@ def main(args) -> int:
         save(args.csv, rows_csv(rows))
     if args.json:
         save(args.json, dumps(rows))
+    if rows and failed == len(rows):   # nothing to plot or compare: a script must see it
+        print(f"zsim: no point of the sweep could be simulated; first error: {rows[0]['error']}", file=sys.stderr)
+        return 1
     return 0

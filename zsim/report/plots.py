@@ -166,16 +166,23 @@ def scaling_plot(data: dict, title: str, path: str):
         color = PALETTE[2 * i]
         g = [p["gpus"] for p in pts]
         style = markers[i % len(markers)]
-        ax1.plot(g, [p["tokens_per_s"] for p in pts], style, color=color, label=f"ZeRO-{stage}", markersize=7 - i)
-        ax2.plot(g, [p["tokens_per_s_per_gpu"] for p in pts], style, color=color, label=f"ZeRO-{stage}",
-                 markersize=7 - i)
-        first = next((p for p in pts if not p["oom"]), pts[0])
-        ax1.plot(g, [first["tokens_per_s"] * x / first["gpus"] for x in g], "--", color=color, alpha=0.5,
-                 linewidth=1)
-        for p in pts:
-            if p["oom"]:
-                for ax, key in ((ax1, "tokens_per_s"), (ax2, "tokens_per_s_per_gpu")):
-                    ax.plot(p["gpus"], p[key], "x", color="red", markersize=11, markeredgewidth=2.5)
+        fit = [p for p in pts if not p["oom"]]
+        for ax, key in ((ax1, "tokens_per_s"), (ax2, "tokens_per_s_per_gpu")):
+            # the whole curve faint and thin, the fitting points bold on top: an all-OOM stage
+            # (often the fastest, ZeRO-0) no longer paints over the curves that fit
+            ax.plot(g, [p[key] for p in pts], ":", color=color, alpha=0.45, linewidth=1, zorder=2)
+            if fit:
+                ax.plot([p["gpus"] for p in fit], [p[key] for p in fit], style, color=color, label=f"ZeRO-{stage}",
+                        markersize=7 - i, zorder=3)
+            else:
+                ax.plot([], [], ":", color=color, label=f"ZeRO-{stage} (OOM everywhere)")
+            oom = [p for p in pts if p["oom"]]
+            ax.plot([p["gpus"] for p in oom], [p[key] for p in oom], "x", color="red", markersize=8,
+                    markeredgewidth=1.8, alpha=0.8, zorder=4)
+        if fit:   # ideal scaling from the first point that fits, above the curves (zorder 5)
+            first = fit[0]
+            ax1.plot(g, [first["tokens_per_s"] * x / first["gpus"] for x in g], "--", color=color, alpha=0.6,
+                     linewidth=1, zorder=5)
     ax1.plot([], [], "--", color="gray", label="ideal linear scaling")
     ax1.plot([], [], "x", color="red", markeredgewidth=2.5, label="OOM (best config does not fit)")
     for ax in (ax1, ax2):
