@@ -44,10 +44,14 @@ def nesting_depth(data, limit: int = MAX_NESTING) -> int:
     return deepest
 
 
+def too_deep(field: str, value: object) -> ZsimInputError:
+    return ZsimInputError(field, value, f"nested more than {MAX_NESTING} levels deep; zsim inputs need at most 6 "
+                          "(the limit keeps every reader within Python's recursion limit)")
+
+
 def check_nesting(data, field: str, value: object) -> None:
     if nesting_depth(data) > MAX_NESTING:
-        raise ZsimInputError(field, value, f"nested more than {MAX_NESTING} levels deep; zsim inputs need at most "
-                             "6 (the limit keeps every reader within Python's recursion limit)")
+        raise too_deep(field, value)
 
 
 def parse_yaml(text: str, field: str, value: object):
@@ -60,8 +64,7 @@ def parse_yaml(text: str, field: str, value: object):
         where = f" at line {mark.line + 1}" if mark else ""
         raise ZsimInputError(field, value, f"not valid YAML{where}; fix the syntax") from None
     except RecursionError:
-        raise ZsimInputError(field, value, f"nested too deeply to read; zsim inputs need at most {MAX_NESTING} "
-                             "levels") from None
+        raise too_deep(field, value) from None
     check_nesting(data, field, value)
     return data
 
@@ -72,7 +75,6 @@ def parse_json(text: str, field: str, value: object):
     except json.JSONDecodeError as exc:
         raise ZsimInputError(field, value, f"not valid JSON (line {exc.lineno}: {exc.msg}); fix the file") from None
     except RecursionError:
-        raise ZsimInputError(field, value, f"nested too deeply to read; zsim inputs need at most {MAX_NESTING} "
-                             "levels") from None
+        raise too_deep(field, value) from None
     check_nesting(data, field, value)
     return data

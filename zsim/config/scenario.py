@@ -16,7 +16,7 @@ import yaml
 from zsim.config.profile import load_profile
 from zsim.config.source import SCENARIO_KEYS, as_scenario, is_ds_config
 from zsim.errors import ZsimInputError, did_you_mean, unknown_key
-from zsim.inputs import MAX_NESTING, check_nesting, parse_json, parse_yaml, read_text
+from zsim.inputs import check_nesting, parse_json, parse_yaml, read_text, too_deep
 from zsim.schema import _number, accepted_keys, build
 from zsim.specs.deepspeed import COMM_DATA_TYPES, IGNORED_TOP_LEVEL, DeepSpeedConfig
 from zsim.specs.hardware import Cluster
@@ -26,14 +26,14 @@ from zsim.specs.scenario import MAX_WORLD_SIZE, HardwareSpec, Scenario, Training
 
 def parse_value(text: str):
     """A --set value: YAML scalar rules (so 5e8, true, [1, 2] and {a: 1} work)."""
+    shown = text if len(text) <= 40 else text[:40] + "..."
     try:
         value = yaml.safe_load(text)
     except yaml.YAMLError:
         return text
     except RecursionError:
-        raise ZsimInputError("--set", text[:40] + "...", f"nested too deeply; zsim inputs need at most {MAX_NESTING} "
-                             "levels") from None
-    check_nesting(value, "--set", text if len(text) <= 40 else text[:40] + "...")
+        raise too_deep("--set", shown) from None
+    check_nesting(value, "--set", shown)
     return value
 
 
