@@ -79,6 +79,12 @@ def test_a_binary_file_is_refused_by_every_reader(tmp_path, argv):
     refused(argv, "not a text file")
 
 
+def test_calibrate_refuses_overflowing_and_nan_arguments_as_a_user_sees_it(tmp_path):
+    for extra in (["--max-size", "1e400"], ["--timeout", "nan"]):
+        p = zsim("calibrate", "--out", "x", "--root", tmp_path, *extra)
+        assert p.returncode == 2 and p.stderr.count("\n") == 1 and extra[0] in p.stderr
+
+
 def test_calibrate_refuses_overflowing_and_nan_arguments():
     import argparse
 
@@ -172,7 +178,16 @@ def test_tune_headroom_keeps_winners_under_the_margin(tmp_path):
     rows = json.loads((tmp_path / "t.json").read_text())["candidates"]
     cap = 80 * 2**30
     assert p.returncode in (0, 1) and all(r["peak_bytes"] <= 0.1 * cap for r in rows)
-    refused(["tune", write(tmp_path, TINY), "--headroom", "95%"], "--headroom", "0% to 90%")
+    p = zsim("tune", write(tmp_path, TINY), "--headroom", "95%")
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "0% to 90%" in p.stderr
+
+
+def test_doctor_headroom_lists_only_fixes_inside_the_margin():
+    oom = ROOT / "scenarios" / "oom-gpt3-2.7b-zero1-40g.yaml"
+    plain, margin = zsim("doctor", oom, "--top", "50"), zsim("doctor", oom, "--top", "50", "--headroom", "30%")
+    assert plain.returncode == margin.returncode == 0 and "within 30% headroom" in margin.stdout
+    count = lambda out: int(out.split("simulated changes fit")[0].rsplit("\n", 1)[1].split(" of ")[0])
+    assert count(margin.stdout) < count(plain.stdout)
 
 
 # ---- exit codes -------------------------------------------------------------------------------
