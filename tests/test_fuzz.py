@@ -142,3 +142,17 @@ def test_a_sample_as_real_subprocesses(tmp_path, argv):
     p = subprocess.run([sys.executable, "-m", "zsim.cli", *argv], capture_output=True, text=True, timeout=60,
                        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
     fuzz.check(fuzz.Outcome(p.returncode, p.stdout, p.stderr, 0.0), argv)
+
+
+@pytest.mark.parametrize("argv,code", [
+    ([b"run", b"--set", b"name=\xff\xfe"], 0),                 # printed in the table
+    ([b"run", b"--quiet", b"--set", b"training.precision=\xff"], 2),
+    ([b"run", b"nope\xff.yaml"], 2),
+    ([b"memory", b"--set", b"deepspeed.zero_optimization.st\xffage=1"], 2),
+])
+def test_non_utf8_arguments_as_real_subprocesses(tmp_path, argv, code):
+    p = subprocess.run([sys.executable.encode(), b"-m", b"zsim.cli", *argv], capture_output=True, timeout=60,
+                       cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    err = p.stderr.decode("utf-8", "backslashreplace")
+    fuzz.check(fuzz.Outcome(p.returncode, "", err, 0.0), argv)
+    assert p.returncode == code, err

@@ -85,8 +85,8 @@ def prepare(env: dict, timeout_s: float = BUILD_TIMEOUT_S, log=None) -> str:
     stale = stale_locks(root)
     if stale:
         raise OpBuildFailed(lock_advice(*stale[0]))
-    print(f"zsim calibrate: building DeepSpeed's cpu_adam op before the benchmarks (a one-time compile into "
-          f"{root}; limit {timeout_s:g} s)", file=log, flush=True)
+    print(f"zsim calibrate: preparing DeepSpeed's cpu_adam op before the benchmarks (compiled once into {root}, "
+          f"then loaded from there; limit {timeout_s:g} s)", file=log, flush=True)
     proc = subprocess.Popen([sys.executable, "-c", _BUILD], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     t0 = time.time()
