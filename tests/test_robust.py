@@ -147,6 +147,13 @@ def test_overrides_of_world_size_and_gas_rederive_the_pinned_batch():
     assert p.returncode == 0 and "train_batch_size" in p.stderr
 
 
+def test_a_training_batch_key_carries_its_pinned_deepspeed_twin(tmp_path):
+    raw = mapping(**{"deepspeed.gradient_accumulation_steps": 1})
+    out = run_cli(["run", write(tmp_path, raw), "--quiet", "--set", "training.gradient_accumulation_steps=4"])
+    assert out.code == 0 and "deepspeed.gradient_accumulation_steps -> 4" in out.stderr
+    assert "train_batch_size" not in out.stderr
+
+
 def test_a_batch_that_cannot_be_derived_names_the_pair_to_set(tmp_path):
     # train_batch_size and micro-batch pinned, GAS free: DeepSpeed derives GAS, 64 / (3 x 8) has a remainder
     raw = mapping(**{"deepspeed.train_batch_size": 64, "deepspeed.train_micro_batch_size_per_gpu": 1})

@@ -50,8 +50,9 @@ def _pinned(raw: dict, training_key: str, ds_key: str) -> bool:
 
 
 def rederive_batch(path: str | Path, overrides: tuple[str, ...]) -> tuple[tuple[str, ...], str | None]:
-    """(extra assignment, one-line note) when the overrides move the batch product and the file
-    pins train_batch_size; ((), None) when nothing needs deriving or the loader should speak."""
+    """(extra assignments, one-line note) when the overrides move a batch key that the file pins
+    under its other name, or move the batch product while the file pins train_batch_size;
+    ((), None) when nothing needs deriving or the loader should speak."""
     keys = [a.split("=", 1)[0].strip() for a in overrides if "=" in a]
     changed = [k for k in keys if _touches(k)]
     if not changed or any(k in ("deepspeed", "deepspeed.train_batch_size") for k in keys):
@@ -59,25 +60,18 @@ def rederive_batch(path: str | Path, overrides: tuple[str, ...]) -> tuple[tuple[
     path = Path(path)
     try:
         raw = load_raw(path)
-        pinned_tb = raw.get("deepspeed", {}).get("train_batch_size") if isinstance(raw.get("deepspeed"), dict) else None
-        if pinned_tb in (None, "auto"):
-            return (), None
+        pinned_tb = _get(raw, "deepspeed", "train_batch_size")
         for a in overrides:
             raw = apply_set(raw, a)
         mirrored = _mirrored(raw, keys)
         for a in mirrored:
             raw = apply_set(raw, a)
-        if not (_pinned(raw, "micro_batch_size", "train_micro_batch_size_per_gpu")
+        if pinned_tb in (None, "auto") or not (
+                _pinned(raw, "micro_batch_size", "train_micro_batch_size_per_gpu")
                 and _pinned(raw, "gradient_accumulation_steps", "gradient_accumulation_steps")):
-            return (), None
-        try:
-            scenario_from_mapping(raw, path.parent, name_default=path.stem)
-            derived: tuple[str, ...] = ()    # the product still matches: only the twins move
-        except ZsimInputError as err:
-            if err.field != "deepspeed.train_batch_size":
-                return (), None      # another problem: the loader reports it
-            sc = scenario_from_mapping(apply_set(raw, "deepspeed.train_batch_size=null"), path.parent, path.stem)
-            derived = (f"deepspeed.train_batch_size={sc.global_batch_size}",)
+            derived: tuple[str, ...] = ()
+        else:
+            derived = _rederived_total(raw, path)
     except ZsimInputError:
         return (), None
     extra = tuple(mirrored) + derived
@@ -87,3 +81,15 @@ def rederive_batch(path: str | Path, overrides: tuple[str, ...]) -> tuple[tuple[
     rule = " (train_batch_size = micro-batch x GAS x GPUs, DeepSpeed's rule)" if derived else ""
     note = (f"{what}{rule} after --set {', '.join(changed)}; --set those keys yourself to keep other values")
     return extra, note
+
+
+def _rederived_total(raw: dict, path: Path) -> tuple[str, ...]:
+    """train_batch_size re-derived when the pinned one no longer matches micro x GAS x GPUs."""
+    try:
+        scenario_from_mapping(raw, path.parent, name_default=path.stem)
+        return ()                    # the product still matches
+    except ZsimInputError as err:
+        if err.field != "deepspeed.train_batch_size":
+            return ()                # another problem: the loader reports it
+    sc = scenario_from_mapping(apply_set(raw, "deepspeed.train_batch_size=null"), path.parent, path.stem)
+    return (f"deepspeed.train_batch_size={sc.global_batch_size}",)
