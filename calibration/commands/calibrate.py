@@ -27,7 +27,7 @@ def add_parser(sub):
                        description="Run the calibration microbenchmarks under torchrun and fit a hardware profile "
                                    "(hardware_profiles/NAME.yaml, raw records in calibration/runs/NAME/).")
     p.add_argument("--out", metavar="NAME", required=True, help="profile name: writes hardware_profiles/NAME.yaml")
-    p.add_argument("--quick", action="store_true", help="a short run (well under a minute; tests and CI)")
+    p.add_argument("--quick", action="store_true", help="a short run (about 1.5 min on 2 CPU ranks; tests and CI)")
     p.add_argument("--nproc-per-node", type=str, default=None, metavar="N",
                    help="ranks to launch on this node (default: the GPU count, or 2 on CPU)")
     p.add_argument("--backend", default=None, help="nccl or gloo (default: nccl with CUDA, else gloo)")
