@@ -118,15 +118,29 @@ PROPERTIES = [
 ]
 
 
+def _run(prop, strategies, examples: int) -> int:
+    """Run `prop` on `examples` generated inputs; return how many ran (hypothesis could stop
+    early on a small search space: the count proves the profile's size)."""
+    count = 0
+
+    def counted(**kwargs):
+        nonlocal count
+        count += 1
+        prop(**kwargs)
+    given(**strategies)(_settings(examples)(counted))()
+    print(f"{prop.__name__}: {count} examples, each under {fuzz.TIME_BOUND_S:g} s")
+    return count
+
+
 @pytest.mark.parametrize("prop,strategies", PROPERTIES, ids=[p.__name__ for p, _ in PROPERTIES])
 def test_fuzz_fast(prop, strategies):
-    given(**strategies)(_settings(FAST_EXAMPLES)(prop))()
+    assert _run(prop, strategies, FAST_EXAMPLES) >= FAST_EXAMPLES
 
 
 @pytest.mark.fuzz
 @pytest.mark.parametrize("prop,strategies", PROPERTIES, ids=[p.__name__ for p, _ in PROPERTIES])
 def test_fuzz_long(prop, strategies):
-    given(**strategies)(_settings(LONG_EXAMPLES)(prop))()
+    assert _run(prop, strategies, LONG_EXAMPLES) >= LONG_EXAMPLES
 
 
 @pytest.mark.parametrize("argv", [
