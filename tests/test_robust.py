@@ -243,3 +243,12 @@ def test_scaling_plot_keeps_every_curve_and_ideal_line_visible(monkeypatch, tmp_
     assert len(ideal) == 1                       # the all-OOM stage gets no ideal line of its own
     assert len(faint) == 2                       # each stage's whole curve, faint, under the bold fitting part
     assert all(i.get_zorder() > c.get_zorder() for i in ideal for c in drawn if c is not i and c.get_marker() != "x")
+
+
+@pytest.mark.parametrize("name,text", [("inf.json", '[{"world_size": Infinity, "stage": false}]'),
+                                       ("inf.csv", "world_size,stage,tokens_per_s,tokens_per_s_per_gpu,ok\n"
+                                                   "inf,1,2,3,True\n")])
+def test_plot_refuses_non_finite_numbers(tmp_path, name, text):
+    # found by the long fuzzing profile: int(float('inf')) in the scaling reader
+    (tmp_path / name).write_text(text)
+    refused(["plot", str(tmp_path / name), "--kind", "scaling", "--out", str(tmp_path / "o.png")], "RESULTS")

@@ -70,8 +70,11 @@ def parse_yaml(text: str, field: str, value: object):
 
 
 def parse_json(text: str, field: str, value: object):
+    def non_finite(word: str):
+        # Python's json reads NaN/Infinity, which JSON does not have and no zsim number may be
+        raise ZsimInputError(field, value, f"holds {word}, which is not JSON; give finite numbers")
     try:
-        data = json.loads(text)
+        data = json.loads(text, parse_constant=non_finite)
     except json.JSONDecodeError as exc:
         raise ZsimInputError(field, value, f"not valid JSON (line {exc.lineno}: {exc.msg}); fix the file") from None
     except RecursionError:

@@ -24,7 +24,7 @@ def _extract(reader, args, *inputs):
     except (KeyError, IndexError) as exc:
         raise ZsimInputError("RESULTS", args.results, f"lacks {exc} that a --kind {args.kind} plot reads; give the "
                              "file zsim wrote") from None
-    except (TypeError, ValueError, AttributeError) as exc:
+    except (TypeError, ValueError, AttributeError, OverflowError) as exc:
         raise ZsimInputError("RESULTS", args.results, f"has a value of the wrong type for a --kind {args.kind} "
                              f"plot ({exc}); give the file zsim wrote") from None
     if not data:
