@@ -198,10 +198,12 @@ def test_tune_writes_a_ds_config_that_reproduces_the_winner(tmp_path, scen):
 def test_tuned_ds_config_loads_in_deepspeed(tmp_path, scen):
     pytest.importorskip("deepspeed")
     import deepspeed.runtime.config as dsc
-    from zsim.search.tune import ds_config
+    from zsim.config.ds_writer import tuned_ds_config
+    from zsim.search.tune import KNOBS, KNOBS_STAGE3
     base = Base.load(scen)
     best, _ = tune(base, "tokens_per_s", budget=12).ranked[0]
-    cfg = ds_config(base, best)
+    cfg, _ = tuned_ds_config(base.raw.get("deepspeed"), base.scenario(()), base.scenario(best.assignments()),
+                             [*KNOBS, *KNOBS_STAGE3])
 
     class MPU:   # the data-parallel world size DeepSpeed would see in the real job
         def get_data_parallel_world_size(self):

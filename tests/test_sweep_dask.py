@@ -44,4 +44,4 @@ def test_a_sweep_whose_every_point_fails_exits_nonzero(tmp_path):
     path = _base(tmp_path)
     r = zsim_cli("sweep", str(path), "--vary", "deepspeed.zero_optimization.stage=5,7", "--workers", "1", "--quiet")
     assert r.returncode == 1
-    assert "every one of the 2 sweep points failed" in r.stderr.strip().splitlines()[-1]
+    assert "no point of the sweep could be simulated (all 2 failed)" in r.stderr.strip().splitlines()[-1]

@@ -13,7 +13,7 @@ import importlib
 import sys
 from importlib.metadata import entry_points
 
-from zsim.errors import ZsimInputError
+from zsim.errors import ZsimInputError, one_line
 
 COMMANDS = ("run", "compare", "sweep", "plot", "tune", "doctor", "memory")
 PLUGIN_GROUP = "zsim.commands"
@@ -42,11 +42,16 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
+    except BrokenPipeError:
+        # the reader (e.g. `| head`) closed the pipe: stop quietly (Python docs, "Note on SIGPIPE")
+        import os
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except ZsimInputError as err:
         print(f"zsim: error: {err}", file=sys.stderr)
         return 2
     except OSError as err:
-        print(f"zsim: error: {err.filename or ''}: {err.strerror or err}", file=sys.stderr)
+        print(one_line(f"zsim: error: {err.filename or ''}: {err.strerror or err}"), file=sys.stderr)
         return 2
 
 

@@ -4,6 +4,12 @@ from __future__ import annotations
 import difflib
 
 
+def one_line(text: str) -> str:
+    """`text` with control characters escaped (a key or path typed with a newline or a carriage
+    return in it must not break the error into two lines)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 class ZsimInputError(Exception):
     """Bad user input. The CLI prints str(err) on one line and exits with code 2."""
 
@@ -11,7 +17,7 @@ class ZsimInputError(Exception):
         self.field = field
         self.value = value
         self.fix = fix
-        super().__init__(f"{field}: {value!r} is invalid; {fix}")
+        super().__init__(one_line(f"{field}: {value!r} is invalid; {fix}"))
 
 
 def did_you_mean(name: str, choices) -> str:

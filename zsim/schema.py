@@ -15,7 +15,15 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from zsim.errors import ZsimInputError, unknown_key
 
-_SCI = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
+SCIENTIFIC = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
+
+# Every number zsim reads is a count, a size in bytes, a rate, a time or a fraction. Sizes and
+# counts are int64 in DeepSpeed and torch (numel, bucket sizes), so a magnitude above 2**63 is
+# never a real setting, and a nonzero magnitude below 1e-9 (a bandwidth of 1 B/s in GB/s, a
+# fraction of a billionth) is not one either; both would only push zsim's times and bytes to
+# inf/0 and the simulation into an unbounded run.
+MAX_MAGNITUDE = 2.0 ** 63
+MIN_NONZERO_MAGNITUDE = 1e-9
 
 
 def spec(default=dataclasses.MISSING, *, ge=None, gt=None, le=None, alias=None, doc="",
@@ -30,13 +38,17 @@ def _number(value, path: str, want_int: bool):
     # YAML 1.1 reads 5e8 as a string, and DeepSpeed users write 5e8 in JSON: accept both.
     if isinstance(value, bool):
         raise ZsimInputError(path, value, "expected a number, not a boolean")
-    if isinstance(value, str) and _SCI.match(value.strip()):
+    if isinstance(value, str) and SCIENTIFIC.match(value.strip()):
         value = float(value)
     if not isinstance(value, (int, float)):
         kind = "an integer" if want_int else "a number"
         raise ZsimInputError(path, value, f"expected {kind} (e.g. 5e8)")
     if isinstance(value, float) and not math.isfinite(value):
         raise ZsimInputError(path, value, "expected a finite number")
+    if abs(value) > MAX_MAGNITUDE:
+        raise ZsimInputError(path, value, "too large: zsim reads numbers up to 2**63 (DeepSpeed's int64 sizes)")
+    if value and abs(value) < MIN_NONZERO_MAGNITUDE:
+        raise ZsimInputError(path, value, "too small: give 0 or a magnitude of at least 1e-9")
     if want_int:
         if isinstance(value, float):
             if not value.is_integer():
@@ -55,6 +67,12 @@ def _coerce(tp, value, path: str):
         return _coerce(args[0], value, path)
     if origin is Literal:
         choices = get_args(tp)
+        # typed membership: `2.0 in (0, 1, 2, 3)` and `True in (0, 1)` hold in Python, so a float
+        # or a boolean would pass as an integer choice; read integers the way int fields are read
+        if all(isinstance(c, int) and not isinstance(c, bool) for c in choices):
+            value = _number(value, path, want_int=True)
+        elif not isinstance(value, str):
+            raise ZsimInputError(path, value, f"choose one of {', '.join(map(str, choices))}")
         if value not in choices:
             from zsim.errors import did_you_mean
             hint = did_you_mean(str(value), [str(c) for c in choices])

@@ -6,6 +6,7 @@ calibration.harness), so `zsim --help` works without it. See docs/calibration.md
 """
 from __future__ import annotations
 
+import math
 import re
 import sys
 from pathlib import Path
@@ -14,6 +15,9 @@ from zsim.errors import ZsimInputError
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _SIZE = re.compile(r"^\s*([0-9.]+(?:[eE][+-]?\d+)?)\s*([KMG]i?B?|B)?\s*$", re.IGNORECASE)
+# a day is the longest silence worth waiting for; 1,024 ranks are more than any node holds
+_MAX_TIMEOUT_S = 86_400
+_MAX_NPROC_PER_NODE = 1024
 _UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
           "g": 1 << 30, "gb": 10**9, "gib": 1 << 30}
 
@@ -23,7 +27,7 @@ def add_parser(sub):
                        description="Run the calibration microbenchmarks under torchrun and fit a hardware profile "
                                    "(hardware_profiles/NAME.yaml, raw records in calibration/runs/NAME/).")
     p.add_argument("--out", metavar="NAME", required=True, help="profile name: writes hardware_profiles/NAME.yaml")
-    p.add_argument("--quick", action="store_true", help="a short run (well under a minute; tests and CI)")
+    p.add_argument("--quick", action="store_true", help="a short run (about 1.5 min on 2 CPU ranks; tests and CI)")
     p.add_argument("--nproc-per-node", type=str, default=None, metavar="N",
                    help="ranks to launch on this node (default: the GPU count, or 2 on CPU)")
     p.add_argument("--backend", default=None, help="nccl or gloo (default: nccl with CUDA, else gloo)")
@@ -57,16 +61,21 @@ def parse_size(text: str, field: str) -> int:
     unit = (m.group(2) or "").lower() if m else ""
     if not m or unit not in _UNITS:
         raise ZsimInputError(field, text, "give a size in bytes, e.g. 1048576, 1MiB or 64MiB")
-    return int(float(m.group(1)) * _UNITS[unit])
+    value = float(m.group(1)) * _UNITS[unit]
+    if not math.isfinite(value) or value > 1 << 62:   # 1e400 reads as inf
+        raise ZsimInputError(field, text, "too large; give a size such as 64MiB")
+    return int(value)
 
 
-def _positive(text, field, kind=float):
+def _positive(text, field, kind=float, most=_MAX_TIMEOUT_S):
     try:
         v = kind(text)
     except (TypeError, ValueError):
         raise ZsimInputError(field, text, f"expected a positive {'integer' if kind is int else 'number'}") from None
-    if v <= 0:
-        raise ZsimInputError(field, text, f"expected a positive {'integer' if kind is int else 'number'}")
+    if not math.isfinite(v) or v <= 0:   # nan passes `v <= 0` and would disable the hang detection
+        raise ZsimInputError(field, text, f"expected a positive finite {'integer' if kind is int else 'number'}")
+    if v > most:
+        raise ZsimInputError(field, text, f"at most {most:,}")
     return v
 
 
@@ -78,7 +87,7 @@ def resolve(args):
         raise ZsimInputError("--out", args.out, "use a plain name of letters, digits, '.', '_' or '-' "
                                                 "(e.g. cpu-gloo-localhost)")
     mode = "quick" if args.quick else "full"
-    nproc = _positive(args.nproc_per_node, "--nproc-per-node", int) if args.nproc_per_node is not None else None
+    nproc = _positive(args.nproc_per_node, "--nproc-per-node", int, _MAX_NPROC_PER_NODE) if args.nproc_per_node is not None else None
     if args.backend not in (None, "nccl", "gloo"):
         raise ZsimInputError("--backend", args.backend, "choose nccl or gloo")
     max_size = parse_size(args.max_size, "--max-size") if args.max_size is not None else None

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import yaml
 
+from calibration.harness import ds_ops
 from calibration.harness.fit import build_profile
 from calibration.harness.plan import Plan, estimated_cost, items
 from calibration.harness.pool import POOL_FILE
@@ -151,6 +152,16 @@ def _culprit(stat: dict[int, dict], first_dead: dict[int, float], world: int) ->
     return None, "failed"
 
 
+def waiting_on(status: dict, env: dict) -> str:
+    """What a rank silent past the timeout was waiting on, from its last status and the build locks."""
+    held = ds_ops.stale_locks(ds_ops.extensions_root(env), older_than_s=0.0)
+    if held:
+        return f"waiting on the torch-extensions lock {held[0][0]}: {ds_ops.lock_advice(*held[0])}"
+    if status.get("phase") == "sync":
+        return "waiting at the benchmark's synchronisation for a rank that never arrived"
+    return "inside the benchmark's measurement, before its first synchronisation with the other ranks"
+
+
 def measure(plan: Plan, scratch: Path, nproc: int, backend: str | None, log_path: Path) -> None:
     """Run the ranks; return on success, raise CalibrationFailed otherwise."""
     if scratch.exists():
@@ -161,6 +172,10 @@ def measure(plan: Plan, scratch: Path, nproc: int, backend: str | None, log_path
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env["ZSIM_CALIB_NO_PROGRESS"] = "1"    # the launcher draws rank 0's progress itself
+    try:   # before any timed benchmark: a rank must never compile inside one
+        env[ds_ops.READY_ENV] = ds_ops.prepare(env)
+    except ds_ops.OpBuildFailed as err:
+        raise CalibrationFailed(str(err)) from None
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "calibration.harness.worker", "--run-dir", str(scratch)]
     if backend:
@@ -198,10 +213,10 @@ def measure(plan: Plan, scratch: Path, nproc: int, backend: str | None, log_path
                     r = stopped[0]
                     reason = f"rank {r} hung (process stopped) during benchmark '{stat[r]['item']}'"
                 elif lag is not None and len({(s.get('index'), s.get('phase')) for s in stat.values()}) > 1:
-                    reason = f"rank {lag['rank']} hung during benchmark '{lag['item']}'"
+                    reason = f"rank {lag['rank']} hung during benchmark '{lag['item']}' ({waiting_on(lag, env)})"
                 elif lag is not None:
                     reason = (f"ranks {','.join(map(str, sorted(stat)))} made no progress for {plan.timeout_s:g} s "
-                              f"in benchmark '{lag['item']}' (a rank is hung)")
+                              f"in benchmark '{lag['item']}' ({waiting_on(lag, env)})")
                 else:
                     reason = f"no rank started within {plan.timeout_s:g} s (see {log_path})"
                 _kill_job(proc)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 
-from zsim.commands.common import add_scenario_args
+from zsim.commands.common import add_scenario_args, scenario_overrides
 
 NONE = ("deepspeed.zero_optimization.offload_optimizer={device: none}",
         "deepspeed.zero_optimization.offload_param={device: none}")
@@ -73,7 +73,7 @@ def main(args) -> int:
     from zsim.report.table import compare_table
     from zsim.report.writers import dumps, rows_csv, save
 
-    base = Base.load(args.scenario, tuple(args.set or ()))
+    base = Base.load(args.scenario, scenario_overrides(args))
     if args.plot:
         from zsim.report.plots import check_image_path
         check_image_path(args.plot, "--plot")

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 
-from zsim.commands.common import add_scenario_args
+from zsim.commands.common import add_headroom_arg, add_scenario_args, headroom_fraction, scenario_overrides
 from zsim.units import GiB
 
 
@@ -11,6 +11,7 @@ def add_parser(sub):
     add_scenario_args(p, optional=False)
     p.add_argument("--json", metavar="PATH", help="write the diagnosis and ranked fixes as JSON")
     p.add_argument("--top", type=int, default=10, help="print at most this many fixes (default 10)")
+    add_headroom_arg(p)
     p.set_defaults(func=main)
 
 
@@ -33,7 +34,8 @@ def render(rep: dict, top: int = 10):
     fixes = rep["fixes"]
     base = rep["baseline"]
     tried = len(rep["tried"])
-    print(f"\n{len(fixes)} of {tried} simulated changes fit (GPU and host), fastest first "
+    margin = f", within {rep['headroom_fraction']:.0%} headroom" if rep.get("headroom_fraction") else ""
+    print(f"\n{len(fixes)} of {tried} simulated changes fit (GPU and host{margin}), fastest first "
           f"(baseline step {base['step_time_s']:.3f} s{'' if base['fits'] else ', if it fit'}):")
     for i, f in enumerate(fixes[:top], 1):
         print(f"{i}. {f['name']}: step {f['step_time_s']:.3f} s, {f['tokens_per_s']:,.0f} tokens/s "
@@ -48,7 +50,18 @@ def main(args) -> int:
     from zsim.search.doctor import doctor_file
     from zsim.report.writers import dumps, save
 
-    rep = doctor_file(args.scenario, tuple(args.set or ()))
+    from zsim.errors import ZsimInputError
+    from zsim.result import fits_with_headroom
+
+    if args.top < 0:
+        raise ZsimInputError("--top", args.top, "give 0 or more")
+    headroom = headroom_fraction(args.headroom)
+    rep = doctor_file(args.scenario, scenario_overrides(args))
+    if headroom:
+        # the fixes listed are those that fit; with a margin, those that fit inside it
+        cap = rep["diagnosis"]["capacity_bytes"]
+        rep["headroom_fraction"] = headroom
+        rep["fixes"] = [f for f in rep["fixes"] if fits_with_headroom(f["peak_bytes"], cap, True, headroom)]
     render(rep, args.top)
     if args.json:
         save(args.json, dumps(rep))

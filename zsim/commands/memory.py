@@ -9,14 +9,15 @@ accounting of the same scenario differs.
 """
 from __future__ import annotations
 
-from zsim.commands.common import add_scenario_args
+from zsim.commands.common import add_scenario_args, scenario_overrides
 from zsim.errors import ZsimInputError
+from zsim.schema import _number
 from zsim.units import GiB
 
 
 def add_parser(sub):
     p = sub.add_parser("memory", help="memory per GPU/node: DeepSpeed's estimator figures and zsim's full accounting")
-    add_scenario_args(p)
+    add_scenario_args(p, cluster_flags=False)
     p.add_argument("--like-deepspeed", action="store_true",
                    help="print exactly what DeepSpeed's estimate_zero{2,3}_model_states_mem_needs_all_* print")
     p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="estimator stage (default: the scenario's)")
@@ -30,8 +31,10 @@ def add_parser(sub):
 
 
 def _positive(name: str, value):
-    if value is not None and value <= 0:
-        raise ZsimInputError(name, value, "must be greater than 0")
+    if value is not None:
+        value = _number(value, name, want_int=isinstance(value, int))   # finite, within 2**63
+        if value <= 0:
+            raise ZsimInputError(name, value, "must be greater than 0")
 
 
 def estimator_report(args) -> dict:
@@ -41,11 +44,12 @@ def estimator_report(args) -> dict:
 
     for name in ("total_params", "gpus_per_node", "nodes", "buffer_factor"):
         _positive("--" + name.replace("_", "-"), getattr(args, name))
+    _number(args.largest_layer_params, "--largest-layer-params", want_int=True)
     if args.largest_layer_params < 0:
         raise ZsimInputError("--largest-layer-params", args.largest_layer_params, "must be 0 or more")
     sc = None
     if args.total_params is None or args.gpus_per_node is None or args.nodes is None or args.stage is None:
-        sc = load_scenario(args.scenario, tuple(args.set or ()))
+        sc = load_scenario(args.scenario, scenario_overrides(args))
     if args.total_params is not None:
         total, largest, mode = args.total_params, args.largest_layer_params, "cold"
     else:
@@ -87,7 +91,7 @@ def compare_report(args) -> dict:
     from zsim.report.memory_estimate import DIFFERENCES, deepspeed_rows, matching_row, params_like_deepspeed
     from zsim.schedule.build import workload_for
 
-    sc = load_scenario(args.scenario, tuple(args.set or ()))
+    sc = load_scenario(args.scenario, scenario_overrides(args))
     result, _ = run_scenario(sc)
     total, largest = params_like_deepspeed(workload_for(sc))
     z = sc.zero
@@ -130,6 +134,11 @@ def _state_notes(sc, row, zsim_states) -> list[str]:
 def main(args) -> int:
     from zsim.report.writers import dumps, write_atomic
 
+    cold = (("--total-params", args.total_params, None), ("--largest-layer-params", args.largest_layer_params, 0))
+    for flag, value, unset in cold:
+        if not args.like_deepspeed and value != unset:
+            raise ZsimInputError(flag, value, "is read only with --like-deepspeed (DeepSpeed's estimator for a "
+                                 "parameter count); add --like-deepspeed, or drop it to compare the scenario's model")
     if args.like_deepspeed:
         rep = estimator_report(args)
         print_like_deepspeed(rep)

@@ -15,6 +15,24 @@ def add_parser(sub):
     p.set_defaults(func=main)
 
 
+def _extract(reader, args, *inputs):
+    """A reader of zsim's own output (plots.*_data) on a file of the right kind but not of the
+    shape zsim writes (a column missing, a text where a number belongs): one line naming it."""
+    from zsim.errors import ZsimInputError
+    try:
+        data = reader(*inputs)
+    except (KeyError, IndexError) as exc:
+        raise ZsimInputError("RESULTS", args.results, f"lacks {exc} that a --kind {args.kind} plot reads; give the "
+                             "file zsim wrote") from None
+    except (TypeError, ValueError, AttributeError, OverflowError) as exc:
+        raise ZsimInputError("RESULTS", args.results, f"has a value of the wrong type for a --kind {args.kind} "
+                             f"plot ({exc}); give the file zsim wrote") from None
+    if not data:
+        raise ZsimInputError("RESULTS", args.results, f"holds nothing a --kind {args.kind} plot can draw; give the "
+                             "file zsim wrote")
+    return data
+
+
 def main(args) -> int:
     from zsim.report import plots
 
@@ -23,17 +41,17 @@ def main(args) -> int:
     title = args.title or Path(args.results).stem
     if args.kind == "scaling":
         plots._need(args.kind, have, ("rows",))
-        plots.scaling_plot(plots.scaling_data(data), title, args.out)
+        plots.scaling_plot(_extract(plots.scaling_data, args, data), title, args.out)
     elif args.kind == "throughput":
         plots._need(args.kind, have, ("rows",))
-        plots.throughput_plot(plots.throughput_data(data), title, args.out)
+        plots.throughput_plot(_extract(plots.throughput_data, args, data), title, args.out)
     elif args.kind == "memory":
         plots._need(args.kind, have, ("rows", "run"))
-        plots.memory_plot(plots.memory_data(have, data), title, args.out)
+        plots.memory_plot(_extract(plots.memory_data, args, have, data), title, args.out)
     elif args.kind == "timeline":
         plots._need(args.kind, have, ("trace",))
-        plots.timeline_plot(plots.timeline_data(data), title, args.out)
+        plots.timeline_plot(_extract(plots.timeline_data, args, data), title, args.out)
     else:
         plots._need(args.kind, have, ("trace",))
-        plots.memory_timeline_plot(plots.memory_timeline_data(data), title, args.out)
+        plots.memory_timeline_plot(_extract(plots.memory_timeline_data, args, data), title, args.out)
     return 0

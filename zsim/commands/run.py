@@ -1,9 +1,13 @@
-"""zsim run: simulate one training step of a scenario."""
+"""zsim run: simulate one training step of a scenario (or a ds_config.json with --model/--gpus)."""
 from __future__ import annotations
 
 import argparse
+import sys
 
-from zsim.commands.common import add_scenario_args
+from zsim.commands.common import add_headroom_arg, add_scenario_args, headroom_fraction, scenario_overrides
+
+# `--check`: the exit code a script can gate on when the step is predicted not to fit
+EXIT_OOM = 3
 
 
 def add_parser(sub):
@@ -12,6 +16,10 @@ def add_parser(sub):
     p.add_argument("--json", metavar="PATH", help="write the result as JSON")
     p.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace of the step")
     p.add_argument("--quiet", action="store_true", help="no table on the terminal")
+    p.add_argument("--check", action="store_true",
+                   help=f"exit {EXIT_OOM} when the step does not fit (GPU or host memory, with --headroom)")
+    add_headroom_arg(p)
+    p.add_argument("--width", type=int, metavar="COLS", help="table width (default: the terminal's; 400 when piped)")
     # hidden: simulate every micro-step instead of reusing the steady state (zsim/engine/steady.py)
     p.add_argument("--full-simulation", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=main)
@@ -20,16 +28,29 @@ def add_parser(sub):
 def main(args) -> int:
     from zsim.api import run_scenario
     from zsim.config.scenario import load_scenario
-    from zsim.report.table import render
+    from zsim.errors import ZsimInputError
+    from zsim.report.table import make_console, render
     from zsim.report.writers import dumps, save, trace_json
+    from zsim.units import GiB
 
-    sc = load_scenario(args.scenario, tuple(args.set or ()))
+    headroom = headroom_fraction(args.headroom)
+    if args.width is not None and not 20 <= args.width <= 10_000:
+        raise ZsimInputError("--width", args.width, "give 20 to 10000 columns")
+    sc = load_scenario(args.scenario, scenario_overrides(args))
     result, trace = run_scenario(sc, steady=not args.full_simulation)
     if not args.quiet:
-        render(result)
+        render(result, make_console(args.width))
+    fits = result.fits_with(headroom)
+    if headroom and result.fits and not fits:
+        mem = result.memory
+        print(f"with {headroom:.0%} headroom: peak {mem.peak_bytes / GiB:.2f} GiB over the "
+              f"{mem.capacity_bytes * (1 - headroom) / GiB:.2f} GiB allowed -> does not fit", file=sys.stderr)
     if args.json:
         save(args.json, dumps(result.to_dict()))
     if args.trace:
         save(args.trace, trace_json(trace, sc.name))
+    if args.check and not fits:
+        print(f"zsim: check failed: {sc.name} is predicted not to fit"
+              f"{f' with {headroom:.0%} headroom' if headroom else ''} (exit {EXIT_OOM})", file=sys.stderr)
+        return EXIT_OOM
     return 0
-

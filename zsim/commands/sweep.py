@@ -5,7 +5,7 @@ import itertools
 import os
 import sys
 
-from zsim.commands.common import add_scenario_args
+from zsim.commands.common import add_scenario_args, scenario_overrides
 from zsim.errors import ZsimInputError
 
 
@@ -136,17 +136,21 @@ def add_parser(sub):
 def main(args) -> int:
     from zsim.report.writers import dumps, rows_csv, save
 
-    if args.workers < 1:
-        raise ZsimInputError("--workers", args.workers, "use 1 or more worker processes")
+    # each worker is a forked process holding a copy of the scenario: more than a few per core
+    # only costs memory
+    max_workers = 4 * (os.cpu_count() or 1)
+    if not 1 <= args.workers <= max_workers:
+        raise ZsimInputError("--workers", args.workers, f"use 1 to {max_workers} worker processes (4 per CPU core)")
     if (args.executor == "dask") != (args.scheduler is not None):
         raise ZsimInputError("--scheduler", args.scheduler,
                              "give --scheduler tcp://HOST:8786 with --executor dask, and only with it")
     axes = parse_vary(args.vary)
     from zsim.search.variants import Base
-    Base.load(args.scenario, tuple(args.set or ()))   # bad base input fails once, here
+    overrides = scenario_overrides(args)
+    Base.load(args.scenario, overrides)   # bad base input fails once, here
     import time
     t0 = time.perf_counter()
-    rows = run_sweep(args.scenario, tuple(args.set or ()), axes, args.workers, progress=not args.quiet,
+    rows = run_sweep(args.scenario, overrides, axes, args.workers, progress=not args.quiet,
                      scheduler=args.scheduler)
     wall = time.perf_counter() - t0
     failed = sum(not r["ok"] for r in rows)
@@ -158,8 +162,8 @@ def main(args) -> int:
         save(args.csv, rows_csv(rows))
     if args.json:
         save(args.json, dumps(rows))
-    if rows and failed == len(rows):
-        print(f"zsim: error: every one of the {len(rows)} sweep points failed; the first: {rows[0]['error']}",
-              file=sys.stderr)
+    if rows and failed == len(rows):   # nothing to plot or compare: a script must see it
+        print(f"zsim: error: no point of the sweep could be simulated (all {len(rows)} failed); "
+              f"the first: {rows[0]['error']}", file=sys.stderr)
         return 1
     return 0

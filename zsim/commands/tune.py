@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
-from zsim.commands.common import add_scenario_args
+from zsim.commands.common import add_headroom_arg, add_scenario_args, headroom_fraction, scenario_overrides
 from zsim.errors import ZsimInputError
 
 
@@ -17,7 +17,21 @@ def add_parser(sub):
     p.add_argument("--out", metavar="DS_CONFIG.json", help="write the best configuration as a ds_config.json")
     p.add_argument("--json", metavar="PATH", help="write the ranked candidates as JSON")
     p.add_argument("--force", action="store_true", help="overwrite an existing --out file")
+    add_headroom_arg(p)
     p.set_defaults(func=main)
+
+
+def distinct(ranked) -> list:
+    """The ranking with configurations that simulate identically merged (a knob that changes
+    nothing, e.g. a prefetch size above every layer, gives the same step): the first, which sets
+    the fewest knobs among its equals at the same rank, stays."""
+    out, seen = [], set()
+    for c, r in ranked:
+        key = (c.stage, c.offload, c.micro_batch, c.gas, c.checkpointing, r.step_time_s, r.memory.peak_bytes)
+        if key not in seen:
+            seen.add(key)
+            out.append((c, r))
+    return out
 
 
 def main(args) -> int:
@@ -25,27 +39,37 @@ def main(args) -> int:
 
     from zsim.report.table import tune_table
     from zsim.report.writers import dumps, save
-    from zsim.search.tune import ds_config, tune
+    from zsim.config.ds_writer import tuned_ds_config
+    from zsim.search.tune import KNOBS, KNOBS_STAGE3, tune
     from zsim.search.variants import Base
 
     if args.budget < 1:
         raise ZsimInputError("--budget", args.budget, "simulate at least 1 configuration")
+    if args.top < 0:
+        raise ZsimInputError("--top", args.top, "give 0 or more")
+    headroom = headroom_fraction(args.headroom)
     if args.out and Path(args.out).exists() and not args.force:
         raise ZsimInputError("--out", args.out, "the file exists; pass --force to overwrite it or choose another path")
-    base = Base.load(args.scenario, tuple(args.set or ()))
+    base = Base.load(args.scenario, scenario_overrides(args))
     res = tune(base, args.objective, args.budget)
+    res.ranked = distinct(r for r in res.ranked if r[1].fits_with(headroom))
     tune_table(res, args.top)
     print(f"simulated {res.simulated} configurations ({len(res.pruned)} pruned by the memory lower bound, "
           f"{res.rejected} rejected as invalid) in {res.wall_s:.1f} s", file=sys.stderr)
     if not res.ranked:
-        print("zsim: no configuration fits; see zsim doctor for offload/NVMe options", file=sys.stderr)
+        margin = f" with {headroom:.0%} headroom" if headroom else ""
+        print(f"zsim: no configuration fits{margin}; see zsim doctor for offload/NVMe options", file=sys.stderr)
         return 1
     best, _ = res.ranked[0]
     if best.checkpointing != "none":
         print(f"note: the best configuration uses {best.checkpointing} activation checkpointing; enable it in the "
               "model (e.g. model.gradient_checkpointing_enable() or deepspeed.checkpointing)", file=sys.stderr)
     if args.out:
-        save(args.out, json.dumps(ds_config(base, best), indent=2) + "\n")
+        cfg, notes = tuned_ds_config(base.raw.get("deepspeed"), base.scenario(()), base.scenario(best.assignments()),
+                                     [*KNOBS, *KNOBS_STAGE3])
+        save(args.out, json.dumps(cfg, indent=2) + "\n")
+        for note in notes:
+            print(f"note: {note}", file=sys.stderr)
     if args.json:
         rows = [{"rank": i + 1, "set": list(c.assignments()), "stage": c.stage, "offload": c.offload,
                  "micro_batch_size": c.micro_batch, "gradient_accumulation_steps": c.gas,

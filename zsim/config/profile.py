@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
 from zsim.errors import ZsimInputError, did_you_mean
+from zsim.inputs import parse_yaml, read_text
 from zsim.schema import build
 from zsim.specs.hardware import HardwareProfile
 
@@ -30,11 +29,9 @@ def read_profile_mapping(ref: str, base_dir: Path | None = None) -> tuple[dict, 
         candidates.append(profiles_dir() / f"{ref}.yaml")
     for c in candidates:
         if c.is_file():
-            try:
-                data = yaml.safe_load(c.read_text())
-            except yaml.YAMLError as exc:
-                line = getattr(getattr(exc, "problem_mark", None), "line", -1) + 1
-                raise ZsimInputError("hardware.profile", str(c), f"the profile is not valid YAML (line {line}); fix its syntax") from None
+            data = parse_yaml(read_text(c, "hardware.profile", "a hardware profile YAML"), "hardware.profile", str(c))
+            if data is not None and not isinstance(data, dict):
+                raise ZsimInputError("hardware.profile", str(c), "a profile must be a mapping of keys to values")
             return data, str(c)
     names = available_profiles()
     raise ZsimInputError("hardware.profile", ref,

@@ -8,29 +8,33 @@ strict construction -> batch-size and precision consistency (DeepSpeed's rules).
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import replace
 from pathlib import Path
 
 import yaml
 
 from zsim.config.profile import load_profile
+from zsim.config.source import SCENARIO_KEYS, as_scenario, is_ds_config
 from zsim.errors import ZsimInputError, did_you_mean, unknown_key
+from zsim.inputs import check_nesting, parse_json, parse_yaml, read_text, too_deep
 from zsim.schema import _number, accepted_keys, build
-from zsim.specs.deepspeed import IGNORED_TOP_LEVEL, DeepSpeedConfig
+from zsim.specs.deepspeed import COMM_DATA_TYPES, IGNORED_TOP_LEVEL, DeepSpeedConfig
 from zsim.specs.hardware import Cluster
 from zsim.specs.model import PRESETS, ModelSpec
-from zsim.specs.scenario import HardwareSpec, Scenario, TrainingSpec
-
-_TOP_KEYS = ("name", "description", "model", "hardware", "training", "deepspeed")
+from zsim.specs.scenario import MAX_WORLD_SIZE, HardwareSpec, Scenario, TrainingSpec
 
 
 def parse_value(text: str):
     """A --set value: YAML scalar rules (so 5e8, true, [1, 2] and {a: 1} work)."""
+    shown = text if len(text) <= 40 else text[:40] + "..."
     try:
-        return yaml.safe_load(text)
+        value = yaml.safe_load(text)
     except yaml.YAMLError:
         return text
+    except RecursionError:
+        raise too_deep("--set", shown) from None
+    check_nesting(value, "--set", shown)
+    return value
 
 
 def apply_set(raw: dict, assignment: str) -> dict:
@@ -40,8 +44,8 @@ def apply_set(raw: dict, assignment: str) -> dict:
     keys = [k for k in path.strip().split(".") if k]
     if not keys:
         raise ZsimInputError("--set", assignment, "the key path is empty; use --set a.b.c=value")
-    if keys[0] not in _TOP_KEYS:
-        raise unknown_key("", keys[0], _TOP_KEYS)
+    if keys[0] not in SCENARIO_KEYS:
+        raise unknown_key("", keys[0], SCENARIO_KEYS)
     out = copy.deepcopy(raw)
     node = out
     for i, k in enumerate(keys[:-1]):
@@ -56,16 +60,11 @@ def apply_set(raw: dict, assignment: str) -> dict:
 
 
 def _read_yaml(path: Path) -> dict:
-    if not path.is_file():
-        raise ZsimInputError("scenario", str(path), "file not found; give the path of a scenario YAML")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise ZsimInputError("scenario", str(path), f"not valid YAML{where}; fix the syntax") from None
+    text = read_text(path, "scenario", "a scenario YAML or a ds_config.json")
+    data = parse_yaml(text, "scenario", str(path))
     if not isinstance(data, dict):
-        raise ZsimInputError("scenario", str(path), "expected a mapping with keys model, hardware, training, deepspeed")
+        raise ZsimInputError("scenario", str(path), "expected a mapping with keys model, hardware, training, "
+                             "deepspeed (or a ds_config.json)")
     return data
 
 
@@ -73,12 +72,7 @@ def _read_ds_config(ref: str, base_dir: Path) -> dict:
     p = Path(ref)
     if not p.is_absolute():
         p = base_dir / p
-    if not p.is_file():
-        raise ZsimInputError("deepspeed", ref, "ds_config file not found; give an inline mapping or a path to ds_config.json")
-    try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise ZsimInputError("deepspeed", ref, f"not valid JSON (line {exc.lineno}: {exc.msg}); fix the file") from None
+    data = parse_json(read_text(p, "deepspeed", "a ds_config.json (or give an inline mapping)"), "deepspeed", ref)
     if not isinstance(data, dict):
         raise ZsimInputError("deepspeed", ref, "a ds_config must be a JSON object")
     return data
@@ -90,7 +84,7 @@ def _resolve_model(raw: dict) -> ModelSpec:
     preset = raw.get("preset")
     merged: dict = {}
     if preset is not None:
-        if preset not in PRESETS:
+        if not isinstance(preset, str) or preset not in PRESETS:
             raise ZsimInputError("model.preset", preset, f"unknown preset{did_you_mean(str(preset), PRESETS)}; "
                                  f"available: {', '.join(sorted(PRESETS))}")
         merged.update(PRESETS[preset])
@@ -146,6 +140,13 @@ def _check_top_level_ds(ds: dict):
     for key in ds:
         if key not in known:
             raise unknown_key("deepspeed", str(key), known)
+    # ignored for time and memory, but DeepSpeed refuses a bad value at start-up
+    # (runtime/config.py get_communication_data_type: fp16, bf16 or fp32, any case)
+    for key in ("communication_data_type", "seq_parallel_communication_data_type"):
+        value = ds.get(key)
+        if value is not None and (not isinstance(value, str) or value.lower() not in COMM_DATA_TYPES):
+            raise ZsimInputError(f"deepspeed.{key}", value, f"choose one of {', '.join(COMM_DATA_TYPES)}"
+                                 f"{did_you_mean(str(value).lower(), COMM_DATA_TYPES)} (DeepSpeed rejects others)")
 
 
 def _resolve_batch(ds: dict, training: TrainingSpec, world_size: int) -> dict:
@@ -204,22 +205,32 @@ def _resolve_precision(ds: DeepSpeedConfig, training: TrainingSpec) -> tuple[Dee
 
 def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenario") -> Scenario:
     for key in raw:
-        if key not in _TOP_KEYS:
-            raise unknown_key("", str(key), _TOP_KEYS)
-    for key in ("model", "hardware"):
+        if key not in SCENARIO_KEYS:
+            raise unknown_key("", str(key), SCENARIO_KEYS)
+    for key, flag in (("model", "--model NAME"), ("hardware", "--gpus N")):
         if key not in raw:
-            raise ZsimInputError(key, None, f"the scenario needs a '{key}:' block")
+            raise ZsimInputError(key, None, f"the scenario needs a '{key}:' block (or add {flag})")
     model = _resolve_model(raw["model"])
     hw = build(HardwareSpec, raw["hardware"], "hardware")
     profile = load_profile(hw.profile, hw.override or None, base_dir)
     cluster = Cluster(profile=profile, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node or profile.gpus_per_node)
+    if cluster.world_size > MAX_WORLD_SIZE:
+        raise ZsimInputError("hardware.nodes", hw.nodes, f"gives {cluster.world_size:,} GPUs "
+                             f"({cluster.gpus_per_node} per node); zsim simulates up to {MAX_WORLD_SIZE:,} "
+                             "(2**18, above the largest clusters built)")
     training = build(TrainingSpec, raw.get("training") or {}, "training")
     ds_raw = raw.get("deepspeed") or {}
     if not isinstance(ds_raw, dict):
         raise ZsimInputError("deepspeed", ds_raw, "expected an inline mapping or a path to ds_config.json")
     ds_raw = copy.deepcopy(ds_raw)
     if "bfloat16" in ds_raw:  # DeepSpeed's older spelling of the bf16 block
-        ds_raw.setdefault("bf16", ds_raw.pop("bfloat16"))
+        old = ds_raw.pop("bfloat16")
+        # runtime/config.py get_bfloat16_config reads "bf16" and ignores "bfloat16" when both are
+        # given: a differing second block would silently not apply, so refuse it
+        if "bf16" in ds_raw and ds_raw["bf16"] != old:
+            raise ZsimInputError("deepspeed.bfloat16", old, f"conflicts with deepspeed.bf16={ds_raw['bf16']!r} "
+                                 "(DeepSpeed reads bf16 and ignores bfloat16); keep one block")
+        ds_raw.setdefault("bf16", old)
     _check_top_level_ds(ds_raw)
     ds_raw = _resolve_auto(ds_raw, model, training, cluster.world_size)
     ds_raw = _resolve_batch(ds_raw, training, cluster.world_size)
@@ -238,10 +249,19 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
 
 
 def load_raw(path: Path) -> dict:
+    """A scenario file's mapping; a ds_config.json given instead becomes {name, deepspeed}
+    (zsim.config.source), to which --model/--gpus add the model and the cluster."""
     raw = _read_yaml(path)
+    if is_ds_config(raw):
+        return as_scenario(raw, path)
     if isinstance(raw.get("deepspeed"), str):
         raw["deepspeed"] = _read_ds_config(raw["deepspeed"], path.parent)
     return raw
+
+
+def source_is_ds_config(path: str | Path) -> bool:
+    """Whether the file given where a scenario belongs is a ds_config.json (read errors are the loader's)."""
+    return is_ds_config(_read_yaml(Path(path)))
 
 
 def load_scenario(path: str | Path, overrides: tuple[str, ...] = ()) -> Scenario:

@@ -9,6 +9,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from zsim.errors import ZsimInputError  # noqa: E402
+from zsim.inputs import parse_json, read_text  # noqa: E402
 from zsim.result import row_fits  # noqa: E402
 from zsim.units import GiB  # noqa: E402
 
@@ -109,19 +110,16 @@ def load_results(path: str):
     """('rows', [flat dicts]) for sweep CSV/JSON or compare JSON, ('run', dict) for a run
     JSON, ('trace', dict) for a Chrome trace written by zsim run --trace."""
     import csv
-    import json
     p = Path(path)
-    if not p.is_file():
-        raise ZsimInputError("RESULTS", path, "file not found; give a sweep CSV/JSON, a run JSON or a trace")
-    text = p.read_text()
+    text = read_text(p, "RESULTS", "a sweep CSV/JSON, a compare or run JSON or a trace")
     if p.suffix.lower() == ".csv":
         rows = [{k: _num(v) for k, v in r.items()} for r in csv.DictReader(text.splitlines())]
         return "rows", rows
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ZsimInputError("RESULTS", path, f"not valid JSON (line {exc.lineno}); give a zsim output file") from None
+    data = parse_json(text, "RESULTS", path)
     if isinstance(data, list):
+        if not all(isinstance(r, dict) for r in data):
+            raise ZsimInputError("RESULTS", path, "a results list holds one mapping per row; give a zsim sweep or "
+                                 "compare JSON")
         from zsim.report.writers import flatten
         return "rows", [flatten(r) if "memory" in r else r for r in data]
     if isinstance(data, dict) and "traceEvents" in data:
@@ -168,16 +166,23 @@ def scaling_plot(data: dict, title: str, path: str):
         color = PALETTE[2 * i]
         g = [p["gpus"] for p in pts]
         style = markers[i % len(markers)]
-        ax1.plot(g, [p["tokens_per_s"] for p in pts], style, color=color, label=f"ZeRO-{stage}", markersize=7 - i)
-        ax2.plot(g, [p["tokens_per_s_per_gpu"] for p in pts], style, color=color, label=f"ZeRO-{stage}",
-                 markersize=7 - i)
-        first = next((p for p in pts if not p["oom"]), pts[0])
-        ax1.plot(g, [first["tokens_per_s"] * x / first["gpus"] for x in g], "--", color=color, alpha=0.5,
-                 linewidth=1)
-        for p in pts:
-            if p["oom"]:
-                for ax, key in ((ax1, "tokens_per_s"), (ax2, "tokens_per_s_per_gpu")):
-                    ax.plot(p["gpus"], p[key], "x", color="red", markersize=11, markeredgewidth=2.5)
+        fit = [p for p in pts if not p["oom"]]
+        for ax, key in ((ax1, "tokens_per_s"), (ax2, "tokens_per_s_per_gpu")):
+            # the whole curve faint and thin, the fitting points bold on top: an all-OOM stage
+            # (often the fastest, ZeRO-0) no longer paints over the curves that fit
+            ax.plot(g, [p[key] for p in pts], ":", color=color, alpha=0.45, linewidth=1, zorder=2)
+            if fit:
+                ax.plot([p["gpus"] for p in fit], [p[key] for p in fit], style, color=color, label=f"ZeRO-{stage}",
+                        markersize=7 - i, zorder=3)
+            else:
+                ax.plot([], [], ":", color=color, label=f"ZeRO-{stage} (OOM everywhere)")
+            oom = [p for p in pts if p["oom"]]
+            ax.plot([p["gpus"] for p in oom], [p[key] for p in oom], "x", color="red", markersize=8,
+                    markeredgewidth=1.8, alpha=0.8, zorder=4)
+        if fit:   # ideal scaling from the first point that fits, above the curves (zorder 5)
+            first = fit[0]
+            ax1.plot(g, [first["tokens_per_s"] * x / first["gpus"] for x in g], "--", color=color, alpha=0.6,
+                     linewidth=1, zorder=5)
     ax1.plot([], [], "--", color="gray", label="ideal linear scaling")
     ax1.plot([], [], "x", color="red", markeredgewidth=2.5, label="OOM (best config does not fit)")
     for ax in (ax1, ax2):

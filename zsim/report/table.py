@@ -9,8 +9,20 @@ from zsim.result import Result, row_fits
 from zsim.units import GiB
 
 
+# Piped output (a file, `| less`) is not cut at 80 columns: rich's default for a non-terminal.
+PIPED_WIDTH = 400
+
+
+def make_console(width: int | None = None) -> Console:
+    """The table console: `--width` when given, else the terminal's, else PIPED_WIDTH."""
+    import sys
+    if width is None and not sys.stdout.isatty():
+        width = PIPED_WIDTH
+    return Console(width=width)
+
+
 def render(r: Result, console: Console | None = None):
-    console = console or Console()
+    console = console or make_console()
     head = (f"[bold]{r.scenario}[/bold]: ZeRO stage {r.stage}, {r.world_size} GPUs "
             f"({r.nodes} x {r.gpus_per_node} {r.hardware_profile}), {r.precision}, "
             f"{r.n_params / 1e9:.2f} B params, micro-batch {r.micro_batch_size} x GAS "
@@ -64,7 +76,7 @@ def render(r: Result, console: Console | None = None):
 
 
 def compare_table(name: str, rows: list[dict], console: Console | None = None):
-    console = console or Console()
+    console = console or make_console()
     t = Table(title=f"{name}: ZeRO stages and offload variants (per GPU)")
     for col, just in (("variant", "left"), ("fits", "center"), ("peak/cap GiB", "right"), ("host GiB/node", "right"),
                       ("step s", "right"), ("tok/s/GPU", "right"), ("MFU", "right"),
@@ -90,7 +102,7 @@ def compare_table(name: str, rows: list[dict], console: Console | None = None):
 
 
 def sweep_table(rows: list[dict], keys: list[str], console: Console | None = None, limit: int = 40):
-    console = console or Console()
+    console = console or make_console()
     t = Table(title=f"sweep: {len(rows)} points" + (f" (first {limit})" if len(rows) > limit else ""))
     for k in keys:
         t.add_column(k.split(".")[-1])
@@ -107,7 +119,7 @@ def sweep_table(rows: list[dict], keys: list[str], console: Console | None = Non
 
 
 def tune_table(res, top: int, console: Console | None = None):
-    console = console or Console()
+    console = console or make_console()
     t = Table(title=f"best configurations that fit (objective: {res.objective})")
     for col in ("#", "stage", "offload", "mb x gas", "ckpt", "knobs", "tok/s/GPU", "MFU", "peak GiB"):
         t.add_column(col, justify="right" if col in ("#", "tok/s/GPU", "MFU", "peak GiB") else "left")

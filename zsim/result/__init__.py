@@ -17,6 +17,13 @@ def fits(gpu_fits: bool, host_fits: bool) -> bool:
     return bool(gpu_fits and host_fits)
 
 
+def fits_with_headroom(peak_bytes: float, capacity_bytes: float, host_fits: bool, headroom_fraction: float) -> bool:
+    """`fits` with a safety margin (`--headroom 10%`): the peak must stay within (1 - headroom) of
+    the HBM capacity, for what the simulation does not see (allocator behaviour of a particular
+    torch version, kernels' workspaces, a longer sequence in the data). 0 is the plain rule."""
+    return fits(peak_bytes <= capacity_bytes * (1.0 - headroom_fraction), host_fits)
+
+
 def row_fits(row: Mapping) -> bool:
     """`fits` read back from a written row: a sweep row (a flattened Result, `memory.fits` and
     `memory.host.fits` columns) or a compare row (its `fits` column is already the rule)."""
@@ -90,6 +97,10 @@ class Result:
     @property
     def fits(self) -> bool:
         return fits(self.memory.fits, self.memory.host.fits)
+
+    def fits_with(self, headroom_fraction: float) -> bool:
+        return fits_with_headroom(self.memory.peak_bytes, self.memory.capacity_bytes, self.memory.host.fits,
+                                  headroom_fraction)
 
     def to_dict(self) -> dict:
         """The JSON/CSV shape: nested mappings in declaration order, warnings as a list."""

@@ -200,39 +200,3 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int = 60) -> TuneR
                     best_c, best_r = trial, r
     return TuneResult(ranked(), list(seen.values()), pruned, rejected, time.perf_counter() - t0, objective)
 
-
-def ds_config(base: Base, c: TunePoint) -> dict:
-    """A complete ds_config.json for the candidate (DeepSpeed 0.19.8 keys)."""
-    sc = base.scenario(c.assignments())
-    z = sc.zero
-    zero: dict = {"stage": z.stage, "overlap_comm": z.overlap, "contiguous_gradients": z.contiguous_gradients,
-                  "reduce_scatter": z.reduce_scatter, "reduce_bucket_size": z.reduce_bucket_size}
-    if z.stage in (1, 2):
-        zero["allgather_bucket_size"] = z.allgather_bucket_size
-    if z.stage == 3:
-        zero.update({"stage3_prefetch_bucket_size": z.prefetch_bucket_size,
-                     "stage3_param_persistence_threshold": z.param_persistence_threshold,
-                     "stage3_max_live_parameters": z.max_live_parameters,
-                     "stage3_max_reuse_distance": z.max_reuse_distance,
-                     "sub_group_size": z.sub_group_size})
-    if z.optimizer_offload_device != "none":
-        zero["offload_optimizer"] = {"device": z.optimizer_offload_device, "pin_memory": True}
-    if z.param_offload_device != "none":
-        zero["offload_param"] = {"device": z.param_offload_device, "pin_memory": True}
-    cfg: dict = {
-        "train_batch_size": sc.global_batch_size,
-        "train_micro_batch_size_per_gpu": sc.micro_batch_size,
-        "gradient_accumulation_steps": sc.gradient_accumulation_steps,
-        "gradient_clipping": sc.deepspeed.gradient_clipping,
-        "zero_optimization": zero,
-        "steps_per_print": 100,
-        "wall_clock_breakdown": False,
-    }
-    if sc.precision == "bf16":
-        cfg["bf16"] = {"enabled": True}
-    elif sc.precision == "fp16":
-        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
-                       "hysteresis": 2, "min_loss_scale": 1}
-    opt = sc.deepspeed.optimizer
-    cfg["optimizer"] = {"type": opt.type, "params": dict(opt.params) or {"lr": 1e-4, "weight_decay": 0.0}}
-    return cfg

@@ -12,6 +12,13 @@ from typing import Any, Literal, Optional
 
 from zsim.schema import spec
 
+# Gradient accumulation: no published run accumulates more than a few thousand micro-steps, and
+# past a few the step's per-micro-step figures repeat (each extra micro-step adds the same time),
+# so 2**16 is a bound of meaning, not of simulation speed.
+MAX_GRADIENT_ACCUMULATION_STEPS = 2**16
+# Sequences per GPU per micro-step: far above what fits in any GPU at any sequence length.
+MAX_MICRO_BATCH_SIZE = 2**16
+
 
 @dataclass(frozen=True, kw_only=True)
 class OffloadParamConfig:
@@ -192,6 +199,10 @@ IGNORED_TOP_LEVEL = frozenset({
 })
 
 
+# runtime/config.py get_communication_data_type accepts these (lower-cased) and raises on others
+COMM_DATA_TYPES = ("fp16", "bf16", "fp32")
+
+
 # Accepted keys that do change a real run but that zsim does not simulate yet: the result
 # carries a warning instead of silently pretending.
 NOT_MODELLED_TOP_LEVEL = {
@@ -207,8 +218,8 @@ NOT_MODELLED_TOP_LEVEL = {
 @dataclass(frozen=True, kw_only=True)
 class DeepSpeedConfig:
     train_batch_size: Optional[int] = spec(None, gt=0)
-    train_micro_batch_size_per_gpu: Optional[int] = spec(None, gt=0)
-    gradient_accumulation_steps: Optional[int] = spec(None, gt=0)
+    train_micro_batch_size_per_gpu: Optional[int] = spec(None, gt=0, le=MAX_MICRO_BATCH_SIZE)
+    gradient_accumulation_steps: Optional[int] = spec(None, gt=0, le=MAX_GRADIENT_ACCUMULATION_STEPS)
     gradient_clipping: float = spec(0.0, ge=0)
     zero_optimization: ZeroConfig = spec(factory=ZeroConfig)
     fp16: Fp16Config = spec(factory=Fp16Config)

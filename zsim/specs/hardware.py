@@ -56,15 +56,24 @@ _COLLECTIVE_NAMES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", 
                      "all_gather_coalesced")
 
 
+def _check_table(key: str, table: EffTable) -> None:
+    """collectives.efficiency_at interpolates in log(size) between points sorted by size, and
+    divides the tier's bandwidth by the fraction: a table must have a point, positive
+    ascending sizes and fractions in (0, 1]."""
+    sizes = [size for size, _ in table]
+    if (not table or any(not 0 < eff <= 1 for _, eff in table) or any(size <= 0 for size in sizes)
+            or sizes != sorted(set(sizes))):
+        raise ValueError(key, [list(p) for p in table],
+                         "give [[bytes, fraction], ...] with ascending sizes > 0 and fractions in (0, 1]")
+
+
 def _check_collective_tables(tables: dict) -> None:
     for kind, table in tables.items():
         if kind not in _COLLECTIVE_NAMES:
             raise ValueError(f"efficiency_by_collective.{kind}", kind,
                              f"unknown collective{did_you_mean(kind, _COLLECTIVE_NAMES)}; use one of "
                              f"{', '.join(_COLLECTIVE_NAMES)}")
-        if not table or any(not 0 < eff <= 1 for _, eff in table):
-            raise ValueError(f"efficiency_by_collective.{kind}", [list(p) for p in table],
-                             "give [[bytes, fraction], ...] with fractions in (0, 1]")
+        _check_table(f"efficiency_by_collective.{kind}", table)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,6 +89,7 @@ class _TierShape:
                                                   "its collective tables are timed in-step and include the wait)")
 
     def __post_init__(self):
+        _check_table("efficiency_by_size", self.efficiency_by_size)
         _check_collective_tables(self.efficiency_by_collective)
 
 

@@ -11,15 +11,24 @@ from typing import Literal, Optional
 from zsim.schema import spec
 
 
+# Upper bounds: several times the largest published transformer (Llama-3 405B: 126 layers,
+# hidden 16384, ffn 53248; vocabularies up to 256k; contexts up to 10M tokens), so no real model
+# is refused, while the schedule (ops per layer) and the parameter bookkeeping stay bounded.
+MAX_LAYERS = 1024
+MAX_HIDDEN = 2**18
+MAX_VOCAB = 2**24
+MAX_SEQ_LEN = 2**25
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    layers: int = spec(gt=0)
-    hidden: int = spec(gt=0)
-    heads: int = spec(gt=0)
-    vocab: int = spec(gt=0)
-    seq_len: int = spec(gt=0, doc="maximum positions (learned position table size)")
-    kv_heads: Optional[int] = spec(None, gt=0, doc="GQA/MQA key-value heads; default = heads")
-    ffn_hidden: Optional[int] = spec(None, gt=0, doc="default 4*hidden")
+    layers: int = spec(gt=0, le=MAX_LAYERS)
+    hidden: int = spec(gt=0, le=MAX_HIDDEN)
+    heads: int = spec(gt=0, le=MAX_HIDDEN)
+    vocab: int = spec(gt=0, le=MAX_VOCAB)
+    seq_len: int = spec(gt=0, le=MAX_SEQ_LEN, doc="maximum positions (learned position table size)")
+    kv_heads: Optional[int] = spec(None, gt=0, le=MAX_HIDDEN, doc="GQA/MQA key-value heads; default = heads")
+    ffn_hidden: Optional[int] = spec(None, gt=0, le=4 * MAX_HIDDEN, doc="default 4*hidden")
     glu: bool = spec(False, doc="gated MLP (SwiGLU): three projections")
     tied_embeddings: bool = spec(True)
     position: Literal["learned", "rope", "alibi"] = spec("learned")

@@ -9,24 +9,30 @@ from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 from zsim.schema import spec
-from zsim.specs.deepspeed import DeepSpeedConfig
+from zsim.specs.deepspeed import MAX_GRADIENT_ACCUMULATION_STEPS, MAX_MICRO_BATCH_SIZE, DeepSpeedConfig
 from zsim.specs.hardware import Cluster
-from zsim.specs.model import ModelSpec
+from zsim.specs.model import MAX_SEQ_LEN, ModelSpec
+
+
+# The largest training clusters built (2025) hold ~100k-200k GPUs; 2**18 = 262,144 covers them.
+# zsim simulates one rank, but ZeRO-1/2 gradient buckets are cut at every rank's partition
+# boundary (one piece per rank), so the schedule grows with the world size.
+MAX_WORLD_SIZE = 2**18
 
 
 @dataclass(frozen=True, kw_only=True)
 class HardwareSpec:
     profile: str = spec()
-    nodes: int = spec(1, gt=0)
-    gpus_per_node: Optional[int] = spec(None, gt=0, doc="default: the profile's")
+    nodes: int = spec(1, gt=0, le=MAX_WORLD_SIZE)
+    gpus_per_node: Optional[int] = spec(None, gt=0, le=MAX_WORLD_SIZE, doc="default: the profile's")
     override: dict[str, Any] = spec(factory=dict, doc="profile fields to override, nested like the profile")
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainingSpec:
-    micro_batch_size: Optional[int] = spec(None, gt=0)
-    gradient_accumulation_steps: Optional[int] = spec(None, gt=0)
-    seq_len: Optional[int] = spec(None, gt=0, doc="default: model.seq_len")
+    micro_batch_size: Optional[int] = spec(None, gt=0, le=MAX_MICRO_BATCH_SIZE)
+    gradient_accumulation_steps: Optional[int] = spec(None, gt=0, le=MAX_GRADIENT_ACCUMULATION_STEPS)
+    seq_len: Optional[int] = spec(None, gt=0, le=MAX_SEQ_LEN, doc="default: model.seq_len")
     precision: Optional[Literal["fp32", "fp16", "bf16"]] = spec(None, doc="default: from the ds_config fp16/bf16 blocks")
     activation_checkpointing: Literal["none", "full", "selective"] = spec("none")
     flash_attention: bool = spec(True)

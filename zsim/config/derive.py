@@ -1,0 +1,95 @@
+"""Overrides that derive: `--set hardware.nodes=4` or `--set training.gradient_accumulation_steps=16`
+on a file that pins deepspeed.train_batch_size would contradict DeepSpeed's batch rule
+(runtime/config.py _batch_assertion: train_batch_size == micro x GAS x data-parallel size).
+When micro-batch and GAS are both fixed, train_batch_size is the dependent key: re-derive it as
+DeepSpeed's rule does and say so. When one of them is free, DeepSpeed derives that one from
+train_batch_size itself (_set_batch_related_parameters), and the loader reports a remainder.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from zsim.config.scenario import apply_set, load_raw, scenario_from_mapping
+from zsim.errors import ZsimInputError
+
+# keys whose change moves micro x GAS x world size
+_DEPENDS = ("hardware", "training.micro_batch_size", "training.gradient_accumulation_steps",
+            "deepspeed.train_micro_batch_size_per_gpu", "deepspeed.gradient_accumulation_steps")
+
+
+# the same setting under the scenario's name and DeepSpeed's: overriding one carries the other
+_MIRRORS = {("training", "micro_batch_size"): ("deepspeed", "train_micro_batch_size_per_gpu"),
+            ("training", "gradient_accumulation_steps"): ("deepspeed", "gradient_accumulation_steps")}
+_MIRRORS.update({v: k for k, v in list(_MIRRORS.items())})
+
+
+def _get(raw: dict, block: str, key: str):
+    node = raw.get(block)
+    return node.get(key) if isinstance(node, dict) else None
+
+
+def _mirrored(raw: dict, keys: list[str]) -> list[str]:
+    """Assignments that carry an overridden batch key to its pinned twin."""
+    out = []
+    for (block, key), (tw_block, tw_key) in _MIRRORS.items():
+        mine, twin = f"{block}.{key}", f"{tw_block}.{tw_key}"
+        value, other = _get(raw, block, key), _get(raw, tw_block, tw_key)
+        if mine in keys and twin not in keys and other not in (None, "auto") and value != other:
+            out.append(f"{twin}={value}")
+    return out
+
+
+def _touches(key: str) -> bool:
+    return any(key == d or key.startswith(d + ".") for d in _DEPENDS)
+
+
+def _pinned(raw: dict, training_key: str, ds_key: str) -> bool:
+    tr, ds = raw.get("training"), raw.get("deepspeed")
+    return ((isinstance(tr, dict) and tr.get(training_key) is not None)
+            or (isinstance(ds, dict) and ds.get(ds_key) not in (None, "auto")))
+
+
+def rederive_batch(path: str | Path, overrides: tuple[str, ...]) -> tuple[tuple[str, ...], str | None]:
+    """(extra assignments, one-line note) when the overrides move a batch key that the file pins
+    under its other name, or move the batch product while the file pins train_batch_size;
+    ((), None) when nothing needs deriving or the loader should speak."""
+    keys = [a.split("=", 1)[0].strip() for a in overrides if "=" in a]
+    changed = [k for k in keys if _touches(k)]
+    if not changed or any(k in ("deepspeed", "deepspeed.train_batch_size") for k in keys):
+        return (), None
+    path = Path(path)
+    try:
+        raw = load_raw(path)
+        pinned_tb = _get(raw, "deepspeed", "train_batch_size")
+        for a in overrides:
+            raw = apply_set(raw, a)
+        mirrored = _mirrored(raw, keys)
+        for a in mirrored:
+            raw = apply_set(raw, a)
+        if pinned_tb in (None, "auto") or not (
+                _pinned(raw, "micro_batch_size", "train_micro_batch_size_per_gpu")
+                and _pinned(raw, "gradient_accumulation_steps", "gradient_accumulation_steps")):
+            derived: tuple[str, ...] = ()
+        else:
+            derived = _rederived_total(raw, path)
+    except ZsimInputError:
+        return (), None
+    extra = tuple(mirrored) + derived
+    if not extra:
+        return (), None
+    what = "; ".join(f"{a.split('=')[0]} -> {a.split('=')[1]}" for a in extra)
+    rule = " (train_batch_size = micro-batch x GAS x GPUs, DeepSpeed's rule)" if derived else ""
+    note = (f"{what}{rule} after --set {', '.join(changed)}; --set those keys yourself to keep other values")
+    return extra, note
+
+
+def _rederived_total(raw: dict, path: Path) -> tuple[str, ...]:
+    """train_batch_size re-derived when the pinned one no longer matches micro x GAS x GPUs."""
+    try:
+        scenario_from_mapping(raw, path.parent, name_default=path.stem)
+        return ()                    # the product still matches
+    except ZsimInputError as err:
+        if err.field != "deepspeed.train_batch_size":
+            return ()                # another problem: the loader reports it
+    sc = scenario_from_mapping(apply_set(raw, "deepspeed.train_batch_size=null"), path.parent, path.stem)
+    return (f"deepspeed.train_batch_size={sc.global_batch_size}",)

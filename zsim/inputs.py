@@ -1,0 +1,83 @@
+"""Reading the user's files: text, YAML and JSON, refused in one line when they cannot be read.
+
+Every reader of a user-supplied file (scenario, ds_config, hardware profile, a results file for
+`zsim plot`) goes through here, so a binary file, a directory or a pathologically nested document
+gives a ZsimInputError naming the file instead of a UnicodeDecodeError or RecursionError.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from zsim.errors import ZsimInputError
+
+# The deepest nesting any zsim input needs is about 6 levels (deepspeed.zero_optimization.
+# offload_optimizer.device; a profile's efficiency_by_collective table is 5). 64 leaves room for
+# ds_config blocks zsim ignores while keeping every recursive reader (yaml, json, deepcopy, the
+# strict validator) far from Python's recursion limit (1000 frames).
+MAX_NESTING = 64
+
+
+def read_text(path: Path, field: str, what: str) -> str:
+    """The file's text; `field` names the argument or key it came from, `what` the kind of file."""
+    if not path.is_file():
+        raise ZsimInputError(field, str(path), f"file not found; give the path of {what}")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ZsimInputError(field, str(path), f"not a text file (byte {exc.start} is not UTF-8); give {what}") from None
+
+
+def nesting_depth(data, limit: int = MAX_NESTING) -> int:
+    """Depth of nested mappings/lists (iterative, so it cannot itself overflow the stack); stops
+    counting once past `limit`."""
+    deepest, todo = 0, [(data, 0)]
+    while todo:
+        node, depth = todo.pop()
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            return deepest
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        todo.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def too_deep(field: str, value: object) -> ZsimInputError:
+    return ZsimInputError(field, value, f"nested more than {MAX_NESTING} levels deep; zsim inputs need at most 6 "
+                          "(the limit keeps every reader within Python's recursion limit)")
+
+
+def check_nesting(data, field: str, value: object) -> None:
+    if nesting_depth(data) > MAX_NESTING:
+        raise too_deep(field, value)
+
+
+def parse_yaml(text: str, field: str, value: object):
+    """yaml.safe_load with syntax and nesting errors as one line. Raises yaml.YAMLError's
+    position, or RecursionError's, as a ZsimInputError naming `field`."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ZsimInputError(field, value, f"not valid YAML{where}; fix the syntax") from None
+    except RecursionError:
+        raise too_deep(field, value) from None
+    check_nesting(data, field, value)
+    return data
+
+
+def parse_json(text: str, field: str, value: object):
+    def non_finite(word: str):
+        # Python's json reads NaN/Infinity, which JSON does not have and no zsim number may be
+        raise ZsimInputError(field, value, f"holds {word}, which is not JSON; give finite numbers")
+    try:
+        data = json.loads(text, parse_constant=non_finite)
+    except json.JSONDecodeError as exc:
+        raise ZsimInputError(field, value, f"not valid JSON (line {exc.lineno}: {exc.msg}); fix the file") from None
+    except RecursionError:
+        raise too_deep(field, value) from None
+    check_nesting(data, field, value)
+    return data
