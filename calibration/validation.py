@@ -6,10 +6,9 @@ zsim.api.run_scenario on the same scenario. Errors are signed, relative to the m
 """
 from __future__ import annotations
 
-from zsim.schedule.ir import Schedule
+from zsim.schedule.ir import MEASURED_PASS, Schedule
 
 PHASES = ("forward", "backward", "step")
-_PHASE = {"forward": "forward", "recompute": "backward", "backward": "backward", "step": "step"}
 
 # What the comparison changes in the scenario: the measured peak counts tensors only (as
 # torch.cuda.max_memory_allocated does), so the simulator's CUDA context and allocator reserve
@@ -31,7 +30,7 @@ def mape(errors) -> float | None:
 
 def schedule_collectives(schedule: Schedule) -> list[tuple[str, str, int]]:
     """(phase, collective, numel) of one step, in issue order (the measured list's format)."""
-    return [(_PHASE[op.phase], op.comm.collective.value, int(op.comm.numel)) for op in schedule.ops if op.comm]
+    return [(MEASURED_PASS[op.phase], op.comm.collective.value, int(op.comm.numel)) for op in schedule.ops if op.comm]
 
 
 def collective_summary(calls, element_bytes: dict[int, int] | None = None) -> dict[str, dict]:
@@ -47,7 +46,7 @@ def collective_summary(calls, element_bytes: dict[int, int] | None = None) -> di
 
 
 def schedule_summary(schedule: Schedule) -> dict[str, dict]:
-    return collective_summary([(_PHASE[op.phase], op.comm.collective.value, int(op.comm.numel),
+    return collective_summary([(MEASURED_PASS[op.phase], op.comm.collective.value, int(op.comm.numel),
                                 int(op.comm.size_bytes)) for op in schedule.ops if op.comm])
 
 
@@ -55,7 +54,7 @@ def phase_times(schedule: Schedule, timings) -> dict[str, float]:
     """Busy time of each phase in the simulated step: length of the union of its ops' intervals."""
     spans: dict[str, list[tuple[float, float]]] = {}
     for op, t in zip(schedule.ops, timings):
-        spans.setdefault(_PHASE[op.phase], []).append((t.start_s, t.end_s))
+        spans.setdefault(MEASURED_PASS[op.phase], []).append((t.start_s, t.end_s))
     out = {}
     for ph, iv in spans.items():
         iv.sort()

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from zsim.config.scenario import scenario_from_mapping
 from zsim.schedule.build import build_schedule
+from zsim.schedule.ir import MEASURED_PASS
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed"
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,5 +54,4 @@ def recorded_steady_state(fx: dict) -> list[tuple[str, str, int]]:
 def simulated(fx: dict) -> list[tuple[str, str, int]]:
     sc = scenario_for(fx)
     _, schedule = build_schedule(sc)
-    phase = {"forward": "forward", "recompute": "backward", "backward": "backward", "step": "step"}
-    return [(phase[op.phase], op.comm.collective.value, op.comm.numel) for op in schedule.ops if op.comm]
+    return [(MEASURED_PASS[op.phase], op.comm.collective.value, op.comm.numel) for op in schedule.ops if op.comm]

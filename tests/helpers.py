@@ -5,6 +5,7 @@ import copy
 from pathlib import Path
 
 from zsim.config.scenario import scenario_from_mapping
+from zsim.schedule.ir import MODEL_STATES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,9 +33,6 @@ def mapping(**changes) -> dict:
 
 def scenario(**changes):
     return scenario_from_mapping(mapping(**changes), ROOT)
-
-
-MODEL_STATES = ("parameters", "gradients", "optimizer states")
 
 
 def model_states_held(sc) -> float:

@@ -176,7 +176,7 @@ def main(args) -> int:
         if rec.exists() and json.loads(rec.read_text()).get("status") == "complete":
             raise ZsimInputError("--out", args.out, f"{rec} holds a complete run; pass --force to overwrite it")
     try:
-        import torch   # noqa: F401
+        import torch
     except ImportError:
         raise ZsimInputError("torch", "not installed", "the calibration harness needs it: "
                              "`pip install torch==2.13.0` then `pip install -e '.[calibration]'`") from None
@@ -187,10 +187,8 @@ def main(args) -> int:
     if args.from_run:
         return _fit_existing(args, dtype, profile_path, run_dir, fit_and_write)
     if nproc is None:
-        import torch
         nproc = torch.cuda.device_count() if torch.cuda.is_available() else 2
     if args.backend == "nccl":
-        import torch
         if not torch.cuda.is_available():
             raise ZsimInputError("--backend", "nccl", "NCCL needs CUDA GPUs; use gloo on this machine")
     print(f"zsim calibrate: {plan.mode} mode, {nproc} ranks, results in {run_dir}", file=sys.stderr)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from zsim.schedule.ir import Buffer, Collective, GradReduce, Op, OpKind, Stream
+from zsim.schedule.ir import MEASURED_PASS, Buffer, Collective, GradReduce, Op, OpKind, Stream
 from zsim.schedule.partition import (bucket_pieces, flat_partition, offsets, padded, persistent_params,
                                      shard_numel)
 
@@ -21,8 +21,6 @@ from zsim.schedule.partition import (bucket_pieces, flat_partition, offsets, pad
 EXECUTABLE = frozenset({OpKind.FORWARD, OpKind.BACKWARD, OpKind.PARAM_GATHER, OpKind.PERSISTENT_GATHER,
                         OpKind.UPDATED_GATHER, OpKind.BUCKET_REDUCE, OpKind.GRAD_ALLREDUCE, OpKind.GRAD_NORM,
                         OpKind.OVERFLOW_ALLREDUCE, OpKind.NORM_ALLREDUCE, OpKind.OPTIMIZER_STEP})
-# the measured phase of an op's collectives: recompute runs inside backward
-MEASURED_PHASE = {"forward": "forward", "recompute": "backward", "backward": "backward", "step": "step"}
 
 
 class PlanError(Exception):
@@ -141,6 +139,6 @@ def build_plan(sc) -> Plan:
             raise PlanError(f"bucket {b.id} (micro {b.micro}): grads add up to {b.numel}, calls to {total}")
         if b.calls[0].comm.collective == Collective.REDUCE:
             _reduce_pieces(b, offsets(numels), numels, part)
-    expected = [(MEASURED_PHASE[op.phase], op.comm.collective.value, op.comm.numel) for op in sched.ops if op.comm]
+    expected = [(MEASURED_PASS[op.phase], op.comm.collective.value, op.comm.numel) for op in sched.ops if op.comm]
     return Plan(stage, world, numels, [p.name for p in wl.params], sched.ops, releases, buckets, persistent,
                 flat_pad, part, expected)

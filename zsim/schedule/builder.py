@@ -29,9 +29,6 @@ class Builder:
         self._ops.append(_Draft(kind, stream, phase, micro, payload, deps, alloc))
         return len(self._ops) - 1
 
-    def kind(self, op_id: int) -> OpKind:
-        return self._ops[op_id].kind
-
     def add_free(self, op_id: int, *tags: Tag):
         self._ops[op_id].free.extend(tags)
 

@@ -35,6 +35,10 @@ class Phase(StrEnum):
     STEP = "step"
 
 
+# the pass an op's phase counts in when a real step is measured: recompute runs inside backward
+MEASURED_PASS = {Phase.FORWARD: "forward", Phase.RECOMPUTE: "backward", Phase.BACKWARD: "backward", Phase.STEP: "step"}
+
+
 class Collective(StrEnum):
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"

@@ -21,7 +21,6 @@ from zsim.result import Result
 from zsim.search.variants import Base, Variant
 from zsim.specs.scenario import Scenario
 
-MODEL_STATES = ("parameters", "gradients", "optimizer states")
 MIN_FITTING = 3
 
 
