@@ -30,23 +30,14 @@ def install_recorder():
     import torch
     import torch.distributed as dist
 
-    def buffer(name, args, kwargs):
-        if name in ("all_gather_single", "all_gather_into_tensor", "_all_gather_base"):
-            return kwargs.get("output_tensor", args[0] if args else None)
-        if name in ("reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base"):
-            return kwargs.get("input", args[1] if len(args) > 1 else None)
-        if name == "all_gather":
-            return kwargs.get("tensor_list", args[0] if args else None)
-        if name == "reduce_scatter":
-            return kwargs.get("input_list", args[1] if len(args) > 1 else None)
-        return kwargs.get("tensor", args[0] if args else None)
+    from calibration.deepspeed_record.recorder import comm_buffer
 
     def wrap(name, fn):
         @functools.wraps(fn)
         def inner(*args, **kwargs):
             depth = getattr(_tls, "depth", 0)
             if depth == 0 and RECORD["log"] is not None:
-                b = buffer(name, args, kwargs)
+                b = comm_buffer(name, args, kwargs)
                 ts = b if isinstance(b, (list, tuple)) else [b]
                 ts = [t for t in ts if isinstance(t, torch.Tensor)]
                 RECORD["log"].append((RECORD["phase"], _KINDS[name], sum(t.numel() for t in ts),

@@ -91,31 +91,25 @@ def _arg(args, kwargs, pos, *names):
     return None
 
 
-def _buffer(fn_name, args, kwargs):
-    """Return the tensor(s) whose numel is reported for this call."""
-    if fn_name in ("all_reduce", "broadcast", "reduce", "send", "recv", "isend", "irecv"):
-        return _arg(args, kwargs, 0, "tensor")
-    if fn_name == "all_reduce_coalesced":
-        return _arg(args, kwargs, 0, "tensors")
-    if fn_name in ("all_gather_single", "all_gather_into_tensor", "_all_gather_base"):
-        return _arg(args, kwargs, 0, "output_tensor")
-    if fn_name == "all_gather":
-        return _arg(args, kwargs, 0, "tensor_list")
-    if fn_name == "all_gather_coalesced":
-        return _arg(args, kwargs, 0, "output_tensor_lists")
-    if fn_name in ("reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base"):
-        return _arg(args, kwargs, 1, "input")
-    if fn_name == "reduce_scatter":
-        return _arg(args, kwargs, 1, "input_list")
-    if fn_name in ("all_to_all_single",):
-        return _arg(args, kwargs, 1, "input")
-    if fn_name in ("all_to_all",):
-        return _arg(args, kwargs, 1, "input_tensor_list")
-    if fn_name == "gather":
-        return _arg(args, kwargs, 0, "tensor")
-    if fn_name == "scatter":
-        return _arg(args, kwargs, 0, "tensor")
-    return None
+# the argument (position, keyword) holding the tensor(s) whose numel a call reports
+_BUFFER_ARG = {
+    **{n: (0, "tensor") for n in ("all_reduce", "broadcast", "reduce", "send", "recv", "isend", "irecv", "gather",
+                                  "scatter")},
+    "all_reduce_coalesced": (0, "tensors"),
+    **{n: (0, "output_tensor") for n in ("all_gather_single", "all_gather_into_tensor", "_all_gather_base")},
+    "all_gather": (0, "tensor_list"),
+    "all_gather_coalesced": (0, "output_tensor_lists"),
+    **{n: (1, "input") for n in ("reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base",
+                                 "all_to_all_single")},
+    "reduce_scatter": (1, "input_list"),
+    "all_to_all": (1, "input_tensor_list"),
+}
+
+
+def comm_buffer(fn_name, args, kwargs):
+    """The tensor(s) whose numel is reported for this torch.distributed call (None: unknown call)."""
+    spec = _BUFFER_ARG.get(fn_name)
+    return _arg(args, kwargs, *spec) if spec else None
 
 
 def _caller(depth=1):
@@ -187,7 +181,7 @@ def _record(name, sig, args, kwargs):
         gsize = td.get_world_size(group=group) if td.is_initialized() else None
     except Exception:  # pragma: no cover
         gsize = None
-    buf = _buffer(name, args, kw)
+    buf = comm_buffer(name, args, kw)
     rec = {
         "op": WRAPPED[name],
         "fn": name,
