@@ -21,6 +21,32 @@ MAX_SEQ_LEN = 2**25
 
 
 @dataclass(frozen=True, kw_only=True)
+class MoESpec:
+    """A Mixture-of-Experts MLP: DeepSpeed-MoE's `deepspeed.moe.layer.MoE(num_experts, ep_size, k,
+    capacity_factor, eval_capacity_factor, min_capacity, use_residual, drop_tokens)` and the Hugging
+    Face MoE configs (Mixtral, Qwen-MoE, DeepSeek). Expert parallelism (ep_size) is a property of
+    the run, not of the model: it lives in the scenario's parallelism block."""
+    experts: int = spec(gt=0, le=MAX_HIDDEN, doc="routed experts per MoE layer (num_experts)")
+    top_k: int = spec(gt=0, le=MAX_HIDDEN, doc="experts each token is routed to (k)")
+    expert_ffn_hidden: Optional[int] = spec(None, gt=0, le=4 * MAX_HIDDEN, doc="one expert's MLP width; default model.ffn_hidden")
+    shared_experts: int = spec(0, ge=0, le=MAX_HIDDEN, doc="always-active experts (DeepSeek n_shared_experts, Qwen-MoE shared expert)")
+    shared_ffn_hidden: Optional[int] = spec(None, gt=0, le=4 * MAX_HIDDEN, doc="MLP width of the shared experts together; default shared_experts * expert_ffn_hidden")
+    shared_expert_gate: bool = spec(False, doc="sigmoid gate on the shared expert's output (Qwen-MoE)")
+    layer_freq: int = spec(1, gt=0, le=MAX_LAYERS, doc="every layer_freq-th block is MoE (Qwen decoder_sparse_step, DeepSeek moe_layer_freq)")
+    first_dense_layers: int = spec(0, ge=0, le=MAX_LAYERS, doc="leading blocks with a dense MLP (DeepSeek first_k_dense_replace)")
+    dispatch: Literal["capacity", "dropless"] = spec("capacity", doc="capacity: DeepSpeed-MoE's TopKGate with capacity buffers; dropless: Hugging Face's loop over the experts")
+    capacity_factor: float = spec(1.0, gt=0, le=MAX_HIDDEN, doc="DeepSpeed-MoE training capacity factor")
+    eval_capacity_factor: float = spec(1.0, gt=0, le=MAX_HIDDEN)
+    min_capacity: int = spec(4, ge=0, le=MAX_SEQ_LEN, doc="DeepSpeed-MoE min_capacity")
+    drop_tokens: bool = spec(True, doc="DeepSpeed-MoE drop_tokens: tokens over capacity are dropped")
+    use_residual: bool = spec(False, doc="Residual MoE (Rajbhandari et al. 2022): a dense MLP beside the experts, mixed by a learned coefficient")
+
+    def __post_init__(self):
+        if self.top_k > self.experts:
+            raise ValueError("top_k", self.top_k, f"must not exceed experts ({self.experts})")
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     layers: int = spec(gt=0, le=MAX_LAYERS)
     hidden: int = spec(gt=0, le=MAX_HIDDEN)
@@ -36,6 +62,7 @@ class ModelSpec:
     bias: bool = spec(True)
     fused_qkv: bool = spec(True, doc="one QKV Linear (GPT-2/MPT/BLOOM) or q/k/v_proj modules (Llama)")
     embedding_norm: bool = spec(False, doc="LayerNorm after the embedding (BLOOM)")
+    moe: Optional[MoESpec] = spec(None, doc="Mixture-of-Experts MLPs; absent: every MLP is dense")
     preset: Optional[str] = spec(None)
 
     def __post_init__(self):

@@ -29,6 +29,12 @@ DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 class Param:
     name: str
     numel: int
+    # an expert's weight: its gradient is reduced over the expert-data-parallel group, not the
+    # whole data-parallel group (DeepSpeed-MoE, deepspeed/utils/groups.py)
+    expert: bool = False
+    # requires_grad: frozen weights (LoRA's base model, training.frozen) carry no gradient and no
+    # optimizer state, but ZeRO-3 still partitions and gathers them
+    trainable: bool = True
 
 
 class ModuleKind(StrEnum):
