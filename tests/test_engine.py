@@ -4,7 +4,7 @@ import pytest
 from tests.helpers import add_compute, add_gather, build, scenario
 from zsim.engine.ledger import LedgerError, peak_and_breakdown
 from zsim.engine.sim import simulate
-from zsim.hardware.collectives import collective_cost, tiers_for
+from zsim.hardware.collectives import collective_cost, nccl_topo_for, tiers_for
 from zsim.schedule.builder import Builder
 from zsim.schedule.ir import Alloc, Buffer, Category, OpKind, Tag
 
@@ -17,7 +17,8 @@ def _cluster(slowdown=0.0):
 
 def _one_collective_s(cluster):
     intra, inter = tiers_for(cluster)
-    return collective_cost("all_gather", SIZE, cluster.nodes, cluster.gpus_per_node, intra, inter)
+    return collective_cost("all_gather", SIZE, cluster.nodes, cluster.gpus_per_node, intra, inter,
+                           nccl=nccl_topo_for(cluster))
 
 
 def test_two_concurrent_collectives_share_the_link():

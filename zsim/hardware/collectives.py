@@ -16,6 +16,12 @@ use NCCL's double binary tree (Sanders, Speck & Traeff, Parallel Computing 2009)
 latency grows with log2(nodes) instead of linearly; like NCCL's tuner we take the faster.
 A tier may carry one efficiency table per collective (calibrated profiles: `zsim calibrate`
 measures each), which replaces the tier's shared table for that collective.
+
+This tier model prices collectives of profiles without an `nccl:` section (the gloo CPU
+profile) and of calibrated profiles, whose measured tables win. A profile with an `nccl:`
+section and no measured tables is priced by NCCL's own tuner model (zsim.hardware.nccl):
+`nccl_topo_for` decides, `collective_cost` dispatches; all-to-all, which NCCL runs as grouped
+send/recv outside its tuner, stays on the tier model.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+from zsim.hardware.nccl import FUNC, NcclTopo, choose, topo_for
 from zsim.specs.hardware import EffTable
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "all_to_all")
@@ -75,6 +82,8 @@ class CommCost:
     latency_s: float
     transfer_s: float
     tier: str
+    algorithm: str = ""     # NCCL's (Ring, Tree, PAT) or the tier model's (ring, hierarchical, tree)
+    protocol: str = ""      # NCCL's (LL, LL128, Simple); "" for the tier model
 
     @property
     def time_s(self) -> float:
@@ -107,7 +116,7 @@ def ring_cost(kind: str, size_bytes: float, n: int, tier: Tier, tier_name: str,
     if n <= 1 or size_bytes <= 0:
         return CommCost(0.0, 0.0, tier_name)
     bw = tier.busbw_Bps * efficiency_at(tier.efficiency_for(kind, coalesced), size_bytes)
-    return CommCost(ring_steps(kind, n) * tier.latency_s, size_bytes * bus_factor(kind, n) / bw, tier_name)
+    return CommCost(ring_steps(kind, n) * tier.latency_s, size_bytes * bus_factor(kind, n) / bw, tier_name, "ring")
 
 
 def tree_allreduce_cost(size_bytes: float, nodes: int, gpus_per_node: int, intra: Tier, inter: Tier) -> CommCost:
@@ -116,7 +125,7 @@ def tree_allreduce_cost(size_bytes: float, nodes: int, gpus_per_node: int, intra
     steps_inter = 2 * math.ceil(math.log2(nodes)) if nodes > 1 else 0
     steps_intra = 2 * (gpus_per_node - 1)
     hier = hierarchical_cost("all_reduce", size_bytes, nodes, gpus_per_node, intra, inter)
-    return CommCost(steps_inter * inter.latency_s + steps_intra * intra.latency_s, hier.transfer_s, hier.tier)
+    return CommCost(steps_inter * inter.latency_s + steps_intra * intra.latency_s, hier.transfer_s, hier.tier, "tree")
 
 
 def hierarchical_cost(kind: str, size_bytes: float, nodes: int, gpus_per_node: int,
@@ -128,33 +137,44 @@ def hierarchical_cost(kind: str, size_bytes: float, nodes: int, gpus_per_node: i
     g = gpus_per_node
     intra_c = ring_cost(kind, size_bytes, g, intra, "intra_node", coalesced)
     inter_c = ring_cost(kind, size_bytes / g, nodes, inter, "inter_node", coalesced)
-    if inter_c.transfer_s >= intra_c.transfer_s:
-        return CommCost(intra_c.latency_s + inter_c.latency_s, inter_c.transfer_s, "inter_node")
-    return CommCost(intra_c.latency_s + inter_c.latency_s, intra_c.transfer_s, "intra_node")
+    slower = inter_c if inter_c.transfer_s >= intra_c.transfer_s else intra_c
+    return CommCost(intra_c.latency_s + inter_c.latency_s, slower.transfer_s, slower.tier, "hierarchical")
+
+
+def nccl_cost(kind: str, size_bytes: float, nodes: int, gpus_per_node: int, topo: NcclTopo) -> CommCost:
+    """NCCL's tuner: the chosen algorithm's latency is fixed time, bytes / its bandwidth the transfer."""
+    c = choose(kind, size_bytes, nodes, gpus_per_node, topo)
+    return CommCost(c.latency_us * 1e-6, size_bytes / (c.bw_GBps * 1e9), "intra_node" if nodes == 1 else "inter_node",
+                    c.algorithm, c.protocol)
 
 
 @functools.lru_cache(maxsize=4096)   # pure; schedules repeat the same sizes layer after layer
 def collective_cost(kind: str, size_bytes: float, nodes: int, gpus_per_node: int,
-                    intra: Tier, inter: Tier, coalesced: bool = False) -> CommCost:
+                    intra: Tier, inter: Tier, coalesced: bool = False, nccl: NcclTopo | None = None) -> CommCost:
     """Cost of one collective over a data-parallel group of nodes x gpus_per_node ranks;
-    `coalesced`: launched async with its neighbours before any is waited (Comm.coalesced)."""
+    `coalesced`: launched async with its neighbours before any is waited (Comm.coalesced);
+    `nccl`: NCCL's tuner view of the cluster (nccl_topo_for), None for the tier model."""
     if kind not in COLLECTIVES:
         raise ValueError(f"unknown collective {kind!r}")
     n = nodes * gpus_per_node
     if n <= 1 or size_bytes <= 0:
         return CommCost(0.0, 0.0, "intra_node")
+    if nccl is not None and kind in FUNC:
+        c = nccl_cost(kind, size_bytes, nodes, gpus_per_node, nccl)
+        sync = intra.sync_s if nodes == 1 else max(intra.sync_s, inter.sync_s)
+        return CommCost(c.latency_s + sync, c.transfer_s, c.tier, c.algorithm, c.protocol)
     if nodes == 1:
         c = ring_cost(kind, size_bytes, n, intra, "intra_node", coalesced)
-        return CommCost(c.latency_s + intra.sync_s, c.transfer_s, c.tier)
+        return CommCost(c.latency_s + intra.sync_s, c.transfer_s, c.tier, c.algorithm)
     if gpus_per_node == 1:
         c = ring_cost(kind, size_bytes, n, inter, "inter_node", coalesced)
-        return CommCost(c.latency_s + inter.sync_s, c.transfer_s, c.tier)
+        return CommCost(c.latency_s + inter.sync_s, c.transfer_s, c.tier, c.algorithm)
     best = hierarchical_cost(kind, size_bytes, nodes, gpus_per_node, intra, inter, coalesced)
     if kind == "all_reduce":
         tree = tree_allreduce_cost(size_bytes, nodes, gpus_per_node, intra, inter)
         if tree.time_s < best.time_s:
             best = tree
-    return CommCost(best.latency_s + max(intra.sync_s, inter.sync_s), best.transfer_s, best.tier)
+    return CommCost(best.latency_s + max(intra.sync_s, inter.sync_s), best.transfer_s, best.tier, best.algorithm)
 
 
 def tiers_for(cluster) -> tuple[Tier, Tier]:
@@ -166,3 +186,21 @@ def tiers_for(cluster) -> tuple[Tier, Tier]:
     inter = Tier(rail_Bps, p.inter_node.latency_us * 1e-6, p.inter_node.efficiency_by_size,
                  tuple(sorted(p.inter_node.efficiency_by_collective.items())), p.inter_node.sync_overhead_us * 1e-6)
     return intra, inter
+
+
+def nccl_topo_for(cluster) -> NcclTopo | None:
+    """NCCL's tuner view of a Cluster, or None where the tier model prices collectives: a
+    profile without an `nccl:` section, or one whose tiers carry measured per-collective
+    tables (`zsim calibrate`): measured beats modelled."""
+    p = cluster.profile
+    if p.nccl is None or p.intra_node.efficiency_by_collective or p.inter_node.efficiency_by_collective:
+        return None
+    return topo_for(p.nccl, cluster.intra_busbw_Bps / 1e9, cluster.inter_node_bw_Bps / 1e9, cluster.gpus_per_node)
+
+
+def link_busbw_Bps(cluster) -> float:
+    """The peak bus bandwidth of the links a collective over the whole cluster crosses: NVLink in
+    one node, else the slower of NVLink and the node's NICs (a ring leaves each node through them)."""
+    if cluster.nodes == 1:
+        return cluster.intra_busbw_Bps
+    return min(cluster.intra_busbw_Bps, cluster.inter_node_bw_Bps)

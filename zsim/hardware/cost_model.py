@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zsim.hardware.collectives import collective_cost, tiers_for
+from zsim.hardware.collectives import collective_cost, nccl_topo_for, tiers_for
 from zsim.hardware.compute import (attention_time_s, fresh_alloc_time_s, gemm_time_s, kernel_overhead_s,
                                    memory_bound_time_s, optimizer_time_s)
 from zsim.hardware.host import aio_efficiency, cpu_adam_time_s, host_link_Bps, nvme_time_s, pcie_time_s
@@ -45,6 +45,7 @@ class CostModel:
         self.dtype_bytes = DTYPE_BYTES[precision]
         self.compute_slowdown = prof.interference.compute_slowdown_during_comm
         self.intra, self.inter = tiers_for(cluster)
+        self.nccl = nccl_topo_for(cluster)
         self.uplink_Bps = prof.pcie.switch_uplink_GBps * 1e9 if prof.pcie.switch_uplink_GBps else None
         # only the job's GPUs copy: a 1-GPU job has its switch's uplink to itself
         self.sharers = min(prof.pcie.gpus_per_switch, cluster.gpus_per_node)
@@ -113,7 +114,7 @@ class CostModel:
             # the collective's own buffer passes (packing, pre-division) run on its stream first
             fixed += memory_bound_time_s(comm.buffer_bytes, self.gpu)
             cost = collective_cost(comm.collective.value, comm.size_bytes, cl.nodes, cl.gpus_per_node, self.intra,
-                                   self.inter, comm.coalesced)
+                                   self.inter, comm.coalesced, self.nccl)
             links = self.nic_links if cost.tier == "inter_node" else (cost.tier,)
             return OpCost(fixed + cost.latency_s, cost.transfer_s, links)
         if isinstance(p, Copy):

@@ -66,9 +66,14 @@ def render(r: Result, console: Console | None = None):
     ct.add_column("calls", justify="right")
     ct.add_column("bytes sent", justify="right")
     ct.add_column("busy time", justify="right")
+    ct.add_column("algorithm/protocol (calls)")
+    ct.add_column("busbw GB/s", justify="right")
     c = r.comm
     for k in sorted(c.bytes_per_gpu):
-        ct.add_row(k, str(c.calls[k]), fmt_bytes(c.bytes_per_gpu[k]), fmt_time(c.time_s[k]))
+        algos = ", ".join(f"{a} {n}" for a, n in sorted(c.algorithms.get(k, {}).items(), key=lambda x: -x[1]))
+        bw = c.achieved_busbw_Bps.get(k)
+        ct.add_row(k, str(c.calls[k]), fmt_bytes(c.bytes_per_gpu[k]), fmt_time(c.time_s[k]), algos,
+                   f"{bw / 1e9:.1f} of {c.link_busbw_Bps / 1e9:.0f}" if bw else "-")
     console.print(ct)
     if r.host_time_s:
         parts = ", ".join(f"{k} {fmt_time(v)}" for k, v in r.host_time_s.items())

@@ -7,7 +7,7 @@ the position it is declared. Byte sizes are per GPU unless the name says per nod
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Mapping
 
 
@@ -59,6 +59,11 @@ class Comm:
     calls: dict[str, int]
     time_s: dict[str, float]            # busy time on the comm streams
     exposed_time_s: float               # comm time not hidden under compute
+    # "<algorithm>/<protocol>" -> calls: NCCL's tuner choice per call (zsim.hardware.nccl), or the
+    # tier model's algorithm ("ring", "hierarchical", "tree") where it prices the collective
+    algorithms: dict[str, dict[str, int]] = field(default_factory=dict)
+    achieved_busbw_Bps: dict[str, float] = field(default_factory=dict)  # bytes sent / busy time
+    link_busbw_Bps: float = 0.0         # the links' peak bus bandwidth (NVLink, or min(NVLink, NICs) across nodes)
 
     @property
     def total_bytes_per_gpu(self) -> float:

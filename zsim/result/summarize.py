@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from zsim.specs.scenario import Scenario
 from zsim.engine.ledger import peak_and_breakdown
 from zsim.engine.sim import Trace
-from zsim.hardware.collectives import bus_factor
+from zsim.hardware.collectives import bus_factor, collective_cost, link_busbw_Bps, nccl_topo_for, tiers_for
 from zsim.result import Comm, HostMemory, Memory, Result
 from zsim.schedule.ir import Copy, CpuAdam, Stream
 from zsim.units import TFLOP
@@ -63,6 +63,7 @@ class _OpTotals:
     comm_bytes: dict[str, float]
     comm_count: dict[str, int]
     comm_time_s: dict[str, float]
+    comm_calls: dict[tuple, int]        # (kind, size_bytes, coalesced) -> calls
     host_time_s: dict[str, float]
 
 
@@ -76,6 +77,7 @@ def _op_totals(trace: Trace, world: int) -> _OpTotals:
     comm_bytes: dict[str, float] = {}
     comm_count: dict[str, int] = {}
     comm_time: dict[str, float] = {}
+    comm_calls: dict[tuple, int] = {}
     host_time: dict[str, float] = {}
     for op, t in zip(trace.schedule.ops, trace.timings):
         p, comm = op.payload, op.comm
@@ -90,10 +92,25 @@ def _op_totals(trace: Trace, world: int) -> _OpTotals:
             comm_bytes[kind] = comm_bytes.get(kind, 0.0) + n * sent
             comm_count[kind] = comm_count.get(kind, 0) + n
             comm_time[kind] = comm_time.get(kind, 0.0) + n * (t.end_s - t.start_s)
+            call = (kind, comm.size_bytes, comm.coalesced)
+            comm_calls[call] = comm_calls.get(call, 0) + n
         elif op.stream == Stream.COMPUTE:
             compute_iv.append((t.start_s, t.end_s))
             hw_flops_gpu += n * op.work.model_flops
-    return _OpTotals(compute_iv, comm_iv, hw_flops_gpu, comm_bytes, comm_count, comm_time, host_time)
+    return _OpTotals(compute_iv, comm_iv, hw_flops_gpu, comm_bytes, comm_count, comm_time, comm_calls, host_time)
+
+
+def _algorithms(cl, calls: dict[tuple, int]) -> dict[str, dict[str, int]]:
+    """Per collective kind, the calls each algorithm/protocol served (the cost model's own choice)."""
+    intra, inter = tiers_for(cl)
+    nccl = nccl_topo_for(cl)
+    out: dict[str, dict[str, int]] = {}
+    for (kind, size, coalesced), n in sorted(calls.items()):
+        c = collective_cost(kind, size, cl.nodes, cl.gpus_per_node, intra, inter, coalesced, nccl)
+        label = f"{c.algorithm}/{c.protocol}" if c.protocol else c.algorithm
+        per = out.setdefault(kind, {})
+        per[label] = per.get(label, 0) + n
+    return {k: dict(sorted(v.items())) for k, v in sorted(out.items())}
 
 
 def _windows(trace: Trace) -> tuple[tuple[float, float, int], ...]:
@@ -173,7 +190,11 @@ def summarize(sc: Scenario, wl: Workload, trace: Trace) -> Result:
         memory=_memory(sc, trace),
         comm=Comm(bytes_per_gpu=ops.comm_bytes, calls=ops.comm_count, time_s=ops.comm_time_s,
                   exposed_time_s=sum(n * _exposed(_clip(ops.comm_iv, lo, hi), _clip(ops.compute_iv, lo, hi))
-                                     for lo, hi, n in windows)),
+                                     for lo, hi, n in windows),
+                  algorithms=_algorithms(cl, ops.comm_calls),
+                  achieved_busbw_Bps={k: b / ops.comm_time_s[k] for k, b in ops.comm_bytes.items()
+                                      if ops.comm_time_s.get(k, 0.0) > 0},
+                  link_busbw_Bps=link_busbw_Bps(cl)),
         host_time_s=dict(sorted(ops.host_time_s.items())),
         events=trace.events_processed,
         warnings=tuple(sc.warnings),

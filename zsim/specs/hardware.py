@@ -11,6 +11,7 @@ from typing import Optional
 
 from zsim.errors import did_you_mean
 from zsim.schema import spec
+from zsim.specs.nccl import NcclProfile
 from zsim.units import GB, GiB
 
 # Size-dependent efficiency: list of (message_bytes, fraction of the tier's peak bus bandwidth).
@@ -162,6 +163,10 @@ class HardwareProfile:
     nvme: NvmeProfile = spec()
     cpu: CpuProfile = spec()
     interference: InterferenceProfile = spec(factory=InterferenceProfile)
+    nccl: Optional[NcclProfile] = spec(None, doc="NCCL's view of the node (and the job's NCCL_* settings): "
+                                                 "collectives are priced by NCCL's tuner model, not the tiers' "
+                                                 "latency_us/efficiency tables; unset or calibrated tables: "
+                                                 "the tier model")
     provenance: dict[str, str] = spec(factory=dict, doc="where the numbers came from (calibration run, datasheet)")
 
 

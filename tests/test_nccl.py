@@ -1,0 +1,124 @@
+"""NCCL's tuner model (zsim.hardware.nccl): its constants, its per-call choice, the user's
+NCCL_ALGO/NCCL_PROTO/channel settings, and how it composes with the tier model."""
+import pytest
+
+from zsim.config.profile import load_profile
+from zsim.errors import ZsimInputError
+from zsim.hardware.collectives import bus_factor, collective_cost, nccl_topo_for, tiers_for
+from zsim.hardware.nccl import choose
+from zsim.specs.hardware import Cluster
+from zsim.specs.nccl import NCCL_PROTOS, parse_nccl_list
+
+
+def _cluster(nodes=1, gpus=8, profile="dgx-h100", **nccl):
+    p = load_profile(profile, {"nccl": nccl} if nccl else None)
+    return Cluster(profile=p, nodes=nodes, gpus_per_node=gpus)
+
+
+def _cost(kind, size, cl):
+    intra, inter = tiers_for(cl)
+    return collective_cost(kind, float(size), cl.nodes, cl.gpus_per_node, intra, inter, False, nccl_topo_for(cl))
+
+
+def _busbw_GBps(kind, size, cl):
+    return size * bus_factor(kind, cl.world_size) / _cost(kind, size, cl).time_s / 1e9
+
+
+def test_parse_list_follows_nccl_syntax():
+    on = parse_nccl_list("ring,tree;allreduce:tree", ("Tree", "Ring", "PAT"))
+    assert on["AllGather"] == {"Ring", "Tree"} and on["AllReduce"] == {"Tree"}
+    assert parse_nccl_list("^LL128", NCCL_PROTOS)["ReduceScatter"] == {"LL", "Simple"}
+    assert parse_nccl_list("", NCCL_PROTOS)["AllReduce"] == set(NCCL_PROTOS)
+    with pytest.raises(ValueError):
+        parse_nccl_list("ring;tree", ("Tree", "Ring"))      # only the first entry may lack a prefix
+    with pytest.raises(ValueError):
+        parse_nccl_list("rings", ("Tree", "Ring"))
+
+
+def test_large_all_gather_in_a_node_is_ring_simple_at_the_links_bus_bandwidth():
+    cl = _cluster()
+    c = _cost("all_gather", 1 << 30, cl)
+    assert (c.algorithm, c.protocol, c.tier) == ("Ring", "Simple", "intra_node")
+    # tuning.cc: baseLat 8.4 + (n-1) * hwLat[NVLINK][Ring][Simple] 3.4; bw 16 x 22.5 GB/s x n/(n-1)
+    assert c.latency_s == pytest.approx((8.4 + 7 * 3.4) * 1e-6)
+    assert c.transfer_s == pytest.approx((1 << 30) / (360e9 * 8 / 7))
+
+
+def test_protocol_follows_the_size():
+    cl = _cluster()
+    protos = [_cost("all_gather", s, cl).protocol for s in (4096, 1 << 24, 1 << 30)]
+    assert protos == ["LL", "LL128", "Simple"]
+
+
+def test_ring_latency_grows_with_ranks_not_nodes():
+    """Same 16 nodes, 2 vs 8 GPUs each: the 128-rank ring pays 96 more intra-node steps (LL:
+    max(hwLat 0.6, Intel net overhead 1.0) us each), the network steps stay 15; then 16 -> 512 nodes."""
+    small = 8.0
+    two, eight = (_cost("all_gather", small, _cluster(nodes=16, gpus=g)) for g in (2, 8))
+    assert (two.protocol, eight.protocol) == ("LL", "LL")
+    assert eight.latency_s - two.latency_s == pytest.approx((127 - 31) * 1.0e-6)
+    lat = [_cost("all_gather", small, _cluster(nodes=n)).latency_s for n in (16, 128, 512)]
+    assert lat[0] < lat[1] < lat[2]
+    assert lat[2] / lat[1] == pytest.approx(4, rel=0.1)    # linear in ranks
+
+
+def test_small_per_rank_shares_starve_the_bus_bandwidth():
+    """A 16 MiB all-gather (a module's gather) reaches most of NVLink in a node, a few % over 4096 GPUs."""
+    one = _busbw_GBps("all_gather", 1 << 24, _cluster())
+    big = _busbw_GBps("all_gather", 1 << 24, _cluster(nodes=512))
+    assert one > 150 and big < 0.05 * 360
+
+
+def test_tree_wins_small_all_reduce_across_nodes_and_ring_the_huge_one():
+    assert _cost("all_reduce", 1 << 20, _cluster(nodes=16)).algorithm == "Tree"
+    assert _cost("all_reduce", 1 << 33, _cluster(nodes=2)).algorithm == "Ring"
+    # Tree latency is logarithmic in nodes: 16 -> 512 nodes adds far less than the ring would
+    t16, t512 = (_cost("all_reduce", 64.0, _cluster(nodes=n)) for n in (16, 512))
+    assert t512.latency_s < 2 * t16.latency_s
+
+
+def test_pat_runs_only_with_one_gpu_per_node():
+    assert _cost("all_gather", 4096, _cluster(nodes=64, gpus=1)).algorithm == "PAT"
+    assert _cost("all_gather", 4096, _cluster(nodes=64, gpus=8)).algorithm == "Ring"
+
+
+def test_user_settings_restrict_the_choice():
+    assert _cost("all_reduce", 1 << 20, _cluster(nodes=16, algo="ring")).algorithm == "Ring"
+    assert _cost("all_gather", 4096, _cluster(proto="Simple")).protocol == "Simple"
+    assert _cost("all_reduce", 1 << 20, _cluster(nodes=16, algo="ring;allreduce:tree")).algorithm == "Tree"
+    full = _cost("all_gather", 1 << 33, _cluster())
+    quarter = _cost("all_gather", 1 << 33, _cluster(max_nchannels=4))
+    assert quarter.transfer_s == pytest.approx(4 * full.transfer_s)
+    # duplicated channels share the same links: no more than the link's bandwidth
+    assert _cost("all_gather", 1 << 33, _cluster(min_nchannels=32)).transfer_s == pytest.approx(full.transfer_s)
+
+
+def test_bad_nccl_settings_are_one_line_errors():
+    with pytest.raises(ZsimInputError, match="nccl.algo"):
+        load_profile("dgx-h100", {"nccl": {"algo": "ringg"}})
+    with pytest.raises(ZsimInputError):
+        load_profile("dgx-h100", {"nccl": {"min_nchannels": 8, "max_nchannels": 4}})
+
+
+def test_measured_tables_and_gloo_keep_the_tier_model():
+    assert nccl_topo_for(_cluster(profile="cpu-gloo-localhost", gpus=2)) is None
+    assert nccl_topo_for(_cluster()) is not None
+    calibrated = load_profile("dgx-h100", {"intra_node": {"efficiency_by_collective": {"all_gather": [[1.0, 0.5]]}}})
+    assert nccl_topo_for(Cluster(profile=calibrated, nodes=1, gpus_per_node=8)) is None
+    off = load_profile("dgx-h100", {"nccl": None})
+    assert nccl_topo_for(Cluster(profile=off, nodes=1, gpus_per_node=8)) is None
+
+
+def test_all_to_all_stays_on_the_tier_model():
+    c = _cost("all_to_all", 1 << 20, _cluster(nodes=2))
+    assert c.protocol == "" and c.algorithm == "hierarchical"
+
+
+def test_choice_is_the_minimum_of_ncclTopoGetAlgoTime():
+    cl = _cluster(nodes=4)
+    topo = nccl_topo_for(cl)
+    best = choose("all_reduce", 1e6, 4, 8, topo)
+    for algo in ("ring", "tree"):
+        for proto in NCCL_PROTOS:
+            forced = choose("all_reduce", 1e6, 4, 8, nccl_topo_for(_cluster(nodes=4, algo=algo, proto=proto)))
+            assert best.latency_us + 1e6 / (1000 * best.bw_GBps) <= forced.latency_us + 1e6 / (1000 * forced.bw_GBps)

@@ -1,0 +1,84 @@
+"""The `nccl:` section of a hardware profile: what NCCL's tuner reads of a cluster, and the
+user's NCCL_ALGO / NCCL_PROTO / NCCL_MIN_NCHANNELS / NCCL_MAX_NCHANNELS settings.
+
+A profile with this section has its collectives priced by NCCL's own cost model
+(zsim.hardware.nccl); see docs/model.md, "Collectives". Names and list syntax are NCCL
+2.27.5's (src/init.cc ncclFuncStr/ncclAlgoStr/ncclProtoStr, src/graph/tuning.cc parseList).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from zsim.schema import spec
+
+# NCCL's own order (src/include/nccl_common.h, src/init.cc); names compare case-insensitively
+NCCL_FUNCS = ("Broadcast", "Reduce", "AllGather", "ReduceScatter", "AllReduce")
+NCCL_ALGOS = ("Tree", "Ring", "CollNetDirect", "CollNetChain", "NVLS", "NVLSTree", "PAT")
+NCCL_PROTOS = ("LL", "LL128", "Simple")
+
+
+def parse_nccl_list(text: str, elems: tuple[str, ...]) -> dict[str, frozenset[str]]:
+    """NCCL's parseList (src/graph/tuning.cc): "ring,tree;allreduce:^LL" -> function -> enabled
+    elements. The first entry may lack a function prefix and then applies to every function;
+    a leading '^' enables everything but the listed elements. Raises ValueError(message)."""
+    enabled = {f: frozenset(elems) for f in NCCL_FUNCS}
+    lower = {e.lower(): e for e in elems}
+    funcs = {f.lower(): f for f in NCCL_FUNCS}
+    for i, entry in enumerate(text.split(";")):
+        if not entry:
+            continue
+        prefix, sep, items = entry.partition(":")
+        if not sep:
+            if i:
+                raise ValueError(f"all entries except the first must have a function prefix: {text!r}")
+            prefix, items = "", entry
+        if prefix and prefix.lower() not in funcs:
+            raise ValueError(f"unknown function {prefix!r}; use one of {', '.join(NCCL_FUNCS)}")
+        negate = items.startswith("^")
+        names = set()
+        for name in (items[1:] if negate else items).split(","):
+            if name.lower() not in lower:
+                raise ValueError(f"unknown element {name!r}; use one of {', '.join(elems)}")
+            names.add(lower[name.lower()])
+        chosen = frozenset(set(elems) - names if negate else names)
+        for f in ([funcs[prefix.lower()]] if prefix else NCCL_FUNCS):
+            enabled[f] = chosen
+    return enabled
+
+
+@dataclass(frozen=True, kw_only=True)
+class NcclProfile:
+    arch: Literal["volta", "ampere", "hopper", "blackwell"] = spec(
+        doc="GPU generation: picks NCCL's per-architecture LL/LL128/Tree bandwidth caps")
+    cpu_vendor: Literal["intel", "amd"] = spec("intel", doc="NCCL's network post overhead (1 us Intel, 2 us AMD) "
+                                                           "and LL bandwidth cap across nodes depend on it")
+    intra_link: Literal["nvlink", "pci"] = spec("nvlink", doc="the link type of NCCL's intra-node graph")
+    ring_channels: int = spec(16, ge=1, le=64, doc="channels of NCCL's ring/tree graph (NCCL_DEBUG=INFO prints "
+                                                   "'nChannels' in 'Pattern ..., nChannels N, bw ...')")
+    net_bw_fraction: float = spec(0.96, gt=0, le=1, doc="NCCL's usable share of a NIC: its graph search caps a "
+                                                       "channel at the speed array's step below the NIC rate "
+                                                       "(24 GB/s of HDR's 25, 48 of NDR's 50)")
+    net_latency_us: float = spec(0.0, ge=0, doc="the net plugin's extra latency per inter-node step "
+                                                "(graph latencyInter; NCCL's IB transport reports 0)")
+    algo: Optional[str] = spec(None, doc="NCCL_ALGO as set for the job (e.g. 'ring', '^tree', "
+                                         "'ring;allreduce:tree'); unset: NCCL's default")
+    proto: Optional[str] = spec(None, doc="NCCL_PROTO as set for the job (e.g. '^LL128'); unset: NCCL's default")
+    min_nchannels: Optional[int] = spec(None, ge=1, le=64, doc="NCCL_MIN_NCHANNELS")
+    max_nchannels: Optional[int] = spec(None, ge=1, le=64, doc="NCCL_MAX_NCHANNELS")
+
+    def __post_init__(self):
+        for key, text, elems in (("algo", self.algo, NCCL_ALGOS), ("proto", self.proto, NCCL_PROTOS)):
+            if text is not None:
+                try:
+                    parse_nccl_list(text, elems)
+                except ValueError as err:
+                    raise ValueError(key, text, str(err)) from None
+        if self.min_nchannels and self.max_nchannels and self.min_nchannels > self.max_nchannels:
+            raise ValueError("min_nchannels", self.min_nchannels, "must not exceed max_nchannels")
+
+    def enabled(self) -> tuple[dict[str, frozenset[str]], dict[str, frozenset[str]]]:
+        """(function -> algorithms, function -> protocols) the user's settings leave on."""
+        algos = parse_nccl_list(self.algo or "", NCCL_ALGOS)
+        protos = parse_nccl_list(self.proto or "", NCCL_PROTOS)
+        return algos, protos
