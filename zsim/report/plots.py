@@ -151,16 +151,48 @@ def scaling_data(rows: list[dict]) -> dict:
             at = [r for r in rs if int(r["world_size"]) == ws]
             ok = [r for r in at if row_fits(r)]
             best = max(ok or at, key=lambda r: r["tokens_per_s"])
+            comm_s = sum(v for k, v in best.items() if k.startswith("comm.time_s.") and isinstance(v, (int, float)))
             pts.append({"gpus": ws, "tokens_per_s": best["tokens_per_s"],
-                        "tokens_per_s_per_gpu": best["tokens_per_s_per_gpu"], "oom": not ok})
+                        "tokens_per_s_per_gpu": best["tokens_per_s_per_gpu"], "oom": not ok,
+                        "compute_s": best.get("compute_time_s"), "comm_s": comm_s,
+                        "exposed_s": best.get("comm.exposed_time_s")})
         out[stage] = pts
     if not out:
         raise ZsimInputError("RESULTS", "rows", "no successful points with world_size; sweep hardware.nodes")
     return out
 
 
+def _hiding_panel(ax, data: dict):
+    """Compute vs communication busy time per GPU per step: communication stops hiding where
+    its busy time passes the compute (marked), and the exposed part starts to grow."""
+    for i, (stage, pts) in enumerate(data.items()):
+        pts = [p for p in pts if p["compute_s"] is not None]
+        g = [p["gpus"] for p in pts]
+        color = PALETTE[2 * i]
+        ax.plot(g, [p["compute_s"] for p in pts], "o-", color=color, label=f"ZeRO-{stage} compute")
+        ax.plot(g, [p["comm_s"] for p in pts], "s--", color=color, alpha=0.8, label=f"ZeRO-{stage} comm busy")
+        ax.plot(g, [max(p["exposed_s"] or 0.0, 1e-6) for p in pts], ":", color=color, alpha=0.6,
+                label=f"ZeRO-{stage} comm exposed")
+        cross = next((p for p in pts if p["comm_s"] >= p["compute_s"]), None)
+        if cross is not None:
+            ax.axvline(cross["gpus"], color=color, alpha=0.4, linewidth=1)
+            ax.annotate(f"comm > compute\nfrom {cross['gpus']} GPUs", (cross["gpus"], cross["comm_s"]),
+                        fontsize=8, color=color, xytext=(-100, -40), textcoords="offset points")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("seconds per step per GPU")
+    ax.set_title("Where communication stops hiding")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
 def scaling_plot(data: dict, title: str, path: str):
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    timed = all(p.get("compute_s") is not None for pts in data.values() for p in pts)
+    fig, axes = plt.subplots(1, 3 if timed else 2, figsize=(19 if timed else 13, 5))
+    ax1, ax2 = axes[0], axes[1]
+    if timed:
+        _hiding_panel(axes[2], data)
     markers = ("o-", "s--", "^-.", "D:")   # distinct, so coinciding curves stay visible
     for i, (stage, pts) in enumerate(data.items()):
         color = PALETTE[2 * i]
