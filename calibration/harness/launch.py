@@ -19,9 +19,10 @@ from pathlib import Path
 
 import yaml
 
-from calibration.harness import ds_ops
+from calibration.harness import ds_ops, nccl_log
 from calibration.harness.fit import build_profile
 from calibration.harness.plan import Plan, estimated_cost, items
+from calibration.harness.nccl_log import NCCL_TUNING_FILE
 from calibration.harness.pool import POOL_FILE
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -175,6 +176,9 @@ def measure(plan: Plan, scratch: Path, nproc: int, backend: str | None, log_path
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env["ZSIM_CALIB_NO_PROGRESS"] = "1"    # the launcher draws rank 0's progress itself
+    # on NCCL, rank 0 prints the tuner's latency/bandwidth table per communicator (nccl_log.py); gloo ignores it
+    env.setdefault("NCCL_DEBUG", "INFO")
+    env.setdefault("NCCL_DEBUG_SUBSYS", "INIT,TUNING")
     try:   # before any timed benchmark: a rank must never compile inside one
         env[ds_ops.READY_ENV] = ds_ops.prepare(env)
     except ds_ops.OpBuildFailed as err:
@@ -253,6 +257,13 @@ def finish(name: str, scratch: Path, profile_path: Path, run_dir: Path, dtype: s
         prov = json.loads((scratch / "provenance.json").read_text())
     plan = json.loads((scratch / "plan.json").read_text()) if (scratch / "plan.json").exists() else {}
     run_dir.mkdir(parents=True, exist_ok=True)
+    log = scratch / "torchrun.log"
+    tunings = nccl_log.parse_tuning(log.read_text(errors="replace")) if log.exists() else []
+    (run_dir / NCCL_TUNING_FILE).unlink(missing_ok=True)   # a previous run's, on other hardware perhaps
+    if tunings:   # NCCL's own tuning and the algorithm it names for each measured size
+        write_atomic(run_dir / NCCL_TUNING_FILE, json.dumps(
+            {"communicators": tunings, "choices": nccl_log.choices_for(records, tunings)}, indent=1) + "\n")
+        prov["nccl_tuning"] = NCCL_TUNING_FILE
     # collectives pooled into the run this one replaces belong to that run's profile
     (run_dir / POOL_FILE).unlink(missing_ok=True)
     doc = {"format": 1, "status": status, "error": error, "provenance": prov, "plan": plan, "records": records}
