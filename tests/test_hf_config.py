@@ -145,6 +145,11 @@ def test_head_dim_may_leave_hidden_indivisible():
     assert m["head_dim"] == 128
     wl = build_workload(_spec(m), 1, 64, "bf16", True, False)
     assert {p.name: p.numel for p in wl.params}["layers.0.attn.q_proj.weight"] == 4096 * 30 * 128
+    # GemmaConfig's head_dim defaults to 256, not hidden / heads
+    gemma = json.loads((MODELS / "gemma-7b.json").read_text())
+    del gemma["head_dim"]
+    assert model_from_hf(gemma, "c")["head_dim"] == 256
+    assert "head_dim" not in model_from_hf(_llama_cfg(head_dim=128), "c")     # = 4096 / 32: the default
 
 
 # ---- scenario and CLI paths ---------------------------------------------------------------------

@@ -54,22 +54,25 @@ class _Config:
         if value is not None and unsupported(value):
             raise self.error(key, value, f"{why}, which zsim does not model; use a config without it")
 
-    def heads(self, hidden_key: str = "hidden_size", heads_key: str = "num_attention_heads") -> dict:
+    def heads(self, hidden_key: str = "hidden_size", heads_key: str = "num_attention_heads",
+              default_head_dim: int | None = None) -> dict:
+        """hidden and heads, and head_dim where it is not hidden / heads (absent from the config:
+        the class's default, or hidden / heads, which the heads must then divide)."""
         hidden, heads = self.get(hidden_key), self.get(heads_key)
-        head_dim = self.data.get("head_dim")
+        head_dim = self.get("head_dim", default_head_dim)
         if head_dim is None and hidden % heads:
             raise self.error(heads_key, heads, f"does not divide {hidden_key} {hidden}; give head_dim in the config")
         out = dict(hidden=hidden, heads=heads)
-        if head_dim is not None and self.get("head_dim") != hidden // heads:
+        if head_dim is not None and (hidden % heads or head_dim != hidden // heads):
             out["head_dim"] = head_dim
         return out
 
 
-def _llama_like(c: _Config, tied: bool) -> dict:
+def _llama_like(c: _Config, tied: bool, default_head_dim: int | None = None) -> dict:
     """LlamaForCausalLM and the models built like it (Mistral, Mixtral, Qwen2, Gemma, Phi-3):
     RMSNorm, RoPE, q/k/v_proj and o_proj, gate/up/down_proj (SwiGLU, GeGLU for Gemma)."""
-    out = dict(c.heads(), layers=c.get("num_hidden_layers"), vocab=c.get("vocab_size"),
-               seq_len=c.get("max_position_embeddings"), ffn_hidden=c.get("intermediate_size"),
+    out = dict(c.heads(default_head_dim=default_head_dim), layers=c.get("num_hidden_layers"),
+               vocab=c.get("vocab_size"), seq_len=c.get("max_position_embeddings"), ffn_hidden=c.get("intermediate_size"),
                kv_heads=c.get("num_key_value_heads", c.get("num_attention_heads")),
                tied_embeddings=c.get("tie_word_embeddings", tied, bool), position="rope", norm="rmsnorm",
                glu=True, fused_qkv=False, bias=False,
@@ -136,7 +139,7 @@ def _qwen2_moe(c: _Config) -> dict:
 
 def _gemma(c: _Config) -> dict:
     # GemmaConfig default head_dim 256; GeGLU has SwiGLU's three projections; tied by default
-    return dict(_llama_like(c, tied=True), **({} if "head_dim" in c.data else {"head_dim": 256}))
+    return _llama_like(c, tied=True, default_head_dim=256)
 
 
 def _gemma2(c: _Config) -> dict:
