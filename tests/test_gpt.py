@@ -35,6 +35,8 @@ VARIANTS = {
                                    kv_heads=1),
     "gemma2_post_norms_alternating_window": dict(SMALL, norm="rmsnorm", glu=True, bias=False, post_norms=True,
                                                  sliding_window=4, sliding_window_layers="even"),
+    "qwen3_qk_norm": dict(SMALL, position="rope", norm="rmsnorm", glu=True, fused_qkv=False, bias=False, kv_heads=2,
+                          head_dim=16, qk_norm=True),
     "opt_position_offset": dict(SMALL, fused_qkv=False, position_offset=2),
     "deepseek_mla": dict(SMALL, position="rope", norm="rmsnorm", glu=True, fused_qkv=False, bias=False,
                          mla=dict(kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)),

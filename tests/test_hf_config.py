@@ -112,6 +112,24 @@ def test_other_families_count_their_published_totals():
     assert count_params(m) == 14_315_784_192 and count_active_params(m) == 2_689_173_504
 
 
+def test_qwen3_counts_its_q_and_k_norms():
+    # Qwen/Qwen3-8B: 8,190,735,360 (head_dim 128, q_norm and k_norm of 128 per block, untied)
+    qwen3 = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=4096, num_hidden_layers=36,
+                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=12288,
+                 vocab_size=151936, max_position_embeddings=40960, tie_word_embeddings=False,
+                 attention_bias=False, use_sliding_window=False, sliding_window=None)
+    m = _spec(model_from_hf(qwen3, "c"))
+    assert m.qk_norm and count_params(m) == 8_190_735_360
+    # Qwen/Qwen3-30B-A3B: 128 experts of 768, top-8, no shared expert; 30.5B total, 3.3B active
+    moe = dict(qwen3, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=2048,
+               num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, intermediate_size=6144,
+               moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1,
+               mlp_only_layers=[])
+    m = _spec(model_from_hf(moe, "c"))
+    assert count_params(m) == 30_532_122_624 and round(count_params(m) / 1e9, 1) == 30.5
+    assert count_active_params(m) == 3_353_032_704    # 3.35B, which Qwen states as 3.3B (truncated, as V3's 37B)
+
+
 def test_opt_learned_positions_have_two_extra_rows():
     opt = dict(model_type="opt", architectures=["OPTForCausalLM"], hidden_size=768, num_hidden_layers=12,
                num_attention_heads=12, ffn_dim=3072, vocab_size=50272, max_position_embeddings=2048,

@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from calibration.core.layers import (Embedding, Linear, Norm, PositionEmbedding, attend, cross_entropy, mla_core,
+from calibration.core.layers import (Embedding, HeadNorm, Linear, Norm, PositionEmbedding, attend, cross_entropy, mla_core,
                                      swappable_linear)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -94,9 +94,17 @@ class Attention(_Graph):
                 self.steps.append(("core", ("qkv",), "c"))
             else:
                 self.q_proj = Linear(h, qd, m.qkv_proj_bias)
+                if m.qk_norm:
+                    self.q_norm = HeadNorm(m.norm, hd)
                 self.k_proj = Linear(h, kvd, m.qkv_proj_bias)
+                if m.qk_norm:
+                    self.k_norm = HeadNorm(m.norm, hd)
                 self.v_proj = Linear(h, kvd, m.qkv_proj_bias)
-                self.steps += [(f"{n}_proj", ("a",), n) for n in "qkv"]
+                if m.qk_norm:   # Qwen3: q_proj, q_norm, k_proj, k_norm, v_proj
+                    self.steps += [("q_proj", ("a",), "q0"), ("q_norm", ("q0",), "q"), ("k_proj", ("a",), "k0"),
+                                   ("k_norm", ("k0",), "k"), ("v_proj", ("a",), "v")]
+                else:
+                    self.steps += [(f"{n}_proj", ("a",), n) for n in "qkv"]
                 self.ops["core"] = core
                 self.steps.append(("core", ("q", "k", "v"), "c"))
             v_heads = qd

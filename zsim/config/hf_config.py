@@ -137,6 +137,20 @@ def _qwen2_moe(c: _Config) -> dict:
     return dict(out, moe=moe)
 
 
+def _qwen3(c: _Config) -> dict:
+    # Qwen3Attention: q_norm and k_norm (RMSNorm of head_dim) on every head; attention_bias
+    # (default false) on q/k/v/o; head_dim given in the config (Qwen3-0.6B: 16 x 128, hidden 1024)
+    c.refuse("use_sliding_window", bool, "a sliding window from layer max_window_layers on")
+    return dict(_llama_like(c, tied=False), qk_norm=True)
+
+
+def _qwen3_moe(c: _Config) -> dict:
+    # Qwen3MoeSparseMoeBlock: gate + experts, no shared expert
+    c.refuse("mlp_only_layers", bool, "dense MLPs on listed layers")
+    c.refuse("decoder_sparse_step", lambda v: v != 1, "MoE on every decoder_sparse_step-th layer")
+    return dict(_qwen3(c), moe=_moe_fields(c, "num_experts", "moe_intermediate_size"))
+
+
 def _gemma(c: _Config) -> dict:
     # GemmaConfig default head_dim 256; GeGLU has SwiGLU's three projections; tied by default
     return _llama_like(c, tied=True, default_head_dim=256)
@@ -251,6 +265,7 @@ def _deepseek(c: _Config) -> dict:
 
 
 READERS = {"llama": _llama, "mistral": _llama, "mixtral": _mixtral, "qwen2": _qwen2, "qwen2_moe": _qwen2_moe,
+           "qwen3": _qwen3, "qwen3_moe": _qwen3_moe,
            "gemma": _gemma, "gemma2": _gemma2, "phi3": _phi3, "gpt2": _gpt2, "gpt_neox": _gpt_neox,
            "falcon": _falcon, "bloom": _bloom, "opt": _opt, "deepseek_v2": _deepseek, "deepseek_v3": _deepseek}
 # encoder and encoder-decoder families: not decoder-only language models
