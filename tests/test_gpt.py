@@ -38,6 +38,8 @@ VARIANTS = {
     "qwen3_qk_norm": dict(SMALL, position="rope", norm="rmsnorm", glu=True, fused_qkv=False, bias=False, kv_heads=2,
                           head_dim=16, qk_norm=True),
     "opt_position_offset": dict(SMALL, fused_qkv=False, position_offset=2),
+    "opt350m_post_ln_projection": dict(SMALL, fused_qkv=False, position_offset=2, post_layernorm=True,
+                                       embed_proj_dim=16),
     "deepseek_mla": dict(SMALL, position="rope", norm="rmsnorm", glu=True, fused_qkv=False, bias=False,
                          mla=dict(kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)),
     "deepseek_mla_q_lora": dict(SMALL, position="rope", norm="rmsnorm", glu=True, fused_qkv=False, bias=False,

@@ -136,6 +136,15 @@ def test_opt_learned_positions_have_two_extra_rows():
                do_layer_norm_before=True, word_embed_proj_dim=768)
     wl = build_workload(_spec(model_from_hf(opt, "c")), 1, 128, "bf16", True, False)
     assert {p.name: p.numel for p in wl.params}["wpe.weight"] == 2050 * 768
+    # facebook/opt-350m: post-LN blocks without a final norm, a 512-wide embedding projected to 1024
+    opt.update(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, ffn_dim=4096,
+               do_layer_norm_before=False, word_embed_proj_dim=512)
+    m = _spec(model_from_hf(opt, "c"))
+    wl = build_workload(m, 1, 128, "bf16", True, False)
+    names = [x.name for x in wl.modules]
+    assert names[:3] == ["wte", "project_in", "wpe"] and names[-3:] == ["project_out", "lm_head", "loss"]
+    assert names[names.index("layers.0.attn.o_proj") + 1] == "layers.0.ln_1" and "ln_f" not in names
+    assert count_params(m) == 331_196_416        # published: 331M
 
 
 @pytest.mark.parametrize("config,key", [
@@ -149,7 +158,7 @@ def test_opt_learned_positions_have_two_extra_rows():
     (_llama_cfg(num_hidden_layers="32"), "num_hidden_layers"),
     (_llama_cfg(quantization_config={"quant_method": "fp8"}), "quantization_config"),
     (json.loads((MODELS / "mixtral-8x7b.json").read_text()) | {"num_experts_per_tok": 9}, "num_experts_per_tok"),
-    (dict(_llama_cfg(), model_type="opt", do_layer_norm_before=False), "do_layer_norm_before"),
+    (dict(_llama_cfg(), model_type="opt", _remove_final_layer_norm=True), "_remove_final_layer_norm"),
     (dict(_llama_cfg(), model_type="qwen2", use_sliding_window=True), "use_sliding_window"),
 ])
 def test_bad_configs_are_refused_naming_the_key(config, key):

@@ -226,16 +226,21 @@ def _bloom(c: _Config) -> dict:
 
 def _opt(c: _Config) -> dict:
     # OPTDecoderLayer: q/k/v/out_proj, fc1/fc2 with enable_bias; OPTLearnedPositionalEmbedding
-    # holds max_position_embeddings + 2 rows (offset 2)
-    c.refuse("do_layer_norm_before", lambda v: v is False, "post-LayerNorm blocks (OPT-350m)")
+    # holds max_position_embeddings + 2 rows (offset 2). do_layer_norm_before false (OPT-350m):
+    # post-LN blocks and no final_layer_norm; word_embed_proj_dim other than hidden_size: the
+    # embedding and lm_head at that width, with project_in/project_out (OPTDecoder)
     c.refuse("_remove_final_layer_norm", bool, "no final LayerNorm")
     c.refuse("layer_norm_elementwise_affine", lambda v: v is False, "LayerNorms without weights")
-    hidden = c.get("hidden_size")
-    c.refuse("word_embed_proj_dim", lambda v: v != hidden, "project_in/project_out around a narrower embedding")
-    return dict(c.heads(), layers=c.get("num_hidden_layers"), vocab=c.get("vocab_size"),
-                seq_len=c.get("max_position_embeddings"), ffn_hidden=c.get("ffn_dim"), position_offset=2,
-                tied_embeddings=c.get("tie_word_embeddings", True, bool), position="learned", norm="layernorm",
-                bias=c.get("enable_bias", True, bool), glu=False, fused_qkv=False)
+    out = dict(c.heads(), layers=c.get("num_hidden_layers"), vocab=c.get("vocab_size"),
+               seq_len=c.get("max_position_embeddings"), ffn_hidden=c.get("ffn_dim"), position_offset=2,
+               tied_embeddings=c.get("tie_word_embeddings", True, bool), position="learned", norm="layernorm",
+               bias=c.get("enable_bias", True, bool), glu=False, fused_qkv=False)
+    if not c.get("do_layer_norm_before", True, bool):
+        out["post_layernorm"] = True
+    proj = c.get("word_embed_proj_dim", out["hidden"])
+    if proj != out["hidden"]:
+        out["embed_proj_dim"] = proj
+    return out
 
 
 def _deepseek(c: _Config) -> dict:
