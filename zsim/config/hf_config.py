@@ -111,29 +111,29 @@ def _qwen2(c: _Config) -> dict:
     return out
 
 
-def _moe_fields(c: _Config, experts_key: str, width_key: str) -> dict:
+def _moe_fields(c: _Config, experts_key: str, width_key: str | None) -> dict:
+    """Routed experts of a Hugging Face MoE block (dropless); width_key None: intermediate_size."""
     experts, top_k = c.get(experts_key), c.get("num_experts_per_tok")
     if top_k > experts:
         raise c.error("num_experts_per_tok", top_k, f"must not exceed {experts_key} ({experts})")
-    return dict(experts=experts, top_k=top_k, expert_ffn_hidden=c.get(width_key), dispatch="dropless")
+    out = dict(experts=experts, top_k=top_k, dispatch="dropless")
+    if width_key is not None:
+        out["expert_ffn_hidden"] = c.get(width_key)
+    return out
 
 
 def _mixtral(c: _Config) -> dict:
-    out = _window(c, _llama_like(c, tied=False))
-    experts, top_k = c.get("num_local_experts"), c.get("num_experts_per_tok")
-    if top_k > experts:
-        raise c.error("num_experts_per_tok", top_k, f"must not exceed num_local_experts ({experts})")
-    return dict(out, moe=dict(experts=experts, top_k=top_k, dispatch="dropless"))
+    # MixtralSparseMoeBlock: gate + experts (w1, w3, w2 of intermediate_size)
+    return dict(_window(c, _llama_like(c, tied=False)), moe=_moe_fields(c, "num_local_experts", None))
 
 
 def _qwen2_moe(c: _Config) -> dict:
     out = _qwen2(c)
     c.refuse("mlp_only_layers", bool, "dense MLPs on listed layers")
     c.refuse("decoder_sparse_step", lambda v: v != 1, "MoE on every decoder_sparse_step-th layer")
-    moe = _moe_fields(c, "num_experts", "moe_intermediate_size")
-    shared = c.get("shared_expert_intermediate_size", 0) if "shared_expert_intermediate_size" in c.data else 0
-    if shared:
-        moe.update(shared_experts=1, shared_ffn_hidden=shared, shared_expert_gate=True)
+    # Qwen2MoeSparseMoeBlock: gate, experts, one shared_expert with its sigmoid shared_expert_gate
+    moe = dict(_moe_fields(c, "num_experts", "moe_intermediate_size"), shared_experts=1,
+               shared_ffn_hidden=c.get("shared_expert_intermediate_size"), shared_expert_gate=True)
     return dict(out, moe=moe)
 
 
