@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from zsim.specs.model import ModelSpec
-from zsim.specs.model import PRESETS
+from zsim.config.hf_config import model_files, preset_model
+from zsim.schema import build
+from zsim.specs.model import PRESETS, ModelSpec
 from zsim.workload.transformer import build_workload
 
 torch = pytest.importorskip("torch")
@@ -22,6 +23,28 @@ VARIANTS = {
     "mqa_fused_rope": dict(SMALL, position="rope", kv_heads=1),
     "bloom": dict(SMALL, position="alibi", embedding_norm=True),
     "rmsnorm_glu_fused_bias": dict(SMALL, norm="rmsnorm", glu=True),
+    # the Hugging Face architectures' variations (zsim/config/hf_config.py)
+    "gemma_head_dim": dict(SMALL, position="rope", norm="rmsnorm", glu=True, fused_qkv=False, bias=False,
+                           head_dim=16, heads=4, kv_heads=2),
+    "qwen2_qkv_bias": dict(SMALL, position="rope", norm="rmsnorm", glu=True, fused_qkv=False, bias=False,
+                           qkv_bias=True),
+    "phi3_fused_gate_up_window": dict(SMALL, position="rope", norm="rmsnorm", glu=True, bias=False,
+                                      fused_gate_up=True, sliding_window=5),
+    "neox_parallel": dict(SMALL, position="rope", parallel_residual=True),
+    "falcon_shared_norm_mqa": dict(SMALL, position="rope", bias=False, parallel_residual=True, shared_norm=True,
+                                   kv_heads=1),
+    "gemma2_post_norms_alternating_window": dict(SMALL, norm="rmsnorm", glu=True, bias=False, post_norms=True,
+                                                 sliding_window=4, sliding_window_layers="even"),
+    "qwen3_qk_norm": dict(SMALL, position="rope", norm="rmsnorm", glu=True, fused_qkv=False, bias=False, kv_heads=2,
+                          head_dim=16, qk_norm=True),
+    "opt_position_offset": dict(SMALL, fused_qkv=False, position_offset=2),
+    "opt350m_post_ln_projection": dict(SMALL, fused_qkv=False, position_offset=2, post_layernorm=True,
+                                       embed_proj_dim=16),
+    "deepseek_mla": dict(SMALL, position="rope", norm="rmsnorm", glu=True, fused_qkv=False, bias=False,
+                         mla=dict(kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)),
+    "deepseek_mla_q_lora": dict(SMALL, position="rope", norm="rmsnorm", glu=True, fused_qkv=False, bias=False,
+                                mla=dict(kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                                         q_lora_rank=10)),
 }
 
 
@@ -51,12 +74,18 @@ def _check_mirror(spec: ModelSpec):
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_gpt_mirrors_the_workload(variant):
-    _check_mirror(ModelSpec(**VARIANTS[variant]))
+    _check_mirror(build(ModelSpec, VARIANTS[variant], "model"))
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_gpt_mirrors_every_preset(preset):
     _check_mirror(ModelSpec(**PRESETS[preset]))
+
+
+# the MoE presets (mixtral-8x7b, deepseek-*) have no MoE blocks in calibration's GPT
+@pytest.mark.parametrize("preset", sorted(n for n in model_files() if "moe" not in preset_model(n)))
+def test_gpt_mirrors_every_dense_config_json_preset(preset):
+    _check_mirror(build(ModelSpec, preset_model(preset), "model"))
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -66,7 +95,7 @@ def test_module_path_computes_what_the_segments_compute(variant):
     the weight)."""
     from types import SimpleNamespace
 
-    spec = ModelSpec(**VARIANTS[variant])
+    spec = build(ModelSpec, VARIANTS[variant], "model")
     wl = _workload(spec)
     gpt = GPT(spec).initialized(seed=7)
     ids = torch.randint(0, spec.vocab, (2, spec.seq_len), generator=torch.Generator().manual_seed(0))

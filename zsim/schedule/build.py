@@ -8,7 +8,8 @@ from zsim.schedule import offload, stage3, stage012
 from zsim.schedule.builder import Builder
 from zsim.schedule.context import StepContext
 from zsim.schedule.ir import Schedule
-from zsim.workload.transformer import DTYPE_BYTES, Workload, build_workload
+from zsim.workload.module import DTYPE_BYTES, Workload
+from zsim.workload.transformer import build_workload
 
 
 def workload_for(sc: Scenario) -> Workload:

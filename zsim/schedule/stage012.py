@@ -22,7 +22,7 @@ from zsim.schedule.ir import (Alloc, Buffer, Category, Collective, Comm, GradRed
 from zsim.schedule.optimizer import FP32_BYTES, grad_norm_ops, model_state_bytes, optimizer_step
 from zsim.schedule.partition import grads_ready_at, pieces_in_partition
 from zsim.schedule.passes import backward, forward
-from zsim.workload.transformer import Module
+from zsim.workload.module import Module
 
 # engine.py allreduce_gradients -> buffered_allreduce_fallback: MEMORY_OPT_ALLREDUCE_SIZE elements per call
 MEMORY_OPT_ALLREDUCE_SIZE = int(5e8)
