@@ -148,6 +148,7 @@ def summarize(sc: Scenario, wl: Workload, trace: Trace) -> Result:
     windows = _windows(trace)
     peak_flops = cl.peak_flops(sc.precision)
     tflops = model_flops_gpu / step / TFLOP if step > 0 else 0.0
+    trained = sum(p.numel for p in wl.params if p.trainable)
     return Result(
         scenario=sc.name,
         stage=sc.zero.stage,
@@ -177,4 +178,5 @@ def summarize(sc: Scenario, wl: Workload, trace: Trace) -> Result:
         host_time_s=dict(sorted(ops.host_time_s.items())),
         events=trace.events_processed,
         warnings=tuple(sc.warnings),
+        trainable_params=None if trained == wl.n_params else trained,
     )

@@ -67,6 +67,10 @@ class Module:
     # the nn.Module containers it sits in, outermost first (("layers.0", "layers.0.attn")): ZeRO-3's
     # hooks visit each container as the forward enters it
     containers: tuple[str, ...] = ()
+    # which backward GEMMs run (zsim/workload/lora.py clears them for frozen weights and for inputs
+    # that carry no gradient): a linear's dgrad needs input_grad, its wgrad weight_grad
+    input_grad: bool = True
+    weight_grad: bool = True
 
     @property
     def bwd_workspace(self) -> float:
