@@ -66,6 +66,9 @@ def unsupported(sc) -> str | None:
         return "data_types.grad_accum_dtype fp32 with stage 1 (BF16_Optimizer)"   # see [Note: BF16_Optimizer]
     if sc.training.dropout:
         return "training.dropout (the core is deterministic, no dropout)"
+    if sc.training.lora is not None or sc.training.frozen:
+        # its GPT has no PEFT adapters and its flat buffers hold every parameter as trained
+        return "training.lora / training.frozen (frozen parameters and adapters are simulated, not executed yet)"
     return None
 
 
