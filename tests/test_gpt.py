@@ -8,6 +8,7 @@ import pytest
 
 from zsim.specs.model import ModelSpec
 from zsim.specs.model import PRESETS
+from zsim.specs.scenario import TrainingSpec
 from zsim.workload.transformer import build_workload
 
 torch = pytest.importorskip("torch")
@@ -74,7 +75,7 @@ def test_module_path_computes_what_the_segments_compute(variant):
     loss = gpt(ids, labels)
     loss.backward()
     params = [p.detach().clone().requires_grad_(True) for p in gpt.parameters()]
-    segs = build_segments(SimpleNamespace(model=spec), wl)
+    segs = build_segments(SimpleNamespace(model=spec, training=TrainingSpec()), wl)
     env = {"ids": ids, "labels": labels}
     for s in segs.values():
         env[s.output] = s.fn(lambda i: params[i], *[env[k] for k in s.inputs])

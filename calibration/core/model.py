@@ -133,6 +133,18 @@ class Linear(_Leaf):
         return y if residual is None else residual + y
 
 
+class LoraB(Linear):
+    """PEFT's lora_B: its output, scaled by alpha/r, is added to the base layer's (peft
+    tuners/lora/layer.py Linear.forward: result + lora_B(lora_A(dropout(x))) * scaling)."""
+
+    def __init__(self, n_in: int, n_out: int, scaling: float):
+        super().__init__(n_in, n_out, False)
+        self.scaling = scaling
+
+    def run(self, ws, linear, a, base_out):
+        return base_out + linear(a, ws[0]) * self.scaling
+
+
 # ----------------------------------------------------------------------------- parameterless ops
 def attend(heads: int, kv_heads: int, head_dim: int, q, k, v):
     """Causal SDPA over (B, S, heads * head_dim) projections; GQA when kv_heads < heads."""
@@ -222,6 +234,50 @@ class Block(_Graph):
                       ("mlp", ("b", "x1"), "x2")]
 
 
+class LoraLinear(_Graph):
+    """PEFT's lora.Linear around a target: base_layer, then lora_A.default and lora_B.default
+    (ModuleDicts keyed by adapter name), registered and run in that order."""
+
+    def __init__(self, base: Linear, rank: int, scaling: float, inputs: tuple[str, ...]):
+        super().__init__(inputs, "out")
+        n_out, n_in = base.weight.shape
+        self.base_layer = base
+        self.lora_A = nn.ModuleDict({"default": Linear(n_in, rank, False)})
+        self.lora_B = nn.ModuleDict({"default": LoraB(rank, n_out, scaling)})
+        self.steps = [("base_layer", inputs, "y"), ("lora_A.default", inputs[:1], "a"),
+                      ("lora_B.default", ("a", "y"), "out")]
+
+
+class SavedCopy(_Graph):
+    """PEFT's ModulesToSaveWrapper: the frozen original_module stays registered, the trainable
+    copy modules_to_save.default runs (an untied copy of a tied weight)."""
+
+    def __init__(self, original: Linear, inputs: tuple[str, ...]):
+        super().__init__(inputs, "out")
+        n_out, n_in = original.weight.shape
+        self.original_module = original
+        self.modules_to_save = nn.ModuleDict({"default": Linear(n_in, n_out, hasattr(original, "bias"))})
+        self.steps = [("modules_to_save.default", inputs, "out")]
+
+
+def peft_wrap(gpt: "GPT", wl, lora) -> "GPT":
+    """`gpt` rewritten as get_peft_model rewrites an HF model, for the targets and saved modules
+    zsim's workload chose (zsim/workload/lora.py is the one home of the matching rules)."""
+    names = [m.name for m in wl.modules]
+    wrap = {n.rsplit(".lora_A.default", 1)[0]: "lora" for n in names if n.endswith(".lora_A.default")}
+    wrap.update({n.rsplit(".modules_to_save.default", 1)[0]: "save" for n in names
+                 if n.endswith(".modules_to_save.default")})
+    for path, how in wrap.items():
+        parent_path, _, leaf = path.rpartition(".")
+        parent = gpt.get_submodule(parent_path) if parent_path else gpt
+        inputs = next(ins for name, ins, _ in parent.steps if name == leaf)
+        inputs = tuple(f"in{i}" for i in range(len(inputs)))
+        base = getattr(parent, leaf)
+        setattr(parent, leaf, LoraLinear(base, lora.rank, lora.alpha / lora.rank, inputs) if how == "lora"
+                else SavedCopy(base, inputs))
+    return gpt
+
+
 class GPT(_Graph):
     """Decoder-only GPT from a zsim ModelSpec; forward(ids, labels) -> mean loss."""
 
@@ -303,6 +359,10 @@ def param_shapes(wl) -> list[tuple[int, ...]]:
                 shapes[pid] = (n // hidden, hidden)
             else:
                 shapes[pid] = (n,)
+    by_name = {wl.params[pid].name: s for pid, s in shapes.items()}
+    for pid, p in enumerate(wl.params):   # a saved module's original: the shape of its trained copy
+        if pid not in shapes:
+            shapes[pid] = by_name[p.name.replace(".original_module.", ".modules_to_save.default.")]
     return [shapes[i] for i in range(len(wl.params))]
 
 
@@ -325,10 +385,23 @@ def init_params(wl, shapes, seed: int) -> list[torch.Tensor]:
     return initial_values([p.name for p in wl.params], shapes, seed)
 
 
+def for_training(gpt: GPT, sc, wl) -> GPT:
+    """`gpt` as the scenario trains it: PEFT's LoRA modules (training.lora) and requires_grad off
+    for frozen params; its parameters are then the workload's, name for name."""
+    if sc.training.lora is not None:
+        peft_wrap(gpt, wl, sc.training.lora)
+    named = list(gpt.named_parameters())
+    if [n for n, _ in named] != [p.name for p in wl.params]:
+        raise ValueError("the GPT's parameters do not mirror the workload's")
+    for (_, p), wp in zip(named, wl.params):
+        p.requires_grad_(wp.trainable)
+    return gpt
+
+
 def build_segments(sc, wl) -> dict[str, Segment]:
     """The scenario's GPT (on the meta device: the core owns the parameters) as segments."""
     with torch.device("meta"):
-        segs = GPT(sc.model).segments()
+        segs = for_training(GPT(sc.model), sc, wl).segments()
     missing = [m.name for m in wl.modules if m.name not in segs]
     if missing:
         raise ValueError(f"modules without a segment: {missing}")
