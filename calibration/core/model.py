@@ -79,7 +79,12 @@ class _Leaf(nn.Module):
     """A workload module with direct parameters: `run(weights, linear, *inputs)` is its work."""
 
     def forward(self, *inputs):
-        return self.run(tuple(self._parameters.values()), F.linear, *inputs)
+        return self.run(own_params(self), F.linear, *inputs)
+
+
+def own_params(leaf: nn.Module) -> tuple:
+    """A leaf's direct parameters in registration order (nn.Linear registers a missing bias as None)."""
+    return tuple(p for p in leaf._parameters.values() if p is not None)
 
 
 class Embedding(_Leaf):
@@ -118,31 +123,20 @@ class Norm(_Leaf):
         return F.rms_norm(x, (self.hidden,), ws[0], NORM_EPS)
 
 
-class Linear(_Leaf):
+class Linear(_Leaf, nn.Linear):
     """y = x W^T (+ b), plus the residual stream when given one: zsim's workload charges the
-    residual add of o_proj and fc_out to those modules (transformer.py fwd_mem)."""
+    residual add of o_proj and fc_out to those modules (transformer.py fwd_mem). An nn.Linear,
+    so PEFT's get_peft_model can wrap it (peft tuners/lora/layer.py dispatch_default)."""
 
     def __init__(self, n_in: int, n_out: int, bias: bool, weight: nn.Parameter | None = None):
-        super().__init__()
+        nn.Module.__init__(self)   # nn.Linear's own __init__ would allocate and initialise a weight
+        self.in_features, self.out_features = n_in, n_out
         self.weight = weight if weight is not None else nn.Parameter(torch.empty(n_out, n_in))
-        if bias:
-            self.bias = nn.Parameter(torch.empty(n_out))
+        self.bias = nn.Parameter(torch.empty(n_out)) if bias else None
 
     def run(self, ws, linear, x, residual=None):
         y = linear(x, ws[0], ws[1] if len(ws) > 1 else None)
         return y if residual is None else residual + y
-
-
-class LoraB(Linear):
-    """PEFT's lora_B: its output, scaled by alpha/r, is added to the base layer's (peft
-    tuners/lora/layer.py Linear.forward: result + lora_B(lora_A(dropout(x))) * scaling)."""
-
-    def __init__(self, n_in: int, n_out: int, scaling: float):
-        super().__init__(n_in, n_out, False)
-        self.scaling = scaling
-
-    def run(self, ws, linear, a, base_out):
-        return base_out + linear(a, ws[0]) * self.scaling
 
 
 # ----------------------------------------------------------------------------- parameterless ops
@@ -162,7 +156,7 @@ def cross_entropy(logits, labels):
 
 
 # ----------------------------------------------------------------------------- containers
-class _Graph(nn.Module):
+class Graph(nn.Module):
     """A container whose forward runs its steps in order. A step (name, inputs, output) calls a
     child module (its hooks fire) or a parameterless op, reading and writing named values; the
     same steps, flattened, are the training core's segments."""
@@ -184,7 +178,7 @@ class _Graph(nn.Module):
         return env[self.output]
 
 
-class Attention(_Graph):
+class Attention(Graph):
     def __init__(self, m):
         super().__init__(("a", "x"), "x1")
         h, kvd = m.hidden, m.n_kv_heads * (m.hidden // m.heads)
@@ -205,7 +199,7 @@ class Attention(_Graph):
         self.steps.append(("o_proj", ("c", "x"), "x1"))
 
 
-class MLP(_Graph):
+class MLP(Graph):
     def __init__(self, m):
         super().__init__(("b", "x1"), "x2")
         h, f = m.hidden, m.ffn
@@ -223,7 +217,7 @@ class MLP(_Graph):
         self.steps.append(("fc_out", ("g", "x1"), "x2"))
 
 
-class Block(_Graph):
+class Block(Graph):
     def __init__(self, m):
         super().__init__(("x",), "x2")
         self.ln_1 = Norm(m.norm, m.hidden)
@@ -234,51 +228,7 @@ class Block(_Graph):
                       ("mlp", ("b", "x1"), "x2")]
 
 
-class LoraLinear(_Graph):
-    """PEFT's lora.Linear around a target: base_layer, then lora_A.default and lora_B.default
-    (ModuleDicts keyed by adapter name), registered and run in that order."""
-
-    def __init__(self, base: Linear, rank: int, scaling: float, inputs: tuple[str, ...]):
-        super().__init__(inputs, "out")
-        n_out, n_in = base.weight.shape
-        self.base_layer = base
-        self.lora_A = nn.ModuleDict({"default": Linear(n_in, rank, False)})
-        self.lora_B = nn.ModuleDict({"default": LoraB(rank, n_out, scaling)})
-        self.steps = [("base_layer", inputs, "y"), ("lora_A.default", inputs[:1], "a"),
-                      ("lora_B.default", ("a", "y"), "out")]
-
-
-class SavedCopy(_Graph):
-    """PEFT's ModulesToSaveWrapper: the frozen original_module stays registered, the trainable
-    copy modules_to_save.default runs (an untied copy of a tied weight)."""
-
-    def __init__(self, original: Linear, inputs: tuple[str, ...]):
-        super().__init__(inputs, "out")
-        n_out, n_in = original.weight.shape
-        self.original_module = original
-        self.modules_to_save = nn.ModuleDict({"default": Linear(n_in, n_out, hasattr(original, "bias"))})
-        self.steps = [("modules_to_save.default", inputs, "out")]
-
-
-def peft_wrap(gpt: "GPT", wl, lora) -> "GPT":
-    """`gpt` rewritten as get_peft_model rewrites an HF model, for the targets and saved modules
-    zsim's workload chose (zsim/workload/lora.py is the one home of the matching rules)."""
-    names = [m.name for m in wl.modules]
-    wrap = {n.rsplit(".lora_A.default", 1)[0]: "lora" for n in names if n.endswith(".lora_A.default")}
-    wrap.update({n.rsplit(".modules_to_save.default", 1)[0]: "save" for n in names
-                 if n.endswith(".modules_to_save.default")})
-    for path, how in wrap.items():
-        parent_path, _, leaf = path.rpartition(".")
-        parent = gpt.get_submodule(parent_path) if parent_path else gpt
-        inputs = next(ins for name, ins, _ in parent.steps if name == leaf)
-        inputs = tuple(f"in{i}" for i in range(len(inputs)))
-        base = getattr(parent, leaf)
-        setattr(parent, leaf, LoraLinear(base, lora.rank, lora.alpha / lora.rank, inputs) if how == "lora"
-                else SavedCopy(base, inputs))
-    return gpt
-
-
-class GPT(_Graph):
+class GPT(Graph):
     """Decoder-only GPT from a zsim ModelSpec; forward(ids, labels) -> mean loss."""
 
     def __init__(self, m):
@@ -320,7 +270,7 @@ class GPT(_Graph):
         pid = {id(p): i for i, p in enumerate(self.parameters())}
         out: dict[str, Segment] = {}
 
-        def flatten(graph: _Graph, prefix: str, values: dict[str, str]):
+        def flatten(graph: Graph, prefix: str, values: dict[str, str]):
             for name, ins, res in graph.steps:
                 path = prefix + name
                 ins = tuple(values.get(i, prefix + i) for i in ins)
@@ -330,10 +280,10 @@ class GPT(_Graph):
                     out[path] = Segment(path, ins, res, lambda P, *x, op=op: op(*x))
                     continue
                 child = graph.get_submodule(name)
-                if isinstance(child, _Graph):
+                if isinstance(child, Graph):
                     flatten(child, path + ".", {**dict(zip(child.inputs, ins)), child.output: res})
                     continue
-                pids = tuple(pid[id(p)] for p in child._parameters.values())
+                pids = tuple(pid[id(p)] for p in own_params(child))
                 out[path] = Segment(path, ins, res, lambda P, *x, leaf=child, pids=pids:
                                     leaf.run(tuple(P(i) for i in pids), swappable_linear, *x))
 
@@ -385,21 +335,10 @@ def init_params(wl, shapes, seed: int) -> list[torch.Tensor]:
     return initial_values([p.name for p in wl.params], shapes, seed)
 
 
-def for_training(gpt: GPT, sc, wl) -> GPT:
-    """`gpt` as the scenario trains it: PEFT's LoRA modules (training.lora) and requires_grad off
-    for frozen params; its parameters are then the workload's, name for name."""
-    if sc.training.lora is not None:
-        peft_wrap(gpt, wl, sc.training.lora)
-    named = list(gpt.named_parameters())
-    if [n for n, _ in named] != [p.name for p in wl.params]:
-        raise ValueError("the GPT's parameters do not mirror the workload's")
-    for (_, p), wp in zip(named, wl.params):
-        p.requires_grad_(wp.trainable)
-    return gpt
-
-
 def build_segments(sc, wl) -> dict[str, Segment]:
     """The scenario's GPT (on the meta device: the core owns the parameters) as segments."""
+    from calibration.core.lora import for_training   # lora.py builds on this module's classes
+
     with torch.device("meta"):
         segs = for_training(GPT(sc.model), sc, wl).segments()
     missing = [m.name for m in wl.modules if m.name not in segs]
