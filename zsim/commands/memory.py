@@ -73,8 +73,10 @@ def _frozen_note(sc) -> str | None:
     model.parameters(), requires_grad or not); said when the scenario freezes some."""
     from zsim.schedule.build import workload_for
 
+    from zsim.workload.lora import trainable_params
+
     wl = workload_for(sc)
-    trained = sum(p.numel for p in wl.params if p.trainable)
+    trained = trainable_params(wl)
     if trained == wl.n_params:
         return None
     return (f"DeepSpeed's estimator ignores frozen parameters: it charges gradients and optimizer states for all "

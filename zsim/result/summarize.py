@@ -10,6 +10,7 @@ from zsim.hardware.collectives import bus_factor
 from zsim.result import Comm, HostMemory, Memory, Result
 from zsim.schedule.ir import Copy, CpuAdam, Stream
 from zsim.units import TFLOP
+from zsim.workload.lora import trainable_params
 from zsim.workload.transformer import Workload
 
 RESERVED = "CUDA context + allocator reserve"
@@ -148,7 +149,7 @@ def summarize(sc: Scenario, wl: Workload, trace: Trace) -> Result:
     windows = _windows(trace)
     peak_flops = cl.peak_flops(sc.precision)
     tflops = model_flops_gpu / step / TFLOP if step > 0 else 0.0
-    trained = sum(p.numel for p in wl.params if p.trainable)
+    trained = trainable_params(wl)
     return Result(
         scenario=sc.name,
         stage=sc.zero.stage,

@@ -185,7 +185,8 @@ def _adapters(base: Module, lora: LoraSpec, a: int, t: int, new) -> list[Module]
                     fwd_flops=fa, bwd_flops=fa * (1 + ig), model_fwd_flops=fa,
                     fwd_mem_bytes=(2 * a + 1) * t * n_in if drop else 0.0,
                     bwd_mem_bytes=(2 * a + 1) * t * n_in if drop and ig else 0.0,
-                    act_bytes=(a + 1) * t * n_in if drop else 0.0, kernels_fwd=1 + drop, kernels_bwd=1 + ig + (drop and ig),
+                    act_bytes=(a + 1) * t * n_in if drop else 0.0, kernels_fwd=1 + drop,
+                    kernels_bwd=1 + ig + (drop and ig),
                     bwd_workspace_bytes=t * n_in * a if ig else 0.0, containers=inside, input_grad=ig)
     lora_b = Module(name=name_b, kind=ModuleKind.LINEAR, layer=base.layer, params=(pb,), gemm=(t, n_out, r),
                     fwd_flops=fb, bwd_flops=2 * fb, model_fwd_flops=fb,
