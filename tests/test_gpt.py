@@ -9,6 +9,7 @@ import pytest
 from zsim.config.hf_config import model_files, preset_model
 from zsim.schema import build
 from zsim.specs.model import PRESETS, ModelSpec
+from zsim.specs.scenario import TrainingSpec
 from zsim.workload.transformer import build_workload
 
 torch = pytest.importorskip("torch")
@@ -103,7 +104,7 @@ def test_module_path_computes_what_the_segments_compute(variant):
     loss = gpt(ids, labels)
     loss.backward()
     params = [p.detach().clone().requires_grad_(True) for p in gpt.parameters()]
-    segs = build_segments(SimpleNamespace(model=spec), wl)
+    segs = build_segments(SimpleNamespace(model=spec, training=TrainingSpec()), wl)
     env = {"ids": ids, "labels": labels}
     for s in segs.values():
         env[s.output] = s.fn(lambda i: params[i], *[env[k] for k in s.inputs])

@@ -49,15 +49,18 @@ class ZeroCore:
         self.shapes = param_shapes(self.wl)
         self.segs = build_segments(sc, self.wl)
         self.numels = plan.numels
+        self.trainable = plan.trainable
+        # stages 0-2: offsets in the flat group, where a frozen param takes no room (see [Note:
+        # frozen parameters under ZeRO]); total: the trained elements
         self.offsets = [0]
-        for n in self.numels:
-            self.offsets.append(self.offsets[-1] + n)
+        for n, t in zip(self.numels, self.trainable):
+            self.offsets.append(self.offsets[-1] + (n if t else 0))
         self.total = self.offsets[-1]
         self.gas = sc.gradient_accumulation_steps
         self.clip = sc.deepspeed.gradient_clipping
         init = init_params(self.wl, self.shapes, seed)
         self.empty = torch.empty(0, dtype=self.dtype)
-        self.params = [torch.empty(0, dtype=self.dtype).requires_grad_(True) for _ in self.numels]
+        self.params = [torch.empty(0, dtype=self.dtype).requires_grad_(t) for t in self.trainable]
         self.c, self.soff = [], [0]
         master = self._init_flat(init) if self.stage < 3 else self._init_sharded(init)
         del init
@@ -95,6 +98,9 @@ class ZeroCore:
         are views of one flat gradient buffer. Returns the fp32 master of what this rank steps."""
         self.flat16 = torch.zeros(self.plan.flat_padded, dtype=self.dtype)
         for pid, t in enumerate(init):
+            if not self.trainable[pid]:   # whole on every rank, outside the flat group
+                self.params[pid].data = t.to(self.dtype)
+                continue
             self.flat16[self.offsets[pid]:self.offsets[pid + 1]].copy_(t.flatten())
             self.params[pid].data = self.flat16[self.offsets[pid]:self.offsets[pid + 1]].view(self.shapes[pid])
         part = self.plan.partition
@@ -103,16 +109,20 @@ class ZeroCore:
             return self.flat16[self.own].float()
         self.flatgrad = torch.zeros(self.plan.flat_padded, dtype=self.dtype)
         for pid in range(len(self.numels)):
-            self.params[pid].grad = self.flatgrad[self.offsets[pid]:self.offsets[pid + 1]].view(self.shapes[pid])
+            if self.trainable[pid]:
+                self.params[pid].grad = self.flatgrad[self.offsets[pid]:self.offsets[pid + 1]].view(self.shapes[pid])
         src = self.flat16[: self.total]
         return src if self.dtype == torch.float32 else src.float()
 
     def _init_sharded(self, init):
-        """ZeRO-3: ceil(n/world) elements of every param on each rank; persistent params whole."""
+        """ZeRO-3: ceil(n/world) elements of every param on each rank; persistent params whole.
+        The gradient partition and the fp32 master cover the trainable params' shards (goff)."""
         W, rank = self.world, self.rank
         self.c = [math.ceil(n / W) for n in self.numels]
-        for c in self.c:
+        self.goff = [0]
+        for c, t in zip(self.c, self.trainable):
             self.soff.append(self.soff[-1] + c)
+            self.goff.append(self.goff[-1] + (c if t else 0))
         self.shard16 = torch.zeros(self.soff[-1], dtype=self.dtype)
         for pid, t in enumerate(init):
             flat = torch.zeros(self.c[pid] * W)
@@ -120,7 +130,12 @@ class ZeroCore:
             self.shard16[self.soff[pid]:self.soff[pid + 1]].copy_(flat[rank * self.c[pid]:(rank + 1) * self.c[pid]])
         for pid in self.plan.persistent:
             self.params[pid].data = init[pid].to(self.dtype)
-        return self.shard16.float()
+        if all(self.trainable):
+            return self.shard16.float()
+        return torch.cat([self.shard16[self.soff[p]:self.soff[p + 1]] for p in self._trained()]).float()
+
+    def _trained(self) -> list[int]:
+        return [p for p, t in enumerate(self.trainable) if t]
 
     # -- helpers -----------------------------------------------------------------------
     def P(self, pid):
@@ -164,7 +179,7 @@ class ZeroCore:
         """The local gradient partition as DeepSpeed's averaged_gradients: one view per parameter
         with elements in it, plus the alignment padding of the last partition."""
         if self.stage == 3:
-            return [self.grads.gpart[self.soff[p]:self.soff[p + 1]] for p in range(len(self.numels))], []
+            return [self.grads.gpart[self.goff[p]:self.goff[p + 1]] for p in self._trained()], []
         lo, hi = self.own.start, self.own.stop
         gpart = self.grads.partition_grads()
         pieces = []
@@ -213,8 +228,26 @@ class ZeroCore:
             self.flat16[self.own].copy_(self.master)
             self.grads.gpart = None   # averaged_gradients dropped after the step
         else:
-            self.shard16.copy_(self.master)
+            if all(self.trainable):
+                self.shard16.copy_(self.master)
+            else:
+                for p in self._trained():
+                    self.shard16[self.soff[p]:self.soff[p + 1]].copy_(self.master[self.goff[p]:self.goff[p + 1]])
             self.grads.gpart.zero_()
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """The model states this rank holds between steps, by zsim's categories: 16-bit params
+        (the flat group and the frozen params whole, or the ZeRO-3 shard), the gradient buffers
+        that outlive a step (stage 0's flat gradients, stage 3's partition) and the fp32 master
+        with its AdamW moments."""
+        if self.stage < 3:
+            params = self.flat16.nbytes + sum(self.params[p].nbytes for p, t in enumerate(self.trainable) if not t)
+            grads = self.flatgrad.nbytes if self.stage == 0 else 0
+        else:
+            params, grads = self.shard16.nbytes, self.grads.gpart.nbytes
+        state = self.opt.state[self.master]
+        moments = sum(v.nbytes for v in state.values() if torch.is_tensor(v) and v.numel() == self.master.numel())
+        return {"parameters": params, "gradients": grads, "optimizer states": self.master.nbytes + moments}
 
     # -- what each op kind does -------------------------------------------------------------
     def _forward(self, op: Op):
@@ -224,8 +257,10 @@ class ZeroCore:
             ids, labels = self.batches[micro]
             self.env = {"ids": ids, "labels": labels}
         s = self.segs[module]
-        ins = [self.env[n].detach().requires_grad_(True) if self.env[n].is_floating_point() else self.env[n]
-               for n in s.inputs]
+        # a segment's input carries a gradient where its producer's output does (none before the
+        # first trained parameter: zsim/workload/lora.py)
+        ins = [self.env[n].detach().requires_grad_(self.env[n].requires_grad) if self.env[n].is_floating_point()
+               else self.env[n] for n in s.inputs]
         with torch.enable_grad():
             out = s.fn(self.P, *ins)
         if module == "loss":
@@ -238,7 +273,9 @@ class ZeroCore:
         module = op.payload.module
         s = self.segs[module]
         ins, out = self.saved.pop(module)
-        if module == "loss":
+        if not out.requires_grad:
+            pass   # frozen and no gradient into its input: autograd never reaches it
+        elif module == "loss":
             torch.autograd.backward(out)
         else:
             torch.autograd.backward(out, self.act_grads.pop(s.output))

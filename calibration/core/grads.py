@@ -48,7 +48,7 @@ class GradBuckets:
                 # see [Note: IPG buffer lifetime]: allocated at the first gradient of each backward and
                 # dropped at its end (setup_buckets, _release_ipg_buffers), as zsim's ledger charges it
                 self.ipg_numel = int(size)
-        self.gpart = torch.zeros(core.soff[-1], dtype=self.dtype) if self.sharded else None
+        self.gpart = torch.zeros(core.goff[-1], dtype=self.dtype) if self.sharded else None
         self.begin_step()
 
     def begin_step(self):
@@ -222,7 +222,7 @@ class GradBuckets:
 
     def _shard_take(self, b, out):
         o = 0
-        soff = self.core.soff
+        goff = self.core.goff   # the trainable params' shards
         for pid in b.pids:
-            self.gpart[soff[pid]:soff[pid + 1]].add_(out[o: o + self.core.c[pid]])
+            self.gpart[goff[pid]:goff[pid + 1]].add_(out[o: o + self.core.c[pid]])
             o += self.core.c[pid]

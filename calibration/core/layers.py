@@ -45,7 +45,12 @@ class _Leaf(nn.Module):
     """A workload module with direct parameters: `run(weights, linear, *inputs)` is its work."""
 
     def forward(self, *inputs):
-        return self.run(tuple(self._parameters.values()), F.linear, *inputs)
+        return self.run(own_params(self), F.linear, *inputs)
+
+
+def own_params(leaf: nn.Module) -> tuple:
+    """A leaf's direct parameters in registration order (nn.Linear registers a missing bias as None)."""
+    return tuple(p for p in leaf._parameters.values() if p is not None)
 
 
 class Embedding(_Leaf):
@@ -100,15 +105,16 @@ class HeadNorm(Norm):
         return super().run(ws, linear, x.reshape(*shape[:-1], -1, self.hidden)).reshape(shape)
 
 
-class Linear(_Leaf):
+class Linear(_Leaf, nn.Linear):
     """y = x W^T (+ b), plus the residual stream when given one: zsim's workload charges the
-    residual add of o_proj and fc_out to those modules (transformer.py fwd_mem)."""
+    residual add of o_proj and fc_out to those modules (transformer.py fwd_mem). An nn.Linear,
+    so PEFT's get_peft_model can wrap it (peft tuners/lora/layer.py dispatch_default)."""
 
     def __init__(self, n_in: int, n_out: int, bias: bool, weight: nn.Parameter | None = None):
-        super().__init__()
+        nn.Module.__init__(self)   # nn.Linear's own __init__ would allocate and initialise a weight
+        self.in_features, self.out_features = n_in, n_out
         self.weight = weight if weight is not None else nn.Parameter(torch.empty(n_out, n_in))
-        if bias:
-            self.bias = nn.Parameter(torch.empty(n_out))
+        self.bias = nn.Parameter(torch.empty(n_out)) if bias else None
 
     def run(self, ws, linear, x, residual=None):
         y = linear(x, ws[0], ws[1] if len(ws) > 1 else None)

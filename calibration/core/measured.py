@@ -21,7 +21,7 @@ def summarize_times(step_times, phase_times) -> dict:
 
 
 def write_measurement(path: str, engine: str, sc, args, step_times, phase_times, peak_bytes: int,
-                      collectives, losses: list[float]) -> None:
+                      collectives, losses: list[float], model_states: dict[str, int] | None = None) -> None:
     """Gather every rank's peak memory and losses; rank 0 writes the JSON `zsim validate` reads
     (all ranks call)."""
     import torch.distributed as dist
@@ -37,6 +37,8 @@ def write_measurement(path: str, engine: str, sc, args, step_times, phase_times,
                "peak_bytes": max(peaks), "peak_bytes_per_rank": peaks,
                "collectives": [list(c) for c in collectives],
                "losses": [sum(v) / world for v in zip(*all_losses)]}
+        if model_states is not None:   # rank 0's (the ranks hold equal shares, up to padding)
+            out["model_state_bytes"] = model_states
         with open(path, "w") as f:
             json.dump(out, f, indent=1)
 

@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from calibration.core.layers import (Embedding, HeadNorm, Linear, Norm, PositionEmbedding, attend, cross_entropy, mla_core,
-                                     swappable_linear)
+                                     own_params, swappable_linear)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -49,7 +49,7 @@ class Segment:
 
 
 # ----------------------------------------------------------------------------- containers
-class _Graph(nn.Module):
+class Graph(nn.Module):
     """A container whose forward runs its steps in order. A step (name, inputs, output) calls a
     child module (its hooks fire) or a parameterless op, reading and writing named values; the
     same steps, flattened, are the training core's segments."""
@@ -71,7 +71,7 @@ class _Graph(nn.Module):
         return env[self.output]
 
 
-class Attention(_Graph):
+class Attention(Graph):
     """q/k/v (fused or not) or MLA's projections, the core, o_proj; o_proj adds the residual
     unless a post norm follows (Gemma-2: the block adds it after post_attn_ln)."""
 
@@ -129,7 +129,7 @@ class Attention(_Graph):
                        ("kv_b_proj", ("kvn",), "kv"), ("core", ("q", "kv", "kva"), "c")]
 
 
-class MLP(_Graph):
+class MLP(Graph):
     """fc_out adds the residual unless a post norm follows (Gemma-2)."""
 
     def __init__(self, m):
@@ -153,7 +153,7 @@ class MLP(_Graph):
         self.steps.append(("fc_out", ("g",) if m.post_norms else ("g", "x1"), "x2"))
 
 
-class Block(_Graph):
+class Block(Graph):
     """Sequential: x1 = x + attn(ln_1(x)), x2 = x1 + mlp(ln_2(x1)). Parallel residual (GPT-NeoX,
     Falcon): the MLP reads ln_2(x) (ln_1(x) with one shared norm), x2 = x + attn + mlp. Post
     norms (Gemma-2): x1 = x + post_attn_ln(attn), x2 = x1 + post_mlp_ln(mlp). Post-LN (OPT-350m):
@@ -190,7 +190,7 @@ class Block(_Graph):
             self.steps.append(("mlp", (b, "x1"), "x2"))
 
 
-class GPT(_Graph):
+class GPT(Graph):
     """Decoder-only GPT from a zsim ModelSpec; forward(ids, labels) -> mean loss."""
 
     def __init__(self, m):
@@ -245,7 +245,7 @@ class GPT(_Graph):
         pid = {id(p): i for i, p in enumerate(self.parameters())}
         out: dict[str, Segment] = {}
 
-        def flatten(graph: _Graph, prefix: str, values: dict[str, str]):
+        def flatten(graph: Graph, prefix: str, values: dict[str, str]):
             for name, ins, res in graph.steps:
                 path = prefix + name
                 ins = tuple(values.get(i, prefix + i) for i in ins)
@@ -255,10 +255,10 @@ class GPT(_Graph):
                     out[path] = Segment(path, ins, res, lambda P, *x, op=op: op(*x))
                     continue
                 child = graph.get_submodule(name)
-                if isinstance(child, _Graph):
+                if isinstance(child, Graph):
                     flatten(child, path + ".", {**dict(zip(child.inputs, ins)), child.output: res})
                     continue
-                pids = tuple(pid[id(p)] for p in child._parameters.values())
+                pids = tuple(pid[id(p)] for p in own_params(child))
                 out[path] = Segment(path, ins, res, lambda P, *x, leaf=child, pids=pids:
                                     leaf.run(tuple(P(i) for i in pids), swappable_linear, *x))
 
@@ -287,6 +287,10 @@ def param_shapes(wl) -> list[tuple[int, ...]]:
                 shapes[pid] = (n // width, width)
             else:
                 shapes[pid] = (n,)
+    by_name = {wl.params[pid].name: s for pid, s in shapes.items()}
+    for pid, p in enumerate(wl.params):   # a saved module's original: the shape of its trained copy
+        if pid not in shapes:
+            shapes[pid] = by_name[p.name.replace(".original_module.", ".modules_to_save.default.")]
     return [shapes[i] for i in range(len(wl.params))]
 
 
@@ -311,8 +315,10 @@ def init_params(wl, shapes, seed: int) -> list[torch.Tensor]:
 
 def build_segments(sc, wl) -> dict[str, Segment]:
     """The scenario's GPT (on the meta device: the core owns the parameters) as segments."""
+    from calibration.core.lora import for_training   # lora.py builds on this module's classes
+
     with torch.device("meta"):
-        segs = GPT(sc.model).segments()
+        segs = for_training(GPT(sc.model), sc, wl).segments()
     missing = [m.name for m in wl.modules if m.name not in segs]
     if missing:
         raise ValueError(f"modules without a segment: {missing}")

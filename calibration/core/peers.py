@@ -72,6 +72,10 @@ def ds_config(sc) -> dict:
             "zero_optimization": zero, "steps_per_print": 10**9, "wall_clock_breakdown": False}
 
 
+def _trained(model) -> list:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def _optimizer(sc, params):
     import torch
 
@@ -83,6 +87,34 @@ def _optimizer(sc, params):
                              fused=True)
 
 
+def _model(sc, seed: int, use_peft: bool):
+    """The scenario's GPT as it is trained: with training.lora, through PEFT's own get_peft_model
+    (`use_peft`, the DeepSpeed reference) or the core's mirror of it (model.peft_wrap)."""
+    from calibration.core.lora import for_training
+    from calibration.core.model import GPT
+    from zsim.schedule.build import workload_for
+
+    wl = workload_for(sc)
+    model = GPT(sc.model).initialized(seed)
+    lora = sc.training.lora
+    if not (use_peft and lora is not None):
+        return for_training(model, sc, wl)
+    from peft import LoraConfig, get_peft_model
+
+    # the targets zsim chose (zsim/workload/lora.py), as full module names: PEFT matches a name in
+    # the list exactly
+    targets = [m.name.removesuffix(".lora_A.default") for m in wl.modules if m.name.endswith(".lora_A.default")]
+    saved = [m.name.removesuffix(".modules_to_save.default") for m in wl.modules
+             if m.name.endswith(".modules_to_save.default")]
+    model = get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                             target_modules=targets, modules_to_save=saved or None))
+    names = [n.removeprefix("base_model.model.") for n, _ in model.named_parameters()]
+    if names != [p.name for p in wl.params] or \
+            [p.requires_grad for p in model.parameters()] != [p.trainable for p in wl.params]:
+        raise SystemExit("PEFT's model does not mirror zsim's LoRA workload")
+    return model
+
+
 def main(args, sc) -> int:
     install_recorder()
     import torch
@@ -90,7 +122,7 @@ def main(args, sc) -> int:
 
     from calibration.core.measured import exit_without_teardown, write_measurement
     from calibration.core.memory import TensorMemoryTracker
-    from calibration.core.model import GPT, batch
+    from calibration.core.model import batch
 
     gas = sc.gradient_accumulation_steps
     if args.engine == "deepspeed":
@@ -98,8 +130,9 @@ def main(args, sc) -> int:
 
         deepspeed.init_distributed(dist_backend="gloo")
         rank = dist.get_rank()
-        model = GPT(sc.model).initialized(args.seed)
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=_optimizer(sc, model.parameters()),
+        model = _model(sc, args.seed, use_peft=True)
+        # the optimizer gets the trainable params, as HF Trainer / PEFT hand them over
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=_optimizer(sc, _trained(model)),
                                                config=ds_config(sc))
 
         def fwd(ids, labels):
@@ -113,7 +146,7 @@ def main(args, sc) -> int:
     else:
         dist.init_process_group("gloo")
         rank = dist.get_rank()
-        model = GPT(sc.model).initialized(args.seed)
+        model = _model(sc, args.seed, use_peft=False)
         dtype = torch.bfloat16 if sc.precision == "bf16" else torch.float32
         if sc.zero.stage == 0:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -127,7 +160,7 @@ def main(args, sc) -> int:
                 fully_shard(blk, reshard_after_forward=reshard, mp_policy=mp)
             fully_shard(model, reshard_after_forward=reshard, mp_policy=mp)
             module = model
-        opt = _optimizer(sc, model.parameters())
+        opt = _optimizer(sc, _trained(model))
         clip = sc.deepspeed.gradient_clipping
 
         def fwd(ids, labels):
@@ -138,7 +171,7 @@ def main(args, sc) -> int:
 
         def step(boundary):
             if clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                torch.nn.utils.clip_grad_norm_(_trained(model), clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from zsim.schedule.ir import MEASURED_PASS, Buffer, Collective, GradReduce, Op, OpKind, Stream
-from zsim.schedule.partition import (bucket_pieces, flat_partition, offsets, padded, persistent_params,
-                                     shard_numel)
+from zsim.schedule.partition import (bucket_pieces, flat_group_numels, flat_partition, offsets, padded,
+                                     persistent_params, shard_numel)
 
 # what the core executes; anything else (offload copies, the CPU optimizer) it cannot run here
 EXECUTABLE = frozenset({OpKind.FORWARD, OpKind.BACKWARD, OpKind.PARAM_GATHER, OpKind.PERSISTENT_GATHER,
@@ -42,6 +42,7 @@ class Plan:
     stage: int
     world: int
     numels: list[int]
+    trainable: list[bool]            # requires_grad (see [Note: frozen parameters under ZeRO])
     names: list[str]
     ops: tuple[Op, ...]
     releases: dict[int, tuple[int, ...]]     # op id -> params released after it (ZeRO-3)
@@ -66,6 +67,8 @@ def unsupported(sc) -> str | None:
         return "data_types.grad_accum_dtype fp32 with stage 1 (BF16_Optimizer)"   # see [Note: BF16_Optimizer]
     if sc.training.dropout:
         return "training.dropout (the core is deterministic, no dropout)"
+    if sc.training.lora is not None and sc.training.lora.dropout > 0:
+        return "training.lora.dropout (the core is deterministic, no dropout)"
     return None
 
 
@@ -100,8 +103,8 @@ def build_plan(sc) -> Plan:
     if stage == 3:
         flat_pad, part = 0, shard_numel(numels, world)
         persistent = persistent_params(numels, z.param_persistence_threshold, z.model_persistence_threshold)
-    else:
-        (flat_pad, part), persistent = flat_partition(numels, world), ()
+    else:   # the flat group holds the trainable params only
+        (flat_pad, part), persistent = flat_partition(flat_group_numels(wl), world), ()
     buckets: dict[int, Bucket] = {}
     releases: dict[int, tuple[int, ...]] = {}
     bucketed: list[int] = []
@@ -138,7 +141,9 @@ def build_plan(sc) -> Plan:
         if total != b.numel:
             raise PlanError(f"bucket {b.id} (micro {b.micro}): grads add up to {b.numel}, calls to {total}")
         if b.calls[0].comm.collective == Collective.REDUCE:
-            _reduce_pieces(b, offsets(numels), numels, part)
+            widths = flat_group_numels(wl)
+            _reduce_pieces(b, offsets(widths), widths, part)
     expected = [(MEASURED_PASS[op.phase], op.comm.collective.value, op.comm.numel) for op in sched.ops if op.comm]
-    return Plan(stage, world, numels, [p.name for p in wl.params], sched.ops, releases, buckets, persistent,
+    return Plan(stage, world, numels, [p.trainable for p in wl.params], [p.name for p in wl.params], sched.ops,
+                releases, buckets, persistent,
                 flat_pad, part, expected)

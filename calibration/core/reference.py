@@ -12,11 +12,12 @@ def reference_losses(sc, steps: int, world: int, seed: int = 1234) -> list[float
 
     wl = workload_for(sc)
     shapes = param_shapes(wl)
-    params = [t.clone().requires_grad_(True) for t in init_params(wl, shapes, seed)]
+    params = [t.clone().requires_grad_(p.trainable) for t, p in zip(init_params(wl, shapes, seed), wl.params)]
     segs = build_segments(sc, wl)
     order = [m.name for m in wl.modules]
     opt_cfg = sc.deepspeed.optimizer.params or {}
-    opt = torch.optim.AdamW(params, lr=float(opt_cfg.get("lr", 1e-3)),
+    # the optimizer gets the trainable params only, as HF Trainer / PEFT hand them to DeepSpeed
+    opt = torch.optim.AdamW([p for p in params if p.requires_grad], lr=float(opt_cfg.get("lr", 1e-3)),
                             betas=tuple(opt_cfg.get("betas", (0.9, 0.999))), eps=float(opt_cfg.get("eps", 1e-8)),
                             weight_decay=float(opt_cfg.get("weight_decay", 0.01)))
     gas = sc.gradient_accumulation_steps
@@ -28,7 +29,7 @@ def reference_losses(sc, steps: int, world: int, seed: int = 1234) -> list[float
             labels = torch.cat([p[1] for p in parts])
             losses.append(run_forward_backward(segs, order, lambda i: params[i], ids, labels, 1.0 / gas))
         if sc.deepspeed.gradient_clipping > 0:
-            torch.nn.utils.clip_grad_norm_(params, sc.deepspeed.gradient_clipping)
+            torch.nn.utils.clip_grad_norm_([p for p in params if p.requires_grad], sc.deepspeed.gradient_clipping)
         opt.step()
         opt.zero_grad(set_to_none=True)
     return losses

@@ -99,7 +99,8 @@ def main(argv=None) -> int:
             losses += core.train_step(step)
         peak = tr.peak
         step += 1
-    write_measurement(args.out, "own", sc, args, step_times, phase_times, peak, collectives, losses)
+    write_measurement(args.out, "own", sc, args, step_times, phase_times, peak, collectives, losses,
+                      core.model_state_bytes())
     if rank == 0 and args.trace:
         with open(args.trace, "w") as f:
             json.dump(chrome_trace(trace_times, sc.name, rank), f)

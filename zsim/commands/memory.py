@@ -59,9 +59,29 @@ def estimator_report(args) -> dict:
     nodes = args.nodes or sc.cluster.nodes
     stage = args.stage if args.stage is not None else sc.zero.stage
     rows = deepspeed_rows(stage, total, largest, gpn, nodes, args.buffer_factor)
-    return {"mode": mode, "estimator": "zero3" if stage == 3 else "zero2", "total_params": total,
-            "largest_layer_params": largest, "num_gpus_per_node": gpn, "num_nodes": nodes,
-            "additional_buffer_factor": args.buffer_factor, "rows": rows}
+    rep = {"mode": mode, "estimator": "zero3" if stage == 3 else "zero2", "total_params": total,
+           "largest_layer_params": largest, "num_gpus_per_node": gpn, "num_nodes": nodes,
+           "additional_buffer_factor": args.buffer_factor, "rows": rows}
+    frozen = _frozen_note(sc) if mode == "live" else None
+    if frozen:
+        rep["notes"] = [frozen]
+    return rep
+
+
+def _frozen_note(sc) -> str | None:
+    """DeepSpeed's estimator counts every parameter as trained (stage3.py model_to_params sums
+    model.parameters(), requires_grad or not); said when the scenario freezes some."""
+    from zsim.schedule.build import workload_for
+
+    from zsim.workload.lora import trainable_params
+
+    wl = workload_for(sc)
+    trained = trainable_params(wl)
+    if trained == wl.n_params:
+        return None
+    return (f"DeepSpeed's estimator ignores frozen parameters: it charges gradients and optimizer states for all "
+            f"{wl.n_params / 1e6:.0f}M params, of which {trained / 1e6:.2f}M are trained (training.lora / "
+            "training.frozen); `zsim memory` without --like-deepspeed simulates the frozen ones")
 
 
 def print_like_deepspeed(rep: dict):
@@ -82,6 +102,8 @@ def print_like_deepspeed(rep: dict):
         if "zero_init" in r:
             opts.append(f"zero_init={1 if r['zero_init'] else 0}")
         print(f" {r['cpu_bytes'] / GiB:7.2f}GB | {r['gpu_bytes'] / GiB:6.2f}GB | {', '.join(opts)}")
+    for note in rep.get("notes", ()):
+        print(f"note: {note}")
 
 
 def compare_report(args) -> dict:
@@ -122,6 +144,9 @@ def _state_notes(sc, row, zsim_states) -> list[str]:
         notes.append("the ZeRO-2 estimator charges 18 B/param / world (fp32 grads included) for every stage <= 2; "
                      "zsim shards per stage (stage 0/1 keep full 16-bit gradients; stage 0 keeps full optimizer states) "
                      "and holds the fp32 gradient copy only during the step")
+    frozen = _frozen_note(sc)
+    if frozen:
+        notes.append(frozen)
     if z.stage == 3:
         notes.append("the ZeRO-3 estimator adds the largest layer at 4 B/param for gathering; zsim's ledger holds "
                      "what the prefetcher and max_live_parameters actually keep gathered")

@@ -21,11 +21,17 @@ def make_console(width: int | None = None) -> Console:
     return Console(width=width)
 
 
+def _trainable(r: Result) -> str:
+    if r.trainable_params is None:
+        return ""
+    return f" ({r.trainable_params / 1e6:.2f} M trainable, {100 * r.trainable_params / r.n_params:.2f}%)"
+
+
 def render(r: Result, console: Console | None = None):
     console = console or make_console()
     head = (f"[bold]{r.scenario}[/bold]: ZeRO stage {r.stage}, {r.world_size} GPUs "
             f"({r.nodes} x {r.gpus_per_node} {r.hardware_profile}), {r.precision}, "
-            f"{r.n_params / 1e9:.2f} B params, micro-batch {r.micro_batch_size} x GAS "
+            f"{r.n_params / 1e9:.2f} B params{_trainable(r)}, micro-batch {r.micro_batch_size} x GAS "
             f"{r.gradient_accumulation_steps} -> global batch {r.global_batch_size} x {r.seq_len} tokens")
     console.print(head)
     for w in r.warnings:

@@ -98,6 +98,9 @@ class Result:
     host_time_s: dict[str, float]       # offload busy time per transfer kind / cpu_adam
     events: int                         # ops simulated
     warnings: tuple[str, ...]
+    # params with requires_grad (LoRA adapters, what training.frozen leaves); None when all are
+    # trained, and then left out of the JSON
+    trainable_params: int | None = None
 
     @property
     def fits(self) -> bool:
@@ -111,4 +114,6 @@ class Result:
         """The JSON/CSV shape: nested mappings in declaration order, warnings as a list."""
         out = asdict(self)
         out["warnings"] = list(self.warnings)
+        if self.trainable_params is None:
+            del out["trainable_params"]
         return out

@@ -10,6 +10,7 @@ from zsim.hardware.collectives import bus_factor, collective_cost, link_busbw_Bp
 from zsim.result import Comm, HostMemory, Memory, Result
 from zsim.schedule.ir import Copy, CpuAdam, Stream
 from zsim.units import TFLOP
+from zsim.workload.lora import trainable_params
 from zsim.workload.module import Workload
 
 RESERVED = "CUDA context + allocator reserve"
@@ -165,6 +166,7 @@ def summarize(sc: Scenario, wl: Workload, trace: Trace) -> Result:
     windows = _windows(trace)
     peak_flops = cl.peak_flops(sc.precision)
     tflops = model_flops_gpu / step / TFLOP if step > 0 else 0.0
+    trained = trainable_params(wl)
     return Result(
         scenario=sc.name,
         stage=sc.zero.stage,
@@ -198,4 +200,5 @@ def summarize(sc: Scenario, wl: Workload, trace: Trace) -> Result:
         host_time_s=dict(sorted(ops.host_time_s.items())),
         events=trace.events_processed,
         warnings=tuple(sc.warnings),
+        trainable_params=None if trained == wl.n_params else trained,
     )

@@ -8,15 +8,18 @@ from zsim.schedule import offload, stage3, stage012
 from zsim.schedule.builder import Builder
 from zsim.schedule.context import StepContext
 from zsim.schedule.ir import Schedule
+from zsim.workload.lora import apply_training
 from zsim.workload.module import DTYPE_BYTES, Workload
 from zsim.workload.transformer import build_workload
 
 
 def workload_for(sc: Scenario) -> Workload:
-    return build_workload(sc.model, micro_batch_size=sc.micro_batch_size, seq_len=sc.seq_len,
-                          precision=sc.precision, flash_attention=sc.training.flash_attention,
-                          dropout=sc.training.dropout,
-                          fused_cross_entropy=sc.training.fused_cross_entropy)
+    """The scenario's workload: the model, then its frozen parameters and LoRA adapters."""
+    wl = build_workload(sc.model, micro_batch_size=sc.micro_batch_size, seq_len=sc.seq_len,
+                        precision=sc.precision, flash_attention=sc.training.flash_attention,
+                        dropout=sc.training.dropout,
+                        fused_cross_entropy=sc.training.fused_cross_entropy)
+    return apply_training(wl, sc.training)
 
 
 def with_micro_steps(sc: Scenario, micro_steps: int) -> Scenario:

@@ -26,7 +26,8 @@ from __future__ import annotations
 from zsim.schedule import offload
 from zsim.schedule.context import StepContext
 from zsim.schedule.ir import Alloc, Buffer, Category, Collective, Comm, GradReduce, OpKind, Phase, Tag
-from zsim.schedule.partition import bucket_pieces, call_sizes, flat_partition, offsets, padded, rank_slices
+from zsim.schedule.partition import (bucket_pieces, call_sizes, flat_group_numels, flat_partition, offsets, padded,
+                                     rank_slices)
 
 
 class _Buckets:
@@ -79,8 +80,10 @@ class Zero12Buckets(_Buckets):
 
     def __init__(self, ctx: StepContext, lazy_grads: bool, walk_at_boundary: bool):
         super().__init__(ctx)
-        self.starts = offsets(self.numels)
-        self.padded, self.partition = flat_partition(self.numels, ctx.world)
+        # frozen params have no place in the flat group (see [Note: frozen parameters under ZeRO])
+        self.flat_numels = flat_group_numels(ctx.wl)
+        self.starts = offsets(self.flat_numels)
+        self.padded, self.partition = flat_partition(self.flat_numels, ctx.world)
         self.lazy_grads = lazy_grads
         self.walk_at_boundary = walk_at_boundary     # ZeRO-1 without overlap_comm: reduce_gradients
         self.partition_live = False

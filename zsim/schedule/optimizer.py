@@ -47,14 +47,18 @@ def overflow_bytes_per_param(param_bytes: int) -> float:
     return 2.0 * param_bytes
 
 
-def model_state_bytes(n_params: int, shard_params: float, stage: int, param_bytes: int) -> dict[str, float]:
+def model_state_bytes(n_params: int, shard_params: float, stage: int, param_bytes: int,
+                      trainable: tuple[int, float] | None = None) -> dict[str, float]:
     """Model states per GPU (Rajbhandari et al. 2020, ZeRO, sec. 5): 16-bit params and grads,
-    fp32 master weights and Adam moments; sharded by stage."""
+    fp32 master weights and Adam moments; sharded by stage. `trainable` (count, this rank's
+    shard of them) when some params are frozen: gradients and optimizer states cover only
+    those (see [Note: frozen parameters under ZeRO])."""
+    n_train, train_shard = trainable if trainable is not None else (n_params, shard_params)
     master = FP32_BYTES if (param_bytes < FP32_BYTES or stage > 0) else 0
-    opt_params = shard_params if stage >= 1 else n_params
+    opt_params = train_shard if stage >= 1 else n_train
     return {
         Category.PARAMETERS: param_bytes * (shard_params if stage >= 3 else n_params),
-        Category.GRADIENTS: param_bytes * (shard_params if stage >= 2 else n_params),
+        Category.GRADIENTS: param_bytes * (train_shard if stage >= 2 else n_train),
         Category.OPTIMIZER_STATES: (master + ADAM_STATE_BYTES) * opt_params,
     }
 

@@ -65,7 +65,10 @@ def visit_sequence(ctx: StepContext) -> list[Visit]:
         if full and m.layer >= 0 and m.layer not in recomputed:
             recomputed.add(m.layer)
             seq += _visits_of([rm for rm in ctx.wl.layer_modules(m.layer) if rm.params], Phase.RECOMPUTE)
-        seq.append(Visit(m.name, tuple(dict.fromkeys(m.params)), Phase.BACKWARD))
+        if m.input_grad or m.weight_grad:
+            # a module autograd never reaches (frozen, no gradient flowing into its input:
+            # zsim/workload/lora.py) gets no pre-backward hook, so no fetch
+            seq.append(Visit(m.name, tuple(dict.fromkeys(m.params)), Phase.BACKWARD))
     return seq
 
 

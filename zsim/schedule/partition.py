@@ -4,6 +4,20 @@ from __future__ import annotations
 
 import math
 
+# [Note: frozen parameters under ZeRO] A parameter with requires_grad=False is not an optimized
+# parameter (runtime/utils.py is_optimized_parameter), so DeepSpeed 0.19.8 leaves it out of every
+# optimizer-side structure: ZeRO-1/2 build their flat 16-bit groups from the optimizer's param
+# groups keeping only optimized params (stage_1_and_2.py:423-434, bit16_groups), and ZeRO-3 its
+# sub-groups the same way (stage3.py:726-740 _get_trainable_parameter_groups); the engine's basic
+# optimizer gets only trainable params too (engine.py _configure_basic_optimizer, and HF Trainer /
+# PEFT pass only requires_grad params). So a frozen weight has no gradient, no bucket slot, no
+# fp32 master and no Adam moments, and under ZeRO-1/2 it stays whole on every rank, outside
+# the flat group that is partitioned, reduced and re-gathered. ZeRO-3 converts every module
+# parameter to a partitioned one (parameter_offload.py:258-270 _convert_to_zero_parameters over
+# module.parameters(), or zero.Init), so frozen weights are sharded, fetched before their
+# module and released like trained ones, and counted by mark_persistent_parameters
+# (parameter_offload.py:317, all named_parameters) for persistence and the post-step gathers.
+
 # DeepSpeed pads the flat 16-bit group so each rank's partition is aligned
 # (stage_1_and_2.py: nccl_start_alignment_factor = 2).
 ALIGNMENT = 2
@@ -108,14 +122,27 @@ def pieces_in_partition(starts: list[int], numels: list[int], partition: int, ra
     """ZeRO-1/2: params with elements in `rank`'s partition of the flat group (its
     averaged_gradients pieces)."""
     lo, hi = rank * partition, (rank + 1) * partition
-    return sum(1 for o, n in zip(starts, numels) if o < hi and o + n > lo)
+    return sum(1 for o, n in zip(starts, numels) if n and o < hi and o + n > lo)
 
 
 def grads_ready_at(wl) -> dict[str, tuple[int, ...]]:
-    """Param ids whose gradient is final after each module's backward, in registration order.
-    A tied weight's gradient is final only at its first module in forward order."""
+    """Trainable param ids whose gradient is final after each module's backward, in registration
+    order. A tied weight's gradient is final only at its first module in forward order; a frozen
+    weight has none (see [Note: frozen parameters under ZeRO])."""
     first_use: dict[int, int] = {}
     for i, m in enumerate(wl.modules):
         for pid in m.params:
             first_use.setdefault(pid, i)
-    return {m.name: tuple(p for p in m.params if first_use[p] == i) for i, m in enumerate(wl.modules)}
+    return {m.name: tuple(p for p in m.params if first_use[p] == i and wl.params[p].trainable)
+            for i, m in enumerate(wl.modules)}
+
+
+def flat_group_numels(wl) -> list[int]:
+    """Each param's width in the ZeRO-1/2 flat group: its numel when trainable, 0 when frozen (not
+    in the group; see [Note: frozen parameters under ZeRO])."""
+    return [p.numel if p.trainable else 0 for p in wl.params]
+
+
+def trainable_numels(wl) -> list[int]:
+    """numels of the optimized params in registration order (ZeRO-3's optimizer sub-groups)."""
+    return [p.numel for p in wl.params if p.trainable]

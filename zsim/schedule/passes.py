@@ -12,8 +12,11 @@ def linear_gemms(module: Module, backward: bool) -> tuple:
     if module.gemm is None:
         return ()
     m, n, k = module.gemm
-    # backward: dgrad (m x k from m x n . n x k) and wgrad (n x k from n x m . m x k)
-    return ((m, k, n), (n, k, m)) if backward else ((m, n, k),)
+    if not backward:
+        return ((m, n, k),)
+    # backward: dgrad (m x k from m x n . n x k) and wgrad (n x k from n x m . m x k), each only
+    # where autograd needs it (a frozen weight has no wgrad, an input without grad no dgrad)
+    return ((m, k, n),) * module.input_grad + ((n, k, m),) * module.weight_grad
 
 
 def _saved_bytes(ctx: StepContext, module: Module) -> float:

@@ -77,8 +77,9 @@ class Zero012Hooks(StageHooks):
                 self.last_reduce = self._boundary_allreduce(micro, last_op)
             return
         if self.buckets.walk_at_boundary and boundary:
-            for pid in range(len(self.buckets.numels)):
-                self.buckets.add(pid, micro, last_op)
+            for pid, numel in enumerate(self.buckets.flat_numels):
+                if numel:   # frozen params have no gradient
+                    self.buckets.add(pid, micro, last_op)
         if self.stage == 2 or boundary:
             self.buckets.flush(micro, last_op)
         flushed = self.buckets.flushed_in(micro)
@@ -92,7 +93,7 @@ class Zero012Hooks(StageHooks):
         """engine.allreduce_gradients -> buffered_allreduce_fallback: all grads, in
         MEMORY_OPT_ALLREDUCE_SIZE element buffers."""
         ctx = self.ctx
-        total = sum(self.buckets.numels)
+        total = sum(self.buckets.flat_numels)   # gradients of the trainable params only
         last = after
         for chunk, offset in enumerate(range(0, total, MEMORY_OPT_ALLREDUCE_SIZE)):
             n = min(MEMORY_OPT_ALLREDUCE_SIZE, total - offset)
@@ -107,10 +108,13 @@ def build(ctx: StepContext):
     hooks = Zero012Hooks(ctx)
     buckets = hooks.buckets
     n_params = ctx.wl.n_params
-    shard = buckets.partition if z.stage >= 1 else n_params
-    states = model_state_bytes(n_params, shard, z.stage, ctx.param_bytes)
+    n_trainable = sum(buckets.flat_numels)
+    # the flat group (and its partition) holds the trainable params only; the frozen ones stay
+    # whole on every rank (see [Note: frozen parameters under ZeRO])
+    shard = buckets.partition if z.stage >= 1 else n_trainable
+    states = model_state_bytes(n_params, shard, z.stage, ctx.param_bytes, trainable=(n_trainable, shard))
     if hooks.bf16_optimizer:
-        states[Category.GRADIENTS] = FP32_BYTES * n_params   # fp32 accumulation buffers for every param
+        states[Category.GRADIENTS] = FP32_BYTES * n_trainable   # fp32 accumulation buffers for every trained param
     if buckets.lazy_grads:
         states[Category.GRADIENTS] = 0.0
     states = offload.place_states(ctx, states, shard)
@@ -123,10 +127,10 @@ def build(ctx: StepContext):
     # the step waits for every reduction (reduction stream synchronised before the step)
     step_deps = [last, hooks.last_reduce]
     if z.stage == 0:
-        optimizer_step(ctx, n_params, step_deps, flatten=False)
+        optimizer_step(ctx, n_trainable, step_deps, flatten=False)
         return
     if not hooks.bf16_optimizer:
-        pieces = pieces_in_partition(buckets.starts, buckets.numels, buckets.partition, 0)
+        pieces = pieces_in_partition(buckets.starts, buckets.flat_numels, buckets.partition, 0)
         step_deps = [grad_norm_ops(ctx, shard, pieces, step_deps, device_passes=not ctx.optimizer_offloaded)]
     if ctx.optimizer_offloaded:
         last = offload.offloaded_step(ctx, shard, step_deps + [buckets.last_d2h], None)

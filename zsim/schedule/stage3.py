@@ -10,7 +10,8 @@ from zsim.schedule.grad_buckets import Zero3Buckets
 from zsim.schedule.ir import Category, Collective, Comm, OpKind, ParamGather, Phase, Stream
 from zsim.schedule.optimizer import grad_norm_ops, model_state_bytes, optimizer_step
 from zsim.schedule.param_fetch import ParamCoordinator
-from zsim.schedule.partition import grads_ready_at, padded, persistent_params, shard_numel, sub_group_sizes
+from zsim.schedule.partition import (grads_ready_at, padded, persistent_params, shard_numel, sub_group_sizes,
+                                     trainable_numels)
 from zsim.schedule.passes import backward, forward
 from zsim.workload.module import Module
 
@@ -64,7 +65,12 @@ def build(ctx: StepContext):
     persistent = persistent_params(numels, z.param_persistence_threshold, z.model_persistence_threshold)
     hooks = Zero3Hooks(ctx, persistent)
     shard = shard_numel(numels, ctx.world)
-    states = offload.place_states(ctx, model_state_bytes(ctx.wl.n_params, shard, 3, ctx.param_bytes), shard)
+    # every param is partitioned; gradients and optimizer states cover the trainable ones
+    # (see [Note: frozen parameters under ZeRO])
+    trained = trainable_numels(ctx.wl)
+    train_shard = shard_numel(trained, ctx.world)
+    states = offload.place_states(ctx, model_state_bytes(ctx.wl.n_params, shard, 3, ctx.param_bytes,
+                                                         trainable=(sum(trained), train_shard)), train_shard)
     for cat, size in states.items():
         ctx.b.static_alloc(cat, size)
     ctx.b.static_alloc(Category.PERSISTENT, sum(numels[p] for p in persistent) * ctx.param_bytes)
@@ -76,16 +82,16 @@ def build(ctx: StepContext):
         last = forward(ctx, hooks, micro, last)
         last = backward(ctx, hooks, micro, last)
     # stage3.py _overflow_check_and_loss_scale_update: the overflow all-reduce runs for fp16 only
-    last = grad_norm_ops(ctx, shard, len(numels), [last, hooks.buckets.last_reduce],
+    last = grad_norm_ops(ctx, train_shard, len(trained), [last, hooks.buckets.last_reduce],
                          overflow_check=ctx.sc.precision == "fp16", device_passes=not ctx.optimizer_offloaded)
     if ctx.optimizer_offloaded:
-        last = offload.offloaded_step(ctx, shard, [last, hooks.buckets.last_d2h], z.sub_group_size)
+        last = offload.offloaded_step(ctx, train_shard, [last, hooks.buckets.last_d2h], z.sub_group_size)
     else:
         # [Note: ZeRO-3 optimizer sub-groups] stage3.py step() updates one sub-group at a time:
         # _prepare_fp32_grad_for_sub_group flattens and converts that group's gradients, the
         # optimizer steps it, and _release_sub_group drops its fp32 gradient before the next, so
         # the temporaries peak at the largest sub-group, not the whole shard
-        for g, numel in enumerate(sub_group_sizes(numels, ctx.world, z.sub_group_size)):
+        for g, numel in enumerate(sub_group_sizes(trained, ctx.world, z.sub_group_size)):
             last = optimizer_step(ctx, numel, [last], sub_group=g)
     # [Note: coalesced post-step gathers] _post_step: persistent params re-gathered one call each,
     # in registration order, all launched async before any is waited

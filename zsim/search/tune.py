@@ -23,6 +23,7 @@ from zsim.report.format import fmt_setting
 from zsim.result import Result
 from zsim.schedule.build import workload_for
 from zsim.schedule.optimizer import model_state_bytes
+from zsim.workload.lora import trainable_params
 from zsim.search.variants import Base, Outcome, Variant
 from zsim.workload.module import DTYPE_BYTES
 
@@ -83,7 +84,8 @@ def memory_lower_bound(sc) -> float:
     n = wl.n_params
     world = sc.cluster.world_size
     z = sc.zero
-    states = model_state_bytes(n, n / world, z.stage, DTYPE_BYTES[sc.precision])
+    trained = trainable_params(wl)   # frozen weights have no gradients or optimizer states
+    states = model_state_bytes(n, n / world, z.stage, DTYPE_BYTES[sc.precision], trainable=(trained, trained / world))
     if z.optimizer_offload_device != "none":
         states["optimizer states"] = 0.0
         if z.stage >= 2:

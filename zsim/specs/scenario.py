@@ -28,6 +28,36 @@ class HardwareSpec:
     override: dict[str, Any] = spec(factory=dict, doc="profile fields to override, nested like the profile")
 
 
+# PEFT's LoraConfig defaults (peft/tuners/lora/config.py): r=8, lora_alpha=8, lora_dropout=0.0
+PEFT_DEFAULT_RANK = 8
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraSpec:
+    """PEFT LoraConfig vocabulary; zsim/workload/lora.py maps the names onto zsim's modules."""
+    rank: int = spec(PEFT_DEFAULT_RANK, gt=0, alias="r", doc="PEFT r: the adapters' inner dimension")
+    alpha: float = spec(float(PEFT_DEFAULT_RANK), gt=0, alias="lora_alpha",
+                        doc="PEFT lora_alpha (the alpha/r scaling: no cost of its own)")
+    dropout: float = spec(0.0, ge=0, le=1, alias="lora_dropout",
+                          doc="PEFT lora_dropout: > 0 stores the dropped input of every lora_A")
+    target_modules: Any = spec(None, doc="module-name suffixes (PEFT's or zsim's) or 'all-linear'; "
+                                         "default PEFT's for the model: q_proj, v_proj (a fused qkv: the qkv)")
+    modules_to_save: tuple[str, ...] = spec((), doc="modules trained in full (PEFT ModulesToSaveWrapper: "
+                                                    "a trainable copy next to the frozen original)")
+
+    def __post_init__(self):
+        t = self.target_modules
+        if t is None or t == "all-linear":
+            return
+        if isinstance(t, str):
+            object.__setattr__(self, "target_modules", (t,))
+        elif isinstance(t, (list, tuple)) and t and all(isinstance(x, str) and x for x in t):
+            object.__setattr__(self, "target_modules", tuple(t))
+        else:
+            raise ValueError("target_modules", t, "expected a list of module names (e.g. [q_proj, v_proj]) "
+                                                  "or 'all-linear'")
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainingSpec:
     micro_batch_size: Optional[int] = spec(None, gt=0, le=MAX_MICRO_BATCH_SIZE)
@@ -39,6 +69,8 @@ class TrainingSpec:
     dropout: bool = spec(False, doc="dropout layers present (stores masks, Korthikanti 2022)")
     fused_cross_entropy: bool = spec(False, doc="fused loss kernel (no fp32 logits copies)")
     max_grad_norm: float = spec(1.0, ge=0, doc="HF Trainer's max_grad_norm, used for gradient_clipping: auto")
+    lora: Optional[LoraSpec] = spec(None, doc="PEFT LoRA: frozen base model, trained adapters (zsim/workload/lora.py)")
+    frozen: tuple[str, ...] = spec((), doc="module-name suffixes whose parameters are frozen (requires_grad=False)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -57,6 +57,10 @@ class Module:
     # the routed expert (its index among this rank's local experts) a module computes for; None
     # for dense modules. A MoE layer's expert span is its modules with expert set (zsim/workload/moe.py)
     expert: int | None = None
+    # which backward GEMMs run (zsim/workload/lora.py clears them for frozen weights and for inputs
+    # that carry no gradient): a linear's dgrad needs input_grad, its wgrad weight_grad
+    input_grad: bool = True
+    weight_grad: bool = True
 
     @property
     def bwd_workspace(self) -> float:

@@ -1,0 +1,200 @@
+"""LoRA adapters and frozen parameters: a post-pass over the built workload (build_workload), as
+PEFT's get_peft_model rewrites an HF model (peft 0.21, tuners/lora/layer.py, tuners_utils.py).
+
+- `training.frozen` patterns and `training.lora` both freeze weights (requires_grad=False):
+  no gradient, no optimizer state, but ZeRO-3 still partitions and gathers them; see
+  [Note: frozen parameters under ZeRO] (zsim/schedule/partition.py).
+- A LoRA target `X` (a linear) becomes PEFT's lora.Linear: a container `X` holding the frozen
+  `X.base_layer` and two nn.Linear adapters `X.lora_A.default` (in -> r) and `X.lora_B.default`
+  (r -> out), each its own module (ZeRO-3 fetches each on its own), registered in that order.
+  The adapters' dtype is the model's: PEFT upcasts them to fp32 (cast_adapter_dtype,
+  autocast_adapter_dtype=True), then deepspeed.initialize casts every parameter to the bf16/fp16
+  training dtype (runtime/engine.py _configure_distributed_model -> _cast_module_mixed_precision);
+  their fp32 copies are DeepSpeed's master weights, as for any trained parameter.
+- `modules_to_save` (ModulesToSaveWrapper): a trainable copy `X.modules_to_save.default` runs,
+  the frozen `X.original_module` stays registered (a tied weight stays its owner's).
+- Backward: a frozen weight skips its weight-gradient GEMM; a module whose input carries no
+  gradient (nothing trainable before it in the forward) skips the input-gradient GEMM, and a
+  module with neither runs no backward at all (autograd never reaches it, ZeRO-3's pre-backward
+  hook does not fire). With full activation checkpointing PEFT calls the model's
+  enable_input_require_grads (peft_model.py _prepare_model_for_gradient_checkpointing), so
+  every input past the embedding carries a gradient.
+- Activations: a frozen linear saves no input (mm's backward keeps the input only for the
+  weight's gradient); the input shared by q/k/v (or gate/up) stays while any of them trains a
+  weight or an adapter. Modules without a backward keep nothing.
+
+Names: `target_modules`, `modules_to_save` and `training.frozen` are module-name suffixes on a
+dot boundary (PEFT's rule for a list: `key == t or key.endswith("." + t)`; no regex, no
+wildcards), matched against zsim's names; PEFT names of modules that zsim names differently
+map through PEFT_NAMES. `training.frozen` also matches containers (`layers.0`, `attn`).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from zsim.errors import ZsimInputError
+from zsim.specs.scenario import LoraSpec, TrainingSpec
+from zsim.workload.module import Module, ModuleKind, Param, Workload
+
+# PEFT / HF module names -> zsim module suffixes (zsim's own names match as they are)
+PEFT_NAMES: dict[str, tuple[str, ...]] = {
+    "c_attn": ("attn.qkv",), "query_key_value": ("attn.qkv",), "qkv_proj": ("attn.qkv",), "Wqkv": ("attn.qkv",),
+    "c_proj": ("attn.o_proj", "mlp.fc_out"),     # GPT-2 names both projections c_proj
+    "attn.c_proj": ("attn.o_proj",), "mlp.c_proj": ("mlp.fc_out",),
+    "dense": ("attn.o_proj",), "out_proj": ("attn.o_proj",),
+    "c_fc": ("mlp.fc_in",), "fc1": ("mlp.fc_in",), "dense_h_to_4h": ("mlp.fc_in",),
+    "fc2": ("mlp.fc_out",), "dense_4h_to_h": ("mlp.fc_out",), "down_proj": ("mlp.fc_out",),
+    "embed_tokens": ("wte",), "word_embeddings": ("wte",), "embed_in": ("wte",), "embed_out": ("lm_head",),
+}
+ALL_LINEAR = "all-linear"
+
+
+def _matches(name: str, suffix: str) -> bool:
+    return name == suffix or name.endswith("." + suffix)
+
+
+def _select(modules, key: str, path: str, linear_only: bool, containers: bool = False) -> set[int]:
+    found = {i for i, m in enumerate(modules)
+             if (m.kind == ModuleKind.LINEAR or not linear_only) and m.params
+             and any(_matches(n, s) for s in PEFT_NAMES.get(key, (key,))
+                     for n in ((m.name,) + (m.containers if containers else ())))}
+    if not found:
+        kind = "linear module" if linear_only else "module with parameters"
+        raise ZsimInputError(path, key, f"matches no {kind} of the model (zsim names end in e.g. attn.q_proj, "
+                             "attn.qkv, mlp.fc_in, mlp.fc_out, lm_head, wte; see docs/scenario.md)")
+    return found
+
+
+def _targets(modules, lora: LoraSpec) -> set[int]:
+    keys = lora.target_modules
+    if keys == ALL_LINEAR:   # PEFT's shorthand: every linear but the output layer
+        return {i for i, m in enumerate(modules) if m.kind == ModuleKind.LINEAR and m.name != "lm_head"}
+    if keys is None:         # PEFT's default for llama/mistral/opt (q_proj, v_proj), gpt2/neox/bloom (c_attn)
+        fused = any(_matches(m.name, "attn.qkv") for m in modules)
+        keys = ("attn.qkv",) if fused else ("q_proj", "v_proj")
+    return set().union(*(_select(modules, k, "training.lora.target_modules", True) for k in keys))
+
+
+def _input_groups(wl: Workload) -> list[int]:
+    """The module whose input each module reads: k/v_proj (and up_proj) read q_proj's (gate_proj's)
+    input; they save none of it themselves (build_workload's saves_input=False)."""
+    start = []
+    for i, m in enumerate(wl.modules):
+        shared = (m.kind == ModuleKind.LINEAR and i > 0 and wl.modules[i - 1].kind == ModuleKind.LINEAR
+                  and m.act_bytes < m.gemm[0] * m.gemm[2] * wl.act_dtype_bytes)
+        start.append(start[i - 1] if shared else i)
+    return start
+
+
+def apply_training(wl: Workload, training: TrainingSpec) -> Workload:
+    """`wl` with training.frozen and training.lora applied (the workload itself when neither is set)."""
+    lora, mods = training.lora, wl.modules
+    if lora is None and not training.frozen:
+        return wl
+    frozen = {pid for pid, _ in enumerate(wl.params)} if lora else set()
+    for key in training.frozen:
+        frozen.update(p for i in _select(mods, key, "training.frozen", False, containers=True) for p in mods[i].params)
+    targets = _targets(mods, lora) if lora else set()
+    saved = set().union(*(_select(mods, k, "training.lora.modules_to_save", False) for k in lora.modules_to_save)) \
+        if lora else set()
+    if targets & saved:
+        raise ZsimInputError("training.lora.modules_to_save", mods[min(targets & saved)].name,
+                             "is also a LoRA target; PEFT wraps a module one way, keep it in one list")
+    weight_grad = [i in saved or any(p not in frozen for p in m.params) for i, m in enumerate(mods)]
+    trains = [weight_grad[i] or i in targets for i in range(len(mods))]
+    if not any(trains):
+        raise ZsimInputError("training.frozen", list(training.frozen), "freezes every parameter; nothing to train")
+    group = _input_groups(wl)
+    full_ckpt = training.activation_checkpointing == "full"
+    before = [any(trains[:i]) for i in range(len(mods))]
+    input_grad = [m.kind != ModuleKind.EMBEDDING and (full_ckpt or before[group[i]]) for i, m in enumerate(mods)]
+    keeps_input = {group[i] for i in range(len(mods)) if mods[i].kind == ModuleKind.LINEAR and trains[i]}
+    return _rebuild(wl, lora, frozen, targets, saved, weight_grad, input_grad, keeps_input)
+
+
+def _rebuild(wl, lora, frozen, targets, saved, weight_grad, input_grad, keeps_input) -> Workload:
+    params: list[Param] = []
+    new_id: dict[int, int] = {}
+    a, t = wl.act_dtype_bytes, wl.tokens
+
+    def own(pid: int, rename: tuple[str, str] | None = None) -> int:
+        if pid not in new_id:
+            p = wl.params[pid]
+            name = p.name.replace(rename[0], rename[1], 1) if rename and p.name.startswith(rename[0] + ".") else p.name
+            params.append(replace(p, name=name, trainable=pid not in frozen))
+            new_id[pid] = len(params) - 1
+        return new_id[pid]
+
+    def new(name: str, numel: int) -> int:
+        params.append(Param(name, numel))
+        return len(params) - 1
+
+    modules: list[Module] = []
+    for i, m in enumerate(wl.modules):
+        m = _backward_of(m, input_grad[i], weight_grad[i], a, i in keeps_input)
+        if i in targets:
+            base = f"{m.name}.base_layer"
+            ids = tuple(own(p, (m.name, base)) for p in m.params)
+            modules.append(replace(m, name=base, params=ids, containers=m.containers + (m.name,)))
+            modules += _adapters(m, lora, a, t, new)
+        elif i in saved:
+            for p in m.params:
+                own(p, (m.name, f"{m.name}.original_module"))
+            copy = f"{m.name}.modules_to_save.default"
+            ids = tuple(new(wl.params[p].name.replace(m.name, copy, 1) if wl.params[p].name.startswith(m.name + ".")
+                            else f"{copy}.weight", wl.params[p].numel) for p in m.params)
+            modules.append(replace(m, name=copy, params=ids, containers=m.containers + (m.name,)))
+        else:
+            modules.append(replace(m, params=tuple(own(p) for p in m.params)))
+    for pid in range(len(wl.params)):   # params no module uses stay registered
+        own(pid)
+    return replace(wl, params=tuple(params), modules=tuple(modules))
+
+
+def _backward_of(m: Module, input_grad: bool, weight_grad: bool, a: int, keeps_input: bool) -> Module:
+    """`m` with only the backward work autograd does for it."""
+    runs = input_grad or (weight_grad and bool(m.params))
+    if not runs:
+        return replace(m, input_grad=False, weight_grad=False, bwd_flops=0.0, bwd_mem_bytes=0.0, kernels_bwd=0,
+                       act_bytes=0.0, act_bytes_s2=0.0, bwd_workspace_bytes=0.0)
+    if m.kind != ModuleKind.LINEAR:
+        return replace(m, input_grad=input_grad, weight_grad=weight_grad)
+    tokens, _, n_in = m.gemm
+    gemm_flops = m.fwd_flops
+    saved_input = tokens * n_in * a if m.act_bytes >= tokens * n_in * a else 0.0
+    act = m.act_bytes - (0.0 if keeps_input else saved_input)
+    return replace(m, input_grad=input_grad, weight_grad=weight_grad, bwd_flops=gemm_flops * (input_grad + weight_grad),
+                   kernels_bwd=int(input_grad) + int(weight_grad), act_bytes=act,
+                   bwd_workspace_bytes=tokens * n_in * a if input_grad else 0.0)
+
+
+def _adapters(base: Module, lora: LoraSpec, a: int, t: int, new) -> list[Module]:
+    """lora_A (in -> r) and lora_B (r -> out) of a target; lora_B's output is scaled by alpha/r and
+    added to the base's (peft lora/layer.py Linear.forward: result + lora_B(lora_A(dropout(x))) * scaling)."""
+    _, n_out, n_in = base.gemm
+    r = lora.rank
+    drop = lora.dropout > 0
+    name_a, name_b = f"{base.name}.lora_A.default", f"{base.name}.lora_B.default"
+    pa, pb = new(f"{name_a}.weight", n_in * r), new(f"{name_b}.weight", r * n_out)
+    inside = base.containers + (base.name,)
+    fa, fb = 2.0 * t * n_in * r, 2.0 * t * r * n_out
+    ig = base.input_grad
+    # with lora_dropout the dropped copy of x (and its mask) is what lora_A saves; without, it
+    # saves x itself, which the base's input group keeps already
+    lora_a = Module(name=name_a, kind=ModuleKind.LINEAR, layer=base.layer, params=(pa,), gemm=(t, r, n_in),
+                    fwd_flops=fa, bwd_flops=fa * (1 + ig), model_fwd_flops=fa,
+                    fwd_mem_bytes=(2 * a + 1) * t * n_in if drop else 0.0,
+                    bwd_mem_bytes=(2 * a + 1) * t * n_in if drop and ig else 0.0,
+                    act_bytes=(a + 1) * t * n_in if drop else 0.0, kernels_fwd=1 + drop,
+                    kernels_bwd=1 + ig + (drop and ig),
+                    bwd_workspace_bytes=t * n_in * a if ig else 0.0, containers=inside, input_grad=ig)
+    lora_b = Module(name=name_b, kind=ModuleKind.LINEAR, layer=base.layer, params=(pb,), gemm=(t, n_out, r),
+                    fwd_flops=fb, bwd_flops=2 * fb, model_fwd_flops=fb,
+                    fwd_mem_bytes=5.0 * t * n_out * a, bwd_mem_bytes=2.0 * t * n_out * a,
+                    act_bytes=float(t * r * a), kernels_fwd=3, kernels_bwd=3, bwd_workspace_bytes=float(t * r * a),
+                    containers=inside)
+    return [lora_a, lora_b]
+
+
+def trainable_params(wl: Workload) -> int:
+    return sum(p.numel for p in wl.params if p.trainable)
