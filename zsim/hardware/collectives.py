@@ -133,10 +133,36 @@ def hierarchical_cost(kind: str, size_bytes: float, nodes: int, gpus_per_node: i
     return CommCost(intra_c.latency_s + inter_c.latency_s, intra_c.transfer_s, "intra_node")
 
 
+def all_to_all_cost(size_bytes: float, nodes: int, ranks_per_node: int, intra: Tier, inter: Tier) -> CommCost:
+    """All-to-all across nodes. NCCL runs it as n-1 concurrent point-to-point transfers
+    (ncclSend/ncclRecv to every peer inside one ncclGroupStart/End: NCCL's "All-to-All" example,
+    docs/usage/p2p; nccl-tests alltoall_perf counts busbw = algbw * (n-1)/n), not as rings: each
+    rank sends size/n to every peer, (g-1)/n of its buffer over NVLink to the peers on its node
+    and (n-g)/n over its rail to the others, both at once, so the slower tier bounds the transfer
+    and each tier's steps pay their latency."""
+    n, g = nodes * ranks_per_node, ranks_per_node
+    t_intra = 0.0
+    if g > 1:
+        t_intra = size_bytes * (g - 1) / n / (intra.busbw_Bps * efficiency_at(intra.efficiency_for("all_to_all"), size_bytes))
+    t_inter = size_bytes * (n - g) / n / (inter.busbw_Bps * efficiency_at(inter.efficiency_for("all_to_all"), size_bytes / g))
+    latency = (g - 1) * intra.latency_s + (nodes - 1) * inter.latency_s
+    if t_inter >= t_intra:
+        return CommCost(latency, t_inter, "inter_node")
+    return CommCost(latency, t_intra, "intra_node")
+
+
+def group_placement(size: int, stride: int, gpus_per_node: int) -> tuple[int, int]:
+    """(nodes, ranks per node) of a process group of `size` ranks `stride` apart, ranks numbered
+    node by node (rank r on node r // gpus_per_node, as torchrun numbers them)."""
+    per_node = min(size, max(1, gpus_per_node // stride)) if stride < gpus_per_node else 1
+    return math.ceil(size / per_node), per_node
+
+
 @functools.lru_cache(maxsize=4096)   # pure; schedules repeat the same sizes layer after layer
 def collective_cost(kind: str, size_bytes: float, nodes: int, gpus_per_node: int,
                     intra: Tier, inter: Tier, coalesced: bool = False) -> CommCost:
-    """Cost of one collective over a data-parallel group of nodes x gpus_per_node ranks;
+    """Cost of one collective over a group of nodes x gpus_per_node ranks (the data-parallel
+    group, or another group as `group_placement` places it);
     `coalesced`: launched async with its neighbours before any is waited (Comm.coalesced)."""
     if kind not in COLLECTIVES:
         raise ValueError(f"unknown collective {kind!r}")
@@ -149,6 +175,9 @@ def collective_cost(kind: str, size_bytes: float, nodes: int, gpus_per_node: int
     if gpus_per_node == 1:
         c = ring_cost(kind, size_bytes, n, inter, "inter_node", coalesced)
         return CommCost(c.latency_s + inter.sync_s, c.transfer_s, c.tier)
+    if kind == "all_to_all":
+        best = all_to_all_cost(size_bytes, nodes, gpus_per_node, intra, inter)
+        return CommCost(best.latency_s + max(intra.sync_s, inter.sync_s), best.transfer_s, best.tier)
     best = hierarchical_cost(kind, size_bytes, nodes, gpus_per_node, intra, inter, coalesced)
     if kind == "all_reduce":
         tree = tree_allreduce_cost(size_bytes, nodes, gpus_per_node, intra, inter)

@@ -8,6 +8,7 @@ from zsim.schedule import offload, stage3, stage012
 from zsim.schedule.builder import Builder
 from zsim.schedule.context import StepContext
 from zsim.schedule.ir import Schedule
+from zsim.schedule.moe import TokenExchanges
 from zsim.workload.transformer import DTYPE_BYTES, Workload, build_workload
 
 
@@ -35,6 +36,7 @@ def build_schedule(sc: Scenario, wl: Workload | None = None,
     if micro_steps is not None:
         sc = with_micro_steps(sc, micro_steps)
     ctx = StepContext(sc=sc, wl=wl, b=Builder(), param_bytes=DTYPE_BYTES[sc.precision], world=sc.cluster.world_size)
+    ctx.exchanges = TokenExchanges(ctx)
     if sc.zero.stage == 3:
         stage3.build(ctx)
     else:

@@ -12,6 +12,7 @@ from zsim.schema import spec
 from zsim.specs.deepspeed import MAX_GRADIENT_ACCUMULATION_STEPS, MAX_MICRO_BATCH_SIZE, DeepSpeedConfig
 from zsim.specs.hardware import Cluster
 from zsim.specs.model import MAX_SEQ_LEN, ModelSpec
+from zsim.specs.parallelism import ParallelismSpec
 
 
 # The largest training clusters built (2025) hold ~100k-200k GPUs; 2**18 = 262,144 covers them.
@@ -50,6 +51,7 @@ class Scenario:
     deepspeed: DeepSpeedConfig
     description: str = ""
     warnings: tuple[str, ...] = ()
+    parallelism: ParallelismSpec = ParallelismSpec()
 
     # Resolved values (DeepSpeed's batch rule, precision): the simulator reads these.
     @property
@@ -71,6 +73,10 @@ class Scenario:
     @property
     def precision(self) -> str:
         return self.training.precision
+
+    @property
+    def expert_parallel_size(self) -> int:
+        return self.parallelism.expert
 
     @property
     def zero(self):
