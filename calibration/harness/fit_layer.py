@@ -11,7 +11,7 @@ from calibration.harness.plan import LayerShape
 from zsim.hardware.compute import attention_time_s, gemm_time_s, kernel_overhead_s, memory_bound_time_s
 from zsim.specs.hardware import GpuProfile
 from zsim.schedule.passes import linear_gemms
-from zsim.workload.transformer import DTYPE_BYTES
+from zsim.workload.module import DTYPE_BYTES
 
 
 def predict_layer_s(gpu: GpuProfile, peak_flops: float, shape: dict, dtype: str, backward: bool) -> float:

@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass, field
 
 from zsim.specs.model import ModelSpec
 from zsim.schedule.passes import linear_gemms
-from zsim.workload.transformer import Module, build_workload
+from zsim.workload.module import Module
+from zsim.workload.transformer import build_workload
 
 KB = 1024
 # all_gather_coalesced: a batch of async all-gathers waited together, as DeepSpeed re-gathers

@@ -23,7 +23,7 @@ from zsim.engine.sim import Repeat, Trace, run_ops, simulate
 from zsim.schedule.build import build_schedule
 from zsim.schedule.ir import Schedule
 from zsim.specs.scenario import Scenario
-from zsim.workload.transformer import Workload
+from zsim.workload.module import Workload
 
 # the first, three middle micro-steps (the first middle one may still be settling from the first
 # micro-step: a reduction of its shape runs into it), the boundary one; one more when that is not enough

@@ -15,7 +15,7 @@ from zsim.hardware.compute import (attention_time_s, fresh_alloc_time_s, gemm_ti
                                    memory_bound_time_s, optimizer_time_s)
 from zsim.hardware.host import aio_efficiency, cpu_adam_time_s, host_link_Bps, nvme_time_s, pcie_time_s
 from zsim.schedule.ir import Collective, ComputeWork, Copy, CpuAdam, HostSettings, Op, Phase, Transfer
-from zsim.workload.transformer import DTYPE_BYTES
+from zsim.workload.module import DTYPE_BYTES
 
 COMPUTE = ("compute",)
 COMM_LINKS = ("intra_node", "inter_node")   # an NCCL transfer on these slows the compute stream

@@ -15,7 +15,7 @@ functions). They cover model states only; zsim's ledger adds what they leave out
 """
 from __future__ import annotations
 
-from zsim.workload.transformer import Workload
+from zsim.workload.module import Workload
 
 
 def ds_zero2_estimate(total_params: int, num_gpus_per_node: int = 1, num_nodes: int = 1, cpu_offload: bool = True,

@@ -10,7 +10,7 @@ from zsim.hardware.collectives import bus_factor
 from zsim.result import Comm, HostMemory, Memory, Result
 from zsim.schedule.ir import Copy, CpuAdam, Stream
 from zsim.units import TFLOP
-from zsim.workload.transformer import Workload
+from zsim.workload.module import Workload
 
 RESERVED = "CUDA context + allocator reserve"
 

@@ -9,7 +9,8 @@ from zsim.schedule.builder import Builder
 from zsim.schedule.context import StepContext
 from zsim.schedule.ir import Schedule
 from zsim.schedule.moe import TokenExchanges
-from zsim.workload.transformer import DTYPE_BYTES, Workload, build_workload
+from zsim.workload.module import DTYPE_BYTES, Workload
+from zsim.workload.transformer import build_workload
 
 
 def workload_for(sc: Scenario) -> Workload:

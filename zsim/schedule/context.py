@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from zsim.specs.scenario import Scenario
 from zsim.schedule.builder import Builder
 from zsim.schedule.ir import Phase, Stream
-from zsim.workload.transformer import Module, Workload
+from zsim.workload.module import Module, Workload
 
 
 @dataclass

@@ -26,7 +26,7 @@ from zsim.schedule import offload
 from zsim.schedule.context import StepContext
 from zsim.schedule.ir import Alloc, Buffer, Category, Collective, Comm, OpKind, ParamGather, Phase, Stream, Tag
 from zsim.schedule.partition import padded
-from zsim.workload.transformer import Module
+from zsim.workload.module import Module
 
 NOT_AVAILABLE, AVAILABLE = 0, 1
 

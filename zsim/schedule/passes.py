@@ -5,7 +5,7 @@ from __future__ import annotations
 from zsim.schedule.context import StageHooks, StepContext
 from zsim.schedule.ir import (Alloc, Buffer, Category, ComputeWork, Copy, ModulePass, OpKind, Phase, Stream, Tag,
                               Transfer)
-from zsim.workload.transformer import Module, Workload
+from zsim.workload.module import Module, Workload
 
 
 def linear_gemms(module: Module, backward: bool) -> tuple:

@@ -23,7 +23,7 @@ from zsim.schedule.moe import expert_data_parallel_group, flat_group_process_gro
 from zsim.schedule.optimizer import FP32_BYTES, grad_norm_ops, model_state_bytes, optimizer_step
 from zsim.schedule.partition import grads_ready_at, pieces_in_partition
 from zsim.schedule.passes import backward, forward
-from zsim.workload.transformer import Module
+from zsim.workload.module import Module
 
 # engine.py allreduce_gradients -> buffered_allreduce_fallback: MEMORY_OPT_ALLREDUCE_SIZE elements per call
 MEMORY_OPT_ALLREDUCE_SIZE = int(5e8)

@@ -12,7 +12,7 @@ from zsim.schedule.optimizer import grad_norm_ops, model_state_bytes, optimizer_
 from zsim.schedule.param_fetch import ParamCoordinator
 from zsim.schedule.partition import grads_ready_at, padded, persistent_params, shard_numel, sub_group_sizes
 from zsim.schedule.passes import backward, forward
-from zsim.workload.transformer import Module
+from zsim.workload.module import Module
 
 
 class Zero3Hooks(StageHooks):

@@ -24,7 +24,7 @@ from zsim.result import Result
 from zsim.schedule.build import workload_for
 from zsim.schedule.optimizer import model_state_bytes
 from zsim.search.variants import Base, Outcome, Variant
-from zsim.workload.transformer import DTYPE_BYTES
+from zsim.workload.module import DTYPE_BYTES
 
 Z = "deepspeed.zero_optimization"
 OFFLOADS = {

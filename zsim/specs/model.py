@@ -44,6 +44,25 @@ class MoESpec:
     def __post_init__(self):
         if self.top_k > self.experts:
             raise ValueError("top_k", self.top_k, f"must not exceed experts ({self.experts})")
+        if not self.shared_experts and (self.shared_ffn_hidden or self.shared_expert_gate):
+            raise ValueError("shared_experts", 0, "shared_ffn_hidden and shared_expert_gate need shared_experts >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MLASpec:
+    """DeepSeek-V2/V3 Multi-head Latent Attention (DeepSeek-AI 2024, arXiv:2405.04434 sec. 2.1;
+    HF modeling_deepseek_v2.py DeepseekV2Attention): queries through an optional low-rank
+    q_a_proj/q_b_proj, keys and values through one compressed latent (kv_a_proj_with_mqa, of
+    kv_lora_rank + one shared RoPE key of qk_rope_head_dim) expanded per head by kv_b_proj."""
+    kv_lora_rank: int = spec(gt=0, le=MAX_HIDDEN, doc="width of the compressed key-value latent")
+    qk_nope_head_dim: int = spec(gt=0, le=MAX_HIDDEN, doc="per-head query/key dims without RoPE")
+    qk_rope_head_dim: int = spec(gt=0, le=MAX_HIDDEN, doc="per-head query/key dims with RoPE (the key part shared by all heads)")
+    v_head_dim: int = spec(gt=0, le=MAX_HIDDEN, doc="per-head value dims")
+    q_lora_rank: Optional[int] = spec(None, gt=0, le=MAX_HIDDEN, doc="low-rank query (q_a_proj/q_b_proj); absent: one q_proj")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,14 +81,32 @@ class ModelSpec:
     bias: bool = spec(True)
     fused_qkv: bool = spec(True, doc="one QKV Linear (GPT-2/MPT/BLOOM) or q/k/v_proj modules (Llama)")
     embedding_norm: bool = spec(False, doc="LayerNorm after the embedding (BLOOM)")
+    head_dim: Optional[int] = spec(None, gt=0, le=MAX_HIDDEN, doc="per-head width; default hidden/heads (Gemma: 16 heads x 256 with hidden 3072)")
+    attention_bias: Optional[bool] = spec(None, doc="biases on q/k/v and the output projection; default model.bias")
+    qkv_bias: Optional[bool] = spec(None, doc="biases on q/k/v only (Qwen2: true with attention_bias false); default attention_bias")
+    mlp_bias: Optional[bool] = spec(None, doc="biases on the MLP projections; default model.bias")
+    fused_gate_up: bool = spec(False, doc="one gate_up_proj Linear of 2*ffn_hidden (Phi-3) instead of gate_proj and up_proj; needs glu")
+    parallel_residual: bool = spec(False, doc="attention and MLP both read the block input, x + attn(ln_1(x)) + mlp(ln_2(x)) (GPT-NeoX, Falcon)")
+    shared_norm: bool = spec(False, doc="with parallel_residual: one LayerNorm feeds both (Falcon-7B); no ln_2")
+    post_norms: bool = spec(False, doc="a norm on the attention and on the MLP output before each residual add (Gemma-2: 4 norms per block)")
+    sliding_window: Optional[int] = spec(None, gt=0, le=MAX_SEQ_LEN, doc="each query attends to the last sliding_window positions (Mistral, Gemma-2); absent: full causal attention")
+    sliding_window_layers: Literal["all", "even"] = spec("all", doc="the blocks with the window: all (Mistral) or the even-numbered ones (Gemma-2 alternates local and global)")
+    position_offset: int = spec(0, ge=0, le=MAX_SEQ_LEN, doc="extra rows of the learned position table (OPT: 2)")
+    mla: Optional[MLASpec] = spec(None, doc="DeepSeek Multi-head Latent Attention instead of q/k/v projections")
     moe: Optional[MoESpec] = spec(None, doc="Mixture-of-Experts MLPs; absent: every MLP is dense")
     preset: Optional[str] = spec(None)
 
     def __post_init__(self):
-        if self.hidden % self.heads:
-            raise ValueError("hidden", self.hidden, f"must be divisible by heads ({self.heads})")
+        if self.head_dim is None and self.mla is None and self.hidden % self.heads:
+            raise ValueError("hidden", self.hidden, f"must be divisible by heads ({self.heads}), or give model.head_dim")
         if self.kv_heads is not None and self.heads % self.kv_heads:
             raise ValueError("kv_heads", self.kv_heads, f"must divide heads ({self.heads})")
+        if self.fused_gate_up and not self.glu:
+            raise ValueError("fused_gate_up", True, "needs glu: true (a fused gate and up projection)")
+        if self.shared_norm and not self.parallel_residual:
+            raise ValueError("shared_norm", True, "needs parallel_residual: true")
+        if self.mla is not None and (self.kv_heads is not None or self.head_dim is not None or self.fused_qkv):
+            raise ValueError("mla", "...", "MLA has its own projections: drop kv_heads and head_dim, set fused_qkv: false")
 
     @property
     def n_kv_heads(self) -> int:
@@ -78,6 +115,32 @@ class ModelSpec:
     @property
     def ffn(self) -> int:
         return self.ffn_hidden or 4 * self.hidden
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def attn_bias(self) -> bool:
+        return self.bias if self.attention_bias is None else self.attention_bias
+
+    @property
+    def qkv_proj_bias(self) -> bool:
+        return self.attn_bias if self.qkv_bias is None else self.qkv_bias
+
+    @property
+    def mlp_proj_bias(self) -> bool:
+        return self.bias if self.mlp_bias is None else self.mlp_bias
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """DeepSeek's rule (modeling_deepseek_v2.py DeepseekV2DecoderLayer): block i is MoE when
+        i >= first_k_dense_replace and i % moe_layer_freq == 0; with layer_freq 1 every block from
+        first_dense_layers on is (Mixtral, Qwen-MoE with decoder_sparse_step 1)."""
+        moe = self.moe
+        return moe is not None and layer >= moe.first_dense_layers and layer % moe.layer_freq == 0
+
+    def has_window(self, layer: int) -> bool:
+        return self.sliding_window is not None and (self.sliding_window_layers == "all" or layer % 2 == 0)
 
 
 _GPT2 = dict(vocab=50257, seq_len=1024, position="learned", tied_embeddings=True, norm="layernorm",

@@ -1,0 +1,111 @@
+"""The attention block: q/k/v projections (fused, separate, or DeepSeek's Multi-head Latent
+Attention), the parameterless core, the output projection.
+
+Sources:
+ - Model FLOPs count full (non-causal) attention, QK^T and AV at 2*b*s*s*dims each (Megatron-LM,
+   llm-foundry MFU convention); a sliding window of W counts s*W pairs instead of s*s.
+ - Executed: causal FlashAttention skips the upper triangle (half the work); its backward runs
+   5 matmuls for the forward's 2 (Dao 2023, FlashAttention-2, sec. 3). With a sliding window
+   FlashAttention's local attention (window_size, flash-attn >= 2.3, what Mistral and Gemma-2
+   run through HF's flash_attention_2) computes only the band: sum_i min(i+1, W) pairs. The
+   eager/SDPA path masks the window out of full s*s scores, so the window saves it nothing.
+ - MLA shapes: DeepSeek-AI 2024, arXiv:2405.04434 sec. 2.1, and HF modeling_deepseek_v2.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zsim.workload.builder import Builder
+from zsim.workload.module import ModuleKind
+
+
+@dataclass(frozen=True)
+class CoreShape:
+    """What the core reads: total q, k and v widths per token and the RoPE'd parts of q and k."""
+    q: int
+    k: int
+    v_heads: int      # heads x per-head value width (the output width)
+    v: int
+    rope_q: int
+    rope_k: int
+
+
+def _pairs(s: int, window: int | None) -> tuple[float, float | None]:
+    """(model pairs per sequence, executed causal pairs with a window or None without one)."""
+    if window is None or window >= s:
+        return float(s * s), None
+    return float(s * window), float(s * window - window * (window - 1) / 2)
+
+
+def attention_core(bld: Builder, name: str, layer: int, b: int, s: int, shape: CoreShape, flash: bool,
+                   window: int | None) -> None:
+    m, a, t = bld.m, bld.a, bld.t
+    model_pairs, band_pairs = _pairs(s, window)
+    model_flops = 2.0 * b * model_pairs * (shape.q + shape.v_heads)
+    rope_mem = 4 * t * (shape.rope_q + shape.rope_k) * a if m.position == "rope" else 0.0
+    qkv = shape.q + shape.k + shape.v
+    qkv_saved = t * qkv * a
+    if flash:
+        # causal: lower triangle only; with a window only the band
+        fwd = model_flops / 2 if band_pairs is None else 2.0 * b * band_pairs * (shape.q + shape.v_heads)
+        bwd = fwd * 2.5                # 5 matmuls vs 2 (FlashAttention-2)
+        act, act_s2 = qkv_saved + 4 * b * m.heads * s, 0.0  # Q,K,V + logsumexp (fp32)
+        mem_f, mem_b = rope_mem + 2 * t * qkv * a, rope_mem + 4 * t * qkv * a
+        kf, kb = 1, 2
+    else:
+        full = 2.0 * b * s * s * (shape.q + shape.v_heads)
+        fwd, bwd = full, 2 * full
+        s2 = b * m.heads * s * s
+        # softmax output (a bytes per score); with dropout also its mask (1 B) and output (a B)
+        act_s2 = s2 * (2 * a + 1) if bld.drop else s2 * a
+        act = qkv_saved + act_s2
+        mem_f = rope_mem + s2 * a * (3 + 2 * bld.drop)   # scores write, softmax read/write
+        mem_b = rope_mem + s2 * a * (4 + 2 * bld.drop)
+        kf, kb = 4, 6
+    bld.add(name=name, kind=ModuleKind.ATTENTION, layer=layer, params=(), gemm=None, fwd_flops=fwd, bwd_flops=bwd,
+            model_fwd_flops=model_flops, fwd_mem_bytes=mem_f, bwd_mem_bytes=mem_b, act_bytes=act,
+            act_bytes_s2=act_s2, kernels_fwd=kf, kernels_bwd=kb)
+
+
+def attention(bld: Builder, pfx: str, layer: int, b: int, s: int, flash: bool) -> None:
+    """`pfx`.qkv or q/k/v_proj (or MLA's projections), `pfx`.core, `pfx`.o_proj (+ residual add)."""
+    m, h, t, a = bld.m, bld.m.hidden, bld.t, bld.a
+    if m.mla is not None:
+        shape = _mla_projections(bld, pfx, layer)
+    else:
+        hd = m.head_size
+        qd, kvd = m.heads * hd, m.n_kv_heads * hd
+        if m.fused_qkv:
+            bld.linear(f"{pfx}.qkv", layer, h, qd + 2 * kvd, m.qkv_proj_bias)
+        else:
+            bld.linear(f"{pfx}.q_proj", layer, h, qd, m.qkv_proj_bias)
+            bld.linear(f"{pfx}.k_proj", layer, h, kvd, m.qkv_proj_bias, saves_input=False)  # shares q_proj's input
+            bld.linear(f"{pfx}.v_proj", layer, h, kvd, m.qkv_proj_bias, saves_input=False)
+        shape = CoreShape(q=qd, k=kvd, v_heads=qd, v=kvd, rope_q=qd, rope_k=kvd)
+    window = m.sliding_window if m.has_window(layer) else None
+    attention_core(bld, f"{pfx}.core", layer, b, s, shape, flash, window)
+    # output projection + residual add (+ dropout mask): read 2, write 1
+    bld.linear(f"{pfx}.o_proj", layer, shape.v_heads, h, m.attn_bias, extra_act=bld.drop * t * h,
+               fwd_mem=3 * t * h * a, bwd_mem=2 * t * h * a)
+
+
+def _mla_projections(bld: Builder, pfx: str, layer: int) -> CoreShape:
+    """DeepseekV2Attention: q_proj (or q_a_proj, q_a_layernorm, q_b_proj), kv_a_proj_with_mqa,
+    kv_a_layernorm, kv_b_proj. The core sees per-head keys of qk_nope + qk_rope (the RoPE part
+    broadcast to every head) and values of v_head_dim."""
+    m, h = bld.m, bld.m.hidden
+    mla, heads = m.mla, m.heads
+    qk = mla.qk_head_dim
+    if mla.q_lora_rank is not None:
+        bld.linear(f"{pfx}.q_a_proj", layer, h, mla.q_lora_rank, m.attn_bias)
+        bld.norm(f"{pfx}.q_a_layernorm", layer, size=mla.q_lora_rank)
+        bld.linear(f"{pfx}.q_b_proj", layer, mla.q_lora_rank, heads * qk, False)
+    else:
+        bld.linear(f"{pfx}.q_proj", layer, h, heads * qk, False)
+    # reads the block input again: q's first projection keeps it
+    bld.linear(f"{pfx}.kv_a_proj_with_mqa", layer, h, mla.kv_lora_rank + mla.qk_rope_head_dim, m.attn_bias,
+               saves_input=False)
+    bld.norm(f"{pfx}.kv_a_layernorm", layer, size=mla.kv_lora_rank)
+    bld.linear(f"{pfx}.kv_b_proj", layer, mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), False)
+    return CoreShape(q=heads * qk, k=heads * qk, v_heads=heads * mla.v_head_dim, v=heads * mla.v_head_dim,
+                     rope_q=heads * mla.qk_rope_head_dim, rope_k=mla.qk_rope_head_dim)

@@ -1,0 +1,89 @@
+"""The workload builder: adds parameters and modules in forward order, with the cost rules of
+one norm, one Linear, one elementwise activation and one MLP (dense or one expert's).
+
+Sources (see zsim/workload/transformer.py for the whole list): 2*m*n*k FLOPs per GEMM and 2x
+that in backward; activations per Korthikanti et al. 2022, sec. 4.1 (a Linear keeps its input,
+a norm its input, GeLU its input, a gated MLP both projections and the product).
+"""
+from __future__ import annotations
+
+from zsim.specs.model import ModelSpec
+from zsim.workload.module import Module, ModuleKind, Param
+
+
+class Builder:
+    """Parameters and modules of one micro-batch of `tokens` tokens, `act_bytes` per activation
+    element. `scope` is the nn.Module containers the next modules sit in; `expert` the routed
+    expert they compute for (their parameters are then expert parameters)."""
+
+    def __init__(self, m: ModelSpec, tokens: int, act_bytes: int, dropout: bool):
+        self.m, self.t, self.a, self.drop = m, tokens, act_bytes, 1 if dropout else 0
+        self.params: list[Param] = []
+        self.modules: list[Module] = []
+        self.scope: tuple[str, ...] = ()
+        self.expert: int | None = None
+
+    def param(self, name: str, numel: int) -> int:
+        self.params.append(Param(name, int(numel), expert=self.expert is not None))
+        return len(self.params) - 1
+
+    def add(self, **fields) -> None:
+        self.modules.append(Module(containers=self.scope, expert=self.expert, **fields))
+
+    def norm(self, name: str, layer: int, size: int | None = None) -> None:
+        n, t, a = size or self.m.hidden, self.t, self.a
+        ids = (self.param(f"{name}.weight", n),) + ((self.param(f"{name}.bias", n),) if self.m.norm == "layernorm" else ())
+        # fwd: read x, write y; bwd: read dy and x, write dx (Korthikanti: stores its input, 2sbh)
+        self.add(name=name, kind=ModuleKind.NORM, layer=layer, params=ids, gemm=None, fwd_flops=8.0 * t * n,
+                 bwd_flops=16.0 * t * n, model_fwd_flops=0.0, fwd_mem_bytes=2 * t * n * self.a,
+                 bwd_mem_bytes=3 * t * n * a, act_bytes=t * n * a)
+
+    def linear(self, name: str, layer: int, n_in: int, n_out: int, bias: bool, *, tokens: int | None = None,
+               model_tokens: float | None = None, extra_act: float = 0.0, fwd_mem: float = 0.0, bwd_mem: float = 0.0,
+               weight: int | None = None, saves_input: bool = True) -> None:
+        """A Linear over `tokens` rows (default: the micro-batch's); `model_tokens` the rows the
+        MFU convention counts (a routed expert's mean load, not its padded capacity)."""
+        t = self.t if tokens is None else tokens
+        ids = (weight if weight is not None else self.param(f"{name}.weight", n_in * n_out),)
+        if bias:
+            ids += (self.param(f"{name}.bias", n_out),)
+        flops = 2.0 * t * n_in * n_out
+        model = flops if model_tokens is None else 2.0 * model_tokens * n_in * n_out
+        self.add(name=name, kind=ModuleKind.LINEAR, layer=layer, params=ids, gemm=(t, n_out, n_in),
+                 fwd_flops=flops, bwd_flops=2 * flops, model_fwd_flops=model, fwd_mem_bytes=fwd_mem,
+                 bwd_mem_bytes=bwd_mem, act_bytes=t * n_in * self.a * saves_input + extra_act, kernels_fwd=1,
+                 kernels_bwd=2)
+
+    def activation(self, name: str, layer: int, flops: float, fwd_mem: float, bwd_mem: float, act: float,
+                   fwd_workspace: float = 0.0) -> None:
+        self.add(name=name, kind=ModuleKind.ACTIVATION, layer=layer, params=(), gemm=None, fwd_flops=flops,
+                 bwd_flops=2 * flops, model_fwd_flops=0.0, fwd_mem_bytes=fwd_mem, bwd_mem_bytes=bwd_mem,
+                 act_bytes=act, kernels_fwd=1, kernels_bwd=1, fwd_workspace_bytes=fwd_workspace)
+
+    def mlp(self, pfx: str, layer: int, width: int, *, tokens: int | None = None, model_tokens: float | None = None,
+            residual_add: bool = True) -> None:
+        """One MLP (`pfx`.gate_proj/up_proj or gate_up_proj, act, fc_out; or fc_in, act, fc_out).
+        With `residual_add` its fc_out also adds the residual stream (read 2, write 1) and keeps
+        the dropout mask; an expert's output goes to the MoE combine instead."""
+        m, a, h = self.m, self.a, self.m.hidden
+        t = self.t if tokens is None else tokens
+        bias, f = m.mlp_proj_bias, width
+        rows = dict(tokens=tokens, model_tokens=model_tokens)
+        if m.glu:
+            if m.fused_gate_up:
+                self.linear(f"{pfx}.gate_up_proj", layer, h, 2 * f, bias, **rows)
+            else:
+                self.linear(f"{pfx}.gate_proj", layer, h, f, bias, **rows)
+                self.linear(f"{pfx}.up_proj", layer, h, f, bias, saves_input=False, **rows)  # shares gate's input
+            # act(gate)*up: stores gate and up (above as the projections' outputs) and the product
+            self.activation(f"{pfx}.act", layer, flops=4.0 * t * f, fwd_mem=3 * t * f * a, bwd_mem=5 * t * f * a,
+                            act=2 * t * f * a)
+        else:
+            self.linear(f"{pfx}.fc_in", layer, h, f, bias, **rows)
+            self.activation(f"{pfx}.act", layer, flops=8.0 * t * f, fwd_mem=2 * t * f * a, bwd_mem=3 * t * f * a,
+                            act=t * f * a)
+        if residual_add:
+            self.linear(f"{pfx}.fc_out", layer, f, h, bias, extra_act=self.drop * t * h, fwd_mem=3 * t * h * a,
+                        bwd_mem=2 * t * h * a, **rows)
+        else:
+            self.linear(f"{pfx}.fc_out", layer, f, h, bias, **rows)

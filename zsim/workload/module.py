@@ -1,0 +1,94 @@
+"""The workload's data: parameters, modules (one per nn.Module with direct parameters, plus the
+parameterless attention core, activations and loss) and the Workload of one micro-batch.
+
+zsim/workload/builder.py fills them in; zsim/workload/transformer.py, attention.py and moe.py
+say which modules a model has.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    numel: int
+    # an expert's weight: its gradient is reduced over the expert-data-parallel group, not the
+    # whole data-parallel group (DeepSpeed-MoE, deepspeed/utils/groups.py)
+    expert: bool = False
+    # requires_grad: frozen weights (LoRA's base model, training.frozen) carry no gradient and no
+    # optimizer state, but ZeRO-3 still partitions and gathers them
+    trainable: bool = True
+
+
+class ModuleKind(StrEnum):
+    EMBEDDING = "embedding"
+    NORM = "norm"
+    LINEAR = "linear"
+    ATTENTION = "attention"        # the attention core (no params)
+    ACTIVATION = "activation"
+    LOSS = "loss"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Module:
+    name: str
+    kind: ModuleKind
+    layer: int                 # transformer block index; -1 before the blocks, -2 after
+    params: tuple[int, ...]    # indices into Workload.params (tied weights share an index)
+    gemm: tuple[int, int, int] | None  # (m tokens, n out, k in) for linear modules
+    fwd_flops: float           # executed on the device
+    bwd_flops: float
+    model_fwd_flops: float     # MFU convention (full attention)
+    fwd_mem_bytes: float       # HBM traffic of the memory-bound kernels
+    bwd_mem_bytes: float
+    act_bytes: float           # activations this module keeps for backward
+    act_bytes_s2: float = 0.0  # the s^2 part of act_bytes (dropped by selective checkpointing)
+    kernels_fwd: int = 1
+    kernels_bwd: int = 2
+    fwd_workspace_bytes: float = 0.0   # transient while the forward kernel runs
+    bwd_workspace_bytes: float | None = None  # transient in backward; default: act_bytes (input grads)
+    # the nn.Module containers it sits in, outermost first (("layers.0", "layers.0.attn")): ZeRO-3's
+    # hooks visit each container as the forward enters it
+    containers: tuple[str, ...] = ()
+    # the routed expert (its index among this rank's local experts) a module computes for; None
+    # for dense modules. A MoE layer's expert span is its modules with expert set (zsim/workload/moe.py)
+    expert: int | None = None
+
+    @property
+    def bwd_workspace(self) -> float:
+        return self.act_bytes if self.bwd_workspace_bytes is None else self.bwd_workspace_bytes
+
+
+@dataclass(frozen=True)
+class Workload:
+    params: tuple[Param, ...]
+    modules: tuple[Module, ...]
+    layers: int
+    tokens: int                # per micro-batch per GPU
+    micro_batch_size: int
+    seq_len: int
+    layer_input_bytes: float   # what full checkpointing keeps per block
+    act_dtype_bytes: int
+
+    @property
+    def n_params(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    @property
+    def model_flops(self) -> float:
+        """Model FLOPs of one micro-batch, forward + backward (3x forward)."""
+        return 3.0 * sum(m.model_fwd_flops for m in self.modules)
+
+    def layer_modules(self, layer: int) -> tuple[Module, ...]:
+        by_layer = self.__dict__.get("_by_layer")
+        if by_layer is None:
+            by_layer = {}
+            for m in self.modules:
+                by_layer.setdefault(m.layer, []).append(m)
+            by_layer = {k: tuple(v) for k, v in by_layer.items()}
+            object.__setattr__(self, "_by_layer", by_layer)   # cache on the frozen instance
+        return by_layer.get(layer, ())
