@@ -90,10 +90,7 @@ def _resolve_model(raw: dict) -> ModelSpec:
                                  f"available: {', '.join(sorted(PRESETS))}")
         merged.update(PRESETS[preset])
     merged.update(raw)
-    model = build(ModelSpec, merged, "model")
-    if model.moe is not None:   # the spec exists; the workload and schedule land with issue 16
-        raise ZsimInputError("model.moe", "...", "Mixture-of-Experts is not simulated yet; remove model.moe")
-    return model
+    return build(ModelSpec, merged, "model")
 
 
 def _resolve_auto(ds: dict, model: ModelSpec, training: TrainingSpec, world_size: int) -> dict:

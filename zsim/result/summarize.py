@@ -86,7 +86,7 @@ def _op_totals(trace: Trace, world: int) -> _OpTotals:
         if comm is not None:
             kind = comm.collective.value
             comm_iv.append((t.start_s, t.end_s))
-            sent = comm.size_bytes * bus_factor(kind, world)
+            sent = comm.size_bytes * bus_factor(kind, world if comm.group is None else comm.group.size)
             comm_bytes[kind] = comm_bytes.get(kind, 0.0) + n * sent
             comm_count[kind] = comm_count.get(kind, 0) + n
             comm_time[kind] = comm_time.get(kind, 0.0) + n * (t.end_s - t.start_s)

@@ -17,7 +17,8 @@ def workload_for(sc: Scenario) -> Workload:
     return build_workload(sc.model, micro_batch_size=sc.micro_batch_size, seq_len=sc.seq_len,
                           precision=sc.precision, flash_attention=sc.training.flash_attention,
                           dropout=sc.training.dropout,
-                          fused_cross_entropy=sc.training.fused_cross_entropy)
+                          fused_cross_entropy=sc.training.fused_cross_entropy,
+                          expert_parallel_size=sc.expert_parallel_size)
 
 
 def with_micro_steps(sc: Scenario, micro_steps: int) -> Scenario:

@@ -18,12 +18,11 @@ to it: one parameter group, every expert's gradient reduced over the data-parall
 """
 from __future__ import annotations
 
-import math
-
 from zsim.schedule.ir import (Alloc, Buffer, Category, Collective, Comm, Group, OpKind, Phase, ProcessGroup,
                               ScalarAllReduce, Stream, Tag, TokenExchange)
 from zsim.schedule.partition import FlatGroup, flat_groups
-from zsim.workload.transformer import Module
+from zsim.workload.module import Module
+from zsim.workload.moe import capacity
 
 INT64_BYTES = 8   # the capacity all-reduce's tensor (torch.max of int64 expert counts)
 
@@ -56,15 +55,38 @@ def flat_group_process_group(ctx, group: FlatGroup) -> ProcessGroup | None:
     return expert_data_parallel_group(ctx) if group.expert else None
 
 
-def capacity_tokens(sc, tokens: int) -> int:
-    """Slots per expert in one rank's capacity buffer (sharded_moe.py _capacity: ceil(tokens /
-    experts * capacity_factor * k), at least min_capacity); without drop_tokens the buffer is
-    sized by the busiest expert, which for a balanced router is the mean load, ceil(tokens * k /
-    experts)."""
-    moe = sc.model.moe
-    if not moe.drop_tokens:
-        return math.ceil(tokens * moe.top_k / moe.experts)
-    return max(math.ceil(tokens / moe.experts * moe.capacity_factor * moe.top_k), moe.min_capacity)
+def moe_blocks(wl) -> dict[int, str]:
+    """Layer -> its MoE block container: the deepest container of the layer's first expert module
+    that also holds a dense module of the layer (the router), e.g. layers.3.mlp (Mixtral's
+    block_sparse_moe, a MixtralSparseMoeBlock)."""
+    out: dict[int, str] = {}
+    for m in wl.modules:
+        if m.expert is None or m.layer in out:
+            continue
+        dense = {c for d in wl.layer_modules(m.layer) if d.expert is None for c in d.containers}
+        out[m.layer] = next(c for c in reversed(m.containers) if c in dense)
+    return out
+
+
+def z3_leaf_blocks(ctx) -> dict[str, tuple[int, ...]]:
+    """ZeRO-3 leaf containers -> the params one fetch of each gathers: see [Note: ZeRO-3 leaf modules].
+
+    [Note: ZeRO-3 leaf modules] DeepSpeed ZeRO-3 hooks every nn.Module and fetches its direct
+    params before it runs (parameter_offload.py), so a Hugging Face MoE block fetches its router
+    and then each expert's projections one module at a time (and an expert no token reached is
+    never fetched, which can hang the ranks). A module marked a leaf (deepspeed.utils.
+    set_z3_leaf_modules; in 0.19.8 also zero_optimization.leaf_module, whose default classes are
+    Mixtral's, Qwen2-MoE's and Qwen3-MoE's sparse MoE blocks) gets no hooks below it: its own
+    pre-forward and pre-backward hooks fetch every param of its subtree in one gather
+    (iter_params(module, recurse=z3_leaf_module(module))) and release them after it ran.
+    training.z3_leaf_moe_block picks the one or the other for zsim's MoE blocks."""
+    sc = ctx.sc
+    if sc.zero.stage != 3 or sc.model.moe is None or not sc.training.z3_leaf_moe_block:
+        return {}
+    out = {}
+    for block in moe_blocks(ctx.wl).values():
+        out[block] = tuple(sorted({p for m in ctx.wl.modules if block in m.containers for p in m.params}))
+    return out
 
 
 class TokenExchanges:
@@ -79,13 +101,13 @@ class TokenExchanges:
             return
         seen: dict[int, str] = {}
         for m in wl.modules:
-            if any(wl.params[p].expert for p in m.params):
+            if m.expert is not None:
                 if m.layer not in seen:
                     self.first[m.name] = m.layer
                 seen[m.layer] = m.name
         self.last = {name: layer for layer, name in seen.items()}
         moe = sc.model.moe
-        numel = moe.experts * capacity_tokens(sc, wl.tokens) * sc.model.hidden
+        numel = moe.experts * capacity(moe, wl.tokens) * sc.model.hidden
         self.buffer_bytes = float(numel * wl.act_dtype_bytes)
         self.comm = Comm(Collective.ALL_TO_ALL, numel, self.buffer_bytes, group=expert_parallel_group(ctx))
         self.capacity_comm = (None if moe.drop_tokens else

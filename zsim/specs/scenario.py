@@ -40,6 +40,10 @@ class TrainingSpec:
     dropout: bool = spec(False, doc="dropout layers present (stores masks, Korthikanti 2022)")
     fused_cross_entropy: bool = spec(False, doc="fused loss kernel (no fp32 logits copies)")
     max_grad_norm: float = spec(1.0, ge=0, doc="HF Trainer's max_grad_norm, used for gradient_clipping: auto")
+    z3_leaf_moe_block: bool = spec(True, doc="ZeRO-3: each MoE block is a leaf module (deepspeed.utils."
+                                   "set_z3_leaf_modules; DeepSpeed 0.19.8's default zero_optimization.leaf_module "
+                                   "for Mixtral/Qwen2-MoE/Qwen3-MoE) and gathers all its experts at once; false: "
+                                   "one fetch per expert module")
 
 
 @dataclass(frozen=True, kw_only=True)
