@@ -66,6 +66,19 @@ class Comm:
 
 
 @dataclass(frozen=True)
+class MoE:
+    """A Mixture-of-Experts model's sizes: `Result.n_params` is what one rank holds (the dense
+    params and its experts / ep_size local experts); the model's total and the params one token
+    uses (top_k of the routed experts) are here."""
+    experts: int
+    top_k: int
+    expert_parallel_size: int
+    total_params: int
+    active_params: int
+    rank_expert_params: int             # this rank's local experts' params (Result.n_params includes them)
+
+
+@dataclass(frozen=True)
 class Result:
     scenario: str
     stage: int
@@ -93,6 +106,7 @@ class Result:
     host_time_s: dict[str, float]       # offload busy time per transfer kind / cpu_adam
     events: int                         # ops simulated
     warnings: tuple[str, ...]
+    moe: MoE | None = None              # MoE models only (absent from the JSON of dense ones)
 
     @property
     def fits(self) -> bool:
@@ -106,4 +120,6 @@ class Result:
         """The JSON/CSV shape: nested mappings in declaration order, warnings as a list."""
         out = asdict(self)
         out["warnings"] = list(self.warnings)
+        if self.moe is None:
+            del out["moe"]
         return out

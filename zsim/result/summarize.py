@@ -7,10 +7,11 @@ from zsim.specs.scenario import Scenario
 from zsim.engine.ledger import peak_and_breakdown
 from zsim.engine.sim import Trace
 from zsim.hardware.collectives import bus_factor
-from zsim.result import Comm, HostMemory, Memory, Result
+from zsim.result import Comm, HostMemory, Memory, MoE, Result
 from zsim.schedule.ir import Copy, CpuAdam, Stream
 from zsim.units import TFLOP
 from zsim.workload.module import Workload
+from zsim.workload.transformer import count_active_params, count_params
 
 RESERVED = "CUDA context + allocator reserve"
 
@@ -177,4 +178,14 @@ def summarize(sc: Scenario, wl: Workload, trace: Trace) -> Result:
         host_time_s=dict(sorted(ops.host_time_s.items())),
         events=trace.events_processed,
         warnings=tuple(sc.warnings),
+        moe=_moe(sc, wl),
     )
+
+
+def _moe(sc: Scenario, wl: Workload) -> MoE | None:
+    moe = sc.model.moe
+    if moe is None:
+        return None
+    return MoE(experts=moe.experts, top_k=moe.top_k, expert_parallel_size=sc.expert_parallel_size,
+               total_params=count_params(sc.model, sc.seq_len), active_params=count_active_params(sc.model, sc.seq_len),
+               rank_expert_params=sum(p.numel for p in wl.params if p.expert))
