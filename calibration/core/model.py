@@ -33,6 +33,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from calibration.core.moe import build_moe
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 NORM_EPS = 1e-5
 
@@ -212,20 +214,21 @@ class MLP(_Graph):
 
 
 class Block(_Graph):
-    def __init__(self, m):
+    def __init__(self, m, layer: int, expert_parallel_size: int):
         super().__init__(("x",), "x2")
         self.ln_1 = Norm(m.norm, m.hidden)
         self.attn = Attention(m)
         self.ln_2 = Norm(m.norm, m.hidden)
-        self.mlp = MLP(m)
+        self.mlp = build_moe(_Graph, Linear, m, expert_parallel_size) if m.is_moe_layer(layer) else MLP(m)
         self.steps = [("ln_1", ("x",), "a"), ("attn", ("a", "x"), "x1"), ("ln_2", ("x1",), "b"),
                       ("mlp", ("b", "x1"), "x2")]
 
 
 class GPT(_Graph):
-    """Decoder-only GPT from a zsim ModelSpec; forward(ids, labels) -> mean loss."""
+    """Decoder-only GPT from a zsim ModelSpec; forward(ids, labels) -> mean loss. With expert
+    parallelism it holds one rank's experts (calibration/core/moe.py)."""
 
-    def __init__(self, m):
+    def __init__(self, m, expert_parallel_size: int = 1):
         super().__init__(("ids", "labels"), "loss")
         h = m.hidden
         self.wte = Embedding(m.vocab, h)
@@ -239,7 +242,7 @@ class GPT(_Graph):
             self.emb_ln = Norm(m.norm, h)
             self.steps.append(("emb_ln", (cur,), "x.embln"))
             cur = "x.embln"
-        self.layers = nn.ModuleList([Block(m) for _ in range(m.layers)])
+        self.layers = nn.ModuleList([Block(m, i, expert_parallel_size) for i in range(m.layers)])
         for i in range(m.layers):
             self.steps.append((f"layers.{i}", (cur,), f"layers.{i}.x2"))
             cur = f"layers.{i}.x2"
@@ -328,7 +331,7 @@ def init_params(wl, shapes, seed: int) -> list[torch.Tensor]:
 def build_segments(sc, wl) -> dict[str, Segment]:
     """The scenario's GPT (on the meta device: the core owns the parameters) as segments."""
     with torch.device("meta"):
-        segs = GPT(sc.model).segments()
+        segs = GPT(sc.model, sc.expert_parallel_size).segments()
     missing = [m.name for m in wl.modules if m.name not in segs]
     if missing:
         raise ValueError(f"modules without a segment: {missing}")
