@@ -146,3 +146,41 @@ def full_model_pids(full_wl, wl, ep_rank: int) -> list[int]:
         for pid, full in zip(pids, full_experts[key]):
             mapping[pid] = full
     return mapping
+
+
+def expert_groups(rank: int, world: int, ep: int):
+    """(expert-parallel group, expert-data-parallel group) of this rank, created as DeepSpeed's
+    groups.py _create_expert_and_data_parallel does (every rank creates every group, in the same
+    order); (None, None) without expert parallelism (the default group serves both)."""
+    import torch.distributed as dist
+
+    if ep == 1:
+        return None, None
+    ep_group = edp_group = None
+    for i in range(world // ep):
+        g = dist.new_group(list(range(i * ep, (i + 1) * ep)))
+        if rank // ep == i:
+            ep_group = g
+    for i in range(ep):
+        g = dist.new_group(list(range(i, world, ep)))
+        if rank % ep == i:
+            edp_group = g
+    return ep_group, edp_group
+
+
+def rank_initial_values(sc, wl, shapes, rank: int, seed: int) -> list[torch.Tensor]:
+    """The initial values of this rank's params: the full model's (the unsharded reference's),
+    its local experts' those of the experts it holds."""
+    from dataclasses import replace
+
+    from calibration.core.model import init_params
+    from zsim.schedule.build import workload_for
+    from zsim.specs.parallelism import ParallelismSpec
+
+    ep = sc.expert_parallel_size
+    if ep == 1:
+        return init_params(wl, shapes, seed)
+    from calibration.core.model import param_shapes
+    full = workload_for(replace(sc, parallelism=ParallelismSpec()))
+    values = init_params(full, param_shapes(full), seed)
+    return [values[f] for f in full_model_pids(full, wl, rank % ep)]

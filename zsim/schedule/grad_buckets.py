@@ -62,8 +62,10 @@ class _Buckets:
         self.flushes += 1
         self.bucket, self.bucket_numel = [], 0
 
-    def _reduce_op(self, micro: int, after: int, call: int, comm: Comm, dst: int = -1, alloc=()) -> int:
-        payload = GradReduce(comm, bucket=self.flushes, call=call, pids=tuple(self.bucket), dst=dst)
+    def _reduce_op(self, micro: int, after: int, call: int, comm: Comm, dst: int = -1, alloc=(),
+                   flat_group: int = 0) -> int:
+        payload = GradReduce(comm, bucket=self.flushes, call=call, pids=tuple(self.bucket), dst=dst,
+                             flat_group=flat_group)
         return self.ctx.b.add(OpKind.BUCKET_REDUCE, self.ctx.grad_stream, Phase.BACKWARD, micro, payload, [after],
                               alloc)
 
@@ -80,7 +82,7 @@ class Zero12Buckets(_Buckets):
 
     def __init__(self, ctx: StepContext, lazy_grads: bool, walk_at_boundary: bool):
         super().__init__(ctx)
-        self.groups = moe_param_groups(ctx)       # see [Note: MoE parameter groups]
+        self.groups = moe_param_groups(ctx.sc, ctx.wl, ctx.world)   # see [Note: MoE parameter groups]
         self.group_of = {pid: g for g, group in enumerate(self.groups) for pid in group.pids}
         self.partition = sum(g.partition for g in self.groups)   # this rank's share of every group
         self.lazy_grads = lazy_grads
@@ -126,7 +128,7 @@ class Zero12Buckets(_Buckets):
                 alloc = (Alloc(Tag(Buffer.GRAD_PARTITION), Category.GRADIENTS, self.partition * width),)
                 self.partition_live = True
             comm = Comm(collective, numel, numel * width, group=flat_group_process_group(ctx, self.groups[g]))
-            last = self._reduce_op(micro, after, call, comm, dst, alloc)
+            last = self._reduce_op(micro, after, call, comm, dst, alloc, g)
         if self.lazy_grads and ctx.sc.zero.stage == 1 and self.walk_at_boundary:
             ctx.b.add_free(before, *[Tag(Buffer.GRAD16, key=pid) for pid in self.bucket])
         self.micro_flush = (micro, last)

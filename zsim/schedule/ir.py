@@ -155,6 +155,7 @@ class GradReduce:
     pids: tuple[int, ...] = ()      # the bucket's params, in bucket order
     dst: int = -1                   # destination rank of a `reduce` call
     offset: int = 0                 # GRAD_ALLREDUCE: first element of the chunk in the flat gradients
+    flat_group: int = 0             # ZeRO-1/2: the flat parameter group whose slices it reduces (see [Note: MoE parameter groups])
 
 
 @dataclass(frozen=True, slots=True)

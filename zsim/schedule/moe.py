@@ -43,11 +43,11 @@ def expert_data_parallel_group(ctx) -> ProcessGroup:
     return ProcessGroup(Group.EXPERT_DATA_PARALLEL, ctx.world // ep, ep)
 
 
-def moe_param_groups(ctx) -> list[FlatGroup]:
+def moe_param_groups(sc, wl, world: int) -> list[FlatGroup]:
     """ZeRO-1/2's flat groups: see [Note: MoE parameter groups]."""
-    numels = [p.numel for p in ctx.wl.params]
-    expert = [p.expert and deepspeed_moe(ctx.sc) for p in ctx.wl.params]
-    return flat_groups(numels, expert, ctx.world, ctx.sc.expert_parallel_size)
+    numels = [p.numel for p in wl.params]
+    expert = [p.expert and deepspeed_moe(sc) for p in wl.params]
+    return flat_groups(numels, expert, world, sc.expert_parallel_size)
 
 
 def flat_group_process_group(ctx, group: FlatGroup) -> ProcessGroup | None:
