@@ -184,3 +184,58 @@ def rank_initial_values(sc, wl, shapes, rank: int, seed: int) -> list[torch.Tens
     full = workload_for(replace(sc, parallelism=ParallelismSpec()))
     values = init_params(full, param_shapes(full), seed)
     return [values[f] for f in full_model_pids(full, wl, rank % ep)]
+
+
+def deepspeed_moe_gpt(sc, seed: int):
+    """calibration's GPT for DeepSpeed (`zsim validate --engine deepspeed`): each MoE block's
+    router and this rank's experts inside DeepSpeed-MoE's own layer, `deepspeed.moe.layer.MoE`
+    (so the engine sees has_moe_layers, is_moe_param and builds the expert groups), with the same
+    parameters in the same order (gate.wg, then the local experts) and the own core's initial
+    values. DeepSpeed's gate is its own (random token selection, sampled second expert): the
+    collectives and their sizes do not depend on the routing, the losses do."""
+    import torch.nn as nn
+    from deepspeed.moe.layer import MoE
+
+    from calibration.core.model import GPT, Linear
+
+    m, moe, ep = sc.model, sc.model.moe, sc.expert_parallel_size
+    f = moe.expert_ffn_hidden or m.ffn
+
+    class Expert(nn.Module):
+        def __init__(self):
+            super().__init__()
+            if m.glu:
+                self.gate_proj = Linear(m.hidden, f, m.mlp_proj_bias)
+                self.up_proj = Linear(m.hidden, f, m.mlp_proj_bias)
+            else:
+                self.fc_in = Linear(m.hidden, f, m.mlp_proj_bias)
+            self.fc_out = Linear(f, m.hidden, m.mlp_proj_bias)
+
+        def forward(self, x):
+            g = F.silu(self.gate_proj(x)) * self.up_proj(x) if m.glu else F.gelu(self.fc_in(x), approximate="tanh")
+            return self.fc_out(g)
+
+    class Block(nn.Module):
+        def __init__(self, full):
+            super().__init__()
+            self.moe = MoE(m.hidden, Expert(), num_experts=moe.experts, ep_size=ep, k=moe.top_k,
+                           capacity_factor=moe.capacity_factor, eval_capacity_factor=moe.eval_capacity_factor,
+                           min_capacity=moe.min_capacity, drop_tokens=moe.drop_tokens, use_residual=False)
+            with torch.no_grad():   # the full model's gate and the experts this rank holds
+                self.moe.deepspeed_moe.gate.wg.weight.copy_(full.gate.weight)
+                rank = torch.distributed.get_rank() % ep
+                local = self.moe.deepspeed_moe.experts.deepspeed_experts
+                for j, expert in enumerate(local):
+                    src = full.experts[rank * len(local) + j]
+                    for (_, dst), (_, val) in zip(expert.named_parameters(), src.named_parameters()):
+                        dst.copy_(val)
+
+        def forward(self, b, x1):
+            out, _, _ = self.moe(b)
+            return x1 + out
+
+    model = GPT(m).initialized(seed)
+    for i, blk in enumerate(model.layers):
+        if m.is_moe_layer(i):
+            blk.mlp = Block(blk.mlp)
+    return model

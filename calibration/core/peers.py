@@ -22,7 +22,8 @@ RECORD = {"log": None, "phase": ""}
 _KINDS = {"all_reduce": "all_reduce", "reduce": "reduce", "broadcast": "broadcast",
           "all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather", "_all_gather_base": "all_gather",
           "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-          "_reduce_scatter_base": "reduce_scatter", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter"}
+          "_reduce_scatter_base": "reduce_scatter", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
+          "all_to_all_single": "all_to_all"}
 
 
 def install_recorder():
@@ -98,8 +99,19 @@ def main(args, sc) -> int:
 
         deepspeed.init_distributed(dist_backend="gloo")
         rank = dist.get_rank()
-        model = GPT(sc.model).initialized(args.seed)
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=_optimizer(sc, model.parameters()),
+        params = None
+        if sc.model.moe is not None:
+            # DeepSpeed-MoE: the expert params in their own optimizer groups (moe/utils.py), as the
+            # engine requires of a client optimizer (_configure_moe_settings)
+            from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+            from calibration.core.moe import deepspeed_moe_gpt
+            model = deepspeed_moe_gpt(sc, args.seed)
+            params = split_params_into_different_moe_groups_for_optimizer(
+                {"params": list(model.parameters()), "name": "dense-params"})
+        else:
+            model = GPT(sc.model).initialized(args.seed)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=_optimizer(sc, params or model.parameters()),
                                                config=ds_config(sc))
 
         def fwd(ids, labels):
@@ -113,6 +125,8 @@ def main(args, sc) -> int:
     else:
         dist.init_process_group("gloo")
         rank = dist.get_rank()
+        if sc.model.moe is not None:
+            raise SystemExit("--engine fsdp: MoE models run on the own core or DeepSpeed")
         model = GPT(sc.model).initialized(args.seed)
         dtype = torch.bfloat16 if sc.precision == "bf16" else torch.float32
         if sc.zero.stage == 0:

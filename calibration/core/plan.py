@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from zsim.schedule.ir import MEASURED_PASS, Buffer, Collective, GradReduce, Op, OpKind, Stream
-from zsim.schedule.moe import moe_param_groups
+from zsim.schedule.moe import gathered_groups, moe_param_groups
 from zsim.schedule.partition import FlatGroup, bucket_pieces, padded, persistent_params, shard_numel
 
 # what the core executes; anything else (offload copies, the CPU optimizer) it cannot run here
@@ -118,7 +118,7 @@ def build_plan(sc) -> Plan:
         persistent = persistent_params(numels, z.param_persistence_threshold, z.model_persistence_threshold)
     else:
         flat_pad, part, persistent = sum(g.padded for g in groups), sum(g.partition for g in groups), ()
-    gather_group = {op.id: g for g, op in enumerate(o for o in sched.ops if o.kind == OpKind.UPDATED_GATHER)}
+    gather_group = dict(zip((o.id for o in sched.ops if o.kind == OpKind.UPDATED_GATHER), gathered_groups(groups)))
     buckets: dict[int, Bucket] = {}
     releases: dict[int, tuple[int, ...]] = {}
     bucketed: list[int] = []

@@ -50,6 +50,12 @@ def moe_param_groups(sc, wl, world: int) -> list[FlatGroup]:
     return flat_groups(numels, expert, world, sc.expert_parallel_size)
 
 
+def gathered_groups(groups: list[FlatGroup]) -> list[int]:
+    """The flat groups all-gathered after the step (all_gather_dp_groups): all but an expert group
+    of one rank (ep_size = world), which all_gather_into_tensor_dp_groups skips."""
+    return [g for g, group in enumerate(groups) if not (group.expert and group.ranks == 1)]
+
+
 def flat_group_process_group(ctx, group: FlatGroup) -> ProcessGroup | None:
     """The group a flat group is reduced and gathered over (None: the data-parallel group)."""
     return expert_data_parallel_group(ctx) if group.expert else None

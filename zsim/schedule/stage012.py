@@ -19,7 +19,7 @@ from zsim.schedule.context import StageHooks, StepContext
 from zsim.schedule.grad_buckets import Zero12Buckets
 from zsim.schedule.ir import (Alloc, Buffer, Category, Collective, Comm, GradReduce, OpKind, ParamGather, Phase,
                               Stream, Tag)
-from zsim.schedule.moe import expert_data_parallel_group, flat_group_process_group
+from zsim.schedule.moe import expert_data_parallel_group, flat_group_process_group, gathered_groups
 from zsim.schedule.optimizer import FP32_BYTES, grad_norm_ops, model_state_bytes, optimizer_step
 from zsim.schedule.partition import grads_ready_at, pieces_in_partition
 from zsim.schedule.passes import backward, forward
@@ -144,7 +144,8 @@ def build(ctx: StepContext):
         if buckets.partition_live:
             ctx.b.add_free(last, Tag(Buffer.GRAD_PARTITION))
     # all_gather_dp_groups: one all-gather of each whole flat 16-bit group over its own group
-    for group in buckets.groups:
+    for g in gathered_groups(buckets.groups):
+        group = buckets.groups[g]
         n = group.padded
         last = ctx.b.add(OpKind.UPDATED_GATHER, Stream.COMPUTE, Phase.STEP, ctx.last_micro,
                          ParamGather(Comm(Collective.ALL_GATHER, n, n * ctx.param_bytes,
