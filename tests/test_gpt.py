@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from zsim.specs.model import ModelSpec
-from zsim.specs.model import PRESETS
+from zsim.config.hf_config import model_files, preset_model
+from zsim.schema import build
+from zsim.specs.model import PRESETS, ModelSpec
 from zsim.workload.transformer import build_workload
 
 torch = pytest.importorskip("torch")
@@ -25,11 +26,28 @@ VARIANTS = {
     # DeepSpeed-MoE blocks (calibration/core/moe.py): top-2 of 4 experts, every other layer dense
     "moe_glu": dict(SMALL, glu=True, moe=dict(experts=4, top_k=2, capacity_factor=1.0, min_capacity=2)),
     "moe_top1_gelu_freq2": dict(SMALL, layers=3, moe=dict(experts=4, top_k=1, layer_freq=2, min_capacity=0)),
+    # the Hugging Face architectures' variations (zsim/config/hf_config.py)
+    "gemma_head_dim": dict(SMALL, position="rope", norm="rmsnorm", glu=True, fused_qkv=False, bias=False,
+                           head_dim=16, heads=4, kv_heads=2),
+    "qwen2_qkv_bias": dict(SMALL, position="rope", norm="rmsnorm", glu=True, fused_qkv=False, bias=False,
+                           qkv_bias=True),
+    "phi3_fused_gate_up_window": dict(SMALL, position="rope", norm="rmsnorm", glu=True, bias=False,
+                                      fused_gate_up=True, sliding_window=5),
+    "neox_parallel": dict(SMALL, position="rope", parallel_residual=True),
+    "falcon_shared_norm_mqa": dict(SMALL, position="rope", bias=False, parallel_residual=True, shared_norm=True,
+                                   kv_heads=1),
+    "gemma2_post_norms_alternating_window": dict(SMALL, norm="rmsnorm", glu=True, bias=False, post_norms=True,
+                                                 sliding_window=4, sliding_window_layers="even"),
+    "opt_position_offset": dict(SMALL, fused_qkv=False, position_offset=2),
+    "deepseek_mla": dict(SMALL, position="rope", norm="rmsnorm", glu=True, fused_qkv=False, bias=False,
+                         mla=dict(kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)),
+    "deepseek_mla_q_lora": dict(SMALL, position="rope", norm="rmsnorm", glu=True, fused_qkv=False, bias=False,
+                                mla=dict(kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                                         q_lora_rank=10)),
 }
 
 
 def _spec(variant) -> ModelSpec:
-    from zsim.schema import build
     return build(ModelSpec, dict(VARIANTS[variant]), "model")
 
 
@@ -88,6 +106,13 @@ def test_full_model_pids_map_local_experts_to_their_global_ones():
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_gpt_mirrors_every_preset(preset):
     _check_mirror(ModelSpec(**PRESETS[preset]))
+
+
+# the MoE presets (mixtral-8x7b, deepseek-*) are Hugging Face (dropless) MoE blocks: calibration's GPT
+# mirrors DeepSpeed-MoE's capacity dispatch only (calibration/core/moe.py)
+@pytest.mark.parametrize("preset", sorted(n for n in model_files() if "moe" not in preset_model(n)))
+def test_gpt_mirrors_every_dense_config_json_preset(preset):
+    _check_mirror(build(ModelSpec, preset_model(preset), "model"))
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

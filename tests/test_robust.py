@@ -116,8 +116,10 @@ def test_zsim_run_ds_config_names_the_flags_it_needs(tmp_path):
     assert "is a ds_config.json" in p.stderr and "--model NAME --gpus N" in p.stderr
     p = zsim("run", ds, "--model", "gpt2")
     assert p.returncode == 2 and "add --gpus N" in p.stderr and "--model" not in p.stderr.split("add")[1]
-    p = zsim("run", ds, "--model", "config.json", "--gpus", "8")
-    assert p.returncode == 2 and "not supported yet" in p.stderr
+    p = zsim("run", ds, "--model", "config.json", "--gpus", "8")    # a config.json that is not there
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "model.hf_config" in p.stderr and "file not found" in p.stderr
+    p = zsim("run", ds, "--quiet", "--model", str(ROOT / "scenarios" / "models" / "mistral-7b.json"), "--gpus", "8")
+    assert p.returncode == 0, p.stderr
 
 
 @pytest.mark.parametrize("command", [["run", "--quiet"], ["memory"], ["compare", "--quiet"], ["doctor"],

@@ -98,3 +98,54 @@ def test_norm_and_overflow_passes_are_charged_at_the_step_rate():
     shard = adam.work.optimizer_bytes / 54   # bf16 with clipping, flattened
     assert norm.work.optimizer_bytes == pytest.approx(shard * (18 + 4))
     assert norm.work.mem_bytes == 0
+
+
+# ---- architectures beyond GPT/Llama (docs/model.md) ----------------------------------------------
+SMALL = dict(layers=2, hidden=64, heads=4, vocab=128, seq_len=64, ffn_hidden=96, position="rope", norm="rmsnorm",
+             glu=True, fused_qkv=False, bias=False, tied_embeddings=False)
+
+
+def _modules(fields, s=32, flash=True):
+    wl = build_workload(build(ModelSpec, fields, "model"), 1, s, "bf16", flash_attention=flash, dropout=False)
+    return {m.name: m for m in wl.modules}, {p.name: p.numel for p in wl.params}
+
+
+def test_sliding_window_attention_computes_the_band_only_with_flash_attention():
+    b, s, w, h = 1, 32, 8, 64
+    full, _ = _modules(SMALL, s)
+    win, _ = _modules(dict(SMALL, sliding_window=w), s)
+    core, wcore = full["layers.0.attn.core"], win["layers.0.attn.core"]
+    assert wcore.model_fwd_flops == 2 * b * s * w * 2 * h                    # s x W pairs, QK^T and AV
+    assert wcore.fwd_flops == 2 * b * (s * w - w * (w - 1) / 2) * 2 * h       # the causal band
+    assert core.fwd_flops == core.model_fwd_flops / 2
+    eager, _ = _modules(dict(SMALL, sliding_window=w), s, flash=False)
+    assert eager["layers.0.attn.core"].fwd_flops == 2 * b * s * s * 2 * h     # a mask saves eager nothing
+    alt, _ = _modules(dict(SMALL, sliding_window=w, sliding_window_layers="even"), s)
+    assert alt["layers.0.attn.core"].fwd_flops < alt["layers.1.attn.core"].fwd_flops
+
+
+def test_biases_norms_and_fused_projections_follow_the_fields():
+    _, p = _modules(dict(SMALL, qkv_bias=True))                               # Qwen2
+    assert "layers.0.attn.q_proj.bias" in p and "layers.0.attn.o_proj.bias" not in p
+    _, p = _modules(dict(SMALL, post_norms=True))                             # Gemma-2: 4 norms a block
+    block_norms = [n for n in p if n.startswith("layers.0.") and n.count(".") == 3]   # layers.0.<norm>.weight
+    assert block_norms == ["layers.0.ln_1.weight", "layers.0.post_attn_ln.weight", "layers.0.ln_2.weight",
+                           "layers.0.post_mlp_ln.weight"]
+    _, p = _modules(dict(SMALL, fused_qkv=True, fused_gate_up=True))          # Phi-3
+    assert p["layers.0.mlp.gate_up_proj.weight"] == 64 * 2 * 96 and "layers.0.mlp.up_proj.weight" not in p
+    _, p = _modules(dict(SMALL, parallel_residual=True, shared_norm=True))    # Falcon-7B
+    assert "layers.0.ln_2.weight" not in p
+
+
+def test_mla_projections_and_core_widths():
+    mla = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, q_lora_rank=24)
+    m, p = _modules(dict(SMALL, mla=mla))
+    assert p["layers.0.attn.q_a_proj.weight"] == 64 * 24 and p["layers.0.attn.q_a_layernorm.weight"] == 24
+    assert p["layers.0.attn.q_b_proj.weight"] == 24 * 4 * 24
+    assert p["layers.0.attn.kv_a_proj_with_mqa.weight"] == 64 * (32 + 8)
+    assert p["layers.0.attn.kv_b_proj.weight"] == 32 * 4 * (16 + 12)
+    assert p["layers.0.attn.o_proj.weight"] == 4 * 12 * 64
+    s = 32
+    assert m["layers.0.attn.core"].model_fwd_flops == 2 * s * s * (4 * 24 + 4 * 12)
+    with pytest.raises(Exception, match="MLA"):
+        build(ModelSpec, dict(SMALL, mla=mla, kv_heads=2), "model")

@@ -19,7 +19,8 @@ It runs two ways, through the same code:
   parameters as leaf tensors and swaps their storage in and out (p.data = ...) the way
   DeepSpeed ZeRO-3 does, so autograd's saved weights see the re-gathered data in backward.
 
-A module's direct parameters and its segment's work are one leaf (`_Leaf.run`): the module
+A module's direct parameters and its segment's work are one leaf (`_Leaf.run`, in
+calibration/core/layers.py): the module
 path passes its own parameters, the segment path the core's. Parameterless workload modules
 (attention core, MLP activation, loss) are plain functions, not nn.Modules, as in HF models:
 DeepSpeed's module trace does not see them.
@@ -33,10 +34,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from calibration.core.layers import (Embedding, Linear, Norm, PositionEmbedding, attend, cross_entropy, mla_core,
+                                     swappable_linear)
 from calibration.core.moe import build_moe
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-NORM_EPS = 1e-5
 
 
 @dataclass
@@ -45,110 +47,6 @@ class Segment:
     inputs: tuple[str, ...]
     output: str
     fn: Callable
-
-
-class _Linear(torch.autograd.Function):
-    """y = x W^T + b that saves the weight *itself* (not a transposed view), as DeepSpeed's
-    zero3_linear_wrap does: ZeRO-3 releases a weight by swapping its storage out (p.data = empty),
-    which frees the memory only if autograd holds no separate view of the old storage; the
-    re-gather before backward swaps the data back in."""
-
-    @staticmethod
-    def forward(ctx, x, w, b):
-        ctx.save_for_backward(x, w)
-        ctx.has_bias = b is not None
-        return F.linear(x, w, b)
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        gx = g @ w
-        g2 = g.reshape(-1, g.shape[-1])
-        gw = g2.t() @ x.reshape(-1, x.shape[-1])
-        gb = g2.sum(0) if ctx.has_bias else None
-        return gx, gw, gb
-
-
-def swappable_linear(x, w, b=None):
-    """The segment path's linear: the core swaps weights as ZeRO-3 does (see _Linear). A model
-    handed to DeepSpeed or FSDP is not built under deepspeed.zero.Init (which installs
-    zero3_linear_wrap), so the module path runs F.linear, as an HF model does there."""
-    return _Linear.apply(x, w, b)
-
-
-# ----------------------------------------------------------------------------- leaves
-class _Leaf(nn.Module):
-    """A workload module with direct parameters: `run(weights, linear, *inputs)` is its work."""
-
-    def forward(self, *inputs):
-        return self.run(tuple(self._parameters.values()), F.linear, *inputs)
-
-
-class Embedding(_Leaf):
-    """Token embedding (wte): rows of the table."""
-
-    def __init__(self, rows: int, hidden: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(rows, hidden))
-
-    def run(self, ws, linear, ids):
-        return F.embedding(ids, ws[0])
-
-
-class PositionEmbedding(_Leaf):
-    """Learned positions (wpe), added to the token embedding."""
-
-    def __init__(self, rows: int, hidden: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(rows, hidden))
-
-    def run(self, ws, linear, x):
-        return x + ws[0][: x.shape[1]]
-
-
-class Norm(_Leaf):
-    def __init__(self, kind: str, hidden: int):
-        super().__init__()
-        self.kind, self.hidden = kind, hidden
-        self.weight = nn.Parameter(torch.empty(hidden))
-        if kind == "layernorm":
-            self.bias = nn.Parameter(torch.empty(hidden))
-
-    def run(self, ws, linear, x):
-        if self.kind == "layernorm":
-            return F.layer_norm(x, (self.hidden,), ws[0], ws[1], NORM_EPS)
-        return F.rms_norm(x, (self.hidden,), ws[0], NORM_EPS)
-
-
-class Linear(_Leaf):
-    """y = x W^T (+ b), plus the residual stream when given one: zsim's workload charges the
-    residual add of o_proj and fc_out to those modules (transformer.py fwd_mem)."""
-
-    def __init__(self, n_in: int, n_out: int, bias: bool, weight: nn.Parameter | None = None):
-        super().__init__()
-        self.weight = weight if weight is not None else nn.Parameter(torch.empty(n_out, n_in))
-        if bias:
-            self.bias = nn.Parameter(torch.empty(n_out))
-
-    def run(self, ws, linear, x, residual=None):
-        y = linear(x, ws[0], ws[1] if len(ws) > 1 else None)
-        return y if residual is None else residual + y
-
-
-# ----------------------------------------------------------------------------- parameterless ops
-def attend(heads: int, kv_heads: int, head_dim: int, q, k, v):
-    """Causal SDPA over (B, S, heads * head_dim) projections; GQA when kv_heads < heads."""
-    B, S, _ = q.shape
-    q = q.reshape(B, S, heads, head_dim).transpose(1, 2)
-    k = k.reshape(B, S, kv_heads, head_dim).transpose(1, 2)
-    v = v.reshape(B, S, kv_heads, head_dim).transpose(1, 2)
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != heads)
-    return o.transpose(1, 2).reshape(B, S, heads * head_dim)
-
-
-def cross_entropy(logits, labels):
-    """HF-style loss: logits upcast to fp32, mean cross-entropy over the micro-batch's tokens."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
 # ----------------------------------------------------------------------------- containers
@@ -175,53 +73,105 @@ class _Graph(nn.Module):
 
 
 class Attention(_Graph):
-    def __init__(self, m):
+    """q/k/v (fused or not) or MLA's projections, the core, o_proj; o_proj adds the residual
+    unless a post norm follows (Gemma-2: the block adds it after post_attn_ln)."""
+
+    def __init__(self, m, layer: int):
         super().__init__(("a", "x"), "x1")
-        h, kvd = m.hidden, m.n_kv_heads * (m.hidden // m.heads)
-        core = lambda *qkv: attend(m.heads, m.n_kv_heads, h // m.heads, *qkv)
-        if m.fused_qkv:
-            self.qkv = Linear(h, h + 2 * kvd, m.bias)
-            self.steps.append(("qkv", ("a",), "qkv"))
-            self.ops["core"] = lambda qkv: core(*qkv.split([h, kvd, kvd], dim=-1))
-            self.steps.append(("core", ("qkv",), "c"))
+        h = m.hidden
+        residual = () if m.post_norms else ("x",)
+        if m.mla is not None:
+            self._mla(m)
+            v_heads = m.heads * m.mla.v_head_dim
         else:
-            self.q_proj = Linear(h, h, m.bias)
-            self.k_proj = Linear(h, kvd, m.bias)
-            self.v_proj = Linear(h, kvd, m.bias)
-            self.steps += [(f"{n}_proj", ("a",), n) for n in "qkv"]
-            self.ops["core"] = core
-            self.steps.append(("core", ("q", "k", "v"), "c"))
-        self.o_proj = Linear(h, h, m.bias)
-        self.steps.append(("o_proj", ("c", "x"), "x1"))
+            hd = m.head_size
+            qd, kvd = m.heads * hd, m.n_kv_heads * hd
+            window = m.sliding_window if m.has_window(layer) else None
+            core = lambda *qkv: attend(m.heads, m.n_kv_heads, hd, *qkv, window=window)
+            if m.fused_qkv:
+                self.qkv = Linear(h, qd + 2 * kvd, m.qkv_proj_bias)
+                self.steps.append(("qkv", ("a",), "qkv"))
+                self.ops["core"] = lambda qkv: core(*qkv.split([qd, kvd, kvd], dim=-1))
+                self.steps.append(("core", ("qkv",), "c"))
+            else:
+                self.q_proj = Linear(h, qd, m.qkv_proj_bias)
+                self.k_proj = Linear(h, kvd, m.qkv_proj_bias)
+                self.v_proj = Linear(h, kvd, m.qkv_proj_bias)
+                self.steps += [(f"{n}_proj", ("a",), n) for n in "qkv"]
+                self.ops["core"] = core
+                self.steps.append(("core", ("q", "k", "v"), "c"))
+            v_heads = qd
+        self.o_proj = Linear(v_heads, h, m.attn_bias)
+        self.steps.append(("o_proj", ("c", *residual), "x1"))
+
+    def _mla(self, m):
+        mla, h, H = m.mla, m.hidden, m.heads
+        if mla.q_lora_rank is not None:
+            self.q_a_proj = Linear(h, mla.q_lora_rank, m.attn_bias)
+            self.q_a_layernorm = Norm(m.norm, mla.q_lora_rank)
+            self.q_b_proj = Linear(mla.q_lora_rank, H * mla.qk_head_dim, False)
+            self.steps += [("q_a_proj", ("a",), "qa"), ("q_a_layernorm", ("qa",), "qan"), ("q_b_proj", ("qan",), "q")]
+        else:
+            self.q_proj = Linear(h, H * mla.qk_head_dim, False)
+            self.steps.append(("q_proj", ("a",), "q"))
+        self.kv_a_proj_with_mqa = Linear(h, mla.kv_lora_rank + mla.qk_rope_head_dim, m.attn_bias)
+        self.kv_a_layernorm = Norm(m.norm, mla.kv_lora_rank)
+        self.kv_b_proj = Linear(mla.kv_lora_rank, H * (mla.qk_nope_head_dim + mla.v_head_dim), False)
+        self.ops["core"] = lambda q, kv, kv_a: mla_core(m, q, kv, kv_a)
+        self.steps += [("kv_a_proj_with_mqa", ("a",), "kva"), ("kv_a_layernorm", ("kva",), "kvn"),
+                       ("kv_b_proj", ("kvn",), "kv"), ("core", ("q", "kv", "kva"), "c")]
 
 
 class MLP(_Graph):
+    """fc_out adds the residual unless a post norm follows (Gemma-2)."""
+
     def __init__(self, m):
         super().__init__(("b", "x1"), "x2")
-        h, f = m.hidden, m.ffn
-        if m.glu:
-            self.gate_proj = Linear(h, f, m.bias)
-            self.up_proj = Linear(h, f, m.bias)
+        h, f, bias = m.hidden, m.ffn, m.mlp_proj_bias
+        if m.glu and m.fused_gate_up:
+            self.gate_up_proj = Linear(h, 2 * f, bias)
+            self.ops["act"] = lambda gu: F.silu(gu[..., :f]) * gu[..., f:]
+            self.steps += [("gate_up_proj", ("b",), "gu"), ("act", ("gu",), "g")]
+        elif m.glu:
+            self.gate_proj = Linear(h, f, bias)
+            self.up_proj = Linear(h, f, bias)
             self.ops["act"] = lambda g, u: F.silu(g) * u
             self.steps += [("gate_proj", ("b",), "gate"), ("up_proj", ("b",), "up"), ("act", ("gate", "up"), "g")]
         else:
-            self.fc_in = Linear(h, f, m.bias)
+            self.fc_in = Linear(h, f, bias)
             # tanh GELU, as GPT-2's gelu_new
             self.ops["act"] = lambda x: F.gelu(x, approximate="tanh")
             self.steps += [("fc_in", ("b",), "f"), ("act", ("f",), "g")]
-        self.fc_out = Linear(f, h, m.bias)
-        self.steps.append(("fc_out", ("g", "x1"), "x2"))
+        self.fc_out = Linear(f, h, bias)
+        self.steps.append(("fc_out", ("g",) if m.post_norms else ("g", "x1"), "x2"))
 
 
 class Block(_Graph):
-    def __init__(self, m, layer: int, expert_parallel_size: int):
+    """Sequential: x1 = x + attn(ln_1(x)), x2 = x1 + mlp(ln_2(x1)). Parallel residual (GPT-NeoX,
+    Falcon): the MLP reads ln_2(x) (ln_1(x) with one shared norm), x2 = x + attn + mlp. Post
+    norms (Gemma-2): x1 = x + post_attn_ln(attn), x2 = x1 + post_mlp_ln(mlp)."""
+
+    def __init__(self, m, layer: int, expert_parallel_size: int = 1):
         super().__init__(("x",), "x2")
         self.ln_1 = Norm(m.norm, m.hidden)
-        self.attn = Attention(m)
-        self.ln_2 = Norm(m.norm, m.hidden)
+        self.attn = Attention(m, layer)
+        self.steps = [("ln_1", ("x",), "a"), ("attn", ("a", "x"), "x1")]
+        if m.post_norms:
+            self.post_attn_ln = Norm(m.norm, m.hidden)
+            self.steps = [("ln_1", ("x",), "a"), ("attn", ("a", "x"), "o"), ("post_attn_ln", ("o", "x"), "x1")]
+        mlp_in = "x" if m.parallel_residual else "x1"
+        if m.shared_norm:
+            b = "a"
+        else:
+            self.ln_2 = Norm(m.norm, m.hidden)
+            self.steps.append(("ln_2", (mlp_in,), "b"))
+            b = "b"
         self.mlp = build_moe(_Graph, Linear, m, expert_parallel_size) if m.is_moe_layer(layer) else MLP(m)
-        self.steps = [("ln_1", ("x",), "a"), ("attn", ("a", "x"), "x1"), ("ln_2", ("x1",), "b"),
-                      ("mlp", ("b", "x1"), "x2")]
+        if m.post_norms:
+            self.post_mlp_ln = Norm(m.norm, m.hidden)
+            self.steps += [("mlp", (b, "x1"), "m"), ("post_mlp_ln", ("m", "x1"), "x2")]
+        else:
+            self.steps.append(("mlp", (b, "x1"), "x2"))
 
 
 class GPT(_Graph):
@@ -235,7 +185,7 @@ class GPT(_Graph):
         self.steps.append(("wte", ("ids",), "x.emb"))
         cur = "x.emb"
         if m.position == "learned":
-            self.wpe = PositionEmbedding(m.seq_len, h)
+            self.wpe = PositionEmbedding(m.seq_len, h, m.position_offset)
             self.steps.append(("wpe", (cur,), "x.pos"))
             cur = "x.pos"
         if m.embedding_norm:

@@ -66,9 +66,9 @@ def combine(moe, ep: int, logits, x1, *ys):
 def build_moe(graph_cls, linear_cls, m, ep: int):
     """The MoE MLP as a container of calibration/core/model.py (its _Graph and Linear classes)."""
     moe = m.moe
-    if moe.shared_experts or moe.use_residual or m.fused_gate_up:
-        raise ValueError("calibration's GPT mirrors plain MoE blocks only (no shared experts, Residual MoE or "
-                         "fused gate_up_proj)")
+    if moe.shared_experts or moe.use_residual or m.fused_gate_up or m.post_norms:
+        raise ValueError("calibration's GPT mirrors plain MoE blocks only (no shared experts, Residual MoE, "
+                         "fused gate_up_proj or post norms)")
     if moe.dispatch != "capacity" or not moe.drop_tokens:
         raise ValueError("calibration's GPT runs DeepSpeed-MoE's capacity dispatch with drop_tokens")
 
@@ -196,7 +196,8 @@ def deepspeed_moe_gpt(sc, seed: int):
     import torch.nn as nn
     from deepspeed.moe.layer import MoE
 
-    from calibration.core.model import GPT, Linear
+    from calibration.core.layers import Linear
+    from calibration.core.model import GPT
 
     m, moe, ep = sc.model, sc.model.moe, sc.expert_parallel_size
     f = moe.expert_ffn_hidden or m.ffn

@@ -18,7 +18,8 @@ def add_scenario_args(p, optional: bool = True, cluster_flags: bool = True):
         p.add_argument("scenario", help="scenario YAML or a ds_config.json")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override any scenario key, e.g. deepspeed.zero_optimization.stage=2 (repeatable)")
-    p.add_argument("--model", metavar="NAME", help="model preset (for a ds_config; on a scenario it replaces model:)")
+    p.add_argument("--model", metavar="NAME|config.json",
+                   help="model preset or Hugging Face config.json (for a ds_config; on a scenario it replaces model:)")
     p.add_argument("--profile", metavar="P", help="hardware profile name or .yaml path (ds_config default: dgx-a100-80g)")
     if cluster_flags:
         p.add_argument("--gpus", type=int, metavar="N", help="GPUs per node (DeepSpeed launcher's --num_gpus)")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from zsim.config.hf_config import model_files, preset_model, preset_names, read_hf_config
 from zsim.config.profile import load_profile
 from zsim.config.source import SCENARIO_KEYS, as_scenario, is_ds_config
 from zsim.errors import ZsimInputError, did_you_mean, unknown_key
@@ -57,7 +58,20 @@ def apply_set(raw: dict, assignment: str) -> dict:
             raise ZsimInputError(".".join(keys[: i + 1]), nxt, "is not a mapping, so it has no sub-keys")
         node = nxt
     node[keys[-1]] = parse_value(text)
-    return out
+    if keys in (["model", "preset"], ["model", "hf_config"]):
+        # each names the whole model: setting one replaces the other (keys beside them stay)
+        node.pop("hf_config" if keys[1] == "preset" else "preset", None)
+    return anchor_hf_config(out, Path.cwd())   # a path typed on the command line is the shell's
+
+
+def anchor_hf_config(raw: dict, base_dir: Path) -> dict:
+    """model.hf_config made absolute against `base_dir` (the scenario file's folder for a path
+    in the file, the working directory for one given by --set or --model); absolute paths stay."""
+    model = raw.get("model")
+    ref = model.get("hf_config") if isinstance(model, dict) else None
+    if isinstance(ref, str) and ref and not Path(ref).is_absolute():
+        model["hf_config"] = str(base_dir / ref)
+    return raw
 
 
 def _read_yaml(path: Path) -> dict:
@@ -79,16 +93,31 @@ def _read_ds_config(ref: str, base_dir: Path) -> dict:
     return data
 
 
-def _resolve_model(raw: dict) -> ModelSpec:
+def _preset(preset) -> dict:
+    if isinstance(preset, str) and preset in PRESETS:
+        return PRESETS[preset]
+    if isinstance(preset, str) and preset in model_files():
+        return preset_model(preset)
+    names = preset_names()
+    raise ZsimInputError("model.preset", preset, f"unknown preset{did_you_mean(str(preset), names)}; "
+                         f"available: {', '.join(names)}")
+
+
+def _resolve_model(raw: dict, base_dir: Path) -> ModelSpec:
+    """A preset or a Hugging Face config.json (model.hf_config), then the keys given beside it."""
     if not isinstance(raw, dict):
-        raise ZsimInputError("model", raw, "expected a mapping: a preset and/or an explicit shape")
-    preset = raw.get("preset")
+        raise ZsimInputError("model", raw, "expected a mapping: a preset, an hf_config and/or an explicit shape")
+    raw = dict(raw)
+    preset, hf_config = raw.get("preset"), raw.pop("hf_config", None)
     merged: dict = {}
+    if preset is not None and hf_config is not None:
+        raise ZsimInputError("model.hf_config", hf_config, f"and model.preset={preset!r} both name a model; keep one")
     if preset is not None:
-        if not isinstance(preset, str) or preset not in PRESETS:
-            raise ZsimInputError("model.preset", preset, f"unknown preset{did_you_mean(str(preset), PRESETS)}; "
-                                 f"available: {', '.join(sorted(PRESETS))}")
-        merged.update(PRESETS[preset])
+        merged.update(_preset(preset))
+    if hf_config is not None:
+        if not isinstance(hf_config, str) or not hf_config:
+            raise ZsimInputError("model.hf_config", hf_config, "expected the path of a Hugging Face config.json")
+        merged.update(read_hf_config(base_dir / hf_config))
     merged.update(raw)
     return build(ModelSpec, merged, "model")
 
@@ -211,7 +240,7 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
     for key, flag in (("model", "--model NAME"), ("hardware", "--gpus N")):
         if key not in raw:
             raise ZsimInputError(key, None, f"the scenario needs a '{key}:' block (or add {flag})")
-    model = _resolve_model(raw["model"])
+    model = _resolve_model(raw["model"], base_dir)
     hw = build(HardwareSpec, raw["hardware"], "hardware")
     profile = load_profile(hw.profile, hw.override or None, base_dir)
     cluster = Cluster(profile=profile, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node or profile.gpus_per_node)
@@ -283,7 +312,7 @@ def load_raw(path: Path) -> dict:
         return as_scenario(raw, path)
     if isinstance(raw.get("deepspeed"), str):
         raw["deepspeed"] = _read_ds_config(raw["deepspeed"], path.parent)
-    return raw
+    return anchor_hf_config(raw, path.parent)
 
 
 def source_is_ds_config(path: str | Path) -> bool:

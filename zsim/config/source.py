@@ -1,5 +1,5 @@
 """What the user handed zsim where a scenario belongs: a scenario YAML, or a ds_config.json
-(`zsim run ds_config.json --model NAME --gpus N [--nodes K] [--profile P]`).
+(`zsim run ds_config.json --model NAME|config.json --gpus N [--nodes K] [--profile P]`).
 
 A ds_config carries DeepSpeed's settings but not the model or the cluster; the flags fill them
 in. They are shorthand for `--set` assignments, so the rest of zsim sees one scenario mapping
@@ -14,7 +14,7 @@ from pathlib import Path
 from zsim.errors import ZsimInputError, did_you_mean
 from zsim.schema import accepted_keys
 from zsim.specs.deepspeed import IGNORED_TOP_LEVEL, DeepSpeedConfig
-from zsim.specs.model import PRESETS
+from zsim.config.hf_config import preset_names
 
 SCENARIO_KEYS = ("name", "description", "model", "hardware", "training", "parallelism", "deepspeed")
 # the profile a ds_config runs on when --profile is not given: the default scenario's
@@ -33,12 +33,13 @@ def as_scenario(data: dict, path: Path) -> dict:
 
 
 def _model_assignment(model: str) -> str:
+    """--model NAME (a preset) or --model path/to/config.json (a Hugging Face config)."""
     if model.endswith(".json") or Path(model).is_file():
-        raise ZsimInputError("--model", model, "a model config.json is not supported yet (issue 16); give a preset: "
-                             f"{', '.join(sorted(PRESETS))}")
-    if model not in PRESETS:
-        raise ZsimInputError("--model", model, f"unknown preset{did_you_mean(model, PRESETS)}; available: "
-                             f"{', '.join(sorted(PRESETS))}")
+        return f"model={{hf_config: {json.dumps(model)}}}"
+    names = preset_names()
+    if model not in names:
+        raise ZsimInputError("--model", model, f"unknown preset{did_you_mean(model, names)}; available: "
+                             f"{', '.join(names)} or the path of a Hugging Face config.json")
     return f"model={{preset: {json.dumps(model)}}}"
 
 

@@ -1,0 +1,179 @@
+"""Hugging Face config.json -> model (zsim/config/hf_config.py): the shipped presets count the
+published parameters, every supported model_type reads its fields, bad configs are refused in one
+line, and the scenario/CLI paths resolve where the user means."""
+import json
+
+import pytest
+
+from tests.helpers import ROOT, mapping
+from zsim.config.hf_config import model_files, model_from_hf, preset_model
+from zsim.config.scenario import load_scenario, scenario_from_mapping
+from zsim.errors import ZsimInputError
+from zsim.schema import build
+from zsim.specs.model import PRESETS, ModelSpec
+from zsim.workload.transformer import build_workload, count_active_params, count_params
+
+MODELS = ROOT / "scenarios" / "models"
+
+# Published totals: exact where the model card or safetensors index gives them
+PUBLISHED = {
+    "mistral-7b": 7_241_732_096, "mixtral-8x7b": 46_702_792_704, "qwen2-7b": 7_615_616_512,
+    "gemma-7b": 8_537_680_896, "phi3-mini": 3_821_079_552,
+}
+# Rounded ones (total, active) as the authors state them, in billions
+PUBLISHED_ROUNDED = {
+    "deepseek-v2-lite": (15.7, 2.4), "deepseek-v3": (671, 37), "qwen2-72b": (72.7, 72.7), "mixtral-8x7b": (46.7, 12.9),
+}
+
+
+def _spec(fields: dict) -> ModelSpec:
+    return build(ModelSpec, fields, "model")
+
+
+def test_every_shipped_config_is_a_preset():
+    assert set(model_files()) == {"mistral-7b", "mixtral-8x7b", "qwen2-7b", "qwen2-72b", "gemma-7b", "phi3-mini",
+                                  "deepseek-v2-lite", "deepseek-v3"}
+    assert not set(model_files()) & set(PRESETS)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_shipped_config_counts_the_published_total_exactly(name):
+    assert count_params(_spec(preset_model(name))) == PUBLISHED[name]
+
+
+def test_mixtral_active_parameters():
+    assert count_active_params(_spec(preset_model("mixtral-8x7b"))) == 12_879_925_248
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_ROUNDED))
+def test_moe_and_large_configs_match_the_published_rounding(name):
+    m = _spec(preset_model(name))
+    total, active = PUBLISHED_ROUNDED[name]
+    digits = 1 if total < 100 else 0
+    assert round(count_params(m) / 1e9, digits) == total
+    n_active = count_active_params(m)
+    if name == "deepseek-v2-lite":
+        # DeepSeek's 2.4B leaves out the input embedding (a lookup, no FLOPs): 2.45B, stated as 2.4B
+        embedding = 102400 * 2048
+        assert n_active == 2_661_150_208 and 2.4e9 <= n_active - embedding < 2.5e9
+    elif name == "deepseek-v3":
+        assert int(n_active / 1e9) == active          # 37.55B, stated as 37B
+    else:
+        assert round(n_active / 1e9, 1) == active
+
+
+def _llama_cfg(**changes):
+    base = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=11008,
+                num_hidden_layers=32, num_attention_heads=32, vocab_size=32000, max_position_embeddings=4096,
+                rms_norm_eps=1e-5, hidden_act="silu")
+    return {**base, **changes}
+
+
+@pytest.mark.parametrize("preset,config", [
+    ("llama2-7b", _llama_cfg()),    # meta-llama/Llama-2-7b-hf (num_key_value_heads, tie default)
+    ("llama3-8b", _llama_cfg(intermediate_size=14336, num_key_value_heads=8, vocab_size=128256,
+                             max_position_embeddings=8192, rope_theta=500000.0)),
+    ("gpt2", dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], n_embd=768, n_layer=12, n_head=12,
+                  n_positions=1024, vocab_size=50257, n_inner=None)),
+    ("bloom-176b", dict(model_type="bloom", architectures=["BloomForCausalLM"], hidden_size=14336, n_layer=70,
+                        n_head=112, vocab_size=250880, seq_length=2048)),
+])
+def test_reader_gives_the_hand_written_presets_model(preset, config):
+    assert _spec(model_from_hf(config, "config.json")) == _spec(PRESETS[preset])
+
+
+def test_other_families_count_their_published_totals():
+    # EleutherAI/pythia-160m and -70m (parallel residual, two LayerNorms, untied embed_out)
+    neox = dict(model_type="gpt_neox", architectures=["GPTNeoXForCausalLM"], hidden_size=768, num_hidden_layers=12,
+                num_attention_heads=12, intermediate_size=3072, vocab_size=50304, max_position_embeddings=2048,
+                rotary_pct=0.25, use_parallel_residual=True, tie_word_embeddings=False)
+    assert count_params(_spec(model_from_hf(neox, "c"))) == 162_322_944
+    neox.update(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, intermediate_size=2048)
+    assert count_params(_spec(model_from_hf(neox, "c"))) == 70_426_624
+    # tiiuae/falcon-7b: multi-query (one K/V head) in a fused query_key_value, one shared LayerNorm
+    falcon = dict(model_type="falcon", architectures=["FalconForCausalLM"], hidden_size=4544, num_hidden_layers=32,
+                  num_attention_heads=71, vocab_size=65024, multi_query=True, parallel_attn=True, bias=False,
+                  alibi=False, new_decoder_architecture=False)
+    m = model_from_hf(falcon, "c")
+    assert m["kv_heads"] == 1 and m["shared_norm"] and count_params(_spec(m)) == 6_921_720_704
+    # google/gemma-2-9b: 4 norms per block, head_dim 256, alternating sliding window
+    gemma2 = dict(model_type="gemma2", architectures=["Gemma2ForCausalLM"], hidden_size=3584, num_hidden_layers=42,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=256, intermediate_size=14336,
+                  vocab_size=256000, max_position_embeddings=8192, sliding_window=4096,
+                  final_logit_softcapping=30.0, attn_logit_softcapping=50.0, query_pre_attn_scalar=256)
+    m = model_from_hf(gemma2, "c")
+    assert m["sliding_window_layers"] == "even" and count_params(_spec(m)) == 9_241_705_984
+    # Qwen/Qwen1.5-MoE-A2.7B: 60 experts top-4, a gated shared expert; 14.3B total, 2.7B active
+    qmoe = dict(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], hidden_size=2048, num_hidden_layers=24,
+                num_attention_heads=16, num_key_value_heads=16, intermediate_size=5632, moe_intermediate_size=1408,
+                shared_expert_intermediate_size=5632, num_experts=60, num_experts_per_tok=4, decoder_sparse_step=1,
+                vocab_size=151936, max_position_embeddings=8192, mlp_only_layers=[])
+    m = _spec(model_from_hf(qmoe, "c"))
+    assert count_params(m) == 14_315_784_192 and count_active_params(m) == 2_689_173_504
+
+
+def test_opt_learned_positions_have_two_extra_rows():
+    opt = dict(model_type="opt", architectures=["OPTForCausalLM"], hidden_size=768, num_hidden_layers=12,
+               num_attention_heads=12, ffn_dim=3072, vocab_size=50272, max_position_embeddings=2048,
+               do_layer_norm_before=True, word_embed_proj_dim=768)
+    wl = build_workload(_spec(model_from_hf(opt, "c")), 1, 128, "bf16", True, False)
+    assert {p.name: p.numel for p in wl.params}["wpe.weight"] == 2050 * 768
+
+
+@pytest.mark.parametrize("config,key", [
+    ([1, 2], "config.json"),
+    ({"hidden_size": 8}, "model_type"),
+    ({"model_type": "bert"}, "model_type"),
+    ({"model_type": "mamba"}, "model_type"),
+    (_llama_cfg(architectures=["LlamaForSequenceClassification"]), "architectures"),
+    (_llama_cfg(num_attention_heads=30), "num_attention_heads"),
+    (_llama_cfg(num_hidden_layers=None), "num_hidden_layers"),
+    (_llama_cfg(num_hidden_layers="32"), "num_hidden_layers"),
+    (_llama_cfg(quantization_config={"quant_method": "fp8"}), "quantization_config"),
+    (json.loads((MODELS / "mixtral-8x7b.json").read_text()) | {"num_experts_per_tok": 9}, "num_experts_per_tok"),
+    (dict(_llama_cfg(), model_type="opt", do_layer_norm_before=False), "do_layer_norm_before"),
+    (dict(_llama_cfg(), model_type="qwen2", use_sliding_window=True), "use_sliding_window"),
+])
+def test_bad_configs_are_refused_naming_the_key(config, key):
+    with pytest.raises(ZsimInputError) as err:
+        model_from_hf(config, "config.json")
+    assert key in err.value.field and "\n" not in str(err.value)
+
+
+def test_head_dim_may_leave_hidden_indivisible():
+    m = model_from_hf(_llama_cfg(num_attention_heads=30, head_dim=128), "c")
+    assert m["head_dim"] == 128
+    wl = build_workload(_spec(m), 1, 64, "bf16", True, False)
+    assert {p.name: p.numel for p in wl.params}["layers.0.attn.q_proj.weight"] == 4096 * 30 * 128
+
+
+# ---- scenario and CLI paths ---------------------------------------------------------------------
+def test_scenario_hf_config_is_relative_to_the_file_and_keys_beside_it_override(tmp_path):
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text((MODELS / "mistral-7b.json").read_text())
+    raw = mapping(model={"hf_config": "cfg/config.json", "seq_len": 4096})
+    import yaml
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(raw))
+    sc = load_scenario(tmp_path / "s.yaml")
+    assert sc.model.seq_len == 4096 and sc.model.sliding_window == 4096 and sc.model.kv_heads == 8
+    with pytest.raises(ZsimInputError, match="keep one"):
+        scenario_from_mapping(mapping(model={"hf_config": "cfg/config.json", "preset": "gpt2"}), tmp_path)
+
+
+def test_set_hf_config_is_relative_to_the_working_directory_and_replaces_the_preset(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    sc = load_scenario(ROOT / "scenarios" / "default.yaml", ("model.hf_config=scenarios/models/qwen2-7b.json",))
+    assert count_params(sc.model) == 7_615_616_512
+    sc = load_scenario(ROOT / "scenarios" / "default.yaml", ("model.preset=gemma-7b",))
+    assert sc.model.head_dim == 256
+
+
+def test_zsim_run_with_a_70b_class_config_is_quick():
+    import subprocess
+    import sys
+    import time
+    start = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "zsim.cli", "run", "--quiet", "--set",
+                        "model.hf_config=scenarios/models/qwen2-72b.json"], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert time.perf_counter() - start < 5    # the target is under a second; the margin is for a loaded CI

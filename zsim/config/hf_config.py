@@ -1,0 +1,293 @@
+"""A Hugging Face config.json -> the `model:` block's keys (zsim.specs.model.ModelSpec).
+
+No network and no transformers import: each supported `model_type` reads the fields its
+transformers modeling file builds the modules from, with the defaults of its configuration
+class where released config.json files leave them out (tie_word_embeddings, num_key_value_heads,
+head_dim, attention_bias). Fields that change no parameter shape (rope_theta, rope_scaling,
+hidden_act, dropout, eps) are not needed; shape-changing options zsim does not model are refused
+by name. The files in scenarios/models/ are presets named by their stem (docs/model.md).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from zsim.errors import ZsimInputError, did_you_mean
+from zsim.inputs import parse_json, read_text
+from zsim.specs.model import PRESETS
+
+MISSING = object()
+
+
+def models_dir() -> Path:
+    return Path(__file__).resolve().parents[2] / "scenarios" / "models"
+
+
+def model_files() -> dict[str, Path]:
+    """The shipped config.json presets: name (the file's stem) -> path."""
+    return {p.stem: p for p in sorted(models_dir().glob("*.json"))}
+
+
+class _Config:
+    """The parsed config with one-line errors that name the file and the key."""
+
+    def __init__(self, data: dict, name: str):
+        self.data, self.name = data, name
+
+    def error(self, key: str, value, fix: str) -> ZsimInputError:
+        return ZsimInputError(f"{self.name}: {key}", value, fix)
+
+    def get(self, key: str, default=MISSING, kind=int):
+        value = self.data.get(key)
+        if value is None:
+            if default is MISSING:
+                raise self.error(key, None, f"missing; a {self.data.get('model_type')} config.json needs it")
+            return default
+        if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise self.error(key, value, "expected a positive integer")
+        if kind is bool and not isinstance(value, bool):
+            raise self.error(key, value, "expected true or false")
+        return value
+
+    def refuse(self, key: str, unsupported, why: str):
+        """Refuse a shape-changing option zsim does not model."""
+        value = self.data.get(key)
+        if value is not None and unsupported(value):
+            raise self.error(key, value, f"{why}, which zsim does not model; use a config without it")
+
+    def heads(self, hidden_key: str = "hidden_size", heads_key: str = "num_attention_heads") -> dict:
+        hidden, heads = self.get(hidden_key), self.get(heads_key)
+        head_dim = self.data.get("head_dim")
+        if head_dim is None and hidden % heads:
+            raise self.error(heads_key, heads, f"does not divide {hidden_key} {hidden}; give head_dim in the config")
+        out = dict(hidden=hidden, heads=heads)
+        if head_dim is not None and self.get("head_dim") != hidden // heads:
+            out["head_dim"] = head_dim
+        return out
+
+
+def _llama_like(c: _Config, tied: bool) -> dict:
+    """LlamaForCausalLM and the models built like it (Mistral, Mixtral, Qwen2, Gemma, Phi-3):
+    RMSNorm, RoPE, q/k/v_proj and o_proj, gate/up/down_proj (SwiGLU, GeGLU for Gemma)."""
+    out = dict(c.heads(), layers=c.get("num_hidden_layers"), vocab=c.get("vocab_size"),
+               seq_len=c.get("max_position_embeddings"), ffn_hidden=c.get("intermediate_size"),
+               kv_heads=c.get("num_key_value_heads", c.get("num_attention_heads")),
+               tied_embeddings=c.get("tie_word_embeddings", tied, bool), position="rope", norm="rmsnorm",
+               glu=True, fused_qkv=False, bias=False,
+               attention_bias=c.get("attention_bias", False, bool), mlp_bias=c.get("mlp_bias", False, bool))
+    for key in ("kv_heads", "attention_bias", "mlp_bias"):   # only what differs from the defaults
+        if out[key] == {"kv_heads": out["heads"], "attention_bias": False, "mlp_bias": False}[key]:
+            del out[key]
+    return out
+
+
+def _window(c: _Config, out: dict, pattern: str = "all") -> dict:
+    """sliding_window (null: full attention); a layer_types list must be one zsim models."""
+    window = c.data.get("sliding_window")
+    if window is not None:
+        out.update(sliding_window=c.get("sliding_window"), sliding_window_layers=pattern)
+    types = c.data.get("layer_types")
+    if types is not None:
+        sliding = [t == "sliding_attention" for t in types] if isinstance(types, list) else None
+        n = out["layers"]
+        patterns = {"all": [True] * n, "even": [i % 2 == 0 for i in range(n)]}
+        if sliding == [False] * n:
+            out.pop("sliding_window", None), out.pop("sliding_window_layers", None)
+        elif window is None or sliding != patterns.get(out.get("sliding_window_layers")):
+            raise c.error("layer_types", "...", "zsim models a window on all layers or on the even ones only")
+    return out
+
+
+def _llama(c: _Config) -> dict:
+    return _window(c, _llama_like(c, tied=False))
+
+
+def _qwen2(c: _Config) -> dict:
+    # Qwen2Attention: q/k/v_proj with bias, o_proj without
+    out = dict(_llama_like(c, tied=False), qkv_bias=True)
+    c.refuse("use_sliding_window", bool, "a sliding window from layer max_window_layers on")
+    return out
+
+
+def _moe_fields(c: _Config, experts_key: str, width_key: str) -> dict:
+    experts, top_k = c.get(experts_key), c.get("num_experts_per_tok")
+    if top_k > experts:
+        raise c.error("num_experts_per_tok", top_k, f"must not exceed {experts_key} ({experts})")
+    return dict(experts=experts, top_k=top_k, expert_ffn_hidden=c.get(width_key), dispatch="dropless")
+
+
+def _mixtral(c: _Config) -> dict:
+    out = _window(c, _llama_like(c, tied=False))
+    experts, top_k = c.get("num_local_experts"), c.get("num_experts_per_tok")
+    if top_k > experts:
+        raise c.error("num_experts_per_tok", top_k, f"must not exceed num_local_experts ({experts})")
+    return dict(out, moe=dict(experts=experts, top_k=top_k, dispatch="dropless"))
+
+
+def _qwen2_moe(c: _Config) -> dict:
+    out = _qwen2(c)
+    c.refuse("mlp_only_layers", bool, "dense MLPs on listed layers")
+    c.refuse("decoder_sparse_step", lambda v: v != 1, "MoE on every decoder_sparse_step-th layer")
+    moe = _moe_fields(c, "num_experts", "moe_intermediate_size")
+    shared = c.get("shared_expert_intermediate_size", 0) if "shared_expert_intermediate_size" in c.data else 0
+    if shared:
+        moe.update(shared_experts=1, shared_ffn_hidden=shared, shared_expert_gate=True)
+    return dict(out, moe=moe)
+
+
+def _gemma(c: _Config) -> dict:
+    # GemmaConfig default head_dim 256; GeGLU has SwiGLU's three projections; tied by default
+    return dict(_llama_like(c, tied=True), **({} if "head_dim" in c.data else {"head_dim": 256}))
+
+
+def _gemma2(c: _Config) -> dict:
+    # Gemma2DecoderLayer: input, post_attention, pre_feedforward and post_feedforward norms;
+    # even layers slide (is_sliding = not bool(layer_idx % 2))
+    return _window(c, dict(_gemma(c), post_norms=True), pattern="even")
+
+
+def _phi3(c: _Config) -> dict:
+    # Phi3Attention: one qkv_proj; Phi3MLP: one gate_up_proj; no biases
+    return _window(c, dict(_llama_like(c, tied=False), fused_qkv=True, fused_gate_up=True))
+
+
+def _gpt2(c: _Config) -> dict:
+    c.refuse("add_cross_attention", bool, "cross-attention blocks")
+    out = dict(c.heads("n_embd", "n_head"), layers=c.get("n_layer"), vocab=c.get("vocab_size"),
+               seq_len=c.get("n_positions"), tied_embeddings=c.get("tie_word_embeddings", True, bool),
+               position="learned", norm="layernorm", bias=True, glu=False, fused_qkv=True)
+    if c.data.get("n_inner") is not None:       # null: 4 x n_embd, zsim's default too
+        out["ffn_hidden"] = c.get("n_inner")
+    return out
+
+
+def _gpt_neox(c: _Config) -> dict:
+    # GPTNeoXLayer: query_key_value, dense; dense_h_to_4h, dense_4h_to_h; two LayerNorms; embed_out untied
+    return dict(c.heads(), layers=c.get("num_hidden_layers"), vocab=c.get("vocab_size"),
+                seq_len=c.get("max_position_embeddings"), ffn_hidden=c.get("intermediate_size"),
+                tied_embeddings=c.get("tie_word_embeddings", False, bool), position="rope", norm="layernorm",
+                bias=True, attention_bias=c.get("attention_bias", True, bool), glu=False, fused_qkv=True,
+                parallel_residual=c.get("use_parallel_residual", True, bool))
+
+
+def _falcon(c: _Config) -> dict:
+    # FalconAttention.query_key_value: (heads + 2 kv heads) x head_dim; kv heads: num_kv_heads with
+    # new_decoder_architecture, else 1 with multi_query, else heads. Parallel blocks have two
+    # norms (ln_attn, ln_mlp) with new_decoder_architecture or num_ln_in_parallel_attn 2, else one.
+    out = dict(c.heads(), layers=c.get("num_hidden_layers"), vocab=c.get("vocab_size"),
+               seq_len=c.get("max_position_embeddings", 2048), tied_embeddings=c.get("tie_word_embeddings", True, bool),
+               norm="layernorm", bias=c.get("bias", False, bool), glu=False, fused_qkv=True,
+               position="alibi" if c.get("alibi", False, bool) else "rope")
+    if c.data.get("ffn_hidden_size") is not None:   # null: 4 x hidden_size, zsim's default too
+        out["ffn_hidden"] = c.get("ffn_hidden_size")
+    new_arch = c.get("new_decoder_architecture", False, bool)
+    if new_arch:
+        out["kv_heads"] = c.get("num_kv_heads", out["heads"])
+    elif c.get("multi_query", True, bool):
+        out["kv_heads"] = 1
+    if c.get("parallel_attn", True, bool):
+        norms = c.get("num_ln_in_parallel_attn", 2 if new_arch else 1)
+        out.update(parallel_residual=True, shared_norm=norms == 1)
+    if out.get("kv_heads") == out["heads"]:
+        del out["kv_heads"]
+    return out
+
+
+def _bloom(c: _Config) -> dict:
+    # BloomModel: word_embeddings_layernorm, ALiBi, fused query_key_value, tied; no position table,
+    # so no max_position_embeddings: seq_length when present, else give model.seq_len beside
+    hidden = c.get("hidden_size") if "hidden_size" in c.data else c.get("n_embed")
+    heads = c.get("n_head")
+    if hidden % heads:
+        raise c.error("n_head", heads, f"does not divide hidden_size {hidden}")
+    out = dict(hidden=hidden, heads=heads, layers=c.get("n_layer"), vocab=c.get("vocab_size"),
+               tied_embeddings=c.get("tie_word_embeddings", True, bool), position="alibi", norm="layernorm",
+               bias=True, glu=False, fused_qkv=True, embedding_norm=True)
+    if c.data.get("seq_length") is not None:
+        out["seq_len"] = c.get("seq_length")
+    return out
+
+
+def _opt(c: _Config) -> dict:
+    # OPTDecoderLayer: q/k/v/out_proj, fc1/fc2 with enable_bias; OPTLearnedPositionalEmbedding
+    # holds max_position_embeddings + 2 rows (offset 2)
+    c.refuse("do_layer_norm_before", lambda v: v is False, "post-LayerNorm blocks (OPT-350m)")
+    c.refuse("_remove_final_layer_norm", bool, "no final LayerNorm")
+    c.refuse("layer_norm_elementwise_affine", lambda v: v is False, "LayerNorms without weights")
+    hidden = c.get("hidden_size")
+    c.refuse("word_embed_proj_dim", lambda v: v != hidden, "project_in/project_out around a narrower embedding")
+    return dict(c.heads(), layers=c.get("num_hidden_layers"), vocab=c.get("vocab_size"),
+                seq_len=c.get("max_position_embeddings"), ffn_hidden=c.get("ffn_dim"), position_offset=2,
+                tied_embeddings=c.get("tie_word_embeddings", True, bool), position="learned", norm="layernorm",
+                bias=c.get("enable_bias", True, bool), glu=False, fused_qkv=False)
+
+
+def _deepseek(c: _Config) -> dict:
+    # DeepseekV2/V3: MLA attention; DeepseekV2MoE (gate, experts, shared_experts of
+    # moe_intermediate_size x n_shared_experts) on layers >= first_k_dense_replace with
+    # layer % moe_layer_freq == 0. num_nextn_predict_layers (V3's multi-token prediction) is not
+    # part of transformers' DeepseekV3ForCausalLM, so zsim does not count it either.
+    out = dict(layers=c.get("num_hidden_layers"), hidden=c.get("hidden_size"), heads=c.get("num_attention_heads"),
+               vocab=c.get("vocab_size"), seq_len=c.get("max_position_embeddings"),
+               ffn_hidden=c.get("intermediate_size"), tied_embeddings=c.get("tie_word_embeddings", False, bool),
+               position="rope", norm="rmsnorm", glu=True, fused_qkv=False, bias=False)
+    if c.get("attention_bias", False, bool):
+        out["attention_bias"] = True
+    mla = dict(kv_lora_rank=c.get("kv_lora_rank"), qk_nope_head_dim=c.get("qk_nope_head_dim"),
+               qk_rope_head_dim=c.get("qk_rope_head_dim"), v_head_dim=c.get("v_head_dim"))
+    if c.data.get("q_lora_rank") is not None:
+        mla["q_lora_rank"] = c.get("q_lora_rank")
+    out["mla"] = mla
+    if c.data.get("n_routed_experts") is not None:
+        moe = _moe_fields(c, "n_routed_experts", "moe_intermediate_size")
+        moe.update(first_dense_layers=c.data.get("first_k_dense_replace") or 0,
+                   layer_freq=c.get("moe_layer_freq", 1))
+        if c.data.get("n_shared_experts"):
+            moe["shared_experts"] = c.get("n_shared_experts")
+        out["moe"] = moe
+    return out
+
+
+READERS = {"llama": _llama, "mistral": _llama, "mixtral": _mixtral, "qwen2": _qwen2, "qwen2_moe": _qwen2_moe,
+           "gemma": _gemma, "gemma2": _gemma2, "phi3": _phi3, "gpt2": _gpt2, "gpt_neox": _gpt_neox,
+           "falcon": _falcon, "bloom": _bloom, "opt": _opt, "deepseek_v2": _deepseek, "deepseek_v3": _deepseek}
+# encoder and encoder-decoder families: not decoder-only language models
+NOT_DECODERS = {"bert", "roberta", "deberta", "deberta-v2", "distilbert", "albert", "electra", "xlm-roberta",
+                "t5", "mt5", "bart", "mbart", "pegasus", "whisper", "vit", "clip", "mpnet", "longformer"}
+
+
+def model_from_hf(data, name: str) -> dict:
+    """The `model:` keys of a parsed config.json; `name` labels errors (the file)."""
+    if not isinstance(data, dict):
+        raise ZsimInputError(name, type(data).__name__, "a config.json is a JSON object")
+    c = _Config(data, name)
+    model_type = data.get("model_type")
+    if not isinstance(model_type, str):
+        raise c.error("model_type", model_type, "missing; a Hugging Face config.json names its model_type")
+    if model_type in NOT_DECODERS:
+        raise c.error("model_type", model_type, "not a decoder-only language model; zsim simulates causal LMs")
+    if model_type not in READERS:
+        raise c.error("model_type", model_type, f"not supported{did_you_mean(model_type, READERS)}; supported: "
+                      f"{', '.join(sorted(READERS))}")
+    archs = data.get("architectures")
+    if isinstance(archs, list) and archs and not any(
+            isinstance(a, str) and a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        raise c.error("architectures", archs, "no *ForCausalLM (or *LMHeadModel) head; zsim simulates causal LMs")
+    # quantized checkpoints store other tensors (fp8 blocks with scales, int4 packs): train from
+    # the 16-bit conversion, whose config.json has no quantization_config
+    c.refuse("quantization_config", lambda v: True, "quantized weights")
+    return READERS[model_type](c)
+
+
+def preset_names() -> list[str]:
+    """Every model preset: zsim.specs.model.PRESETS and the config.json files in scenarios/models/."""
+    return sorted([*PRESETS, *model_files()])
+
+
+def preset_model(name: str) -> dict:
+    """The `model:` keys of a shipped config.json preset."""
+    return read_hf_config(model_files()[name], "model.preset")
+
+
+def read_hf_config(path: Path, field: str = "model.hf_config") -> dict:
+    data = parse_json(read_text(path, field, "a Hugging Face config.json"), field, str(path))
+    return model_from_hf(data, path.name)
