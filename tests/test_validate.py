@@ -112,11 +112,6 @@ LOSS_CASES = {
 @pytest.mark.parametrize("case", sorted(LOSS_CASES))
 def test_sharded_core_matches_unsharded_adamw(case, tmp_path):
     pytest.importorskip("torch")
-    import yaml
-
-    from calibration.core.reference import reference_losses
-    from zsim.config.scenario import load_scenario
-
     zero = dict(LOSS_CASES[case])
     gas = zero.pop("gas", 1)
     world = zero.pop("world", 2)
@@ -126,6 +121,18 @@ def test_sharded_core_matches_unsharded_adamw(case, tmp_path):
            "hardware": {"profile": "dgx-a100-80g", "nodes": 1, "gpus_per_node": world},
            "training": {"micro_batch_size": 2, "seq_len": 16, "precision": "fp32", "gradient_accumulation_steps": gas},
            "deepspeed": {"zero_optimization": zero, "gradient_clipping": 0.5}}
+    _matches_reference(tmp_path, raw, world, gas)
+
+
+def _matches_reference(tmp_path, raw: dict, world: int, gas: int) -> list:
+    """Run the scenario on the core for 3 steps: its losses equal the unsharded AdamW run's to
+    1e-5 and its collectives zsim's schedule, call for call. Returns the expected calls."""
+    import yaml
+
+    from calibration.core.plan import build_plan
+    from calibration.core.reference import reference_losses
+    from zsim.config.scenario import load_scenario
+
     path = tmp_path / "sc.yaml"
     path.write_text(yaml.safe_dump(raw))
     steps = 3
@@ -134,8 +141,9 @@ def test_sharded_core_matches_unsharded_adamw(case, tmp_path):
     ref = reference_losses(sc, steps, world=world)
     assert len(measured["losses"]) == len(ref) == steps * gas
     assert max(abs(a - b) for a, b in zip(measured["losses"], ref)) < 1e-5
-    from calibration.core.plan import build_plan
-    assert [tuple(c[:3]) for c in measured["collectives"]] == build_plan(sc).expected
+    expected = build_plan(sc).expected
+    assert [tuple(c[:3]) for c in measured["collectives"]] == expected
+    return expected
 
 
 def test_validate_missing_engine_names_install_command(capsys):
@@ -165,12 +173,6 @@ MOE_LOSS_CASES = {
 @pytest.mark.parametrize("case", sorted(MOE_LOSS_CASES))
 def test_sharded_core_with_expert_parallelism_matches_unsharded_adamw(case, tmp_path):
     pytest.importorskip("torch")
-    import yaml
-
-    from calibration.core.plan import build_plan
-    from calibration.core.reference import reference_losses
-    from zsim.config.scenario import load_scenario
-
     c = MOE_LOSS_CASES[case]
     world = c["world"]
     raw = {"name": case,
@@ -182,14 +184,5 @@ def test_sharded_core_with_expert_parallelism_matches_unsharded_adamw(case, tmp_
                         "gradient_accumulation_steps": c.get("gas", 1)},
            "parallelism": {"expert": c["ep"]},
            "deepspeed": {"zero_optimization": c["zero"], "gradient_clipping": 0.5}}
-    path = tmp_path / "sc.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    steps = 3
-    measured = _run_core(tmp_path, path, steps, nproc=world)
-    sc = load_scenario(path)
-    ref = reference_losses(sc, steps, world=world)
-    assert len(measured["losses"]) == len(ref) == steps * c.get("gas", 1)
-    assert max(abs(a - b) for a, b in zip(measured["losses"], ref)) < 1e-5
-    expected = build_plan(sc).expected
-    assert [tuple(x[:3]) for x in measured["collectives"]] == expected
+    expected = _matches_reference(tmp_path, raw, world, c.get("gas", 1))
     assert sum(k == "all_to_all" for _, k, _ in expected) == (8 * c.get("gas", 1) if c["ep"] > 1 else 0)
