@@ -193,3 +193,14 @@ def test_expert_parallel_group_across_nodes_is_charged_on_the_network():
         sc = moe_scenario(ep=ep, **{"hardware.nodes": nodes, "model.moe": {"experts": 16, "top_k": 2}})
         return run_scenario(sc)[0].comm.time_s["all_to_all"]
     assert a2a_time(2, 16) > a2a_time(2, 8)
+
+
+@pytest.mark.parametrize("changes", [
+    {"training.gradient_accumulation_steps": 4},
+    {"training.gradient_accumulation_steps": 3, "training.activation_checkpointing": "full"}])
+def test_steady_state_reuse_is_exact_with_expert_parallelism(changes):
+    sc = moe_scenario(ep=4, **changes)
+    steady, _ = run_scenario(sc)
+    full, _ = run_scenario(sc, steady=False)
+    assert steady.step_time_s == pytest.approx(full.step_time_s, rel=1e-9)
+    assert steady.memory.peak_bytes == full.memory.peak_bytes and steady.comm.calls == full.comm.calls
