@@ -112,12 +112,39 @@ def test_other_families_count_their_published_totals():
     assert count_params(m) == 14_315_784_192 and count_active_params(m) == 2_689_173_504
 
 
+def test_qwen3_counts_its_q_and_k_norms():
+    # Qwen/Qwen3-8B: 8,190,735,360 (head_dim 128, q_norm and k_norm of 128 per block, untied)
+    qwen3 = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=4096, num_hidden_layers=36,
+                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=12288,
+                 vocab_size=151936, max_position_embeddings=40960, tie_word_embeddings=False,
+                 attention_bias=False, use_sliding_window=False, sliding_window=None)
+    m = _spec(model_from_hf(qwen3, "c"))
+    assert m.qk_norm and count_params(m) == 8_190_735_360
+    # Qwen/Qwen3-30B-A3B: 128 experts of 768, top-8, no shared expert; 30.5B total, 3.3B active
+    moe = dict(qwen3, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=2048,
+               num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, intermediate_size=6144,
+               moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1,
+               mlp_only_layers=[])
+    m = _spec(model_from_hf(moe, "c"))
+    assert count_params(m) == 30_532_122_624 and round(count_params(m) / 1e9, 1) == 30.5
+    assert count_active_params(m) == 3_353_032_704    # 3.35B, which Qwen states as 3.3B (truncated, as V3's 37B)
+
+
 def test_opt_learned_positions_have_two_extra_rows():
     opt = dict(model_type="opt", architectures=["OPTForCausalLM"], hidden_size=768, num_hidden_layers=12,
                num_attention_heads=12, ffn_dim=3072, vocab_size=50272, max_position_embeddings=2048,
                do_layer_norm_before=True, word_embed_proj_dim=768)
     wl = build_workload(_spec(model_from_hf(opt, "c")), 1, 128, "bf16", True, False)
     assert {p.name: p.numel for p in wl.params}["wpe.weight"] == 2050 * 768
+    # facebook/opt-350m: post-LN blocks without a final norm, a 512-wide embedding projected to 1024
+    opt.update(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, ffn_dim=4096,
+               do_layer_norm_before=False, word_embed_proj_dim=512)
+    m = _spec(model_from_hf(opt, "c"))
+    wl = build_workload(m, 1, 128, "bf16", True, False)
+    names = [x.name for x in wl.modules]
+    assert names[:3] == ["wte", "project_in", "wpe"] and names[-3:] == ["project_out", "lm_head", "loss"]
+    assert names[names.index("layers.0.attn.o_proj") + 1] == "layers.0.ln_1" and "ln_f" not in names
+    assert count_params(m) == 331_196_416        # published: 331M
 
 
 @pytest.mark.parametrize("config,key", [
@@ -131,7 +158,7 @@ def test_opt_learned_positions_have_two_extra_rows():
     (_llama_cfg(num_hidden_layers="32"), "num_hidden_layers"),
     (_llama_cfg(quantization_config={"quant_method": "fp8"}), "quantization_config"),
     (json.loads((MODELS / "mixtral-8x7b.json").read_text()) | {"num_experts_per_tok": 9}, "num_experts_per_tok"),
-    (dict(_llama_cfg(), model_type="opt", do_layer_norm_before=False), "do_layer_norm_before"),
+    (dict(_llama_cfg(), model_type="opt", _remove_final_layer_norm=True), "_remove_final_layer_norm"),
     (dict(_llama_cfg(), model_type="qwen2", use_sliding_window=True), "use_sliding_window"),
 ])
 def test_bad_configs_are_refused_naming_the_key(config, key):
@@ -145,6 +172,11 @@ def test_head_dim_may_leave_hidden_indivisible():
     assert m["head_dim"] == 128
     wl = build_workload(_spec(m), 1, 64, "bf16", True, False)
     assert {p.name: p.numel for p in wl.params}["layers.0.attn.q_proj.weight"] == 4096 * 30 * 128
+    # GemmaConfig's head_dim defaults to 256, not hidden / heads
+    gemma = json.loads((MODELS / "gemma-7b.json").read_text())
+    del gemma["head_dim"]
+    assert model_from_hf(gemma, "c")["head_dim"] == 256
+    assert "head_dim" not in model_from_hf(_llama_cfg(head_dim=128), "c")     # = 4096 / 32: the default
 
 
 # ---- scenario and CLI paths ---------------------------------------------------------------------

@@ -92,6 +92,14 @@ class Norm(_Leaf):
         return y if residual is None else residual + y
 
 
+class HeadNorm(Norm):
+    """Qwen3's q_norm/k_norm: a norm of head_dim weights over every head of a projection."""
+
+    def run(self, ws, linear, x, residual=None):
+        shape = x.shape
+        return super().run(ws, linear, x.reshape(*shape[:-1], -1, self.hidden)).reshape(shape)
+
+
 class Linear(_Leaf):
     """y = x W^T (+ b), plus the residual stream when given one: zsim's workload charges the
     residual add of o_proj and fc_out to those modules (transformer.py fwd_mem)."""

@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from calibration.core.layers import (Embedding, Linear, Norm, PositionEmbedding, attend, cross_entropy, mla_core,
+from calibration.core.layers import (Embedding, HeadNorm, Linear, Norm, PositionEmbedding, attend, cross_entropy, mla_core,
                                      swappable_linear)
 from calibration.core.moe import build_moe
 
@@ -95,9 +95,17 @@ class Attention(_Graph):
                 self.steps.append(("core", ("qkv",), "c"))
             else:
                 self.q_proj = Linear(h, qd, m.qkv_proj_bias)
+                if m.qk_norm:
+                    self.q_norm = HeadNorm(m.norm, hd)
                 self.k_proj = Linear(h, kvd, m.qkv_proj_bias)
+                if m.qk_norm:
+                    self.k_norm = HeadNorm(m.norm, hd)
                 self.v_proj = Linear(h, kvd, m.qkv_proj_bias)
-                self.steps += [(f"{n}_proj", ("a",), n) for n in "qkv"]
+                if m.qk_norm:   # Qwen3: q_proj, q_norm, k_proj, k_norm, v_proj
+                    self.steps += [("q_proj", ("a",), "q0"), ("q_norm", ("q0",), "q"), ("k_proj", ("a",), "k0"),
+                                   ("k_norm", ("k0",), "k"), ("v_proj", ("a",), "v")]
+                else:
+                    self.steps += [(f"{n}_proj", ("a",), n) for n in "qkv"]
                 self.ops["core"] = core
                 self.steps.append(("core", ("q", "k", "v"), "c"))
             v_heads = qd
@@ -149,10 +157,19 @@ class MLP(_Graph):
 class Block(_Graph):
     """Sequential: x1 = x + attn(ln_1(x)), x2 = x1 + mlp(ln_2(x1)). Parallel residual (GPT-NeoX,
     Falcon): the MLP reads ln_2(x) (ln_1(x) with one shared norm), x2 = x + attn + mlp. Post
-    norms (Gemma-2): x1 = x + post_attn_ln(attn), x2 = x1 + post_mlp_ln(mlp)."""
+    norms (Gemma-2): x1 = x + post_attn_ln(attn), x2 = x1 + post_mlp_ln(mlp). Post-LN (OPT-350m):
+    x1 = ln_1(x + attn(x)), x2 = ln_2(x1 + mlp(x1))."""
 
     def __init__(self, m, layer: int, expert_parallel_size: int = 1):
         super().__init__(("x",), "x2")
+        if m.post_layernorm:     # registered in the workload's order: attn, ln_1, mlp, ln_2
+            self.attn = Attention(m, layer)
+            self.ln_1 = Norm(m.norm, m.hidden)
+            self.mlp = MLP(m)
+            self.ln_2 = Norm(m.norm, m.hidden)
+            self.steps = [("attn", ("x", "x"), "r1"), ("ln_1", ("r1",), "x1"), ("mlp", ("x1", "x1"), "r2"),
+                          ("ln_2", ("r2",), "x2")]
+            return
         self.ln_1 = Norm(m.norm, m.hidden)
         self.attn = Attention(m, layer)
         self.steps = [("ln_1", ("x",), "a"), ("attn", ("a", "x"), "x1")]
@@ -180,10 +197,14 @@ class GPT(_Graph):
 
     def __init__(self, m, expert_parallel_size: int = 1):
         super().__init__(("ids", "labels"), "loss")
-        h = m.hidden
-        self.wte = Embedding(m.vocab, h)
+        h, e = m.hidden, m.embed_proj_dim or m.hidden
+        self.wte = Embedding(m.vocab, e)
         self.steps.append(("wte", ("ids",), "x.emb"))
         cur = "x.emb"
+        if m.embed_proj_dim:      # OPT-350m: a narrower embedding projected to hidden
+            self.project_in = Linear(e, h, False)
+            self.steps.append(("project_in", (cur,), "x.in"))
+            cur = "x.in"
         if m.position == "learned":
             self.wpe = PositionEmbedding(m.seq_len, h, m.position_offset)
             self.steps.append(("wpe", (cur,), "x.pos"))
@@ -196,11 +217,18 @@ class GPT(_Graph):
         for i in range(m.layers):
             self.steps.append((f"layers.{i}", (cur,), f"layers.{i}.x2"))
             cur = f"layers.{i}.x2"
-        self.ln_f = Norm(m.norm, h)
+        if not m.post_layernorm:
+            self.ln_f = Norm(m.norm, h)
+            self.steps.append(("ln_f", (cur,), "x.f"))
+            cur = "x.f"
+        if m.embed_proj_dim:
+            self.project_out = Linear(h, e, False)
+            self.steps.append(("project_out", (cur,), "x.out"))
+            cur = "x.out"
         # the lm_head is a Linear whose weight is wte's when tied (DeepSpeed ZeRO-3 fetches it again)
-        self.lm_head = Linear(h, m.vocab, False, weight=self.wte.weight if m.tied_embeddings else None)
+        self.lm_head = Linear(e, m.vocab, False, weight=self.wte.weight if m.tied_embeddings else None)
         self.ops["loss"] = cross_entropy
-        self.steps += [("ln_f", (cur,), "x.f"), ("lm_head", ("x.f",), "logits"), ("loss", ("logits", "labels"), "loss")]
+        self.steps += [("lm_head", (cur,), "logits"), ("loss", ("logits", "labels"), "loss")]
 
     def initialized(self, seed: int) -> "GPT":
         """This model with init_params' values (the training core's initial parameters)."""
@@ -243,6 +271,8 @@ def param_shapes(wl) -> list[tuple[int, ...]]:
     """Shape of every workload param, from the module that owns it."""
     shapes: dict[int, tuple[int, ...]] = {}
     hidden = next(wl.params[m.params[0]].numel for m in wl.modules if m.kind == "norm")
+    # the token embedding's width: project_in's input when the model has one (OPT-350m)
+    embed = next((m.gemm[2] for m in wl.modules if m.name == "project_in"), hidden)
     for m in wl.modules:
         for pid in m.params:
             if pid in shapes:
@@ -253,7 +283,8 @@ def param_shapes(wl) -> list[tuple[int, ...]]:
                 _, n_out, n_in = m.gemm
                 shapes[pid] = (n_out, n_in) if name.endswith(".weight") else (n_out,)
             elif m.kind == "embedding":
-                shapes[pid] = (n // hidden, hidden)
+                width = embed if m.name == "wte" else hidden
+                shapes[pid] = (n // width, width)
             else:
                 shapes[pid] = (n,)
     return [shapes[i] for i in range(len(wl.params))]

@@ -54,22 +54,25 @@ class _Config:
         if value is not None and unsupported(value):
             raise self.error(key, value, f"{why}, which zsim does not model; use a config without it")
 
-    def heads(self, hidden_key: str = "hidden_size", heads_key: str = "num_attention_heads") -> dict:
+    def heads(self, hidden_key: str = "hidden_size", heads_key: str = "num_attention_heads",
+              default_head_dim: int | None = None) -> dict:
+        """hidden and heads, and head_dim where it is not hidden / heads (absent from the config:
+        the class's default, or hidden / heads, which the heads must then divide)."""
         hidden, heads = self.get(hidden_key), self.get(heads_key)
-        head_dim = self.data.get("head_dim")
+        head_dim = self.get("head_dim", default_head_dim)
         if head_dim is None and hidden % heads:
             raise self.error(heads_key, heads, f"does not divide {hidden_key} {hidden}; give head_dim in the config")
         out = dict(hidden=hidden, heads=heads)
-        if head_dim is not None and self.get("head_dim") != hidden // heads:
+        if head_dim is not None and (hidden % heads or head_dim != hidden // heads):
             out["head_dim"] = head_dim
         return out
 
 
-def _llama_like(c: _Config, tied: bool) -> dict:
+def _llama_like(c: _Config, tied: bool, default_head_dim: int | None = None) -> dict:
     """LlamaForCausalLM and the models built like it (Mistral, Mixtral, Qwen2, Gemma, Phi-3):
     RMSNorm, RoPE, q/k/v_proj and o_proj, gate/up/down_proj (SwiGLU, GeGLU for Gemma)."""
-    out = dict(c.heads(), layers=c.get("num_hidden_layers"), vocab=c.get("vocab_size"),
-               seq_len=c.get("max_position_embeddings"), ffn_hidden=c.get("intermediate_size"),
+    out = dict(c.heads(default_head_dim=default_head_dim), layers=c.get("num_hidden_layers"),
+               vocab=c.get("vocab_size"), seq_len=c.get("max_position_embeddings"), ffn_hidden=c.get("intermediate_size"),
                kv_heads=c.get("num_key_value_heads", c.get("num_attention_heads")),
                tied_embeddings=c.get("tie_word_embeddings", tied, bool), position="rope", norm="rmsnorm",
                glu=True, fused_qkv=False, bias=False,
@@ -108,35 +111,49 @@ def _qwen2(c: _Config) -> dict:
     return out
 
 
-def _moe_fields(c: _Config, experts_key: str, width_key: str) -> dict:
+def _moe_fields(c: _Config, experts_key: str, width_key: str | None) -> dict:
+    """Routed experts of a Hugging Face MoE block (dropless); width_key None: intermediate_size."""
     experts, top_k = c.get(experts_key), c.get("num_experts_per_tok")
     if top_k > experts:
         raise c.error("num_experts_per_tok", top_k, f"must not exceed {experts_key} ({experts})")
-    return dict(experts=experts, top_k=top_k, expert_ffn_hidden=c.get(width_key), dispatch="dropless")
+    out = dict(experts=experts, top_k=top_k, dispatch="dropless")
+    if width_key is not None:
+        out["expert_ffn_hidden"] = c.get(width_key)
+    return out
 
 
 def _mixtral(c: _Config) -> dict:
-    out = _window(c, _llama_like(c, tied=False))
-    experts, top_k = c.get("num_local_experts"), c.get("num_experts_per_tok")
-    if top_k > experts:
-        raise c.error("num_experts_per_tok", top_k, f"must not exceed num_local_experts ({experts})")
-    return dict(out, moe=dict(experts=experts, top_k=top_k, dispatch="dropless"))
+    # MixtralSparseMoeBlock: gate + experts (w1, w3, w2 of intermediate_size)
+    return dict(_window(c, _llama_like(c, tied=False)), moe=_moe_fields(c, "num_local_experts", None))
 
 
 def _qwen2_moe(c: _Config) -> dict:
     out = _qwen2(c)
     c.refuse("mlp_only_layers", bool, "dense MLPs on listed layers")
     c.refuse("decoder_sparse_step", lambda v: v != 1, "MoE on every decoder_sparse_step-th layer")
-    moe = _moe_fields(c, "num_experts", "moe_intermediate_size")
-    shared = c.get("shared_expert_intermediate_size", 0) if "shared_expert_intermediate_size" in c.data else 0
-    if shared:
-        moe.update(shared_experts=1, shared_ffn_hidden=shared, shared_expert_gate=True)
+    # Qwen2MoeSparseMoeBlock: gate, experts, one shared_expert with its sigmoid shared_expert_gate
+    moe = dict(_moe_fields(c, "num_experts", "moe_intermediate_size"), shared_experts=1,
+               shared_ffn_hidden=c.get("shared_expert_intermediate_size"), shared_expert_gate=True)
     return dict(out, moe=moe)
+
+
+def _qwen3(c: _Config) -> dict:
+    # Qwen3Attention: q_norm and k_norm (RMSNorm of head_dim) on every head; attention_bias
+    # (default false) on q/k/v/o; head_dim given in the config (Qwen3-0.6B: 16 x 128, hidden 1024)
+    c.refuse("use_sliding_window", bool, "a sliding window from layer max_window_layers on")
+    return dict(_llama_like(c, tied=False), qk_norm=True)
+
+
+def _qwen3_moe(c: _Config) -> dict:
+    # Qwen3MoeSparseMoeBlock: gate + experts, no shared expert
+    c.refuse("mlp_only_layers", bool, "dense MLPs on listed layers")
+    c.refuse("decoder_sparse_step", lambda v: v != 1, "MoE on every decoder_sparse_step-th layer")
+    return dict(_qwen3(c), moe=_moe_fields(c, "num_experts", "moe_intermediate_size"))
 
 
 def _gemma(c: _Config) -> dict:
     # GemmaConfig default head_dim 256; GeGLU has SwiGLU's three projections; tied by default
-    return dict(_llama_like(c, tied=True), **({} if "head_dim" in c.data else {"head_dim": 256}))
+    return _llama_like(c, tied=True, default_head_dim=256)
 
 
 def _gemma2(c: _Config) -> dict:
@@ -209,16 +226,21 @@ def _bloom(c: _Config) -> dict:
 
 def _opt(c: _Config) -> dict:
     # OPTDecoderLayer: q/k/v/out_proj, fc1/fc2 with enable_bias; OPTLearnedPositionalEmbedding
-    # holds max_position_embeddings + 2 rows (offset 2)
-    c.refuse("do_layer_norm_before", lambda v: v is False, "post-LayerNorm blocks (OPT-350m)")
+    # holds max_position_embeddings + 2 rows (offset 2). do_layer_norm_before false (OPT-350m):
+    # post-LN blocks and no final_layer_norm; word_embed_proj_dim other than hidden_size: the
+    # embedding and lm_head at that width, with project_in/project_out (OPTDecoder)
     c.refuse("_remove_final_layer_norm", bool, "no final LayerNorm")
     c.refuse("layer_norm_elementwise_affine", lambda v: v is False, "LayerNorms without weights")
-    hidden = c.get("hidden_size")
-    c.refuse("word_embed_proj_dim", lambda v: v != hidden, "project_in/project_out around a narrower embedding")
-    return dict(c.heads(), layers=c.get("num_hidden_layers"), vocab=c.get("vocab_size"),
-                seq_len=c.get("max_position_embeddings"), ffn_hidden=c.get("ffn_dim"), position_offset=2,
-                tied_embeddings=c.get("tie_word_embeddings", True, bool), position="learned", norm="layernorm",
-                bias=c.get("enable_bias", True, bool), glu=False, fused_qkv=False)
+    out = dict(c.heads(), layers=c.get("num_hidden_layers"), vocab=c.get("vocab_size"),
+               seq_len=c.get("max_position_embeddings"), ffn_hidden=c.get("ffn_dim"), position_offset=2,
+               tied_embeddings=c.get("tie_word_embeddings", True, bool), position="learned", norm="layernorm",
+               bias=c.get("enable_bias", True, bool), glu=False, fused_qkv=False)
+    if not c.get("do_layer_norm_before", True, bool):
+        out["post_layernorm"] = True
+    proj = c.get("word_embed_proj_dim", out["hidden"])
+    if proj != out["hidden"]:
+        out["embed_proj_dim"] = proj
+    return out
 
 
 def _deepseek(c: _Config) -> dict:
@@ -248,6 +270,7 @@ def _deepseek(c: _Config) -> dict:
 
 
 READERS = {"llama": _llama, "mistral": _llama, "mixtral": _mixtral, "qwen2": _qwen2, "qwen2_moe": _qwen2_moe,
+           "qwen3": _qwen3, "qwen3_moe": _qwen3_moe,
            "gemma": _gemma, "gemma2": _gemma2, "phi3": _phi3, "gpt2": _gpt2, "gpt_neox": _gpt_neox,
            "falcon": _falcon, "bloom": _bloom, "opt": _opt, "deepseek_v2": _deepseek, "deepseek_v3": _deepseek}
 # encoder and encoder-decoder families: not decoder-only language models

@@ -88,9 +88,12 @@ class ModelSpec:
     fused_gate_up: bool = spec(False, doc="one gate_up_proj Linear of 2*ffn_hidden (Phi-3) instead of gate_proj and up_proj; needs glu")
     parallel_residual: bool = spec(False, doc="attention and MLP both read the block input, x + attn(ln_1(x)) + mlp(ln_2(x)) (GPT-NeoX, Falcon)")
     shared_norm: bool = spec(False, doc="with parallel_residual: one LayerNorm feeds both (Falcon-7B); no ln_2")
+    qk_norm: bool = spec(False, doc="RMSNorm over each head's query and key, q_norm and k_norm of head_dim weights (Qwen3)")
     post_norms: bool = spec(False, doc="a norm on the attention and on the MLP output before each residual add (Gemma-2: 4 norms per block)")
     sliding_window: Optional[int] = spec(None, gt=0, le=MAX_SEQ_LEN, doc="each query attends to the last sliding_window positions (Mistral, Gemma-2); absent: full causal attention")
     sliding_window_layers: Literal["all", "even"] = spec("all", doc="the blocks with the window: all (Mistral) or the even-numbered ones (Gemma-2 alternates local and global)")
+    post_layernorm: bool = spec(False, doc="norms after each residual add, none at the end (OPT-350m's do_layer_norm_before false)")
+    embed_proj_dim: Optional[int] = spec(None, gt=0, le=MAX_HIDDEN, doc="token embedding and lm_head of this width, with project_in/project_out to hidden (OPT-350m's word_embed_proj_dim)")
     position_offset: int = spec(0, ge=0, le=MAX_SEQ_LEN, doc="extra rows of the learned position table (OPT: 2)")
     mla: Optional[MLASpec] = spec(None, doc="DeepSeek Multi-head Latent Attention instead of q/k/v projections")
     moe: Optional[MoESpec] = spec(None, doc="Mixture-of-Experts MLPs; absent: every MLP is dense")
@@ -107,6 +110,10 @@ class ModelSpec:
             raise ValueError("shared_norm", True, "needs parallel_residual: true")
         if self.mla is not None and (self.kv_heads is not None or self.head_dim is not None or self.fused_qkv):
             raise ValueError("mla", "...", "MLA has its own projections: drop kv_heads and head_dim, set fused_qkv: false")
+        if self.post_layernorm and (self.parallel_residual or self.post_norms):
+            raise ValueError("post_layernorm", True, "does not combine with parallel_residual or post_norms")
+        if self.qk_norm and (self.fused_qkv or self.mla is not None):
+            raise ValueError("qk_norm", True, "needs separate q_proj and k_proj (fused_qkv: false, no mla)")
 
     @property
     def n_kv_heads(self) -> int:

@@ -77,6 +77,13 @@ def attention(bld: Builder, pfx: str, layer: int, b: int, s: int, flash: bool) -
         qd, kvd = m.heads * hd, m.n_kv_heads * hd
         if m.fused_qkv:
             bld.linear(f"{pfx}.qkv", layer, h, qd + 2 * kvd, m.qkv_proj_bias)
+        elif m.qk_norm:
+            # Qwen3Attention calls q_proj, q_norm, k_proj, k_norm, v_proj in this order
+            bld.linear(f"{pfx}.q_proj", layer, h, qd, m.qkv_proj_bias)
+            bld.norm(f"{pfx}.q_norm", layer, size=hd, width=qd)
+            bld.linear(f"{pfx}.k_proj", layer, h, kvd, m.qkv_proj_bias, saves_input=False)  # shares q_proj's input
+            bld.norm(f"{pfx}.k_norm", layer, size=hd, width=kvd)
+            bld.linear(f"{pfx}.v_proj", layer, h, kvd, m.qkv_proj_bias, saves_input=False)
         else:
             bld.linear(f"{pfx}.q_proj", layer, h, qd, m.qkv_proj_bias)
             bld.linear(f"{pfx}.k_proj", layer, h, kvd, m.qkv_proj_bias, saves_input=False)  # shares q_proj's input

@@ -30,13 +30,16 @@ class Builder:
     def add(self, **fields) -> None:
         self.modules.append(Module(containers=self.scope, expert=self.expert, **fields))
 
-    def norm(self, name: str, layer: int, size: int | None = None) -> None:
+    def norm(self, name: str, layer: int, size: int | None = None, width: int | None = None) -> None:
+        """A norm of `size` weights (default hidden) over `width` features per token (default
+        size; Qwen3's q_norm normalizes every head of a heads x head_dim query)."""
         n, t, a = size or self.m.hidden, self.t, self.a
+        w = width or n
         ids = (self.param(f"{name}.weight", n),) + ((self.param(f"{name}.bias", n),) if self.m.norm == "layernorm" else ())
         # fwd: read x, write y; bwd: read dy and x, write dx (Korthikanti: stores its input, 2sbh)
-        self.add(name=name, kind=ModuleKind.NORM, layer=layer, params=ids, gemm=None, fwd_flops=8.0 * t * n,
-                 bwd_flops=16.0 * t * n, model_fwd_flops=0.0, fwd_mem_bytes=2 * t * n * self.a,
-                 bwd_mem_bytes=3 * t * n * a, act_bytes=t * n * a)
+        self.add(name=name, kind=ModuleKind.NORM, layer=layer, params=ids, gemm=None, fwd_flops=8.0 * t * w,
+                 bwd_flops=16.0 * t * w, model_fwd_flops=0.0, fwd_mem_bytes=2 * t * w * self.a,
+                 bwd_mem_bytes=3 * t * w * a, act_bytes=t * w * a)
 
     def linear(self, name: str, layer: int, n_in: int, n_out: int, bias: bool, *, tokens: int | None = None,
                model_tokens: float | None = None, extra_act: float = 0.0, fwd_mem: float = 0.0, bwd_mem: float = 0.0,

@@ -65,11 +65,14 @@ def build_workload(m: ModelSpec, micro_batch_size: int, seq_len: int, precision:
     bld = Builder(m, t, a, dropout)
     drop = bld.drop
 
-    wte = bld.param("wte.weight", V * h)
-    # token embedding: gather rows (write t*h); backward scatter-adds into the fp32-width table
+    e = m.embed_proj_dim or h          # the token embedding's width (OPT-350m: 512 with hidden 1024)
+    wte = bld.param("wte.weight", V * e)
+    # token embedding: gather rows (write t*e); backward scatter-adds into the fp32-width table
     bld.add(name="wte", kind=ModuleKind.EMBEDDING, layer=-1, params=(wte,), gemm=None, fwd_flops=0.0,
-            bwd_flops=0.0, model_fwd_flops=0.0, fwd_mem_bytes=t * h * a, bwd_mem_bytes=2 * t * h * a,
-            act_bytes=drop * t * h, kernels_fwd=1, kernels_bwd=1)
+            bwd_flops=0.0, model_fwd_flops=0.0, fwd_mem_bytes=t * e * a, bwd_mem_bytes=2 * t * e * a,
+            act_bytes=drop * t * e, kernels_fwd=1, kernels_bwd=1)
+    if m.embed_proj_dim:
+        bld.linear("project_in", -1, e, h, False)
     if m.position == "learned":
         wpe = bld.param("wpe.weight", (m.seq_len + m.position_offset) * h)
         bld.add(name="wpe", kind=ModuleKind.EMBEDDING, layer=-1, params=(wpe,), gemm=None, fwd_flops=0.0,
@@ -80,15 +83,20 @@ def build_workload(m: ModelSpec, micro_batch_size: int, seq_len: int, precision:
 
     for i in range(m.layers):
         pfx = f"layers.{i}"
+        # pre-LN: ln_1 before the attention, ln_2 before the MLP; post-LN after each residual add
+        pre = not m.post_layernorm
         bld.scope = (pfx,)
-        bld.norm(f"{pfx}.ln_1", i)
+        if pre:
+            bld.norm(f"{pfx}.ln_1", i)
         bld.scope = (pfx, f"{pfx}.attn")
         attention(bld, f"{pfx}.attn", i, b, s, flash_attention)
         bld.scope = (pfx,)
+        if not pre:
+            bld.norm(f"{pfx}.ln_1", i)
         if m.post_norms:
             bld.norm(f"{pfx}.post_attn_ln", i)
         # a parallel block with one shared norm feeds the MLP from ln_1 (Falcon-7B)
-        if not m.shared_norm:
+        if pre and not m.shared_norm:
             bld.norm(f"{pfx}.ln_2", i)
         if m.is_moe_layer(i):
             moe_mlp(bld, pfx, i, expert_parallel_size)
@@ -96,13 +104,18 @@ def build_workload(m: ModelSpec, micro_batch_size: int, seq_len: int, precision:
             bld.scope = (pfx, f"{pfx}.mlp")
             bld.mlp(f"{pfx}.mlp", i, m.ffn)
         bld.scope = (pfx,)
+        if not pre:
+            bld.norm(f"{pfx}.ln_2", i)
         if m.post_norms:
             bld.norm(f"{pfx}.post_mlp_ln", i)
 
     bld.scope = ()
-    bld.norm("ln_f", -2)
+    if not m.post_layernorm:       # OPTDecoder has no final_layer_norm without do_layer_norm_before
+        bld.norm("ln_f", -2)
+    if m.embed_proj_dim:
+        bld.linear("project_out", -2, h, e, False)
     # lm_head: a Linear whose weight is wte's when tied (DeepSpeed ZeRO-3 fetches it again here)
-    bld.linear("lm_head", -2, h, V, False, weight=wte if m.tied_embeddings else None)
+    bld.linear("lm_head", -2, e, V, False, weight=wte if m.tied_embeddings else None)
     if fused_cross_entropy:
         # fused kernel (e.g. flash-attn's CrossEntropyLoss): keeps the 16-bit logits and the
         # log-sum-exp, writes the gradient in place
