@@ -4,7 +4,7 @@ import pytest
 
 from zsim.config.profile import load_profile
 from zsim.errors import ZsimInputError
-from zsim.hardware.collectives import bus_factor, collective_cost, nccl_topo_for, tiers_for
+from zsim.hardware.collectives import all_to_all_cost, bus_factor, collective_cost, nccl_topo_for, tiers_for
 from zsim.hardware.nccl import choose
 from zsim.specs.hardware import Cluster
 from zsim.specs.nccl import NCCL_PROTOS, parse_nccl_list
@@ -109,9 +109,15 @@ def test_measured_tables_and_gloo_keep_the_tier_model():
     assert nccl_topo_for(Cluster(profile=off, nodes=1, gpus_per_node=8)) is None
 
 
-def test_all_to_all_stays_on_the_tier_model():
-    c = _cost("all_to_all", 1 << 20, _cluster(nodes=2))
-    assert c.protocol == "" and c.algorithm == "hierarchical"
+def test_all_to_all_is_concurrent_sends_on_the_tiers_for_every_profile():
+    # see [Note: all-to-all cost]: outside NCCL's tuner, one rule with or without an nccl: section
+    cl = _cluster(nodes=2)
+    intra, inter = tiers_for(cl)
+    c = _cost("all_to_all", 1 << 20, cl)
+    sends = all_to_all_cost(float(1 << 20), 2, 8, intra, inter)
+    assert c.protocol == "" and c.algorithm == "p2p"
+    assert (c.transfer_s, c.latency_s) == (sends.transfer_s, sends.latency_s + max(intra.sync_s, inter.sync_s))
+    assert c == collective_cost("all_to_all", float(1 << 20), 2, 8, intra, inter)   # no nccl topology
 
 
 def test_choice_is_the_minimum_of_ncclTopoGetAlgoTime():

@@ -112,11 +112,6 @@ LOSS_CASES = {
 @pytest.mark.parametrize("case", sorted(LOSS_CASES))
 def test_sharded_core_matches_unsharded_adamw(case, tmp_path):
     pytest.importorskip("torch")
-    import yaml
-
-    from calibration.core.reference import reference_losses
-    from zsim.config.scenario import load_scenario
-
     zero = dict(LOSS_CASES[case])
     gas = zero.pop("gas", 1)
     world = zero.pop("world", 2)
@@ -126,6 +121,18 @@ def test_sharded_core_matches_unsharded_adamw(case, tmp_path):
            "hardware": {"profile": "dgx-a100-80g", "nodes": 1, "gpus_per_node": world},
            "training": {"micro_batch_size": 2, "seq_len": 16, "precision": "fp32", "gradient_accumulation_steps": gas},
            "deepspeed": {"zero_optimization": zero, "gradient_clipping": 0.5}}
+    _matches_reference(tmp_path, raw, world, gas)
+
+
+def _matches_reference(tmp_path, raw: dict, world: int, gas: int) -> list:
+    """Run the scenario on the core for 3 steps: its losses equal the unsharded AdamW run's to
+    1e-5 and its collectives zsim's schedule, call for call. Returns the expected calls."""
+    import yaml
+
+    from calibration.core.plan import build_plan
+    from calibration.core.reference import reference_losses
+    from zsim.config.scenario import load_scenario
+
     path = tmp_path / "sc.yaml"
     path.write_text(yaml.safe_dump(raw))
     steps = 3
@@ -134,8 +141,9 @@ def test_sharded_core_matches_unsharded_adamw(case, tmp_path):
     ref = reference_losses(sc, steps, world=world)
     assert len(measured["losses"]) == len(ref) == steps * gas
     assert max(abs(a - b) for a, b in zip(measured["losses"], ref)) < 1e-5
-    from calibration.core.plan import build_plan
-    assert [tuple(c[:3]) for c in measured["collectives"]] == build_plan(sc).expected
+    expected = build_plan(sc).expected
+    assert [tuple(c[:3]) for c in measured["collectives"]] == expected
+    return expected
 
 
 def test_validate_missing_engine_names_install_command(capsys):
@@ -147,3 +155,34 @@ def test_validate_missing_engine_names_install_command(capsys):
     assert rc == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pip install" in err[0] and "deepspeed" in err[0]
+
+
+# DeepSpeed-MoE on the core (calibration/core/moe.py): expert parallelism exchanges the capacity
+# buffers over gloo (all_to_all_single), expert gradients are reduced over the expert-data-parallel
+# group (see [Note: MoE parameter groups]); capacity_factor 0.5 drops routes
+MOE_LOSS_CASES = {
+    "moe_ep2_stage2": dict(world=2, ep=2, zero=dict(stage=2, reduce_bucket_size=3000)),
+    "moe_ep1_stage1": dict(world=2, ep=1, zero=dict(stage=1, reduce_bucket_size=3000)),
+    "moe_ep2_stage1_gas2_per_rank": dict(world=2, ep=2, gas=2, zero=dict(stage=1, reduce_bucket_size=3000,
+                                                                        use_multi_rank_bucket_allreduce=False)),
+    "moe_ws4_ep2_stage2": dict(world=4, ep=2, zero=dict(stage=2, reduce_bucket_size=3000)),
+    "moe_ws4_ep4_stage1": dict(world=4, ep=4, zero=dict(stage=1, reduce_bucket_size=3000)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MOE_LOSS_CASES))
+def test_sharded_core_with_expert_parallelism_matches_unsharded_adamw(case, tmp_path):
+    pytest.importorskip("torch")
+    c = MOE_LOSS_CASES[case]
+    world = c["world"]
+    raw = {"name": case,
+           "model": {"layers": 2, "hidden": 32, "heads": 2, "vocab": 64, "seq_len": 16, "ffn_hidden": 48,
+                     "tied_embeddings": False, "glu": True,
+                     "moe": {"experts": 4, "top_k": 2, "capacity_factor": 0.5, "min_capacity": 2}},
+           "hardware": {"profile": "dgx-a100-80g", "nodes": 1, "gpus_per_node": world},
+           "training": {"micro_batch_size": 2, "seq_len": 16, "precision": "fp32",
+                        "gradient_accumulation_steps": c.get("gas", 1)},
+           "parallelism": {"expert": c["ep"]},
+           "deepspeed": {"zero_optimization": c["zero"], "gradient_clipping": 0.5}}
+    expected = _matches_reference(tmp_path, raw, world, c.get("gas", 1))
+    assert sum(k == "all_to_all" for _, k, _ in expected) == (8 * c.get("gas", 1) if c["ep"] > 1 else 0)

@@ -24,17 +24,26 @@ class Comm:
         if self.log is not None:
             self.log.append((self.phase, kind, int(t.numel()), int(t.numel() * t.element_size())))
 
-    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM):
+    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM, group=None):
         self._rec("all_reduce", t)
-        dist.all_reduce(t, op=op, group=self.group)
+        dist.all_reduce(t, op=op, group=group or self.group)
 
-    def reduce(self, t: torch.Tensor, dst: int):
+    def reduce(self, t: torch.Tensor, dst: int, group=None):
+        """`dst` is the rank within `group` (another group than the default: an expert-data-parallel one)."""
         self._rec("reduce", t)
-        dist.reduce(t, dst=dst, group=self.group)
+        if group is None:
+            dist.reduce(t, dst=dst, group=self.group)
+        else:
+            dist.reduce(t, group=group, group_dst=dst)
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False, group=None):
         self._rec("all_gather", out)
-        return _ALL_GATHER(out, inp, group=self.group, async_op=async_op)
+        return _ALL_GATHER(out, inp, group=group or self.group, async_op=async_op)
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group=None):
+        """DeepSpeed-MoE's _AllToAll: all_to_all_single, equal splits along the first dimension."""
+        self._rec("all_to_all", inp)
+        dist.all_to_all_single(out, inp, group=group or self.group)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor):
         self._rec("reduce_scatter", inp)

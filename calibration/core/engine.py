@@ -33,7 +33,8 @@ import torch
 from calibration.core.comm import Comm
 from calibration.core.ds_passes import overflow_count, squared_norm
 from calibration.core.grads import GradBuckets
-from calibration.core.model import DTYPES, batch, build_segments, init_params, param_shapes
+from calibration.core.model import DTYPES, batch, build_segments, param_shapes
+from calibration.core.moe import exchange, expert_groups, rank_initial_values
 from calibration.core.plan import Plan
 from zsim.schedule.ir import Op, OpKind, Phase
 
@@ -50,15 +51,21 @@ class ZeroCore:
         self.segs = build_segments(sc, self.wl)
         self.numels = plan.numels
         self.trainable = plan.trainable
-        # stages 0-2: offsets in the flat group, where a frozen param takes no room (see [Note:
-        # frozen parameters under ZeRO]); total: the trained elements
+        # stages 0-2: each trainable param's start in the flat buffer (_layout); a frozen param
+        # is in no flat group (see [Note: frozen parameters under ZeRO]); total: the trained elements
         self.offsets = [0]
         for n, t in zip(self.numels, self.trainable):
             self.offsets.append(self.offsets[-1] + (n if t else 0))
         self.total = self.offsets[-1]
         self.gas = sc.gradient_accumulation_steps
         self.clip = sc.deepspeed.gradient_clipping
-        init = init_params(self.wl, self.shapes, seed)
+        self.ep = sc.expert_parallel_size
+        self.ep_group, self.edp_group = expert_groups(rank, world, self.ep)
+        self.group_of: dict[int, int] = {}
+        self.layout: list[tuple] = []
+        if self.stage < 3:
+            self._layout()
+        init = rank_initial_values(sc, self.wl, self.shapes, rank, seed)
         self.empty = torch.empty(0, dtype=self.dtype)
         self.params = [torch.empty(0, dtype=self.dtype).requires_grad_(t) for t in self.trainable]
         self.c, self.soff = [], [0]
@@ -84,33 +91,51 @@ class ZeroCore:
             OpKind.FORWARD: self._forward, OpKind.BACKWARD: self._backward,
             OpKind.PARAM_GATHER: lambda op: self._gather(list(op.payload.pids)),
             OpKind.PERSISTENT_GATHER: self._gather_persistent,
-            OpKind.UPDATED_GATHER: lambda op: self.comm.all_gather(self.flat16, self.flat16[self.own]),
+            OpKind.UPDATED_GATHER: self._updated_gather,
             OpKind.BUCKET_REDUCE: lambda op: self.grads.reduce(op.payload),
             OpKind.GRAD_ALLREDUCE: self._grads_allreduce,
             OpKind.GRAD_NORM: lambda op: self._norm_and_overflow_local(),
             OpKind.OVERFLOW_ALLREDUCE: self._overflow_allreduce,
             OpKind.NORM_ALLREDUCE: self._norm_allreduce,
             OpKind.OPTIMIZER_STEP: lambda op: self._step(),
+            OpKind.EXPERT_ALL_TO_ALL: lambda op: exchange(self, op),
         }
+
+    def _layout(self):
+        """ZeRO-0/1/2: the flat groups (see [Note: MoE parameter groups]) end to end in one buffer,
+        each partitioned over its own group: a param's position, this rank's partition of each
+        group and where it sits in the local partition (the fp32 master and the gradient
+        partition concatenate them in group order). One group: DeepSpeed's single flat buffer."""
+        self.layout = []       # per group: (start in flat16, own slice of flat16, start in the partition, torch group)
+        base = local = 0
+        for g, group in enumerate(self.plan.groups):
+            grank = self.rank // self.ep if group.expert else self.rank
+            own = slice(base + grank * group.partition, base + (grank + 1) * group.partition)
+            self.layout.append((base, own, local, self.edp_group if group.expert else None))
+            for pid in group.pids:
+                self.offsets[pid] = base + group.starts[pid]
+                self.group_of[pid] = g
+            base += group.padded
+            local += group.partition
 
     def _init_flat(self, init):
         """ZeRO-0/1/2: one flat 16-bit buffer of all params (params are views); ZeRO-0 gradients
         are views of one flat gradient buffer. Returns the fp32 master of what this rank steps."""
         self.flat16 = torch.zeros(self.plan.flat_padded, dtype=self.dtype)
         for pid, t in enumerate(init):
-            if not self.trainable[pid]:   # whole on every rank, outside the flat group
+            if not self.trainable[pid]:   # whole on every rank, in no flat group
                 self.params[pid].data = t.to(self.dtype)
                 continue
-            self.flat16[self.offsets[pid]:self.offsets[pid + 1]].copy_(t.flatten())
-            self.params[pid].data = self.flat16[self.offsets[pid]:self.offsets[pid + 1]].view(self.shapes[pid])
-        part = self.plan.partition
-        self.own = slice(self.rank * part, (self.rank + 1) * part)
+            self.flat16[self.span(pid)].copy_(t.flatten())
+            self.params[pid].data = self.flat16[self.span(pid)].view(self.shapes[pid])
         if self.stage > 0:
-            return self.flat16[self.own].float()
+            if len(self.layout) == 1:
+                return self.flat16[self.layout[0][1]].float()
+            return torch.cat([self.flat16[own] for _, own, _, _ in self.layout]).float()
         self.flatgrad = torch.zeros(self.plan.flat_padded, dtype=self.dtype)
         for pid in range(len(self.numels)):
             if self.trainable[pid]:
-                self.params[pid].grad = self.flatgrad[self.offsets[pid]:self.offsets[pid + 1]].view(self.shapes[pid])
+                self.params[pid].grad = self.flatgrad[self.span(pid)].view(self.shapes[pid])
         src = self.flat16[: self.total]
         return src if self.dtype == torch.float32 else src.float()
 
@@ -140,6 +165,10 @@ class ZeroCore:
     # -- helpers -----------------------------------------------------------------------
     def P(self, pid):
         return self.params[pid]
+
+    def span(self, pid) -> slice:
+        """ZeRO-0/1/2: the param's elements in the flat buffer."""
+        return slice(self.offsets[pid], self.offsets[pid] + self.numels[pid])
 
     def _release(self, pid):
         if pid not in self.plan.persistent:
@@ -177,18 +206,30 @@ class ZeroCore:
 
     def _grad_pieces(self):
         """The local gradient partition as DeepSpeed's averaged_gradients: one view per parameter
-        with elements in it, plus the alignment padding of the last partition."""
+        with elements in it, plus the alignment padding of each group's last partition."""
         if self.stage == 3:
             return [self.grads.gpart[self.goff[p]:self.goff[p + 1]] for p in self._trained()], []
-        lo, hi = self.own.start, self.own.stop
+        pieces, pad = [], []
+        for group_pieces, group_pad in self._group_grad_pieces():
+            pieces += group_pieces
+            pad += group_pad
+        return pieces, pad
+
+    def _group_grad_pieces(self):
+        """(pieces, padding) of the local gradient partition, per flat group."""
         gpart = self.grads.partition_grads()
-        pieces = []
-        for p in range(len(self.numels)):
-            a, b = max(lo, self.offsets[p]), min(hi, self.offsets[p + 1])
-            if a < b:
-                pieces.append(gpart[a - lo:b - lo])
-        covered = min(hi, self.total) - lo
-        return pieces, ([gpart[covered:]] if covered < hi - lo else [])
+        out = []
+        for (base, own, local, _), group in zip(self.layout, self.plan.groups):
+            lo, hi = own.start, own.stop
+            part = gpart[local: local + hi - lo]
+            pieces = []
+            for p in group.pids:
+                a, b = max(lo, self.offsets[p]), min(hi, self.offsets[p] + self.numels[p])
+                if a < b:
+                    pieces.append(part[a - lo:b - lo])
+            covered = min(hi, base + sum(self.numels[p] for p in group.pids)) - lo
+            out.append((pieces, [part[covered:]] if covered < hi - lo else []))
+        return out
 
     def _fp32_grads(self):
         if self.stage == 0:
@@ -205,10 +246,12 @@ class ZeroCore:
         pieces, _ = self._grad_pieces()
         if self.check_overflow:
             self._bad = overflow_count(pieces)
-        sq = squared_norm(pieces)
-        if not self.grads.scatter_coalesced:   # the pieces hold sums over ranks; the step divides them
-            sq = sq / self.world ** 2
-        self._sq = sq.float()
+        # the pieces hold sums over ranks; the step divides them
+        scale = 1.0 if self.grads.scatter_coalesced else 1.0 / self.world ** 2
+        if len(self.layout) > 1:   # one norm per flat group (get_grad_norm_direct per group)
+            self._sq_groups = [(squared_norm(p) * scale).float() for p, _ in self._group_grad_pieces()]
+            self._norms = []
+        self._sq = (squared_norm(pieces) * scale).float()
 
     def _step(self):
         g = self._fp32_grads()
@@ -225,7 +268,8 @@ class ZeroCore:
                 self.flat16[: self.total].copy_(self.master)
             self.flatgrad.zero_()
         elif self.stage < 3:
-            self.flat16[self.own].copy_(self.master)
+            for _, own, local, _ in self.layout:
+                self.flat16[own].copy_(self.master[local: local + own.stop - own.start])
             self.grads.gpart = None   # averaged_gradients dropped after the step
         else:
             if all(self.trainable):
@@ -234,20 +278,6 @@ class ZeroCore:
                 for p in self._trained():
                     self.shard16[self.soff[p]:self.soff[p + 1]].copy_(self.master[self.goff[p]:self.goff[p + 1]])
             self.grads.gpart.zero_()
-
-    def model_state_bytes(self) -> dict[str, int]:
-        """The model states this rank holds between steps, by zsim's categories: 16-bit params
-        (the flat group and the frozen params whole, or the ZeRO-3 shard), the gradient buffers
-        that outlive a step (stage 0's flat gradients, stage 3's partition) and the fp32 master
-        with its AdamW moments."""
-        if self.stage < 3:
-            params = self.flat16.nbytes + sum(self.params[p].nbytes for p, t in enumerate(self.trainable) if not t)
-            grads = self.flatgrad.nbytes if self.stage == 0 else 0
-        else:
-            params, grads = self.shard16.nbytes, self.grads.gpart.nbytes
-        state = self.opt.state[self.master]
-        moments = sum(v.nbytes for v in state.values() if torch.is_tensor(v) and v.numel() == self.master.numel())
-        return {"parameters": params, "gradients": grads, "optimizer states": self.master.nbytes + moments}
 
     # -- what each op kind does -------------------------------------------------------------
     def _forward(self, op: Op):
@@ -303,9 +333,34 @@ class ZeroCore:
         self.comm.all_reduce(self._bad.to(torch.uint8), op=torch.distributed.ReduceOp.MAX)
 
     def _norm_allreduce(self, op: Op):
+        if len(self.layout) > 1:
+            return self._group_norm_allreduce(op)
         t = self._sq.reshape(1).clone()
         self.comm.all_reduce(t)
         self._norm = t.sqrt()[0]
+
+    def _group_norm_allreduce(self, op: Op):
+        """See [Note: MoE parameter groups]: each group's squared norm summed over the data-parallel
+        group, then each MoE group's norm averaged over its expert-data-parallel group
+        (_average_expert_grad_norms); the total is the L2 of the group norms."""
+        k = len(self._norms)
+        if k < len(self.layout):
+            t = self._sq_groups[k].reshape(1).clone()
+            self.comm.all_reduce(t)
+            self._norms.append(t.sqrt())
+        else:
+            g = [i for i, group in enumerate(self.plan.groups) if group.expert][k - len(self.layout)]
+            t = self._norms[g] / (self.world // self.ep)
+            self.comm.all_reduce(t, group=self.edp_group)
+            self._norms[g] = t
+            self._norms.append(t)
+        self._norm = torch.cat(self._norms[:len(self.layout)]).square().sum().sqrt()
+
+    def _updated_gather(self, op: Op):
+        """all_gather_dp_groups: each flat group over its own group."""
+        g = self.plan.gather_group[op.id]
+        base, own, _, group = self.layout[g]
+        self.comm.all_gather(self.flat16[base: base + self.plan.groups[g].padded], self.flat16[own], group=group)
 
     # -- one optimizer step ------------------------------------------------------------------
     def train_step(self, step: int, record: bool = False) -> list[float]:

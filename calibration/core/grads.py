@@ -141,15 +141,16 @@ class GradBuckets:
             self.buf, self.cur = self._bucket_buffer(b), 0
         comm, W = self.core.comm, self.world
         kind = p.comm.collective
+        group = self.core.layout[p.flat_group][3] if not self.sharded else None
         if kind == Collective.REDUCE:
             pos = self._positions(b)
             pieces = b.pieces[call]
             t = torch.cat([self.buf[pos[pid] + st: pos[pid] + st + ln] for _, pid, st, ln in pieces])
-            comm.reduce(t, p.dst)
-            if p.dst == self.rank:
+            comm.reduce(t, p.dst, group=group)
+            if p.dst == self._group_rank(p.flat_group):
                 o = 0
                 for _, pid, st, ln in pieces:
-                    self._own_write(self.core.offsets[pid] + st, t[o:o + ln])
+                    self._own_write(pid, st, t[o:o + ln])
                     o += ln
         elif kind == Collective.REDUCE_SCATTER:
             flat = self._interleave(b, self.buf)
@@ -157,6 +158,17 @@ class GradBuckets:
             out = torch.empty(b.numel // W, dtype=self.dtype)
             comm.reduce_scatter(out, flat)
             self._shard_take(b, out)
+        elif b.pieces:   # one flat group's slices of a bucket over several (allreduce_and_scatter)
+            pos = self._positions(b)
+            views = [self.buf[pos[pid] + st: pos[pid] + st + ln] for _, pid, st, ln in b.pieces[call]]
+            t = torch.cat(views)
+            comm.all_reduce(t, group=group)
+            o = 0
+            for v in views:   # allreduce_no_retain copies the result back
+                v.copy_(t[o:o + v.numel()])
+                o += v.numel()
+            if call == len(b.calls) - 1:
+                self._take_allreduced(b)
         else:   # all_reduce of a chunk (or the whole bucket)
             comm.all_reduce(self.buf[self.cur: self.cur + p.comm.numel])
             self.cur += p.comm.numel
@@ -175,14 +187,15 @@ class GradBuckets:
             seg = b.numel // self.world
             self._shard_take(b, self.buf[self.rank * seg:(self.rank + 1) * seg])
             return
-        core, part = self.core, self.core.plan.partition
+        core = self.core
         pos = self._positions(b)
         for pid in b.pids:
-            lo = max(core.offsets[pid], self.rank * part)
-            hi = min(core.offsets[pid + 1], (self.rank + 1) * part)
+            own = core.layout[core.group_of[pid]][1]
+            lo = max(core.offsets[pid], own.start)
+            hi = min(core.offsets[pid] + self.numels[pid], own.stop)
             if hi > lo:
                 st = lo - core.offsets[pid]
-                self._own_write(lo, self.buf[pos[pid] + st: pos[pid] + st + hi - lo])
+                self._own_write(pid, st, self.buf[pos[pid] + st: pos[pid] + st + hi - lo])
 
     def _positions(self, b) -> dict[int, int]:
         pos, o = {}, 0
@@ -196,8 +209,16 @@ class GradBuckets:
             self.gpart = torch.zeros(self.core.plan.partition, dtype=self.dtype)
         return self.gpart
 
-    def _own_write(self, flat_index: int, values):
-        i = flat_index - self.rank * self.core.plan.partition
+    def _group_rank(self, g: int) -> int:
+        """This rank's index in flat group g's process group (the expert-data-parallel group
+        holds ranks i, i+ep, ...: groups.py)."""
+        return self.rank // self.core.ep if self.core.plan.groups[g].expert else self.rank
+
+    def _own_write(self, pid: int, start: int, values):
+        """Reduced values of `pid` from element `start` into this rank's gradient partition."""
+        core = self.core
+        _, own, local, _ = core.layout[core.group_of[pid]]
+        i = core.offsets[pid] + start - own.start + local
         dst = self.partition_grads()[i: i + values.numel()]
         if self.boundary_copy:   # reduced once per step, at the boundary
             dst.copy_(values)

@@ -63,3 +63,18 @@ class TensorMemoryTracker(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self._track(t)
         return out
+
+
+def model_state_bytes(core) -> dict[str, int]:
+    """The model states this rank holds between steps, by zsim's categories: 16-bit params
+    (the flat group and the frozen params whole, or the ZeRO-3 shard), the gradient buffers
+    that outlive a step (stage 0's flat gradients, stage 3's partition) and the fp32 master
+    with its AdamW moments."""
+    if core.stage < 3:
+        params = core.flat16.nbytes + sum(core.params[p].nbytes for p, t in enumerate(core.trainable) if not t)
+        grads = core.flatgrad.nbytes if core.stage == 0 else 0
+    else:
+        params, grads = core.shard16.nbytes, core.grads.gpart.nbytes
+    state = core.opt.state[core.master]
+    moments = sum(v.nbytes for v in state.values() if torch.is_tensor(v) and v.numel() == core.master.numel())
+    return {"parameters": params, "gradients": grads, "optimizer states": core.master.nbytes + moments}

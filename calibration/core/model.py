@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from calibration.core.layers import (Embedding, HeadNorm, Linear, Norm, PositionEmbedding, attend, cross_entropy, mla_core,
                                      own_params, swappable_linear)
+from calibration.core.moe import build_moe
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -159,7 +160,7 @@ class Block(Graph):
     norms (Gemma-2): x1 = x + post_attn_ln(attn), x2 = x1 + post_mlp_ln(mlp). Post-LN (OPT-350m):
     x1 = ln_1(x + attn(x)), x2 = ln_2(x1 + mlp(x1))."""
 
-    def __init__(self, m, layer: int):
+    def __init__(self, m, layer: int, expert_parallel_size: int = 1):
         super().__init__(("x",), "x2")
         if m.post_layernorm:     # registered in the workload's order: attn, ln_1, mlp, ln_2
             self.attn = Attention(m, layer)
@@ -182,7 +183,7 @@ class Block(Graph):
             self.ln_2 = Norm(m.norm, m.hidden)
             self.steps.append(("ln_2", (mlp_in,), "b"))
             b = "b"
-        self.mlp = MLP(m)
+        self.mlp = build_moe(Graph, Linear, m, expert_parallel_size) if m.is_moe_layer(layer) else MLP(m)
         if m.post_norms:
             self.post_mlp_ln = Norm(m.norm, m.hidden)
             self.steps += [("mlp", (b, "x1"), "m"), ("post_mlp_ln", ("m", "x1"), "x2")]
@@ -191,9 +192,10 @@ class Block(Graph):
 
 
 class GPT(Graph):
-    """Decoder-only GPT from a zsim ModelSpec; forward(ids, labels) -> mean loss."""
+    """Decoder-only GPT from a zsim ModelSpec; forward(ids, labels) -> mean loss. With expert
+    parallelism it holds one rank's experts (calibration/core/moe.py)."""
 
-    def __init__(self, m):
+    def __init__(self, m, expert_parallel_size: int = 1):
         super().__init__(("ids", "labels"), "loss")
         h, e = m.hidden, m.embed_proj_dim or m.hidden
         self.wte = Embedding(m.vocab, e)
@@ -211,9 +213,7 @@ class GPT(Graph):
             self.emb_ln = Norm(m.norm, h)
             self.steps.append(("emb_ln", (cur,), "x.embln"))
             cur = "x.embln"
-        if m.moe is not None:
-            raise ValueError("model.moe: calibration's GPT has no MoE blocks")
-        self.layers = nn.ModuleList([Block(m, i) for i in range(m.layers)])
+        self.layers = nn.ModuleList([Block(m, i, expert_parallel_size) for i in range(m.layers)])
         for i in range(m.layers):
             self.steps.append((f"layers.{i}", (cur,), f"layers.{i}.x2"))
             cur = f"layers.{i}.x2"
@@ -318,7 +318,7 @@ def build_segments(sc, wl) -> dict[str, Segment]:
     from calibration.core.lora import for_training   # lora.py builds on this module's classes
 
     with torch.device("meta"):
-        segs = for_training(GPT(sc.model), sc, wl).segments()
+        segs = for_training(GPT(sc.model, sc.expert_parallel_size), sc, wl).segments()
     missing = [m.name for m in wl.modules if m.name not in segs]
     if missing:
         raise ValueError(f"modules without a segment: {missing}")

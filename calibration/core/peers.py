@@ -22,7 +22,8 @@ RECORD = {"log": None, "phase": ""}
 _KINDS = {"all_reduce": "all_reduce", "reduce": "reduce", "broadcast": "broadcast",
           "all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather", "_all_gather_base": "all_gather",
           "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-          "_reduce_scatter_base": "reduce_scatter", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter"}
+          "_reduce_scatter_base": "reduce_scatter", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
+          "all_to_all_single": "all_to_all"}
 
 
 def install_recorder():
@@ -94,9 +95,14 @@ def _model(sc, seed: int, use_peft: bool):
     from calibration.core.model import GPT
     from zsim.schedule.build import workload_for
 
+    lora = sc.training.lora
+    if sc.model.moe is not None:
+        if lora is not None or sc.training.frozen:
+            raise SystemExit("--engine deepspeed: DeepSpeed-MoE with training.lora or training.frozen is not mirrored")
+        from calibration.core.moe import deepspeed_moe_gpt
+        return deepspeed_moe_gpt(sc, seed)
     wl = workload_for(sc)
     model = GPT(sc.model).initialized(seed)
-    lora = sc.training.lora
     if not (use_peft and lora is not None):
         return for_training(model, sc, wl)
     from peft import LoraConfig, get_peft_model
@@ -132,7 +138,14 @@ def main(args, sc) -> int:
         rank = dist.get_rank()
         model = _model(sc, args.seed, use_peft=True)
         # the optimizer gets the trainable params, as HF Trainer / PEFT hand them over
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=_optimizer(sc, _trained(model)),
+        params = _trained(model)
+        if sc.model.moe is not None:
+            # DeepSpeed-MoE: the expert params in their own optimizer groups (moe/utils.py), as the
+            # engine requires of a client optimizer (_configure_moe_settings)
+            from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+            params = split_params_into_different_moe_groups_for_optimizer({"params": params, "name": "dense-params"})
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=_optimizer(sc, params),
                                                config=ds_config(sc))
 
         def fwd(ids, labels):
@@ -146,6 +159,8 @@ def main(args, sc) -> int:
     else:
         dist.init_process_group("gloo")
         rank = dist.get_rank()
+        if sc.model.moe is not None:
+            raise SystemExit("--engine fsdp: MoE models run on the own core or DeepSpeed")
         model = _model(sc, args.seed, use_peft=False)
         dtype = torch.bfloat16 if sc.precision == "bf16" else torch.float32
         if sc.zero.stage == 0:

@@ -14,13 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from zsim.schedule.ir import MEASURED_PASS, Buffer, Collective, GradReduce, Op, OpKind, Stream
-from zsim.schedule.partition import (bucket_pieces, flat_group_numels, flat_partition, offsets, padded,
-                                     persistent_params, shard_numel)
+from zsim.schedule.moe import gathered_groups, moe_param_groups
+from zsim.schedule.partition import FlatGroup, bucket_pieces, padded, persistent_params, shard_numel
 
 # what the core executes; anything else (offload copies, the CPU optimizer) it cannot run here
 EXECUTABLE = frozenset({OpKind.FORWARD, OpKind.BACKWARD, OpKind.PARAM_GATHER, OpKind.PERSISTENT_GATHER,
                         OpKind.UPDATED_GATHER, OpKind.BUCKET_REDUCE, OpKind.GRAD_ALLREDUCE, OpKind.GRAD_NORM,
-                        OpKind.OVERFLOW_ALLREDUCE, OpKind.NORM_ALLREDUCE, OpKind.OPTIMIZER_STEP})
+                        OpKind.OVERFLOW_ALLREDUCE, OpKind.NORM_ALLREDUCE, OpKind.OPTIMIZER_STEP,
+                        OpKind.EXPERT_ALL_TO_ALL})
 
 
 class PlanError(Exception):
@@ -34,7 +35,8 @@ class Bucket:
     pids: tuple[int, ...]
     numel: int                       # raw (stage 1/2) or padded (stage 3) elements
     calls: list[GradReduce] = field(default_factory=list)
-    pieces: list[list[tuple[int, int, int, int]]] = field(default_factory=list)   # per `reduce` call
+    # per call of a `reduce` bucket, or of any bucket over several flat groups: (rank, pid, start, elements)
+    pieces: list[list[tuple[int, int, int, int]]] = field(default_factory=list)
 
 
 @dataclass
@@ -48,9 +50,11 @@ class Plan:
     releases: dict[int, tuple[int, ...]]     # op id -> params released after it (ZeRO-3)
     buckets: dict[int, Bucket]
     persistent: tuple[int, ...]
-    flat_padded: int                 # stage 1/2 flat 16-bit group (padded), stage 3: 0
-    partition: int                   # stage 1/2 partition size, stage 3: shard size
+    flat_padded: int                 # stage 1/2 flat 16-bit groups (padded, all), stage 3: 0
+    partition: int                   # stage 1/2 partitions of all groups, stage 3: shard size
     expected: list[tuple[str, str, int]]   # (phase, collective, numel) of one step, in order
+    groups: list[FlatGroup] = field(default_factory=list)   # stage 1/2: see [Note: MoE parameter groups]
+    gather_group: dict[int, int] = field(default_factory=dict)   # UPDATED_GATHER op id -> its flat group
 
 
 def unsupported(sc) -> str | None:
@@ -69,18 +73,33 @@ def unsupported(sc) -> str | None:
         return "training.dropout (the core is deterministic, no dropout)"
     if sc.training.lora is not None and sc.training.lora.dropout > 0:
         return "training.lora.dropout (the core is deterministic, no dropout)"
+    moe = sc.model.moe
+    if moe is not None:
+        if sc.zero.stage not in (1, 2):
+            return "model.moe with ZeRO stage 0 or 3 (the core runs DeepSpeed-MoE under ZeRO-1/2)"
+        if moe.dispatch != "capacity" or not moe.drop_tokens or moe.shared_experts or moe.use_residual:
+            return "model.moe other than DeepSpeed-MoE's capacity dispatch with drop_tokens, no shared experts"
+        if sc.training.lora is not None or sc.training.frozen:
+            # not validated: the unsharded reference names experts globally where a rank's
+            # workload names its local ones, and LoRA adapters on experts are not mirrored
+            return "model.moe with training.lora or training.frozen (not validated on the core)"
     return None
 
 
-def _reduce_pieces(bucket: Bucket, starts: list[int], numels: list[int], partition: int):
-    """The (rank, pid, start, elements) pieces each per-rank `reduce` call carries: the bucket's
-    pieces for its destination, in order, up to the call's size."""
-    by_rank: dict[int, list] = {}
-    for piece in bucket_pieces(bucket.pids, starts, numels, partition):
-        by_rank.setdefault(piece[0], []).append(piece)
+def _call_pieces(bucket: Bucket, groups: list[FlatGroup], numels: list[int]):
+    """The (rank, pid, start, elements) pieces each call carries: a per-rank `reduce` call the
+    bucket's pieces for its destination in its flat group, an all-reduce its group's pieces, in
+    bucket order, up to the call's size."""
+    group_of = {pid: g for g, group in enumerate(groups) for pid in group.pids}
+    by_key: dict[tuple[int, int], list] = {}
+    reduce = bucket.calls[0].comm.collective == Collective.REDUCE
+    for pid in bucket.pids:
+        g = groups[group_of[pid]]
+        for piece in bucket_pieces((pid,), g.starts, numels, g.partition):
+            by_key.setdefault((group_of[pid], piece[0] if reduce else -1), []).append(piece)
     for call in bucket.calls:
         pieces, total = [], 0
-        queue = by_rank.get(call.dst, [])
+        queue = by_key.get((call.flat_group, call.dst if reduce else -1), [])
         while queue and total < call.comm.numel:
             piece = queue.pop(0)
             pieces.append(piece)
@@ -100,11 +119,13 @@ def build_plan(sc) -> Plan:
     stage, world = sc.zero.stage, sc.cluster.world_size
     numels = [p.numel for p in wl.params]
     z = sc.zero
+    groups = moe_param_groups(sc, wl, world) if stage < 3 else []
     if stage == 3:
         flat_pad, part = 0, shard_numel(numels, world)
         persistent = persistent_params(numels, z.param_persistence_threshold, z.model_persistence_threshold)
-    else:   # the flat group holds the trainable params only
-        (flat_pad, part), persistent = flat_partition(flat_group_numels(wl), world), ()
+    else:   # the flat groups hold the trainable params only (see partition.flat_groups)
+        flat_pad, part, persistent = sum(g.padded for g in groups), sum(g.partition for g in groups), ()
+    gather_group = dict(zip((o.id for o in sched.ops if o.kind == OpKind.UPDATED_GATHER), gathered_groups(groups)))
     buckets: dict[int, Bucket] = {}
     releases: dict[int, tuple[int, ...]] = {}
     bucketed: list[int] = []
@@ -140,10 +161,8 @@ def build_plan(sc) -> Plan:
         total = sum(c.comm.numel for c in b.calls)
         if total != b.numel:
             raise PlanError(f"bucket {b.id} (micro {b.micro}): grads add up to {b.numel}, calls to {total}")
-        if b.calls[0].comm.collective == Collective.REDUCE:
-            widths = flat_group_numels(wl)
-            _reduce_pieces(b, offsets(widths), widths, part)
+        if b.calls[0].comm.collective == Collective.REDUCE or (len(groups) > 1 and z.reduce_scatter):
+            _call_pieces(b, groups, numels)
     expected = [(MEASURED_PASS[op.phase], op.comm.collective.value, op.comm.numel) for op in sched.ops if op.comm]
     return Plan(stage, world, numels, [p.trainable for p in wl.params], [p.name for p in wl.params], sched.ops,
-                releases, buckets, persistent,
-                flat_pad, part, expected)
+                releases, buckets, persistent, flat_pad, part, expected, groups, gather_group)

@@ -8,8 +8,15 @@ from calibration.core.model import batch, build_segments, init_params, param_sha
 
 
 def reference_losses(sc, steps: int, world: int, seed: int = 1234) -> list[float]:
-    from zsim.schedule.build import workload_for
+    """With MoE layers each rank's micro-batch runs on its own (the capacity of an expert is a
+    function of one rank's tokens), through the full model (every expert), and the gradients
+    add up; otherwise the ranks' micro-batches run as one batch."""
+    from dataclasses import replace
 
+    from zsim.schedule.build import workload_for
+    from zsim.specs.parallelism import ParallelismSpec
+
+    sc = replace(sc, parallelism=ParallelismSpec())
     wl = workload_for(sc)
     shapes = param_shapes(wl)
     params = [t.clone().requires_grad_(p.trainable) for t, p in zip(init_params(wl, shapes, seed), wl.params)]
@@ -25,6 +32,10 @@ def reference_losses(sc, steps: int, world: int, seed: int = 1234) -> list[float
     for step in range(steps):
         for micro in range(gas):
             parts = [batch(sc, step, micro, r, seed) for r in range(world)]
+            if sc.model.moe is not None:
+                losses.append(sum(run_forward_backward(segs, order, lambda i: params[i], ids, labels,
+                                                       1.0 / gas / world) for ids, labels in parts) / world)
+                continue
             ids = torch.cat([p[0] for p in parts])
             labels = torch.cat([p[1] for p in parts])
             losses.append(run_forward_backward(segs, order, lambda i: params[i], ids, labels, 1.0 / gas))

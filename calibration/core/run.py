@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     from calibration.core.comm import Comm
     from calibration.core.engine import ZeroCore
     from calibration.core.measured import exit_without_teardown, write_measurement
-    from calibration.core.memory import TensorMemoryTracker
+    from calibration.core.memory import TensorMemoryTracker, model_state_bytes
     from calibration.core.plan import build_plan
 
     if world != sc.cluster.world_size:
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
         peak = tr.peak
         step += 1
     write_measurement(args.out, "own", sc, args, step_times, phase_times, peak, collectives, losses,
-                      core.model_state_bytes())
+                      model_state_bytes(core))
     if rank == 0 and args.trace:
         with open(args.trace, "w") as f:
             json.dump(chrome_trace(trace_times, sc.name, rank), f)

@@ -22,6 +22,7 @@ from zsim.schema import _number, accepted_keys, build
 from zsim.specs.deepspeed import COMM_DATA_TYPES, IGNORED_TOP_LEVEL, DeepSpeedConfig
 from zsim.specs.hardware import Cluster
 from zsim.specs.model import PRESETS, ModelSpec
+from zsim.specs.parallelism import ParallelismSpec
 from zsim.specs.scenario import MAX_WORLD_SIZE, HardwareSpec, Scenario, TrainingSpec
 
 
@@ -118,10 +119,7 @@ def _resolve_model(raw: dict, base_dir: Path) -> ModelSpec:
             raise ZsimInputError("model.hf_config", hf_config, "expected the path of a Hugging Face config.json")
         merged.update(read_hf_config(base_dir / hf_config))
     merged.update(raw)
-    model = build(ModelSpec, merged, "model")
-    if model.moe is not None:   # the spec exists; the workload and schedule land with issue 16
-        raise ZsimInputError("model.moe", "...", "Mixture-of-Experts is not simulated yet; remove model.moe")
-    return model
+    return build(ModelSpec, merged, "model")
 
 
 def _resolve_auto(ds: dict, model: ModelSpec, training: TrainingSpec, world_size: int) -> dict:
@@ -272,12 +270,38 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
     if training.seq_len and model.position == "learned" and training.seq_len > model.seq_len:
         raise ZsimInputError("training.seq_len", training.seq_len,
                              f"exceeds the model's learned position table (model.seq_len={model.seq_len}); raise model.seq_len")
+    parallelism = _resolve_parallelism(raw.get("parallelism") or {}, model, cluster.world_size, ds)
     name = raw.get("name", name_default)
     if not isinstance(name, str):
         raise ZsimInputError("name", name, "expected a string")
-    return Scenario(name=name, model=model, cluster=cluster, training=training, deepspeed=ds,
+    return Scenario(name=name, model=model, cluster=cluster, training=training, deepspeed=ds, parallelism=parallelism,
                     description=str(raw.get("description", "")),
                     warnings=ds.not_modelled(ds_raw.keys()) + ds.checkpointing_warnings(training.activation_checkpointing))
+
+
+def _resolve_parallelism(raw, model: ModelSpec, world_size: int, ds: DeepSpeedConfig) -> ParallelismSpec:
+    """DeepSpeed-MoE's rules for ep_size: it divides the data-parallel world
+    (groups.py _create_expert_and_data_parallel, _ensure_divisibility) and the experts
+    (moe/layer.py MoE.__init__); native DeepSpeed-MoE does not run under ZeRO-3
+    (engine.py _validate_zero3_moe_compatibility)."""
+    par = build(ParallelismSpec, raw, "parallelism")
+    ep, moe = par.expert, model.moe
+    if moe is not None and moe.dispatch == "capacity" and ds.zero_optimization.stage == 3:
+        raise ZsimInputError("model.moe.dispatch", "capacity", "DeepSpeed-MoE's layer is not supported with ZeRO "
+                             "stage 3 (engine.py _validate_zero3_moe_compatibility); use stage 0-2, or dispatch: "
+                             "dropless for a Hugging Face MoE")
+    if ep == 1:
+        return par
+    if moe is None:
+        raise ZsimInputError("parallelism.expert", ep, "expert parallelism needs an MoE model (model.moe); set it to 1")
+    if moe.dispatch != "capacity":
+        raise ZsimInputError("parallelism.expert", ep, "expert parallelism is DeepSpeed-MoE's (model.moe.dispatch: "
+                             "capacity); Hugging Face's dropless MoE runs every expert on every rank: set it to 1")
+    if world_size % ep:
+        raise ZsimInputError("parallelism.expert", ep, f"must divide the data-parallel world size ({world_size})")
+    if moe.experts % ep:
+        raise ZsimInputError("parallelism.expert", ep, f"must divide the experts per layer (model.moe.experts={moe.experts})")
+    return par
 
 
 def load_raw(path: Path) -> dict:

@@ -21,7 +21,7 @@ This tier model prices collectives of profiles without an `nccl:` section (the g
 profile) and of calibrated profiles, whose measured tables win. A profile with an `nccl:`
 section and no measured tables is priced by NCCL's own tuner model (zsim.hardware.nccl):
 `nccl_topo_for` decides, `collective_cost` dispatches; all-to-all, which NCCL runs as grouped
-send/recv outside its tuner, stays on the tier model.
+send/recv outside its tuner, is priced by one rule for every profile (see [Note: all-to-all cost]).
 """
 from __future__ import annotations
 
@@ -148,10 +148,40 @@ def nccl_cost(kind: str, size_bytes: float, nodes: int, gpus_per_node: int, topo
                     c.algorithm, c.protocol)
 
 
+def all_to_all_cost(size_bytes: float, nodes: int, ranks_per_node: int, intra: Tier, inter: Tier) -> CommCost:
+    """[Note: all-to-all cost] NCCL runs all-to-all as n-1 concurrent point-to-point transfers
+    (ncclSend/ncclRecv to every peer inside one ncclGroupStart/End: NCCL's "All-to-All" example,
+    docs/usage/p2p; nccl-tests alltoall_perf counts busbw = algbw * (n-1)/n), not as rings and
+    outside its tuner (which prices the collectives of zsim.hardware.nccl FUNC), so every profile prices it here, on the
+    tiers: each rank sends size/n to every peer, (g-1)/n of its buffer over NVLink to the peers
+    on its node and (n-g)/n over its rail to the others, both at once, so the slower tier bounds
+    the transfer and each tier's steps pay their latency. On one tier this is a ring's cost."""
+    n, g = nodes * ranks_per_node, ranks_per_node
+    t_intra = 0.0
+    if g > 1:
+        t_intra = size_bytes * (g - 1) / n / (intra.busbw_Bps * efficiency_at(intra.efficiency_for("all_to_all"), size_bytes))
+    t_inter = 0.0
+    if nodes > 1:
+        t_inter = size_bytes * (n - g) / n / (inter.busbw_Bps * efficiency_at(inter.efficiency_for("all_to_all"),
+                                                                             size_bytes / g))
+    latency = (g - 1) * intra.latency_s + (nodes - 1) * inter.latency_s
+    if t_inter >= t_intra:
+        return CommCost(latency, t_inter, "inter_node", "p2p")
+    return CommCost(latency, t_intra, "intra_node", "p2p")
+
+
+def group_placement(size: int, stride: int, gpus_per_node: int) -> tuple[int, int]:
+    """(nodes, ranks per node) of a process group of `size` ranks `stride` apart, ranks numbered
+    node by node (rank r on node r // gpus_per_node, as torchrun numbers them)."""
+    per_node = min(size, max(1, gpus_per_node // stride)) if stride < gpus_per_node else 1
+    return math.ceil(size / per_node), per_node
+
+
 @functools.lru_cache(maxsize=4096)   # pure; schedules repeat the same sizes layer after layer
 def collective_cost(kind: str, size_bytes: float, nodes: int, gpus_per_node: int,
                     intra: Tier, inter: Tier, coalesced: bool = False, nccl: NcclTopo | None = None) -> CommCost:
-    """Cost of one collective over a data-parallel group of nodes x gpus_per_node ranks;
+    """Cost of one collective over a group of nodes x gpus_per_node ranks (the data-parallel
+    group, or another group as `group_placement` places it);
     `coalesced`: launched async with its neighbours before any is waited (Comm.coalesced);
     `nccl`: NCCL's tuner view of the cluster (nccl_topo_for), None for the tier model."""
     if kind not in COLLECTIVES:
@@ -159,6 +189,11 @@ def collective_cost(kind: str, size_bytes: float, nodes: int, gpus_per_node: int
     n = nodes * gpus_per_node
     if n <= 1 or size_bytes <= 0:
         return CommCost(0.0, 0.0, "intra_node")
+    if kind == "all_to_all":
+        # one rule wherever the group sits and whatever the profile: see all_to_all_cost
+        c = all_to_all_cost(size_bytes, nodes, gpus_per_node, intra, inter)
+        sync = intra.sync_s if nodes == 1 else inter.sync_s if gpus_per_node == 1 else max(intra.sync_s, inter.sync_s)
+        return CommCost(c.latency_s + sync, c.transfer_s, c.tier, c.algorithm)
     if nccl is not None and kind in FUNC:
         c = nccl_cost(kind, size_bytes, nodes, gpus_per_node, nccl)
         sync = intra.sync_s if nodes == 1 else max(intra.sync_s, inter.sync_s)

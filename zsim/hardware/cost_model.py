@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zsim.hardware.collectives import collective_cost, nccl_topo_for, tiers_for
+from zsim.hardware.collectives import collective_cost, group_placement, nccl_topo_for, tiers_for
 from zsim.hardware.compute import (attention_time_s, fresh_alloc_time_s, gemm_time_s, kernel_overhead_s,
                                    memory_bound_time_s, optimizer_time_s)
 from zsim.hardware.host import aio_efficiency, cpu_adam_time_s, host_link_Bps, nvme_time_s, pcie_time_s
@@ -113,8 +113,11 @@ class CostModel:
         if comm is not None:
             # the collective's own buffer passes (packing, pre-division) run on its stream first
             fixed += memory_bound_time_s(comm.buffer_bytes, self.gpu)
-            cost = collective_cost(comm.collective.value, comm.size_bytes, cl.nodes, cl.gpus_per_node, self.intra,
-                                   self.inter, comm.coalesced, self.nccl)
+            nodes, per_node = cl.nodes, cl.gpus_per_node
+            if comm.group is not None:
+                nodes, per_node = group_placement(comm.group.size, comm.group.stride, cl.gpus_per_node)
+            cost = collective_cost(comm.collective.value, comm.size_bytes, nodes, per_node, self.intra, self.inter,
+                                   comm.coalesced, self.nccl)
             links = self.nic_links if cost.tier == "inter_node" else (cost.tier,)
             return OpCost(fixed + cost.latency_s, cost.transfer_s, links)
         if isinstance(p, Copy):

@@ -34,6 +34,12 @@ def render(r: Result, console: Console | None = None):
             f"{r.n_params / 1e9:.2f} B params{_trainable(r)}, micro-batch {r.micro_batch_size} x GAS "
             f"{r.gradient_accumulation_steps} -> global batch {r.global_batch_size} x {r.seq_len} tokens")
     console.print(head)
+    if r.moe is not None:
+        m = r.moe
+        console.print(f"MoE: {m.experts} experts, top-{m.top_k}, expert parallel {m.expert_parallel_size}: "
+                      f"{m.total_params / 1e9:.2f} B params in total, {m.active_params / 1e9:.2f} B active per token, "
+                      f"{r.n_params / 1e9:.2f} B on each GPU ({m.rank_expert_params / 1e9:.2f} B in its "
+                      f"{m.experts // m.expert_parallel_size} local experts)")
     for w in r.warnings:
         console.print(f"[yellow]warning: {w}[/yellow]")
     perf = Table(title="Speed", show_header=False)

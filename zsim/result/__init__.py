@@ -71,6 +71,19 @@ class Comm:
 
 
 @dataclass(frozen=True)
+class MoE:
+    """A Mixture-of-Experts model's sizes: `Result.n_params` is what one rank holds (the dense
+    params and its experts / ep_size local experts); the model's total and the params one token
+    uses (top_k of the routed experts) are here."""
+    experts: int
+    top_k: int
+    expert_parallel_size: int
+    total_params: int
+    active_params: int
+    rank_expert_params: int             # this rank's local experts' params (Result.n_params includes them)
+
+
+@dataclass(frozen=True)
 class Result:
     scenario: str
     stage: int
@@ -101,6 +114,7 @@ class Result:
     # params with requires_grad (LoRA adapters, what training.frozen leaves); None when all are
     # trained, and then left out of the JSON
     trainable_params: int | None = None
+    moe: MoE | None = None              # MoE models only (absent from the JSON of dense ones)
 
     @property
     def fits(self) -> bool:
@@ -116,4 +130,6 @@ class Result:
         out["warnings"] = list(self.warnings)
         if self.trainable_params is None:
             del out["trainable_params"]
+        if self.moe is None:
+            del out["moe"]
         return out

@@ -6,12 +6,14 @@ from dataclasses import dataclass
 from zsim.specs.scenario import Scenario
 from zsim.engine.ledger import peak_and_breakdown
 from zsim.engine.sim import Trace
-from zsim.hardware.collectives import bus_factor, collective_cost, link_busbw_Bps, nccl_topo_for, tiers_for
-from zsim.result import Comm, HostMemory, Memory, Result
+from zsim.hardware.collectives import (bus_factor, collective_cost, group_placement, link_busbw_Bps, nccl_topo_for,
+                                       tiers_for)
+from zsim.result import Comm, HostMemory, Memory, MoE, Result
 from zsim.schedule.ir import Copy, CpuAdam, Stream
 from zsim.units import TFLOP
 from zsim.workload.lora import trainable_params
 from zsim.workload.module import Workload
+from zsim.workload.transformer import count_active_params, count_params
 
 RESERVED = "CUDA context + allocator reserve"
 
@@ -64,7 +66,7 @@ class _OpTotals:
     comm_bytes: dict[str, float]
     comm_count: dict[str, int]
     comm_time_s: dict[str, float]
-    comm_calls: dict[tuple, int]        # (kind, size_bytes, coalesced) -> calls
+    comm_calls: dict[tuple, int]        # (kind, size_bytes, coalesced, (group size, stride) or None) -> calls
     host_time_s: dict[str, float]
 
 
@@ -89,11 +91,12 @@ def _op_totals(trace: Trace, world: int) -> _OpTotals:
         if comm is not None:
             kind = comm.collective.value
             comm_iv.append((t.start_s, t.end_s))
-            sent = comm.size_bytes * bus_factor(kind, world)
+            sent = comm.size_bytes * bus_factor(kind, world if comm.group is None else comm.group.size)
             comm_bytes[kind] = comm_bytes.get(kind, 0.0) + n * sent
             comm_count[kind] = comm_count.get(kind, 0) + n
             comm_time[kind] = comm_time.get(kind, 0.0) + n * (t.end_s - t.start_s)
-            call = (kind, comm.size_bytes, comm.coalesced)
+            group = None if comm.group is None else (comm.group.size, comm.group.stride)
+            call = (kind, comm.size_bytes, comm.coalesced, group)
             comm_calls[call] = comm_calls.get(call, 0) + n
         elif op.stream == Stream.COMPUTE:
             compute_iv.append((t.start_s, t.end_s))
@@ -102,12 +105,14 @@ def _op_totals(trace: Trace, world: int) -> _OpTotals:
 
 
 def _algorithms(cl, calls: dict[tuple, int]) -> dict[str, dict[str, int]]:
-    """Per collective kind, the calls each algorithm/protocol served (the cost model's own choice)."""
+    """Per collective kind, the calls each algorithm/protocol served (the cost model's own choice,
+    over the ranks each call's process group places where: CostModel's rule)."""
     intra, inter = tiers_for(cl)
     nccl = nccl_topo_for(cl)
     out: dict[str, dict[str, int]] = {}
-    for (kind, size, coalesced), n in sorted(calls.items()):
-        c = collective_cost(kind, size, cl.nodes, cl.gpus_per_node, intra, inter, coalesced, nccl)
+    for (kind, size, coalesced, group), n in sorted(calls.items(), key=lambda c: (c[0][:3], c[0][3] or ())):
+        nodes, per_node = (cl.nodes, cl.gpus_per_node) if group is None else group_placement(*group, cl.gpus_per_node)
+        c = collective_cost(kind, size, nodes, per_node, intra, inter, coalesced, nccl)
         label = f"{c.algorithm}/{c.protocol}" if c.protocol else c.algorithm
         per = out.setdefault(kind, {})
         per[label] = per.get(label, 0) + n
@@ -201,4 +206,14 @@ def summarize(sc: Scenario, wl: Workload, trace: Trace) -> Result:
         events=trace.events_processed,
         warnings=tuple(sc.warnings),
         trainable_params=None if trained == wl.n_params else trained,
+        moe=_moe(sc, wl),
     )
+
+
+def _moe(sc: Scenario, wl: Workload) -> MoE | None:
+    moe = sc.model.moe
+    if moe is None:
+        return None
+    return MoE(experts=moe.experts, top_k=moe.top_k, expert_parallel_size=sc.expert_parallel_size,
+               total_params=count_params(sc.model, sc.seq_len), active_params=count_active_params(sc.model, sc.seq_len),
+               rank_expert_params=sum(p.numel for p in wl.params if p.expert))

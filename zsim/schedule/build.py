@@ -8,6 +8,7 @@ from zsim.schedule import offload, stage3, stage012
 from zsim.schedule.builder import Builder
 from zsim.schedule.context import StepContext
 from zsim.schedule.ir import Schedule
+from zsim.schedule.moe import TokenExchanges
 from zsim.workload.lora import apply_training
 from zsim.workload.module import DTYPE_BYTES, Workload
 from zsim.workload.transformer import build_workload
@@ -18,7 +19,8 @@ def workload_for(sc: Scenario) -> Workload:
     wl = build_workload(sc.model, micro_batch_size=sc.micro_batch_size, seq_len=sc.seq_len,
                         precision=sc.precision, flash_attention=sc.training.flash_attention,
                         dropout=sc.training.dropout,
-                        fused_cross_entropy=sc.training.fused_cross_entropy)
+                        fused_cross_entropy=sc.training.fused_cross_entropy,
+                        expert_parallel_size=sc.expert_parallel_size)
     return apply_training(wl, sc.training)
 
 
@@ -39,6 +41,7 @@ def build_schedule(sc: Scenario, wl: Workload | None = None,
     if micro_steps is not None:
         sc = with_micro_steps(sc, micro_steps)
     ctx = StepContext(sc=sc, wl=wl, b=Builder(), param_bytes=DTYPE_BYTES[sc.precision], world=sc.cluster.world_size)
+    ctx.exchanges = TokenExchanges(ctx)
     if sc.zero.stage == 3:
         stage3.build(ctx)
     else:

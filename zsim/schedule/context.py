@@ -18,6 +18,7 @@ class StepContext:
     param_bytes: int            # 16-bit (2) or fp32 (4) model/gradient width
     world: int
     ckpt_offload_ops: dict = field(default_factory=dict)   # (micro, layer) -> D2H op of its checkpoint
+    exchanges: object = None    # moe.TokenExchanges: the MoE all-to-alls the passes add (build.py sets it)
 
     @property
     def gas(self) -> int:

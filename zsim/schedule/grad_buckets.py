@@ -26,8 +26,8 @@ from __future__ import annotations
 from zsim.schedule import offload
 from zsim.schedule.context import StepContext
 from zsim.schedule.ir import Alloc, Buffer, Category, Collective, Comm, GradReduce, OpKind, Phase, Tag
-from zsim.schedule.partition import (bucket_pieces, call_sizes, flat_group_numels, flat_partition, offsets, padded,
-                                     rank_slices)
+from zsim.schedule.moe import flat_group_process_group, moe_param_groups
+from zsim.schedule.partition import bucket_slices, call_sizes, padded
 
 
 class _Buckets:
@@ -62,8 +62,10 @@ class _Buckets:
         self.flushes += 1
         self.bucket, self.bucket_numel = [], 0
 
-    def _reduce_op(self, micro: int, after: int, call: int, comm: Comm, dst: int = -1, alloc=()) -> int:
-        payload = GradReduce(comm, bucket=self.flushes, call=call, pids=tuple(self.bucket), dst=dst)
+    def _reduce_op(self, micro: int, after: int, call: int, comm: Comm, dst: int = -1, alloc=(),
+                   flat_group: int = 0) -> int:
+        payload = GradReduce(comm, bucket=self.flushes, call=call, pids=tuple(self.bucket), dst=dst,
+                             flat_group=flat_group)
         return self.ctx.b.add(OpKind.BUCKET_REDUCE, self.ctx.grad_stream, Phase.BACKWARD, micro, payload, [after],
                               alloc)
 
@@ -80,10 +82,11 @@ class Zero12Buckets(_Buckets):
 
     def __init__(self, ctx: StepContext, lazy_grads: bool, walk_at_boundary: bool):
         super().__init__(ctx)
-        # frozen params have no place in the flat group (see [Note: frozen parameters under ZeRO])
-        self.flat_numels = flat_group_numels(ctx.wl)
-        self.starts = offsets(self.flat_numels)
-        self.padded, self.partition = flat_partition(self.flat_numels, ctx.world)
+        self.groups = moe_param_groups(ctx.sc, ctx.wl, ctx.world)   # see [Note: MoE parameter groups]
+        # trainable params only: a frozen one is in no group (see [Note: frozen parameters under ZeRO])
+        self.group_of = {pid: g for g, group in enumerate(self.groups) for pid in group.pids}
+        self.trainable = sorted(self.group_of)   # registration order
+        self.partition = sum(g.partition for g in self.groups)   # this rank's share of every group
         self.lazy_grads = lazy_grads
         self.walk_at_boundary = walk_at_boundary     # ZeRO-1 without overlap_comm: reduce_gradients
         self.partition_live = False
@@ -101,19 +104,19 @@ class Zero12Buckets(_Buckets):
             # the boundary micro-step's hook copies the accumulated gradient into the IPG buffer
             self.ctx.b.add_free(after, Tag(Buffer.GRAD16, key=pid))
 
-    def _calls(self) -> list[tuple[Collective, int, int]]:
-        """(collective, destination rank or -1, elements) of the current bucket's calls."""
+    def _calls(self) -> list[tuple[Collective, int, int, int]]:
+        """(collective, destination rank in the group or -1, elements, flat group) of the current
+        bucket's calls; each group's slices are reduced over its own process group."""
         z = self.ctx.sc.zero
         if not z.reduce_scatter:
-            # gradient_reduction_w_predivide: the whole bucket in one all-reduce
-            return [(Collective.ALL_REDUCE, -1, self.bucket_numel)]
-        slices = rank_slices(bucket_pieces(self.bucket, self.starts, self.numels, self.partition))
-        if z.use_multi_rank_bucket_allreduce:
-            return [(Collective.ALL_REDUCE, -1, n) for n in call_sizes([n for _, n in slices], z.reduce_bucket_size)]
-        per_rank: dict[int, list[int]] = {}
-        for rank, n in slices:
-            per_rank.setdefault(rank, []).append(n)
-        return [(Collective.REDUCE, r, n) for r, sizes in per_rank.items() for n in call_sizes(sizes, z.reduce_bucket_size)]
+            # gradient_reduction_w_predivide: the whole bucket in one all-reduce over the dp group
+            return [(Collective.ALL_REDUCE, -1, self.bucket_numel, 0)]
+        slices = bucket_slices(self.bucket, self.groups, self.group_of, self.numels)
+        keyed: dict[tuple[int, int], list[int]] = {}   # (group, dst or -1) in order of first appearance
+        for g, rank, n in slices:
+            keyed.setdefault((g, -1 if z.use_multi_rank_bucket_allreduce else rank), []).append(n)
+        collective = Collective.ALL_REDUCE if z.use_multi_rank_bucket_allreduce else Collective.REDUCE
+        return [(collective, dst, n, g) for (g, dst), sizes in keyed.items() for n in call_sizes(sizes, z.reduce_bucket_size)]
 
     def _flush(self, micro: int, after: int):
         ctx, width = self.ctx, self.ctx.param_bytes
@@ -121,18 +124,19 @@ class Zero12Buckets(_Buckets):
         # gradients were copied into the IPG buffer before this one starts
         before = self.micro_flush[1] if self.micro_flush and self.micro_flush[0] == micro else after
         last = after
-        for call, (collective, dst, numel) in enumerate(self._calls()):
+        for call, (collective, dst, numel, g) in enumerate(self._calls()):
             alloc = ()
             if self.lazy_grads and not self.partition_live:
                 alloc = (Alloc(Tag(Buffer.GRAD_PARTITION), Category.GRADIENTS, self.partition * width),)
                 self.partition_live = True
-            last = self._reduce_op(micro, after, call, Comm(collective, numel, numel * width), dst, alloc)
+            comm = Comm(collective, numel, numel * width, group=flat_group_process_group(ctx, self.groups[g]))
+            last = self._reduce_op(micro, after, call, comm, dst, alloc, g)
         if self.lazy_grads and ctx.sc.zero.stage == 1 and self.walk_at_boundary:
             ctx.b.add_free(before, *[Tag(Buffer.GRAD16, key=pid) for pid in self.bucket])
         self.micro_flush = (micro, last)
         if ctx.optimizer_offloaded:
-            pieces = bucket_pieces(self.bucket, self.starts, self.numels, self.partition)
-            owned = sum(n for r, _, _, n in pieces if r == 0)   # rank 0's slice (ranks are symmetric)
+            owned = sum(n for _, r, n in bucket_slices(self.bucket, self.groups, self.group_of, self.numels)
+                        if r == 0)   # rank 0's slices (ranks are symmetric)
             if owned:
                 self.last_d2h = offload.grads_to_host(ctx, owned, micro, last, f"bucket {self.flushes}")
         if self.pending:

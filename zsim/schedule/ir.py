@@ -44,6 +44,24 @@ class Collective(StrEnum):
     REDUCE_SCATTER = "reduce_scatter"
     ALL_REDUCE = "all_reduce"
     REDUCE = "reduce"
+    ALL_TO_ALL = "all_to_all"
+
+
+class Group(StrEnum):
+    """The process groups a collective runs over (DeepSpeed's deepspeed/utils/groups.py)."""
+    DATA_PARALLEL = "data_parallel"
+    EXPERT_PARALLEL = "expert_parallel"              # ranks splitting one MoE layer's experts (all-to-all)
+    EXPERT_DATA_PARALLEL = "expert_data_parallel"    # ranks holding the same experts (their gradients)
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessGroup:
+    """A process group as its ranks are placed: `size` ranks, `stride` apart (the expert-parallel
+    group is consecutive, the expert-data-parallel group strided by ep_size: groups.py
+    _create_expert_and_data_parallel). The cost model places it on the cluster's nodes."""
+    kind: Group
+    size: int
+    stride: int = 1
 
 
 class Transfer(StrEnum):
@@ -69,6 +87,8 @@ class OpKind(Enum):
     GRAD_ALLREDUCE = "grad allreduce"        # ZeRO-0 / BF16_Optimizer boundary all-reduce chunk
     OVERFLOW_ALLREDUCE = "overflow allreduce"
     NORM_ALLREDUCE = "norm allreduce"
+    CAPACITY_ALLREDUCE = "capacity allreduce"  # DeepSpeed-MoE gate without drop_tokens: max expert load
+    EXPERT_ALL_TO_ALL = "expert all-to-all"  # DeepSpeed-MoE token dispatch / combine (payload TokenExchange)
     # host traffic (payload Copy / CpuAdam)
     CHECKPOINT_COPY = "checkpoint copy"      # cpu_checkpointing block input, out (D2H) or back (H2D)
     PARAM_FETCH = "param fetch"              # offload_param: partition from host/NVMe before its gather
@@ -108,7 +128,7 @@ class StepCompute:
 
 @dataclass(frozen=True, slots=True)
 class Comm:
-    """One collective call over the data-parallel group."""
+    """One collective call, over the data-parallel group unless `group` names another."""
     collective: Collective
     numel: int
     size_bytes: float               # full buffer (nccl-tests convention)
@@ -116,6 +136,7 @@ class Comm:
     # launched async with its neighbours, then all waited; priced from the tier's
     # "<collective>_coalesced" table (see [Note: coalesced post-step gathers])
     coalesced: bool = False
+    group: ProcessGroup | None = None   # None: the whole data-parallel group
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,11 +155,22 @@ class GradReduce:
     pids: tuple[int, ...] = ()      # the bucket's params, in bucket order
     dst: int = -1                   # destination rank of a `reduce` call
     offset: int = 0                 # GRAD_ALLREDUCE: first element of the chunk in the flat gradients
+    flat_group: int = 0             # ZeRO-1/2: the flat parameter group whose slices it reduces (see [Note: MoE parameter groups])
 
 
 @dataclass(frozen=True, slots=True)
 class ScalarAllReduce:
     comm: Comm
+
+
+@dataclass(frozen=True, slots=True)
+class TokenExchange:
+    """One MoE layer's all-to-all over the expert-parallel group (sharded_moe.py _AllToAll): the
+    capacity buffer [experts, capacity, hidden] out to the experts' ranks (dispatch) or back
+    (combine). In backward each runs again on the gradients, in the mirrored order."""
+    comm: Comm
+    layer: int
+    combine: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +187,7 @@ class CpuAdam:
     group: int
 
 
-Payload = ModulePass | StepCompute | ParamGather | GradReduce | ScalarAllReduce | Copy | CpuAdam
+Payload = ModulePass | StepCompute | ParamGather | GradReduce | ScalarAllReduce | TokenExchange | Copy | CpuAdam
 
 
 # -- memory -----------------------------------------------------------------------------------
@@ -170,6 +202,7 @@ class Buffer(Enum):
     GRAD16 = "grad16"                # a ZeRO-1 accumulated 16-bit .grad
     GRAD_PENDING = "grad"            # a ZeRO-2 .grad waiting for its bucket (contiguous_gradients false)
     GRAD_PARTITION = "grads"         # ZeRO-1/2 16-bit gradient partition (grads_in_partition)
+    EXPERT_BUFFER = "moe"            # an MoE layer's capacity buffer around one all-to-all
     IPG = "ipg"                      # ZeRO-1/2 IPG bucket buffer of one backward
     SCATTER_COPY = "rs"              # reduce_scatter_coalesced's interleaved copy of a bucket
     OPT_FP32_GRADS = "opt/fp32_grads"
@@ -262,6 +295,8 @@ def label(op: Op) -> str:
         return f"{name} -> rank {p.dst}" if p.comm.collective == Collective.REDUCE else name
     if k == OpKind.GRAD_ALLREDUCE:
         return f"allreduce gradients {p.call}"
+    if k == OpKind.EXPERT_ALL_TO_ALL:
+        return f"all-to-all {'combine' if p.combine else 'dispatch'} layer {p.layer}"
     if k in (OpKind.CHECKPOINT_COPY, OpKind.PARAM_FETCH, OpKind.GRAD_COPY, OpKind.PARAM_UPLOAD,
              OpKind.OPTIMIZER_SWAP):
         return f"{_TRANSFER_LABELS[p.transfer]} {p.what}"
@@ -280,6 +315,7 @@ _FIXED_LABELS = {
     OpKind.UPDATED_GATHER: "all-gather updated params",
     OpKind.OVERFLOW_ALLREDUCE: "overflow check",
     OpKind.NORM_ALLREDUCE: "grad norm all-reduce",
+    OpKind.CAPACITY_ALLREDUCE: "MoE capacity all-reduce",
 }
 
 

@@ -4,7 +4,7 @@ scalar all-reduces before it."""
 from __future__ import annotations
 
 from zsim.schedule.context import StepContext
-from zsim.schedule.ir import (Alloc, Buffer, Category, Collective, Comm, ComputeWork, OpKind, Phase,
+from zsim.schedule.ir import (Alloc, Buffer, Category, Collective, Comm, ComputeWork, OpKind, Phase, ProcessGroup,
                               ScalarAllReduce, StepCompute, Stream, Tag)
 
 FP32_BYTES = 4
@@ -82,16 +82,18 @@ def optimizer_step(ctx: StepContext, shard_params: float, deps, flatten: bool = 
     return op
 
 
-def _scalar_allreduce(ctx: StepContext, kind: OpKind, size_bytes: int, deps) -> int:
+def _scalar_allreduce(ctx: StepContext, kind: OpKind, size_bytes: int, deps, group: ProcessGroup | None = None) -> int:
     return ctx.b.add(kind, Stream.COMPUTE, Phase.STEP, ctx.last_micro,
-                     ScalarAllReduce(Comm(Collective.ALL_REDUCE, 1, size_bytes)), deps)
+                     ScalarAllReduce(Comm(Collective.ALL_REDUCE, 1, size_bytes, group=group)), deps)
 
 
 def grad_norm_ops(ctx: StepContext, shard_params: float, n_tensors: int, deps, overflow_check: bool = True,
-                  device_passes: bool = True) -> int:
+                  device_passes: bool = True, norm_calls: int = 1, expert_norms: tuple[ProcessGroup, ...] = ()) -> int:
     """The local gradient shard's overflow check and norm, then scalar all-reduces (fp16/bf16
     overflow flag, squared norm) as DeepSpeed 0.19.8 issues them before the step (recorded,
-    tests/fixtures). The local passes stream the shard like the step does and are charged at
+    tests/fixtures); with several flat groups one norm all-reduce each, then each MoE group's
+    norm averaged over its expert-data-parallel group (see [Note: MoE parameter groups]). The
+    local passes stream the shard like the step does and are charged at
     its rate (calibration times them together). With the optimizer offloaded the gradients are
     checked on the host as they are copied (`local_overflow`, the CPU norm): one read here."""
     check = overflow_check and ctx.param_bytes < FP32_BYTES
@@ -105,4 +107,8 @@ def grad_norm_ops(ctx: StepContext, shard_params: float, n_tensors: int, deps, o
                      deps)
     if check:
         last = _scalar_allreduce(ctx, OpKind.OVERFLOW_ALLREDUCE, 1, [last])
-    return _scalar_allreduce(ctx, OpKind.NORM_ALLREDUCE, 4, [last])
+    for _ in range(norm_calls):
+        last = _scalar_allreduce(ctx, OpKind.NORM_ALLREDUCE, 4, [last])
+    for group in expert_norms:
+        last = _scalar_allreduce(ctx, OpKind.NORM_ALLREDUCE, 4, [last], group)
+    return last

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from zsim.schedule import offload
 from zsim.schedule.context import StepContext
 from zsim.schedule.ir import Alloc, Buffer, Category, Collective, Comm, OpKind, ParamGather, Phase, Stream, Tag
+from zsim.schedule.moe import z3_leaf_blocks
 from zsim.schedule.partition import padded
 from zsim.workload.module import Module
 
@@ -38,17 +39,25 @@ class Visit:
     phase: Phase
 
 
-def _containers_before(module: Module, prev: Module | None) -> list[str]:
-    """Containers whose hooks fire before this leaf: those it sits in that `prev` did not."""
-    entered = prev.containers if prev is not None else ()
-    return [c for c in module.containers if c not in entered]
+def leaf_of(module: Module, leaves) -> str | None:
+    """The ZeRO-3 leaf container `module` sits in, if any."""
+    return next((c for c in module.containers if c in leaves), None)
 
 
-def _visits_of(mods, phase: Phase) -> list[Visit]:
+def _visits_of(mods, phase: Phase, leaves: dict[str, tuple[int, ...]]) -> list[Visit]:
+    """Forward-order visits; a leaf container's modules are one visit of the container, with all
+    their params, and no hooks inside it (see [Note: ZeRO-3 leaf modules])."""
     seq, prev = [], None
     for m in mods:
-        seq += [Visit(c, (), phase) for c in _containers_before(m, prev)]
-        seq.append(Visit(m.name, tuple(dict.fromkeys(m.params)), phase))
+        leaf = leaf_of(m, leaves)
+        if leaf is not None and prev is not None and leaf_of(prev, leaves) == leaf:
+            prev = m
+            continue
+        outer = m.containers[:m.containers.index(leaf)] if leaf is not None else m.containers
+        entered = prev.containers if prev is not None else ()
+        seq += [Visit(c, (), phase) for c in outer if c not in entered]
+        seq.append(Visit(leaf, leaves[leaf], phase) if leaf is not None
+                   else Visit(m.name, tuple(dict.fromkeys(m.params)), phase))
         prev = m
     return seq
 
@@ -57,18 +66,29 @@ def visit_sequence(ctx: StepContext) -> list[Visit]:
     """The recorded module trace of one micro-step: forward, then backward (with recompute)."""
     # only nn.Modules with parameters get ZeRO hooks in zsim's model; functional pieces
     # (attention core, activation, loss) are not visits
+    leaves = z3_leaf_blocks(ctx)
     mods = [m for m in ctx.wl.modules if m.params]
-    seq = [Visit("<root>", (), Phase.FORWARD)] + _visits_of(mods, Phase.FORWARD) + [Visit("<root>", (), Phase.BACKWARD)]
+    seq = ([Visit("<root>", (), Phase.FORWARD)] + _visits_of(mods, Phase.FORWARD, leaves)
+           + [Visit("<root>", (), Phase.BACKWARD)])
     recomputed: set[int] = set()
     full = ctx.checkpointing == "full"
+    prev_leaf = None
+    reached = {leaf_of(m, leaves) for m in mods if m.input_grad or m.weight_grad}
     for m in reversed(mods):
         if full and m.layer >= 0 and m.layer not in recomputed:
             recomputed.add(m.layer)
-            seq += _visits_of([rm for rm in ctx.wl.layer_modules(m.layer) if rm.params], Phase.RECOMPUTE)
-        if m.input_grad or m.weight_grad:
-            # a module autograd never reaches (frozen, no gradient flowing into its input:
-            # zsim/workload/lora.py) gets no pre-backward hook, so no fetch
-            seq.append(Visit(m.name, tuple(dict.fromkeys(m.params)), Phase.BACKWARD))
+            seq += _visits_of([rm for rm in ctx.wl.layer_modules(m.layer) if rm.params], Phase.RECOMPUTE, leaves)
+            prev_leaf = None
+        # a module autograd never reaches (frozen, no gradient flowing into its input:
+        # zsim/workload/lora.py) gets no pre-backward hook, so no fetch; a leaf container's hook
+        # fires when any module under it gets a gradient
+        leaf = leaf_of(m, leaves)
+        if leaf is None:
+            if m.input_grad or m.weight_grad:
+                seq.append(Visit(m.name, tuple(dict.fromkeys(m.params)), Phase.BACKWARD))
+        elif leaf != prev_leaf and leaf in reached:
+            seq.append(Visit(leaf, leaves[leaf], Phase.BACKWARD))
+        prev_leaf = leaf
     return seq
 
 
@@ -80,6 +100,7 @@ class ParamCoordinator:
         self.ctx = ctx
         self.numels = [p.numel for p in ctx.wl.params]
         self.persistent = set(persistent)
+        self.leaves = z3_leaf_blocks(ctx)
         self.visits = visit_sequence(ctx)
         self.trace = [(pid, k) for k, v in enumerate(self.visits) for pid in sorted(v.params)]
         # prefix sums of visited numel and each param's visit positions, for the reuse-distance scan

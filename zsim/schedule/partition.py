@@ -3,6 +3,7 @@ simulator and for the training core that executes its schedule (calibration/core
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 # [Note: frozen parameters under ZeRO] A parameter with requires_grad=False is not an optimized
 # parameter (runtime/utils.py is_optimized_parameter), so DeepSpeed 0.19.8 leaves it out of every
@@ -29,6 +30,65 @@ def flat_partition(numels: list[int], world: int) -> tuple[int, int]:
     unit = ALIGNMENT * world
     padded_total = int(math.ceil(total / unit) * unit)
     return padded_total, padded_total // world
+
+
+# moe/utils.py split_params_into_different_moe_groups_for_optimizer's default max_group_size
+MOE_MAX_GROUP_NUMEL = 178956971
+
+
+@dataclass(frozen=True)
+class FlatGroup:
+    """One of ZeRO-1/2's flat 16-bit parameter groups (bit16_groups_flat), partitioned over
+    `ranks` ranks (its real_dp_process_group)."""
+    pids: tuple[int, ...]
+    ranks: int
+    padded: int                  # flat size with DeepSpeed's alignment padding
+    partition: int               # elements of one rank's partition
+    starts: dict[int, int]       # pid -> its first element in the flat group
+    expert: bool = False
+
+
+def flat_group(pids, numels: list[int], ranks: int, expert: bool = False) -> FlatGroup:
+    sizes = [numels[p] for p in pids]
+    padded_total, partition = flat_partition(sizes, ranks)
+    return FlatGroup(tuple(pids), ranks, padded_total, partition, dict(zip(pids, offsets(sizes))), expert)
+
+
+def flat_groups(numels: list[int], expert: list[bool], trainable: list[bool], world: int,
+                expert_parallel_size: int) -> list[FlatGroup]:
+    """ZeRO-1/2's flat 16-bit groups: the trainable params only (see [Note: frozen parameters under
+    ZeRO]: the optimizer's param groups hold only requires_grad params, and stage_1_and_2.py
+    keeps only those in bit16_groups), split into the dense group and the MoE groups (see
+    [Note: MoE parameter groups]). A frozen weight, expert or not, is in no group; a set of
+    experts all frozen gives no MoE group (split_params_into_different_moe_groups_for_optimizer
+    only sees the params it is given), while the dense group always exists.
+
+    [Note: MoE parameter groups] With DeepSpeed-MoE layers the engine splits the optimizer's
+    params (engine.py _configure_optimizer -> moe/utils.py configure_moe_param_groups ->
+    split_params_into_different_moe_groups_for_optimizer): the dense params stay one group,
+    the expert params (is_moe_param: Experts sets allreduce=False) follow in groups of at most
+    MOE_MAX_GROUP_NUMEL elements, in registration order. ZeRO-1/2 (stage_1_and_2.py
+    _configure_moe_settings) partitions every MoE group over its expert-data-parallel group
+    (real_dp_process_group[i], world / ep_size ranks) and the dense group over the whole
+    data-parallel group. Each group is then flattened, all-gathered after the step and normed
+    on its own (get_grad_norm_direct per group, all-reduced over the data-parallel group; a MoE
+    group's norm once more over its expert-data-parallel group, _average_expert_grad_norms). In
+    the IPG bucket each gradient slice is reduced over its own param's group, one reduction per
+    process group in order of first appearance (average_tensor); every slice is pre-divided by
+    the whole data-parallel world. Without MoE params: one group, as before."""
+    optimized = [p for p in range(len(numels)) if trainable[p]]
+    dense = [p for p in optimized if not expert[p]]
+    groups = [flat_group(dense, numels, world)]
+    chunk, size = [], 0
+    for p in (p for p in optimized if expert[p]):
+        if chunk and size + numels[p] > MOE_MAX_GROUP_NUMEL:
+            groups.append(flat_group(chunk, numels, world // expert_parallel_size, expert=True))
+            chunk, size = [], 0
+        chunk.append(p)
+        size += numels[p]
+    if chunk:
+        groups.append(flat_group(chunk, numels, world // expert_parallel_size, expert=True))
+    return groups
 
 
 def offsets(numels: list[int]) -> list[int]:
@@ -92,16 +152,21 @@ def bucket_pieces(pids, starts: list[int], numels: list[int], partition: int) ->
     return out
 
 
-def rank_slices(pieces) -> list[tuple[int, int]]:
-    """(destination rank, elements) of a bucket; consecutive pieces for the same rank merge
-    (average_tensor's rank_and_offsets)."""
+def bucket_slices(pids, groups: list[FlatGroup], group_of: dict[int, int], numels: list[int]) -> list[tuple[int, int, int]]:
+    """ZeRO-1/2: (group index, destination rank in that group, elements) of a bucket's gradient
+    slices in bucket order, each param cut at its own group's partition boundaries; consecutive
+    slices for the same rank of the same group merge (average_tensor's rank_and_offsets, see
+    [Note: MoE parameter groups])."""
     out: list[list[int]] = []
-    for rank, _, _, n in pieces:
-        if out and out[-1][0] == rank:
-            out[-1][1] += n
-        else:
-            out.append([rank, n])
-    return [(r, n) for r, n in out]
+    for pid in pids:
+        g = group_of[pid]
+        group = groups[g]
+        for rank, _, _, n in bucket_pieces((pid,), group.starts, numels, group.partition):
+            if out and out[-1][0] == g and out[-1][1] == rank:
+                out[-1][2] += n
+            else:
+                out.append([g, rank, n])
+    return [(g, r, n) for g, r, n in out]
 
 
 def call_sizes(sizes: list[int], bucket_size: float) -> list[int]:
@@ -118,11 +183,11 @@ def call_sizes(sizes: list[int], bucket_size: float) -> list[int]:
     return calls
 
 
-def pieces_in_partition(starts: list[int], numels: list[int], partition: int, rank: int) -> int:
-    """ZeRO-1/2: params with elements in `rank`'s partition of the flat group (its
+def pieces_in_partition(group: FlatGroup, numels: list[int], rank: int) -> int:
+    """ZeRO-1/2: params with elements in `rank`'s partition of a flat group (its
     averaged_gradients pieces)."""
-    lo, hi = rank * partition, (rank + 1) * partition
-    return sum(1 for o, n in zip(starts, numels) if n and o < hi and o + n > lo)
+    lo, hi = rank * group.partition, (rank + 1) * group.partition
+    return sum(1 for p in group.pids if group.starts[p] < hi and group.starts[p] + numels[p] > lo)
 
 
 def grads_ready_at(wl) -> dict[str, tuple[int, ...]]:
@@ -135,12 +200,6 @@ def grads_ready_at(wl) -> dict[str, tuple[int, ...]]:
             first_use.setdefault(pid, i)
     return {m.name: tuple(p for p in m.params if first_use[p] == i and wl.params[p].trainable)
             for i, m in enumerate(wl.modules)}
-
-
-def flat_group_numels(wl) -> list[int]:
-    """Each param's width in the ZeRO-1/2 flat group: its numel when trainable, 0 when frozen (not
-    in the group; see [Note: frozen parameters under ZeRO])."""
-    return [p.numel if p.trainable else 0 for p in wl.params]
 
 
 def trainable_numels(wl) -> list[int]:

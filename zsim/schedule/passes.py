@@ -57,6 +57,7 @@ def forward(ctx: StepContext, hooks: StageHooks, micro: int, after: int | None) 
     last = after
     block_temps: list[Tag] = []
     for module in ctx.wl.modules:
+        last = ctx.exchanges.before(ctx, module, micro, Phase.FORWARD, last)
         deps = hooks.pre_module(ctx, module, micro, Phase.FORWARD) + [last]
         checkpointed = full and _is_layer(module)
         op = _forward_op(ctx, module, micro, Phase.FORWARD, deps, keep=not checkpointed)
@@ -70,7 +71,7 @@ def forward(ctx: StepContext, hooks: StageHooks, micro: int, after: int | None) 
                 ctx.b.add_alloc(op, Alloc(tag, Category.ACTIVATIONS, saved))
                 block_temps.append(tag)
         hooks.post_module(ctx, module, micro, Phase.FORWARD, op)
-        last = op
+        last = ctx.exchanges.after(ctx, module, micro, Phase.FORWARD, op)
         if checkpointed and _is_last_in_layer(ctx.wl, module):
             ctx.b.add_free(op, *block_temps)
             block_temps = []
@@ -103,9 +104,11 @@ def _recompute_block(ctx: StepContext, hooks: StageHooks, layer: int, micro: int
                          [last, ctx.ckpt_offload_ops.get((micro, layer))],
                          (Alloc(Tag(Buffer.CHECKPOINT, micro, layer), Category.CHECKPOINTS, size),))
     for rm in ctx.wl.layer_modules(layer):
+        last = ctx.exchanges.before(ctx, rm, micro, Phase.RECOMPUTE, last)
         deps = hooks.pre_module(ctx, rm, micro, Phase.RECOMPUTE) + [last]
-        last = _forward_op(ctx, rm, micro, Phase.RECOMPUTE, deps, keep=True)
-        hooks.post_module(ctx, rm, micro, Phase.RECOMPUTE, last)
+        op = _forward_op(ctx, rm, micro, Phase.RECOMPUTE, deps, keep=True)
+        hooks.post_module(ctx, rm, micro, Phase.RECOMPUTE, op)
+        last = ctx.exchanges.after(ctx, rm, micro, Phase.RECOMPUTE, op)
     return last
 
 
@@ -118,6 +121,7 @@ def backward(ctx: StepContext, hooks: StageHooks, micro: int, after: int) -> int
         if checkpointed and module.layer not in recomputed:
             recomputed.add(module.layer)
             last = _recompute_block(ctx, hooks, module.layer, micro, last)
+        last = ctx.exchanges.before(ctx, module, micro, Phase.BACKWARD, last)
         deps = hooks.pre_module(ctx, module, micro, Phase.BACKWARD) + [last]
         frees = [Tag(Buffer.ACTIVATION, micro, module.name)]
         if checkpointed and ctx.wl.layer_modules(module.layer)[0].name == module.name:
@@ -136,6 +140,6 @@ def backward(ctx: StepContext, hooks: StageHooks, micro: int, after: int) -> int
                        allocs)
         ctx.b.add_free(op, *((workspace,) if allocs else ()), *frees)
         hooks.post_module(ctx, module, micro, Phase.BACKWARD, op)
-        last = op
+        last = ctx.exchanges.after(ctx, module, micro, Phase.BACKWARD, op)
     hooks.end_backward(ctx, micro, last)
     return last

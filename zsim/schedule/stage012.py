@@ -19,6 +19,7 @@ from zsim.schedule.context import StageHooks, StepContext
 from zsim.schedule.grad_buckets import Zero12Buckets
 from zsim.schedule.ir import (Alloc, Buffer, Category, Collective, Comm, GradReduce, OpKind, ParamGather, Phase,
                               Stream, Tag)
+from zsim.schedule.moe import expert_data_parallel_group, flat_group_process_group, gathered_groups
 from zsim.schedule.optimizer import FP32_BYTES, grad_norm_ops, model_state_bytes, optimizer_step
 from zsim.schedule.partition import grads_ready_at, pieces_in_partition
 from zsim.schedule.passes import backward, forward
@@ -77,9 +78,8 @@ class Zero012Hooks(StageHooks):
                 self.last_reduce = self._boundary_allreduce(micro, last_op)
             return
         if self.buckets.walk_at_boundary and boundary:
-            for pid, numel in enumerate(self.buckets.flat_numels):
-                if numel:   # frozen params have no gradient
-                    self.buckets.add(pid, micro, last_op)
+            for pid in self.buckets.trainable:   # frozen params have no gradient
+                self.buckets.add(pid, micro, last_op)
         if self.stage == 2 or boundary:
             self.buckets.flush(micro, last_op)
         flushed = self.buckets.flushed_in(micro)
@@ -91,15 +91,20 @@ class Zero012Hooks(StageHooks):
 
     def _boundary_allreduce(self, micro: int, after: int) -> int:
         """engine.allreduce_gradients -> buffered_allreduce_fallback: all grads, in
-        MEMORY_OPT_ALLREDUCE_SIZE element buffers."""
+        MEMORY_OPT_ALLREDUCE_SIZE element buffers; with DeepSpeed-MoE the dense gradients over the
+        data-parallel group, then the experts' over their expert-data-parallel group
+        (_reduce_non_expert_gradients, _reduce_expert_gradients)."""
         ctx = self.ctx
-        total = sum(self.buckets.flat_numels)   # gradients of the trainable params only
-        last = after
-        for chunk, offset in enumerate(range(0, total, MEMORY_OPT_ALLREDUCE_SIZE)):
-            n = min(MEMORY_OPT_ALLREDUCE_SIZE, total - offset)
-            last = ctx.b.add(OpKind.GRAD_ALLREDUCE, Stream.COMPUTE, Phase.BACKWARD, micro,
-                             GradReduce(Comm(Collective.ALL_REDUCE, n, n * ctx.param_bytes), call=chunk,
-                                        offset=offset), [last])
+        last, chunk, start = after, 0, 0
+        for group in self.buckets.groups:
+            total = sum(self.buckets.numels[p] for p in group.pids)
+            for offset in range(0, total, MEMORY_OPT_ALLREDUCE_SIZE):
+                n = min(MEMORY_OPT_ALLREDUCE_SIZE, total - offset)
+                comm = Comm(Collective.ALL_REDUCE, n, n * ctx.param_bytes, group=flat_group_process_group(ctx, group))
+                last = ctx.b.add(OpKind.GRAD_ALLREDUCE, Stream.COMPUTE, Phase.BACKWARD, micro,
+                                 GradReduce(comm, call=chunk, offset=start + offset), [last])
+                chunk += 1
+            start += total
         return last
 
 
@@ -108,8 +113,8 @@ def build(ctx: StepContext):
     hooks = Zero012Hooks(ctx)
     buckets = hooks.buckets
     n_params = ctx.wl.n_params
-    n_trainable = sum(buckets.flat_numels)
-    # the flat group (and its partition) holds the trainable params only; the frozen ones stay
+    n_trainable = sum(buckets.numels[p] for p in buckets.trainable)
+    # the flat groups (and their partitions) hold the trainable params only; the frozen ones stay
     # whole on every rank (see [Note: frozen parameters under ZeRO])
     shard = buckets.partition if z.stage >= 1 else n_trainable
     states = model_state_bytes(n_params, shard, z.stage, ctx.param_bytes, trainable=(n_trainable, shard))
@@ -130,15 +135,21 @@ def build(ctx: StepContext):
         optimizer_step(ctx, n_trainable, step_deps, flatten=False)
         return
     if not hooks.bf16_optimizer:
-        pieces = pieces_in_partition(buckets.starts, buckets.flat_numels, buckets.partition, 0)
-        step_deps = [grad_norm_ops(ctx, shard, pieces, step_deps, device_passes=not ctx.optimizer_offloaded)]
+        pieces = sum(pieces_in_partition(g, buckets.numels, 0) for g in buckets.groups)
+        experts = sum(g.expert for g in buckets.groups)
+        step_deps = [grad_norm_ops(ctx, shard, pieces, step_deps, device_passes=not ctx.optimizer_offloaded,
+                                   norm_calls=len(buckets.groups),
+                                   expert_norms=(expert_data_parallel_group(ctx),) * experts)]
     if ctx.optimizer_offloaded:
         last = offload.offloaded_step(ctx, shard, step_deps + [buckets.last_d2h], None)
     else:
         last = optimizer_step(ctx, shard, step_deps)
         if buckets.partition_live:
             ctx.b.add_free(last, Tag(Buffer.GRAD_PARTITION))
-    # all_gather_dp_groups: one all-gather of the whole flat 16-bit group
-    n = buckets.padded
-    ctx.b.add(OpKind.UPDATED_GATHER, Stream.COMPUTE, Phase.STEP, ctx.last_micro,
-              ParamGather(Comm(Collective.ALL_GATHER, n, n * ctx.param_bytes)), [last])
+    # all_gather_dp_groups: one all-gather of each whole flat 16-bit group over its own group
+    for g in gathered_groups(buckets.groups):
+        group = buckets.groups[g]
+        n = group.padded
+        last = ctx.b.add(OpKind.UPDATED_GATHER, Stream.COMPUTE, Phase.STEP, ctx.last_micro,
+                         ParamGather(Comm(Collective.ALL_GATHER, n, n * ctx.param_bytes,
+                                          group=flat_group_process_group(ctx, group))), [last])

@@ -9,7 +9,7 @@ from zsim.schedule.context import StageHooks, StepContext
 from zsim.schedule.grad_buckets import Zero3Buckets
 from zsim.schedule.ir import Category, Collective, Comm, OpKind, ParamGather, Phase, Stream
 from zsim.schedule.optimizer import grad_norm_ops, model_state_bytes, optimizer_step
-from zsim.schedule.param_fetch import ParamCoordinator
+from zsim.schedule.param_fetch import ParamCoordinator, leaf_of
 from zsim.schedule.partition import (grads_ready_at, padded, persistent_params, shard_numel, sub_group_sizes,
                                      trainable_numels)
 from zsim.schedule.passes import backward, forward
@@ -23,9 +23,20 @@ class Zero3Hooks(StageHooks):
         self.ready = grads_ready_at(ctx.wl)
         self.pending_visits = 0
         self.current_visit: int | None = None
+        # see [Note: ZeRO-3 leaf modules]: the leaf's visit is released after its last module
+        # runs (forward order) or its first (backward)
+        self.leaf_span: dict[str, list[str]] = {}
+        for m in ctx.wl.modules:
+            leaf = leaf_of(m, self.fetch.leaves)
+            if leaf is not None:
+                self.leaf_span.setdefault(leaf, [m.name, m.name])[1] = m.name
+        self.leaf: tuple[str, int] | None = None     # the open leaf container and its visit
 
     def pre_module(self, ctx, module: Module, micro, phase):
         f = self.fetch
+        if self.leaf is not None and self.leaf[0] in module.containers:
+            self.current_visit = None
+            return []
         # container visits and param-less leaves that precede this module in the trace
         while f.step_id < len(f.visits) and f.visits[f.step_id].module != module.name:
             v = f.visits[f.step_id]
@@ -34,10 +45,15 @@ class Zero3Hooks(StageHooks):
             self.pending_visits += 1
             f.visit(v, micro, phase)
         self.current_visit = None
-        if f.step_id < len(f.visits) and f.visits[f.step_id].module == module.name:
-            self.current_visit = f.step_id
-            self.pending_visits += 1
-            return f.visit(f.visits[f.step_id], micro, phase)
+        if f.step_id < len(f.visits):
+            v = f.visits[f.step_id]
+            if v.module == module.name or (v.module in f.leaves and v.module in module.containers):
+                if v.module in f.leaves:
+                    self.leaf = (v.module, f.step_id)
+                else:
+                    self.current_visit = f.step_id
+                self.pending_visits += 1
+                return f.visit(v, micro, phase)
         return []
 
     def post_module(self, ctx, module: Module, micro, phase, op):
@@ -49,6 +65,11 @@ class Zero3Hooks(StageHooks):
             self.pending_visits = 0
         if self.current_visit is not None:
             self.fetch.release(self.current_visit, micro, op)
+        if self.leaf is not None:
+            first, last = self.leaf_span[self.leaf[0]]
+            if module.name == (first if phase == Phase.BACKWARD else last):
+                self.fetch.release(self.leaf[1], micro, op)
+                self.leaf = None
         if phase == Phase.BACKWARD:
             # see [Note: gradient hook order]
             for pid in self.ready[module.name]:

@@ -12,6 +12,7 @@ from zsim.schema import spec
 from zsim.specs.deepspeed import MAX_GRADIENT_ACCUMULATION_STEPS, MAX_MICRO_BATCH_SIZE, DeepSpeedConfig
 from zsim.specs.hardware import Cluster
 from zsim.specs.model import MAX_SEQ_LEN, ModelSpec
+from zsim.specs.parallelism import ParallelismSpec
 
 
 # The largest training clusters built (2025) hold ~100k-200k GPUs; 2**18 = 262,144 covers them.
@@ -71,6 +72,10 @@ class TrainingSpec:
     max_grad_norm: float = spec(1.0, ge=0, doc="HF Trainer's max_grad_norm, used for gradient_clipping: auto")
     lora: Optional[LoraSpec] = spec(None, doc="PEFT LoRA: frozen base model, trained adapters (zsim/workload/lora.py)")
     frozen: tuple[str, ...] = spec((), doc="module-name suffixes whose parameters are frozen (requires_grad=False)")
+    z3_leaf_moe_block: bool = spec(True, doc="ZeRO-3: each MoE block is a leaf module (deepspeed.utils."
+                                   "set_z3_leaf_modules; DeepSpeed 0.19.8's default zero_optimization.leaf_module "
+                                   "for Mixtral/Qwen2-MoE/Qwen3-MoE) and gathers all its experts at once; false: "
+                                   "one fetch per expert module")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +87,7 @@ class Scenario:
     deepspeed: DeepSpeedConfig
     description: str = ""
     warnings: tuple[str, ...] = ()
+    parallelism: ParallelismSpec = ParallelismSpec()
 
     # Resolved values (DeepSpeed's batch rule, precision): the simulator reads these.
     @property
@@ -103,6 +109,10 @@ class Scenario:
     @property
     def precision(self) -> str:
         return self.training.precision
+
+    @property
+    def expert_parallel_size(self) -> int:
+        return self.parallelism.expert
 
     @property
     def zero(self):

@@ -115,7 +115,7 @@ def apply_training(wl: Workload, training: TrainingSpec) -> Workload:
 def _rebuild(wl, lora, frozen, targets, saved, weight_grad, input_grad, keeps_input) -> Workload:
     params: list[Param] = []
     new_id: dict[int, int] = {}
-    a, t = wl.act_dtype_bytes, wl.tokens
+    a = wl.act_dtype_bytes
 
     def own(pid: int, rename: tuple[str, str] | None = None) -> int:
         if pid not in new_id:
@@ -136,7 +136,7 @@ def _rebuild(wl, lora, frozen, targets, saved, weight_grad, input_grad, keeps_in
             base = f"{m.name}.base_layer"
             ids = tuple(own(p, (m.name, base)) for p in m.params)
             modules.append(replace(m, name=base, params=ids, containers=m.containers + (m.name,)))
-            modules += _adapters(m, lora, a, t, new)
+            modules += _adapters(m, lora, a, new)
         elif i in saved:
             for p in m.params:
                 own(p, (m.name, f"{m.name}.original_module"))
@@ -168,10 +168,15 @@ def _backward_of(m: Module, input_grad: bool, weight_grad: bool, a: int, keeps_i
                    bwd_workspace_bytes=tokens * n_in * a if input_grad else 0.0)
 
 
-def _adapters(base: Module, lora: LoraSpec, a: int, t: int, new) -> list[Module]:
+def _adapters(base: Module, lora: LoraSpec, a: int, new) -> list[Module]:
     """lora_A (in -> r) and lora_B (r -> out) of a target; lora_B's output is scaled by alpha/r and
-    added to the base's (peft lora/layer.py Linear.forward: result + lora_B(lora_A(dropout(x))) * scaling)."""
-    _, n_out, n_in = base.gemm
+    added to the base's (peft lora/layer.py Linear.forward: result + lora_B(lora_A(dropout(x))) * scaling).
+    The adapters run on the base's rows: an expert's are its capacity buffer, of which the model
+    FLOPs count the routed tokens as the base's do; their params are dense to DeepSpeed, as
+    Experts marks only the params it was built with as MoE params (moe/experts.py sets
+    allreduce=False and group_name; moe/utils.py is_moe_param)."""
+    t, n_out, n_in = base.gemm
+    model_share = base.model_fwd_flops / base.fwd_flops if base.fwd_flops else 1.0
     r = lora.rank
     drop = lora.dropout > 0
     name_a, name_b = f"{base.name}.lora_A.default", f"{base.name}.lora_B.default"
@@ -182,17 +187,18 @@ def _adapters(base: Module, lora: LoraSpec, a: int, t: int, new) -> list[Module]
     # with lora_dropout the dropped copy of x (and its mask) is what lora_A saves; without, it
     # saves x itself, which the base's input group keeps already
     lora_a = Module(name=name_a, kind=ModuleKind.LINEAR, layer=base.layer, params=(pa,), gemm=(t, r, n_in),
-                    fwd_flops=fa, bwd_flops=fa * (1 + ig), model_fwd_flops=fa,
+                    fwd_flops=fa, bwd_flops=fa * (1 + ig), model_fwd_flops=fa * model_share,
                     fwd_mem_bytes=(2 * a + 1) * t * n_in if drop else 0.0,
                     bwd_mem_bytes=(2 * a + 1) * t * n_in if drop and ig else 0.0,
                     act_bytes=(a + 1) * t * n_in if drop else 0.0, kernels_fwd=1 + drop,
                     kernels_bwd=1 + ig + (drop and ig),
-                    bwd_workspace_bytes=t * n_in * a if ig else 0.0, containers=inside, input_grad=ig)
+                    bwd_workspace_bytes=t * n_in * a if ig else 0.0, containers=inside, input_grad=ig,
+                    expert=base.expert)
     lora_b = Module(name=name_b, kind=ModuleKind.LINEAR, layer=base.layer, params=(pb,), gemm=(t, n_out, r),
-                    fwd_flops=fb, bwd_flops=2 * fb, model_fwd_flops=fb,
+                    fwd_flops=fb, bwd_flops=2 * fb, model_fwd_flops=fb * model_share,
                     fwd_mem_bytes=5.0 * t * n_out * a, bwd_mem_bytes=2.0 * t * n_out * a,
                     act_bytes=float(t * r * a), kernels_fwd=3, kernels_bwd=3, bwd_workspace_bytes=float(t * r * a),
-                    containers=inside)
+                    containers=inside, expert=base.expert)
     return [lora_a, lora_b]
 
 
