@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from zsim.config.parallel import check_pipeline_engine, resolve_parallelism
 from zsim.config.profile import load_profile
 from zsim.config.source import SCENARIO_KEYS, as_scenario, is_ds_config
 from zsim.errors import ZsimInputError, did_you_mean, unknown_key
@@ -188,7 +189,7 @@ def _resolve_batch(ds: dict, training: TrainingSpec, world_size: int) -> dict:
     if not mb or not gas or tb != mb * gas * world_size:
         raise ZsimInputError("deepspeed.train_batch_size", tb,
                              f"must equal train_micro_batch_size_per_gpu ({mb}) x gradient_accumulation_steps ({gas}) "
-                             f"x world size ({world_size}) = {(mb or 0) * (gas or 0) * world_size}")
+                             f"x data-parallel size ({world_size}) = {(mb or 0) * (gas or 0) * world_size}")
     ds.update(train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=gas)
     return ds
 
@@ -235,18 +236,24 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
                                  "(DeepSpeed reads bf16 and ignores bfloat16); keep one block")
         ds_raw.setdefault("bf16", old)
     _check_top_level_ds(ds_raw)
-    ds_raw = _resolve_auto(ds_raw, model, training, cluster.world_size)
-    ds_raw = _resolve_batch(ds_raw, training, cluster.world_size)
+    par = resolve_parallelism(raw.get("parallelism"), ds_raw.get("pipeline"), cluster.world_size, model.layers)
+    if isinstance(ds_raw.get("pipeline"), dict) and ds_raw["pipeline"].get("stages") == "auto":
+        ds_raw["pipeline"] = {k: v for k, v in ds_raw["pipeline"].items() if k != "stages"}
+    # batch sizes divide by the data-parallel size only (pipe/engine.py:104)
+    data_parallel = cluster.world_size // par.pipeline
+    ds_raw = _resolve_auto(ds_raw, model, training, data_parallel)
+    ds_raw = _resolve_batch(ds_raw, training, data_parallel)
     prefixed = {k: v for k, v in ds_raw.items() if k in accepted_keys(DeepSpeedConfig)}
     ds = build(DeepSpeedConfig, prefixed, "deepspeed")
     ds, training = _resolve_precision(ds, training)
+    training = check_pipeline_engine(par, ds, training)
     if training.seq_len and model.position == "learned" and training.seq_len > model.seq_len:
         raise ZsimInputError("training.seq_len", training.seq_len,
                              f"exceeds the model's learned position table (model.seq_len={model.seq_len}); raise model.seq_len")
     name = raw.get("name", name_default)
     if not isinstance(name, str):
         raise ZsimInputError("name", name, "expected a string")
-    return Scenario(name=name, model=model, cluster=cluster, training=training, deepspeed=ds,
+    return Scenario(name=name, model=model, cluster=cluster, training=training, deepspeed=ds, parallelism=par,
                     description=str(raw.get("description", "")),
                     warnings=ds.not_modelled(ds_raw.keys()) + ds.checkpointing_warnings(training.activation_checkpointing))
 

@@ -28,6 +28,12 @@ def render(r: Result, console: Console | None = None):
             f"{r.n_params / 1e9:.2f} B params, micro-batch {r.micro_batch_size} x GAS "
             f"{r.gradient_accumulation_steps} -> global batch {r.global_batch_size} x {r.seq_len} tokens")
     console.print(head)
+    pp = r.pipeline
+    if pp is not None:
+        layers = ", ".join(f"{a}-{b - 1}" for a, b in pp.layers)
+        console.print(f"pipeline: {pp.stages} stages x {pp.data_parallel} data-parallel (1F1B, partition "
+                      f"{pp.partition_method}; layers per stage {layers}); bubble {pp.bubble_fraction * 100:.1f}% "
+                      "of the stages' time")
     for w in r.warnings:
         console.print(f"[yellow]warning: {w}[/yellow]")
     perf = Table(title="Speed", show_header=False)
@@ -51,6 +57,10 @@ def render(r: Result, console: Console | None = None):
     for name, b in sorted(mem.breakdown.items(), key=lambda kv: -kv[1]):
         mt.add_row(name, fmt_bytes(b), f"{100 * b / mem.peak_bytes:.1f}%")
     console.print(mt)
+    if pp is not None:
+        peaks = ", ".join(f"{fmt_bytes(b)}{' (worst)' if s == pp.worst_stage else ''}"
+                          for s, b in enumerate(pp.peak_bytes))
+        console.print(f"Peak memory per pipeline stage: {peaks}; the breakdown above is stage {pp.worst_stage}'s")
     host = mem.host
     if host.load_bytes_per_node > host.capacity_bytes:
         console.print(f"[bold red]host OOM while loading the model: {fmt_bytes(host.load_bytes_per_node)} per node "

@@ -66,6 +66,20 @@ class Comm:
 
 
 @dataclass(frozen=True)
+class Pipeline:
+    """A pipeline-parallel run (DeepSpeed PipelineEngine): per-stage figures. The worst stage's
+    peak is Result.memory (it decides the verdict); comm and compute figures of the Result are
+    the average over the stages' ranks."""
+    stages: int
+    data_parallel: int
+    partition_method: str
+    layers: list[list[int]]             # per stage: [first, end) transformer layers
+    peak_bytes: list[float]             # per stage, CUDA reserve included
+    worst_stage: int
+    bubble_fraction: float              # share of the stages' time their rank does nothing (1F1B bubble)
+
+
+@dataclass(frozen=True)
 class Result:
     scenario: str
     stage: int
@@ -93,6 +107,7 @@ class Result:
     host_time_s: dict[str, float]       # offload busy time per transfer kind / cpu_adam
     events: int                         # ops simulated
     warnings: tuple[str, ...]
+    pipeline: Pipeline | None = None    # only for a pipeline-parallel run (and only then in the JSON)
 
     @property
     def fits(self) -> bool:
@@ -106,4 +121,6 @@ class Result:
         """The JSON/CSV shape: nested mappings in declaration order, warnings as a list."""
         out = asdict(self)
         out["warnings"] = list(self.warnings)
+        if self.pipeline is None:
+            del out["pipeline"]
         return out

@@ -7,12 +7,13 @@ from zsim.specs.scenario import Scenario
 from zsim.engine.ledger import peak_and_breakdown
 from zsim.engine.sim import Trace
 from zsim.hardware.collectives import bus_factor
-from zsim.result import Comm, HostMemory, Memory, Result
-from zsim.schedule.ir import Copy, CpuAdam, Stream
+from zsim.result import Comm, HostMemory, Memory, Pipeline, Result
+from zsim.schedule.ir import Copy, CpuAdam, Group, PipeTransfer, Stream
 from zsim.units import TFLOP
 from zsim.workload.transformer import Workload
 
 RESERVED = "CUDA context + allocator reserve"
+P2P = "send_recv"       # the comm key of a pipeline's point-to-point transfers
 
 
 def _union_length(intervals) -> float:
@@ -56,44 +57,59 @@ def _exposed(comm, compute) -> float:
 
 @dataclass(frozen=True)
 class _OpTotals:
-    """What summarize needs from the ops of one step, gathered in one pass."""
-    compute_iv: list[tuple[float, float]]
-    comm_iv: list[tuple[float, float]]
-    hw_flops_gpu: float
+    """What summarize needs from the ops of one step, gathered in one pass: intervals per
+    pipeline stage, the other figures summed over the stages' ranks."""
+    compute_iv: list[list[tuple[float, float]]]
+    comm_iv: list[list[tuple[float, float]]]
+    hw_flops: float
     comm_bytes: dict[str, float]
     comm_count: dict[str, int]
     comm_time_s: dict[str, float]
     host_time_s: dict[str, float]
 
 
-def _op_totals(trace: Trace, world: int) -> _OpTotals:
+def _group_size(comm, sched) -> int:
+    """Ranks of the group a collective runs over: the stage's data-parallel group, or the tie group."""
+    if sched.pipeline is None:
+        return sched.world_size
+    return 2 if comm.group == Group.TIED else sched.pipeline.data_parallel
+
+
+def _op_totals(trace: Trace) -> _OpTotals:
     """The only reader of the schedule's op fields here (transfer, cpu_adam_params, collective,
     size_bytes, stream, model_flops): one pass over the ops and their timings. An op of a
     repeated micro-step counts once per micro-step it stands for."""
     repeat = trace.repeat
-    compute_iv, comm_iv = [], []
-    hw_flops_gpu = 0.0
+    sched = trace.schedule
+    compute_iv: list[list] = [[] for _ in range(sched.stages)]
+    comm_iv: list[list] = [[] for _ in range(sched.stages)]
+    hw_flops = 0.0
     comm_bytes: dict[str, float] = {}
     comm_count: dict[str, int] = {}
     comm_time: dict[str, float] = {}
     host_time: dict[str, float] = {}
-    for op, t in zip(trace.schedule.ops, trace.timings):
+    for op, t in zip(sched.ops, trace.timings):
         p, comm = op.payload, op.comm
         n = 1 if repeat is None else repeat.weight(op)
         if isinstance(p, (Copy, CpuAdam)):
             key = p.transfer.value if isinstance(p, Copy) else "cpu_adam"
             host_time[key] = host_time.get(key, 0.0) + n * (t.end_s - t.start_s)
-        if comm is not None:
-            kind = comm.collective.value
-            comm_iv.append((t.start_s, t.end_s))
-            sent = comm.size_bytes * bus_factor(kind, world)
+        if comm is not None or isinstance(p, PipeTransfer):
+            if isinstance(p, PipeTransfer):
+                if op.stage != p.src_stage:
+                    continue            # the recv's side of a send counted once, at the send
+                kind, sent = P2P, p.size_bytes
+            else:
+                kind = comm.collective.value
+                sent = comm.size_bytes * bus_factor(kind, _group_size(comm, sched))
+            comm_iv[op.stage].append((t.start_s, t.end_s))
             comm_bytes[kind] = comm_bytes.get(kind, 0.0) + n * sent
             comm_count[kind] = comm_count.get(kind, 0) + n
             comm_time[kind] = comm_time.get(kind, 0.0) + n * (t.end_s - t.start_s)
         elif op.stream == Stream.COMPUTE:
-            compute_iv.append((t.start_s, t.end_s))
-            hw_flops_gpu += n * op.work.model_flops
-    return _OpTotals(compute_iv, comm_iv, hw_flops_gpu, comm_bytes, comm_count, comm_time, host_time)
+            compute_iv[op.stage].append((t.start_s, t.end_s))
+            hw_flops += n * op.work.model_flops
+    return _OpTotals(compute_iv, comm_iv, hw_flops, comm_bytes, comm_count, comm_time, host_time)
 
 
 def _windows(trace: Trace) -> tuple[tuple[float, float, int], ...]:
@@ -114,7 +130,11 @@ def _clip(intervals, lo: float, hi: float) -> list[tuple[float, float]]:
 def _host_memory(sc: Scenario, trace: Trace) -> HostMemory:
     cl = sc.cluster
     breakdown: dict[str, float] = {}
-    for a in trace.schedule.host_static:
+    sched = trace.schedule
+    # a pipeline: a node full of the stage with the most host memory
+    host_static = sched.host_static if sched.pipeline is None else max(
+        sched.pipeline.host_static, key=lambda allocs: sum(a.size_bytes for a in allocs))
+    for a in host_static:
         breakdown[a.category] = breakdown.get(a.category, 0.0) + a.size_bytes * cl.gpus_per_node
     need = sum(breakdown.values())
     load = trace.schedule.host.host_load_bytes_per_gpu * cl.gpus_per_node
@@ -137,17 +157,38 @@ def _memory(sc: Scenario, trace: Trace) -> Memory:
                   peak_time_s=peak_t, breakdown=breakdown, host=_host_memory(sc, trace))
 
 
+def _pipeline(sc: Scenario, trace: Trace, ops: _OpTotals) -> Pipeline | None:
+    layout = trace.schedule.pipeline
+    if layout is None:
+        return None
+    step = trace.step_time_s
+    busy = [_union_length(c + m) for c, m in zip(ops.compute_iv, ops.comm_iv)]
+    reserved = sc.cluster.reserved_bytes
+    return Pipeline(stages=layout.stages, data_parallel=layout.data_parallel,
+                    partition_method=sc.parallelism.partition_method,
+                    layers=[list(r) for r in layout.layers],
+                    peak_bytes=[peak_and_breakdown(ev)[0] + reserved for ev in trace.stage_ledger_events],
+                    worst_stage=trace.worst_stage,
+                    bubble_fraction=1.0 - sum(busy) / (len(busy) * step) if step > 0 else 0.0)
+
+
 def summarize(sc: Scenario, wl: Workload, trace: Trace) -> Result:
     cl = sc.cluster
     world = cl.world_size
     step = trace.step_time_s
     samples = sc.global_batch_size
     tokens = samples * sc.seq_len
-    model_flops_gpu = wl.model_flops * sc.gradient_accumulation_steps
-    ops = _op_totals(trace, world)
+    stages = trace.schedule.stages
+    # per GPU: a pipeline's stages split the model (and its FLOPs); figures of the stages'
+    # ranks are averaged over them
+    model_flops_gpu = wl.model_flops * sc.gradient_accumulation_steps / stages
+    ops = _op_totals(trace)
     windows = _windows(trace)
     peak_flops = cl.peak_flops(sc.precision)
     tflops = model_flops_gpu / step / TFLOP if step > 0 else 0.0
+    compute_s = sum(sum(n * _union_length(_clip(iv, lo, hi)) for lo, hi, n in windows) for iv in ops.compute_iv)
+    exposed_s = sum(sum(n * _exposed(_clip(m, lo, hi), _clip(c, lo, hi)) for lo, hi, n in windows)
+                    for c, m in zip(ops.compute_iv, ops.comm_iv))
     return Result(
         scenario=sc.name,
         stage=sc.zero.stage,
@@ -167,14 +208,16 @@ def summarize(sc: Scenario, wl: Workload, trace: Trace) -> Result:
         tokens_per_s_per_gpu=tokens / step / world,
         tflops_per_gpu=tflops,
         mfu=model_flops_gpu / step / peak_flops,
-        hfu=ops.hw_flops_gpu / step / peak_flops,
-        compute_time_s=sum(n * _union_length(_clip(ops.compute_iv, lo, hi)) for lo, hi, n in windows),
+        hfu=ops.hw_flops / stages / step / peak_flops,
+        compute_time_s=compute_s / stages,
         model_flops_per_gpu=model_flops_gpu,
         memory=_memory(sc, trace),
-        comm=Comm(bytes_per_gpu=ops.comm_bytes, calls=ops.comm_count, time_s=ops.comm_time_s,
-                  exposed_time_s=sum(n * _exposed(_clip(ops.comm_iv, lo, hi), _clip(ops.compute_iv, lo, hi))
-                                     for lo, hi, n in windows)),
+        comm=Comm(bytes_per_gpu={k: v / stages for k, v in ops.comm_bytes.items()},
+                  calls={k: round(v / stages) for k, v in ops.comm_count.items()},
+                  time_s={k: v / stages for k, v in ops.comm_time_s.items()},
+                  exposed_time_s=exposed_s / stages),
         host_time_s=dict(sorted(ops.host_time_s.items())),
         events=trace.events_processed,
         warnings=tuple(sc.warnings),
+        pipeline=_pipeline(sc, trace, ops),
     )

@@ -46,6 +46,12 @@ class Collective(StrEnum):
     REDUCE = "reduce"
 
 
+class Group(StrEnum):
+    """The process group a collective runs over."""
+    DATA = "data"        # the data-parallel group (of the op's pipeline stage)
+    TIED = "tied"        # a tied weight's group: the same data-parallel rank of the first and last stage
+
+
 class Transfer(StrEnum):
     H2D = "h2d"
     D2H = "d2h"
@@ -76,6 +82,13 @@ class OpKind(Enum):
     PARAM_UPLOAD = "param upload"            # offload_optimizer: updated 16-bit params back to the GPU
     OPTIMIZER_SWAP = "optimizer swap"        # NVMe optimizer-state read or write of one sub-group
     CPU_ADAM = "cpu adam"                    # DeepSpeedCPUAdam over one sub-group
+    # pipeline point-to-point (payload PipeTransfer; runtime/pipe/p2p.py send / recv)
+    SEND_ACTIVATION = "send activation"      # the stage's output to the next stage (does the transfer)
+    RECV_ACTIVATION = "recv activation"      # waits for the previous stage's send (no work of its own)
+    SEND_GRAD = "send grad"                  # the input's gradient to the previous stage
+    RECV_GRAD = "recv grad"
+    # pipe/engine.py _exec_reduce_tied_grads: all-reduce of a tied weight's gradient (payload GradReduce)
+    TIED_ALLREDUCE = "tied allreduce"
 
 
 # -- payloads ---------------------------------------------------------------------------------
@@ -116,6 +129,7 @@ class Comm:
     # launched async with its neighbours, then all waited; priced from the tier's
     # "<collective>_coalesced" table (see [Note: coalesced post-step gathers])
     coalesced: bool = False
+    group: Group = Group.DATA
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +169,16 @@ class CpuAdam:
     group: int
 
 
-Payload = ModulePass | StepCompute | ParamGather | GradReduce | ScalarAllReduce | Copy | CpuAdam
+@dataclass(frozen=True, slots=True)
+class PipeTransfer:
+    """One micro-batch's activation (or its gradient) between adjacent pipeline stages: a
+    point-to-point send over the link between the two stages' ranks of the same data-parallel index."""
+    size_bytes: float
+    src_stage: int
+    dst_stage: int
+
+
+Payload = ModulePass | StepCompute | ParamGather | GradReduce | ScalarAllReduce | Copy | CpuAdam | PipeTransfer
 
 
 # -- memory -----------------------------------------------------------------------------------
@@ -174,6 +197,7 @@ class Buffer(Enum):
     SCATTER_COPY = "rs"              # reduce_scatter_coalesced's interleaved copy of a bucket
     OPT_FP32_GRADS = "opt/fp32_grads"
     OPT_FLAT16 = "opt/flat16_grads"
+    PIPE_OUTPUT = "pipe/output"      # a stage's output, kept until its gradient comes back (pipe_buffers['outputs'])
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,6 +258,7 @@ class Op:
     free: tuple[Tag, ...] = ()
     hook_visits: int = 0            # ZeRO-3 module visits whose hooks run on the host before it
     grad_hooks: int = 0             # ZeRO-0/1/2 params whose gradients DeepSpeed handles after it
+    stage: int = 0                  # the pipeline stage whose representative rank runs it
 
     @property
     def comm(self) -> Comm | None:
@@ -267,6 +292,10 @@ def label(op: Op) -> str:
         return f"{_TRANSFER_LABELS[p.transfer]} {p.what}"
     if k == OpKind.CPU_ADAM:
         return f"CPU Adam group {p.group}"
+    if k in (OpKind.SEND_ACTIVATION, OpKind.SEND_GRAD):
+        return f"{k.value} {op.micro_step} -> stage {p.dst_stage}"
+    if k in (OpKind.RECV_ACTIVATION, OpKind.RECV_GRAD):
+        return f"{k.value} {op.micro_step} <- stage {p.src_stage}"
     return _FIXED_LABELS[k]
 
 
@@ -280,6 +309,7 @@ _FIXED_LABELS = {
     OpKind.UPDATED_GATHER: "all-gather updated params",
     OpKind.OVERFLOW_ALLREDUCE: "overflow check",
     OpKind.NORM_ALLREDUCE: "grad norm all-reduce",
+    OpKind.TIED_ALLREDUCE: "all-reduce tied embedding grads",
 }
 
 
@@ -295,6 +325,17 @@ class HostSettings:
 
 
 @dataclass(frozen=True)
+class PipelineLayout:
+    """A pipeline's stages (DeepSpeed PipelineEngine): each stage is simulated as one
+    representative rank with its own streams and memory ledger."""
+    stages: int
+    data_parallel: int
+    layers: tuple[tuple[int, int], ...]           # per stage: [first, end) transformer layer
+    static: tuple[tuple[Alloc, ...], ...]         # per stage: its model states
+    host_static: tuple[tuple[Alloc, ...], ...]    # per stage
+
+
+@dataclass(frozen=True)
 class Schedule:
     stage: int
     world_size: int
@@ -302,3 +343,11 @@ class Schedule:
     static: tuple[Alloc, ...]       # allocated for the whole step (model states, persistent buffers)
     host: HostSettings
     host_static: tuple[Alloc, ...] = ()  # host (CPU) memory per GPU: offloaded states, pinned buffers
+    pipeline: PipelineLayout | None = None   # None: one stage (static, host_static are its rank's)
+
+    @property
+    def stages(self) -> int:
+        return self.pipeline.stages if self.pipeline else 1
+
+    def static_of(self, stage: int) -> tuple[Alloc, ...]:
+        return self.pipeline.static[stage] if self.pipeline else self.static

@@ -12,6 +12,7 @@ from zsim.schema import spec
 from zsim.specs.deepspeed import MAX_GRADIENT_ACCUMULATION_STEPS, MAX_MICRO_BATCH_SIZE, DeepSpeedConfig
 from zsim.specs.hardware import Cluster
 from zsim.specs.model import MAX_SEQ_LEN, ModelSpec
+from zsim.specs.parallelism import ParallelismSpec
 
 
 # The largest training clusters built (2025) hold ~100k-200k GPUs; 2**18 = 262,144 covers them.
@@ -48,6 +49,7 @@ class Scenario:
     cluster: Cluster
     training: TrainingSpec
     deepspeed: DeepSpeedConfig
+    parallelism: ParallelismSpec = ParallelismSpec()
     description: str = ""
     warnings: tuple[str, ...] = ()
 
@@ -71,6 +73,15 @@ class Scenario:
     @property
     def precision(self) -> str:
         return self.training.precision
+
+    @property
+    def pipeline_stages(self) -> int:
+        return self.parallelism.pipeline
+
+    @property
+    def data_parallel_size(self) -> int:
+        """PipeDataParallelTopology: the world splits into pipeline x data."""
+        return self.cluster.world_size // self.parallelism.pipeline
 
     @property
     def zero(self):
