@@ -167,3 +167,21 @@ def test_seed_pipeline_scenarios_run_without_warning():
     for name in ("seed004-pipeline-batch64", "seed004-pipeline-zero1-fp16-v100"):
         sc = scenario_from_mapping(__import__("yaml").safe_load((ROOT / f"scenarios/{name}.yaml").read_text()), ROOT)
         assert sc.pipeline_stages == 4 and not sc.warnings
+
+
+def test_tune_and_doctor_stay_within_what_the_pipeline_engine_accepts():
+    from zsim.search.doctor import playbook
+    from zsim.search.tune import memory_lower_bound, structural_candidates
+
+    sc = pipe(2, **{"training.gradient_accumulation_steps": 2})
+    cands = structural_candidates(sc)
+    assert {c.stage for c in cands} == {0, 1}
+    # the batch per data-parallel rank (8 GPUs / 2 stages = 4 ranks): micro 2 x GAS 2
+    assert {c.micro_batch * c.gas for c in cands} == {4}
+    one = scenario(**{"model.layers": 4, "deepspeed.zero_optimization.stage": 1,
+                      "training.gradient_accumulation_steps": 2})
+    assert memory_lower_bound(sc) < memory_lower_bound(one)
+    # the lower bound stays below what the simulation finds for the worst stage
+    assert memory_lower_bound(sc) <= run_scenario(sc)[0].memory.peak_bytes
+    names = [v.name for v in playbook(mapping(), sc)]
+    assert "4 pipeline stages" in names and not any("stage 2" in n or "stage 3" in n for n in names)

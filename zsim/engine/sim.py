@@ -79,15 +79,18 @@ class Trace:
     worst_stage: int = 0
 
 
+def _link_facts(links: tuple[str, ...]) -> tuple[bool, int, tuple[int, ...]]:
+    """(compute job?, its rank, the ranks whose SMs an NCCL kernel of it occupies)."""
+    compute = len(links) == 1 and base_link(links[0]) == "compute"
+    return compute, link_rank(links[0]), tuple(sorted({link_rank(x) for x in links if base_link(x) in COMM_LINKS}))
+
+
 class _Job:
     __slots__ = ("remaining_s", "rate", "event", "links", "compute", "nccl", "rank")
 
-    def __init__(self, remaining_s: float, event: Event, links: tuple[str, ...]):
+    def __init__(self, remaining_s: float, event: Event, links: tuple[str, ...], facts):
         self.remaining_s, self.rate, self.event, self.links = remaining_s, 1.0, event, links
-        self.compute = len(links) == 1 and base_link(links[0]) == "compute"
-        self.rank = link_rank(links[0])
-        # the ranks whose SMs an NCCL kernel of this job occupies
-        self.nccl = tuple(sorted({link_rank(link) for link in links if base_link(link) in COMM_LINKS}))
+        self.compute, self.rank, self.nccl = facts
 
 
 class _Fluid:
@@ -104,6 +107,7 @@ class _Fluid:
         self.nccl_jobs: dict[int, int] = {}     # per rank (pipeline stage)
         self.last_s = 0.0
         self.version = 0
+        self.facts: dict[tuple[str, ...], tuple] = {}
 
     def submit(self, links: tuple[str, ...], work_s: float) -> Event:
         ev = Event(self.env)
@@ -111,7 +115,10 @@ class _Fluid:
             ev.succeed()
             return ev
         self._advance()
-        job = _Job(work_s, ev, links)
+        facts = self.facts.get(links)
+        if facts is None:
+            facts = self.facts[links] = _link_facts(links)
+        job = _Job(work_s, ev, links, facts)
         self.jobs.append(job)
         for rank in job.nccl:
             self.nccl_jobs[rank] = self.nccl_jobs.get(rank, 0) + 1
