@@ -185,3 +185,44 @@ def test_tune_and_doctor_stay_within_what_the_pipeline_engine_accepts():
     assert memory_lower_bound(sc) <= run_scenario(sc)[0].memory.peak_bytes
     names = [v.name for v in playbook(mapping(), sc)]
     assert "4 pipeline stages" in names and not any("stage 2" in n or "stage 3" in n for n in names)
+
+
+_P2P = {OpKind.SEND_ACTIVATION: "send", OpKind.SEND_GRAD: "send", OpKind.RECV_ACTIVATION: "recv",
+        OpKind.RECV_GRAD: "recv"}
+
+
+def _zsim_calls(sched, stage: int, world: int) -> list[tuple]:
+    """zsim's sends, recvs and collectives of one stage's rank, as the recorder logs them:
+    (op, numel, group size); a point-to-point call's group is the default (world) group."""
+    out = []
+    for op in sched.ops:
+        if op.stage != stage:
+            continue
+        if op.kind in _P2P:
+            out.append((_P2P[op.kind], op.payload.size_bytes // 2, world))   # bf16 activations
+        elif op.comm is not None:
+            group = {Group.DATA: sched.pipeline.data_parallel, Group.PIPE: sched.pipeline.stages,
+                     Group.TIED: 2}[op.comm.group]
+            out.append((op.comm.collective.value, op.comm.numel, group))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_calls_are_deepspeed_pipeline_engines(world):
+    """DeepSpeed 0.19.8's PipelineEngine on CPU/gloo (calibration/deepspeed_record/pipeline.py:
+    PP2 at world 2, PP2 x DP2 at world 4, ZeRO-1, bf16): every send, recv and collective of the
+    second train_batch (the first adds the tensor-meta handshake) of every rank, in order, is
+    zsim's for that rank's stage. Calls over a group of one rank cost nothing and are left out."""
+    doc = json.loads((ROOT / f"tests/fixtures/pipeline/pp2_world{world}.json").read_text())
+    raw = {"model": doc["model"], "hardware": {"profile": "dgx-a100-80g", "nodes": 1, "gpus_per_node": world},
+           "training": {"seq_len": doc["model"]["seq_len"]}, "parallelism": {"pipeline": doc["stages"]},
+           "deepspeed": doc["ds_config"]}
+    _, sched = build_schedule(scenario_from_mapping(raw, ROOT))
+    stages_seen = set()
+    for rank in doc["ranks"]:
+        recorded = [(c["op"], c["numel"], c["group_size"]) for c in rank["calls"]
+                    if c["opt_step"] == 1 and c["group_size"] > 1]
+        ours = [c for c in _zsim_calls(sched, rank["stage"], world) if c[2] > 1]
+        assert recorded == ours, f"stage {rank['stage']}"
+        stages_seen.add(rank["stage"])
+    assert stages_seen == {0, 1}

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from zsim.errors import ZsimInputError
-from zsim.schema import build
+from zsim.schema import _number, build
 from zsim.specs.deepspeed import DeepSpeedConfig
 from zsim.specs.parallelism import ParallelismSpec
 from zsim.specs.scenario import TrainingSpec
@@ -20,12 +20,18 @@ from zsim.specs.scenario import TrainingSpec
 def resolve_parallelism(raw, ds_pipeline, world_size: int, layers: int) -> ParallelismSpec:
     """`raw`: the scenario's parallelism mapping (or None); `ds_pipeline`: the ds_config's
     pipeline mapping (or None). Checks what can be checked before the workload exists."""
+    if raw is not None and not isinstance(raw, dict):
+        raise ZsimInputError("parallelism", raw, "expected a mapping, e.g. {pipeline: 4}")
     raw = dict(raw or {})
     ds_pipeline = ds_pipeline if isinstance(ds_pipeline, dict) else {}
     for ds_key, key in (("stages", "pipeline"), ("partition", "partition_method")):
         value = ds_pipeline.get(ds_key)
         if value in (None, "auto") or (ds_key == "partition" and value == "best"):
             continue   # DeepSpeed's defaults: the PipelineModule's arguments decide
+        if ds_key == "stages":
+            value = _number(value, "deepspeed.pipeline.stages", want_int=True)
+        elif not isinstance(value, str):
+            raise ZsimInputError("deepspeed.pipeline.partition", value, "expected a string such as uniform or parameters")
         if key in raw and raw[key] != value:
             raise ZsimInputError(f"deepspeed.pipeline.{ds_key}", value,
                                  f"disagrees with parallelism.{key}={raw[key]!r}; make them equal or drop one")

@@ -14,7 +14,7 @@ from zsim.hardware.collectives import collective_cost, ring_cost, tiers_for
 from zsim.hardware.compute import (attention_time_s, fresh_alloc_time_s, gemm_time_s, kernel_overhead_s,
                                    memory_bound_time_s, optimizer_time_s)
 from zsim.hardware.host import aio_efficiency, cpu_adam_time_s, host_link_Bps, nvme_time_s, pcie_time_s
-from zsim.hardware.placement import data_group_shape, rank_of, same_node, stage_links
+from zsim.hardware.placement import data_group_shape, pipe_group_shape, rank_of, same_node, stage_links
 from zsim.schedule.ir import (Collective, ComputeWork, Copy, CpuAdam, Group, HostSettings, Op, Phase, PipelineLayout,
                               PipeTransfer, Transfer)
 from zsim.workload.transformer import DTYPE_BYTES
@@ -143,6 +143,10 @@ class CostModel:
         if self.pipeline is None:
             return collective_cost(comm.collective.value, comm.size_bytes, cl.nodes, cl.gpus_per_node, self.intra,
                                    self.inter, comm.coalesced)
+        if comm.group == Group.PIPE:
+            nodes, per_node = pipe_group_shape(self.pipeline.stages, self.pipeline.data_parallel, cl.gpus_per_node)
+            return collective_cost(comm.collective.value, comm.size_bytes, nodes, per_node, self.intra, self.inter,
+                                   comm.coalesced)
         if comm.group == Group.TIED:
             # the tie group: the same data-parallel rank of the first and the last stage
             name, tier = self._between(0, self.pipeline.stages - 1)

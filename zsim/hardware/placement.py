@@ -27,6 +27,13 @@ def data_group_shape(stage: int, data_parallel: int, gpus_per_node: int) -> tupl
     return nodes, math.ceil(data_parallel / nodes)
 
 
+def pipe_group_shape(stages: int, data_parallel: int, gpus_per_node: int) -> tuple[int, int]:
+    """(nodes, ranks per node) of the group of one data-parallel index across the stages
+    (ranks dp_rank, dp_rank + dp, ...)."""
+    nodes = len({rank_of(s, data_parallel) // gpus_per_node for s in range(stages)})
+    return nodes, math.ceil(stages / nodes)
+
+
 def stage_links(links: tuple[str, ...], stage: int) -> tuple[str, ...]:
     """The representative rank of `stage`'s own copy of each link."""
     return links if stage == 0 else tuple(f"{link}@{stage}" for link in links)

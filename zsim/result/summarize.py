@@ -69,10 +69,13 @@ class _OpTotals:
 
 
 def _group_size(comm, sched) -> int:
-    """Ranks of the group a collective runs over: the stage's data-parallel group, or the tie group."""
+    """Ranks of the group a collective runs over: the stage's data-parallel group, the tie group
+    or the pipe group."""
     if sched.pipeline is None:
         return sched.world_size
-    return 2 if comm.group == Group.TIED else sched.pipeline.data_parallel
+    if comm.group == Group.DATA:
+        return sched.pipeline.data_parallel
+    return 2 if comm.group == Group.TIED else sched.pipeline.stages
 
 
 def _op_totals(trace: Trace) -> _OpTotals:

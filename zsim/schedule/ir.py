@@ -44,12 +44,14 @@ class Collective(StrEnum):
     REDUCE_SCATTER = "reduce_scatter"
     ALL_REDUCE = "all_reduce"
     REDUCE = "reduce"
+    BROADCAST = "broadcast"
 
 
 class Group(StrEnum):
     """The process group a collective runs over."""
     DATA = "data"        # the data-parallel group (of the op's pipeline stage)
     TIED = "tied"        # a tied weight's group: the same data-parallel rank of the first and last stage
+    PIPE = "pipe"        # every stage's rank of one data-parallel index (PipelineParallelGrid's model-parallel group)
 
 
 class Transfer(StrEnum):
@@ -89,6 +91,10 @@ class OpKind(Enum):
     RECV_GRAD = "recv grad"
     # pipe/engine.py _exec_reduce_tied_grads: all-reduce of a tied weight's gradient (payload GradReduce)
     TIED_ALLREDUCE = "tied allreduce"
+    # pipe/engine.py _aggregate_total_loss, after the step (payload ScalarAllReduce): the last
+    # stage all-reduces the loss over its data-parallel group, then broadcasts it to every stage
+    LOSS_ALLREDUCE = "loss allreduce"
+    LOSS_BROADCAST = "loss broadcast"
 
 
 # -- payloads ---------------------------------------------------------------------------------
@@ -152,6 +158,7 @@ class GradReduce:
 
 @dataclass(frozen=True, slots=True)
 class ScalarAllReduce:
+    """A few-element collective (a flag, a norm, the loss): an all-reduce, or LOSS_BROADCAST's broadcast."""
     comm: Comm
 
 
@@ -310,6 +317,8 @@ _FIXED_LABELS = {
     OpKind.OVERFLOW_ALLREDUCE: "overflow check",
     OpKind.NORM_ALLREDUCE: "grad norm all-reduce",
     OpKind.TIED_ALLREDUCE: "all-reduce tied embedding grads",
+    OpKind.LOSS_ALLREDUCE: "loss all-reduce",
+    OpKind.LOSS_BROADCAST: "loss broadcast",
 }
 
 

@@ -17,7 +17,7 @@ from enum import Enum
 from zsim.schedule import offload, stage012
 from zsim.schedule.context import StageHooks, StepContext
 from zsim.schedule.ir import (Alloc, Buffer, Category, Collective, Comm, GradReduce, Group, HostSettings, OpKind,
-                              Phase, PipeTransfer, Stream, Tag)
+                              Phase, PipeTransfer, ScalarAllReduce, Stream, Tag)
 from zsim.schedule.passes import backward, forward
 from zsim.schedule.pipe_partition import stage_slices
 from zsim.workload.transformer import Workload
@@ -124,6 +124,7 @@ def build(ctx0: StepContext) -> tuple[tuple[tuple[int, int], ...], HostSettings]
         ranks.append(rank)
     _run_programs(ranks, ctx0.wl.layer_input_bytes)
     tied = _tied_params(slices[0][0], slices[-1][0]) if stages > 1 else 0
+    finished = []
     for rank in ranks:
         b.stage = rank.index
         last = rank.hooks.boundary_last
@@ -134,7 +135,9 @@ def build(ctx0: StepContext) -> tuple[tuple[tuple[int, int], ...], HostSettings]
         rank.hooks.inner.end_backward(rank.ctx, rank.ctx.last_micro, last)
         if tied_op is not None and first < b.next_id:
             b.add_deps(first, tied_op)
-        stage012.optimizer_boundary(rank.ctx, rank.hooks.inner, tied_op if tied_op is not None else last)
+        finished.append(stage012.optimizer_boundary(rank.ctx, rank.hooks.inner,
+                                                    tied_op if tied_op is not None else last))
+    _aggregate_total_loss(ranks, finished)
     b.stage = 0
     load = max(offload.host_load_bytes(rank.ctx) for rank in ranks)
     host = replace(offload.host_settings(ctx0), host_load_bytes_per_gpu=load)
@@ -189,6 +192,23 @@ def _send(b, rank: _Stage, ranks: list[_Stage], kind: Cmd, micro: int, act_bytes
     b.stage = rank.index
     peer.pos += 1
     return True
+
+
+def _aggregate_total_loss(ranks: list[_Stage], finished: list[int]):
+    """pipe/engine.py _aggregate_total_loss, at the end of train_batch: the last stage
+    all-reduces the mean loss over its data-parallel group (when there is one), then broadcasts
+    it (with the aggregated loss: 2 elements) over the pipe group; every stage takes part."""
+    last = ranks[-1]
+    b = last.ctx.b
+    src = finished[-1]
+    if last.ctx.world > 1:
+        b.stage = last.index
+        src = b.add(OpKind.LOSS_ALLREDUCE, Stream.COMPUTE, Phase.STEP, last.ctx.last_micro,
+                    ScalarAllReduce(Comm(Collective.ALL_REDUCE, 1, 4)), [src])
+    for rank, done in zip(ranks, finished):
+        b.stage = rank.index
+        b.add(OpKind.LOSS_BROADCAST, Stream.COMPUTE, Phase.STEP, rank.ctx.last_micro,
+              ScalarAllReduce(Comm(Collective.BROADCAST, 2, 8, group=Group.PIPE)), [done, src])
 
 
 def _tied_params(first: Workload, last: Workload) -> int:

@@ -127,9 +127,9 @@ def allocate_states(ctx: StepContext, hooks: Zero012Hooks):
         ctx.b.static_alloc(cat, size)
 
 
-def optimizer_boundary(ctx: StepContext, hooks: Zero012Hooks, last: int):
+def optimizer_boundary(ctx: StepContext, hooks: Zero012Hooks, last: int) -> int:
     """After the last backward: the optimizer step over the rank's shard and, for ZeRO-1/2,
-    the all-gather of the updated 16-bit partitions."""
+    the all-gather of the updated 16-bit partitions. Returns the last op."""
     z = ctx.sc.zero
     buckets = hooks.buckets
     n_params = ctx.wl.n_params
@@ -137,8 +137,7 @@ def optimizer_boundary(ctx: StepContext, hooks: Zero012Hooks, last: int):
     # the step waits for every reduction (reduction stream synchronised before the step)
     step_deps = [last, hooks.last_reduce]
     if z.stage == 0:
-        optimizer_step(ctx, n_params, step_deps, flatten=False)
-        return
+        return optimizer_step(ctx, n_params, step_deps, flatten=False)
     if not hooks.bf16_optimizer:
         pieces = pieces_in_partition(buckets.starts, buckets.numels, buckets.partition, 0)
         step_deps = [grad_norm_ops(ctx, shard, pieces, step_deps, device_passes=not ctx.optimizer_offloaded)]
@@ -150,8 +149,8 @@ def optimizer_boundary(ctx: StepContext, hooks: Zero012Hooks, last: int):
             ctx.b.add_free(last, Tag(Buffer.GRAD_PARTITION))
     # all_gather_dp_groups: one all-gather of the whole flat 16-bit group
     n = buckets.padded
-    ctx.b.add(OpKind.UPDATED_GATHER, Stream.COMPUTE, Phase.STEP, ctx.last_micro,
-              ParamGather(Comm(Collective.ALL_GATHER, n, n * ctx.param_bytes)), [last])
+    return ctx.b.add(OpKind.UPDATED_GATHER, Stream.COMPUTE, Phase.STEP, ctx.last_micro,
+                     ParamGather(Comm(Collective.ALL_GATHER, n, n * ctx.param_bytes)), [last])
 
 
 def build(ctx: StepContext):
