@@ -226,3 +226,16 @@ def test_calls_are_deepspeed_pipeline_engines(world):
         assert recorded == ours, f"stage {rank['stage']}"
         stages_seen.add(rank["stage"])
     assert stages_seen == {0, 1}
+
+
+def test_memory_command_estimates_the_worst_stage(tmp_path):
+    from zsim.cli import main as cli_main
+
+    out = tmp_path / "m.json"
+    scenario_file = ROOT / "scenarios/seed004-pipeline-zero1-fp16-v100.yaml"
+    assert cli_main(["memory", str(scenario_file), "--json", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    full = run_scenario(scenario_from_mapping(__import__("yaml").safe_load(scenario_file.read_text()), ROOT))[0]
+    # the estimator sees one stage's slice (about a quarter of GPT-2 XL), not the whole model
+    assert full.n_params / 5 < rep["n_params"] < full.n_params / 3
+    assert any("worst stage" in n for n in rep["notes"])
