@@ -207,13 +207,15 @@ def _zsim_calls(sched, stage: int, world: int) -> list[tuple]:
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_calls_are_deepspeed_pipeline_engines(world):
+@pytest.mark.parametrize("case", ["pp2_world2", "pp2_world4", "pp2_world4_tied"])
+def test_calls_are_deepspeed_pipeline_engines(case):
     """DeepSpeed 0.19.8's PipelineEngine on CPU/gloo (calibration/deepspeed_record/pipeline.py:
-    PP2 at world 2, PP2 x DP2 at world 4, ZeRO-1, bf16): every send, recv and collective of the
-    second train_batch (the first adds the tensor-meta handshake) of every rank, in order, is
-    zsim's for that rank's stage. Calls over a group of one rank cost nothing and are left out."""
-    doc = json.loads((ROOT / f"tests/fixtures/pipeline/pp2_world{world}.json").read_text())
+    PP2 at world 2, PP2 x DP2 at world 4, with the head tied to the embedding through
+    TiedLayerSpec; ZeRO-1, bf16): every send, recv and collective of the second train_batch (the
+    first adds the tensor-meta handshake) of every rank, in order, is zsim's for that rank's
+    stage. Calls over a group of one rank cost nothing and are left out."""
+    doc = json.loads((ROOT / f"tests/fixtures/pipeline/{case}.json").read_text())
+    world = doc["world_size"]
     raw = {"model": doc["model"], "hardware": {"profile": "dgx-a100-80g", "nodes": 1, "gpus_per_node": world},
            "training": {"seq_len": doc["model"]["seq_len"]}, "parallelism": {"pipeline": doc["stages"]},
            "deepspeed": doc["ds_config"]}

@@ -6,7 +6,9 @@ train_batch per step, every send/recv and collective logged per rank (recorder.p
         --stages 2 --out tests/fixtures/pipeline
 
 writes pp<stages>_world<world>.json (rank -> its calls), which tests/test_pipeline.py compares
-with zsim's schedule of the same run.
+with zsim's schedule of the same run. `--tied`: the head shares the embedding's weight through
+TiedLayerSpec (the model without learned positions, so the tied copy is the word embedding
+alone), which adds ReduceTiedGrads (pp<stages>_world<world>_tied.json).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import json
 import os
 
 from calibration.core.measured import exit_without_teardown
-from calibration.core.model import GPT, cross_entropy
+from calibration.core.model import GPT, Block, Embedding, Norm, cross_entropy
 from calibration.deepspeed_record.recorder import RECORDS, STATE, install_recorder
 from zsim.specs.model import ModelSpec
 
@@ -38,6 +40,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--stages", type=int, required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--tied", action="store_true")
     args = ap.parse_args()
     install_recorder()
 
@@ -51,19 +54,37 @@ def main():
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = td.get_rank(), td.get_world_size()
-    gpt = GPT(MODEL).initialized(seed=1234)
+    model = dataclasses.replace(MODEL, tied_embeddings=True, position="rope") if args.tied else MODEL
+    if args.tied:
+        from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
-    class EmbeddingPipe(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.wte, self.wpe = gpt.wte, gpt.wpe
+        def head(embedding, x):
+            return torch.nn.functional.linear(x, embedding.weight)
 
-        def forward(self, ids):
-            return self.wpe(self.wte(ids))
+        layers = [TiedLayerSpec("embed", Embedding, model.vocab, model.hidden),
+                  *[LayerSpec(Block, model) for _ in range(model.layers)], LayerSpec(Norm, model.norm, model.hidden),
+                  TiedLayerSpec("embed", Embedding, model.vocab, model.hidden, forward_fn=head)]
+    else:
+        gpt = GPT(model).initialized(seed=1234)
 
-    layers = [EmbeddingPipe(), *gpt.layers, gpt.ln_f, gpt.lm_head]
+        class EmbeddingPipe(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.wte, self.wpe = gpt.wte, gpt.wpe
+
+            def forward(self, ids):
+                return self.wpe(self.wte(ids))
+
+        layers = [EmbeddingPipe(), *gpt.layers, gpt.ln_f, gpt.lm_head]
     module = PipelineModule(layers=layers, loss_fn=cross_entropy, num_stages=args.stages,
                             partition_method="parameters")
+    if args.tied:
+        # LayerSpec builds the modules with torch.empty: give them values (uninitialised memory
+        # overflows, and the step is then skipped); the tied copies start equal
+        torch.manual_seed(1234)
+        for name, p in sorted(module.named_parameters()):
+            torch.nn.init.normal_(p.data, std=0.02)
+        module._synchronize_tied_weights()
     cfg = config(args.stages, world)
     opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=opt, config=cfg)
@@ -84,10 +105,10 @@ def main():
         doc = {"deepspeed": deepspeed.__version__, "torch": torch.__version__, "stages": args.stages,
                "world_size": world, "ds_config": cfg, "gradient_accumulation_steps": GAS,
                "optimizer_steps": OPT_STEPS,
-               "model": {k: v for k, v in dataclasses.asdict(MODEL).items() if v is not None},
+               "model": {k: v for k, v in dataclasses.asdict(model).items() if v is not None},
                "ranks": gathered}
         os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, f"pp{args.stages}_world{world}.json")
+        path = os.path.join(args.out, f"pp{args.stages}_world{world}{'_tied' if args.tied else ''}.json")
         with open(path, "w") as fh:
             json.dump(doc, fh, indent=0, sort_keys=True)
             fh.write("\n")
