@@ -241,3 +241,11 @@ def test_memory_command_estimates_the_worst_stage(tmp_path):
     # the estimator sees one stage's slice (about a quarter of GPT-2 XL), not the whole model
     assert full.n_params / 5 < rep["n_params"] < full.n_params / 3
     assert any("worst stage" in n for n in rep["notes"])
+
+
+def test_validate_refuses_a_pipeline_in_one_line(capsys):
+    from zsim.cli import main as cli_main
+
+    assert cli_main(["validate", str(ROOT / "scenarios/seed004-pipeline-zero1-fp16-v100.yaml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "parallelism.pipeline" in err
