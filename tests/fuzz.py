@@ -31,6 +31,7 @@ from tests.helpers import TINY
 from zsim.specs.deepspeed import DeepSpeedConfig
 from zsim.specs.hardware import HardwareProfile
 from zsim.specs.model import ModelSpec
+from zsim.specs.parallelism import ParallelismSpec
 from zsim.specs.scenario import HardwareSpec, TrainingSpec
 
 # one example, in process, on the tiny model (the slowest valid draws, 1,024 layers or 2**18
@@ -59,7 +60,7 @@ def _paths(cls, prefix: str) -> list[str]:
 
 KEY_PATHS = sorted(set(
     _paths(ModelSpec, "model") + _paths(HardwareSpec, "hardware") + _paths(TrainingSpec, "training")
-    + _paths(DeepSpeedConfig, "deepspeed")
+    + _paths(DeepSpeedConfig, "deepspeed") + _paths(ParallelismSpec, "parallelism") + ["parallelism"]
     + [p.replace("hw", "hardware.override", 1) for p in _paths(HardwareProfile, "hw")]
     + ["deepspeed.bfloat16", "deepspeed.bfloat16.enabled", "deepspeed.communication_data_type",
        "deepspeed.scheduler", "deepspeed.pipeline", "name", "description", "model.preset", "model.nope",

@@ -24,7 +24,7 @@ def _comm(sched, kind):
 def _by_group(comms) -> dict:
     out: dict = {}
     for c in comms:
-        key = c.group.kind if c.group else Group.DATA_PARALLEL
+        key = c.group.kind if c.group else Group.DATA
         out[key] = out.get(key, 0) + c.numel
     return out
 
@@ -44,11 +44,11 @@ def test_frozen_experts_are_in_no_flat_group(stage):
     experts = sum(p.numel for p in wl.params if p.expert and p.trainable)
     dense = sum(p.numel for p in wl.params if not p.expert)
     # the gradients reduced, each over its own group, are the trainable ones only
-    assert _by_group(_comm(sched, OpKind.BUCKET_REDUCE)) == {Group.DATA_PARALLEL: dense,
-                                                             Group.EXPERT_DATA_PARALLEL: experts}
+    assert _by_group(_comm(sched, OpKind.BUCKET_REDUCE)) == {Group.DATA: dense,
+                                                             Group.EXPERT_DATA: experts}
     # the expert group (over world / ep = 4 ranks) is padded from the trainable experts only
     gathers = _comm(sched, OpKind.UPDATED_GATHER)
-    assert gathers[1].group.kind == Group.EXPERT_DATA_PARALLEL and gathers[1].numel == math.ceil(experts / 8) * 8
+    assert gathers[1].group.kind == Group.EXPERT_DATA and gathers[1].numel == math.ceil(experts / 8) * 8
     r, _ = run_scenario(sc)
     assert r.trainable_params == dense + experts and r.moe.expert_parallel_size == 2
 

@@ -10,7 +10,8 @@ import pytest
 from tests.helpers import ROOT, scenario
 from zsim.api import run_scenario
 from zsim.errors import ZsimInputError
-from zsim.hardware.collectives import Tier, all_to_all_cost, collective_cost, group_placement
+from zsim.hardware.collectives import Tier, all_to_all_cost, collective_cost
+from zsim.hardware.placement import span
 from zsim.schedule.build import build_schedule
 from zsim.schedule.ir import Collective, Group, OpKind, Phase
 from zsim.schedule.partition import MOE_MAX_GROUP_NUMEL, flat_groups
@@ -47,7 +48,7 @@ def test_every_moe_layer_exchanges_tokens_around_its_experts_in_forward_and_mirr
     assert comm.collective == Collective.ALL_TO_ALL
     assert comm.numel == 8 * capacity(sc.model.moe, wl.tokens) * sc.model.hidden
     assert comm.size_bytes == comm.numel * 2
-    assert (comm.group.kind, comm.group.size, comm.group.stride) == (Group.EXPERT_PARALLEL, 4, 1)
+    assert (comm.group.kind, comm.group.size, comm.group.stride) == (Group.EXPERT, 4, 1)
 
 
 def test_no_exchange_without_expert_parallelism_and_a_recompute_pair_under_checkpointing():
@@ -62,7 +63,7 @@ def test_without_drop_tokens_the_gate_agrees_on_the_capacity_over_the_expert_par
     sc = moe_scenario(ep=2, **{"model.moe": dict(MOE["model.moe"], drop_tokens=False)})
     _, sched = build_schedule(sc)
     caps = [op for op in sched.ops if op.kind == OpKind.CAPACITY_ALLREDUCE]
-    assert len(caps) == 2 and all(op.comm.group.kind == Group.EXPERT_PARALLEL for op in caps)
+    assert len(caps) == 2 and all(op.comm.group.kind == Group.EXPERT for op in caps)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -75,18 +76,18 @@ def test_zero12_reduces_expert_gradients_over_the_expert_data_parallel_group(sta
     experts = sum(p.numel for p in wl.params if p.expert)
     by_group = {}
     for op in reduces:
-        key = op.comm.group.kind if op.comm.group else Group.DATA_PARALLEL
+        key = op.comm.group.kind if op.comm.group else Group.DATA
         by_group[key] = by_group.get(key, 0) + op.comm.numel
-    assert by_group == {Group.DATA_PARALLEL: dense, Group.EXPERT_DATA_PARALLEL: experts}
+    assert by_group == {Group.DATA: dense, Group.EXPERT_DATA: experts}
     edp = [op.comm.group for op in reduces if op.comm.group]
     assert {(g.size, g.stride) for g in edp} == {(2, 4)}      # 8 ranks / ep 4, strided by ep
     # one post-step all-gather per flat group, each over its own group, padded for its own ranks
     gathers = comm_ops(sched, OpKind.UPDATED_GATHER)
-    assert [op.comm.group.kind if op.comm.group else None for op in gathers] == [None, Group.EXPERT_DATA_PARALLEL]
+    assert [op.comm.group.kind if op.comm.group else None for op in gathers] == [None, Group.EXPERT_DATA]
     assert gathers[1].comm.numel == math.ceil(experts / 4) * 4
     # norms: one per group over the dp group, then the expert group's average over its own group
     norms = comm_ops(sched, OpKind.NORM_ALLREDUCE)
-    assert [op.comm.group.kind if op.comm.group else None for op in norms] == [None, None, Group.EXPERT_DATA_PARALLEL]
+    assert [op.comm.group.kind if op.comm.group else None for op in norms] == [None, None, Group.EXPERT_DATA]
 
 
 def test_stage0_allreduces_dense_then_expert_gradients():
@@ -95,7 +96,7 @@ def test_stage0_allreduces_dense_then_expert_gradients():
     calls = comm_ops(sched, OpKind.GRAD_ALLREDUCE)
     assert [(op.comm.group.kind if op.comm.group else None, op.comm.numel) for op in calls] == [
         (None, sum(p.numel for p in wl.params if not p.expert)),
-        (Group.EXPERT_DATA_PARALLEL, sum(p.numel for p in wl.params if p.expert))]
+        (Group.EXPERT_DATA, sum(p.numel for p in wl.params if p.expert))]
 
 
 def test_hugging_face_moe_is_a_dense_model_to_deepspeeds_engine():
@@ -149,7 +150,9 @@ def _refusal(**changes) -> str:
 
 
 def test_parallelism_rules_refuse_in_one_line():
-    assert "divide the data-parallel world size" in _refusal(ep=3)
+    assert "divide the data-parallel size (8 = world / pipeline)" in _refusal(ep=3)
+    # an MoE model under pipeline parallelism is not simulated: refused, not mis-simulated
+    assert "not simulated" in _refusal(ep=1, **{"parallelism.pipeline": 2})
     assert "divide the experts" in _refusal(ep=8, **{"model.moe": {"experts": 4, "top_k": 2}})
     assert "needs an MoE model" in str(pytest.raises(ZsimInputError, scenario, **{"parallelism.expert": 2}).value)
     assert "DeepSpeed-MoE's" in _refusal(ep=2, **{"model.moe": {"experts": 8, "top_k": 2, "dispatch": "dropless"}})
@@ -163,10 +166,10 @@ def test_cli_refuses_bad_expert_parallel_size_with_exit_2(tmp_path):
 
 
 def test_group_placement_and_all_to_all_tiers():
-    assert group_placement(4, 1, 8) == (1, 4)        # ep group of 4 consecutive ranks: one node
-    assert group_placement(16, 1, 8) == (2, 8)
-    assert group_placement(4, 4, 8) == (2, 2)        # edp group strided by ep 4
-    assert group_placement(2, 8, 8) == (2, 1)
+    assert span(0, 4, 1, 8) == (1, 4)        # ep group of 4 consecutive ranks: one node
+    assert span(0, 16, 1, 8) == (2, 8)
+    assert span(0, 4, 4, 8) == (2, 2)        # edp group strided by ep 4
+    assert span(0, 2, 8, 8) == (2, 1)
     nvlink = Tier(400e9, 5e-6, ((1.0, 1.0),))
     ib = Tier(50e9, 10e-6, ((1.0, 1.0),))
     size = 1e9

@@ -105,6 +105,11 @@ def main(args) -> int:
     timeout = _int(args.timeout, "--timeout")
     overrides = list(args.set or ())
     sc0 = load_scenario(args.scenario, tuple(overrides))
+    if sc0.pipeline_stages > 1:
+        # the core and the peers run data parallelism only; DeepSpeed's PipelineEngine calls are
+        # checked against recorded runs instead (tests/test_pipeline.py)
+        raise ZsimInputError("parallelism.pipeline", sc0.pipeline_stages,
+                             "zsim validate runs data-parallel scenarios only; set parallelism.pipeline=1")
     nproc = _int(args.nproc_per_node, "--nproc-per-node") if args.nproc_per_node else sc0.cluster.world_size
     overrides += [f"hardware.profile={args.profile}", "hardware.nodes=1", f"hardware.gpus_per_node={nproc}"]
     overrides += list(TENSOR_ONLY_OVERRIDES)

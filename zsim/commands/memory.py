@@ -115,9 +115,18 @@ def compare_report(args) -> dict:
 
     sc = load_scenario(args.scenario, scenario_overrides(args))
     result, _ = run_scenario(sc)
-    total, largest = params_like_deepspeed(workload_for(sc))
+    wl, gpn, nodes = workload_for(sc), sc.cluster.gpus_per_node, sc.cluster.nodes
+    pp = result.pipeline
+    if pp is not None:
+        # a pipeline stage is a ZeRO run of its own slice over its data-parallel group
+        from zsim.hardware.placement import group_shape
+        from zsim.schedule.pipe_partition import stage_slices
+
+        wl = stage_slices(wl, pp.stages, pp.partition_method)[pp.worst_stage][0]
+        nodes, gpn = group_shape(None, pp.worst_stage, pp.data_parallel, gpn)
+    total, largest = params_like_deepspeed(wl)
     z = sc.zero
-    rows = deepspeed_rows(z.stage, total, largest, sc.cluster.gpus_per_node, sc.cluster.nodes, args.buffer_factor)
+    rows = deepspeed_rows(z.stage, total, largest, gpn, nodes, args.buffer_factor)
     row = matching_row(rows, z.optimizer_offload_device, z.param_offload_device)
     mem = result.memory
     model_state_keys = ("parameters", "gradients", "optimizer states")
@@ -140,6 +149,9 @@ def _state_notes(sc, row, zsim_states) -> list[str]:
     z = sc.zero
     notes = [f"model states: DeepSpeed's estimator {row['gpu_bytes'] / GiB:.2f} GiB per GPU, zsim's ledger "
              f"{zsim_states / GiB:.2f} GiB at the peak"]
+    if sc.pipeline_stages > 1:
+        notes.append("pipeline: the estimator is given the worst stage's parameters (its own slice, a tied "
+                     "embedding's copy included) and that stage's data-parallel group")
     if z.stage <= 2 and z.optimizer_offload_device == "none":
         notes.append("the ZeRO-2 estimator charges 18 B/param / world (fp32 grads included) for every stage <= 2; "
                      "zsim shards per stage (stage 0/1 keep full 16-bit gradients; stage 0 keeps full optimizer states) "

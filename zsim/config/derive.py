@@ -12,8 +12,8 @@ from pathlib import Path
 from zsim.config.scenario import apply_set, load_raw, scenario_from_mapping
 from zsim.errors import ZsimInputError
 
-# keys whose change moves micro x GAS x world size
-_DEPENDS = ("hardware", "training.micro_batch_size", "training.gradient_accumulation_steps",
+# keys whose change moves micro x GAS x data-parallel size (world / pipeline stages)
+_DEPENDS = ("hardware", "parallelism", "deepspeed.pipeline", "training.micro_batch_size", "training.gradient_accumulation_steps",
             "deepspeed.train_micro_batch_size_per_gpu", "deepspeed.gradient_accumulation_steps")
 
 

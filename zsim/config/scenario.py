@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from zsim.config.hf_config import model_files, preset_model, preset_names, read_hf_config
+from zsim.config.parallel import check_parallelism, resolve_parallelism
 from zsim.config.profile import load_profile
 from zsim.config.source import SCENARIO_KEYS, as_scenario, is_ds_config
 from zsim.errors import ZsimInputError, did_you_mean, unknown_key
@@ -22,7 +23,6 @@ from zsim.schema import _number, accepted_keys, build
 from zsim.specs.deepspeed import COMM_DATA_TYPES, IGNORED_TOP_LEVEL, DeepSpeedConfig
 from zsim.specs.hardware import Cluster
 from zsim.specs.model import PRESETS, ModelSpec
-from zsim.specs.parallelism import ParallelismSpec
 from zsim.specs.scenario import MAX_WORLD_SIZE, HardwareSpec, Scenario, TrainingSpec
 
 
@@ -215,7 +215,7 @@ def _resolve_batch(ds: dict, training: TrainingSpec, world_size: int) -> dict:
     if not mb or not gas or tb != mb * gas * world_size:
         raise ZsimInputError("deepspeed.train_batch_size", tb,
                              f"must equal train_micro_batch_size_per_gpu ({mb}) x gradient_accumulation_steps ({gas}) "
-                             f"x world size ({world_size}) = {(mb or 0) * (gas or 0) * world_size}")
+                             f"x data-parallel size ({world_size}) = {(mb or 0) * (gas or 0) * world_size}")
     ds.update(train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=gas)
     return ds
 
@@ -262,46 +262,26 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
                                  "(DeepSpeed reads bf16 and ignores bfloat16); keep one block")
         ds_raw.setdefault("bf16", old)
     _check_top_level_ds(ds_raw)
-    ds_raw = _resolve_auto(ds_raw, model, training, cluster.world_size)
-    ds_raw = _resolve_batch(ds_raw, training, cluster.world_size)
+    par = resolve_parallelism(raw.get("parallelism"), ds_raw.get("pipeline"), cluster.world_size, model.layers)
+    if isinstance(ds_raw.get("pipeline"), dict) and ds_raw["pipeline"].get("stages") == "auto":
+        ds_raw["pipeline"] = {k: v for k, v in ds_raw["pipeline"].items() if k != "stages"}
+    # batch sizes divide by the data-parallel size only (pipe/engine.py:104)
+    data_parallel = cluster.world_size // par.pipeline
+    ds_raw = _resolve_auto(ds_raw, model, training, data_parallel)
+    ds_raw = _resolve_batch(ds_raw, training, data_parallel)
     prefixed = {k: v for k, v in ds_raw.items() if k in accepted_keys(DeepSpeedConfig)}
     ds = build(DeepSpeedConfig, prefixed, "deepspeed")
     ds, training = _resolve_precision(ds, training)
+    training = check_parallelism(par, ds, training, model, cluster.world_size)
     if training.seq_len and model.position == "learned" and training.seq_len > model.seq_len:
         raise ZsimInputError("training.seq_len", training.seq_len,
                              f"exceeds the model's learned position table (model.seq_len={model.seq_len}); raise model.seq_len")
-    parallelism = _resolve_parallelism(raw.get("parallelism") or {}, model, cluster.world_size, ds)
     name = raw.get("name", name_default)
     if not isinstance(name, str):
         raise ZsimInputError("name", name, "expected a string")
-    return Scenario(name=name, model=model, cluster=cluster, training=training, deepspeed=ds, parallelism=parallelism,
+    return Scenario(name=name, model=model, cluster=cluster, training=training, deepspeed=ds, parallelism=par,
                     description=str(raw.get("description", "")),
                     warnings=ds.not_modelled(ds_raw.keys()) + ds.checkpointing_warnings(training.activation_checkpointing))
-
-
-def _resolve_parallelism(raw, model: ModelSpec, world_size: int, ds: DeepSpeedConfig) -> ParallelismSpec:
-    """DeepSpeed-MoE's rules for ep_size: it divides the data-parallel world
-    (groups.py _create_expert_and_data_parallel, _ensure_divisibility) and the experts
-    (moe/layer.py MoE.__init__); native DeepSpeed-MoE does not run under ZeRO-3
-    (engine.py _validate_zero3_moe_compatibility)."""
-    par = build(ParallelismSpec, raw, "parallelism")
-    ep, moe = par.expert, model.moe
-    if moe is not None and moe.dispatch == "capacity" and ds.zero_optimization.stage == 3:
-        raise ZsimInputError("model.moe.dispatch", "capacity", "DeepSpeed-MoE's layer is not supported with ZeRO "
-                             "stage 3 (engine.py _validate_zero3_moe_compatibility); use stage 0-2, or dispatch: "
-                             "dropless for a Hugging Face MoE")
-    if ep == 1:
-        return par
-    if moe is None:
-        raise ZsimInputError("parallelism.expert", ep, "expert parallelism needs an MoE model (model.moe); set it to 1")
-    if moe.dispatch != "capacity":
-        raise ZsimInputError("parallelism.expert", ep, "expert parallelism is DeepSpeed-MoE's (model.moe.dispatch: "
-                             "capacity); Hugging Face's dropless MoE runs every expert on every rank: set it to 1")
-    if world_size % ep:
-        raise ZsimInputError("parallelism.expert", ep, f"must divide the data-parallel world size ({world_size})")
-    if moe.experts % ep:
-        raise ZsimInputError("parallelism.expert", ep, f"must divide the experts per layer (model.moe.experts={moe.experts})")
-    return par
 
 
 def load_raw(path: Path) -> dict:

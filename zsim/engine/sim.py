@@ -10,6 +10,11 @@ slows by the profile's interference factor while an NCCL transfer is active.
 Fixed latencies (alpha, launch overheads) are not shared. Memory effects of every op go to
 the ledger in simulated time.
 
+A pipeline (schedule.pipeline) runs one representative rank per stage in the same simulation:
+each stage has its own streams, its own copy of every link (placement.stage_links) and its own
+memory ledger; stages meet only in the point-to-point transfers and the tied-weight
+all-reduce, so warm-up, the steady 1F1B phase, cool-down and the bubble come out of the run.
+
 A step whose micro-steps repeat is simulated once per distinct micro-step (steady.py): the
 trace then carries a `Repeat` saying which time window stands for how many micro-steps.
 """
@@ -21,8 +26,9 @@ from typing import NamedTuple
 import simpy
 from simpy.events import Event
 
-from zsim.engine.ledger import Ledger
+from zsim.engine.ledger import Ledger, peak_and_breakdown
 from zsim.hardware.cost_model import COMM_LINKS, COMPUTE, CostModel
+from zsim.hardware.placement import base_link, link_rank
 from zsim.schedule.ir import STREAMS, Op, Schedule, Stream, Tag
 
 _EPS_S = 1e-15
@@ -68,15 +74,23 @@ class Trace:
     step_time_s: float
     events_processed: int              # ops of the full step
     repeat: Repeat | None = None       # None: every op of the step was simulated
+    # a pipeline: each stage's ledger events; ledger_events is the stage with the highest peak
+    stage_ledger_events: tuple[tuple[tuple[float, float, str, Tag], ...], ...] = ()
+    worst_stage: int = 0
+
+
+def _link_facts(links: tuple[str, ...]) -> tuple[bool, int, tuple[int, ...]]:
+    """(compute job?, its rank, the ranks whose SMs an NCCL kernel of it occupies)."""
+    compute = len(links) == 1 and base_link(links[0]) == "compute"
+    return compute, link_rank(links[0]), tuple(sorted({link_rank(x) for x in links if base_link(x) in COMM_LINKS}))
 
 
 class _Job:
-    __slots__ = ("remaining_s", "rate", "event", "links", "compute", "nccl")
+    __slots__ = ("remaining_s", "rate", "event", "links", "compute", "nccl", "rank")
 
-    def __init__(self, remaining_s: float, event: Event, links: tuple[str, ...]):
+    def __init__(self, remaining_s: float, event: Event, links: tuple[str, ...], facts):
         self.remaining_s, self.rate, self.event, self.links = remaining_s, 1.0, event, links
-        self.compute = links == COMPUTE
-        self.nccl = any(link in COMM_LINKS for link in links)
+        self.compute, self.rank, self.nccl = facts
 
 
 class _Fluid:
@@ -90,9 +104,10 @@ class _Fluid:
         self.compute_rate = 1.0 / (1.0 + compute_slowdown)
         self.jobs: list[_Job] = []
         self.count: dict[str, int] = {}
-        self.nccl_jobs = 0
+        self.nccl_jobs: dict[int, int] = {}     # per rank (pipeline stage)
         self.last_s = 0.0
         self.version = 0
+        self.facts: dict[tuple[str, ...], tuple] = {}
 
     def submit(self, links: tuple[str, ...], work_s: float) -> Event:
         ev = Event(self.env)
@@ -100,9 +115,13 @@ class _Fluid:
             ev.succeed()
             return ev
         self._advance()
-        job = _Job(work_s, ev, links)
+        facts = self.facts.get(links)
+        if facts is None:
+            facts = self.facts[links] = _link_facts(links)
+        job = _Job(work_s, ev, links, facts)
         self.jobs.append(job)
-        self.nccl_jobs += job.nccl
+        for rank in job.nccl:
+            self.nccl_jobs[rank] = self.nccl_jobs.get(rank, 0) + 1
         count = self.count
         for link in links:
             count[link] = count.get(link, 0) + 1
@@ -121,11 +140,11 @@ class _Fluid:
         """New shares for the current job set, then one timer for the next completion."""
         count = self.count
         # NCCL kernels occupy SMs; copy engines (PCIe), NVMe and the host do not slow the GPU
-        compute_rate = self.compute_rate if self.nccl_jobs else 1.0
+        nccl = self.nccl_jobs
         dt = float("inf")
         for job in self.jobs:
             if job.compute:
-                job.rate = compute_rate
+                job.rate = self.compute_rate if nccl.get(job.rank) else 1.0
             else:
                 links = job.links
                 sharers = count[links[0]] if len(links) == 1 else max(count[link] for link in links)
@@ -149,7 +168,8 @@ class _Fluid:
             if job.remaining_s <= limit:
                 for link in job.links:
                     self.count[link] -= 1
-                self.nccl_jobs -= job.nccl
+                for rank in job.nccl:
+                    self.nccl_jobs[rank] -= 1
                 job.event.succeed()
             else:
                 keep.append(job)
@@ -157,24 +177,27 @@ class _Fluid:
         self._rerate()
 
 
-def run_ops(schedule: Schedule, cluster, precision: str) -> tuple[list[OpTiming], Ledger]:
-    """Simulate every op of `schedule`: their timings and the ledger of their memory effects."""
-    cost = CostModel(cluster, precision, schedule.stage, schedule.host)
+def run_ops(schedule: Schedule, cluster, precision: str) -> tuple[list[OpTiming], list[Ledger]]:
+    """Simulate every op of `schedule`: their timings and, per pipeline stage, the ledger of
+    their memory effects."""
+    cost = CostModel(cluster, precision, schedule.stage, schedule.host, schedule.pipeline)
     env = simpy.Environment()
     fluid = _Fluid(env, cost.compute_slowdown)
-    ledger = Ledger()
-    for a in schedule.static:
-        ledger.alloc(0.0, a)
+    ledgers = [Ledger() for _ in range(schedule.stages)]
+    for stage, ledger in enumerate(ledgers):
+        for a in schedule.static_of(stage):
+            ledger.alloc(0.0, a)
     done = [Event(env) for _ in schedule.ops]
     timings: list[OpTiming | None] = [None] * len(schedule.ops)
-    by_stream: dict[Stream, list[Op]] = {s: [] for s in STREAMS}
+    by_stream: dict[tuple[int, Stream], list[Op]] = {}
     # a device without concurrent streams (a CPU rank) runs every op in program order
     serial = not cluster.profile.gpu.concurrent_streams
     for op in schedule.ops:
-        by_stream[Stream.COMPUTE if serial else op.stream].append(op)
-    op_cost, alloc, free, timeout, submit = cost.op_cost, ledger.alloc, ledger.free, env.timeout, fluid.submit
+        by_stream.setdefault((op.stage, Stream.COMPUTE if serial else op.stream), []).append(op)
+    op_cost, timeout, submit = cost.op_cost, env.timeout, fluid.submit
 
-    def run_stream(ops: list[Op]):
+    def run_stream(ops: list[Op], ledger: Ledger):
+        alloc, free = ledger.alloc, ledger.free
         for op in ops:
             for d in op.deps:
                 if not done[d].processed:
@@ -193,18 +216,26 @@ def run_ops(schedule: Schedule, cluster, precision: str) -> tuple[list[OpTiming]
             timings[op.id] = OpTiming(op.id, start, end)
             done[op.id].succeed()
 
-    for stream in STREAMS:
-        if by_stream[stream]:
-            env.process(run_stream(by_stream[stream]))
+    for stage in range(schedule.stages):
+        for stream in STREAMS:
+            if by_stream.get((stage, stream)):
+                env.process(run_stream(by_stream[(stage, stream)], ledgers[stage]))
     env.run()
     missing = [op.name for op, t in zip(schedule.ops, timings) if t is None]
     if missing:
         raise RuntimeError(f"schedule deadlock: {len(missing)} ops never ran, first {missing[0]!r}")
-    ledger.close(schedule.static)
-    return timings, ledger
+    for stage, ledger in enumerate(ledgers):
+        ledger.close(schedule.static_of(stage))
+    return timings, ledgers
 
 
 def simulate(schedule: Schedule, cluster, precision: str) -> Trace:
-    timings, ledger = run_ops(schedule, cluster, precision)
+    timings, ledgers = run_ops(schedule, cluster, precision)
     step = max((t.end_s for t in timings), default=0.0)
-    return Trace(schedule, tuple(timings), ledger.events(), step, len(schedule.ops))
+    if schedule.pipeline is None:
+        return Trace(schedule, tuple(timings), ledgers[0].events(), step, len(schedule.ops))
+    per_stage = tuple(ledger.events() for ledger in ledgers)
+    # the worst stage decides whether the run fits
+    worst = max(range(len(per_stage)), key=lambda s: peak_and_breakdown(per_stage[s])[0])
+    return Trace(schedule, tuple(timings), per_stage[worst], step, len(schedule.ops),
+                 stage_ledger_events=per_stage, worst_stage=worst)

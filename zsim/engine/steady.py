@@ -54,6 +54,8 @@ def simulate_scenario(sc: Scenario, steady: bool = True) -> tuple[Workload, Trac
 
 def _simulate(sc: Scenario, steady: bool) -> tuple[Workload, Trace]:
     gas = sc.gradient_accumulation_steps
+    # a pipeline's micro-steps are not alike (warm-up, steady 1F1B, cool-down): simulated in full
+    steady = steady and sc.pipeline_stages == 1
     wl = None
     spent = 0   # micro-steps simulated in attempts: never more than the full step's
     for micro_steps in SIMULATED_MICRO_STEPS if steady else ():
@@ -61,8 +63,8 @@ def _simulate(sc: Scenario, steady: bool) -> tuple[Workload, Trace]:
         if gas <= micro_steps or spent > gas:
             break
         wl, reduced = build_schedule(sc, wl, micro_steps=micro_steps)
-        timings, ledger = run_ops(reduced, sc.cluster, sc.precision)
-        events = ledger.events()
+        timings, ledgers = run_ops(reduced, sc.cluster, sc.precision)
+        events = ledgers[0].events()
         repeat = find_repeat(reduced, timings, events, micro_steps, copies=gas - micro_steps + 1)
         if repeat is not None:
             end = max(t.end_s for t in timings)

@@ -170,18 +170,11 @@ def all_to_all_cost(size_bytes: float, nodes: int, ranks_per_node: int, intra: T
     return CommCost(latency, t_intra, "intra_node", "p2p")
 
 
-def group_placement(size: int, stride: int, gpus_per_node: int) -> tuple[int, int]:
-    """(nodes, ranks per node) of a process group of `size` ranks `stride` apart, ranks numbered
-    node by node (rank r on node r // gpus_per_node, as torchrun numbers them)."""
-    per_node = min(size, max(1, gpus_per_node // stride)) if stride < gpus_per_node else 1
-    return math.ceil(size / per_node), per_node
-
-
 @functools.lru_cache(maxsize=4096)   # pure; schedules repeat the same sizes layer after layer
 def collective_cost(kind: str, size_bytes: float, nodes: int, gpus_per_node: int,
                     intra: Tier, inter: Tier, coalesced: bool = False, nccl: NcclTopo | None = None) -> CommCost:
     """Cost of one collective over a group of nodes x gpus_per_node ranks (the data-parallel
-    group, or another group as `group_placement` places it);
+    group, or another group as zsim.hardware.placement places it);
     `coalesced`: launched async with its neighbours before any is waited (Comm.coalesced);
     `nccl`: NCCL's tuner view of the cluster (nccl_topo_for), None for the tier model."""
     if kind not in COLLECTIVES:

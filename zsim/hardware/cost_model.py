@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zsim.hardware.collectives import collective_cost, group_placement, nccl_topo_for, tiers_for
+from zsim.hardware.collectives import collective_cost, nccl_topo_for, ring_cost, tiers_for
 from zsim.hardware.compute import (attention_time_s, fresh_alloc_time_s, gemm_time_s, kernel_overhead_s,
                                    memory_bound_time_s, optimizer_time_s)
 from zsim.hardware.host import aio_efficiency, cpu_adam_time_s, host_link_Bps, nvme_time_s, pcie_time_s
-from zsim.schedule.ir import Collective, ComputeWork, Copy, CpuAdam, HostSettings, Op, Phase, Transfer
+from zsim.hardware.placement import group_shape, rank_of, same_node, stage_links
+from zsim.schedule.ir import (Collective, ComputeWork, Copy, CpuAdam, HostSettings, Op, Phase, PipelineLayout,
+                              PipeTransfer, Transfer)
 from zsim.workload.module import DTYPE_BYTES
 
 COMPUTE = ("compute",)
@@ -36,8 +38,10 @@ class OpCost:
 
 
 class CostModel:
-    def __init__(self, cluster, precision: str, stage: int, host: HostSettings):
+    def __init__(self, cluster, precision: str, stage: int, host: HostSettings,
+                 pipeline: PipelineLayout | None = None):
         prof = cluster.profile
+        self.pipeline = pipeline
         self.cluster, self.stage, self.host = cluster, stage, host
         self.gpu = prof.gpu
         self.cpu = prof.cpu
@@ -100,26 +104,59 @@ class CostModel:
         if shape is None:
             shape = (p.transfer, p.size_bytes, p.pinned) if isinstance(p, Copy) else p
         sizes = tuple(a.size_bytes for a in op.alloc) if op.alloc and self.gpu.fresh_alloc_GBps else ()
-        key = (shape, op.phase if op.hook_visits else None, op.hook_visits, op.grad_hooks, sizes)
+        key = (shape, op.phase if op.hook_visits else None, op.hook_visits, op.grad_hooks, sizes, op.stage)
         cost = self._cache.get(key)
         if cost is None:
             cost = self._cache[key] = self._op_cost(op)
         return cost
 
     def _op_cost(self, op: Op) -> OpCost:
+        if isinstance(op.payload, PipeTransfer):
+            return self._p2p_cost(op)
+        cost = self._rank_cost(op)
+        return cost if op.stage == 0 else OpCost(cost.fixed_s, cost.work_s, stage_links(cost.links, op.stage))
+
+    def _p2p_cost(self, op: Op) -> OpCost:
+        p = op.payload
+        fixed = self.host_fixed_s(op)
+        if op.stage != p.src_stage:
+            return OpCost(fixed, 0.0, stage_links(COMPUTE, op.stage))   # a recv: done when its send is
+        # p2p.send: one message between two ranks, priced as a two-rank broadcast (what p2p.py
+        # falls back to); it occupies the sender's and the receiver's links
+        name, tier = self._between(p.src_stage, p.dst_stage)
+        cost = ring_cost("broadcast", p.size_bytes, 2, tier, name)
+        links = self._tier_links(cost.tier)
+        return OpCost(fixed + cost.latency_s, cost.transfer_s,
+                      stage_links(links, p.src_stage) + stage_links(links, p.dst_stage))
+
+    def _tier_links(self, tier: str) -> tuple[str, ...]:
+        return self.nic_links if tier == "inter_node" else (tier,)
+
+    def _between(self, stage_a: int, stage_b: int) -> tuple[str, object]:
+        """The tier (name, Tier) between the representative ranks of two stages."""
+        dp, g = self.pipeline.data_parallel, self.cluster.gpus_per_node
+        if same_node(rank_of(stage_a, dp), rank_of(stage_b, dp), g):
+            return "intra_node", self.intra
+        return "inter_node", self.inter
+
+    def _comm_cost(self, op: Op):
+        """A collective priced over the ranks its own process group spans (zsim.hardware.placement)."""
+        comm, cl = op.comm, self.cluster
+        dp = cl.world_size if self.pipeline is None else self.pipeline.data_parallel
+        nodes, per_node = group_shape(comm.group, op.stage, dp, cl.gpus_per_node)
+        return collective_cost(comm.collective.value, comm.size_bytes, nodes, per_node, self.intra, self.inter,
+                               comm.coalesced, self.nccl)
+
+    def _rank_cost(self, op: Op) -> OpCost:
+        """The cost on the op's own rank, its links named as stage 0's."""
         fixed = self.host_fixed_s(op)
         comm, p = op.comm, op.payload
         cl = self.cluster
         if comm is not None:
             # the collective's own buffer passes (packing, pre-division) run on its stream first
             fixed += memory_bound_time_s(comm.buffer_bytes, self.gpu)
-            nodes, per_node = cl.nodes, cl.gpus_per_node
-            if comm.group is not None:
-                nodes, per_node = group_placement(comm.group.size, comm.group.stride, cl.gpus_per_node)
-            cost = collective_cost(comm.collective.value, comm.size_bytes, nodes, per_node, self.intra, self.inter,
-                                   comm.coalesced, self.nccl)
-            links = self.nic_links if cost.tier == "inter_node" else (cost.tier,)
-            return OpCost(fixed + cost.latency_s, cost.transfer_s, links)
+            cost = self._comm_cost(op)
+            return OpCost(fixed + cost.latency_s, cost.transfer_s, self._tier_links(cost.tier))
         if isinstance(p, Copy):
             if p.transfer in (Transfer.H2D, Transfer.D2H):
                 pinned = self.host.pin_memory if p.pinned is None else p.pinned

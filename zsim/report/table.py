@@ -40,6 +40,12 @@ def render(r: Result, console: Console | None = None):
                       f"{m.total_params / 1e9:.2f} B params in total, {m.active_params / 1e9:.2f} B active per token, "
                       f"{r.n_params / 1e9:.2f} B on each GPU ({m.rank_expert_params / 1e9:.2f} B in its "
                       f"{m.experts // m.expert_parallel_size} local experts)")
+    pp = r.pipeline
+    if pp is not None:
+        layers = ", ".join(f"{a}-{b - 1}" for a, b in pp.layers)
+        console.print(f"pipeline: {pp.stages} stages x {pp.data_parallel} data-parallel (1F1B, partition "
+                      f"{pp.partition_method}; layers per stage {layers}); bubble {pp.bubble_fraction * 100:.1f}% "
+                      "of the stages' time")
     for w in r.warnings:
         console.print(f"[yellow]warning: {w}[/yellow]")
     perf = Table(title="Speed", show_header=False)
@@ -63,6 +69,10 @@ def render(r: Result, console: Console | None = None):
     for name, b in sorted(mem.breakdown.items(), key=lambda kv: -kv[1]):
         mt.add_row(name, fmt_bytes(b), f"{100 * b / mem.peak_bytes:.1f}%")
     console.print(mt)
+    if pp is not None:
+        peaks = ", ".join(f"{fmt_bytes(b)}{' (worst)' if s == pp.worst_stage else ''}"
+                          for s, b in enumerate(pp.peak_bytes))
+        console.print(f"Peak memory per pipeline stage: {peaks}; the breakdown above is stage {pp.worst_stage}'s")
     host = mem.host
     if host.load_bytes_per_node > host.capacity_bytes:
         console.print(f"[bold red]host OOM while loading the model: {fmt_bytes(host.load_bytes_per_node)} per node "

@@ -89,16 +89,28 @@ def chrome_trace(trace: Trace, name: str) -> dict:
     counter track from the ledger. Times in microseconds. A steady-state trace shows the
     micro-steps simulated, on the full step's clock: the ops of the repeated micro-step are
     marked with the number of micro-steps they stand for, and a "steady state" track spans
-    the time of the copies not simulated."""
+    the time of the copies not simulated. A pipeline has one process (track group) per stage,
+    named after the stage's representative rank, each with its own memory counter."""
     repeat = trace.repeat
     shift = (lambda t: t) if repeat is None else repeat.shift_s
-    events = [{"ph": "M", "pid": 1, "tid": 0, "name": "process_name", "args": {"name": f"zsim: {name} (rank 0)"}}]
+    layout = trace.schedule.pipeline
+    stages = trace.schedule.stages
+    events = []
+    for stage in range(stages):
+        rank = stage * layout.data_parallel if layout else 0
+        label = f"pipeline stage {stage}, rank {rank}" if layout else "rank 0"
+        events.append({"ph": "M", "pid": stage + 1, "tid": 0, "name": "process_name",
+                       "args": {"name": f"zsim: {name} ({label})"}})
     tids = {s: i + 1 for i, s in enumerate(STREAMS)}
-    used = {op.stream for op in trace.schedule.ops}
-    for s in STREAMS:
-        if s in used:
-            events.append({"ph": "M", "pid": 1, "tid": tids[s], "name": "thread_name", "args": {"name": f"{s} stream"}})
-            events.append({"ph": "M", "pid": 1, "tid": tids[s], "name": "thread_sort_index", "args": {"sort_index": tids[s]}})
+    used = {(op.stage, op.stream) for op in trace.schedule.ops}
+    for stage in range(stages):
+        for s in STREAMS:
+            if (stage, s) in used:
+                pid = stage + 1
+                events.append({"ph": "M", "pid": pid, "tid": tids[s], "name": "thread_name",
+                               "args": {"name": f"{s} stream"}})
+                events.append({"ph": "M", "pid": pid, "tid": tids[s], "name": "thread_sort_index",
+                               "args": {"sort_index": tids[s]}})
     for op, t in zip(trace.schedule.ops, trace.timings):
         args = {"phase": op.phase.value, "micro_step": op.micro_step}
         comm = op.comm
@@ -107,7 +119,7 @@ def chrome_trace(trace: Trace, name: str) -> dict:
         if repeat is not None and op.micro_step == repeat.micro:
             args["repeated_micro_steps"] = repeat.copies
         start, end = shift(t.start_s), shift(t.end_s)
-        events.append({"ph": "X", "pid": 1, "tid": tids[op.stream], "name": op.name,
+        events.append({"ph": "X", "pid": op.stage + 1, "tid": tids[op.stream], "name": op.name,
                        "cat": "comm" if comm is not None else op.phase.value,
                        "ts": round(start * 1e6, 3), "dur": round((end - start) * 1e6, 3), "args": args})
     if repeat is not None:
@@ -117,9 +129,10 @@ def chrome_trace(trace: Trace, name: str) -> dict:
                        "name": f"micro-step {repeat.micro} repeated {repeat.copies - 1} more times (not simulated)",
                        "ts": round(repeat.end_s * 1e6, 3), "dur": round(repeat.skipped_s * 1e6, 3),
                        "args": {"period_s": repeat.period_s, "copies": repeat.copies}})
-    for time_s, used_bytes in timeline(trace.ledger_events):
-        events.append({"ph": "C", "pid": 1, "tid": 0, "name": "memory allocated", "ts": round(shift(time_s) * 1e6, 3),
-                       "args": {"GiB": round(used_bytes / GiB, 6)}})
+    for stage, ledger_events in enumerate(trace.stage_ledger_events or (trace.ledger_events,)):
+        for time_s, used_bytes in timeline(ledger_events):
+            events.append({"ph": "C", "pid": stage + 1, "tid": 0, "name": "memory allocated",
+                           "ts": round(shift(time_s) * 1e6, 3), "args": {"GiB": round(used_bytes / GiB, 6)}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 

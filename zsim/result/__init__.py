@@ -84,6 +84,20 @@ class MoE:
 
 
 @dataclass(frozen=True)
+class Pipeline:
+    """A pipeline-parallel run (DeepSpeed PipelineEngine): per-stage figures. The worst stage's
+    peak is Result.memory (it decides the verdict); comm and compute figures of the Result are
+    the average over the stages' ranks."""
+    stages: int
+    data_parallel: int
+    partition_method: str
+    layers: list[list[int]]             # per stage: [first, end) transformer layers
+    peak_bytes: list[float]             # per stage, CUDA reserve included
+    worst_stage: int
+    bubble_fraction: float              # share of the stages' time their rank does nothing (1F1B bubble)
+
+
+@dataclass(frozen=True)
 class Result:
     scenario: str
     stage: int
@@ -115,6 +129,7 @@ class Result:
     # trained, and then left out of the JSON
     trainable_params: int | None = None
     moe: MoE | None = None              # MoE models only (absent from the JSON of dense ones)
+    pipeline: Pipeline | None = None    # only for a pipeline-parallel run (and only then in the JSON)
 
     @property
     def fits(self) -> bool:
@@ -132,4 +147,6 @@ class Result:
             del out["trainable_params"]
         if self.moe is None:
             del out["moe"]
+        if self.pipeline is None:
+            del out["pipeline"]
         return out

@@ -6,16 +6,17 @@ from dataclasses import dataclass
 from zsim.specs.scenario import Scenario
 from zsim.engine.ledger import peak_and_breakdown
 from zsim.engine.sim import Trace
-from zsim.hardware.collectives import (bus_factor, collective_cost, group_placement, link_busbw_Bps, nccl_topo_for,
-                                       tiers_for)
-from zsim.result import Comm, HostMemory, Memory, MoE, Result
-from zsim.schedule.ir import Copy, CpuAdam, Stream
+from zsim.hardware.collectives import bus_factor, collective_cost, link_busbw_Bps, nccl_topo_for, tiers_for
+from zsim.hardware.placement import group_shape
+from zsim.result import Comm, HostMemory, Memory, MoE, Pipeline, Result
+from zsim.schedule.ir import Copy, CpuAdam, PipeTransfer, Stream
 from zsim.units import TFLOP
 from zsim.workload.lora import trainable_params
 from zsim.workload.module import Workload
 from zsim.workload.transformer import count_active_params, count_params
 
 RESERVED = "CUDA context + allocator reserve"
+P2P = "send_recv"       # the comm key of a pipeline's point-to-point transfers
 
 
 def _union_length(intervals) -> float:
@@ -59,64 +60,80 @@ def _exposed(comm, compute) -> float:
 
 @dataclass(frozen=True)
 class _OpTotals:
-    """What summarize needs from the ops of one step, gathered in one pass."""
-    compute_iv: list[tuple[float, float]]
-    comm_iv: list[tuple[float, float]]
-    hw_flops_gpu: float
+    """What summarize needs from the ops of one step, gathered in one pass: intervals per
+    pipeline stage, the other figures summed over the stages' ranks."""
+    compute_iv: list[list[tuple[float, float]]]
+    comm_iv: list[list[tuple[float, float]]]
+    hw_flops: float
     comm_bytes: dict[str, float]
     comm_count: dict[str, int]
     comm_time_s: dict[str, float]
-    comm_calls: dict[tuple, int]        # (kind, size_bytes, coalesced, (group size, stride) or None) -> calls
+    comm_calls: dict[tuple, int]        # (kind, size_bytes, coalesced, (nodes, ranks per node)) -> calls
     host_time_s: dict[str, float]
 
 
-def _op_totals(trace: Trace, world: int) -> _OpTotals:
+def _group_placement(comm, op, sched, gpus_per_node: int) -> tuple[int, int, int]:
+    """(ranks, nodes, ranks per node) of the process group a collective runs over: the op's
+    stage's data-parallel group unless the call names its own (CostModel's rule)."""
+    dp = sched.world_size if sched.pipeline is None else sched.pipeline.data_parallel
+    size = dp if comm.group is None else comm.group.size
+    return (size, *group_shape(comm.group, op.stage, dp, gpus_per_node))
+
+
+def _op_totals(trace: Trace, gpus_per_node: int) -> _OpTotals:
     """The only reader of the schedule's op fields here (transfer, cpu_adam_params, collective,
     size_bytes, stream, model_flops): one pass over the ops and their timings. An op of a
     repeated micro-step counts once per micro-step it stands for."""
     repeat = trace.repeat
-    compute_iv, comm_iv = [], []
-    hw_flops_gpu = 0.0
+    sched = trace.schedule
+    compute_iv: list[list] = [[] for _ in range(sched.stages)]
+    comm_iv: list[list] = [[] for _ in range(sched.stages)]
+    hw_flops = 0.0
     comm_bytes: dict[str, float] = {}
     comm_count: dict[str, int] = {}
     comm_time: dict[str, float] = {}
     comm_calls: dict[tuple, int] = {}
     host_time: dict[str, float] = {}
-    for op, t in zip(trace.schedule.ops, trace.timings):
+    for op, t in zip(sched.ops, trace.timings):
         p, comm = op.payload, op.comm
         n = 1 if repeat is None else repeat.weight(op)
         if isinstance(p, (Copy, CpuAdam)):
             key = p.transfer.value if isinstance(p, Copy) else "cpu_adam"
             host_time[key] = host_time.get(key, 0.0) + n * (t.end_s - t.start_s)
-        if comm is not None:
-            kind = comm.collective.value
-            comm_iv.append((t.start_s, t.end_s))
-            sent = comm.size_bytes * bus_factor(kind, world if comm.group is None else comm.group.size)
+        if comm is not None or isinstance(p, PipeTransfer):
+            if isinstance(p, PipeTransfer):
+                if op.stage != p.src_stage:
+                    continue            # the recv's side of a send counted once, at the send
+                kind, sent = P2P, p.size_bytes
+            else:
+                kind = comm.collective.value
+                ranks, nodes, per_node = _group_placement(comm, op, sched, gpus_per_node)
+                sent = comm.size_bytes * bus_factor(kind, ranks)
+                call = (kind, comm.size_bytes, comm.coalesced, (nodes, per_node))
+                comm_calls[call] = comm_calls.get(call, 0) + n
+            comm_iv[op.stage].append((t.start_s, t.end_s))
             comm_bytes[kind] = comm_bytes.get(kind, 0.0) + n * sent
             comm_count[kind] = comm_count.get(kind, 0) + n
             comm_time[kind] = comm_time.get(kind, 0.0) + n * (t.end_s - t.start_s)
-            group = None if comm.group is None else (comm.group.size, comm.group.stride)
-            call = (kind, comm.size_bytes, comm.coalesced, group)
-            comm_calls[call] = comm_calls.get(call, 0) + n
         elif op.stream == Stream.COMPUTE:
-            compute_iv.append((t.start_s, t.end_s))
-            hw_flops_gpu += n * op.work.model_flops
-    return _OpTotals(compute_iv, comm_iv, hw_flops_gpu, comm_bytes, comm_count, comm_time, comm_calls, host_time)
+            compute_iv[op.stage].append((t.start_s, t.end_s))
+            hw_flops += n * op.work.model_flops
+    return _OpTotals(compute_iv, comm_iv, hw_flops, comm_bytes, comm_count, comm_time, comm_calls, host_time)
 
 
-def _algorithms(cl, calls: dict[tuple, int]) -> dict[str, dict[str, int]]:
-    """Per collective kind, the calls each algorithm/protocol served (the cost model's own choice,
-    over the ranks each call's process group places where: CostModel's rule)."""
+def _algorithms(cl, calls: dict[tuple, int], stages: int) -> dict[str, dict[str, int]]:
+    """Per collective kind, the calls each algorithm/protocol served on one rank (the cost
+    model's own choice over the ranks each call's process group spans; a pipeline's calls
+    averaged over its stages' ranks, as Comm.calls are)."""
     intra, inter = tiers_for(cl)
     nccl = nccl_topo_for(cl)
     out: dict[str, dict[str, int]] = {}
-    for (kind, size, coalesced, group), n in sorted(calls.items(), key=lambda c: (c[0][:3], c[0][3] or ())):
-        nodes, per_node = (cl.nodes, cl.gpus_per_node) if group is None else group_placement(*group, cl.gpus_per_node)
+    for (kind, size, coalesced, (nodes, per_node)), n in sorted(calls.items()):
         c = collective_cost(kind, size, nodes, per_node, intra, inter, coalesced, nccl)
         label = f"{c.algorithm}/{c.protocol}" if c.protocol else c.algorithm
         per = out.setdefault(kind, {})
         per[label] = per.get(label, 0) + n
-    return {k: dict(sorted(v.items())) for k, v in sorted(out.items())}
+    return {k: {label: round(n / stages) for label, n in sorted(v.items())} for k, v in sorted(out.items())}
 
 
 def _windows(trace: Trace) -> tuple[tuple[float, float, int], ...]:
@@ -137,7 +154,11 @@ def _clip(intervals, lo: float, hi: float) -> list[tuple[float, float]]:
 def _host_memory(sc: Scenario, trace: Trace) -> HostMemory:
     cl = sc.cluster
     breakdown: dict[str, float] = {}
-    for a in trace.schedule.host_static:
+    sched = trace.schedule
+    # a pipeline: a node full of the stage with the most host memory
+    host_static = sched.host_static if sched.pipeline is None else max(
+        sched.pipeline.host_static, key=lambda allocs: sum(a.size_bytes for a in allocs))
+    for a in host_static:
         breakdown[a.category] = breakdown.get(a.category, 0.0) + a.size_bytes * cl.gpus_per_node
     need = sum(breakdown.values())
     load = trace.schedule.host.host_load_bytes_per_gpu * cl.gpus_per_node
@@ -160,18 +181,39 @@ def _memory(sc: Scenario, trace: Trace) -> Memory:
                   peak_time_s=peak_t, breakdown=breakdown, host=_host_memory(sc, trace))
 
 
+def _pipeline(sc: Scenario, trace: Trace, ops: _OpTotals) -> Pipeline | None:
+    layout = trace.schedule.pipeline
+    if layout is None:
+        return None
+    step = trace.step_time_s
+    busy = [_union_length(c + m) for c, m in zip(ops.compute_iv, ops.comm_iv)]
+    reserved = sc.cluster.reserved_bytes
+    return Pipeline(stages=layout.stages, data_parallel=layout.data_parallel,
+                    partition_method=sc.parallelism.partition_method,
+                    layers=[list(r) for r in layout.layers],
+                    peak_bytes=[peak_and_breakdown(ev)[0] + reserved for ev in trace.stage_ledger_events],
+                    worst_stage=trace.worst_stage,
+                    bubble_fraction=1.0 - sum(busy) / (len(busy) * step) if step > 0 else 0.0)
+
+
 def summarize(sc: Scenario, wl: Workload, trace: Trace) -> Result:
     cl = sc.cluster
     world = cl.world_size
     step = trace.step_time_s
     samples = sc.global_batch_size
     tokens = samples * sc.seq_len
-    model_flops_gpu = wl.model_flops * sc.gradient_accumulation_steps
-    ops = _op_totals(trace, world)
+    stages = trace.schedule.stages
+    # per GPU: a pipeline's stages split the model (and its FLOPs); figures of the stages'
+    # ranks are averaged over them
+    model_flops_gpu = wl.model_flops * sc.gradient_accumulation_steps / stages
+    ops = _op_totals(trace, cl.gpus_per_node)
     windows = _windows(trace)
     peak_flops = cl.peak_flops(sc.precision)
     tflops = model_flops_gpu / step / TFLOP if step > 0 else 0.0
     trained = trainable_params(wl)
+    compute_s = sum(sum(n * _union_length(_clip(iv, lo, hi)) for lo, hi, n in windows) for iv in ops.compute_iv)
+    exposed_s = sum(sum(n * _exposed(_clip(m, lo, hi), _clip(c, lo, hi)) for lo, hi, n in windows)
+                    for c, m in zip(ops.compute_iv, ops.comm_iv))
     return Result(
         scenario=sc.name,
         stage=sc.zero.stage,
@@ -191,14 +233,15 @@ def summarize(sc: Scenario, wl: Workload, trace: Trace) -> Result:
         tokens_per_s_per_gpu=tokens / step / world,
         tflops_per_gpu=tflops,
         mfu=model_flops_gpu / step / peak_flops,
-        hfu=ops.hw_flops_gpu / step / peak_flops,
-        compute_time_s=sum(n * _union_length(_clip(ops.compute_iv, lo, hi)) for lo, hi, n in windows),
+        hfu=ops.hw_flops / stages / step / peak_flops,
+        compute_time_s=compute_s / stages,
         model_flops_per_gpu=model_flops_gpu,
         memory=_memory(sc, trace),
-        comm=Comm(bytes_per_gpu=ops.comm_bytes, calls=ops.comm_count, time_s=ops.comm_time_s,
-                  exposed_time_s=sum(n * _exposed(_clip(ops.comm_iv, lo, hi), _clip(ops.compute_iv, lo, hi))
-                                     for lo, hi, n in windows),
-                  algorithms=_algorithms(cl, ops.comm_calls),
+        comm=Comm(bytes_per_gpu={k: v / stages for k, v in ops.comm_bytes.items()},
+                  calls={k: round(v / stages) for k, v in ops.comm_count.items()},
+                  time_s={k: v / stages for k, v in ops.comm_time_s.items()},
+                  exposed_time_s=exposed_s / stages,
+                  algorithms=_algorithms(cl, ops.comm_calls, stages),
                   achieved_busbw_Bps={k: b / ops.comm_time_s[k] for k, b in ops.comm_bytes.items()
                                       if ops.comm_time_s.get(k, 0.0) > 0},
                   link_busbw_Bps=link_busbw_Bps(cl)),
@@ -207,6 +250,7 @@ def summarize(sc: Scenario, wl: Workload, trace: Trace) -> Result:
         warnings=tuple(sc.warnings),
         trainable_params=None if trained == wl.n_params else trained,
         moe=_moe(sc, wl),
+        pipeline=_pipeline(sc, trace, ops),
     )
 
 

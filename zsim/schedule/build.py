@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from zsim.specs.scenario import Scenario
-from zsim.schedule import offload, stage3, stage012
+from zsim.schedule import offload, pipeline, stage3, stage012
 from zsim.schedule.builder import Builder
 from zsim.schedule.context import StepContext
 from zsim.schedule.ir import Schedule
@@ -27,9 +27,8 @@ def workload_for(sc: Scenario) -> Workload:
 def with_micro_steps(sc: Scenario, micro_steps: int) -> Scenario:
     """`sc` accumulating `micro_steps` micro-steps (the batch triple kept consistent)."""
     ds = sc.deepspeed
-    world = sc.cluster.world_size
     ds = replace(ds, gradient_accumulation_steps=micro_steps,
-                 train_batch_size=ds.train_micro_batch_size_per_gpu * micro_steps * world)
+                 train_batch_size=ds.train_micro_batch_size_per_gpu * micro_steps * sc.data_parallel_size)
     return replace(sc, deepspeed=ds)
 
 
@@ -40,10 +39,14 @@ def build_schedule(sc: Scenario, wl: Workload | None = None,
     wl = wl or workload_for(sc)
     if micro_steps is not None:
         sc = with_micro_steps(sc, micro_steps)
-    ctx = StepContext(sc=sc, wl=wl, b=Builder(), param_bytes=DTYPE_BYTES[sc.precision], world=sc.cluster.world_size)
+    # every collective of a stage runs over its data-parallel group
+    ctx = StepContext(sc=sc, wl=wl, b=Builder(), param_bytes=DTYPE_BYTES[sc.precision], world=sc.data_parallel_size)
     ctx.exchanges = TokenExchanges(ctx)
+    if sc.pipeline_stages > 1:
+        layers, host = pipeline.build(ctx)
+        return wl, ctx.b.build(sc.zero.stage, sc.cluster.world_size, host, layers)
     if sc.zero.stage == 3:
         stage3.build(ctx)
     else:
         stage012.build(ctx)
-    return wl, ctx.b.build(sc.zero.stage, ctx.world, offload.host_settings(ctx))
+    return wl, ctx.b.build(sc.zero.stage, sc.cluster.world_size, offload.host_settings(ctx))

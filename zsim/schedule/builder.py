@@ -3,15 +3,17 @@ hooks can attach frees, allocations and host-side effects to an op added earlier
 copying it."""
 from __future__ import annotations
 
-from zsim.schedule.ir import Alloc, Buffer, HostSettings, ModulePass, Op, OpKind, Phase, Schedule, Stream, Tag
+from zsim.schedule.ir import (Alloc, Buffer, HostSettings, ModulePass, Op, OpKind, Phase, PipelineLayout, Schedule,
+                              Stream, Tag)
 
 
 class _Draft:
     __slots__ = ("kind", "stream", "phase", "micro", "payload", "deps", "alloc", "free", "hook_visits",
-                 "grad_hooks", "bucketed")
+                 "grad_hooks", "bucketed", "stage")
 
-    def __init__(self, kind, stream, phase, micro, payload, deps, alloc):
+    def __init__(self, kind, stream, phase, micro, payload, deps, alloc, stage):
         self.kind, self.stream, self.phase, self.micro, self.payload = kind, stream, phase, micro, payload
+        self.stage = stage
         self.deps, self.alloc, self.free = deps, list(alloc), []
         self.hook_visits = self.grad_hooks = 0
         self.bucketed: list[int] = []
@@ -20,14 +22,24 @@ class _Draft:
 class Builder:
     def __init__(self):
         self._ops: list[_Draft] = []
-        self.static: list[Alloc] = []
-        self.host_static: list[Alloc] = []
+        self.stage = 0      # the pipeline stage that ops and static buffers go to (pipeline.py sets it)
+        self._static: dict[int, list[Alloc]] = {}
+        self._host_static: dict[int, list[Alloc]] = {}
 
     def add(self, kind: OpKind, stream: Stream, phase: Phase, micro: int, payload, deps=(),
             alloc: tuple[Alloc, ...] = ()) -> int:
         deps = tuple(sorted({d for d in deps if d is not None}))
-        self._ops.append(_Draft(kind, stream, phase, micro, payload, deps, alloc))
+        self._ops.append(_Draft(kind, stream, phase, micro, payload, deps, alloc, self.stage))
         return len(self._ops) - 1
+
+    @property
+    def next_id(self) -> int:
+        return len(self._ops)
+
+    def add_deps(self, op_id: int, *deps: int):
+        """`op_id` also waits for `deps` (added before it)."""
+        d = self._ops[op_id]
+        d.deps = tuple(sorted(set(d.deps) | {x for x in deps if x is not None and x < op_id}))
 
     def add_free(self, op_id: int, *tags: Tag):
         self._ops[op_id].free.extend(tags)
@@ -47,13 +59,16 @@ class Builder:
 
     def static_alloc(self, category: str, size_bytes: float):
         if size_bytes > 0:
-            self.static.append(Alloc(Tag(Buffer.STATE, key=category), category, float(size_bytes)))
+            self._static.setdefault(self.stage, []).append(Alloc(Tag(Buffer.STATE, key=category), category, float(size_bytes)))
 
     def host_alloc(self, category: str, size_bytes: float):
         if size_bytes > 0:
-            self.host_static.append(Alloc(Tag(Buffer.STATE, key=category), category, float(size_bytes)))
+            self._host_static.setdefault(self.stage, []).append(Alloc(Tag(Buffer.STATE, key=category), category, float(size_bytes)))
 
-    def build(self, stage: int, world_size: int, host: HostSettings) -> Schedule:
+    def build(self, stage: int, world_size: int, host: HostSettings,
+              stage_layers: tuple[tuple[int, int], ...] = ()) -> Schedule:
+        """Freeze the drafts; `stage_layers` (one [first, end) layer range per pipeline stage)
+        makes it a pipeline's schedule."""
         ops = []
         for i, d in enumerate(self._ops):
             payload = d.payload
@@ -61,7 +76,13 @@ class Builder:
                 assert isinstance(payload, ModulePass)
                 payload = ModulePass(payload.module, payload.work, tuple(d.bucketed))
             ops.append(Op(i, d.kind, d.stream, d.phase, d.micro, payload, d.deps, tuple(d.alloc), tuple(d.free),
-                          d.hook_visits, d.grad_hooks))
-        return Schedule(stage=stage, world_size=world_size, ops=tuple(ops), static=tuple(self.static), host=host,
-                        host_static=tuple(self.host_static))
+                          d.hook_visits, d.grad_hooks, d.stage))
+        if not stage_layers:
+            return Schedule(stage=stage, world_size=world_size, ops=tuple(ops), static=tuple(self._static.get(0, ())),
+                            host=host, host_static=tuple(self._host_static.get(0, ())))
+        n = len(stage_layers)
+        layout = PipelineLayout(stages=n, data_parallel=world_size // n, layers=tuple(stage_layers),
+                                static=tuple(tuple(self._static.get(s, ())) for s in range(n)),
+                                host_static=tuple(tuple(self._host_static.get(s, ())) for s in range(n)))
+        return Schedule(stage=stage, world_size=world_size, ops=tuple(ops), static=(), host=host, pipeline=layout)
 

@@ -45,20 +45,30 @@ class Collective(StrEnum):
     ALL_REDUCE = "all_reduce"
     REDUCE = "reduce"
     ALL_TO_ALL = "all_to_all"
+    BROADCAST = "broadcast"
 
 
 class Group(StrEnum):
-    """The process groups a collective runs over (DeepSpeed's deepspeed/utils/groups.py)."""
-    DATA_PARALLEL = "data_parallel"
-    EXPERT_PARALLEL = "expert_parallel"              # ranks splitting one MoE layer's experts (all-to-all)
-    EXPERT_DATA_PARALLEL = "expert_data_parallel"    # ranks holding the same experts (their gradients)
+    """The process groups a collective runs over (DeepSpeed's deepspeed/utils/groups.py and the
+    PipelineModule's PipelineParallelGrid, runtime/pipe/topology.py)."""
+    DATA = "data"                    # the data-parallel group of the op's pipeline stage
+    EXPERT = "expert"                # ranks splitting one MoE layer's experts (all-to-all)
+    EXPERT_DATA = "expert_data"      # ranks holding the same experts (their gradients)
+    TIED = "tied"        # a tied weight's group: the same data-parallel rank of the first and last stage
+    PIPE = "pipe"        # every stage's rank of one data-parallel index (PipelineParallelGrid's model-parallel group)
+
+
+# groups inside one pipeline stage's data-parallel group: their ranks start at the stage's first rank
+STAGE_GROUPS = frozenset({Group.DATA, Group.EXPERT, Group.EXPERT_DATA})
 
 
 @dataclass(frozen=True, slots=True)
 class ProcessGroup:
-    """A process group as its ranks are placed: `size` ranks, `stride` apart (the expert-parallel
-    group is consecutive, the expert-data-parallel group strided by ep_size: groups.py
-    _create_expert_and_data_parallel). The cost model places it on the cluster's nodes."""
+    """A process group as its ranks are placed: `size` ranks, `stride` apart, from the first rank of
+    the op's stage (STAGE_GROUPS) or of the world (TIED, PIPE: data-parallel index 0). The
+    expert-parallel group is consecutive, the expert-data-parallel group strided by ep_size
+    (groups.py _create_expert_and_data_parallel); the pipe group strided by the data-parallel size
+    (PipeDataParallelTopology: rank = stage * dp + dp_rank). zsim.hardware.placement places it."""
     kind: Group
     size: int
     stride: int = 1
@@ -96,6 +106,17 @@ class OpKind(Enum):
     PARAM_UPLOAD = "param upload"            # offload_optimizer: updated 16-bit params back to the GPU
     OPTIMIZER_SWAP = "optimizer swap"        # NVMe optimizer-state read or write of one sub-group
     CPU_ADAM = "cpu adam"                    # DeepSpeedCPUAdam over one sub-group
+    # pipeline point-to-point (payload PipeTransfer; runtime/pipe/p2p.py send / recv)
+    SEND_ACTIVATION = "send activation"      # the stage's output to the next stage (does the transfer)
+    RECV_ACTIVATION = "recv activation"      # waits for the previous stage's send (no work of its own)
+    SEND_GRAD = "send grad"                  # the input's gradient to the previous stage
+    RECV_GRAD = "recv grad"
+    # pipe/engine.py _exec_reduce_tied_grads: all-reduce of a tied weight's gradient (payload GradReduce)
+    TIED_ALLREDUCE = "tied allreduce"
+    # pipe/engine.py _aggregate_total_loss, after the step (payload ScalarAllReduce): the last
+    # stage all-reduces the loss over its data-parallel group, then broadcasts it to every stage
+    LOSS_ALLREDUCE = "loss allreduce"
+    LOSS_BROADCAST = "loss broadcast"
 
 
 # -- payloads ---------------------------------------------------------------------------------
@@ -136,7 +157,7 @@ class Comm:
     # launched async with its neighbours, then all waited; priced from the tier's
     # "<collective>_coalesced" table (see [Note: coalesced post-step gathers])
     coalesced: bool = False
-    group: ProcessGroup | None = None   # None: the whole data-parallel group
+    group: ProcessGroup | None = None   # None: the op's stage's whole data-parallel group
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +181,7 @@ class GradReduce:
 
 @dataclass(frozen=True, slots=True)
 class ScalarAllReduce:
+    """A few-element collective (a flag, a norm, the loss): an all-reduce, or LOSS_BROADCAST's broadcast."""
     comm: Comm
 
 
@@ -187,7 +209,17 @@ class CpuAdam:
     group: int
 
 
-Payload = ModulePass | StepCompute | ParamGather | GradReduce | ScalarAllReduce | TokenExchange | Copy | CpuAdam
+@dataclass(frozen=True, slots=True)
+class PipeTransfer:
+    """One micro-batch's activation (or its gradient) between adjacent pipeline stages: a
+    point-to-point send over the link between the two stages' ranks of the same data-parallel index."""
+    size_bytes: float
+    src_stage: int
+    dst_stage: int
+
+
+Payload = (ModulePass | StepCompute | ParamGather | GradReduce | ScalarAllReduce | TokenExchange | Copy | CpuAdam
+           | PipeTransfer)
 
 
 # -- memory -----------------------------------------------------------------------------------
@@ -207,6 +239,7 @@ class Buffer(Enum):
     SCATTER_COPY = "rs"              # reduce_scatter_coalesced's interleaved copy of a bucket
     OPT_FP32_GRADS = "opt/fp32_grads"
     OPT_FLAT16 = "opt/flat16_grads"
+    PIPE_OUTPUT = "pipe/output"      # a stage's output, kept until its gradient comes back (pipe_buffers['outputs'])
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,6 +300,7 @@ class Op:
     free: tuple[Tag, ...] = ()
     hook_visits: int = 0            # ZeRO-3 module visits whose hooks run on the host before it
     grad_hooks: int = 0             # ZeRO-0/1/2 params whose gradients DeepSpeed handles after it
+    stage: int = 0                  # the pipeline stage whose representative rank runs it
 
     @property
     def comm(self) -> Comm | None:
@@ -302,6 +336,10 @@ def label(op: Op) -> str:
         return f"{_TRANSFER_LABELS[p.transfer]} {p.what}"
     if k == OpKind.CPU_ADAM:
         return f"CPU Adam group {p.group}"
+    if k in (OpKind.SEND_ACTIVATION, OpKind.SEND_GRAD):
+        return f"{k.value} {op.micro_step} -> stage {p.dst_stage}"
+    if k in (OpKind.RECV_ACTIVATION, OpKind.RECV_GRAD):
+        return f"{k.value} {op.micro_step} <- stage {p.src_stage}"
     return _FIXED_LABELS[k]
 
 
@@ -316,6 +354,9 @@ _FIXED_LABELS = {
     OpKind.OVERFLOW_ALLREDUCE: "overflow check",
     OpKind.NORM_ALLREDUCE: "grad norm all-reduce",
     OpKind.CAPACITY_ALLREDUCE: "MoE capacity all-reduce",
+    OpKind.TIED_ALLREDUCE: "all-reduce tied embedding grads",
+    OpKind.LOSS_ALLREDUCE: "loss all-reduce",
+    OpKind.LOSS_BROADCAST: "loss broadcast",
 }
 
 
@@ -331,6 +372,17 @@ class HostSettings:
 
 
 @dataclass(frozen=True)
+class PipelineLayout:
+    """A pipeline's stages (DeepSpeed PipelineEngine): each stage is simulated as one
+    representative rank with its own streams and memory ledger."""
+    stages: int
+    data_parallel: int
+    layers: tuple[tuple[int, int], ...]           # per stage: [first, end) transformer layer
+    static: tuple[tuple[Alloc, ...], ...]         # per stage: its model states
+    host_static: tuple[tuple[Alloc, ...], ...]    # per stage
+
+
+@dataclass(frozen=True)
 class Schedule:
     stage: int
     world_size: int
@@ -338,3 +390,11 @@ class Schedule:
     static: tuple[Alloc, ...]       # allocated for the whole step (model states, persistent buffers)
     host: HostSettings
     host_static: tuple[Alloc, ...] = ()  # host (CPU) memory per GPU: offloaded states, pinned buffers
+    pipeline: PipelineLayout | None = None   # None: one stage (static, host_static are its rank's)
+
+    @property
+    def stages(self) -> int:
+        return self.pipeline.stages if self.pipeline else 1
+
+    def static_of(self, stage: int) -> tuple[Alloc, ...]:
+        return self.pipeline.static[stage] if self.pipeline else self.static

@@ -34,13 +34,13 @@ def deepspeed_moe(sc) -> bool:
 
 def expert_parallel_group(ctx) -> ProcessGroup:
     """groups.py _create_expert_and_data_parallel: ranks [i*ep, (i+1)*ep), consecutive."""
-    return ProcessGroup(Group.EXPERT_PARALLEL, ctx.sc.expert_parallel_size, 1)
+    return ProcessGroup(Group.EXPERT, ctx.sc.expert_parallel_size, 1)
 
 
 def expert_data_parallel_group(ctx) -> ProcessGroup:
     """groups.py _create_expert_and_data_parallel (E + D ordering): ranks i, i+ep, i+2ep, ..."""
     ep = ctx.sc.expert_parallel_size
-    return ProcessGroup(Group.EXPERT_DATA_PARALLEL, ctx.world // ep, ep)
+    return ProcessGroup(Group.EXPERT_DATA, ctx.world // ep, ep)
 
 
 def moe_param_groups(sc, wl, world: int) -> list[FlatGroup]:

@@ -4,7 +4,8 @@ scalar all-reduces before it."""
 from __future__ import annotations
 
 from zsim.schedule.context import StepContext
-from zsim.schedule.ir import (Alloc, Buffer, Category, Collective, Comm, ComputeWork, OpKind, Phase, ProcessGroup,
+from zsim.schedule.ir import (Alloc, Buffer, Category, Collective, Comm, ComputeWork, Group, OpKind, Phase,
+                              ProcessGroup,
                               ScalarAllReduce, StepCompute, Stream, Tag)
 
 FP32_BYTES = 4
@@ -83,8 +84,16 @@ def optimizer_step(ctx: StepContext, shard_params: float, deps, flatten: bool = 
 
 
 def _scalar_allreduce(ctx: StepContext, kind: OpKind, size_bytes: int, deps, group: ProcessGroup | None = None) -> int:
-    return ctx.b.add(kind, Stream.COMPUTE, Phase.STEP, ctx.last_micro,
+    last = ctx.b.add(kind, Stream.COMPUTE, Phase.STEP, ctx.last_micro,
                      ScalarAllReduce(Comm(Collective.ALL_REDUCE, 1, size_bytes, group=group)), deps)
+    if ctx.sc.pipeline_stages > 1:
+        # stage_1_and_2.py _model_parallel_all_reduce: then over the model-parallel group, which a
+        # PipelineModule's grid makes the stages' ranks of this data-parallel index (recorded,
+        # tests/fixtures/pipeline)
+        pipe = ProcessGroup(Group.PIPE, ctx.sc.pipeline_stages, ctx.sc.data_parallel_size)
+        last = ctx.b.add(kind, Stream.COMPUTE, Phase.STEP, ctx.last_micro,
+                         ScalarAllReduce(Comm(Collective.ALL_REDUCE, 1, size_bytes, group=pipe)), [last])
+    return last
 
 
 def grad_norm_ops(ctx: StepContext, shard_params: float, n_tensors: int, deps, overflow_check: bool = True,

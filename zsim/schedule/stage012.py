@@ -8,6 +8,13 @@ runtime/engine.py), checked against recorded runs in tests/fixtures/deepspeed.
 - After the step the updated 16-bit partitions are all-gathered in one call per parameter
   group (allgather_bucket_size does not split it in 0.19.8; see the recorded fixtures).
 - Stage 0 all-reduces every gradient after backward at the boundary (engine.allreduce_gradients).
+- [Note: pipeline gradient reduction] DeepSpeed's PipelineEngine turns the engine's backward
+  all-reduce off (pipe/engine.py:80) and reports a gradient-accumulation boundary only while it
+  runs ReduceGrads (is_gradient_accumulation_boundary -> _force_grad_boundary), so ZeRO-1's
+  hooks reduce nothing during the backward passes: ReduceGrads (_exec_reduce_grads ->
+  allreduce_gradients) reduces everything, ZeRO-1 by its reduce_gradients walk, ZeRO-0 and the
+  BF16_Optimizer by buffered_allreduce_fallback. (With overlap_comm, 0.19.8's reduce_gradients
+  skips its walk; zsim models the walk a correct run needs.)
 - [Note: BF16_Optimizer] Stage 1 with bf16 weights and data_types.grad_accum_dtype fp32 runs
   DeepSpeed's BF16_Optimizer (engine.py _configure_bf16_optimizer): fp32 gradient accumulation
   buffers for every parameter, the engine's boundary all-reduce, no overflow/norm collectives.
@@ -30,14 +37,16 @@ MEMORY_OPT_ALLREDUCE_SIZE = int(5e8)
 
 
 class Zero012Hooks(StageHooks):
-    def __init__(self, ctx: StepContext):
+    def __init__(self, ctx: StepContext, pipelined: bool = False):
         self.ctx = ctx
         z = ctx.sc.zero
         self.stage = z.stage
         self.ready = grads_ready_at(ctx.wl)
         self.bf16_optimizer = ctx.sc.deepspeed.uses_bf16_optimizer
         self.boundary_allreduce = self.stage == 0 or self.bf16_optimizer
-        self.reduce_in_hooks = not self.boundary_allreduce and (self.stage == 2 or (self.stage == 1 and z.overlap))
+        # see [Note: pipeline gradient reduction]: a pipeline reduces at ReduceGrads only
+        self.reduce_in_hooks = not pipelined and not self.boundary_allreduce and (
+            self.stage == 2 or (self.stage == 1 and z.overlap))
         # see [Note: ZeRO-1/2 gradient lifetime]
         lazy_grads = self.stage in (1, 2) and not self.bf16_optimizer and not ctx.optimizer_offloaded
         self.buckets = Zero12Buckets(ctx, lazy_grads, walk_at_boundary=self.stage == 1 and not self.reduce_in_hooks)
@@ -108,9 +117,9 @@ class Zero012Hooks(StageHooks):
         return last
 
 
-def build(ctx: StepContext):
+def allocate_states(ctx: StepContext, hooks: Zero012Hooks):
+    """The rank's model states: 16-bit params, gradients and the optimizer's shard."""
     z = ctx.sc.zero
-    hooks = Zero012Hooks(ctx)
     buckets = hooks.buckets
     n_params = ctx.wl.n_params
     n_trainable = sum(buckets.numels[p] for p in buckets.trainable)
@@ -125,15 +134,19 @@ def build(ctx: StepContext):
     states = offload.place_states(ctx, states, shard)
     for cat, size in states.items():
         ctx.b.static_alloc(cat, size)
-    last = None
-    for micro in range(ctx.gas):
-        last = forward(ctx, hooks, micro, last)
-        last = backward(ctx, hooks, micro, last)
+
+
+def optimizer_boundary(ctx: StepContext, hooks: Zero012Hooks, last: int) -> int:
+    """After the last backward: the optimizer step over the rank's shard and, for ZeRO-1/2,
+    the all-gather of the updated 16-bit partitions. Returns the last op."""
+    z = ctx.sc.zero
+    buckets = hooks.buckets
+    n_trainable = sum(buckets.numels[p] for p in buckets.trainable)
+    shard = buckets.partition if z.stage >= 1 else n_trainable
     # the step waits for every reduction (reduction stream synchronised before the step)
     step_deps = [last, hooks.last_reduce]
     if z.stage == 0:
-        optimizer_step(ctx, n_trainable, step_deps, flatten=False)
-        return
+        return optimizer_step(ctx, n_trainable, step_deps, flatten=False)
     if not hooks.bf16_optimizer:
         pieces = sum(pieces_in_partition(g, buckets.numels, 0) for g in buckets.groups)
         experts = sum(g.expert for g in buckets.groups)
@@ -153,3 +166,14 @@ def build(ctx: StepContext):
         last = ctx.b.add(OpKind.UPDATED_GATHER, Stream.COMPUTE, Phase.STEP, ctx.last_micro,
                          ParamGather(Comm(Collective.ALL_GATHER, n, n * ctx.param_bytes,
                                           group=flat_group_process_group(ctx, group))), [last])
+    return last
+
+
+def build(ctx: StepContext):
+    hooks = Zero012Hooks(ctx)
+    allocate_states(ctx, hooks)
+    last = None
+    for micro in range(ctx.gas):
+        last = forward(ctx, hooks, micro, last)
+        last = backward(ctx, hooks, micro, last)
+    optimizer_boundary(ctx, hooks, last)

@@ -38,7 +38,8 @@ def _op_at_peak(trace: Trace) -> dict:
     name, phase, micro_step)."""
     _, tag = _peak_event(trace.ledger_events)
     for op in trace.schedule.ops:
-        if any(a.tag == tag for a in op.alloc):
+        # a pipeline's ledger_events are the worst stage's (tags repeat across stages)
+        if op.stage == trace.worst_stage and any(a.tag == tag for a in op.alloc):
             return {"op": op.name, "phase": op.phase.value, "micro_step": op.micro_step}
     return {"op": "model states (allocated before the step)", "phase": "static", "micro_step": 0}
 
@@ -93,15 +94,22 @@ def playbook(raw: dict, sc: Scenario) -> list[Variant]:
         out.append(Variant("full activation checkpointing, checkpoints in CPU memory",
                              ("training.activation_checkpointing=full",
                               "deepspeed.activation_checkpointing.cpu_checkpointing=true")))
-    for stage in range(z.stage + 1, 4):
+    pp = sc.pipeline_stages
+    # DeepSpeed's PipelineEngine refuses ZeRO-2/3 (pipe/engine.py:76): a pipeline's remedies stay at
+    # ZeRO-1 and add stages instead
+    top_stage = 1 if pp > 1 else 3
+    for stage in range(z.stage + 1, top_stage + 1):
         out.append(Variant(f"ZeRO stage {stage}", (f"deepspeed.zero_optimization.stage={stage}",)))
+    if pp > 1 and sc.cluster.world_size % (2 * pp) == 0 and 2 * pp <= sc.model.layers:
+        out.append(Variant(f"{2 * pp} pipeline stages", (f"parallelism.pipeline={2 * pp}",)))
     if z.optimizer_offload_device == "none":
         sets = ("deepspeed.zero_optimization.offload_optimizer.device=cpu",
                 "deepspeed.zero_optimization.offload_optimizer.pin_memory=true")
+        offload_stage = 2 if pp == 1 else 1
         if z.stage == 0:
-            sets = ("deepspeed.zero_optimization.stage=2",) + sets
-        out.append(Variant("optimizer offload to CPU" + (" (ZeRO-2)" if z.stage == 0 else ""), sets))
-    if z.param_offload_device == "none":
+            sets = (f"deepspeed.zero_optimization.stage={offload_stage}",) + sets
+        out.append(Variant("optimizer offload to CPU" + (f" (ZeRO-{offload_stage})" if z.stage == 0 else ""), sets))
+    if z.param_offload_device == "none" and pp == 1:
         sets = ("deepspeed.zero_optimization.offload_param.device=cpu",
                 "deepspeed.zero_optimization.offload_param.pin_memory=true")
         if z.optimizer_offload_device == "none":

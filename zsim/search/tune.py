@@ -81,11 +81,14 @@ class TunePoint:
 def memory_lower_bound(sc) -> float:
     """Bytes the simulated peak cannot go below (see module doc)."""
     wl = workload_for(sc)
-    n = wl.n_params
-    world = sc.cluster.world_size
+    # a pipeline: the worst stage holds at least the average stage's share of the model (states
+    # and one micro-batch's activations of its layers)
+    pp = sc.pipeline_stages
+    n = wl.n_params / pp
     z = sc.zero
-    trained = trainable_params(wl)   # frozen weights have no gradients or optimizer states
-    states = model_state_bytes(n, n / world, z.stage, DTYPE_BYTES[sc.precision], trainable=(trained, trained / world))
+    dp = sc.data_parallel_size
+    trained = trainable_params(wl) / pp   # frozen weights have no gradients or optimizer states
+    states = model_state_bytes(n, n / dp, z.stage, DTYPE_BYTES[sc.precision], trainable=(trained, trained / dp))
     if z.optimizer_offload_device != "none":
         states["optimizer states"] = 0.0
         if z.stage >= 2:
@@ -99,7 +102,7 @@ def memory_lower_bound(sc) -> float:
         acts = sum(m.act_bytes - m.act_bytes_s2 for m in wl.modules)
     else:
         acts = sum(m.act_bytes for m in wl.modules)
-    return sum(states.values()) + acts + sc.cluster.reserved_bytes
+    return sum(states.values()) + acts / pp + sc.cluster.reserved_bytes
 
 
 def _divisors(n: int) -> list[int]:
@@ -107,9 +110,10 @@ def _divisors(n: int) -> list[int]:
 
 
 def structural_candidates(sc) -> list[TunePoint]:
-    per_gpu = sc.global_batch_size // sc.cluster.world_size
+    # the batch divides by the data-parallel size; a pipeline (kept at its stages) allows ZeRO-0/1 only
+    per_gpu = sc.global_batch_size // sc.data_parallel_size
     out = []
-    for stage in (0, 1, 2, 3):
+    for stage in (0, 1) if sc.pipeline_stages > 1 else (0, 1, 2, 3):
         for off in OFFLOADS:
             if off != "none" and stage == 0:
                 continue

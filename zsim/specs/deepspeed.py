@@ -184,11 +184,28 @@ class OptimizerConfig:
     params: dict[str, Any] = spec(factory=dict)
 
 
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    """The ds_config's "pipeline" block (runtime/config.py get_pipeline_config). DeepSpeed's
+    PipelineEngine reads activation_checkpoint_interval from it (pipe/engine.py:217) and
+    pipe/grad_partitioned (tensor-parallel only); `stages` and `partition` are parsed but the
+    stages and the partition come from PipelineModule(num_stages=, partition_method=). zsim,
+    which has no PipelineModule, reads them as those arguments (see zsim/config/parallel.py)."""
+    stages: Optional[int] = spec(None, gt=0, doc="PipelineModule num_stages (DeepSpeed's default: auto)")
+    partition: Optional[str] = spec(None, doc="PipelineModule partition_method; DeepSpeed's 'best' means unset")
+    seed_layers: bool = spec(False)
+    activation_checkpoint_interval: int = spec(0, ge=0)
+    pipe_partitioned: bool = spec(True)
+    grad_partitioned: bool = spec(True)
+    use_reentrant: bool = spec(True)
+    enabled: bool = spec(True, doc="not a DeepSpeed key (the seeds write it); accepted and not read")
+
+
 # Accepted top-level keys that do not change a step's time or memory in zsim's model.
 IGNORED_TOP_LEVEL = frozenset({
     "scheduler", "steps_per_print", "wall_clock_breakdown", "dump_state", "tensorboard", "wandb",
     "csv_monitor", "comet", "flops_profiler", "comms_logger", "checkpoint", "elasticity", "autotuning",
-    "compression_training", "data_efficiency", "curriculum_learning", "sparse_attention", "pipeline",
+    "compression_training", "data_efficiency", "curriculum_learning", "sparse_attention",
     "memory_breakdown", "seed", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
     "disable_allgather", "dataloader_drop_last", "sparse_gradients", "eigenvalue", "quantize_training",
     "progressive_layer_drop", "gradient_predivide_factor", "prescale_gradients", "communication_data_type",
@@ -206,7 +223,6 @@ COMM_DATA_TYPES = ("fp16", "bf16", "fp32")
 # Accepted keys that do change a real run but that zsim does not simulate yet: the result
 # carries a warning instead of silently pretending.
 NOT_MODELLED_TOP_LEVEL = {
-    "pipeline": "pipeline parallelism is not modelled; simulated as pure data parallelism",
     "tensor_parallel": "tensor parallelism (AutoTP) is not modelled; simulated as pure data parallelism",
     "compression_training": "compression training is not modelled",
     "sparse_attention": "sparse attention is not modelled; attention is dense",
@@ -228,6 +244,7 @@ class DeepSpeedConfig:
     aio: AioConfig = spec(factory=AioConfig)
     optimizer: OptimizerConfig = spec(factory=OptimizerConfig)
     data_types: DataTypesConfig = spec(factory=DataTypesConfig)
+    pipeline: PipelineConfig = spec(factory=PipelineConfig)
 
     def __post_init__(self):
         if self.fp16.enabled and self.bf16.enabled:

@@ -1,26 +1,53 @@
-"""The scenario's `parallelism:` block: how the ranks are split beyond ZeRO's data parallelism.
+"""The scenario's `parallelism:` block: how the world is split beyond ZeRO's data parallelism.
 
-Names follow DeepSpeed (deepspeed/utils/groups.py) and Megatron-LM. Today it holds expert
-parallelism; tensor and pipeline parallelism join it later (issue 15).
+Names follow DeepSpeed (deepspeed/utils/groups.py, runtime/pipe/) and Megatron-LM.
+
+Pipeline parallelism follows DeepSpeed's PipelineEngine (runtime/pipe/): `pipeline` stages
+hold consecutive slices of the model's layers (PipelineModule's `partition_method`), and the
+data-parallel size is world / pipeline (PipeDataParallelTopology: pipe is the outer axis,
+data the inner one, so rank = stage * dp + dp_rank).
 
 Expert parallelism (DeepSpeed-MoE, `deepspeed.moe.layer.MoE(ep_size=...)`): the experts of every
 MoE layer are split over `expert` consecutive ranks (the expert-parallel group, which exchanges
 tokens by all-to-all); the ranks holding the same experts form the expert-data-parallel group
-(world / expert ranks, strided by `expert`), over which the experts' gradients are reduced
-(groups.py _create_expert_and_data_parallel, the default E + D ordering).
+(data-parallel size / expert ranks, strided by `expert`), over which the experts' gradients are
+reduced (groups.py _create_expert_and_data_parallel, the default E + D ordering: expert groups
+are formed within the data-parallel group).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from typing import Literal
 
 from zsim.schema import spec
+
+# PipelineModule(partition_method=...) (runtime/pipe/module.py _partition_layers): 'profile' raises
+# NotImplementedError there, so it is not offered here either
+PARTITION_METHODS = ("parameters", "uniform", "type:<regex>")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelismSpec:
     expert: int = spec(1, gt=0, le=2**18, doc="expert-parallel size (DeepSpeed-MoE ep_size): ranks one MoE "
                                               "layer's experts are split over")
+    pipeline: int = spec(1, gt=0, le=4096, doc="pipeline stages (PipelineModule num_stages); data parallel = world / pipeline")
+    pipeline_schedule: Literal["1f1b"] = spec("1f1b", doc="DeepSpeed's TrainSchedule (runtime/pipe/schedule.py)")
+    partition_method: str = spec("parameters", doc="PipelineModule partition_method: parameters | uniform | type:<regex>")
 
-    def expert_data_parallel(self, world: int) -> int:
+    def __post_init__(self):
+        method = self.partition_method.lower()
+        if method in ("parameters", "uniform"):
+            return
+        if not method.startswith("type:") or not method[5:]:
+            raise ValueError("partition_method", self.partition_method,
+                             f"choose one of {', '.join(PARTITION_METHODS)} (PipelineModule's methods)")
+        try:
+            re.compile(method[5:])
+        except re.error as e:
+            raise ValueError("partition_method", self.partition_method,
+                             f"the type regex does not compile ({e}); e.g. type:transformer") from None
+
+    def expert_data_parallel(self, data_parallel: int) -> int:
         """Ranks holding the same experts: the expert-data-parallel group's size."""
-        return world // self.expert
+        return data_parallel // self.expert

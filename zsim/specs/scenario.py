@@ -115,5 +115,14 @@ class Scenario:
         return self.parallelism.expert
 
     @property
+    def pipeline_stages(self) -> int:
+        return self.parallelism.pipeline
+
+    @property
+    def data_parallel_size(self) -> int:
+        """PipeDataParallelTopology: the world splits into pipeline x data."""
+        return self.cluster.world_size // self.parallelism.pipeline
+
+    @property
     def zero(self):
         return self.deepspeed.zero_optimization

@@ -1,0 +1,102 @@
+"""The `parallelism:` block and the ds_config's "pipeline" block, resolved into one
+ParallelismSpec, with DeepSpeed's own refusals (runtime/pipe/engine.py, module.py).
+
+DeepSpeed takes the stage count and the partition from PipelineModule(num_stages=,
+partition_method=), Python-side; a scenario gives them as `parallelism.pipeline` and
+`parallelism.partition_method`, or as the ds_config's pipeline.stages / pipeline.partition
+(the keys the seeds write). When both are given they must agree.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from zsim.errors import ZsimInputError
+from zsim.schema import _number, build
+from zsim.specs.deepspeed import DeepSpeedConfig
+from zsim.specs.parallelism import ParallelismSpec
+from zsim.specs.model import ModelSpec
+from zsim.specs.scenario import TrainingSpec
+
+
+def resolve_parallelism(raw, ds_pipeline, world_size: int, layers: int) -> ParallelismSpec:
+    """`raw`: the scenario's parallelism mapping (or None); `ds_pipeline`: the ds_config's
+    pipeline mapping (or None). Checks what can be checked before the workload exists."""
+    if raw is not None and not isinstance(raw, dict):
+        raise ZsimInputError("parallelism", raw, "expected a mapping, e.g. {pipeline: 4}")
+    raw = dict(raw or {})
+    ds_pipeline = ds_pipeline if isinstance(ds_pipeline, dict) else {}
+    for ds_key, key in (("stages", "pipeline"), ("partition", "partition_method")):
+        value = ds_pipeline.get(ds_key)
+        if value in (None, "auto") or (ds_key == "partition" and value == "best"):
+            continue   # DeepSpeed's defaults: the PipelineModule's arguments decide
+        if ds_key == "stages":
+            value = _number(value, "deepspeed.pipeline.stages", want_int=True)
+        elif not isinstance(value, str):
+            raise ZsimInputError("deepspeed.pipeline.partition", value, "expected a string such as uniform or parameters")
+        if key in raw and raw[key] != value:
+            raise ZsimInputError(f"deepspeed.pipeline.{ds_key}", value,
+                                 f"disagrees with parallelism.{key}={raw[key]!r}; make them equal or drop one")
+        raw[key] = value
+    par = build(ParallelismSpec, raw, "parallelism")
+    pp = par.pipeline
+    if world_size % pp:
+        raise ZsimInputError("parallelism.pipeline", pp, f"must divide the world size ({world_size} GPUs): "
+                             "PipeDataParallelTopology splits it into pipeline x data-parallel ranks")
+    if pp > layers:
+        raise ZsimInputError("parallelism.pipeline", pp, f"exceeds the model's {layers} transformer layers; "
+                             f"use at most {layers} stages")
+    return par
+
+
+def check_parallelism(par: ParallelismSpec, ds: DeepSpeedConfig, training: TrainingSpec, model: ModelSpec,
+                      world_size: int) -> TrainingSpec:
+    """DeepSpeed's PipelineEngine and DeepSpeed-MoE rules on the resolved config; returns the
+    training spec with the pipeline's activation checkpointing applied."""
+    _check_expert(par, ds, model, world_size // par.pipeline)
+    if par.pipeline > 1 and ds.zero_optimization.stage >= 2:
+        # pipe/engine.py:76: assert zero_optimization_stage() < ZeroStageEnum.gradients
+        raise ZsimInputError("deepspeed.zero_optimization.stage", ds.zero_optimization.stage,
+                             "DeepSpeed's PipelineEngine refuses it (ZeRO-2 and ZeRO-3 are incompatible with pipeline "
+                             "parallelism, runtime/pipe/engine.py:76); use ZeRO-1 or drop pipeline")
+    interval = ds.pipeline.activation_checkpoint_interval
+    if par.pipeline == 1 or interval == 0:
+        return training
+    if interval > 1:
+        raise ZsimInputError("deepspeed.pipeline.activation_checkpoint_interval", interval,
+                             "zsim checkpoints one transformer layer at a time; use 0 or 1")
+    # pipe/engine.py:217 sets PipelineModule.activation_checkpoint_interval: every layer's
+    # forward runs under checkpoint (module.py forward), i.e. full checkpointing per block
+    if training.activation_checkpointing == "selective":
+        raise ZsimInputError("training.activation_checkpointing", "selective",
+                             "deepspeed.pipeline.activation_checkpoint_interval 1 checkpoints every layer (full); "
+                             "set one of them to agree")
+    return replace(training, activation_checkpointing="full")
+
+
+def _check_expert(par: ParallelismSpec, ds: DeepSpeedConfig, model: ModelSpec, data_parallel: int) -> None:
+    """DeepSpeed-MoE's rules for ep_size: expert groups are formed within the data-parallel
+    group, so ep_size divides the data-parallel size, world / pipeline (groups.py
+    _create_expert_and_data_parallel, _ensure_divisibility), and the experts (moe/layer.py
+    MoE.__init__); native DeepSpeed-MoE does not run under ZeRO-3 (engine.py
+    _validate_zero3_moe_compatibility)."""
+    ep, moe = par.expert, model.moe
+    if moe is not None and par.pipeline > 1:
+        # zsim's pipeline schedule (zsim/schedule/pipeline.py) has no token exchange or expert groups
+        raise ZsimInputError("parallelism.pipeline", par.pipeline, "an MoE model under pipeline parallelism is not "
+                             "simulated by zsim; use pipeline: 1 for an MoE model")
+    if moe is not None and moe.dispatch == "capacity" and ds.zero_optimization.stage == 3:
+        raise ZsimInputError("model.moe.dispatch", "capacity", "DeepSpeed-MoE's layer is not supported with ZeRO "
+                             "stage 3 (engine.py _validate_zero3_moe_compatibility); use stage 0-2, or dispatch: "
+                             "dropless for a Hugging Face MoE")
+    if ep == 1:
+        return
+    if moe is None:
+        raise ZsimInputError("parallelism.expert", ep, "expert parallelism needs an MoE model (model.moe); set it to 1")
+    if moe.dispatch != "capacity":
+        raise ZsimInputError("parallelism.expert", ep, "expert parallelism is DeepSpeed-MoE's (model.moe.dispatch: "
+                             "capacity); Hugging Face's dropless MoE runs every expert on every rank: set it to 1")
+    if data_parallel % ep:
+        raise ZsimInputError("parallelism.expert", ep, f"must divide the data-parallel size ({data_parallel} = "
+                             "world / pipeline): DeepSpeed-MoE forms expert groups within the data-parallel group")
+    if moe.experts % ep:
+        raise ZsimInputError("parallelism.expert", ep, f"must divide the experts per layer (model.moe.experts={moe.experts})")

@@ -1,0 +1,59 @@
+"""Where a process group's ranks sit, the one home of that rule. Ranks fill nodes in order (rank r
+on node r // gpus_per_node, as torchrun numbers them). DeepSpeed's PipeDataParallelTopology
+(runtime/pipe/topology.py) orders the axes ['pipe', 'data'] with data innermost, so global rank =
+stage * dp + dp_rank: a stage's data-parallel group is dp consecutive ranks; adjacent stages are
+dp ranks apart, on another node once dp fills a node. DeepSpeed-MoE's expert groups sit inside
+the data-parallel group (groups.py _create_expert_and_data_parallel): the expert-parallel group
+consecutive, the expert-data-parallel group strided by ep_size (ir.ProcessGroup).
+
+Stages are simulated as one representative rank each (dp_rank 0): the links of stage s's rank
+are named `<link>@s` (stage 0 keeps the plain names, so a one-stage run is unchanged).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+from zsim.schedule.ir import STAGE_GROUPS, ProcessGroup
+
+
+def rank_of(stage: int, data_parallel: int, dp_rank: int = 0) -> int:
+    return stage * data_parallel + dp_rank
+
+
+def same_node(rank_a: int, rank_b: int, gpus_per_node: int) -> bool:
+    return rank_a // gpus_per_node == rank_b // gpus_per_node
+
+
+def group_shape(group: ProcessGroup | None, stage: int, data_parallel: int, gpus_per_node: int) -> tuple[int, int]:
+    """(nodes, ranks per node) the process group of an op of `stage` spans (None: the stage's
+    data-parallel group); the cost model prices the collective over that placement."""
+    if group is None:
+        return span(rank_of(stage, data_parallel), data_parallel, 1, gpus_per_node)
+    first = rank_of(stage, data_parallel) if group.kind in STAGE_GROUPS else rank_of(0, data_parallel)
+    return span(first, group.size, group.stride, gpus_per_node)
+
+
+@functools.lru_cache(maxsize=1024)   # pure; a schedule asks for the same few groups
+def span(first_rank: int, size: int, stride: int, gpus_per_node: int) -> tuple[int, int]:
+    """(nodes, ranks per node) of `size` ranks `stride` apart from `first_rank`."""
+    if stride >= gpus_per_node:
+        nodes = size        # every rank on a node of its own
+    else:
+        nodes = len({(first_rank + i * stride) // gpus_per_node for i in range(size)})
+    return nodes, math.ceil(size / nodes)
+
+
+def stage_links(links: tuple[str, ...], stage: int) -> tuple[str, ...]:
+    """The representative rank of `stage`'s own copy of each link."""
+    return links if stage == 0 else tuple(f"{link}@{stage}" for link in links)
+
+
+def link_rank(link: str) -> int:
+    """The stage whose rank a (stage-qualified) link belongs to."""
+    _, _, stage = link.partition("@")
+    return int(stage) if stage else 0
+
+
+def base_link(link: str) -> str:
+    return link.partition("@")[0]
