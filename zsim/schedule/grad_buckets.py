@@ -87,6 +87,7 @@ class Zero12Buckets(_Buckets):
         self.group_of = {pid: g for g, group in enumerate(self.groups) for pid in group.pids}
         self.trainable = sorted(self.group_of)   # registration order
         self.partition = sum(g.partition for g in self.groups)   # this rank's share of every group
+        self.trainable_numel = sum(self.numels[p] for p in self.trainable)
         self.lazy_grads = lazy_grads
         self.walk_at_boundary = walk_at_boundary     # ZeRO-1 without overlap_comm: reduce_gradients
         self.partition_live = False
@@ -143,6 +144,11 @@ class Zero12Buckets(_Buckets):
             ctx.b.add_free(last, *self.pending)
             self.pending = []
         self.last_reduce = last
+
+    def optimized_numel(self, stage: int) -> int:
+        """What this rank's optimizer steps: its partition of the flat groups under ZeRO-1/2,
+        every trained param at stage 0."""
+        return self.partition if stage >= 1 else self.trainable_numel
 
     def flushed_in(self, micro: int) -> int | None:
         """The last reduction op of `micro`, if it had one."""

@@ -122,10 +122,10 @@ def allocate_states(ctx: StepContext, hooks: Zero012Hooks):
     z = ctx.sc.zero
     buckets = hooks.buckets
     n_params = ctx.wl.n_params
-    n_trainable = sum(buckets.numels[p] for p in buckets.trainable)
+    n_trainable = buckets.trainable_numel
     # the flat groups (and their partitions) hold the trainable params only; the frozen ones stay
     # whole on every rank (see [Note: frozen parameters under ZeRO])
-    shard = buckets.partition if z.stage >= 1 else n_trainable
+    shard = buckets.optimized_numel(z.stage)
     states = model_state_bytes(n_params, shard, z.stage, ctx.param_bytes, trainable=(n_trainable, shard))
     if hooks.bf16_optimizer:
         states[Category.GRADIENTS] = FP32_BYTES * n_trainable   # fp32 accumulation buffers for every trained param
@@ -141,8 +141,8 @@ def optimizer_boundary(ctx: StepContext, hooks: Zero012Hooks, last: int) -> int:
     the all-gather of the updated 16-bit partitions. Returns the last op."""
     z = ctx.sc.zero
     buckets = hooks.buckets
-    n_trainable = sum(buckets.numels[p] for p in buckets.trainable)
-    shard = buckets.partition if z.stage >= 1 else n_trainable
+    n_trainable = buckets.trainable_numel
+    shard = buckets.optimized_numel(z.stage)
     # the step waits for every reduction (reduction stream synchronised before the step)
     step_deps = [last, hooks.last_reduce]
     if z.stage == 0:
