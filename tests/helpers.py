@@ -52,19 +52,22 @@ def model_states_held(sc) -> float:
 
 # -- hand-built schedules for engine tests ------------------------------------------------------
 def add_gather(b, size_bytes: float, stream: str = "allgather", deps=(), alloc=()) -> int:
-    from zsim.schedule.ir import Collective, Comm, OpKind, ParamGather, Phase, Stream
+    from zsim.schedule.ir import Collective, OpKind, Phase, Stream
+    from zsim.schedule.payloads import Comm, ParamGather
     return b.add(OpKind.PARAM_GATHER, Stream(stream), Phase.FORWARD, 0,
                  ParamGather(Comm(Collective.ALL_GATHER, 0, size_bytes)), deps, alloc)
 
 
 def add_compute(b, deps=(), alloc=(), phase: str = "forward", **work) -> int:
-    from zsim.schedule.ir import ComputeWork, ModulePass, OpKind, Phase, Stream
+    from zsim.schedule.ir import OpKind, Phase, Stream
+    from zsim.schedule.payloads import ComputeWork, ModulePass
     kind = OpKind.BACKWARD if phase == "backward" else OpKind.FORWARD
     return b.add(kind, Stream.COMPUTE, Phase(phase), 0, ModulePass("m", ComputeWork(**work)), deps, alloc)
 
 
 def add_copy(b, transfer: str, size_bytes: float) -> int:
-    from zsim.schedule.ir import Copy, OpKind, Phase, Stream, Transfer
+    from zsim.schedule.ir import OpKind, Phase, Stream, Transfer
+    from zsim.schedule.payloads import Copy
     stream = {"nvme_read": "nvme", "nvme_write": "nvme"}.get(transfer, transfer)
     return b.add(OpKind.GRAD_COPY, Stream(stream), Phase.STEP, 0, Copy(Transfer(transfer), size_bytes))
 

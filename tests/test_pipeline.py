@@ -14,7 +14,8 @@ from zsim.api import run_scenario
 from zsim.config.scenario import scenario_from_mapping
 from zsim.errors import ZsimInputError
 from zsim.schedule.build import build_schedule
-from zsim.schedule.ir import Buffer, Group, OpKind, PipeTransfer, ProcessGroup
+from zsim.schedule.ir import Buffer, Group, OpKind, ProcessGroup
+from zsim.schedule.payloads import PipeTransfer
 from zsim.schedule.pipe_partition import partition_balanced, partition_uniform
 from zsim.schedule.pipeline import train_schedule
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from zsim.schedule.ir import Collective, GradReduce
+from zsim.schedule.ir import Collective
+from zsim.schedule.payloads import GradReduce
 
 
 class GradBuckets:

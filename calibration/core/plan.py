@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from zsim.schedule.ir import MEASURED_PASS, Buffer, Collective, GradReduce, Op, OpKind, Stream
+from zsim.schedule.ir import Buffer, Collective, MEASURED_PASS, Op, OpKind, Stream
+from zsim.schedule.payloads import GradReduce
 from zsim.schedule.moe import gathered_groups, moe_param_groups
 from zsim.schedule.partition import FlatGroup, bucket_pieces, padded, persistent_params, shard_numel
 

@@ -4,7 +4,10 @@ ParallelismSpec, with DeepSpeed's own refusals (runtime/pipe/engine.py, module.p
 DeepSpeed takes the stage count and the partition from PipelineModule(num_stages=,
 partition_method=), Python-side; a scenario gives them as `parallelism.pipeline` and
 `parallelism.partition_method`, or as the ds_config's pipeline.stages / pipeline.partition
-(the keys the seeds write). When both are given they must agree.
+(the keys the seeds write). When both are given they must agree. The tensor-parallel size is
+`parallelism.tensor` or the ds_config's tensor_parallel.autotp_size (DeepSpeed's AutoTP training
+key, runtime/tensor_parallel/config.py TPTrainingConfig) or tensor_parallel.size (the seeds'),
+agreeing likewise.
 """
 from __future__ import annotations
 
@@ -18,9 +21,11 @@ from zsim.specs.model import ModelSpec
 from zsim.specs.scenario import TrainingSpec
 
 
-def resolve_parallelism(raw, ds_pipeline, world_size: int, layers: int) -> ParallelismSpec:
-    """`raw`: the scenario's parallelism mapping (or None); `ds_pipeline`: the ds_config's
-    pipeline mapping (or None). Checks what can be checked before the workload exists."""
+def resolve_parallelism(raw, ds_pipeline, world_size: int, layers: int, ds_tensor,
+                        gpus_per_node: int) -> ParallelismSpec:
+    """`raw`: the scenario's parallelism mapping (or None); `ds_pipeline`, `ds_tensor`: the
+    ds_config's pipeline and tensor_parallel mappings (or None). Checks what can be checked
+    before the workload exists."""
     if raw is not None and not isinstance(raw, dict):
         raise ZsimInputError("parallelism", raw, "expected a mapping, e.g. {pipeline: 4}")
     raw = dict(raw or {})
@@ -37,22 +42,47 @@ def resolve_parallelism(raw, ds_pipeline, world_size: int, layers: int) -> Paral
             raise ZsimInputError(f"deepspeed.pipeline.{ds_key}", value,
                                  f"disagrees with parallelism.{key}={raw[key]!r}; make them equal or drop one")
         raw[key] = value
+    _tensor_from_ds(raw, ds_tensor)
     par = build(ParallelismSpec, raw, "parallelism")
-    pp = par.pipeline
+    pp, tp = par.pipeline, par.tensor
+    if gpus_per_node % tp:
+        # Megatron's rank order puts a tensor-parallel group on consecutive ranks: inside one node
+        raise ZsimInputError("parallelism.tensor", tp, f"must divide the GPUs per node ({gpus_per_node}): a "
+                             "tensor-parallel group sits inside one node (NVLink); use a divisor of it")
     if world_size % pp:
         raise ZsimInputError("parallelism.pipeline", pp, f"must divide the world size ({world_size} GPUs): "
                              "PipeDataParallelTopology splits it into pipeline x data-parallel ranks")
+    if world_size % (tp * pp):
+        raise ZsimInputError("parallelism.tensor", tp, f"tensor x pipeline ({tp} x {pp}) must divide the world size "
+                             f"({world_size} GPUs): the world splits into tensor x data x pipeline ranks")
     if pp > layers:
         raise ZsimInputError("parallelism.pipeline", pp, f"exceeds the model's {layers} transformer layers; "
                              f"use at most {layers} stages")
     return par
 
 
+def _tensor_from_ds(raw: dict, ds_tensor) -> None:
+    """The ds_config's tensor_parallel block onto raw['tensor']: autotp_size (DeepSpeed's key;
+    0 disables AutoTP) or size (the seeds'); `enabled: false` turns the block off."""
+    if not isinstance(ds_tensor, dict) or ds_tensor.get("enabled", True) is False:
+        return
+    for ds_key in ("autotp_size", "size"):
+        value = ds_tensor.get(ds_key)
+        if value is None or (ds_key == "autotp_size" and value == 0):
+            continue
+        value = _number(value, f"deepspeed.tensor_parallel.{ds_key}", want_int=True)
+        if "tensor" in raw and raw["tensor"] != value:
+            raise ZsimInputError(f"deepspeed.tensor_parallel.{ds_key}", value,
+                                 f"disagrees with parallelism.tensor={raw['tensor']!r}; make them equal or drop one")
+        raw["tensor"] = value
+
+
 def check_parallelism(par: ParallelismSpec, ds: DeepSpeedConfig, training: TrainingSpec, model: ModelSpec,
                       world_size: int) -> TrainingSpec:
     """DeepSpeed's PipelineEngine and DeepSpeed-MoE rules on the resolved config; returns the
     training spec with the pipeline's activation checkpointing applied."""
-    _check_expert(par, ds, model, world_size // par.pipeline)
+    _check_tensor(par, model, training)
+    _check_expert(par, ds, model, world_size // (par.pipeline * par.tensor))
     if par.pipeline > 1 and ds.zero_optimization.stage >= 2:
         # pipe/engine.py:76: assert zero_optimization_stage() < ZeroStageEnum.gradients
         raise ZsimInputError("deepspeed.zero_optimization.stage", ds.zero_optimization.stage,
@@ -71,6 +101,36 @@ def check_parallelism(par: ParallelismSpec, ds: DeepSpeedConfig, training: Train
                              "deepspeed.pipeline.activation_checkpoint_interval 1 checkpoints every layer (full); "
                              "set one of them to agree")
     return replace(training, activation_checkpointing="full")
+
+
+def _check_tensor(par: ParallelismSpec, model: ModelSpec, training: TrainingSpec) -> None:
+    """Megatron-LM's divisibility rules for tensor_model_parallel_size (megatron/training/
+    arguments.py, core/transformer/attention.py divide(): heads and query groups per partition;
+    core/tensor_parallel/layers.py: the column-parallel fc1 splits ffn_hidden_size), and what
+    zsim's tensor-parallel workload (zsim/workload/tensor.py) covers."""
+    tp = par.tensor
+    if tp == 1:
+        return
+    key = "parallelism.tensor"
+    if model.mla is not None:
+        raise ZsimInputError(key, tp, "tensor parallelism of Multi-head Latent Attention is not modelled; use tensor: 1")
+    if model.moe is not None:
+        raise ZsimInputError(key, tp, "tensor parallelism of an MoE model is not modelled; use tensor: 1 "
+                             "(expert parallelism: parallelism.expert)")
+    if training.lora is not None:
+        raise ZsimInputError(key, tp, "LoRA under tensor parallelism is not modelled; use tensor: 1")
+    if model.heads % tp:
+        raise ZsimInputError(key, tp, f"must divide the attention heads (model.heads={model.heads}): "
+                             "each rank computes heads / tensor of them; use a divisor")
+    if model.n_kv_heads % tp:
+        raise ZsimInputError(key, tp, f"must divide the key-value heads (model.kv_heads={model.n_kv_heads}): "
+                             "Megatron splits the query groups over the tensor-parallel ranks; use a divisor")
+    if model.ffn % tp:
+        raise ZsimInputError(key, tp, f"must divide the MLP width (model.ffn_hidden={model.ffn}): fc1 is "
+                             "column-parallel; use a divisor")
+    if par.sequence_parallel and (training.seq_len or model.seq_len) % tp:
+        raise ZsimInputError("parallelism.sequence_parallel", True, f"the sequence length must divide by "
+                             f"tensor={tp} to shard it; set sequence_parallel: false or change training.seq_len")
 
 
 def _check_expert(par: ParallelismSpec, ds: DeepSpeedConfig, model: ModelSpec, data_parallel: int) -> None:

@@ -262,11 +262,13 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
                                  "(DeepSpeed reads bf16 and ignores bfloat16); keep one block")
         ds_raw.setdefault("bf16", old)
     _check_top_level_ds(ds_raw)
-    par = resolve_parallelism(raw.get("parallelism"), ds_raw.get("pipeline"), cluster.world_size, model.layers)
+    par = resolve_parallelism(raw.get("parallelism"), ds_raw.get("pipeline"), cluster.world_size, model.layers,
+                              ds_raw.get("tensor_parallel"), cluster.gpus_per_node)
     if isinstance(ds_raw.get("pipeline"), dict) and ds_raw["pipeline"].get("stages") == "auto":
         ds_raw["pipeline"] = {k: v for k, v in ds_raw["pipeline"].items() if k != "stages"}
-    # batch sizes divide by the data-parallel size only (pipe/engine.py:104)
-    data_parallel = cluster.world_size // par.pipeline
+    # batch sizes divide by the data-parallel size only (pipe/engine.py:104; Megatron's
+    # get_data_parallel_world_size excludes the tensor- and pipeline-parallel ranks)
+    data_parallel = cluster.world_size // (par.pipeline * par.tensor)
     ds_raw = _resolve_auto(ds_raw, model, training, data_parallel)
     ds_raw = _resolve_batch(ds_raw, training, data_parallel)
     prefixed = {k: v for k, v in ds_raw.items() if k in accepted_keys(DeepSpeedConfig)}

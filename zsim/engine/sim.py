@@ -29,7 +29,7 @@ from simpy.events import Event
 from zsim.engine.ledger import Ledger, peak_and_breakdown
 from zsim.hardware.cost_model import COMM_LINKS, COMPUTE, CostModel
 from zsim.hardware.placement import base_link, link_rank
-from zsim.schedule.ir import STREAMS, Op, Schedule, Stream, Tag
+from zsim.schedule.ir import Op, Schedule, Stream, STREAMS, Tag
 
 _EPS_S = 1e-15
 
@@ -180,7 +180,7 @@ class _Fluid:
 def run_ops(schedule: Schedule, cluster, precision: str) -> tuple[list[OpTiming], list[Ledger]]:
     """Simulate every op of `schedule`: their timings and, per pipeline stage, the ledger of
     their memory effects."""
-    cost = CostModel(cluster, precision, schedule.stage, schedule.host, schedule.pipeline)
+    cost = CostModel(cluster, precision, schedule.stage, schedule.host, schedule.pipeline, schedule.tensor)
     env = simpy.Environment()
     fluid = _Fluid(env, cost.compute_slowdown)
     ledgers = [Ledger() for _ in range(schedule.stages)]

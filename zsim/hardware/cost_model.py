@@ -15,8 +15,8 @@ from zsim.hardware.compute import (attention_time_s, fresh_alloc_time_s, gemm_ti
                                    memory_bound_time_s, optimizer_time_s)
 from zsim.hardware.host import aio_efficiency, cpu_adam_time_s, host_link_Bps, nvme_time_s, pcie_time_s
 from zsim.hardware.placement import group_shape, rank_of, same_node, stage_links
-from zsim.schedule.ir import (Collective, ComputeWork, Copy, CpuAdam, HostSettings, Op, Phase, PipelineLayout,
-                              PipeTransfer, Transfer)
+from zsim.schedule.ir import Collective, HostSettings, Op, Phase, PipelineLayout, Transfer
+from zsim.schedule.payloads import ComputeWork, Copy, CpuAdam, PipeTransfer
 from zsim.workload.module import DTYPE_BYTES
 
 COMPUTE = ("compute",)
@@ -39,9 +39,9 @@ class OpCost:
 
 class CostModel:
     def __init__(self, cluster, precision: str, stage: int, host: HostSettings,
-                 pipeline: PipelineLayout | None = None):
+                 pipeline: PipelineLayout | None = None, tensor: int = 1):
         prof = cluster.profile
-        self.pipeline = pipeline
+        self.pipeline, self.tensor = pipeline, tensor
         self.cluster, self.stage, self.host = cluster, stage, host
         self.gpu = prof.gpu
         self.cpu = prof.cpu
@@ -135,15 +135,15 @@ class CostModel:
     def _between(self, stage_a: int, stage_b: int) -> tuple[str, object]:
         """The tier (name, Tier) between the representative ranks of two stages."""
         dp, g = self.pipeline.data_parallel, self.cluster.gpus_per_node
-        if same_node(rank_of(stage_a, dp), rank_of(stage_b, dp), g):
+        if same_node(rank_of(stage_a, dp, tensor=self.tensor), rank_of(stage_b, dp, tensor=self.tensor), g):
             return "intra_node", self.intra
         return "inter_node", self.inter
 
     def _comm_cost(self, op: Op):
         """A collective priced over the ranks its own process group spans (zsim.hardware.placement)."""
         comm, cl = op.comm, self.cluster
-        dp = cl.world_size if self.pipeline is None else self.pipeline.data_parallel
-        nodes, per_node = group_shape(comm.group, op.stage, dp, cl.gpus_per_node)
+        dp = cl.world_size // self.tensor if self.pipeline is None else self.pipeline.data_parallel
+        nodes, per_node = group_shape(comm.group, op.stage, dp, cl.gpus_per_node, self.tensor)
         return collective_cost(comm.collective.value, comm.size_bytes, nodes, per_node, self.intra, self.inter,
                                comm.coalesced, self.nccl)
 

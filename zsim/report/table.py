@@ -27,6 +27,28 @@ def _trainable(r: Result) -> str:
     return f" ({r.trainable_params / 1e6:.2f} M trainable, {100 * r.trainable_params / r.n_params:.2f}%)"
 
 
+def tensor_parallel_line(tp, nodes_shown: int = 4) -> str:
+    """The layout and the rank map of a tensor-parallel run, node by node (the first few)."""
+    by_node: dict[int, list[dict]] = {}
+    for entry in tp.rank_map:
+        by_node.setdefault(entry["node"], []).append(entry)
+    shown = []
+    for node in sorted(by_node)[:nodes_shown]:
+        ranks = by_node[node]
+        stages = sorted({e["stage"] for e in ranks})
+        dps = sorted({e["dp_rank"] for e in ranks})
+        shown.append(f"node {node}: ranks {ranks[0]['rank']}-{ranks[-1]['rank']} = stage "
+                     f"{_span(stages)}, dp {_span(dps)}, tp 0-{tp.tensor - 1}")
+    more = f"; ... {len(by_node) - nodes_shown} more nodes" if len(by_node) > nodes_shown else ""
+    sp = " + sequence parallel" if tp.sequence_parallel else ""
+    return (f"layout: tensor parallel {tp.tensor}{sp} x data parallel {tp.data_parallel} x pipeline {tp.pipeline} "
+            f"(rank = (stage x {tp.data_parallel} + dp) x {tp.tensor} + tp; {'; '.join(shown)}{more})")
+
+
+def _span(values: list[int]) -> str:
+    return str(values[0]) if len(values) == 1 else f"{values[0]}-{values[-1]}"
+
+
 def render(r: Result, console: Console | None = None):
     console = console or make_console()
     head = (f"[bold]{r.scenario}[/bold]: ZeRO stage {r.stage}, {r.world_size} GPUs "
@@ -46,6 +68,8 @@ def render(r: Result, console: Console | None = None):
         console.print(f"pipeline: {pp.stages} stages x {pp.data_parallel} data-parallel (1F1B, partition "
                       f"{pp.partition_method}; layers per stage {layers}); bubble {pp.bubble_fraction * 100:.1f}% "
                       "of the stages' time")
+    if r.tensor_parallel is not None:
+        console.print(tensor_parallel_line(r.tensor_parallel))
     for w in r.warnings:
         console.print(f"[yellow]warning: {w}[/yellow]")
     perf = Table(title="Speed", show_header=False)

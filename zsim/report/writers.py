@@ -9,6 +9,7 @@ from pathlib import Path
 
 from zsim.engine.ledger import timeline
 from zsim.engine.sim import Trace
+from zsim.hardware.placement import rank_of
 from zsim.schedule.ir import STREAMS
 from zsim.units import GiB
 
@@ -97,7 +98,7 @@ def chrome_trace(trace: Trace, name: str) -> dict:
     stages = trace.schedule.stages
     events = []
     for stage in range(stages):
-        rank = stage * layout.data_parallel if layout else 0
+        rank = rank_of(stage, layout.data_parallel, tensor=trace.schedule.tensor) if layout else 0
         label = f"pipeline stage {stage}, rank {rank}" if layout else "rank 0"
         events.append({"ph": "M", "pid": stage + 1, "tid": 0, "name": "process_name",
                        "args": {"name": f"zsim: {name} ({label})"}})

@@ -98,6 +98,18 @@ class Pipeline:
 
 
 @dataclass(frozen=True)
+class TensorParallel:
+    """A tensor-parallel run (Megatron-LM): the layout tp x dp x pp and where every rank sits
+    (zsim.hardware.placement: rank = (stage * dp + dp_rank) * tp + tp_rank). Result.n_params and
+    the memory figures are one rank's: its 1/tp slice of the split layers."""
+    tensor: int
+    sequence_parallel: bool
+    data_parallel: int
+    pipeline: int
+    rank_map: list[dict]                # per global rank: rank, node, stage, dp_rank, tp_rank
+
+
+@dataclass(frozen=True)
 class Result:
     scenario: str
     stage: int
@@ -130,6 +142,7 @@ class Result:
     trainable_params: int | None = None
     moe: MoE | None = None              # MoE models only (absent from the JSON of dense ones)
     pipeline: Pipeline | None = None    # only for a pipeline-parallel run (and only then in the JSON)
+    tensor_parallel: TensorParallel | None = None   # only for a tensor-parallel run (likewise)
 
     @property
     def fits(self) -> bool:
@@ -149,4 +162,6 @@ class Result:
             del out["moe"]
         if self.pipeline is None:
             del out["pipeline"]
+        if self.tensor_parallel is None:
+            del out["tensor_parallel"]
         return out

@@ -7,9 +7,10 @@ from zsim.specs.scenario import Scenario
 from zsim.engine.ledger import peak_and_breakdown
 from zsim.engine.sim import Trace
 from zsim.hardware.collectives import bus_factor, collective_cost, link_busbw_Bps, nccl_topo_for, tiers_for
-from zsim.hardware.placement import group_shape
-from zsim.result import Comm, HostMemory, Memory, MoE, Pipeline, Result
-from zsim.schedule.ir import Copy, CpuAdam, PipeTransfer, Stream
+from zsim.hardware.placement import group_shape, rank_map
+from zsim.result import Comm, HostMemory, Memory, MoE, Pipeline, Result, TensorParallel
+from zsim.schedule.ir import Stream
+from zsim.schedule.payloads import Copy, CpuAdam, PipeTransfer
 from zsim.units import TFLOP
 from zsim.workload.lora import trainable_params
 from zsim.workload.module import Workload
@@ -75,9 +76,9 @@ class _OpTotals:
 def _group_placement(comm, op, sched, gpus_per_node: int) -> tuple[int, int, int]:
     """(ranks, nodes, ranks per node) of the process group a collective runs over: the op's
     stage's data-parallel group unless the call names its own (CostModel's rule)."""
-    dp = sched.world_size if sched.pipeline is None else sched.pipeline.data_parallel
+    dp = sched.data_parallel
     size = dp if comm.group is None else comm.group.size
-    return (size, *group_shape(comm.group, op.stage, dp, gpus_per_node))
+    return (size, *group_shape(comm.group, op.stage, dp, gpus_per_node, sched.tensor))
 
 
 def _op_totals(trace: Trace, gpus_per_node: int) -> _OpTotals:
@@ -251,7 +252,18 @@ def summarize(sc: Scenario, wl: Workload, trace: Trace) -> Result:
         trainable_params=None if trained == wl.n_params else trained,
         moe=_moe(sc, wl),
         pipeline=_pipeline(sc, trace, ops),
+        tensor_parallel=_tensor_parallel(sc),
     )
+
+
+def _tensor_parallel(sc: Scenario) -> TensorParallel | None:
+    par = sc.parallelism
+    if par.tensor == 1:
+        return None
+    dp = sc.data_parallel_size
+    return TensorParallel(tensor=par.tensor, sequence_parallel=par.sequence_parallel, data_parallel=dp,
+                          pipeline=par.pipeline,
+                          rank_map=rank_map(par.pipeline, dp, par.tensor, sc.cluster.gpus_per_node))
 
 
 def _moe(sc: Scenario, wl: Workload) -> MoE | None:

@@ -9,6 +9,7 @@ from zsim.schedule.builder import Builder
 from zsim.schedule.context import StepContext
 from zsim.schedule.ir import Schedule
 from zsim.schedule.moe import TokenExchanges
+from zsim.schedule.tensor import TensorCollectives
 from zsim.workload.lora import apply_training
 from zsim.workload.module import DTYPE_BYTES, Workload
 from zsim.workload.transformer import build_workload
@@ -20,7 +21,8 @@ def workload_for(sc: Scenario) -> Workload:
                         precision=sc.precision, flash_attention=sc.training.flash_attention,
                         dropout=sc.training.dropout,
                         fused_cross_entropy=sc.training.fused_cross_entropy,
-                        expert_parallel_size=sc.expert_parallel_size)
+                        expert_parallel_size=sc.expert_parallel_size, tensor=sc.tensor_parallel_size,
+                        sequence_parallel=sc.parallelism.sequence_parallel)
     return apply_training(wl, sc.training)
 
 
@@ -39,14 +41,15 @@ def build_schedule(sc: Scenario, wl: Workload | None = None,
     wl = wl or workload_for(sc)
     if micro_steps is not None:
         sc = with_micro_steps(sc, micro_steps)
-    # every collective of a stage runs over its data-parallel group
+    # every ZeRO collective of a stage runs over its data-parallel group (of its tensor-parallel rank)
     ctx = StepContext(sc=sc, wl=wl, b=Builder(), param_bytes=DTYPE_BYTES[sc.precision], world=sc.data_parallel_size)
-    ctx.exchanges = TokenExchanges(ctx)
+    ctx.exchanges = (TokenExchanges(ctx), TensorCollectives(ctx))
+    tp = sc.tensor_parallel_size
     if sc.pipeline_stages > 1:
         layers, host = pipeline.build(ctx)
-        return wl, ctx.b.build(sc.zero.stage, sc.cluster.world_size, host, layers)
+        return wl, ctx.b.build(sc.zero.stage, sc.cluster.world_size, host, layers, tp)
     if sc.zero.stage == 3:
         stage3.build(ctx)
     else:
         stage012.build(ctx)
-    return wl, ctx.b.build(sc.zero.stage, sc.cluster.world_size, offload.host_settings(ctx))
+    return wl, ctx.b.build(sc.zero.stage, sc.cluster.world_size, offload.host_settings(ctx), tensor=tp)

@@ -3,8 +3,8 @@ hooks can attach frees, allocations and host-side effects to an op added earlier
 copying it."""
 from __future__ import annotations
 
-from zsim.schedule.ir import (Alloc, Buffer, HostSettings, ModulePass, Op, OpKind, Phase, PipelineLayout, Schedule,
-                              Stream, Tag)
+from zsim.schedule.ir import Alloc, Buffer, HostSettings, Op, OpKind, Phase, PipelineLayout, Schedule, Stream, Tag
+from zsim.schedule.payloads import ModulePass
 
 
 class _Draft:
@@ -66,7 +66,7 @@ class Builder:
             self._host_static.setdefault(self.stage, []).append(Alloc(Tag(Buffer.STATE, key=category), category, float(size_bytes)))
 
     def build(self, stage: int, world_size: int, host: HostSettings,
-              stage_layers: tuple[tuple[int, int], ...] = ()) -> Schedule:
+              stage_layers: tuple[tuple[int, int], ...] = (), tensor: int = 1) -> Schedule:
         """Freeze the drafts; `stage_layers` (one [first, end) layer range per pipeline stage)
         makes it a pipeline's schedule."""
         ops = []
@@ -79,10 +79,11 @@ class Builder:
                           d.hook_visits, d.grad_hooks, d.stage))
         if not stage_layers:
             return Schedule(stage=stage, world_size=world_size, ops=tuple(ops), static=tuple(self._static.get(0, ())),
-                            host=host, host_static=tuple(self._host_static.get(0, ())))
+                            host=host, host_static=tuple(self._host_static.get(0, ())), tensor=tensor)
         n = len(stage_layers)
-        layout = PipelineLayout(stages=n, data_parallel=world_size // n, layers=tuple(stage_layers),
+        layout = PipelineLayout(stages=n, data_parallel=world_size // (n * tensor), layers=tuple(stage_layers),
                                 static=tuple(tuple(self._static.get(s, ())) for s in range(n)),
                                 host_static=tuple(tuple(self._host_static.get(s, ())) for s in range(n)))
-        return Schedule(stage=stage, world_size=world_size, ops=tuple(ops), static=(), host=host, pipeline=layout)
+        return Schedule(stage=stage, world_size=world_size, ops=tuple(ops), static=(), host=host, pipeline=layout,
+                        tensor=tensor)
 

@@ -18,7 +18,9 @@ class StepContext:
     param_bytes: int            # 16-bit (2) or fp32 (4) model/gradient width
     world: int
     ckpt_offload_ops: dict = field(default_factory=dict)   # (micro, layer) -> D2H op of its checkpoint
-    exchanges: object = None    # moe.TokenExchanges: the MoE all-to-alls the passes add (build.py sets it)
+    # what the passes add around the modules: moe.TokenExchanges (the MoE all-to-alls) and
+    # tensor.TensorCollectives (Megatron's tensor-parallel collectives); build.py sets them
+    exchanges: tuple = ()
 
     @property
     def gas(self) -> int:

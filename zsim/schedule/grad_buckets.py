@@ -25,7 +25,8 @@ from __future__ import annotations
 
 from zsim.schedule import offload
 from zsim.schedule.context import StepContext
-from zsim.schedule.ir import Alloc, Buffer, Category, Collective, Comm, GradReduce, OpKind, Phase, Tag
+from zsim.schedule.ir import Alloc, Buffer, Category, Collective, OpKind, Phase, Tag
+from zsim.schedule.payloads import Comm, GradReduce
 from zsim.schedule.moe import flat_group_process_group, moe_param_groups
 from zsim.schedule.partition import bucket_slices, call_sizes, padded
 

@@ -13,6 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum, StrEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:   # payloads.py builds on this module's enums and groups
+    from zsim.schedule.payloads import Comm, ComputeWork, Payload
 
 
 class Stream(StrEnum):
@@ -56,6 +60,9 @@ class Group(StrEnum):
     EXPERT_DATA = "expert_data"      # ranks holding the same experts (their gradients)
     TIED = "tied"        # a tied weight's group: the same data-parallel rank of the first and last stage
     PIPE = "pipe"        # every stage's rank of one data-parallel index (PipelineParallelGrid's model-parallel group)
+    # Megatron-LM's tensor-model-parallel group (megatron/core/parallel_state.py): `tensor`
+    # consecutive ranks inside a node, from the first rank of the op's stage and data-parallel index
+    TENSOR = "tensor"
 
 
 # groups inside one pipeline stage's data-parallel group: their ranks start at the stage's first rank
@@ -117,109 +124,11 @@ class OpKind(Enum):
     # stage all-reduces the loss over its data-parallel group, then broadcasts it to every stage
     LOSS_ALLREDUCE = "loss allreduce"
     LOSS_BROADCAST = "loss broadcast"
-
-
-# -- payloads ---------------------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class ComputeWork:
-    """What the cost model prices on the compute stream."""
-    gemms: tuple[tuple[float, float, float], ...] = ()   # (m, n, k) each
-    attention_flops: float = 0.0
-    attention_backward: bool = False
-    mem_bytes: float = 0.0          # memory-bound kernel traffic
-    optimizer_bytes: float = 0.0    # optimizer-step traffic (fp32 master, moments, grad conversion)
-    kernels: int = 0
-    model_flops: float = 0.0        # MFU convention (full attention); recompute included
-
-
-@dataclass(frozen=True, slots=True)
-class ModulePass:
-    module: str
-    work: ComputeWork
-    bucketed: tuple[int, ...] = ()  # params whose gradients enter the IPG bucket after it, in hook order
-
-
-@dataclass(frozen=True, slots=True)
-class StepCompute:
-    work: ComputeWork
-    shard_params: float = 0.0       # parameters of the local partition it streams
-    sub_group: int = 0              # OPTIMIZER_STEP: the ZeRO-3 optimizer sub-group it updates
-
-
-@dataclass(frozen=True, slots=True)
-class Comm:
-    """One collective call, over the data-parallel group unless `group` names another."""
-    collective: Collective
-    numel: int
-    size_bytes: float               # full buffer (nccl-tests convention)
-    buffer_bytes: float = 0.0       # the call's own buffer passes (packing, pre-division) on its stream
-    # launched async with its neighbours, then all waited; priced from the tier's
-    # "<collective>_coalesced" table (see [Note: coalesced post-step gathers])
-    coalesced: bool = False
-    group: ProcessGroup | None = None   # None: the op's stage's whole data-parallel group
-
-
-@dataclass(frozen=True, slots=True)
-class ParamGather:
-    comm: Comm
-    pids: tuple[int, ...] = ()      # params gathered (UPDATED_GATHER: the whole flat group, empty)
-    visit: str = ""                 # module whose hook issued it (PERSISTENT_GATHER: the param's name)
-    prefetch: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class GradReduce:
-    comm: Comm
-    bucket: int = -1                # IPG bucket id (GRAD_ALLREDUCE: -1)
-    call: int = 0                   # index of this call within its bucket (GRAD_ALLREDUCE: the chunk)
-    pids: tuple[int, ...] = ()      # the bucket's params, in bucket order
-    dst: int = -1                   # destination rank of a `reduce` call
-    offset: int = 0                 # GRAD_ALLREDUCE: first element of the chunk in the flat gradients
-    flat_group: int = 0             # ZeRO-1/2: the flat parameter group whose slices it reduces (see [Note: MoE parameter groups])
-
-
-@dataclass(frozen=True, slots=True)
-class ScalarAllReduce:
-    """A few-element collective (a flag, a norm, the loss): an all-reduce, or LOSS_BROADCAST's broadcast."""
-    comm: Comm
-
-
-@dataclass(frozen=True, slots=True)
-class TokenExchange:
-    """One MoE layer's all-to-all over the expert-parallel group (sharded_moe.py _AllToAll): the
-    capacity buffer [experts, capacity, hidden] out to the experts' ranks (dispatch) or back
-    (combine). In backward each runs again on the gradients, in the mirrored order."""
-    comm: Comm
-    layer: int
-    combine: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Copy:
-    transfer: Transfer
-    size_bytes: float
-    pinned: bool | None = None      # host buffer pinned? None: the schedule's pin_memory setting
-    what: str = ""                  # display: the buffer ("fp32 grads", "checkpoint layer 3", ...)
-
-
-@dataclass(frozen=True, slots=True)
-class CpuAdam:
-    params: float
-    group: int
-
-
-@dataclass(frozen=True, slots=True)
-class PipeTransfer:
-    """One micro-batch's activation (or its gradient) between adjacent pipeline stages: a
-    point-to-point send over the link between the two stages' ranks of the same data-parallel index."""
-    size_bytes: float
-    src_stage: int
-    dst_stage: int
-
-
-Payload = (ModulePass | StepCompute | ParamGather | GradReduce | ScalarAllReduce | TokenExchange | Copy | CpuAdam
-           | PipeTransfer)
+    # Megatron-LM tensor parallelism (payload TensorComm; megatron/core/tensor_parallel/mappings.py):
+    # activations (or their gradients) over the tensor-parallel group, on the compute stream
+    TP_ALL_REDUCE = "tp allreduce"           # _ReduceFromModelParallelRegion and its conjugate
+    TP_REDUCE_SCATTER = "tp reduce-scatter"  # sequence parallel: _ReduceScatterToSequenceParallelRegion
+    TP_ALL_GATHER = "tp all-gather"          # sequence parallel: _GatherFromSequenceParallelRegion
 
 
 # -- memory -----------------------------------------------------------------------------------
@@ -340,6 +249,8 @@ def label(op: Op) -> str:
         return f"{k.value} {op.micro_step} -> stage {p.dst_stage}"
     if k in (OpKind.RECV_ACTIVATION, OpKind.RECV_GRAD):
         return f"{k.value} {op.micro_step} <- stage {p.src_stage}"
+    if k in (OpKind.TP_ALL_REDUCE, OpKind.TP_REDUCE_SCATTER, OpKind.TP_ALL_GATHER):
+        return f"{k.value} {p.module}"
     return _FIXED_LABELS[k]
 
 
@@ -391,6 +302,12 @@ class Schedule:
     host: HostSettings
     host_static: tuple[Alloc, ...] = ()  # host (CPU) memory per GPU: offloaded states, pinned buffers
     pipeline: PipelineLayout | None = None   # None: one stage (static, host_static are its rank's)
+    tensor: int = 1                 # tensor-parallel size: each simulated rank is one rank of a TP group
+
+    @property
+    def data_parallel(self) -> int:
+        """world / (tensor x pipeline): Megatron's data-parallel size."""
+        return self.world_size // (self.tensor * self.stages)
 
     @property
     def stages(self) -> int:

@@ -18,8 +18,8 @@ to it: one parameter group, every expert's gradient reduced over the data-parall
 """
 from __future__ import annotations
 
-from zsim.schedule.ir import (Alloc, Buffer, Category, Collective, Comm, Group, OpKind, Phase, ProcessGroup,
-                              ScalarAllReduce, Stream, Tag, TokenExchange)
+from zsim.schedule.ir import Alloc, Buffer, Category, Collective, Group, OpKind, Phase, ProcessGroup, Stream, Tag
+from zsim.schedule.payloads import Comm, ScalarAllReduce, TokenExchange
 from zsim.schedule.partition import FlatGroup, flat_groups
 from zsim.workload.module import Module
 from zsim.workload.moe import capacity

@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 
 from zsim.schedule.context import StepContext
-from zsim.schedule.ir import (Category, ComputeWork, Copy, CpuAdam, HostSettings, OpKind, Phase, StepCompute, Stream,
-                              Transfer)
+from zsim.schedule.ir import Category, HostSettings, OpKind, Phase, Stream, Transfer
+from zsim.schedule.payloads import ComputeWork, Copy, CpuAdam, StepCompute
 from zsim.schedule.optimizer import ADAM_STATE_BYTES, FP32_BYTES, optimizer_step
 
 OPT_STATE_BYTES = FP32_BYTES + ADAM_STATE_BYTES   # fp32 master + exp_avg + exp_avg_sq

@@ -4,9 +4,9 @@ scalar all-reduces before it."""
 from __future__ import annotations
 
 from zsim.schedule.context import StepContext
-from zsim.schedule.ir import (Alloc, Buffer, Category, Collective, Comm, ComputeWork, Group, OpKind, Phase,
-                              ProcessGroup,
-                              ScalarAllReduce, StepCompute, Stream, Tag)
+from zsim.schedule.ir import Alloc, Buffer, Category, Collective, Group, OpKind, Phase, ProcessGroup, Stream, Tag
+from zsim.schedule.payloads import Comm, ComputeWork, ScalarAllReduce, StepCompute
+from zsim.schedule.tensor import tensor_parallel_group
 
 FP32_BYTES = 4
 ADAM_STATE_BYTES = 8          # exp_avg + exp_avg_sq, fp32
@@ -93,6 +93,12 @@ def _scalar_allreduce(ctx: StepContext, kind: OpKind, size_bytes: int, deps, gro
         pipe = ProcessGroup(Group.PIPE, ctx.sc.pipeline_stages, ctx.sc.data_parallel_size)
         last = ctx.b.add(kind, Stream.COMPUTE, Phase.STEP, ctx.last_micro,
                          ScalarAllReduce(Comm(Collective.ALL_REDUCE, 1, size_bytes, group=pipe)), [last])
+    elif ctx.sc.tensor_parallel_size > 1:
+        # with Megatron's mpu the model-parallel group is the tensor-parallel group (each rank
+        # holds a slice of every weight: the norm and the overflow flag sum over it)
+        tensor = tensor_parallel_group(ctx.sc.tensor_parallel_size)
+        last = ctx.b.add(kind, Stream.COMPUTE, Phase.STEP, ctx.last_micro,
+                         ScalarAllReduce(Comm(Collective.ALL_REDUCE, 1, size_bytes, group=tensor)), [last])
     return last
 
 

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 from zsim.schedule import offload
 from zsim.schedule.context import StepContext
-from zsim.schedule.ir import Alloc, Buffer, Category, Collective, Comm, OpKind, ParamGather, Phase, Stream, Tag
+from zsim.schedule.ir import Alloc, Buffer, Category, Collective, OpKind, Phase, Stream, Tag
+from zsim.schedule.payloads import Comm, ParamGather
 from zsim.schedule.moe import z3_leaf_blocks
 from zsim.schedule.partition import padded
 from zsim.workload.module import Module

@@ -3,9 +3,22 @@ each checkpointing mode. Stage behaviour plugs in through StageHooks (context.py
 from __future__ import annotations
 
 from zsim.schedule.context import StageHooks, StepContext
-from zsim.schedule.ir import (Alloc, Buffer, Category, ComputeWork, Copy, ModulePass, OpKind, Phase, Stream, Tag,
-                              Transfer)
+from zsim.schedule.ir import Alloc, Buffer, Category, OpKind, Phase, Stream, Tag, Transfer
+from zsim.schedule.payloads import ComputeWork, Copy, ModulePass
 from zsim.workload.module import Module, Workload
+
+
+def _before(ctx: StepContext, module: Module, micro: int, phase: Phase, last: int | None) -> int | None:
+    """The communication the passes add before `module` (ctx.exchanges: MoE, tensor parallel)."""
+    for exchange in ctx.exchanges:
+        last = exchange.before(ctx, module, micro, phase, last)
+    return last
+
+
+def _after(ctx: StepContext, module: Module, micro: int, phase: Phase, op: int) -> int:
+    for exchange in ctx.exchanges:
+        op = exchange.after(ctx, module, micro, phase, op)
+    return op
 
 
 def linear_gemms(module: Module, backward: bool) -> tuple:
@@ -57,7 +70,7 @@ def forward(ctx: StepContext, hooks: StageHooks, micro: int, after: int | None) 
     last = after
     block_temps: list[Tag] = []
     for module in ctx.wl.modules:
-        last = ctx.exchanges.before(ctx, module, micro, Phase.FORWARD, last)
+        last = _before(ctx, module, micro, Phase.FORWARD, last)
         deps = hooks.pre_module(ctx, module, micro, Phase.FORWARD) + [last]
         checkpointed = full and _is_layer(module)
         op = _forward_op(ctx, module, micro, Phase.FORWARD, deps, keep=not checkpointed)
@@ -71,7 +84,7 @@ def forward(ctx: StepContext, hooks: StageHooks, micro: int, after: int | None) 
                 ctx.b.add_alloc(op, Alloc(tag, Category.ACTIVATIONS, saved))
                 block_temps.append(tag)
         hooks.post_module(ctx, module, micro, Phase.FORWARD, op)
-        last = ctx.exchanges.after(ctx, module, micro, Phase.FORWARD, op)
+        last = _after(ctx, module, micro, Phase.FORWARD, op)
         if checkpointed and _is_last_in_layer(ctx.wl, module):
             ctx.b.add_free(op, *block_temps)
             block_temps = []
@@ -104,11 +117,11 @@ def _recompute_block(ctx: StepContext, hooks: StageHooks, layer: int, micro: int
                          [last, ctx.ckpt_offload_ops.get((micro, layer))],
                          (Alloc(Tag(Buffer.CHECKPOINT, micro, layer), Category.CHECKPOINTS, size),))
     for rm in ctx.wl.layer_modules(layer):
-        last = ctx.exchanges.before(ctx, rm, micro, Phase.RECOMPUTE, last)
+        last = _before(ctx, rm, micro, Phase.RECOMPUTE, last)
         deps = hooks.pre_module(ctx, rm, micro, Phase.RECOMPUTE) + [last]
         op = _forward_op(ctx, rm, micro, Phase.RECOMPUTE, deps, keep=True)
         hooks.post_module(ctx, rm, micro, Phase.RECOMPUTE, op)
-        last = ctx.exchanges.after(ctx, rm, micro, Phase.RECOMPUTE, op)
+        last = _after(ctx, rm, micro, Phase.RECOMPUTE, op)
     return last
 
 
@@ -121,7 +134,7 @@ def backward(ctx: StepContext, hooks: StageHooks, micro: int, after: int) -> int
         if checkpointed and module.layer not in recomputed:
             recomputed.add(module.layer)
             last = _recompute_block(ctx, hooks, module.layer, micro, last)
-        last = ctx.exchanges.before(ctx, module, micro, Phase.BACKWARD, last)
+        last = _before(ctx, module, micro, Phase.BACKWARD, last)
         deps = hooks.pre_module(ctx, module, micro, Phase.BACKWARD) + [last]
         frees = [Tag(Buffer.ACTIVATION, micro, module.name)]
         if checkpointed and ctx.wl.layer_modules(module.layer)[0].name == module.name:
@@ -140,6 +153,6 @@ def backward(ctx: StepContext, hooks: StageHooks, micro: int, after: int) -> int
                        allocs)
         ctx.b.add_free(op, *((workspace,) if allocs else ()), *frees)
         hooks.post_module(ctx, module, micro, Phase.BACKWARD, op)
-        last = ctx.exchanges.after(ctx, module, micro, Phase.BACKWARD, op)
+        last = _after(ctx, module, micro, Phase.BACKWARD, op)
     hooks.end_backward(ctx, micro, last)
     return last

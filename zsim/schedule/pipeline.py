@@ -16,12 +16,13 @@ from enum import Enum
 
 from zsim.schedule import offload, stage012
 from zsim.schedule.context import StageHooks, StepContext
-from zsim.schedule.ir import (Alloc, Buffer, Category, Collective, Comm, GradReduce, Group, HostSettings, OpKind,
-                              ProcessGroup,
-                              Phase, PipeTransfer, ScalarAllReduce, Stream, Tag)
+from zsim.schedule.ir import (Alloc, Buffer, Category, Collective, Group, HostSettings, OpKind, Phase, ProcessGroup,
+                              Stream, Tag)
+from zsim.schedule.payloads import Comm, GradReduce, PipeTransfer, ScalarAllReduce
 from zsim.schedule.moe import TokenExchanges
 from zsim.schedule.passes import backward, forward
 from zsim.schedule.pipe_partition import stage_slices
+from zsim.schedule.tensor import TensorCollectives
 from zsim.workload.module import Workload
 
 
@@ -121,7 +122,8 @@ def build(ctx0: StepContext) -> tuple[tuple[tuple[int, int], ...], HostSettings]
     for s, (wl, _) in enumerate(slices):
         b.stage = s
         ctx = StepContext(sc=sc, wl=wl, b=b, param_bytes=ctx0.param_bytes, world=ctx0.world)
-        ctx.exchanges = TokenExchanges(ctx)   # none: an MoE model under a pipeline is refused (config/parallel.py)
+        # no token exchanges: an MoE model under a pipeline is refused (config/parallel.py)
+        ctx.exchanges = (TokenExchanges(ctx), TensorCollectives(ctx))
         rank = _Stage(ctx, s, stages)
         stage012.allocate_states(ctx, rank.hooks.inner)
         ranks.append(rank)

@@ -24,8 +24,8 @@ from __future__ import annotations
 from zsim.schedule import offload
 from zsim.schedule.context import StageHooks, StepContext
 from zsim.schedule.grad_buckets import Zero12Buckets
-from zsim.schedule.ir import (Alloc, Buffer, Category, Collective, Comm, GradReduce, OpKind, ParamGather, Phase,
-                              Stream, Tag)
+from zsim.schedule.ir import Alloc, Buffer, Category, Collective, OpKind, Phase, Stream, Tag
+from zsim.schedule.payloads import Comm, GradReduce, ParamGather
 from zsim.schedule.moe import expert_data_parallel_group, flat_group_process_group, gathered_groups
 from zsim.schedule.optimizer import FP32_BYTES, grad_norm_ops, model_state_bytes, optimizer_step
 from zsim.schedule.partition import grads_ready_at, pieces_in_partition

@@ -7,7 +7,8 @@ from __future__ import annotations
 from zsim.schedule import offload
 from zsim.schedule.context import StageHooks, StepContext
 from zsim.schedule.grad_buckets import Zero3Buckets
-from zsim.schedule.ir import Category, Collective, Comm, OpKind, ParamGather, Phase, Stream
+from zsim.schedule.ir import Category, Collective, OpKind, Phase, Stream
+from zsim.schedule.payloads import Comm, ParamGather
 from zsim.schedule.optimizer import grad_norm_ops, model_state_bytes, optimizer_step
 from zsim.schedule.param_fetch import ParamCoordinator, leaf_of
 from zsim.schedule.partition import (grads_ready_at, padded, persistent_params, shard_numel, sub_group_sizes,

@@ -211,7 +211,9 @@ IGNORED_TOP_LEVEL = frozenset({
     "progressive_layer_drop", "gradient_predivide_factor", "prescale_gradients", "communication_data_type",
     "seq_parallel_communication_data_type", "amp", "timers", "monitor_config", "nebula",
     "hybrid_engine", "weight_quantization", "graph_harvesting", "use_node_local_storage", "load_universal",
-    "torch_autocast", "compile", "tensor_parallel", "use_data_before_expert_parallelism",
+    "torch_autocast", "compile",
+    "tensor_parallel",   # read by zsim/config/parallel.py into parallelism.tensor
+    "use_data_before_expert_parallelism",
     "fp16_auto_cast", "disable_python_gc",
 })
 
@@ -223,7 +225,6 @@ COMM_DATA_TYPES = ("fp16", "bf16", "fp32")
 # Accepted keys that do change a real run but that zsim does not simulate yet: the result
 # carries a warning instead of silently pretending.
 NOT_MODELLED_TOP_LEVEL = {
-    "tensor_parallel": "tensor parallelism (AutoTP) is not modelled; simulated as pure data parallelism",
     "compression_training": "compression training is not modelled",
     "sparse_attention": "sparse attention is not modelled; attention is dense",
     "hybrid_engine": "the hybrid (RLHF) engine is not modelled",

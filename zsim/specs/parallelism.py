@@ -7,6 +7,14 @@ hold consecutive slices of the model's layers (PipelineModule's `partition_metho
 data-parallel size is world / pipeline (PipeDataParallelTopology: pipe is the outer axis,
 data the inner one, so rank = stage * dp + dp_rank).
 
+Tensor parallelism follows Megatron-LM (megatron/core/tensor_parallel/layers.py; Shoeybi et al.
+2019, Korthikanti et al. 2022): `tensor` ranks split every transformer layer's linears
+(column-parallel QKV and fc1, row-parallel output projections), the vocabulary of the embedding
+and of the logits; `sequence_parallel` shards the norms' and dropouts' activations by sequence
+and turns each all-reduce into a reduce-scatter + all-gather. The world is tp x dp x pp with tp
+innermost (megatron/core/parallel_state.py's order tp-dp-pp): data parallel = world / (tensor x
+pipeline), and global rank = (stage * dp + dp_rank) * tensor + tp_rank.
+
 Expert parallelism (DeepSpeed-MoE, `deepspeed.moe.layer.MoE(ep_size=...)`): the experts of every
 MoE layer are split over `expert` consecutive ranks (the expert-parallel group, which exchanges
 tokens by all-to-all); the ranks holding the same experts form the expert-data-parallel group
@@ -31,11 +39,18 @@ PARTITION_METHODS = ("parameters", "uniform", "type:<regex>")
 class ParallelismSpec:
     expert: int = spec(1, gt=0, le=2**18, doc="expert-parallel size (DeepSpeed-MoE ep_size): ranks one MoE "
                                               "layer's experts are split over")
-    pipeline: int = spec(1, gt=0, le=4096, doc="pipeline stages (PipelineModule num_stages); data parallel = world / pipeline")
+    tensor: int = spec(1, gt=0, le=4096, doc="tensor-parallel size (Megatron-LM tensor_model_parallel_size; "
+                                             "DeepSpeed's tensor_parallel.autotp_size): ranks each layer is split over")
+    sequence_parallel: bool = spec(False, doc="Megatron-LM sequence parallelism: norms and dropouts sharded by sequence "
+                                              "over the tensor-parallel group (needs tensor > 1)")
+    pipeline: int = spec(1, gt=0, le=4096, doc="pipeline stages (PipelineModule num_stages); data parallel = world / (tensor x pipeline)")
     pipeline_schedule: Literal["1f1b"] = spec("1f1b", doc="DeepSpeed's TrainSchedule (runtime/pipe/schedule.py)")
     partition_method: str = spec("parameters", doc="PipelineModule partition_method: parameters | uniform | type:<regex>")
 
     def __post_init__(self):
+        if self.sequence_parallel and self.tensor == 1:
+            raise ValueError("sequence_parallel", True, "shards over the tensor-parallel group; "
+                             "set parallelism.tensor > 1 or drop it")
         method = self.partition_method.lower()
         if method in ("parameters", "uniform"):
             return

@@ -119,9 +119,14 @@ class Scenario:
         return self.parallelism.pipeline
 
     @property
+    def tensor_parallel_size(self) -> int:
+        return self.parallelism.tensor
+
+    @property
     def data_parallel_size(self) -> int:
-        """PipeDataParallelTopology: the world splits into pipeline x data."""
-        return self.cluster.world_size // self.parallelism.pipeline
+        """PipeDataParallelTopology and Megatron's parallel_state: the world splits into
+        pipeline x data x tensor."""
+        return self.cluster.world_size // (self.parallelism.pipeline * self.parallelism.tensor)
 
     @property
     def zero(self):

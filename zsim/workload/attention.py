@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zsim.workload.builder import Builder
+from zsim.workload.builder import Builder, Split
 from zsim.workload.module import ModuleKind
 
 
@@ -40,6 +40,7 @@ def _pairs(s: int, window: int | None) -> tuple[float, float | None]:
 def attention_core(bld: Builder, name: str, layer: int, b: int, s: int, shape: CoreShape, flash: bool,
                    window: int | None) -> None:
     m, a, t = bld.m, bld.a, bld.t
+    heads = m.heads // bld.tp          # the rank's heads (Megatron: num_attention_heads_per_partition)
     model_pairs, band_pairs = _pairs(s, window)
     model_flops = 2.0 * b * model_pairs * (shape.q + shape.v_heads)
     rope_mem = 4 * t * (shape.rope_q + shape.rope_k) * a if m.position == "rope" else 0.0
@@ -49,13 +50,13 @@ def attention_core(bld: Builder, name: str, layer: int, b: int, s: int, shape: C
         # causal: lower triangle only; with a window only the band
         fwd = model_flops / 2 if band_pairs is None else 2.0 * b * band_pairs * (shape.q + shape.v_heads)
         bwd = fwd * 2.5                # 5 matmuls vs 2 (FlashAttention-2)
-        act, act_s2 = qkv_saved + 4 * b * m.heads * s, 0.0  # Q,K,V + logsumexp (fp32)
+        act, act_s2 = qkv_saved + 4 * b * heads * s, 0.0  # Q,K,V + logsumexp (fp32)
         mem_f, mem_b = rope_mem + 2 * t * qkv * a, rope_mem + 4 * t * qkv * a
         kf, kb = 1, 2
     else:
         full = 2.0 * b * s * s * (shape.q + shape.v_heads)
         fwd, bwd = full, 2 * full
-        s2 = b * m.heads * s * s
+        s2 = b * heads * s * s
         # softmax output (a bytes per score); with dropout also its mask (1 B) and output (a B)
         act_s2 = s2 * (2 * a + 1) if bld.drop else s2 * a
         act = qkv_saved + act_s2
@@ -68,32 +69,37 @@ def attention_core(bld: Builder, name: str, layer: int, b: int, s: int, shape: C
 
 
 def attention(bld: Builder, pfx: str, layer: int, b: int, s: int, flash: bool) -> None:
-    """`pfx`.qkv or q/k/v_proj (or MLA's projections), `pfx`.core, `pfx`.o_proj (+ residual add)."""
+    """`pfx`.qkv or q/k/v_proj (or MLA's projections), `pfx`.core, `pfx`.o_proj (+ residual add).
+    Under tensor parallelism (Megatron's ParallelAttention) the q/k/v projections are column-
+    parallel (the rank's heads and query groups), the output projection row-parallel."""
     m, h, t, a = bld.m, bld.m.hidden, bld.t, bld.a
+    col, tp = Split.COLUMN, bld.tp
     if m.mla is not None:
         shape = _mla_projections(bld, pfx, layer)
     else:
         hd = m.head_size
         qd, kvd = m.heads * hd, m.n_kv_heads * hd
         if m.fused_qkv:
-            bld.linear(f"{pfx}.qkv", layer, h, qd + 2 * kvd, m.qkv_proj_bias)
+            bld.linear(f"{pfx}.qkv", layer, h, qd + 2 * kvd, m.qkv_proj_bias, split=col)
         elif m.qk_norm:
             # Qwen3Attention calls q_proj, q_norm, k_proj, k_norm, v_proj in this order
-            bld.linear(f"{pfx}.q_proj", layer, h, qd, m.qkv_proj_bias)
-            bld.norm(f"{pfx}.q_norm", layer, size=hd, width=qd)
-            bld.linear(f"{pfx}.k_proj", layer, h, kvd, m.qkv_proj_bias, saves_input=False)  # shares q_proj's input
-            bld.norm(f"{pfx}.k_norm", layer, size=hd, width=kvd)
-            bld.linear(f"{pfx}.v_proj", layer, h, kvd, m.qkv_proj_bias, saves_input=False)
+            bld.linear(f"{pfx}.q_proj", layer, h, qd, m.qkv_proj_bias, split=col)
+            bld.norm(f"{pfx}.q_norm", layer, size=hd, width=qd // tp, residual=False)
+            bld.linear(f"{pfx}.k_proj", layer, h, kvd, m.qkv_proj_bias, saves_input=False, split=col)
+            bld.norm(f"{pfx}.k_norm", layer, size=hd, width=kvd // tp, residual=False)
+            bld.linear(f"{pfx}.v_proj", layer, h, kvd, m.qkv_proj_bias, saves_input=False, split=col)
         else:
-            bld.linear(f"{pfx}.q_proj", layer, h, qd, m.qkv_proj_bias)
-            bld.linear(f"{pfx}.k_proj", layer, h, kvd, m.qkv_proj_bias, saves_input=False)  # shares q_proj's input
-            bld.linear(f"{pfx}.v_proj", layer, h, kvd, m.qkv_proj_bias, saves_input=False)
+            bld.linear(f"{pfx}.q_proj", layer, h, qd, m.qkv_proj_bias, split=col)
+            # k and v share q_proj's input
+            bld.linear(f"{pfx}.k_proj", layer, h, kvd, m.qkv_proj_bias, saves_input=False, split=col)
+            bld.linear(f"{pfx}.v_proj", layer, h, kvd, m.qkv_proj_bias, saves_input=False, split=col)
+        qd, kvd = qd // tp, kvd // tp
         shape = CoreShape(q=qd, k=kvd, v_heads=qd, v=kvd, rope_q=qd, rope_k=kvd)
     window = m.sliding_window if m.has_window(layer) else None
     attention_core(bld, f"{pfx}.core", layer, b, s, shape, flash, window)
     # output projection + residual add (+ dropout mask): read 2, write 1
-    bld.linear(f"{pfx}.o_proj", layer, shape.v_heads, h, m.attn_bias, extra_act=bld.drop * t * h,
-               fwd_mem=3 * t * h * a, bwd_mem=2 * t * h * a)
+    bld.linear(f"{pfx}.o_proj", layer, shape.v_heads * tp, h, m.attn_bias, extra_act=bld.drop * t * h,
+               fwd_mem=3 * t * h * a, bwd_mem=2 * t * h * a, split=None if m.mla is not None else Split.ROW)
 
 
 def _mla_projections(bld: Builder, pfx: str, layer: int) -> CoreShape:

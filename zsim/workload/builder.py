@@ -7,8 +7,20 @@ a norm its input, GeLU its input, a gated MLP both projections and the product).
 """
 from __future__ import annotations
 
+from enum import StrEnum
+
 from zsim.specs.model import ModelSpec
-from zsim.workload.module import Module, ModuleKind, Param
+from zsim.workload.module import Module, ModuleKind, Param, TensorRole
+
+
+class Split(StrEnum):
+    """Megatron-LM's parallel linears (core/tensor_parallel/layers.py)."""
+    COLUMN = "column"   # ColumnParallelLinear: the output features split, each rank a slice of n_out
+    ROW = "row"         # RowParallelLinear: the input features split, partial sums all-reduced
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 class Builder:
@@ -16,8 +28,12 @@ class Builder:
     element. `scope` is the nn.Module containers the next modules sit in; `expert` the routed
     expert they compute for (their parameters are then expert parameters)."""
 
-    def __init__(self, m: ModelSpec, tokens: int, act_bytes: int, dropout: bool):
+    def __init__(self, m: ModelSpec, tokens: int, act_bytes: int, dropout: bool, tensor: int = 1,
+                 sequence_parallel: bool = False):
         self.m, self.t, self.a, self.drop = m, tokens, act_bytes, 1 if dropout else 0
+        # Megatron tensor parallelism: `tp` ranks split the linears; `seq` shards the residual
+        # stream's elementwise work and activations by sequence (sequence parallelism), else 1
+        self.tp, self.seq = tensor, tensor if sequence_parallel else 1
         self.params: list[Param] = []
         self.modules: list[Module] = []
         self.scope: tuple[str, ...] = ()
@@ -30,10 +46,14 @@ class Builder:
     def add(self, **fields) -> None:
         self.modules.append(Module(containers=self.scope, expert=self.expert, **fields))
 
-    def norm(self, name: str, layer: int, size: int | None = None, width: int | None = None) -> None:
+    def norm(self, name: str, layer: int, size: int | None = None, width: int | None = None,
+             residual: bool = True) -> None:
         """A norm of `size` weights (default hidden) over `width` features per token (default
-        size; Qwen3's q_norm normalizes every head of a heads x head_dim query)."""
-        n, t, a = size or self.m.hidden, self.t, self.a
+        size; Qwen3's q_norm normalizes every head of a heads x head_dim query). A norm of the
+        residual stream is replicated over the tensor-parallel ranks and, with sequence
+        parallelism, runs on the rank's 1/tp of the tokens (Korthikanti et al. 2022 sec. 4.2.2)."""
+        n, a = size or self.m.hidden, self.a
+        t = self.t // self.seq if residual else self.t
         w = width or n
         ids = (self.param(f"{name}.weight", n),) + ((self.param(f"{name}.bias", n),) if self.m.norm == "layernorm" else ())
         # fwd: read x, write y; bwd: read dy and x, write dx (Korthikanti: stores its input, 2sbh)
@@ -43,10 +63,24 @@ class Builder:
 
     def linear(self, name: str, layer: int, n_in: int, n_out: int, bias: bool, *, tokens: int | None = None,
                model_tokens: float | None = None, extra_act: float = 0.0, fwd_mem: float = 0.0, bwd_mem: float = 0.0,
-               weight: int | None = None, saves_input: bool = True) -> None:
+               weight: int | None = None, saves_input: bool = True, split: Split | None = None) -> None:
         """A Linear over `tokens` rows (default: the micro-batch's); `model_tokens` the rows the
-        MFU convention counts (a routed expert's mean load, not its padded capacity)."""
+        MFU convention counts (a routed expert's mean load, not its padded capacity). `split`:
+        Megatron's column- or row-parallel linear over `tp` ranks (n_out or n_in split; a
+        vocabulary that does not divide is padded, as Megatron's make_vocab_size_divisible_by
+        does). A column-parallel linear keeps its input (replicated; with sequence parallelism
+        only the rank's sequence shard, re-gathered in backward); a row-parallel one adds its
+        bias after the all-reduce (replicated) and its residual add and dropout (`extra_act`,
+        `fwd_mem`, `bwd_mem`) run on the sequence shard under sequence parallelism."""
         t = self.t if tokens is None else tokens
+        role, width, kept_input = None, 0, 1
+        if split == Split.COLUMN:
+            role, width, kept_input = (TensorRole.ENTER if saves_input else None), n_in, self.seq
+            n_out = ceil_div(n_out, self.tp)
+        elif split == Split.ROW:
+            role, width = TensorRole.EXIT, n_out
+            n_in //= self.tp
+            extra_act, fwd_mem, bwd_mem = extra_act / self.seq, fwd_mem / self.seq, bwd_mem / self.seq
         ids = (weight if weight is not None else self.param(f"{name}.weight", n_in * n_out),)
         if bias:
             ids += (self.param(f"{name}.bias", n_out),)
@@ -54,8 +88,8 @@ class Builder:
         model = flops if model_tokens is None else 2.0 * model_tokens * n_in * n_out
         self.add(name=name, kind=ModuleKind.LINEAR, layer=layer, params=ids, gemm=(t, n_out, n_in),
                  fwd_flops=flops, bwd_flops=2 * flops, model_fwd_flops=model, fwd_mem_bytes=fwd_mem,
-                 bwd_mem_bytes=bwd_mem, act_bytes=t * n_in * self.a * saves_input + extra_act, kernels_fwd=1,
-                 kernels_bwd=2)
+                 bwd_mem_bytes=bwd_mem, act_bytes=t * n_in * self.a * saves_input / kept_input + extra_act,
+                 kernels_fwd=1, kernels_bwd=2, tensor_role=role, tensor_width=width)
 
     def activation(self, name: str, layer: int, flops: float, fwd_mem: float, bwd_mem: float, act: float,
                    fwd_workspace: float = 0.0) -> None:
@@ -72,21 +106,25 @@ class Builder:
         t = self.t if tokens is None else tokens
         bias, f = m.mlp_proj_bias, width
         rows = dict(tokens=tokens, model_tokens=model_tokens)
+        # the dense MLP of a layer is Megatron's ParallelMLP: fc1 (gate/up) column-, fc2 row-parallel
+        col, row = (Split.COLUMN, Split.ROW) if residual_add else (None, None)
+        fr = f // self.tp if residual_add else f     # the rank's MLP width
         if m.glu:
             if m.fused_gate_up:
-                self.linear(f"{pfx}.gate_up_proj", layer, h, 2 * f, bias, **rows)
+                self.linear(f"{pfx}.gate_up_proj", layer, h, 2 * f, bias, split=col, **rows)
             else:
-                self.linear(f"{pfx}.gate_proj", layer, h, f, bias, **rows)
-                self.linear(f"{pfx}.up_proj", layer, h, f, bias, saves_input=False, **rows)  # shares gate's input
+                self.linear(f"{pfx}.gate_proj", layer, h, f, bias, split=col, **rows)
+                # shares gate's input
+                self.linear(f"{pfx}.up_proj", layer, h, f, bias, saves_input=False, split=col, **rows)
             # act(gate)*up: stores gate and up (above as the projections' outputs) and the product
-            self.activation(f"{pfx}.act", layer, flops=4.0 * t * f, fwd_mem=3 * t * f * a, bwd_mem=5 * t * f * a,
-                            act=2 * t * f * a)
+            self.activation(f"{pfx}.act", layer, flops=4.0 * t * fr, fwd_mem=3 * t * fr * a, bwd_mem=5 * t * fr * a,
+                            act=2 * t * fr * a)
         else:
-            self.linear(f"{pfx}.fc_in", layer, h, f, bias, **rows)
-            self.activation(f"{pfx}.act", layer, flops=8.0 * t * f, fwd_mem=2 * t * f * a, bwd_mem=3 * t * f * a,
-                            act=t * f * a)
+            self.linear(f"{pfx}.fc_in", layer, h, f, bias, split=col, **rows)
+            self.activation(f"{pfx}.act", layer, flops=8.0 * t * fr, fwd_mem=2 * t * fr * a, bwd_mem=3 * t * fr * a,
+                            act=t * fr * a)
         if residual_add:
             self.linear(f"{pfx}.fc_out", layer, f, h, bias, extra_act=self.drop * t * h, fwd_mem=3 * t * h * a,
-                        bwd_mem=2 * t * h * a, **rows)
+                        bwd_mem=2 * t * h * a, split=row, **rows)
         else:
             self.linear(f"{pfx}.fc_out", layer, f, h, bias, **rows)

@@ -33,6 +33,23 @@ class ModuleKind(StrEnum):
     LOSS = "loss"
 
 
+class TensorRole(StrEnum):
+    """Where a module meets Megatron-LM's tensor-parallel communication (core/tensor_parallel/
+    mappings.py; Shoeybi et al. 2019 fig. 3's f and g): the schedule adds the collectives when
+    the tensor-parallel size is above 1 (zsim/schedule/tensor.py)."""
+    # a column-parallel linear reading the (replicated, or with sequence parallelism sequence-
+    # sharded) block input: f = copy_to_tensor_model_parallel_region (identity forward, all-reduce
+    # backward); with SP gather_from_sequence_parallel_region (all-gather forward, reduce-scatter backward)
+    ENTER = "enter"
+    # a row-parallel linear (or the vocab-parallel embedding) whose partial sums leave: g =
+    # reduce_from_tensor_model_parallel_region (all-reduce forward, identity backward); with SP
+    # reduce_scatter_to_sequence_parallel_region (reduce-scatter forward, all-gather backward)
+    EXIT = "exit"
+    # vocab_parallel_cross_entropy (cross_entropy.py): three all-reduces of one fp32 per token
+    # (the logits' max, the target's logit, the sum of exponentials) in forward
+    VOCAB_LOSS = "vocab loss"
+
+
 @dataclass(frozen=True, kw_only=True)
 class Module:
     name: str
@@ -61,6 +78,9 @@ class Module:
     # that carry no gradient): a linear's dgrad needs input_grad, its wgrad weight_grad
     input_grad: bool = True
     weight_grad: bool = True
+    # its tensor-parallel communication, and the width of the activation tensor it moves
+    tensor_role: TensorRole | None = None
+    tensor_width: int = 0
 
     @property
     def bwd_workspace(self) -> float:

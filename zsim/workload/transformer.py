@@ -13,6 +13,11 @@ Sources:
    (11sbh+5as^2b attention, 19sbh MLP, 4sbh norms); dropout masks (sbh each) only with
    dropout; FlashAttention stores no s^2 terms; GQA shrinks K and V; a gated MLP stores
    both projections.
+ - Tensor parallelism (Megatron-LM; Korthikanti et al. 2022 Table 2): per rank, the linears'
+   parameters and FLOPs are 1/t (column-parallel QKV and fc1, row-parallel output projections);
+   activations per layer sbh(10 + 24/t + 5as/(ht)), with sequence parallelism sbh(34/t +
+   5as/(ht)); norms replicated (sequence-sharded under SP); the embedding and the logits
+   vocab-parallel (VocabParallelEmbedding, vocab_parallel_cross_entropy).
  - Module granularity follows the torch module tree DeepSpeed ZeRO-3 hooks into
    (one fetch per nn.Module with direct parameters).
 """
@@ -20,18 +25,18 @@ from __future__ import annotations
 
 from zsim.specs.model import ModelSpec
 from zsim.workload.attention import attention
-from zsim.workload.builder import Builder
-from zsim.workload.module import DTYPE_BYTES, Module, ModuleKind, Workload
+from zsim.workload.builder import Builder, Split, ceil_div
+from zsim.workload.module import DTYPE_BYTES, Module, ModuleKind, TensorRole, Workload
 from zsim.workload.moe import moe_mlp
 
 
 def _loss(logits: float, fwd_mem: float, bwd_mem: float, act: float, kernels: int, fwd_workspace: float,
           bwd_workspace: float) -> Module:
-    """Cross-entropy over `logits` (tokens x vocab) elements."""
+    """Cross-entropy over `logits` (tokens x the rank's vocab) elements."""
     return Module(name="loss", kind=ModuleKind.LOSS, layer=-2, params=(), gemm=None, fwd_flops=5.0 * logits,
                   bwd_flops=3.0 * logits, model_fwd_flops=0.0, fwd_mem_bytes=fwd_mem, bwd_mem_bytes=bwd_mem,
                   act_bytes=act, kernels_fwd=kernels, kernels_bwd=kernels, fwd_workspace_bytes=fwd_workspace,
-                  bwd_workspace_bytes=bwd_workspace)
+                  bwd_workspace_bytes=bwd_workspace, tensor_role=TensorRole.VOCAB_LOSS, tensor_width=1)
 
 
 def count_params(m: ModelSpec, seq_len: int | None = None) -> int:
@@ -54,23 +59,29 @@ def count_active_params(m: ModelSpec, seq_len: int | None = None) -> int:
 
 def build_workload(m: ModelSpec, micro_batch_size: int, seq_len: int, precision: str,
                    flash_attention: bool, dropout: bool, fused_cross_entropy: bool = False,
-                   expert_parallel_size: int = 1) -> Workload:
+                   expert_parallel_size: int = 1, tensor: int = 1, sequence_parallel: bool = False) -> Workload:
     """One rank's workload; with expert parallelism each MoE layer holds experts/ep_size experts
-    (DeepSpeed-MoE's num_local_experts, deepspeed/moe/layer.py)."""
+    (DeepSpeed-MoE's num_local_experts, deepspeed/moe/layer.py); with tensor parallelism the
+    rank's slice of every split module (see the module docstring)."""
     if m.moe is not None and m.moe.experts % expert_parallel_size:
         raise ValueError(f"expert_parallel_size {expert_parallel_size} must divide the {m.moe.experts} experts")
     b, s, h, V = micro_batch_size, seq_len, m.hidden, m.vocab
     t = b * s
     a = DTYPE_BYTES[precision]
-    bld = Builder(m, t, a, dropout)
+    bld = Builder(m, t, a, dropout, tensor, sequence_parallel)
     drop = bld.drop
+    # VocabParallelEmbedding and the vocab-parallel logits: each rank holds 1/tp of the
+    # (padded) vocabulary (megatron/core/tensor_parallel/layers.py)
+    V = ceil_div(V, tensor)
 
     e = m.embed_proj_dim or h          # the token embedding's width (OPT-350m: 512 with hidden 1024)
     wte = bld.param("wte.weight", V * e)
-    # token embedding: gather rows (write t*e); backward scatter-adds into the fp32-width table
+    # token embedding: gather rows (write t*e); backward scatter-adds into the fp32-width table.
+    # Vocab-parallel: each rank's partial rows are all-reduced (with SP reduce-scattered)
     bld.add(name="wte", kind=ModuleKind.EMBEDDING, layer=-1, params=(wte,), gemm=None, fwd_flops=0.0,
             bwd_flops=0.0, model_fwd_flops=0.0, fwd_mem_bytes=t * e * a, bwd_mem_bytes=2 * t * e * a,
-            act_bytes=drop * t * e, kernels_fwd=1, kernels_bwd=1)
+            act_bytes=drop * t * e / bld.seq, kernels_fwd=1, kernels_bwd=1, tensor_role=TensorRole.EXIT,
+            tensor_width=e)
     if m.embed_proj_dim:
         bld.linear("project_in", -1, e, h, False)
     if m.position == "learned":
@@ -115,7 +126,8 @@ def build_workload(m: ModelSpec, micro_batch_size: int, seq_len: int, precision:
     if m.embed_proj_dim:
         bld.linear("project_out", -2, h, e, False)
     # lm_head: a Linear whose weight is wte's when tied (DeepSpeed ZeRO-3 fetches it again here)
-    bld.linear("lm_head", -2, e, V, False, weight=wte if m.tied_embeddings else None)
+    # vocab-parallel logits (Megatron's parallel_lm_logits: a column-parallel linear over the vocabulary)
+    bld.linear("lm_head", -2, e, V * tensor, False, weight=wte if m.tied_embeddings else None, split=Split.COLUMN)
     if fused_cross_entropy:
         # fused kernel (e.g. flash-attn's CrossEntropyLoss): keeps the 16-bit logits and the
         # log-sum-exp, writes the gradient in place
@@ -127,4 +139,4 @@ def build_workload(m: ModelSpec, micro_batch_size: int, seq_len: int, precision:
         bld.modules.append(_loss(t * V, fwd_mem=t * V * (a + 12), bwd_mem=t * V * (24 + a), act=8 * t * V, kernels=3,
                                  fwd_workspace=t * V * a, bwd_workspace=t * V * (4 + a)))
     return Workload(params=tuple(bld.params), modules=tuple(bld.modules), layers=m.layers, tokens=t,
-                    micro_batch_size=b, seq_len=s, layer_input_bytes=float(t * h * a), act_dtype_bytes=a)
+                    micro_batch_size=b, seq_len=s, layer_input_bytes=float(t * h * a / bld.seq), act_dtype_bytes=a)

@@ -1,0 +1,125 @@
+"""The schedule IR's payloads: the facts of one op (zsim/schedule/ir.py's Op.payload), frozen.
+
+The engine prices a payload (zsim/hardware/cost_model.py), the training core executes the op's
+kind with it, the writers label it; nothing reads a label back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zsim.schedule.ir import Collective, ProcessGroup, Transfer
+
+
+@dataclass(frozen=True, slots=True)
+class ComputeWork:
+    """What the cost model prices on the compute stream."""
+    gemms: tuple[tuple[float, float, float], ...] = ()   # (m, n, k) each
+    attention_flops: float = 0.0
+    attention_backward: bool = False
+    mem_bytes: float = 0.0          # memory-bound kernel traffic
+    optimizer_bytes: float = 0.0    # optimizer-step traffic (fp32 master, moments, grad conversion)
+    kernels: int = 0
+    model_flops: float = 0.0        # MFU convention (full attention); recompute included
+
+
+@dataclass(frozen=True, slots=True)
+class ModulePass:
+    module: str
+    work: ComputeWork
+    bucketed: tuple[int, ...] = ()  # params whose gradients enter the IPG bucket after it, in hook order
+
+
+@dataclass(frozen=True, slots=True)
+class StepCompute:
+    work: ComputeWork
+    shard_params: float = 0.0       # parameters of the local partition it streams
+    sub_group: int = 0              # OPTIMIZER_STEP: the ZeRO-3 optimizer sub-group it updates
+
+
+@dataclass(frozen=True, slots=True)
+class Comm:
+    """One collective call, over the data-parallel group unless `group` names another."""
+    collective: Collective
+    numel: int
+    size_bytes: float               # full buffer (nccl-tests convention)
+    buffer_bytes: float = 0.0       # the call's own buffer passes (packing, pre-division) on its stream
+    # launched async with its neighbours, then all waited; priced from the tier's
+    # "<collective>_coalesced" table (see [Note: coalesced post-step gathers])
+    coalesced: bool = False
+    group: ProcessGroup | None = None   # None: the op's stage's whole data-parallel group
+
+
+@dataclass(frozen=True, slots=True)
+class ParamGather:
+    comm: Comm
+    pids: tuple[int, ...] = ()      # params gathered (UPDATED_GATHER: the whole flat group, empty)
+    visit: str = ""                 # module whose hook issued it (PERSISTENT_GATHER: the param's name)
+    prefetch: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class GradReduce:
+    comm: Comm
+    bucket: int = -1                # IPG bucket id (GRAD_ALLREDUCE: -1)
+    call: int = 0                   # index of this call within its bucket (GRAD_ALLREDUCE: the chunk)
+    pids: tuple[int, ...] = ()      # the bucket's params, in bucket order
+    dst: int = -1                   # destination rank of a `reduce` call
+    offset: int = 0                 # GRAD_ALLREDUCE: first element of the chunk in the flat gradients
+    flat_group: int = 0             # ZeRO-1/2: the flat parameter group whose slices it reduces (see [Note: MoE parameter groups])
+
+
+@dataclass(frozen=True, slots=True)
+class ScalarAllReduce:
+    """A few-element collective (a flag, a norm, the loss): an all-reduce, or LOSS_BROADCAST's broadcast."""
+    comm: Comm
+
+
+@dataclass(frozen=True, slots=True)
+class TokenExchange:
+    """One MoE layer's all-to-all over the expert-parallel group (sharded_moe.py _AllToAll): the
+    capacity buffer [experts, capacity, hidden] out to the experts' ranks (dispatch) or back
+    (combine). In backward each runs again on the gradients, in the mirrored order."""
+    comm: Comm
+    layer: int
+    combine: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Copy:
+    transfer: Transfer
+    size_bytes: float
+    pinned: bool | None = None      # host buffer pinned? None: the schedule's pin_memory setting
+    what: str = ""                  # display: the buffer ("fp32 grads", "checkpoint layer 3", ...)
+
+
+@dataclass(frozen=True, slots=True)
+class CpuAdam:
+    params: float
+    group: int
+
+
+@dataclass(frozen=True, slots=True)
+class PipeTransfer:
+    """One micro-batch's activation (or its gradient) between adjacent pipeline stages: a
+    point-to-point send over the link between the two stages' ranks of the same data-parallel index."""
+    size_bytes: float
+    src_stage: int
+    dst_stage: int
+
+
+@dataclass(frozen=True, slots=True)
+class TensorComm:
+    """One tensor-parallel collective of `module`'s activations or their gradients (Megatron-LM's
+    mappings.py). `comm.size_bytes` is the whole activation tensor (micro-batch x sequence x
+    width x dtype, nccl-tests' convention: the all-reduce's buffer, the reduce-scatter's input,
+    the all-gather's output); `comm.group` the tensor-parallel group."""
+    comm: Comm
+    module: str
+
+    @property
+    def size_bytes(self) -> float:
+        return self.comm.size_bytes
+
+
+Payload = (ModulePass | StepCompute | ParamGather | GradReduce | ScalarAllReduce | TokenExchange | Copy | CpuAdam
+           | PipeTransfer | TensorComm)
