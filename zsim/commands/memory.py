@@ -117,13 +117,17 @@ def compare_report(args) -> dict:
     result, _ = run_scenario(sc)
     wl, gpn, nodes = workload_for(sc), sc.cluster.gpus_per_node, sc.cluster.nodes
     pp = result.pipeline
+    from zsim.hardware.placement import group_shape
+
     if pp is not None:
         # a pipeline stage is a ZeRO run of its own slice over its data-parallel group
-        from zsim.hardware.placement import group_shape
         from zsim.schedule.pipe_partition import stage_slices
 
         wl = stage_slices(wl, pp.stages, pp.partition_method)[pp.worst_stage][0]
-        nodes, gpn = group_shape(None, pp.worst_stage, pp.data_parallel, gpn)
+        nodes, gpn = group_shape(None, pp.worst_stage, pp.data_parallel, gpn, sc.tensor_parallel_size)
+    elif sc.tensor_parallel_size > 1:
+        # a tensor-parallel rank is a ZeRO run of its 1/tp slice over its data-parallel group
+        nodes, gpn = group_shape(None, 0, sc.data_parallel_size, gpn, sc.tensor_parallel_size)
     total, largest = params_like_deepspeed(wl)
     z = sc.zero
     rows = deepspeed_rows(z.stage, total, largest, gpn, nodes, args.buffer_factor)
@@ -149,6 +153,10 @@ def _state_notes(sc, row, zsim_states) -> list[str]:
     z = sc.zero
     notes = [f"model states: DeepSpeed's estimator {row['gpu_bytes'] / GiB:.2f} GiB per GPU, zsim's ledger "
              f"{zsim_states / GiB:.2f} GiB at the peak"]
+    if sc.tensor_parallel_size > 1:
+        notes.append(f"tensor parallel {sc.tensor_parallel_size}: the estimator is given one rank's slice of the "
+                     "model (Megatron's column/row-parallel layers, vocab-parallel embedding) and its data-parallel "
+                     f"group of {sc.data_parallel_size} ranks")
     if sc.pipeline_stages > 1:
         notes.append("pipeline: the estimator is given the worst stage's parameters (its own slice, a tied "
                      "embedding's copy included) and that stage's data-parallel group")

@@ -10,7 +10,7 @@ from zsim.hardware.collectives import bus_factor, collective_cost, link_busbw_Bp
 from zsim.hardware.placement import group_shape, rank_map
 from zsim.result import Comm, HostMemory, Memory, MoE, Pipeline, Result, TensorParallel
 from zsim.schedule.ir import Stream
-from zsim.schedule.payloads import Copy, CpuAdam, PipeTransfer
+from zsim.schedule.payloads import Copy, CpuAdam, PipeTransfer, TensorComm
 from zsim.units import TFLOP
 from zsim.workload.lora import trainable_params
 from zsim.workload.module import Workload
@@ -69,7 +69,7 @@ class _OpTotals:
     comm_bytes: dict[str, float]
     comm_count: dict[str, int]
     comm_time_s: dict[str, float]
-    comm_calls: dict[tuple, int]        # (kind, size_bytes, coalesced, (nodes, ranks per node)) -> calls
+    comm_calls: dict[tuple, int]        # (kind, collective, size_bytes, coalesced, (nodes, ranks per node)) -> calls
     host_time_s: dict[str, float]
 
 
@@ -107,10 +107,12 @@ def _op_totals(trace: Trace, gpus_per_node: int) -> _OpTotals:
                     continue            # the recv's side of a send counted once, at the send
                 kind, sent = P2P, p.size_bytes
             else:
-                kind = comm.collective.value
+                collective = comm.collective.value
                 ranks, nodes, per_node = _group_placement(comm, op, sched, gpus_per_node)
-                sent = comm.size_bytes * bus_factor(kind, ranks)
-                call = (kind, comm.size_bytes, comm.coalesced, (nodes, per_node))
+                sent = comm.size_bytes * bus_factor(collective, ranks)
+                # the tensor-parallel activations' collectives are shown apart from ZeRO's
+                kind = f"tp {collective}" if isinstance(p, TensorComm) else collective
+                call = (kind, collective, comm.size_bytes, comm.coalesced, (nodes, per_node))
                 comm_calls[call] = comm_calls.get(call, 0) + n
             comm_iv[op.stage].append((t.start_s, t.end_s))
             comm_bytes[kind] = comm_bytes.get(kind, 0.0) + n * sent
@@ -129,8 +131,8 @@ def _algorithms(cl, calls: dict[tuple, int], stages: int) -> dict[str, dict[str,
     intra, inter = tiers_for(cl)
     nccl = nccl_topo_for(cl)
     out: dict[str, dict[str, int]] = {}
-    for (kind, size, coalesced, (nodes, per_node)), n in sorted(calls.items()):
-        c = collective_cost(kind, size, nodes, per_node, intra, inter, coalesced, nccl)
+    for (kind, collective, size, coalesced, (nodes, per_node)), n in sorted(calls.items()):
+        c = collective_cost(collective, size, nodes, per_node, intra, inter, coalesced, nccl)
         label = f"{c.algorithm}/{c.protocol}" if c.protocol else c.algorithm
         per = out.setdefault(kind, {})
         per[label] = per.get(label, 0) + n
