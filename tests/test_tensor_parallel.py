@@ -184,3 +184,14 @@ def test_bad_tensor_size_exits_2_in_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "zsim.cli", "run", str(path)], capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "parallelism.tensor" in proc.stderr
+
+
+def test_validate_refuses_tensor_parallelism_in_one_line(tmp_path, capsys):
+    from tests.helpers import mapping
+    from zsim.cli import main as cli_main
+
+    path = tmp_path / "s.yaml"
+    path.write_text(json.dumps(mapping(**TP)))
+    assert cli_main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "parallelism.tensor" in err

@@ -110,6 +110,11 @@ def main(args) -> int:
         # checked against recorded runs instead (tests/test_pipeline.py)
         raise ZsimInputError("parallelism.pipeline", sc0.pipeline_stages,
                              "zsim validate runs data-parallel scenarios only; set parallelism.pipeline=1")
+    if sc0.tensor_parallel_size > 1:
+        # the core and the peers have no tensor-parallel layers: the schedule's TP collectives
+        # would have nothing to compare against
+        raise ZsimInputError("parallelism.tensor", sc0.tensor_parallel_size,
+                             "zsim validate runs data-parallel scenarios only; set parallelism.tensor=1")
     nproc = _int(args.nproc_per_node, "--nproc-per-node") if args.nproc_per_node else sc0.cluster.world_size
     overrides += [f"hardware.profile={args.profile}", "hardware.nodes=1", f"hardware.gpus_per_node={nproc}"]
     overrides += list(TENSOR_ONLY_OVERRIDES)
