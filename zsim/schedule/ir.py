@@ -111,8 +111,7 @@ class OpKind(Enum):
     RECV_ACTIVATION = "recv activation"      # waits for the previous stage's send (no work of its own)
     SEND_GRAD = "send grad"                  # the input's gradient to the previous stage
     RECV_GRAD = "recv grad"
-    # pipe/engine.py _exec_reduce_tied_grads: all-reduce of a tied weight's gradient (payload GradReduce)
-    TIED_ALLREDUCE = "tied allreduce"
+    TIED_ALLREDUCE = "tied allreduce"   # pipe/engine.py _exec_reduce_tied_grads: a tied weight's grad (GradReduce)
     # pipe/engine.py _aggregate_total_loss, after the step (payload ScalarAllReduce): the last
     # stage all-reduces the loss over its data-parallel group, then broadcasts it to every stage
     LOSS_ALLREDUCE = "loss allreduce"
@@ -216,6 +215,7 @@ class PipeTransfer:
     size_bytes: float
     src_stage: int
     dst_stage: int
+    chunks: tuple[int, int] | None = None   # interleaved: the (sender's, receiver's) model chunk
 
 
 Payload = (ModulePass | StepCompute | ParamGather | GradReduce | ScalarAllReduce | TokenExchange | Copy | CpuAdam
@@ -336,15 +336,14 @@ def label(op: Op) -> str:
         return f"{_TRANSFER_LABELS[p.transfer]} {p.what}"
     if k == OpKind.CPU_ADAM:
         return f"CPU Adam group {p.group}"
-    if k in (OpKind.SEND_ACTIVATION, OpKind.SEND_GRAD):
-        return f"{k.value} {op.micro_step} -> stage {p.dst_stage}"
-    if k in (OpKind.RECV_ACTIVATION, OpKind.RECV_GRAD):
-        return f"{k.value} {op.micro_step} <- stage {p.src_stage}"
+    if isinstance(p, PipeTransfer):
+        send = k in (OpKind.SEND_ACTIVATION, OpKind.SEND_GRAD)
+        chunk = "" if p.chunks is None else f" chunk {p.chunks[0 if send else 1]}"
+        return f"{k.value} {op.micro_step}{chunk} {'->' if send else '<-'} stage {p.dst_stage if send else p.src_stage}"
     return _FIXED_LABELS[k]
 
 
-_TRANSFER_LABELS = {Transfer.H2D: "H2D", Transfer.D2H: "D2H", Transfer.NVME_READ: "NVMe read",
-                    Transfer.NVME_WRITE: "NVMe write"}
+_TRANSFER_LABELS = {Transfer.H2D: "H2D", Transfer.D2H: "D2H", Transfer.NVME_READ: "NVMe read", Transfer.NVME_WRITE: "NVMe write"}
 
 _FIXED_LABELS = {
     OpKind.GRAD_NORM: "grad norm (local)",
@@ -377,9 +376,10 @@ class PipelineLayout:
     representative rank with its own streams and memory ledger."""
     stages: int
     data_parallel: int
-    layers: tuple[tuple[int, int], ...]           # per stage: [first, end) transformer layer
+    layers: tuple[tuple[int, int], ...]           # per (virtual) stage, in model order: [first, end) layers
     static: tuple[tuple[Alloc, ...], ...]         # per stage: its model states
     host_static: tuple[tuple[Alloc, ...], ...]    # per stage
+    virtual_stages: int = 1   # Megatron's interleaved 1F1B: chunk j of stage i is virtual stage j * stages + i
 
 
 @dataclass(frozen=True)
