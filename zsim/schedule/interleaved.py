@@ -102,11 +102,21 @@ def rank_program(stages: int, rank: int, chunks: int, micro_batches: int) -> lis
         ex.recvs.append(Message(fwd, rank, received[fwd][chunk], chunk))
         received[fwd][chunk] += 1
 
-    def send(ex: Exchange, s: Step):
-        if s.forward and not (rank == p - 1 and s.chunk == v - 1):
-            ex.sends.append(Message(True, (rank + 1) % p, s.micro, s.chunk + (rank == p - 1)))
-        elif not s.forward and not (rank == 0 and s.chunk == 0):
-            ex.sends.append(Message(False, (rank - 1) % p, s.micro, s.chunk - (rank == 0)))
+    def exchange(*steps: Step) -> Exchange:
+        """The call after `steps`: sends their outputs (activation) and input gradients."""
+        ex = Exchange()
+        for s in steps:
+            if s.forward and not (rank == p - 1 and s.chunk == v - 1):
+                ex.sends.append(Message(True, (rank + 1) % p, s.micro, s.chunk + (rank == p - 1)))
+            elif not s.forward and not (rank == 0 and s.chunk == 0):
+                ex.sends.append(Message(False, (rank - 1) % p, s.micro, s.chunk - (rank == 0)))
+        return ex
+
+    def receive_next(ex: Exchange, k: int, fwd: bool, last: bool):
+        """What virtual micro-batch k + 1 (of that direction) needs, but not after the last one."""
+        want, chunk = recv_from_previous_stage(k, fwd)
+        if want and not last:
+            recv(ex, fwd, chunk)
 
     prog: list[Step | Exchange] = []
     first = Exchange()
@@ -115,25 +125,16 @@ def rank_program(stages: int, rank: int, chunks: int, micro_batches: int) -> lis
     prog.append(first)
     for k in range(warm):
         fwd = step(k, True)
-        ex = Exchange()
-        send(ex, fwd)
-        want, chunk = recv_from_previous_stage(k, True)
-        if want and k != total - 1:
-            recv(ex, True, chunk)
+        ex = exchange(fwd)
+        receive_next(ex, k, True, k == total - 1)
         if k == warm - 1 and remaining and rank != p - 1:   # the last warm-up call also receives a gradient
             recv(ex, False, v - 1)
         prog += [fwd, ex]
     for k in range(remaining):
         fwd, bwd = step(k + warm, True), step(k, False)
-        ex = Exchange()
-        send(ex, fwd)
-        send(ex, bwd)
-        want, chunk = recv_from_previous_stage(k + warm, True)
-        if want and k != remaining - 1:
-            recv(ex, True, chunk)
-        want, chunk = recv_from_previous_stage(k, False)
-        if want:
-            recv(ex, False, chunk)
+        ex = exchange(fwd, bwd)
+        receive_next(ex, k + warm, True, k == remaining - 1)
+        receive_next(ex, k, False, False)
         prog += [fwd, bwd, ex]
     if not remaining and rank != p - 1:            # recv_backward before an all-warm-up cool-down
         tail = Exchange()
@@ -141,11 +142,8 @@ def rank_program(stages: int, rank: int, chunks: int, micro_batches: int) -> lis
         prog.append(tail)
     for k in range(remaining, total):
         bwd = step(k, False)
-        ex = Exchange()
-        send(ex, bwd)
-        want, chunk = recv_from_previous_stage(k, False)
-        if want and k != total - 1:
-            recv(ex, False, chunk)
+        ex = exchange(bwd)
+        receive_next(ex, k, False, k == total - 1)
         prog += [bwd, ex]
     return [x for x in prog if isinstance(x, Step) or x.sends or x.recvs]
 
@@ -174,7 +172,9 @@ class _Rank:
         self.hooks = DeferredHooks(stage012.Zero012Hooks(ctx, pipelined=True))
         self.pos = 0
         self.last: int | None = None
-        self.posted = False        # inside an Exchange: its sends are out
+        self.posted = False        # inside an Exchange: its receives are posted
+        # the program's last forward/backward: the boundary's backward, whose ReduceGrads is deferred
+        self.final = max(i for i, x in enumerate(program) if isinstance(x, Step))
 
 
 def build(ctx0: StepContext) -> tuple[tuple[tuple[int, int], ...], HostSettings]:
@@ -244,12 +244,11 @@ def _compute(b, rank: _Rank, s: Step, act_bytes: float, p: int):
             b.add_alloc(rank.last, Alloc(tag, Category.ACTIVATIONS, act_bytes))
         return
     inner = hooks.inner
-    inner.ipg_micro = -1
+    inner.ipg_micro = -1           # a new backward: its first gradient hook allocates the IPG buffer
     rank.last = backward(ctx, hooks, s.micro, rank.last)
     if sends_output:
         b.add_free(rank.last, tag)
-    final = not any(isinstance(x, Step) for x in rank.program[rank.pos + 1:])
-    if s.micro == ctx.last_micro and not final and inner.ipg_micro == s.micro:
+    if s.micro == ctx.last_micro and rank.pos != rank.final and inner.ipg_micro == s.micro:
         # the boundary's end_backward (ReduceGrads) runs once, after the final backward
         b.add_free(rank.last, Tag(Buffer.IPG, s.micro))
         inner.ipg_micro = -1
