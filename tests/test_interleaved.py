@@ -53,6 +53,18 @@ def test_every_rank_runs_every_chunk_once_per_micro_batch_in_order(stages, chunk
         assert first_bwd == min(warmup_micro_batches(stages, rank, chunks, micro) + 1, micro * chunks)
 
 
+@pytest.mark.parametrize("stages, chunks, groups", [(3, 2, 1), (3, 4, 2), (6, 2, 1), (6, 4, 2), (4, 3, 3)])
+def test_every_rank_reaches_its_sends(stages, chunks, groups):
+    # each send waits for its receiver's call: the builder finds an order for all of them (a
+    # false deadlock raises), and every forward and backward of every chunk is emitted
+    gas = stages * groups
+    _, sched = build_schedule(interleaved(stages, chunks, gas, stages * chunks, **{"hardware.gpus_per_node": 12}))
+    for r in range(stages):
+        assert len({(op.micro_step, op.payload.module) for op in _ops(sched, r, OpKind.BACKWARD)}) == len(
+            _ops(sched, r, OpKind.BACKWARD))
+        assert len(_ops(sched, r, OpKind.SEND_ACTIVATION)) == chunks * gas - (gas if r == stages - 1 else 0)
+
+
 @pytest.mark.parametrize("change, field, fix", [
     ({"parallelism.pipeline_schedule": "1f1b"}, "parallelism.virtual_stages", "set it or use virtual_stages 1"),
     ({"parallelism.pipeline": 2, "hardware.gpus_per_node": 8}, "parallelism.pipeline", "pipeline >= 3"),
