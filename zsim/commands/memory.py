@@ -121,9 +121,12 @@ def compare_report(args) -> dict:
 
     if pp is not None:
         # a pipeline stage is a ZeRO run of its own slice over its data-parallel group
-        from zsim.schedule.pipe_partition import stage_slices
+        from zsim.schedule.pipe_partition import chunk_slices, stage_slices
 
-        wl = stage_slices(wl, pp.stages, pp.partition_method)[pp.worst_stage][0]
+        if pp.virtual_stages is None:
+            wl = stage_slices(wl, pp.stages, pp.partition_method)[pp.worst_stage][0]
+        else:   # Megatron's interleaved schedule: the stage's model chunks together
+            wl = chunk_slices(wl, pp.stages, pp.virtual_stages)[pp.worst_stage][0]
         nodes, gpn = group_shape(None, pp.worst_stage, pp.data_parallel, gpn, sc.tensor_parallel_size)
     elif sc.tensor_parallel_size > 1:
         # a tensor-parallel rank is a ZeRO run of its 1/tp slice over its data-parallel group

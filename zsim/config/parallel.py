@@ -58,6 +58,31 @@ def resolve_parallelism(raw, ds_pipeline, world_size: int, layers: int, ds_tenso
     if pp > layers:
         raise ZsimInputError("parallelism.pipeline", pp, f"exceeds the model's {layers} transformer layers; "
                              f"use at most {layers} stages")
+    return _resolve_interleaving(par, layers)
+
+
+def _resolve_interleaving(par: ParallelismSpec, layers: int) -> ParallelismSpec:
+    """Megatron-LM's rules for its interleaved schedule (megatron/training/arguments.py
+    validate_args; megatron/core/transformer/transformer_block.py get_num_layers_to_build)."""
+    pp, v = par.pipeline, par.virtual_stages
+    if par.pipeline_schedule == "1f1b":
+        if v > 1:
+            raise ZsimInputError("parallelism.virtual_stages", v, "needs pipeline_schedule: interleaved (Megatron's "
+                                 "interleaved 1F1B; DeepSpeed's TrainSchedule runs one model chunk per stage); set it "
+                                 "or use virtual_stages 1")
+        return par
+    if v == 1:
+        # arguments.py: a virtual pipeline size of 1 becomes None, i.e. the plain 1F1B schedule
+        return replace(par, pipeline_schedule="1f1b")
+    if pp <= 2:
+        # arguments.py: "When interleaved schedule is used and p2p communication overlap is
+        # disabled, pipeline-model-parallel size should be greater than 2" (zsim's sends block)
+        raise ZsimInputError("parallelism.pipeline", pp, "Megatron's interleaved schedule with blocking sends needs "
+                             "more than 2 pipeline stages; use pipeline >= 3 or pipeline_schedule 1f1b")
+    if layers % (pp * v):
+        raise ZsimInputError("parallelism.virtual_stages", v, f"interleaving without enough layers: pipeline x "
+                             f"virtual_stages ({pp} x {v}) must divide the model's {layers} layers "
+                             "(transformer_block.py get_num_layers_to_build); choose values that divide it")
     return par
 
 
@@ -83,6 +108,13 @@ def check_parallelism(par: ParallelismSpec, ds: DeepSpeedConfig, training: Train
     training spec with the pipeline's activation checkpointing applied."""
     _check_tensor(par, model, training)
     _check_expert(par, ds, model, world_size // (par.pipeline * par.tensor))
+    gas = ds.gradient_accumulation_steps
+    if par.pipeline_schedule == "interleaved" and gas % par.pipeline:
+        # schedules.py forward_backward_pipelining_with_interleaving: micro-batch groups of
+        # microbatch_group_size_per_vp_stage (default: the pipeline size) micro-batches, the
+        # last one full or at least pipeline-size long; with the default, M divisible by P
+        raise ZsimInputError("training.gradient_accumulation_steps", gas, f"Megatron's interleaved schedule needs "
+                             f"micro-batches (GAS) divisible by the pipeline size {par.pipeline}; use a multiple of it")
     if par.pipeline > 1 and ds.zero_optimization.stage >= 2:
         # pipe/engine.py:76: assert zero_optimization_stage() < ZeroStageEnum.gradients
         raise ZsimInputError("deepspeed.zero_optimization.stage", ds.zero_optimization.stage,

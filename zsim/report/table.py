@@ -65,9 +65,13 @@ def render(r: Result, console: Console | None = None):
     pp = r.pipeline
     if pp is not None:
         layers = ", ".join(f"{a}-{b - 1}" for a, b in pp.layers)
-        console.print(f"pipeline: {pp.stages} stages x {pp.data_parallel} data-parallel (1F1B, partition "
-                      f"{pp.partition_method}; layers per stage {layers}); bubble {pp.bubble_fraction * 100:.1f}% "
-                      "of the stages' time")
+        if pp.virtual_stages is None:
+            how = f"1F1B, partition {pp.partition_method}; layers per stage {layers}"
+        else:
+            how = (f"Megatron's interleaved 1F1B, {pp.virtual_stages} model chunks per stage; layers per virtual "
+                   f"stage {layers}, chunk j of stage i is virtual stage j x {pp.stages} + i")
+        console.print(f"pipeline: {pp.stages} stages x {pp.data_parallel} data-parallel ({how}); "
+                      f"bubble {pp.bubble_fraction * 100:.1f}% of the stages' time")
     if r.tensor_parallel is not None:
         console.print(tensor_parallel_line(r.tensor_parallel))
     for w in r.warnings:

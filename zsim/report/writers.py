@@ -91,7 +91,8 @@ def chrome_trace(trace: Trace, name: str) -> dict:
     micro-steps simulated, on the full step's clock: the ops of the repeated micro-step are
     marked with the number of micro-steps they stand for, and a "steady state" track spans
     the time of the copies not simulated. A pipeline has one process (track group) per stage,
-    named after the stage's representative rank, each with its own memory counter."""
+    named after the stage's representative rank (and its model chunks under Megatron's
+    interleaved schedule, whose sends name the chunk), each with its own memory counter."""
     repeat = trace.repeat
     shift = (lambda t: t) if repeat is None else repeat.shift_s
     layout = trace.schedule.pipeline
@@ -100,6 +101,9 @@ def chrome_trace(trace: Trace, name: str) -> dict:
     for stage in range(stages):
         rank = rank_of(stage, layout.data_parallel, tensor=trace.schedule.tensor) if layout else 0
         label = f"pipeline stage {stage}, rank {rank}" if layout else "rank 0"
+        if layout and layout.virtual_stages > 1:   # Megatron's interleaved schedule: the stage's model chunks
+            spans = layout.layers[stage::layout.stages]
+            label += ", chunks " + ", ".join(f"{j}: layers {a}-{b - 1}" for j, (a, b) in enumerate(spans))
         events.append({"ph": "M", "pid": stage + 1, "tid": 0, "name": "process_name",
                        "args": {"name": f"zsim: {name} ({label})"}})
     tids = {s: i + 1 for i, s in enumerate(STREAMS)}

@@ -95,6 +95,10 @@ class Pipeline:
     peak_bytes: list[float]             # per stage, CUDA reserve included
     worst_stage: int
     bubble_fraction: float              # share of the stages' time their rank does nothing (1F1B bubble)
+    # Megatron's interleaved 1F1B only (absent from the JSON of DeepSpeed's 1F1B): the schedule and
+    # the model chunks per rank; `layers` is then per virtual stage (chunk j of stage i: j * stages + i)
+    schedule: str | None = None
+    virtual_stages: int | None = None
 
 
 @dataclass(frozen=True)
@@ -162,6 +166,8 @@ class Result:
             del out["moe"]
         if self.pipeline is None:
             del out["pipeline"]
+        elif self.pipeline.virtual_stages is None:
+            del out["pipeline"]["schedule"], out["pipeline"]["virtual_stages"]
         if self.tensor_parallel is None:
             del out["tensor_parallel"]
         return out

@@ -196,7 +196,9 @@ def _pipeline(sc: Scenario, trace: Trace, ops: _OpTotals) -> Pipeline | None:
                     layers=[list(r) for r in layout.layers],
                     peak_bytes=[peak_and_breakdown(ev)[0] + reserved for ev in trace.stage_ledger_events],
                     worst_stage=trace.worst_stage,
-                    bubble_fraction=1.0 - sum(busy) / (len(busy) * step) if step > 0 else 0.0)
+                    bubble_fraction=1.0 - sum(busy) / (len(busy) * step) if step > 0 else 0.0,
+                    **({} if layout.virtual_stages == 1 else
+                       {"schedule": sc.parallelism.pipeline_schedule, "virtual_stages": layout.virtual_stages}))
 
 
 def summarize(sc: Scenario, wl: Workload, trace: Trace) -> Result:

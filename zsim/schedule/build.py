@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from zsim.specs.scenario import Scenario
-from zsim.schedule import offload, pipeline, stage3, stage012
+from zsim.schedule import interleaved, offload, pipeline, stage3, stage012
 from zsim.schedule.builder import Builder
 from zsim.schedule.context import StepContext
 from zsim.schedule.ir import Schedule
@@ -46,8 +46,9 @@ def build_schedule(sc: Scenario, wl: Workload | None = None,
     ctx.exchanges = (TokenExchanges(ctx), TensorCollectives(ctx))
     tp = sc.tensor_parallel_size
     if sc.pipeline_stages > 1:
-        layers, host = pipeline.build(ctx)
-        return wl, ctx.b.build(sc.zero.stage, sc.cluster.world_size, host, layers, tp)
+        chunks = sc.parallelism.virtual_stages
+        layers, host = (interleaved if chunks > 1 else pipeline).build(ctx)
+        return wl, ctx.b.build(sc.zero.stage, sc.cluster.world_size, host, layers, tp, chunks)
     if sc.zero.stage == 3:
         stage3.build(ctx)
     else:

@@ -66,9 +66,10 @@ class Builder:
             self._host_static.setdefault(self.stage, []).append(Alloc(Tag(Buffer.STATE, key=category), category, float(size_bytes)))
 
     def build(self, stage: int, world_size: int, host: HostSettings,
-              stage_layers: tuple[tuple[int, int], ...] = (), tensor: int = 1) -> Schedule:
-        """Freeze the drafts; `stage_layers` (one [first, end) layer range per pipeline stage)
-        makes it a pipeline's schedule."""
+              stage_layers: tuple[tuple[int, int], ...] = (), tensor: int = 1, virtual_stages: int = 1) -> Schedule:
+        """Freeze the drafts; `stage_layers` (one [first, end) layer range per pipeline stage,
+        per virtual stage when each stage holds `virtual_stages` model chunks) makes it a
+        pipeline's schedule."""
         ops = []
         for i, d in enumerate(self._ops):
             payload = d.payload
@@ -80,10 +81,11 @@ class Builder:
         if not stage_layers:
             return Schedule(stage=stage, world_size=world_size, ops=tuple(ops), static=tuple(self._static.get(0, ())),
                             host=host, host_static=tuple(self._host_static.get(0, ())), tensor=tensor)
-        n = len(stage_layers)
+        n = len(stage_layers) // virtual_stages
         layout = PipelineLayout(stages=n, data_parallel=world_size // (n * tensor), layers=tuple(stage_layers),
                                 static=tuple(tuple(self._static.get(s, ())) for s in range(n)),
-                                host_static=tuple(tuple(self._host_static.get(s, ())) for s in range(n)))
+                                host_static=tuple(tuple(self._host_static.get(s, ())) for s in range(n)),
+                                virtual_stages=virtual_stages)
         return Schedule(stage=stage, world_size=world_size, ops=tuple(ops), static=(), host=host, pipeline=layout,
                         tensor=tensor)
 

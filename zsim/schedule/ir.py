@@ -245,10 +245,10 @@ def label(op: Op) -> str:
         return f"{_TRANSFER_LABELS[p.transfer]} {p.what}"
     if k == OpKind.CPU_ADAM:
         return f"CPU Adam group {p.group}"
-    if k in (OpKind.SEND_ACTIVATION, OpKind.SEND_GRAD):
-        return f"{k.value} {op.micro_step} -> stage {p.dst_stage}"
-    if k in (OpKind.RECV_ACTIVATION, OpKind.RECV_GRAD):
-        return f"{k.value} {op.micro_step} <- stage {p.src_stage}"
+    if k in (OpKind.SEND_ACTIVATION, OpKind.SEND_GRAD, OpKind.RECV_ACTIVATION, OpKind.RECV_GRAD):
+        send = k in (OpKind.SEND_ACTIVATION, OpKind.SEND_GRAD)
+        chunk = "" if p.chunks is None else f" chunk {p.chunks[0 if send else 1]}"
+        return f"{k.value} {op.micro_step}{chunk} {'->' if send else '<-'} stage {p.dst_stage if send else p.src_stage}"
     if k in (OpKind.TP_ALL_REDUCE, OpKind.TP_REDUCE_SCATTER, OpKind.TP_ALL_GATHER):
         return f"{k.value} {p.module}"
     return _FIXED_LABELS[k]
@@ -288,9 +288,10 @@ class PipelineLayout:
     representative rank with its own streams and memory ledger."""
     stages: int
     data_parallel: int
-    layers: tuple[tuple[int, int], ...]           # per stage: [first, end) transformer layer
+    layers: tuple[tuple[int, int], ...]           # per (virtual) stage, in model order: [first, end) layers
     static: tuple[tuple[Alloc, ...], ...]         # per stage: its model states
     host_static: tuple[tuple[Alloc, ...], ...]    # per stage
+    virtual_stages: int = 1   # Megatron's interleaved 1F1B: chunk j of stage i is virtual stage j * stages + i
 
 
 @dataclass(frozen=True)

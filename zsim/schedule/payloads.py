@@ -105,6 +105,7 @@ class PipeTransfer:
     size_bytes: float
     src_stage: int
     dst_stage: int
+    chunks: tuple[int, int] | None = None   # interleaved: the (sender's, receiver's) model chunk
 
 
 @dataclass(frozen=True, slots=True)

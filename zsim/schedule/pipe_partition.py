@@ -122,3 +122,27 @@ def stage_slices(wl: Workload, stages: int, method: str) -> list[tuple[Workload,
                                  "use partition_method uniform or type:transformer, or fewer stages")
         out.append((stage_workload(wl, mine), (blocks[0], blocks[-1] + 1)))
     return out
+
+
+def chunk_slices(wl: Workload, stages: int,
+                 chunks: int) -> list[tuple[Workload, list[tuple[Workload, tuple[int, int]]]]]:
+    """Megatron-LM's placement for the interleaved schedule: the layers split evenly into
+    stages x chunks virtual stages (the caller checked they divide), chunk j of rank i holding
+    virtual stage j * stages + i (transformer_block.py get_num_layers_to_build,
+    get_transformer_layer_offset: "Stage 0: [0, 1] [4, 5]; Stage 1: [2, 3] [6, 7]"); the
+    embedding sits on rank 0's chunk 0, the final norm and the head on the last rank's last
+    chunk. Per rank: its workload (every chunk's params, re-indexed) and, per chunk, the chunk's
+    modules over those params, with its [first, end) layers."""
+    specs = layer_specs(wl)
+    per = wl.layers // (stages * chunks)
+    # virtual stage k: specs [1 + k * per, 1 + (k + 1) * per), plus the embedding / the head
+    bounds = [0] + [1 + k * per for k in range(1, stages * chunks)] + [len(specs)]
+    out = []
+    for rank in range(stages):
+        mine = [specs[bounds[j * stages + rank]:bounds[j * stages + rank + 1]] for j in range(chunks)]
+        rank_wl = stage_workload(wl, [s for chunk in mine for s in chunk])
+        names = [{m.name for s in chunk for m in s.modules} for chunk in mine]
+        out.append((rank_wl, [(replace(rank_wl, modules=tuple(m for m in rank_wl.modules if m.name in names[j]),
+                                       layers=per), ((j * stages + rank) * per, (j * stages + rank + 1) * per))
+                              for j in range(chunks)]))
+    return out

@@ -78,7 +78,7 @@ _PAIR = {Cmd.SEND_ACTIVATION: (Cmd.RECV_ACTIVATION, 1, OpKind.SEND_ACTIVATION, O
          Cmd.SEND_GRAD: (Cmd.RECV_GRAD, -1, OpKind.SEND_GRAD, OpKind.RECV_GRAD)}
 
 
-class _Deferred(StageHooks):
+class DeferredHooks(StageHooks):
     """A stage's ZeRO hooks with the boundary's end_backward held back: ReduceTiedGrads and
     ReduceGrads run after the last instruction of the schedule, not inside the backward."""
 
@@ -102,7 +102,7 @@ class _Deferred(StageHooks):
 class _Stage:
     def __init__(self, ctx: StepContext, index: int, stages: int):
         self.ctx, self.index, self.stages = ctx, index, stages
-        self.hooks = _Deferred(stage012.Zero012Hooks(ctx, pipelined=True))
+        self.hooks = DeferredHooks(stage012.Zero012Hooks(ctx, pipelined=True))
         self.program = train_schedule(stages, index, ctx.gas)
         self.pos = 0
         self.last: int | None = None
@@ -128,7 +128,15 @@ def build(ctx0: StepContext) -> tuple[tuple[tuple[int, int], ...], HostSettings]
         stage012.allocate_states(ctx, rank.hooks.inner)
         ranks.append(rank)
     _run_programs(ranks, ctx0.wl.layer_input_bytes)
-    tied = _tied_params(slices[0][0], slices[-1][0]) if stages > 1 else 0
+    tied = tied_params(slices[0][0], slices[-1][0]) if stages > 1 else 0
+    return tuple(layers for _, layers in slices), finish(ctx0, ranks, tied)
+
+
+def finish(ctx0: StepContext, ranks: list, tied: int) -> HostSettings:
+    """Every stage's epilogue after its last instruction: ReduceTiedGrads (`tied` elements),
+    ReduceGrads, the optimizer step, then the loss aggregation; the host settings. A rank has
+    `index`, `ctx` (its StepContext) and `hooks` (DeferredHooks)."""
+    b, stages = ctx0.b, len(ranks)
     finished = []
     for rank in ranks:
         b.stage = rank.index
@@ -145,8 +153,7 @@ def build(ctx0: StepContext) -> tuple[tuple[tuple[int, int], ...], HostSettings]
     _aggregate_total_loss(ranks, finished)
     b.stage = 0
     load = max(offload.host_load_bytes(rank.ctx) for rank in ranks)
-    host = replace(offload.host_settings(ctx0), host_load_bytes_per_gpu=load)
-    return tuple(layers for _, layers in slices), host
+    return replace(offload.host_settings(ctx0), host_load_bytes_per_gpu=load)
 
 
 def _run_programs(ranks: list[_Stage], act_bytes: float):
@@ -217,7 +224,7 @@ def _aggregate_total_loss(ranks: list[_Stage], finished: list[int]):
               ScalarAllReduce(Comm(Collective.BROADCAST, 2, 8, group=pipe)), [done, src])
 
 
-def _tied_params(first: Workload, last: Workload) -> int:
+def tied_params(first: Workload, last: Workload) -> int:
     """Elements of the weights both the first and the last stage hold (the tied embedding)."""
     names = {p.name for p in first.params}
     return sum(p.numel for p in last.params if p.name in names)

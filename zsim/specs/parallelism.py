@@ -21,6 +21,10 @@ tokens by all-to-all); the ranks holding the same experts form the expert-data-p
 (data-parallel size / expert ranks, strided by `expert`), over which the experts' gradients are
 reduced (groups.py _create_expert_and_data_parallel, the default E + D ordering: expert groups
 are formed within the data-parallel group).
+
+`pipeline_schedule: interleaved` is Megatron-LM's interleaved 1F1B (Narayanan et al. SC'21 2.2.2),
+which Megatron-DeepSpeed runs through Megatron's own schedule: DeepSpeed's PipelineEngine has no
+interleaving. Each rank holds `virtual_stages` model chunks (zsim/schedule/interleaved.py).
 """
 from __future__ import annotations
 
@@ -44,8 +48,12 @@ class ParallelismSpec:
     sequence_parallel: bool = spec(False, doc="Megatron-LM sequence parallelism: norms and dropouts sharded by sequence "
                                               "over the tensor-parallel group (needs tensor > 1)")
     pipeline: int = spec(1, gt=0, le=4096, doc="pipeline stages (PipelineModule num_stages); data parallel = world / (tensor x pipeline)")
-    pipeline_schedule: Literal["1f1b"] = spec("1f1b", doc="DeepSpeed's TrainSchedule (runtime/pipe/schedule.py)")
+    pipeline_schedule: Literal["1f1b", "interleaved"] = spec(
+        "1f1b", doc="1f1b: DeepSpeed's TrainSchedule (runtime/pipe/schedule.py); interleaved: Megatron-LM's interleaved "
+                    "1F1B (schedules.py forward_backward_pipelining_with_interleaving), virtual_stages chunks per rank")
     partition_method: str = spec("parameters", doc="PipelineModule partition_method: parameters | uniform | type:<regex>")
+    virtual_stages: int = spec(1, gt=0, le=1024, doc="model chunks per pipeline rank (Megatron's "
+                                                     "--num-virtual-stages-per-pipeline-rank); > 1 needs interleaved")
 
     def __post_init__(self):
         if self.sequence_parallel and self.tensor == 1:
