@@ -6,7 +6,7 @@ zsim.api.run_scenario on the same scenario. Errors are signed, relative to the m
 """
 from __future__ import annotations
 
-from zsim.schedule.ir import MEASURED_PASS, Schedule
+from zsim.schedule.ir import MEASURED_PASS, OpKind, Schedule
 
 PHASES = ("forward", "backward", "step")
 
@@ -31,6 +31,25 @@ def mape(errors) -> float | None:
 def schedule_collectives(schedule: Schedule) -> list[tuple[str, str, int]]:
     """(phase, collective, numel) of one step, in issue order (the measured list's format)."""
     return [(MEASURED_PASS[op.phase], op.comm.collective.value, int(op.comm.numel)) for op in schedule.ops if op.comm]
+
+
+# a pipeline's point-to-point transfers (DeepSpeed's pipe/p2p.py send / recv), as the core logs them
+P2P_CALLS = {OpKind.SEND_ACTIVATION: "send", OpKind.SEND_GRAD: "send", OpKind.RECV_ACTIVATION: "recv",
+             OpKind.RECV_GRAD: "recv"}
+
+
+def stage_calls(schedule: Schedule, stage: int, element_bytes: int) -> list[tuple[str, str, int]]:
+    """(phase, collective or send/recv, numel) of one pipeline stage's rank, in issue order; a
+    transfer's numel is its activation (or gradient) elements of `element_bytes` each."""
+    out = []
+    for op in schedule.ops:
+        if op.stage != stage:
+            continue
+        if op.kind in P2P_CALLS:
+            out.append((MEASURED_PASS[op.phase], P2P_CALLS[op.kind], int(op.payload.size_bytes // element_bytes)))
+        elif op.comm:
+            out.append((MEASURED_PASS[op.phase], op.comm.collective.value, int(op.comm.numel)))
+    return out
 
 
 def collective_summary(calls, element_bytes: dict[int, int] | None = None) -> dict[str, dict]:

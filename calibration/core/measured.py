@@ -31,12 +31,17 @@ def write_measurement(path: str, engine: str, sc, args, step_times, phase_times,
     dist.all_gather_object(peaks, peak_bytes)
     all_losses = [None] * world
     dist.all_gather_object(all_losses, losses)
+    # a pipeline's ranks issue different calls (their stage's): every rank's list is kept
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, [list(c) for c in collectives] if sc.pipeline_stages > 1 else None)
     if dist.get_rank() == 0:
         out = {"engine": engine, "scenario": sc.name, "world_size": world, "steps": args.steps,
                "warmup": args.warmup, **summarize_times(step_times, phase_times),
                "peak_bytes": max(peaks), "peak_bytes_per_rank": peaks,
                "collectives": [list(c) for c in collectives],
                "losses": [sum(v) / world for v in zip(*all_losses)]}
+        if sc.pipeline_stages > 1:
+            out["collectives_per_rank"] = per_rank
         if model_states is not None:   # rank 0's (the ranks hold equal shares, up to padding)
             out["model_state_bytes"] = model_states
         with open(path, "w") as f:

@@ -66,9 +66,13 @@ def main(argv=None) -> int:
 
     if world != sc.cluster.world_size:
         raise SystemExit(f"scenario world size {sc.cluster.world_size} != torchrun world {world}")
-    plan = build_plan(sc)
-    comm = Comm()
-    core = ZeroCore(sc, plan, rank, world, comm, seed=args.seed)
+    if sc.pipeline_stages > 1:
+        from calibration.core.pipe import PipeCore
+        core = PipeCore(sc, rank, world, seed=args.seed)
+        comm = core.comm
+    else:
+        comm = Comm()
+        core = ZeroCore(sc, build_plan(sc), rank, world, comm, seed=args.seed)
     losses, step_times, phase_times = [], [], {}
     step = 0
     for _ in range(args.warmup):
