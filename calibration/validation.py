@@ -38,17 +38,18 @@ P2P_CALLS = {OpKind.SEND_ACTIVATION: "send", OpKind.SEND_GRAD: "send", OpKind.RE
              OpKind.RECV_GRAD: "recv"}
 
 
-def stage_calls(schedule: Schedule, stage: int, element_bytes: int) -> list[tuple[str, str, int]]:
-    """(phase, collective or send/recv, numel) of one pipeline stage's rank, in issue order; a
-    transfer's numel is its activation (or gradient) elements of `element_bytes` each."""
+def stage_calls(schedule: Schedule, stage: int, element_bytes: int) -> list[tuple[str, str, int, int]]:
+    """(phase, collective or send/recv, numel, bytes) of one pipeline stage's rank, in issue
+    order; a transfer's numel is its activation (or gradient) elements of `element_bytes` each."""
     out = []
     for op in schedule.ops:
         if op.stage != stage:
             continue
         if op.kind in P2P_CALLS:
-            out.append((MEASURED_PASS[op.phase], P2P_CALLS[op.kind], int(op.payload.size_bytes // element_bytes)))
+            size = int(op.payload.size_bytes)
+            out.append((MEASURED_PASS[op.phase], P2P_CALLS[op.kind], size // element_bytes, size))
         elif op.comm:
-            out.append((MEASURED_PASS[op.phase], op.comm.collective.value, int(op.comm.numel)))
+            out.append((MEASURED_PASS[op.phase], op.comm.collective.value, int(op.comm.numel), int(op.comm.size_bytes)))
     return out
 
 
@@ -115,6 +116,11 @@ def compare(measured: dict, predicted: dict) -> dict:
                               "bytes": rel_error(pc.get(k, {}).get("bytes", 0), mc.get(k, {}).get("bytes", 0))}
                           for k in sorted(set(mc) | set(pc))}
     diff = first_difference(measured.get("collectives", []), predicted.get("collectives", []))
+    per_rank, per_stage = measured.get("collectives_per_rank"), predicted.get("collectives_per_stage")
+    if per_rank and per_stage:   # a pipeline: every rank against its stage (rank = stage * dp + dp_rank)
+        dp = len(per_rank) // len(per_stage)
+        diff = next(({"rank": r, **d} for r, calls in enumerate(per_rank)
+                     if (d := first_difference(calls, per_stage[r // dp]))), None)
     return {"measured": measured, "predicted": predicted, "error": err,
             "collectives_equal": diff is None, "collectives_first_difference": diff}
 
@@ -147,9 +153,12 @@ def table_rows(report: dict) -> list[tuple[str, str, str, str]]:
         rows.append((f"{k} calls", str(a.get("count", 0)), str(b.get("count", 0)), _pct(v["count"])))
         rows.append((f"{k} bytes", _fmt_b(a.get("bytes", 0)), _fmt_b(b.get("bytes", 0)), _pct(v["bytes"])))
     rows.append(("collective list", f"{len(m.get('collectives', []))} calls", f"{len(p.get('collectives', []))} calls",
-                 "equal" if report["collectives_equal"] else
-                 f"differs at #{report['collectives_first_difference']['index']}"))
+                 "equal" if report["collectives_equal"] else _where(report["collectives_first_difference"])))
     return rows
+
+
+def _where(diff: dict) -> str:
+    return f"differs at #{diff['index']}" + (f" on rank {diff['rank']}" if "rank" in diff else "")
 
 
 def render_text(report: dict) -> str:

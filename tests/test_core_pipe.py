@@ -60,3 +60,37 @@ def test_pipelined_core_matches_unsharded_adamw_and_zsims_calls(case, tmp_path):
         assert ("all_reduce" in kinds) and ("broadcast" in kinds)
     if c["tied"]:   # ReduceTiedGrads: the tied weight (vocab x hidden) on the first and the last stage
         assert all(any(x[1] == "all_reduce" and x[2] == 64 * 32 for x in r) for r in calls)
+
+
+def test_compare_checks_every_rank_against_its_stage():
+    from calibration.validation import compare, render_text
+
+    stage0 = [("forward", "send", 8), ("step", "broadcast", 2)]
+    stage1 = [("forward", "recv", 8), ("step", "broadcast", 2)]
+    base = {"step_time_s": 1.0, "peak_bytes": 10, "phases_s": {}}
+    predicted = dict(base, collectives=stage0, collectives_per_stage=[stage0, stage1])
+    # PP2 x DP2: ranks 0, 1 run stage 0 and ranks 2, 3 stage 1
+    measured = dict(base, collectives=stage0, collectives_per_rank=[stage0, stage0, stage1, stage1])
+    assert compare(measured, predicted)["collectives_equal"]
+    # rank 3 misses its recv: the difference names the rank, though rank 0's list is equal
+    measured["collectives_per_rank"] = [stage0, stage0, stage1, stage1[1:]]
+    report = compare(measured, predicted)
+    assert not report["collectives_equal"] and report["collectives_first_difference"]["rank"] == 3
+    assert "differs at #0 on rank 3" in render_text(report)
+
+
+def test_stage_calls_are_each_stages_sends_and_collectives():
+    from calibration.validation import stage_calls
+    from zsim.schedule.build import build_schedule
+    from zsim.config.scenario import scenario_from_mapping
+    from tests.helpers import ROOT
+
+    sc = scenario_from_mapping(pipe_raw("s", 4, 1, True), ROOT)
+    _, sched = build_schedule(sc)
+    first, last = (stage_calls(sched, s, 4) for s in (0, 1))
+    act = 2 * 16 * 32    # micro-batch x sequence x hidden
+    assert [c[1:3] for c in first if c[1] in ("send", "recv")] == [("send", act), ("recv", act)] * 3
+    assert [c[1:3] for c in last if c[1] in ("send", "recv")] == [("recv", act), ("send", act)] * 3
+    assert all(c[3] == c[2] * 4 for c in first if c[1] == "send")
+    # the loss: all-reduced over the last stage's data-parallel group, broadcast by every stage
+    assert first[-1][:3] == last[-1][:3] == ("step", "broadcast", 2) and last[-2][:3] == ("step", "all_reduce", 1)

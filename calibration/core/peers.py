@@ -23,7 +23,7 @@ _KINDS = {"all_reduce": "all_reduce", "reduce": "reduce", "broadcast": "broadcas
           "all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather", "_all_gather_base": "all_gather",
           "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
           "_reduce_scatter_base": "reduce_scatter", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
-          "all_to_all_single": "all_to_all"}
+          "all_to_all_single": "all_to_all", "send": "send", "recv": "recv"}   # send/recv: a pipeline's (ds_pipe.py)
 
 
 def install_recorder():

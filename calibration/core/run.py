@@ -53,6 +53,9 @@ def main(argv=None) -> int:
     from zsim.config.scenario import load_scenario
 
     sc = load_scenario(args.scenario, tuple(args.set))
+    if args.engine == "deepspeed" and sc.pipeline_stages > 1:
+        from calibration.core import ds_pipe
+        return ds_pipe.main(args, sc)
     if args.engine != "own":
         from calibration.core import peers
         return peers.main(args, sc)
