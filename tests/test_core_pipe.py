@@ -94,3 +94,13 @@ def test_stage_calls_are_each_stages_sends_and_collectives():
     assert all(c[3] == c[2] * 4 for c in first if c[1] == "send")
     # the loss: all-reduced over the last stage's data-parallel group, broadcast by every stage
     assert first[-1][:3] == last[-1][:3] == ("step", "broadcast", 2) and last[-2][:3] == ("step", "all_reduce", 1)
+
+
+def test_validate_deepspeed_pipeline_refuses_a_tied_model_in_one_line(capsys):
+    from zsim.cli import main as cli_main
+    from tests.helpers import ROOT
+
+    path = str(ROOT / "benchmarks/validate_scenarios/pipe.yaml")
+    code = cli_main(["validate", path, "--engine", "deepspeed", "--set", "model.tied_embeddings=true"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and "set model.tied_embeddings=false" in err

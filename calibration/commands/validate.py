@@ -125,6 +125,11 @@ def main(args) -> int:
         why = unsupported(sc)
         if why:
             raise ZsimInputError("scenario", args.scenario, f"the training core does not run {why}")
+    if args.engine == "deepspeed" and sc.pipeline_stages > 1:
+        from calibration.core.ds_pipe import unsupported as pipe_unsupported   # no torch at import
+        why = pipe_unsupported(sc)
+        if why:
+            raise ZsimInputError("scenario", args.scenario, f"--engine deepspeed with a pipeline does not run {why}")
     check_engine(args.engine, python)
     predicted, trace = predict(sc)
 

@@ -12,7 +12,16 @@ layers' storage is dropped after the build, as LayerSpec would never have built 
 """
 from __future__ import annotations
 
-import time
+
+def unsupported(sc) -> str | None:
+    """Why this module cannot build the scenario's model as a PipelineModule (None when it can)."""
+    m = sc.model
+    if m.tied_embeddings:
+        return "model.tied_embeddings (the PipelineModule here is untied; set model.tied_embeddings=false)"
+    if m.position != "learned" or m.embed_proj_dim or m.post_layernorm or m.moe is not None \
+            or sc.training.lora is not None:
+        return "this model (a pre-LN GPT with learned positions, no MoE or LoRA, is built as a PipelineModule)"
+    return None
 
 
 def main(args, sc) -> int:
@@ -20,75 +29,37 @@ def main(args, sc) -> int:
 
     install_recorder()
     import torch
-    import torch.distributed as dist
-    from torch import nn
 
     import deepspeed
     from deepspeed.pipe import PipelineModule
 
-    from calibration.core.measured import exit_without_teardown, write_measurement
-    from calibration.core.memory import TensorMemoryTracker
-    from calibration.core.model import GPT, batch, cross_entropy
+    from calibration.core.measured import measure_steps
+    from calibration.core.model import GPT, batch, cross_entropy, pipeline_layers
 
-    if sc.model.tied_embeddings or sc.model.position != "learned" or sc.model.embed_proj_dim or \
-            sc.model.post_layernorm or sc.model.moe is not None or sc.training.lora is not None:
-        raise SystemExit("--engine deepspeed with a pipeline runs an untied GPT with learned positions, "
-                         "pre-LN, no MoE or LoRA (set model.tied_embeddings false)")
+    why = unsupported(sc)
+    if why:
+        raise SystemExit(f"--engine deepspeed with a pipeline does not run {why}")
     deepspeed.init_distributed(dist_backend="gloo")
     gpt = GPT(sc.model).initialized(args.seed)
-
-    class EmbeddingPipe(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.wte, self.wpe = gpt.wte, gpt.wpe
-
-        def forward(self, ids):
-            return self.wpe(self.wte(ids))
-
-    layers = [EmbeddingPipe(), *gpt.layers, gpt.ln_f, gpt.lm_head]
-    module = PipelineModule(layers=layers, loss_fn=cross_entropy, num_stages=sc.pipeline_stages,
+    module = PipelineModule(layers=pipeline_layers(gpt), loss_fn=cross_entropy, num_stages=sc.pipeline_stages,
                             partition_method=sc.parallelism.partition_method)
     mine = {id(p) for p in module.parameters()}
     with torch.no_grad():
         for p in gpt.parameters():
             if id(p) not in mine:
                 p.data = torch.empty(0)
-    cfg = ds_config(sc)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=_optimizer(sc, list(module.parameters())),
-                                           config=cfg)
+                                           config=ds_config(sc))
     _log_instruction_phases(engine, RECORD)
     dp_rank = engine.grid.get_data_parallel_rank()
     gas = sc.gradient_accumulation_steps
 
-    def train_step(step: int) -> list[float]:
+    def train_step(step: int, phases=None) -> list[float]:
+        """One train_batch (its passes interleave: no phase times)."""
         data = iter([batch(sc, step, micro, dp_rank, args.seed) for micro in range(gas)])
         return [float(engine.train_batch(data_iter=data))]
 
-    losses, step_times = [], []
-    s = 0
-    for _ in range(args.warmup):
-        losses += train_step(s)
-        s += 1
-    for i in range(args.steps):
-        if i == args.steps - 1:
-            RECORD["log"] = []
-        dist.barrier()
-        t0 = time.perf_counter()
-        losses += train_step(s)
-        step_times.append(time.perf_counter() - t0)
-        s += 1
-    collectives = RECORD["log"] or []
-    RECORD["log"] = None
-    peak = 0
-    if not args.no_memory:
-        dist.barrier()
-        tr = TensorMemoryTracker().start()
-        with tr:
-            losses += train_step(s)
-        peak = tr.peak
-    write_measurement(args.out, args.engine, sc, args, step_times, {}, peak, collectives, losses)
-    dist.barrier()
-    exit_without_teardown()
+    measure_steps(args, sc, args.engine, train_step, RECORD)
 
 
 # the pass each TrainSchedule instruction counts in, as zsim's ops of it (ir.MEASURED_PASS):

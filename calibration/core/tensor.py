@@ -67,58 +67,45 @@ class TPComm:
         return out
 
 
-class _Copy(torch.autograd.Function):          # f
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return x.view_as(x)
+class _Region(torch.autograd.Function):
+    """Megatron's mappings.py regions: `forward_fn` on the way in, `backward_fn` on the gradient."""
 
     @staticmethod
-    def backward(ctx, g):
-        return ctx.comm.all_reduce(g.contiguous().clone()), None
-
-
-class _Reduce(torch.autograd.Function):        # g
-    @staticmethod
-    def forward(ctx, x, comm):
-        return comm.all_reduce(x.contiguous().clone())
+    def forward(ctx, x, forward_fn, backward_fn):
+        ctx.backward_fn = backward_fn
+        return forward_fn(x)
 
     @staticmethod
     def backward(ctx, g):
-        return g, None
+        return ctx.backward_fn(g), None, None
 
 
-class _GatherSeq(torch.autograd.Function):     # f with SP
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return comm.all_gather_seq(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.comm.reduce_scatter_seq(g), None
+def _identity(x):
+    return x.view_as(x)
 
 
-class _ScatterSeq(torch.autograd.Function):    # g with SP
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return comm.reduce_scatter_seq(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.comm.all_gather_seq(g), None
+def _reduced(comm):
+    return lambda x: comm.all_reduce(x.contiguous().clone())
 
 
-class _SplitSeq(torch.autograd.Function):      # scatter_to_sequence_parallel_region
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return x.chunk(comm.size, dim=1)[comm.rank].contiguous()
+def copy_to_tp(x, comm):                     # f: identity forward, all-reduce backward
+    return _Region.apply(x, _identity, _reduced(comm))
 
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.comm.all_gather_seq(g), None
+
+def reduce_from_tp(x, comm):                 # g: all-reduce forward, identity backward
+    return _Region.apply(x, _reduced(comm), _identity)
+
+
+def gather_from_sp(x, comm):                 # f with SP: all-gather forward, reduce-scatter backward
+    return _Region.apply(x, comm.all_gather_seq, comm.reduce_scatter_seq)
+
+
+def reduce_scatter_to_sp(x, comm):           # g with SP: reduce-scatter forward, all-gather backward
+    return _Region.apply(x, comm.reduce_scatter_seq, comm.all_gather_seq)
+
+
+def scatter_to_sp(x, comm):                  # split into sequence shards, all-gather backward
+    return _Region.apply(x, lambda t: t.chunk(comm.size, dim=1)[comm.rank].contiguous(), comm.all_gather_seq)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -198,10 +185,10 @@ class TPModel:
         return self.params[name]
 
     def _into_tp(self, x):     # before a column-parallel linear
-        return _GatherSeq.apply(x, self.comm) if self.sp else _Copy.apply(x, self.comm)
+        return gather_from_sp(x, self.comm) if self.sp else copy_to_tp(x, self.comm)
 
     def _out_of_tp(self, x):   # after a row-parallel linear
-        return _ScatterSeq.apply(x, self.comm) if self.sp else _Reduce.apply(x, self.comm)
+        return reduce_scatter_to_sp(x, self.comm) if self.sp else reduce_from_tp(x, self.comm)
 
     def _norm(self, x, name):
         return F.layer_norm(x, (x.shape[-1],), self.W(name + ".weight"), self.W(name + ".bias"), NORM_EPS)
@@ -214,8 +201,8 @@ class TPModel:
         # LanguageModelEmbedding with learned positions: the word embeddings all-reduced (not
         # reduce-scattered: reduce_scatter_embeddings needs no position embedding), the positions
         # added, and with SP the sum split into sequence shards
-        e = _Reduce.apply(e, self.comm) + self.W("wpe.weight")[:ids.shape[1]]
-        return _SplitSeq.apply(e, self.comm) if self.sp else e
+        e = reduce_from_tp(e, self.comm) + self.W("wpe.weight")[:ids.shape[1]]
+        return scatter_to_sp(e, self.comm) if self.sp else e
 
     def block(self, i: int, x):
         p, m = f"layers.{i}.", self.m
