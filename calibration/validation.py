@@ -6,7 +6,7 @@ zsim.api.run_scenario on the same scenario. Errors are signed, relative to the m
 """
 from __future__ import annotations
 
-from zsim.schedule.ir import MEASURED_PASS, Schedule
+from zsim.schedule.ir import MEASURED_PASS, OpKind, Schedule
 
 PHASES = ("forward", "backward", "step")
 
@@ -31,6 +31,26 @@ def mape(errors) -> float | None:
 def schedule_collectives(schedule: Schedule) -> list[tuple[str, str, int]]:
     """(phase, collective, numel) of one step, in issue order (the measured list's format)."""
     return [(MEASURED_PASS[op.phase], op.comm.collective.value, int(op.comm.numel)) for op in schedule.ops if op.comm]
+
+
+# a pipeline's point-to-point transfers (DeepSpeed's pipe/p2p.py send / recv), as the core logs them
+P2P_CALLS = {OpKind.SEND_ACTIVATION: "send", OpKind.SEND_GRAD: "send", OpKind.RECV_ACTIVATION: "recv",
+             OpKind.RECV_GRAD: "recv"}
+
+
+def stage_calls(schedule: Schedule, stage: int, element_bytes: int) -> list[tuple[str, str, int, int]]:
+    """(phase, collective or send/recv, numel, bytes) of one pipeline stage's rank, in issue
+    order; a transfer's numel is its activation (or gradient) elements of `element_bytes` each."""
+    out = []
+    for op in schedule.ops:
+        if op.stage != stage:
+            continue
+        if op.kind in P2P_CALLS:
+            size = int(op.payload.size_bytes)
+            out.append((MEASURED_PASS[op.phase], P2P_CALLS[op.kind], size // element_bytes, size))
+        elif op.comm:
+            out.append((MEASURED_PASS[op.phase], op.comm.collective.value, int(op.comm.numel), int(op.comm.size_bytes)))
+    return out
 
 
 def collective_summary(calls, element_bytes: dict[int, int] | None = None) -> dict[str, dict]:
@@ -96,6 +116,11 @@ def compare(measured: dict, predicted: dict) -> dict:
                               "bytes": rel_error(pc.get(k, {}).get("bytes", 0), mc.get(k, {}).get("bytes", 0))}
                           for k in sorted(set(mc) | set(pc))}
     diff = first_difference(measured.get("collectives", []), predicted.get("collectives", []))
+    per_rank, per_stage = measured.get("collectives_per_rank"), predicted.get("collectives_per_stage")
+    if per_rank and per_stage:   # a pipeline: every rank against its stage (rank = stage * dp + dp_rank)
+        dp = len(per_rank) // len(per_stage)
+        diff = next(({"rank": r, **d} for r, calls in enumerate(per_rank)
+                     if (d := first_difference(calls, per_stage[r // dp]))), None)
     return {"measured": measured, "predicted": predicted, "error": err,
             "collectives_equal": diff is None, "collectives_first_difference": diff}
 
@@ -128,9 +153,12 @@ def table_rows(report: dict) -> list[tuple[str, str, str, str]]:
         rows.append((f"{k} calls", str(a.get("count", 0)), str(b.get("count", 0)), _pct(v["count"])))
         rows.append((f"{k} bytes", _fmt_b(a.get("bytes", 0)), _fmt_b(b.get("bytes", 0)), _pct(v["bytes"])))
     rows.append(("collective list", f"{len(m.get('collectives', []))} calls", f"{len(p.get('collectives', []))} calls",
-                 "equal" if report["collectives_equal"] else
-                 f"differs at #{report['collectives_first_difference']['index']}"))
+                 "equal" if report["collectives_equal"] else _where(report["collectives_first_difference"])))
     return rows
+
+
+def _where(diff: dict) -> str:
+    return f"differs at #{diff['index']}" + (f" on rank {diff['rank']}" if "rank" in diff else "")
 
 
 def render_text(report: dict) -> str:

@@ -246,9 +246,10 @@ def test_memory_command_estimates_the_worst_stage(tmp_path):
     assert any("worst stage" in n for n in rep["notes"])
 
 
-def test_validate_refuses_a_pipeline_in_one_line(capsys):
+def test_validate_refuses_a_pipeline_on_fsdp_in_one_line(capsys):
     from zsim.cli import main as cli_main
 
-    assert cli_main(["validate", str(ROOT / "scenarios/seed004-pipeline-zero1-fp16-v100.yaml")]) == 2
+    path = str(ROOT / "benchmarks/validate_scenarios/pipe.yaml")
+    assert cli_main(["validate", path, "--engine", "fsdp"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "parallelism.pipeline" in err
+    assert "\n" not in err and "parallelism.pipeline" in err and "--engine own or deepspeed" in err

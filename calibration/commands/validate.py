@@ -80,16 +80,24 @@ def check_engine(engine: str, python: str) -> None:
 def predict(sc) -> tuple[dict, object]:
     from zsim.api import run_scenario
     from zsim.schedule.build import build_schedule
-    from calibration.validation import phase_times, schedule_collectives, schedule_summary
+    from calibration.validation import (collective_summary, phase_times, schedule_collectives, schedule_summary,
+                                        stage_calls)
+    from zsim.schedule.build import DTYPE_BYTES
 
     # every micro-step simulated: phase times are compared with a run that executes them all
     result, trace = run_scenario(sc, steady=False)
     _, schedule = build_schedule(sc)
-    return {"step_time_s": result.step_time_s, "peak_bytes": result.memory.peak_bytes,
-            "phases_s": phase_times(trace.schedule, trace.timings),
-            "collectives": [list(c) for c in schedule_collectives(schedule)],
-            "collectives_summary": schedule_summary(schedule),
-            "memory_breakdown": result.memory.breakdown}, trace
+    out = {"step_time_s": result.step_time_s, "peak_bytes": result.memory.peak_bytes,
+           "phases_s": phase_times(trace.schedule, trace.timings),
+           "collectives": [list(c) for c in schedule_collectives(schedule)],
+           "collectives_summary": schedule_summary(schedule),
+           "memory_breakdown": result.memory.breakdown}
+    if schedule.stages > 1:   # each stage's rank issues its own calls (rank 0: stage 0's)
+        per_stage = [[list(c) for c in stage_calls(schedule, s, DTYPE_BYTES[sc.precision])]
+                     for s in range(schedule.stages)]
+        out.update(collectives=per_stage[0], collectives_per_stage=per_stage,
+                   collectives_summary=collective_summary(per_stage[0]))
+    return out, trace
 
 
 def main(args) -> int:
@@ -105,16 +113,14 @@ def main(args) -> int:
     timeout = _int(args.timeout, "--timeout")
     overrides = list(args.set or ())
     sc0 = load_scenario(args.scenario, tuple(overrides))
-    if sc0.pipeline_stages > 1:
-        # the core and the peers run data parallelism only; DeepSpeed's PipelineEngine calls are
-        # checked against recorded runs instead (tests/test_pipeline.py)
+    if sc0.pipeline_stages > 1 and args.engine == "fsdp":
         raise ZsimInputError("parallelism.pipeline", sc0.pipeline_stages,
-                             "zsim validate runs data-parallel scenarios only; set parallelism.pipeline=1")
+                             "--engine fsdp runs data parallelism only; use --engine own or deepspeed")
     if sc0.tensor_parallel_size > 1:
-        # the core and the peers have no tensor-parallel layers: the schedule's TP collectives
-        # would have nothing to compare against
+        # the core's tensor-parallel runner (calibration/core/tensor_run.py) trains its own model,
+        # not the schedule's ops: its calls are checked in tests/test_core_tensor.py instead
         raise ZsimInputError("parallelism.tensor", sc0.tensor_parallel_size,
-                             "zsim validate runs data-parallel scenarios only; set parallelism.tensor=1")
+                             "zsim validate does not run tensor parallelism; set parallelism.tensor=1")
     nproc = _int(args.nproc_per_node, "--nproc-per-node") if args.nproc_per_node else sc0.cluster.world_size
     overrides += [f"hardware.profile={args.profile}", "hardware.nodes=1", f"hardware.gpus_per_node={nproc}"]
     overrides += list(TENSOR_ONLY_OVERRIDES)
@@ -124,6 +130,11 @@ def main(args) -> int:
         why = unsupported(sc)
         if why:
             raise ZsimInputError("scenario", args.scenario, f"the training core does not run {why}")
+    if args.engine == "deepspeed" and sc.pipeline_stages > 1:
+        from calibration.core.ds_pipe import unsupported as pipe_unsupported   # no torch at import
+        why = pipe_unsupported(sc)
+        if why:
+            raise ZsimInputError("scenario", args.scenario, f"--engine deepspeed with a pipeline does not run {why}")
     check_engine(args.engine, python)
     predicted, trace = predict(sc)
 

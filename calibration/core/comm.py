@@ -48,3 +48,18 @@ class Comm:
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor):
         self._rec("reduce_scatter", inp)
         _REDUCE_SCATTER(out, inp, group=self.group)
+
+    def broadcast(self, t: torch.Tensor, src: int, group=None):
+        """`src` is a global rank (torch.distributed.broadcast's convention)."""
+        self._rec("broadcast", t)
+        dist.broadcast(t, src, group=group or self.group)
+
+    def send(self, t: torch.Tensor, dst: int):
+        """Blocking point-to-point send to global rank `dst`, as DeepSpeed's pipe/p2p.py send does
+        where the backend can send/recv (can_send_recv: gloo and torch >= 1.8)."""
+        self._rec("send", t)
+        dist.send(t, dst)
+
+    def recv(self, t: torch.Tensor, src: int):
+        self._rec("recv", t)
+        dist.recv(t, src)

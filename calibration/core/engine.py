@@ -40,15 +40,17 @@ from zsim.schedule.ir import Op, OpKind, Phase
 
 
 class ZeroCore:
-    def __init__(self, sc, plan: Plan, rank: int, world: int, comm: Comm, seed: int = 1234):
+    def __init__(self, sc, plan: Plan, rank: int, world: int, comm: Comm, seed: int = 1234, wl=None):
+        """`rank` and `world` are within the data-parallel group `comm` runs over; `wl`: the
+        params this rank holds (a pipeline stage's slice; default the whole model)."""
         from zsim.schedule.build import workload_for
 
         self.sc, self.plan, self.rank, self.world, self.comm, self.seed = sc, plan, rank, world, comm, seed
-        self.wl = workload_for(sc)
+        self.wl = wl if wl is not None else workload_for(sc)
         self.dtype = DTYPES[sc.precision]
         self.stage = plan.stage
         self.shapes = param_shapes(self.wl)
-        self.segs = build_segments(sc, self.wl)
+        self.segs = build_segments(sc, self.wl if wl is None else workload_for(sc))   # the whole model's
         self.numels = plan.numels
         self.trainable = plan.trainable
         # stages 0-2: each trainable param's start in the flat buffer (_layout); a frozen param
@@ -65,7 +67,7 @@ class ZeroCore:
         self.layout: list[tuple] = []
         if self.stage < 3:
             self._layout()
-        init = rank_initial_values(sc, self.wl, self.shapes, rank, seed)
+        init = self.initial_values()
         self.empty = torch.empty(0, dtype=self.dtype)
         self.params = [torch.empty(0, dtype=self.dtype).requires_grad_(t) for t in self.trainable]
         self.c, self.soff = [], [0]
@@ -158,6 +160,9 @@ class ZeroCore:
         if all(self.trainable):
             return self.shard16.float()
         return torch.cat([self.shard16[self.soff[p]:self.soff[p + 1]] for p in self._trained()]).float()
+
+    def initial_values(self) -> list[torch.Tensor]:
+        return rank_initial_values(self.sc, self.wl, self.shapes, self.rank, self.seed)
 
     def _trained(self) -> list[int]:
         return [p for p, t in enumerate(self.trainable) if t]

@@ -31,16 +31,63 @@ def write_measurement(path: str, engine: str, sc, args, step_times, phase_times,
     dist.all_gather_object(peaks, peak_bytes)
     all_losses = [None] * world
     dist.all_gather_object(all_losses, losses)
+    # a pipeline's ranks issue different calls (their stage's): every rank's list is kept
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, [list(c) for c in collectives] if sc.pipeline_stages > 1 else None)
     if dist.get_rank() == 0:
         out = {"engine": engine, "scenario": sc.name, "world_size": world, "steps": args.steps,
                "warmup": args.warmup, **summarize_times(step_times, phase_times),
                "peak_bytes": max(peaks), "peak_bytes_per_rank": peaks,
                "collectives": [list(c) for c in collectives],
                "losses": [sum(v) / world for v in zip(*all_losses)]}
+        if sc.pipeline_stages > 1:
+            out["collectives_per_rank"] = per_rank
         if model_states is not None:   # rank 0's (the ranks hold equal shares, up to padding)
             out["model_state_bytes"] = model_states
         with open(path, "w") as f:
             json.dump(out, f, indent=1)
+
+
+def measure_steps(args, sc, engine: str, train_step, record: dict) -> None:
+    """The peers' measurement (calibration/core/peers.py, ds_pipe.py): `args.warmup` steps, then
+    `args.steps` timed ones (the last one's calls logged into record["log"]), then one step under
+    the tensor memory tracker; rank 0 writes the JSON and every rank leaves.
+    `train_step(step, phases)` returns the step's losses and adds its phases' times to `phases`
+    (a dict, or None when not timed)."""
+    import time
+
+    import torch.distributed as dist
+
+    from calibration.core.memory import TensorMemoryTracker
+
+    losses, step_times, phase_times = [], [], {}
+    s = 0
+    for _ in range(args.warmup):
+        losses += train_step(s, None)
+        s += 1
+    for i in range(args.steps):
+        if i == args.steps - 1:
+            record["log"] = []
+        dist.barrier()
+        ph = {}
+        t0 = time.perf_counter()
+        losses += train_step(s, ph)
+        step_times.append(time.perf_counter() - t0)
+        for k, v in ph.items():
+            phase_times.setdefault(k, []).append(v)
+        s += 1
+    collectives = record["log"] or []
+    record["log"] = None
+    peak = 0
+    if not args.no_memory:
+        dist.barrier()
+        tr = TensorMemoryTracker().start()
+        with tr:
+            losses += train_step(s, None)
+        peak = tr.peak
+    write_measurement(args.out, engine, sc, args, step_times, phase_times, peak, collectives, losses)
+    dist.barrier()
+    exit_without_teardown()
 
 
 def exit_without_teardown():

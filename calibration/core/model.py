@@ -266,6 +266,24 @@ class GPT(Graph):
         return out
 
 
+class EmbeddingPipe(nn.Module):
+    """A PipelineModule's first layer: the GPT's token and learned position embeddings (its own
+    modules, not copies)."""
+
+    def __init__(self, gpt: GPT):
+        super().__init__()
+        self.wte, self.wpe = gpt.wte, gpt.wpe
+
+    def forward(self, ids):
+        return self.wpe(self.wte(ids))
+
+
+def pipeline_layers(gpt: GPT) -> list[nn.Module]:
+    """An untied GPT as DeepSpeed PipelineModule layers: embeddings, blocks, final norm, head
+    (the loss is the PipelineModule's loss_fn)."""
+    return [EmbeddingPipe(gpt), *gpt.layers, gpt.ln_f, gpt.lm_head]
+
+
 # ----------------------------------------------------------------------------- the core's view
 def param_shapes(wl) -> list[tuple[int, ...]]:
     """Shape of every workload param, from the module that owns it."""

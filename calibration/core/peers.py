@@ -23,7 +23,7 @@ _KINDS = {"all_reduce": "all_reduce", "reduce": "reduce", "broadcast": "broadcas
           "all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather", "_all_gather_base": "all_gather",
           "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
           "_reduce_scatter_base": "reduce_scatter", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
-          "all_to_all_single": "all_to_all"}
+          "all_to_all_single": "all_to_all", "send": "send", "recv": "recv"}   # send/recv: a pipeline's (ds_pipe.py)
 
 
 def install_recorder():
@@ -126,8 +126,7 @@ def main(args, sc) -> int:
     import torch
     import torch.distributed as dist
 
-    from calibration.core.measured import exit_without_teardown, write_measurement
-    from calibration.core.memory import TensorMemoryTracker
+    from calibration.core.measured import measure_steps
     from calibration.core.model import batch
 
     gas = sc.gradient_accumulation_steps
@@ -211,31 +210,4 @@ def main(args, sc) -> int:
             phases["step"] = phases.get("step", 0.0) + time.perf_counter() - t0
         return losses
 
-    losses, step_times, phase_times = [], [], {}
-    s = 0
-    for _ in range(args.warmup):
-        losses += train_step(s)
-        s += 1
-    for i in range(args.steps):
-        if i == args.steps - 1:
-            RECORD["log"] = []
-        dist.barrier()
-        ph = {}
-        t0 = time.perf_counter()
-        losses += train_step(s, ph)
-        step_times.append(time.perf_counter() - t0)
-        for k, v in ph.items():
-            phase_times.setdefault(k, []).append(v)
-        s += 1
-    collectives = RECORD["log"] or []
-    RECORD["log"] = None
-    peak = 0
-    if not args.no_memory:
-        dist.barrier()
-        tr = TensorMemoryTracker().start()
-        with tr:
-            losses += train_step(s)
-        peak = tr.peak
-    write_measurement(args.out, args.engine, sc, args, step_times, phase_times, peak, collectives, losses)
-    dist.barrier()
-    exit_without_teardown()
+    measure_steps(args, sc, args.engine, train_step, RECORD)

@@ -117,7 +117,13 @@ def build_plan(sc) -> Plan:
     if why:
         raise PlanError(why)
     wl, sched = build_schedule(sc)
-    stage, world = sc.zero.stage, sc.cluster.world_size
+    return plan_for(sc, wl, sched.ops, sc.cluster.world_size)
+
+
+def plan_for(sc, wl, ops, world: int, executable=EXECUTABLE) -> Plan:
+    """The plan of `ops` over `wl`'s params, partitioned over `world` ranks (a pipeline stage's
+    ops over its slice of the model and its data-parallel group: calibration/core/pipe.py)."""
+    stage = sc.zero.stage
     numels = [p.numel for p in wl.params]
     z = sc.zero
     groups = moe_param_groups(sc, wl, world) if stage < 3 else []
@@ -126,12 +132,12 @@ def build_plan(sc) -> Plan:
         persistent = persistent_params(numels, z.param_persistence_threshold, z.model_persistence_threshold)
     else:   # the flat groups hold the trainable params only (see partition.flat_groups)
         flat_pad, part, persistent = sum(g.padded for g in groups), sum(g.partition for g in groups), ()
-    gather_group = dict(zip((o.id for o in sched.ops if o.kind == OpKind.UPDATED_GATHER), gathered_groups(groups)))
+    gather_group = dict(zip((o.id for o in ops if o.kind == OpKind.UPDATED_GATHER), gathered_groups(groups)))
     buckets: dict[int, Bucket] = {}
     releases: dict[int, tuple[int, ...]] = {}
     bucketed: list[int] = []
-    for op in sched.ops:
-        if op.kind not in EXECUTABLE or op.stream not in (Stream.COMPUTE, Stream.ALLGATHER, Stream.REDUCE):
+    for op in ops:
+        if op.kind not in executable or op.stream not in (Stream.COMPUTE, Stream.ALLGATHER, Stream.REDUCE):
             raise PlanError(f"op '{op.name}' ({op.kind.value}) is not executable by the core")
         gathered = tuple(t.key for t in op.free if t.buffer == Buffer.GATHERED)
         if gathered:
@@ -153,7 +159,7 @@ def build_plan(sc) -> Plan:
             buckets[p.bucket].calls.append(p)
     if bucketed:
         raise PlanError(f"{len(bucketed)} gradients never reduced")
-    if sum(op.kind == OpKind.OPTIMIZER_STEP for op in sched.ops) > 1:
+    if sum(op.kind == OpKind.OPTIMIZER_STEP for op in ops) > 1:
         # see [Note: ZeRO-3 optimizer sub-groups]: the core keeps one fp32 master of the shard
         raise PlanError(f"deepspeed.zero_optimization.sub_group_size {z.sub_group_size:g} splits this rank's shard "
                         f"of {part} elements into optimizer sub-groups; the core steps the shard at once "
@@ -164,6 +170,6 @@ def build_plan(sc) -> Plan:
             raise PlanError(f"bucket {b.id} (micro {b.micro}): grads add up to {b.numel}, calls to {total}")
         if b.calls[0].comm.collective == Collective.REDUCE or (len(groups) > 1 and z.reduce_scatter):
             _call_pieces(b, groups, numels)
-    expected = [(MEASURED_PASS[op.phase], op.comm.collective.value, op.comm.numel) for op in sched.ops if op.comm]
-    return Plan(stage, world, numels, [p.trainable for p in wl.params], [p.name for p in wl.params], sched.ops,
+    expected = [(MEASURED_PASS[op.phase], op.comm.collective.value, op.comm.numel) for op in ops if op.comm]
+    return Plan(stage, world, numels, [p.trainable for p in wl.params], [p.name for p in wl.params], tuple(ops),
                 releases, buckets, persistent, flat_pad, part, expected, groups, gather_group)

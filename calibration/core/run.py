@@ -53,6 +53,9 @@ def main(argv=None) -> int:
     from zsim.config.scenario import load_scenario
 
     sc = load_scenario(args.scenario, tuple(args.set))
+    if args.engine == "deepspeed" and sc.pipeline_stages > 1:
+        from calibration.core import ds_pipe
+        return ds_pipe.main(args, sc)
     if args.engine != "own":
         from calibration.core import peers
         return peers.main(args, sc)
@@ -66,9 +69,13 @@ def main(argv=None) -> int:
 
     if world != sc.cluster.world_size:
         raise SystemExit(f"scenario world size {sc.cluster.world_size} != torchrun world {world}")
-    plan = build_plan(sc)
-    comm = Comm()
-    core = ZeroCore(sc, plan, rank, world, comm, seed=args.seed)
+    if sc.pipeline_stages > 1:
+        from calibration.core.pipe import PipeCore
+        core = PipeCore(sc, rank, world, seed=args.seed)
+        comm = core.comm
+    else:
+        comm = Comm()
+        core = ZeroCore(sc, build_plan(sc), rank, world, comm, seed=args.seed)
     losses, step_times, phase_times = [], [], {}
     step = 0
     for _ in range(args.warmup):

@@ -18,7 +18,7 @@ import json
 import os
 
 from calibration.core.measured import exit_without_teardown
-from calibration.core.model import GPT, Block, Embedding, Norm, cross_entropy
+from calibration.core.model import GPT, Block, Embedding, Norm, cross_entropy, pipeline_layers
 from calibration.deepspeed_record.recorder import RECORDS, STATE, install_recorder
 from zsim.specs.model import ModelSpec
 
@@ -46,7 +46,6 @@ def main():
 
     import torch
     import torch.distributed as td
-    from torch import nn
 
     td.init_process_group("gloo")
     import deepspeed  # noqa: E402  (after the wrappers are installed)
@@ -65,17 +64,7 @@ def main():
                   *[LayerSpec(Block, model) for _ in range(model.layers)], LayerSpec(Norm, model.norm, model.hidden),
                   TiedLayerSpec("embed", Embedding, model.vocab, model.hidden, forward_fn=head)]
     else:
-        gpt = GPT(model).initialized(seed=1234)
-
-        class EmbeddingPipe(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.wte, self.wpe = gpt.wte, gpt.wpe
-
-            def forward(self, ids):
-                return self.wpe(self.wte(ids))
-
-        layers = [EmbeddingPipe(), *gpt.layers, gpt.ln_f, gpt.lm_head]
+        layers = pipeline_layers(GPT(model).initialized(seed=1234))
     module = PipelineModule(layers=layers, loss_fn=cross_entropy, num_stages=args.stages,
                             partition_method="parameters")
     if args.tied:

@@ -1,0 +1,206 @@
+"""Train a scenario's GPT with Megatron tensor parallelism (calibration/core/tensor.py), optionally
+with sequence parallelism, data parallelism and DeepSpeed's 1F1B pipeline, under torchrun on
+gloo; rank 0 writes the losses and every rank's calls as JSON.
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 -m calibration.core.tensor_run \
+        --scenario S.yaml --tp 2 [--pp 2] [--sp] --steps 3 --out tp.json
+
+Ranks as DeepSpeed's PipeModelDataParallelTopology places them (runtime/pipe/topology.py, axes
+pipe, data, model; Megatron's default order too): rank = (stage * dp + dp_rank) * tp + tp_rank.
+The pipeline runs zsim's port of TrainSchedule (zsim/schedule/pipeline.py train_schedule) with
+blocking send/recv of the stage boundary's hidden states (sequence shards under SP) between the
+same tp_rank of neighbouring stages; the blocks split uniformly, the embedding on the first
+stage and the head on the last. After the step's micro-batches (finalize_model_grads): the
+gradients all-reduced over the data-parallel group (summed, then divided by dp: plain DDP, no
+ZeRO), with SP the replicated parameters' over the TP group, the norm's squares over the
+model-parallel group (TP x PP; a duplicate counted on tp_rank 0 only, as Megatron's
+param_is_not_tensor_parallel_duplicate), clipping, AdamW.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--scenario", required=True)
+    p.add_argument("--set", action="append", default=[])
+    p.add_argument("--tp", type=int, required=True)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--sp", action="store_true", help="Megatron sequence parallelism")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out", required=True)
+    return p.parse_args(argv)
+
+
+class Layout:
+    """This rank's coordinates and process groups (created in the same order on every rank)."""
+
+    def __init__(self, world: int, tp: int, pp: int):
+        if world % (tp * pp):
+            raise SystemExit(f"world {world} is not divisible by tp {tp} x pp {pp}")
+        self.tp, self.pp, self.dp = tp, pp, world // (tp * pp)
+        rank = dist.get_rank()
+        self.stage, rest = divmod(rank, self.dp * tp)
+        self.dp_rank, self.tp_rank = divmod(rest, tp)
+
+        def mine(groups):
+            out = None
+            for ranks in groups:
+                g = dist.new_group(ranks)
+                if rank in ranks:
+                    out = g
+            return out
+        at = self.rank_of
+        self.tp_group = mine([[at(s, d, t) for t in range(tp)] for s in range(pp) for d in range(self.dp)])
+        self.dp_group = mine([[at(s, d, t) for d in range(self.dp)] for s in range(pp) for t in range(tp)])
+        self.mp_group = mine([[at(s, d, t) for s in range(pp) for t in range(tp)] for d in range(self.dp)])
+
+    def rank_of(self, stage: int, dp_rank: int, tp_rank: int) -> int:
+        return (stage * self.dp + dp_rank) * self.tp + tp_rank
+
+
+class _Log:
+    """Calls outside the TP group (data, model-parallel, pipe), logged beside the TP ones."""
+
+    def __init__(self, tp_comm):
+        self.tp = tp_comm
+
+    def call(self, kind: str, t: torch.Tensor, group: str):
+        if self.tp.log is not None:
+            self.tp.log.append((self.tp.phase, kind, int(t.numel()), int(t.numel() * t.element_size()), group))
+
+
+def train(args, sc, lay: Layout):
+    from calibration.core.model import DTYPES, batch
+    from calibration.core.tensor import TPComm, TPModel, supported
+    from zsim.schedule.pipe_partition import partition_uniform
+    from zsim.schedule.pipeline import Cmd, train_schedule
+
+    why = supported(sc.model)
+    if why:
+        raise SystemExit(f"the TP core runs {why}")
+    dtype = DTYPES[sc.precision]
+    comm = TPComm(lay.tp_group, lay.tp, lay.tp_rank)
+    log = _Log(comm)
+    model = TPModel(sc, comm, args.sp, args.seed, dtype)
+    bounds = partition_uniform(sc.model.layers, lay.pp)
+    blocks = range(bounds[lay.stage], bounds[lay.stage + 1])
+    first, last = lay.stage == 0, lay.stage == lay.pp - 1
+    names = [n for n in model.params if (n.startswith("layers.") and int(n.split(".")[1]) in blocks)
+             or (first and n.split(".")[0] in ("wte", "wpe")) or (last and n.split(".")[0] in ("ln_f", "lm_head"))]
+    params = [model.params[n] for n in names]
+    o = sc.deepspeed.optimizer.params or {}
+    opt = torch.optim.AdamW(params, lr=float(o.get("lr", 1e-3)), betas=tuple(o.get("betas", (0.9, 0.999))),
+                            eps=float(o.get("eps", 1e-8)), weight_decay=float(o.get("weight_decay", 0.01)))
+    gas, clip = sc.gradient_accumulation_steps, sc.deepspeed.gradient_clipping
+    seq = sc.seq_len // lay.tp if args.sp else sc.seq_len
+    shape = (sc.micro_batch_size, seq, sc.model.hidden)
+    prev, nxt = (lay.rank_of(lay.stage + d, lay.dp_rank, lay.tp_rank) for d in (-1, 1))
+    if lay.pp == 1:
+        program = [(c, m) for m in range(gas) for c in (Cmd.FORWARD, Cmd.BACKWARD)]
+    else:
+        program = train_schedule(lay.pp, lay.stage, gas)
+    losses = []
+
+    def p2p(fn, kind, t, peer):
+        log.call(kind, t, "pipe")
+        fn(t, peer)
+
+    for step in range(args.steps):
+        comm.log = [] if step == args.steps - 1 else None
+        state: dict[int, dict] = {}
+        for cmd, micro in program:
+            s = state.setdefault(micro, {})
+            comm.phase = "forward" if cmd in (Cmd.FORWARD, Cmd.SEND_ACTIVATION, Cmd.RECV_ACTIVATION) else "backward"
+            if cmd == Cmd.FORWARD:
+                ids, labels = batch(sc, step, micro, lay.dp_rank, args.seed)
+                x = model.embed(ids) if first else s["in"]
+                for i in blocks:
+                    x = model.block(i, x)
+                if last:
+                    loss = model.head_loss(x, labels)
+                    losses.append(float(loss.detach()))
+                    x = loss / gas
+                s["out"] = x
+            elif cmd == Cmd.BACKWARD:
+                torch.autograd.backward(s.pop("out"), None if last else s.pop("grad"))
+            elif cmd == Cmd.SEND_ACTIVATION:
+                p2p(dist.send, "send", s["out"].detach().contiguous(), nxt)
+            elif cmd == Cmd.RECV_ACTIVATION:
+                s["in"] = torch.empty(shape, dtype=dtype)
+                p2p(dist.recv, "recv", s["in"], prev)
+                s["in"].requires_grad_(True)
+            elif cmd == Cmd.SEND_GRAD:
+                p2p(dist.send, "send", state.pop(micro)["in"].grad.contiguous(), prev)
+            elif cmd == Cmd.RECV_GRAD:
+                s["grad"] = torch.empty(shape, dtype=dtype)
+                p2p(dist.recv, "recv", s["grad"], nxt)
+        _finalize_grads(model, names, lay, args.sp, clip, log)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, comm.log
+
+
+def _finalize_grads(model, names, lay: Layout, sp: bool, clip: float, log: _Log):
+    comm = model.comm
+    comm.phase = "backward"
+    for n in names:
+        g = model.params[n].grad
+        if lay.dp > 1:
+            log.call("all_reduce", g, "data")
+            dist.all_reduce(g, group=lay.dp_group)
+            g.div_(lay.dp)
+    if sp:   # _allreduce_layernorm_grads: params on sequence shards, replicated over the TP group
+        for n in names:
+            if not model.partitioned[n]:
+                comm.all_reduce(model.params[n].grad)
+    if clip <= 0:
+        return
+    comm.phase = "step"
+    sq = sum(model.params[n].grad.double().square().sum() for n in names
+             if model.partitioned[n] or lay.tp_rank == 0).reshape(1)
+    if lay.tp * lay.pp > 1:
+        log.call("all_reduce", sq, "model")
+        dist.all_reduce(sq, group=lay.mp_group)
+    coef = clip / (float(sq.sqrt()) + 1e-6)
+    if coef < 1.0:
+        for n in names:
+            model.params[n].grad.mul_(coef)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    from calibration.core.measured import exit_without_teardown
+    from zsim.config.scenario import load_scenario
+
+    dist.init_process_group("gloo")
+    sc = load_scenario(args.scenario, tuple(args.set))
+    lay = Layout(dist.get_world_size(), args.tp, args.pp)
+    losses, calls = train(args, sc, lay)
+    world = dist.get_world_size()
+    every = [None] * world
+    dist.all_gather_object(every, {"losses": losses, "calls": [list(c) for c in calls or []],
+                                   "stage": lay.stage, "dp_rank": lay.dp_rank, "tp_rank": lay.tp_rank})
+    if dist.get_rank() == 0:
+        reporting = [r["losses"] for r in every if r["stage"] == lay.pp - 1 and r["tp_rank"] == 0]
+        out = {"scenario": sc.name, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "sequence_parallel": args.sp,
+               "losses": [sum(v) / len(reporting) for v in zip(*reporting)],
+               "losses_per_rank": [r["losses"] for r in every],
+               "collectives_per_rank": [r["calls"] for r in every]}
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+    dist.barrier()
+    exit_without_teardown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

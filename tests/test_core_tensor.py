@@ -1,0 +1,107 @@
+"""The training core's Megatron tensor parallelism (calibration/core/tensor.py, run by
+calibration/core/tensor_run.py): column/row-parallel linears with the f/g all-reduces, sequence
+parallelism, the vocab-parallel embedding and cross-entropy, with data parallelism and with
+DeepSpeed's 1F1B pipeline. The loss equals the unsharded AdamW run's within 1e-5; the TP calls
+each rank logs are, once zsim schedules tensor parallelism (Group.TENSOR), zsim's."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT
+from tests.test_validate import _free_port
+
+MODEL = {"layers": 2, "hidden": 32, "heads": 2, "vocab": 64, "seq_len": 16, "ffn_hidden": 64, "tied_embeddings": False}
+MICRO, SEQ, GAS = 2, 16, 2
+
+CASES = {   # name: (world, tp, pp, sequence parallel)
+    "tp2_sp": (2, 2, 1, True),
+    "tp2xdp2": (4, 2, 1, False),
+    "pp2xtp2_sp": (4, 2, 2, True),
+}
+
+
+def raw(name: str, world: int) -> dict:
+    return {"name": name, "model": MODEL, "hardware": {"profile": "dgx-a100-80g", "nodes": 1, "gpus_per_node": world},
+            "training": {"micro_batch_size": MICRO, "seq_len": SEQ, "precision": "fp32",
+                         "gradient_accumulation_steps": GAS},
+            "deepspeed": {"zero_optimization": {"stage": 0}, "gradient_clipping": 0.5}}
+
+
+def run_tensor(tmp_path, name: str, steps: int = 3) -> tuple[dict, object]:
+    import yaml
+
+    from zsim.config.scenario import load_scenario
+
+    world, tp, pp, sp = CASES[name]
+    path = tmp_path / "sc.yaml"
+    path.write_text(yaml.safe_dump(raw(name, world)))
+    out = tmp_path / "tp.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
+           str(_free_port()), "-m", "calibration.core.tensor_run", "--scenario", str(path), "--tp", str(tp),
+           "--pp", str(pp), "--steps", str(steps), "--out", str(out)] + (["--sp"] if sp else [])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and out.exists(), proc.stderr[-2000:]
+    return json.loads(out.read_text()), load_scenario(path)
+
+
+def tp_calls(calls) -> list[tuple]:
+    return [tuple(c[:3]) for c in calls if c[4] == "tensor"]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_tensor_parallel_core_matches_unsharded_adamw(case, tmp_path):
+    pytest.importorskip("torch")
+    from calibration.core.reference import reference_losses
+
+    world, tp, pp, sp = CASES[case]
+    measured, sc = run_tensor(tmp_path, case)
+    dp = world // (tp * pp)
+    ref = reference_losses(sc, 3, world=dp)
+    assert len(measured["losses"]) == len(ref) == 3 * GAS
+    assert max(abs(a - b) for a, b in zip(measured["losses"], ref)) < 1e-5
+    act = MICRO * SEQ * MODEL["hidden"]
+    calls = measured["collectives_per_rank"]
+    first = tp_calls(calls[0])
+    # the embedding's all-reduce opens every micro-batch's forward on the first stage
+    assert first[0] == ("forward", "all_reduce", act)
+    per_layer = MODEL["layers"] // pp
+    fwd = [c for c in first if c[0] == "forward"]
+    if sp:   # each block: all-gather + reduce-scatter around attention and around the MLP
+        assert sum(c[1] == "reduce_scatter" for c in fwd) == 2 * per_layer * GAS
+        assert sum(c[1] == "all_gather" for c in fwd) == 2 * per_layer * GAS + (GAS if pp == 1 else 0)
+    else:    # each block: one all-reduce after attention, one after the MLP; the loss's three
+        assert fwd.count(("forward", "all_reduce", act)) == (2 * per_layer + 1) * GAS
+        assert fwd.count(("forward", "all_reduce", MICRO * SEQ)) == 3 * GAS
+    if pp > 1:   # 1F1B between the same TP rank of the two stages: sequence shards with SP
+        shard = act // tp if sp else act
+        assert [c[1:3] for c in calls[0] if c[4] == "pipe"] == [["send", shard], ["recv", shard]] * GAS
+    # the TP ranks of one stage and data-parallel index issue the same calls
+    assert tp_calls(calls[0]) == tp_calls(calls[1])
+
+
+@pytest.mark.parametrize("case", ["tp2_sp", "tp2xdp2"])
+def test_tensor_parallel_calls_are_zsims(case, tmp_path):
+    """The TP calls of rank 0 against zsim's schedule of the same scenario (its ops over
+    Group.TENSOR, in order): switched on once zsim schedules tensor parallelism."""
+    from zsim.schedule import ir
+
+    if not hasattr(ir.Group, "TENSOR"):
+        pytest.skip("zsim does not schedule tensor parallelism yet (no Group.TENSOR in zsim/schedule/ir.py)")
+    from zsim.config.scenario import scenario_from_mapping
+    from zsim.schedule.build import build_schedule
+
+    world, tp, pp, sp = CASES[case]
+    measured, _ = run_tensor(tmp_path, case, steps=1)
+    doc = raw(case, world)
+    doc["parallelism"] = {"tensor": tp, "pipeline": pp, "sequence_parallel": sp}
+    _, sched = build_schedule(scenario_from_mapping(doc, ROOT))
+    predicted = [(ir.MEASURED_PASS[op.phase], op.comm.collective.value, int(op.comm.numel)) for op in sched.ops
+                 if op.stage == 0 and op.comm is not None and op.comm.group is not None
+                 and op.comm.group.kind == ir.Group.TENSOR]
+    assert tp_calls(measured["collectives_per_rank"][0]) == predicted
