@@ -84,6 +84,22 @@ def test_zero3_partitions_frozen_but_reduces_only_adapters():
     assert any(not wl.params[p].trainable for p in gathered)     # frozen weights are still fetched
 
 
+@pytest.mark.parametrize("stage, efficient, keeps", [(2, True, False), (3, True, True), (3, False, False)])
+def test_zero3_linear_wrap_keeps_frozen_inputs(stage, efficient, keeps):
+    """see [Note: ZeRO-3 linear saves its input]: under ZeRO-3 a frozen MLP that a gradient
+    reaches keeps its inputs (zero3_linear_wrap), unless memory_efficient_linear is off."""
+    sc = _tiny(**LORA, **{"deepspeed.zero_optimization.stage": stage,
+                          "deepspeed.zero_optimization.memory_efficient_linear": efficient})
+    mods = {m.name: m for m in workload_for(sc).modules}
+    tokens = 2 * 256
+    gate, down, o = mods["layers.1.mlp.gate_proj"], mods["layers.1.mlp.fc_out"], mods["layers.1.attn.o_proj"]
+    assert gate.input_grad and not gate.weight_grad
+    assert (gate.act_bytes >= tokens * 256 * 2) == keeps       # the norm's output (gate/up share it), bf16
+    assert (down.act_bytes >= tokens * 512 * 2) == keeps
+    assert (o.act_bytes >= tokens * 256 * 2) == keeps
+    assert mods["layers.1.mlp.up_proj"].act_bytes == 0.0       # reads gate_proj's saved input
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero12_flat_group_holds_trainable_only(stage):
     sc = _tiny(**LORA, **{"deepspeed.zero_optimization.stage": stage})

@@ -120,3 +120,37 @@ def test_zero3_optimizer_temporaries_peak_at_the_largest_sub_group():
         assert peak == 6 * max(groups)      # bf16: 4 B fp32 copy + 2 B flat copy per element
         peaks[size] = peak
     assert peaks[50_000] < peaks[100_000] < peaks[10**12]
+
+
+@pytest.mark.parametrize("prefetch", [5e7, 0])
+def test_zero3_coalesced_gather_holds_its_flat_buffer_until_its_last_param_is_waited(prefetch):
+    """see [Note: all-gather flat buffer]: a gather of several params allocates a flat buffer of
+    their padded partitions x world besides the params; it is freed at the start of the module
+    whose visit waits for the gather's last param. A one-param gather has none."""
+    from zsim.schedule.ir import Buffer, OpKind
+    from zsim.schedule.partition import padded
+
+    sc = scenario(**{"deepspeed.zero_optimization.stage": 3,
+                     "deepspeed.zero_optimization.stage3_prefetch_bucket_size": prefetch,
+                     "deepspeed.zero_optimization.stage3_param_persistence_threshold": 0})
+    wl, s = build_schedule(sc)
+    world = sc.cluster.world_size
+    freed_before = {t.key: op for op in s.ops for t in op.free_before}
+    params_of = {m.name: m.params for m in wl.modules}
+    flats = 0
+    for op in s.ops:
+        if op.kind != OpKind.PARAM_GATHER:
+            continue
+        flat = [a for a in op.alloc if a.tag.buffer == Buffer.GATHER_FLAT]
+        pids = op.payload.pids
+        if len(pids) == 1:
+            assert not flat
+            continue
+        flats += 1
+        assert [a.size_bytes for a in flat] == [sum(padded(wl.params[p].numel, world) for p in pids) * 2]
+        user = freed_before[op.id]
+        assert user.kind in (OpKind.FORWARD, OpKind.BACKWARD) and op.id in user.deps
+        # every param of the gather is used by a module no later than the one that frees it
+        assert all(any(p in params_of[o.payload.module] for o in s.ops[op.id:user.id + 1]
+                       if o.kind in (OpKind.FORWARD, OpKind.BACKWARD)) for p in pids)
+    assert flats > 0

@@ -12,9 +12,10 @@ Model states, as DeepSpeed 0.19.8 keeps them:
 - stages 1-3: fp32 master weights and AdamW moments of the local partition only; after the
   step the updated 16-bit partitions are all-gathered (stage 1/2, one call) or the persistent
   params are re-gathered one call each (stage 3), all launched async before any is waited.
-- stage 3: each rank keeps ceil(n/world) elements of every param; a gather allocates the full
-  params and points them at it (p.data = ...), a release drops it (p.data = empty), so
-  autograd's saved weights see whatever is gathered when backward runs (ZeRO-3's trick).
+- stage 3: each rank keeps ceil(n/world) elements of every param; a gather points the params at
+  their full data (p.data = ...; a coalesced gather's flat output is kept until the schedule frees
+  it, see [Note: all-gather flat buffer]), a release drops it (p.data = empty), so autograd's
+  saved weights see whatever is gathered when backward runs (ZeRO-3's trick).
   Gradients go into the IPG buffer in gradient order; at a bucket's reduce-scatter they are
   interleaved per rank into a new buffer and pre-divided by the world size, as DeepSpeed's
   reduce_scatter_coalesced does (with reduce_scatter false: a rank-major buffer, all-reduced).
@@ -36,7 +37,7 @@ from calibration.core.grads import GradBuckets
 from calibration.core.model import DTYPES, batch, build_segments, param_shapes
 from calibration.core.moe import exchange, expert_groups, rank_initial_values
 from calibration.core.plan import Plan
-from zsim.schedule.ir import Op, OpKind, Phase
+from zsim.schedule.ir import Buffer, Op, OpKind, Phase
 
 
 class ZeroCore:
@@ -88,10 +89,11 @@ class ZeroCore:
             if persistent and len(run) > 1:
                 self.coalesced_runs[run[0].id] = [op.payload.pids[0] for op in run]
         self.inflight: dict[int, tuple] = {}
+        self.flat_out: dict[int, torch.Tensor] = {}     # gather op id -> its flat output buffer
         self.check_overflow = any(op.kind == OpKind.OVERFLOW_ALLREDUCE for op in plan.ops)
         self.dispatch = {
             OpKind.FORWARD: self._forward, OpKind.BACKWARD: self._backward,
-            OpKind.PARAM_GATHER: lambda op: self._gather(list(op.payload.pids)),
+            OpKind.PARAM_GATHER: lambda op: self._gather(list(op.payload.pids), op.id),
             OpKind.PERSISTENT_GATHER: self._gather_persistent,
             OpKind.UPDATED_GATHER: self._updated_gather,
             OpKind.BUCKET_REDUCE: lambda op: self.grads.reduce(op.payload),
@@ -179,12 +181,16 @@ class ZeroCore:
         if pid not in self.plan.persistent:
             self.params[pid].data = self.empty
 
-    def _gather(self, pids):
+    def _gather(self, pids, op_id: int):
         W = self.world
-        inp = torch.cat([self.shard16[self.soff[p]:self.soff[p + 1]] for p in pids]) if len(pids) > 1 \
-            else self.shard16[self.soff[pids[0]]:self.soff[pids[0] + 1]]
-        S = inp.numel()
+        S = sum(self.soff[p + 1] - self.soff[p] for p in pids)
         out = torch.empty(S * W, dtype=self.dtype)
+        if len(pids) > 1:
+            inp = torch.cat([self.shard16[self.soff[p]:self.soff[p + 1]] for p in pids],
+                            out=out.narrow(0, self.rank * S, S))
+            self.flat_out[op_id] = out
+        else:
+            inp = self.shard16[self.soff[pids[0]]:self.soff[pids[0] + 1]]
         self.comm.all_gather(out, inp)
         if len(pids) == 1:
             p = pids[0]
@@ -196,6 +202,10 @@ class ZeroCore:
             c = self.c[p]
             self.params[p].data = view[:, o:o + c].reshape(-1)[: self.numels[p]].view(self.shapes[p])
             o += c
+
+    def _drop_flat(self, tags):
+        for key in [t.key for t in tags if t.buffer == Buffer.GATHER_FLAT]:
+            del self.flat_out[key]
 
     def _launch_coalesced(self, pids):
         W = self.world
@@ -328,7 +338,7 @@ class ZeroCore:
         if pid in self.inflight:
             self._finish_gather(pid)
         else:
-            self._gather([pid])
+            self._gather([pid], op.id)
 
     def _grads_allreduce(self, op: Op):
         lo = op.payload.offset
@@ -382,9 +392,11 @@ class ZeroCore:
             self.comm.phase = "backward" if op.phase == Phase.RECOMPUTE else op.phase.value
             if op.phase not in (Phase.BACKWARD, Phase.RECOMPUTE):
                 self.grads.end_backward()
+            self._drop_flat(op.free_before)
             self.dispatch[op.kind](op)
             for pid in self.plan.releases.get(op.id, ()):
                 self._release(pid)
+            self._drop_flat(op.free)
             t1 = time.perf_counter()
             if record:
                 times.append((op.name, op.stream.value, op.phase.value, op.micro_step, t0 - t_start, t1 - t0))

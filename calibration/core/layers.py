@@ -34,9 +34,9 @@ class _Linear(torch.autograd.Function):
 
 
 def swappable_linear(x, w, b=None):
-    """The segment path's linear: the core swaps weights as ZeRO-3 does (see _Linear). A model
-    handed to DeepSpeed or FSDP is not built under deepspeed.zero.Init (which installs
-    zero3_linear_wrap), so the module path runs F.linear, as an HF model does there."""
+    """The segment path's linear: the core swaps weights as ZeRO-3 does (see _Linear). The module
+    path calls F.linear, looked up at each call: under DeepSpeed ZeRO-3 that is zero3_linear_wrap,
+    which deepspeed.initialize installs (see [Note: ZeRO-3 linear saves its input])."""
     return _Linear.apply(x, w, b)
 
 

@@ -203,6 +203,8 @@ def run_ops(schedule: Schedule, cluster, precision: str) -> tuple[list[OpTiming]
                 if not done[d].processed:
                     yield done[d]
             start = env.now
+            for tag in op.free_before:
+                free(start, tag)
             for a in op.alloc:
                 alloc(start, a)
             c = op_cost(op)

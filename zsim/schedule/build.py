@@ -23,7 +23,8 @@ def workload_for(sc: Scenario) -> Workload:
                         fused_cross_entropy=sc.training.fused_cross_entropy,
                         expert_parallel_size=sc.expert_parallel_size, tensor=sc.tensor_parallel_size,
                         sequence_parallel=sc.parallelism.sequence_parallel)
-    return apply_training(wl, sc.training)
+    z = sc.zero   # see [Note: ZeRO-3 linear saves its input]
+    return apply_training(wl, sc.training, zero3_linear=z.stage == 3 and z.memory_efficient_linear)
 
 
 def with_micro_steps(sc: Scenario, micro_steps: int) -> Scenario:

@@ -8,13 +8,13 @@ from zsim.schedule.payloads import ModulePass
 
 
 class _Draft:
-    __slots__ = ("kind", "stream", "phase", "micro", "payload", "deps", "alloc", "free", "hook_visits",
-                 "grad_hooks", "bucketed", "stage")
+    __slots__ = ("kind", "stream", "phase", "micro", "payload", "deps", "alloc", "free", "free_before",
+                 "hook_visits", "grad_hooks", "bucketed", "stage")
 
     def __init__(self, kind, stream, phase, micro, payload, deps, alloc, stage):
         self.kind, self.stream, self.phase, self.micro, self.payload = kind, stream, phase, micro, payload
         self.stage = stage
-        self.deps, self.alloc, self.free = deps, list(alloc), []
+        self.deps, self.alloc, self.free, self.free_before = deps, list(alloc), [], []
         self.hook_visits = self.grad_hooks = 0
         self.bucketed: list[int] = []
 
@@ -43,6 +43,10 @@ class Builder:
 
     def add_free(self, op_id: int, *tags: Tag):
         self._ops[op_id].free.extend(tags)
+
+    def add_free_before(self, op_id: int, *tags: Tag):
+        """`tags` are freed when the op starts, before it allocates (a pre-forward hook's wait)."""
+        self._ops[op_id].free_before.extend(tags)
 
     def add_alloc(self, op_id: int, *allocs: Alloc):
         self._ops[op_id].alloc.extend(allocs)
@@ -77,7 +81,7 @@ class Builder:
                 assert isinstance(payload, ModulePass)
                 payload = ModulePass(payload.module, payload.work, tuple(d.bucketed))
             ops.append(Op(i, d.kind, d.stream, d.phase, d.micro, payload, d.deps, tuple(d.alloc), tuple(d.free),
-                          d.hook_visits, d.grad_hooks, d.stage))
+                          d.hook_visits, d.grad_hooks, d.stage, tuple(d.free_before)))
         if not stage_layers:
             return Schedule(stage=stage, world_size=world_size, ops=tuple(ops), static=tuple(self._static.get(0, ())),
                             host=host, host_static=tuple(self._host_static.get(0, ())), tensor=tensor)

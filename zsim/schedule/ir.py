@@ -140,6 +140,7 @@ class Buffer(Enum):
     CHECKPOINT = "ckpt"              # a checkpointed block's input
     BLOCK_TEMP = "tmp"               # activations inside a checkpointed block while it runs
     GATHERED = "gathered"            # a ZeRO-3 param gathered on this rank
+    GATHER_FLAT = "agflat"           # a coalesced all-gather's flat output buffer (key: the gather op)
     GRAD16 = "grad16"                # a ZeRO-1 accumulated 16-bit .grad
     GRAD_PENDING = "grad"            # a ZeRO-2 .grad waiting for its bucket (contiguous_gradients false)
     GRAD_PARTITION = "grads"         # ZeRO-1/2 16-bit gradient partition (grads_in_partition)
@@ -210,6 +211,7 @@ class Op:
     hook_visits: int = 0            # ZeRO-3 module visits whose hooks run on the host before it
     grad_hooks: int = 0             # ZeRO-0/1/2 params whose gradients DeepSpeed handles after it
     stage: int = 0                  # the pipeline stage whose representative rank runs it
+    free_before: tuple[Tag, ...] = ()   # freed when the op starts, before its allocations (a hook's wait)
 
     @property
     def comm(self) -> Comm | None:

@@ -13,6 +13,15 @@
 - At the end of each backward everything non-persistent is released (release_and_reset_all),
   so every micro-step gathers again.
 - Params with numel <= param_persistence_threshold stay gathered (partition.persistent_params).
+- [Note: all-gather flat buffer] A coalesced gather of more than one param
+  (partition_parameters.py _all_gather_dtype) allocates one flat output buffer of
+  sum(ceil(numel / world)) * world elements; the handle's wait (AllGatherCoalescedHandle.wait)
+  gives every param its own copy (torch.cat of its pieces), and the flat buffer lives as long
+  as the handle: the inflight registry holds it once per param and pops a param when a visit
+  waits for it (_fetch_sub_module_impl), or at release_and_reset_all. So the buffer is freed
+  in the hook of the visit that waits for the bucket's last param, before that module runs;
+  a prefetch of many modules' params holds it until the last of them is used. A single param
+  (_all_gather_sequential) is gathered into its own buffer, no copy.
 Timing assumption: the host reaches a visit's hook when the previous compute op has finished
 (lock-step), so a prefetch overlaps the compute of the module before its consumer.
 """
@@ -118,6 +127,11 @@ class ParamCoordinator:
         """reset_step: every non-persistent param back in its partition, the trace rewound."""
         self.status = {pid: (AVAILABLE if pid in self.persistent else NOT_AVAILABLE) for pid in range(len(self.numels))}
         self.gather_op: dict[int, int] = {}
+        # see [Note: all-gather flat buffer]: the gather (op id) each in-flight param is waited from,
+        # the params of each flat buffer not yet waited, and the buffers the next module frees
+        self.inflight: dict[int, int] = {}
+        self.unwaited: dict[int, set[int]] = {}
+        self.waited: list[Tag] = []
         self.queue = deque(self.trace)
         self.most_recent = {pid: -10**10 for pid in range(len(self.numels))}
         self.n_available = 0
@@ -133,11 +147,17 @@ class ParamCoordinator:
         deps = [self.last_compute]
         if ctx.params_offloaded:
             deps = [offload.params_to_device(ctx, numel / ctx.world, micro, phase, deps, what)]
+        allocs = tuple(Alloc(Tag(Buffer.GATHERED, micro, p), Category.GATHERED, self.numels[p] * ctx.param_bytes)
+                       for p in pids)
+        if len(pids) > 1:
+            flat = ctx.b.next_id
+            allocs += (Alloc(Tag(Buffer.GATHER_FLAT, micro, flat), Category.GATHERED, numel * ctx.param_bytes),)
+            self.unwaited[flat] = set(pids)
+            self.inflight.update((p, flat) for p in pids)
         op = ctx.b.add(OpKind.PARAM_GATHER, Stream.ALLGATHER, phase, micro,
                        ParamGather(Comm(Collective.ALL_GATHER, numel, numel * ctx.param_bytes), tuple(pids), visit,
                                    prefetch),
-                       deps, tuple(Alloc(Tag(Buffer.GATHERED, micro, p), Category.GATHERED,
-                                         self.numels[p] * ctx.param_bytes) for p in pids))
+                       deps, allocs)
         for p in pids:
             self.status[p] = AVAILABLE
             self.gather_op[p] = op
@@ -152,6 +172,8 @@ class ParamCoordinator:
         own = list(visit.params)
         self._gather(sorted(own), micro, phase, visit.module, prefetch=False)
         deps = [self.gather_op[p] for p in own if p in self.gather_op]
+        for p in own:
+            self._wait(p, micro)
         not_fetched = [p for p in own if self.most_recent[p] < k]
         popped = 0
         while self.queue and popped < len(set(not_fetched)):
@@ -171,6 +193,22 @@ class ParamCoordinator:
                 self._gather(sorted(chosen), micro, phase, visit.module, prefetch=True)
         self.step_id += 1
         return deps
+
+    def _wait(self, p: int, micro: int):
+        """The registry pops `p`; its flat buffer goes when no param of it is left in flight."""
+        flat = self.inflight.pop(p, None)
+        if flat is not None:
+            self.unwaited[flat].discard(p)
+            if not self.unwaited[flat]:
+                del self.unwaited[flat]
+                self.waited.append(Tag(Buffer.GATHER_FLAT, micro, flat))
+
+    def module_ran(self, op: int):
+        """The module's compute op: the flat buffers its hook's wait dropped go before it runs."""
+        self.last_compute = op
+        if self.waited:
+            self.ctx.b.add_free_before(op, *self.waited)
+            self.waited = []
 
     def release(self, visit_index: int, micro: int, op: int):
         """release_sub_module after the visit's module ran (op); see [Note: parameter release]."""
@@ -198,6 +236,8 @@ class ParamCoordinator:
         for p, st in self.status.items():
             if st == AVAILABLE and p not in self.persistent:
                 self.ctx.b.add_free(op, Tag(Buffer.GATHERED, micro, p))
+        # the registry's leftovers are waited here; their flat buffers go with them
+        self.ctx.b.add_free(op, *(Tag(Buffer.GATHER_FLAT, micro, flat) for flat in self.unwaited), *self.waited)
         self.reset()
 
     def _drop(self, p: int):

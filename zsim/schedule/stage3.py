@@ -58,7 +58,7 @@ class Zero3Hooks(StageHooks):
         return []
 
     def post_module(self, ctx, module: Module, micro, phase, op):
-        self.fetch.last_compute = op
+        self.fetch.module_ran(op)
         # the hooks of the visits since the last module (containers, this module) run on the host
         # before the module computes; their cost is the profile's (engine), the count is data
         if self.pending_visits:

@@ -22,6 +22,12 @@ PEFT's get_peft_model rewrites an HF model (peft 0.21, tuners/lora/layer.py, tun
 - Activations: a frozen linear saves no input (mm's backward keeps the input only for the
   weight's gradient); the input shared by q/k/v (or gate/up) stays while any of them trains a
   weight or an adapter. Modules without a backward keep nothing.
+  [Note: ZeRO-3 linear saves its input] Under ZeRO-3 with memory_efficient_linear (DeepSpeed's
+  default) F.linear is DeepSpeed's zero3_linear_wrap (partition_parameters.py
+  _enable_mem_efficient_linear, installed by the Init that deepspeed.initialize runs on the
+  model, parameter_offload.py _convert_to_zero_parameters): LinearFunctionForZeroStage3
+  .setup_context saves (input, weight, bias) whatever needs a gradient (runtime/zero/linear.py),
+  so a frozen linear that autograd reaches keeps its input too.
 
 Names: `target_modules`, `modules_to_save` and `training.frozen` are module-name suffixes on a
 dot boundary (PEFT's rule for a list: `key == t or key.endswith("." + t)`; no regex, no
@@ -86,8 +92,9 @@ def _input_groups(wl: Workload) -> list[int]:
     return start
 
 
-def apply_training(wl: Workload, training: TrainingSpec) -> Workload:
-    """`wl` with training.frozen and training.lora applied (the workload itself when neither is set)."""
+def apply_training(wl: Workload, training: TrainingSpec, zero3_linear: bool) -> Workload:
+    """`wl` with training.frozen and training.lora applied (the workload itself when neither is set);
+    `zero3_linear`: F.linear is zero3_linear_wrap (see [Note: ZeRO-3 linear saves its input])."""
     lora, mods = training.lora, wl.modules
     if lora is None and not training.frozen:
         return wl
@@ -108,7 +115,8 @@ def apply_training(wl: Workload, training: TrainingSpec) -> Workload:
     full_ckpt = training.activation_checkpointing == "full"
     before = [any(trains[:i]) for i in range(len(mods))]
     input_grad = [m.kind != ModuleKind.EMBEDDING and (full_ckpt or before[group[i]]) for i, m in enumerate(mods)]
-    keeps_input = {group[i] for i in range(len(mods)) if mods[i].kind == ModuleKind.LINEAR and trains[i]}
+    keeps_input = {group[i] for i in range(len(mods))
+                   if mods[i].kind == ModuleKind.LINEAR and (trains[i] or (zero3_linear and input_grad[i]))}
     return _rebuild(wl, lora, frozen, targets, saved, weight_grad, input_grad, keeps_input)
 
 
