@@ -5,6 +5,8 @@ trees (medians over repetitions; ratios against the first tree given):
   summarize at GAS 1, 16 and 10,000, in process CPU time (the wall time of a single-threaded
   step on an idle machine; steadier than wall time on a machine shared with other work) (target: GAS 1 <= 0.05 s, GAS 16 <= 1.5x GAS 1,
   GAS 10,000 <= 2x GAS 1; a tree without the steady-state engine skips GAS 10,000);
+- the same model as PP16 x DP64, ZeRO-1, GAS 128 (issue 15 wants TP8 x PP16 x DP8 in <= 1 s;
+  a pipeline's steady 1F1B period is reused, zsim/engine/steady.py);
 - `zsim run` of the default scenario, process start to table (target <= 0.3 s);
 - `zsim tune scenarios/gpt3-175b-zero3.yaml` (target: >= 1,000 configurations in <= 10 s);
 - `zsim doctor` on a 70B model, 8 GPUs, DeepSpeed-Chat-like ZeRO-3 config (target <= 5 s);
@@ -48,6 +50,7 @@ CHAT_70B = {
                                         "stage3_max_live_parameters": 3e7,
                                         "stage3_prefetch_bucket_size": 3e7}},
 }
+PIPE = {**GPT3, "parallelism": {"pipeline": 16}, "deepspeed": {"zero_optimization": {"stage": 1}}}
 SWEEP_VARY = ["hardware.nodes=16,32,64,128", "training.micro_batch_size=1,2",
               "deepspeed.zero_optimization.stage=1,2,3", "deepspeed.zero_optimization.overlap_comm=true,false"]
 
@@ -80,8 +83,8 @@ def _env(tree: Path) -> dict:
     return {**os.environ, "PYTHONPATH": str(tree)}
 
 
-def _in_process(tree: Path, gas: int, repeat: int) -> float | None:
-    out = subprocess.run([sys.executable, "-c", _IN_PROCESS, json.dumps(GPT3), str(gas), str(repeat)],
+def _in_process(tree: Path, gas: int, repeat: int, raw: dict = GPT3) -> float | None:
+    out = subprocess.run([sys.executable, "-c", _IN_PROCESS, json.dumps(raw), str(gas), str(repeat)],
                          cwd=tree, env=_env(tree), capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -115,6 +118,7 @@ def measure(trees: list[Path], repeat: int, tmp: Path) -> dict:
     for gas in (1, 16, 10_000):
         figures[f"175B ZeRO-3 1024 GPUs GAS {gas} (CPU s)"] = _interleaved(
             trees, repeat if gas == 1 else slow, lambda t: _in_process(t, gas, 3 if gas == 1 else 1))
+    figures["175B PP16 x DP64 ZeRO-1 GAS 128 (CPU s)"] = _interleaved(trees, slow, lambda t: _in_process(t, 128, 1, PIPE))
     figures["zsim run default (s)"] = _interleaved(trees, repeat, lambda t: _cli(t, ["run", "--quiet"]))
     tune_json = {t: tmp / f"tune-{i}.json" for i, t in enumerate(trees)}
     figures["zsim tune gpt3-175b-zero3 (s)"] = _interleaved(

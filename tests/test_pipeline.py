@@ -177,9 +177,14 @@ def test_tune_and_doctor_stay_within_what_the_pipeline_engine_accepts():
 
     sc = pipe(2, **{"training.gradient_accumulation_steps": 2})
     cands = structural_candidates(sc)
-    assert {c.stage for c in cands} == {0, 1}
-    # the batch per data-parallel rank (8 GPUs / 2 stages = 4 ranks): micro 2 x GAS 2
-    assert {c.micro_batch * c.gas for c in cands} == {4}
+    # the layouts: the divisors of the 8 GPUs up to the model's 4 layers (one layer per stage at least)
+    assert {c.layout.pipeline for c in cands} == {1, 2, 4}
+    assert {c.stage for c in cands if c.layout.pipeline > 1} == {0, 1}
+    assert {c.stage for c in cands if c.layout.pipeline == 1} == {0, 1, 2, 3}
+    # the batch per data-parallel rank (global 16 over 8 GPUs / PP data-parallel ranks): PP 2 -> micro 2 x GAS 2
+    for c in cands:
+        assert c.micro_batch * c.gas == sc.global_batch_size // (8 // c.layout.pipeline)
+        assert sc.global_batch_size % (8 // c.layout.pipeline) == 0
     one = scenario(**{"model.layers": 4, "deepspeed.zero_optimization.stage": 1,
                       "training.gradient_accumulation_steps": 2})
     assert memory_lower_bound(sc) < memory_lower_bound(one)

@@ -71,7 +71,7 @@ def test_a_long_accumulation_simulates_four_micro_steps():
     result, trace = run_scenario(sc)
     assert trace.repeat is not None and trace.repeat.copies == 10_000 - trace.repeat.micro - 1
     assert {op.micro_step for op in trace.schedule.ops} == set(range(trace.repeat.micro + 2))
-    assert result.events == len(trace.schedule.ops) + (trace.repeat.copies - 1) * trace.repeat.ops_per_micro
+    assert result.events == len(trace.schedule.ops) + (trace.repeat.copies - 1) * len(trace.repeat.ops)
 
 
 def test_the_trace_shows_the_simulated_micro_steps_and_marks_the_repeated_one():
@@ -87,3 +87,44 @@ def test_the_trace_shows_the_simulated_micro_steps_and_marks_the_repeated_one():
     assert skipped["dur"] == pytest.approx(trace.repeat.skipped_s * 1e6, abs=1e-3)
     # on the full step's clock: the last op ends with the step
     assert max(e["ts"] + e["dur"] for e in ops) == pytest.approx(result.step_time_s * 1e6, abs=1e-2)
+
+
+PIPELINES = {
+    "pp2-zero0": {"parallelism.pipeline": 2, f"{ZERO}.stage": 0},
+    "pp2-zero1-full": {"parallelism.pipeline": 2, f"{ZERO}.stage": 1, "training.activation_checkpointing": "full"},
+    "pp4-zero1-tied": {"parallelism.pipeline": 4, "model.layers": 4, "model.tied_embeddings": True, f"{ZERO}.stage": 1},
+}
+
+
+@pytest.mark.parametrize("name", sorted(PIPELINES))
+def test_pipeline_steady_state_equals_full_simulation(name):
+    """A pipeline's 1F1B period, reused, gives the result of simulating every micro-step,
+    per-stage peaks and the bubble included."""
+    stages = PIPELINES[name]["parallelism.pipeline"]
+    reused = []
+    for gas in range(1, stages + 9):
+        sc = scenario(**PIPELINES[name], **{"training.gradient_accumulation_steps": gas})
+        steady, trace = run_scenario(sc)
+        full, full_trace = run_scenario(sc, steady=False)
+        assert full_trace.repeat is None
+        _same(steady, full)
+        assert steady.pipeline.peak_bytes == full.pipeline.peak_bytes
+        assert steady.pipeline.worst_stage == full.pipeline.worst_stage
+        assert steady.pipeline.bubble_fraction == pytest.approx(full.pipeline.bubble_fraction, rel=1e-9)
+        if trace.repeat is not None:
+            assert trace.repeat.pipeline and trace.repeat.copies == gas - stages - 3
+            reused.append(gas)
+    # longer than the shortened step (stages + 4 micro-steps): the period is reused
+    assert set(reused) == set(range(stages + 5, stages + 9))
+
+
+def test_a_long_pipeline_simulates_a_few_periods_past_the_warm_up():
+    sc = scenario(**PIPELINES["pp2-zero0"], **{"training.gradient_accumulation_steps": 10_000})
+    result, trace = run_scenario(sc)
+    assert trace.repeat is not None and trace.repeat.copies == 10_000 - 2 - 3
+    assert {op.micro_step for op in trace.schedule.ops} == set(range(2 + 4))
+    assert result.events == len(trace.schedule.ops) + (trace.repeat.copies - 1) * len(trace.repeat.ops)
+    # one period holds one forward and one backward of every layer of every stage
+    forwards = [op for op in trace.schedule.ops if op.id in trace.repeat.ops and op.kind.name == "FORWARD"]
+    backwards = [op for op in trace.schedule.ops if op.id in trace.repeat.ops and op.kind.name == "BACKWARD"]
+    assert forwards and len(forwards) == len(backwards)

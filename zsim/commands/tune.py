@@ -27,7 +27,7 @@ def distinct(ranked) -> list:
     the fewest knobs among its equals at the same rank, stays."""
     out, seen = [], set()
     for c, r in ranked:
-        key = (c.stage, c.offload, c.micro_batch, c.gas, c.checkpointing, r.step_time_s, r.memory.peak_bytes)
+        key = (c.layout, c.stage, c.offload, c.micro_batch, c.gas, c.checkpointing, r.step_time_s, r.memory.peak_bytes)
         if key not in seen:
             seen.add(key)
             out.append((c, r))
@@ -71,7 +71,8 @@ def main(args) -> int:
         for note in notes:
             print(f"note: {note}", file=sys.stderr)
     if args.json:
-        rows = [{"rank": i + 1, "set": list(c.assignments()), "stage": c.stage, "offload": c.offload,
+        rows = [{"rank": i + 1, "set": list(c.assignments()), "stage": c.stage,
+                 "pipeline_stages": c.layout.pipeline, "offload": c.offload,
                  "micro_batch_size": c.micro_batch, "gradient_accumulation_steps": c.gas,
                  "activation_checkpointing": c.checkpointing, "knobs": c.knobs,
                  "tokens_per_s_per_gpu": r.tokens_per_s_per_gpu, "mfu": r.mfu, "step_time_s": r.step_time_s,

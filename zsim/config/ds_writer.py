@@ -64,6 +64,12 @@ def tuned_ds_config(user_ds: dict, base: Scenario, tuned: Scenario, knobs) -> tu
         value = getattr(tuned, attr)
         if not has_batch or value != getattr(base, attr):
             put(cfg, key, value, key, hf_arg)
+    if tuned.pipeline_stages != base.pipeline_stages:
+        # DeepSpeed's "pipeline" block (runtime/config.py get_pipeline_config); the
+        # PipelineModule's num_stages in the model code must match it
+        pipe = cfg.get("pipeline") if isinstance(cfg.get("pipeline"), dict) else {}
+        cfg["pipeline"] = {**pipe, "stages": tuned.pipeline_stages}
+        notes.append(f"build the model as a PipelineModule with num_stages={tuned.pipeline_stages}")
     zero = cfg.setdefault("zero_optimization", {})
     if not isinstance(zero, dict):
         zero = cfg["zero_optimization"] = {}

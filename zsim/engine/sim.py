@@ -15,8 +15,9 @@ each stage has its own streams, its own copy of every link (placement.stage_link
 memory ledger; stages meet only in the point-to-point transfers and the tied-weight
 all-reduce, so warm-up, the steady 1F1B phase, cool-down and the bubble come out of the run.
 
-A step whose micro-steps repeat is simulated once per distinct micro-step (steady.py): the
-trace then carries a `Repeat` saying which time window stands for how many micro-steps.
+A step whose micro-steps repeat is simulated once per distinct micro-step (steady.py), a
+pipeline's a few 1F1B periods past its warm-up: the trace then carries a `Repeat` saying which
+time window stands for how many copies of itself.
 """
 from __future__ import annotations
 
@@ -42,20 +43,27 @@ class OpTiming(NamedTuple):
 
 @dataclass(frozen=True)
 class Repeat:
-    """The simulated steady state: the ops of micro-step `micro` and the time window
-    [start_s, end_s) they open stand for `copies` identical micro-steps, one `period_s` apart.
-    Times in the trace are those simulated; `shift_s` maps them to the full step's clock."""
+    """The simulated steady state: the ops that start in the time window [start_s, end_s) (a
+    data-parallel run: the ops of micro-step `micro`; a pipeline: one 1F1B period of every
+    stage, opened by stage 0's forward of micro-step `micro`) stand for `copies` identical
+    windows, one `period_s` apart. Times in the trace are those simulated; `shift_s` maps them
+    to the full step's clock."""
     micro: int
     copies: int
     period_s: float
     start_s: float
     end_s: float
-    ops_per_micro: int
+    ops: frozenset[int]          # ids of the simulated ops that stand for `copies` ops each
+    pipeline: bool = False
 
     @property
     def skipped_s(self) -> float:
         """Simulated time the copies not simulated take."""
         return (self.copies - 1) * self.period_s
+
+    @property
+    def name(self) -> str:
+        return f"1F1B period from micro-step {self.micro}" if self.pipeline else f"micro-step {self.micro}"
 
     def shift_s(self, time_s: float) -> float:
         """A simulated instant on the full step's clock: after the window, later by the skipped copies."""
@@ -63,7 +71,7 @@ class Repeat:
 
     def weight(self, op: Op) -> int:
         """How many ops of the full step this simulated op stands for."""
-        return self.copies if op.micro_step == self.micro else 1
+        return self.copies if op.id in self.ops else 1
 
 
 @dataclass(frozen=True)
@@ -187,13 +195,16 @@ def run_ops(schedule: Schedule, cluster, precision: str) -> tuple[list[OpTiming]
     for stage, ledger in enumerate(ledgers):
         for a in schedule.static_of(stage):
             ledger.alloc(0.0, a)
-    done = [Event(env) for _ in schedule.ops]
     timings: list[OpTiming | None] = [None] * len(schedule.ops)
     by_stream: dict[tuple[int, Stream], list[Op]] = {}
     # a device without concurrent streams (a CPU rank) runs every op in program order
     serial = not cluster.profile.gpu.concurrent_streams
     for op in schedule.ops:
         by_stream.setdefault((op.stage, Stream.COMPUTE if serial else op.stream), []).append(op)
+    # only an op that another op waits for needs an event to signal its end (an event nobody
+    # waits for would only be another pass of simpy's loop)
+    awaited = {d for op in schedule.ops for d in op.deps}
+    done = [Event(env) if i in awaited else None for i in range(len(schedule.ops))]
     op_cost, timeout, submit = cost.op_cost, env.timeout, fluid.submit
 
     def run_stream(ops: list[Op], ledger: Ledger):
@@ -216,7 +227,8 @@ def run_ops(schedule: Schedule, cluster, precision: str) -> tuple[list[OpTiming]
             for tag in op.free:
                 free(end, tag)
             timings[op.id] = OpTiming(op.id, start, end)
-            done[op.id].succeed()
+            if done[op.id] is not None:
+                done[op.id].succeed()
 
     for stage in range(schedule.stages):
         for stream in STREAMS:
@@ -231,13 +243,17 @@ def run_ops(schedule: Schedule, cluster, precision: str) -> tuple[list[OpTiming]
     return timings, ledgers
 
 
+def worst_stage(per_stage) -> int:
+    """The pipeline stage with the highest peak: it decides whether the run fits."""
+    return max(range(len(per_stage)), key=lambda s: peak_and_breakdown(per_stage[s])[0])
+
+
 def simulate(schedule: Schedule, cluster, precision: str) -> Trace:
     timings, ledgers = run_ops(schedule, cluster, precision)
     step = max((t.end_s for t in timings), default=0.0)
     if schedule.pipeline is None:
         return Trace(schedule, tuple(timings), ledgers[0].events(), step, len(schedule.ops))
     per_stage = tuple(ledger.events() for ledger in ledgers)
-    # the worst stage decides whether the run fits
-    worst = max(range(len(per_stage)), key=lambda s: peak_and_breakdown(per_stage[s])[0])
+    worst = worst_stage(per_stage)
     return Trace(schedule, tuple(timings), per_stage[worst], step, len(schedule.ops),
                  stage_ledger_events=per_stage, worst_stage=worst)

@@ -1,4 +1,5 @@
-"""Steady state reused, exactly: a step of GAS micro-steps simulated as five (or six).
+"""Steady state reused, exactly: a step of GAS micro-steps simulated as five (or six); a pipeline's as
+a few periods past its warm-up.
 
 Micro-steps between the first and the last of an accumulation window are the same ops
 (DeepSpeed runs the same hooks, gathers and reductions every micro-step; only the first
@@ -11,17 +12,22 @@ for every middle micro-step of the full step: the engine is deterministic and
 shift-invariant, so the same state at the start of a window gives the same window. The
 trace then stands for the full step through a `Repeat`; anything else falls back to
 simulating every micro-step.
+A pipeline's micro-steps are not alike (warm-up, steady 1F1B, cool-down), but its steady
+phase is periodic in time: every stage runs one forward and one backward per period. Its step
+is built with stages + 4 micro-steps (then 2 x stages + 4), and the period opened by stage 0's
+forward of the second-to-last micro-step stands for all the steady periods of the full step
+when the period before it ran the same ops one period earlier (find_pipeline_repeat).
 tests/test_steady.py checks both paths agree for every stage, offload and checkpointing
-variant.
+variant, and for pipelines.
 """
 from __future__ import annotations
 
 import gc
 from contextlib import contextmanager
 
-from zsim.engine.sim import Repeat, Trace, run_ops, simulate
+from zsim.engine.sim import Repeat, Trace, run_ops, simulate, worst_stage
 from zsim.schedule.build import build_schedule
-from zsim.schedule.ir import Schedule
+from zsim.schedule.ir import OpKind, Schedule
 from zsim.specs.scenario import Scenario
 from zsim.workload.module import Workload
 
@@ -54,27 +60,51 @@ def simulate_scenario(sc: Scenario, steady: bool = True) -> tuple[Workload, Trac
 
 def _simulate(sc: Scenario, steady: bool) -> tuple[Workload, Trace]:
     gas = sc.gradient_accumulation_steps
-    # a pipeline's micro-steps are not alike (warm-up, steady 1F1B, cool-down): simulated in full
-    steady = steady and sc.pipeline_stages == 1
+    pipeline = sc.pipeline_stages > 1
     wl = None
     spent = 0   # micro-steps simulated in attempts: never more than the full step's
-    for micro_steps in SIMULATED_MICRO_STEPS if steady else ():
+    attempts = _pipeline_micro_steps(sc.pipeline_stages) if pipeline else SIMULATED_MICRO_STEPS
+    for micro_steps in attempts if steady else ():
         spent += micro_steps
         if gas <= micro_steps or spent > gas:
             break
         wl, reduced = build_schedule(sc, wl, micro_steps=micro_steps)
         timings, ledgers = run_ops(reduced, sc.cluster, sc.precision)
-        events = ledgers[0].events()
-        repeat = find_repeat(reduced, timings, events, micro_steps, copies=gas - micro_steps + 1)
+        events = tuple(ledger.events() for ledger in ledgers)
+        find = find_pipeline_repeat if pipeline else find_repeat
+        repeat = find(reduced, timings, events, micro_steps, gas)
         if repeat is not None:
-            end = max(t.end_s for t in timings)
-            ops = len(reduced.ops) + (repeat.copies - 1) * repeat.ops_per_micro
-            return wl, Trace(reduced, tuple(timings), events, repeat.shift_s(end), ops, repeat)
+            end = repeat.shift_s(max(t.end_s for t in timings))
+            ops = len(reduced.ops) + (repeat.copies - 1) * len(repeat.ops)
+            if not pipeline:
+                return wl, Trace(reduced, tuple(timings), events[0], end, ops, repeat)
+            worst = worst_stage(events)
+            return wl, Trace(reduced, tuple(timings), events[worst], end, ops, repeat,
+                             stage_ledger_events=events, worst_stage=worst)
     wl, schedule = build_schedule(sc, wl)
     return wl, simulate(schedule, sc.cluster, sc.precision)
 
 
-def find_repeat(schedule: Schedule, timings, events, micro_steps: int, copies: int) -> Repeat | None:
+def _shifted(pairs, timings, period: float, tol: float) -> bool:
+    """Every (earlier, later) pair of ops is the same op one period later."""
+    for a, b in pairs:
+        ta, tb = timings[a.id], timings[b.id]
+        if (a.kind != b.kind or a.stream != b.stream or a.stage != b.stage
+                or abs(tb.start_s - ta.start_s - period) > tol or abs(tb.end_s - ta.end_s - period) > tol):
+            return False
+    return True
+
+
+def _balanced(events, lo: float, hi: float) -> bool:
+    """The window [lo, hi) leaves every memory category as it found it."""
+    net: dict[str, float] = {}
+    for time_s, delta, category, _ in events:
+        if lo <= time_s < hi:
+            net[category] = net.get(category, 0.0) + delta
+    return all(v == 0.0 for v in net.values())
+
+
+def find_repeat(schedule: Schedule, timings, stage_events, micro_steps: int, gas: int) -> Repeat | None:
     """The Repeat of a simulation of `micro_steps` micro-steps (its last middle one repeated),
     or None when its last two middle micro-steps differ."""
     by_micro: list[list] = [[] for _ in range(micro_steps)]
@@ -88,22 +118,62 @@ def find_repeat(schedule: Schedule, timings, events, micro_steps: int, copies: i
     starts = [min(timings[op.id].start_s for op in ops) for ops in by_micro]
     lo, hi = starts[micro], starts[micro + 1]
     period = lo - starts[micro - 1]
-    end = max(t.end_s for t in timings)
-    tol = _REL_TOL * max(end, 1.0)
+    tol = _REL_TOL * max(max(t.end_s for t in timings), 1.0)
+    if period <= 0 or hi <= lo or not _shifted(zip(before, repeated), timings, period, tol):
+        return None
+    # the micro-steps before must be over when the window opens, or the window would differ
+    if any(timings[op.id].end_s > lo for op in settling) or not _balanced(stage_events[0], lo, hi):
+        return None
+    return Repeat(micro, gas - micro_steps + 1, period, lo, hi, frozenset(op.id for op in repeated))
+
+
+def _pipeline_micro_steps(stages: int) -> tuple[int, ...]:
+    """A pipeline of `stages` stages settles into its 1F1B period a micro-step or two after
+    the last stage's first backward (stage 0 then runs one forward and one backward per
+    period): the shortened step runs a few periods past that."""
+    return (stages + 4, 2 * stages + 4)
+
+
+def find_pipeline_repeat(schedule: Schedule, timings, stage_events, micro_steps: int, gas: int) -> Repeat | None:
+    """The Repeat of a pipeline's shortened step: the 1F1B period opened by stage 0's forward
+    of micro-step j = micro_steps - 2 repeats when the period before it holds the same ops on
+    every stage and stream (each one micro-step earlier), each starting and ending exactly one
+    period earlier, nothing that started before that period is still running when the window
+    opens, and no stage's memory changes over the window. A full step of `gas` micro-steps is
+    then this one with gas - micro_steps more copies of the window: 1F1B adds one forward and
+    one backward per stage per extra micro-step, all in the steady phase."""
+    opens: dict[int, float] = {}
+    for op in schedule.ops:
+        if op.stage == 0 and op.kind == OpKind.FORWARD and op.micro_step not in opens:
+            opens[op.micro_step] = timings[op.id].start_s
+    j = micro_steps - 2
+    if any(m not in opens for m in (j - 1, j, j + 1)):
+        return None
+    lo, hi = opens[j], opens[j + 1]
+    period = lo - opens[j - 1]
     if period <= 0 or hi <= lo:
         return None
-    for a, b in zip(before, repeated):
-        ta, tb = timings[a.id], timings[b.id]
-        if (a.kind != b.kind or a.stream != b.stream or abs(tb.start_s - ta.start_s - period) > tol
-                or abs(tb.end_s - ta.end_s - period) > tol):
-            return None
-    # the micro-steps before must be over when the window opens, or the window would differ
-    if any(timings[op.id].end_s > lo for op in settling):
+    tol = _REL_TOL * max(max(t.end_s for t in timings), 1.0)
+    before, window = [], []
+    for op in schedule.ops:
+        _, start, end = timings[op.id]
+        if lo - period <= start < lo:
+            before.append(op)
+        elif lo <= start < hi:
+            window.append(op)
+        elif start < lo - period and end > lo:
+            return None     # still running from before: the window's state would differ
+    def order(op):
+        return op.stage, op.stream, timings[op.id].start_s, op.id
+    before.sort(key=order)
+    window.sort(key=order)
+    if len(before) != len(window) or not window:
         return None
-    net: dict[str, float] = {}
-    for time_s, delta, category, _ in events:
-        if lo <= time_s < hi:
-            net[category] = net.get(category, 0.0) + delta
-    if any(v != 0.0 for v in net.values()):
+    if any(b.micro_step != a.micro_step + 1 or b.payload != a.payload
+           or [x.size_bytes for x in a.alloc] != [x.size_bytes for x in b.alloc] for a, b in zip(before, window)):
         return None
-    return Repeat(micro, copies, period, lo, hi, len(repeated))
+    if not _shifted(zip(before, window), timings, period, tol):
+        return None
+    if not all(_balanced(events, lo, hi) for events in stage_events):
+        return None
+    return Repeat(j, gas - micro_steps + 1, period, lo, hi, frozenset(op.id for op in window), pipeline=True)

@@ -88,8 +88,8 @@ def save(path: str | Path, text: str):
 def chrome_trace(trace: Trace, name: str) -> dict:
     """Chrome trace-event format (also read by Perfetto): one thread per stream, a memory
     counter track from the ledger. Times in microseconds. A steady-state trace shows the
-    micro-steps simulated, on the full step's clock: the ops of the repeated micro-step are
-    marked with the number of micro-steps they stand for, and a "steady state" track spans
+    micro-steps simulated, on the full step's clock: the ops of the repeated micro-step (a
+    pipeline: of the repeated 1F1B period) are marked with the number of copies they stand for, and a "steady state" track spans
     the time of the copies not simulated. A pipeline has one process (track group) per stage,
     named after the stage's representative rank (and its model chunks under Megatron's
     interleaved schedule, whose sends name the chunk), each with its own memory counter."""
@@ -121,7 +121,7 @@ def chrome_trace(trace: Trace, name: str) -> dict:
         comm = op.comm
         if comm is not None:
             args.update(collective=comm.collective.value, numel=comm.numel, bytes=comm.size_bytes)
-        if repeat is not None and op.micro_step == repeat.micro:
+        if repeat is not None and op.id in repeat.ops:
             args["repeated_micro_steps"] = repeat.copies
         start, end = shift(t.start_s), shift(t.end_s)
         events.append({"ph": "X", "pid": op.stage + 1, "tid": tids[op.stream], "name": op.name,
@@ -131,7 +131,7 @@ def chrome_trace(trace: Trace, name: str) -> dict:
         tid = len(STREAMS) + 1
         events.append({"ph": "M", "pid": 1, "tid": tid, "name": "thread_name", "args": {"name": "steady state"}})
         events.append({"ph": "X", "pid": 1, "tid": tid, "cat": "steady state",
-                       "name": f"micro-step {repeat.micro} repeated {repeat.copies - 1} more times (not simulated)",
+                       "name": f"{repeat.name} repeated {repeat.copies - 1} more times (not simulated)",
                        "ts": round(repeat.end_s * 1e6, 3), "dur": round(repeat.skipped_s * 1e6, 3),
                        "args": {"period_s": repeat.period_s, "copies": repeat.copies}})
     for stage, ledger_events in enumerate(trace.stage_ledger_events or (trace.ledger_events,)):

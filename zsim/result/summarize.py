@@ -189,7 +189,8 @@ def _pipeline(sc: Scenario, trace: Trace, ops: _OpTotals) -> Pipeline | None:
     if layout is None:
         return None
     step = trace.step_time_s
-    busy = [_union_length(c + m) for c, m in zip(ops.compute_iv, ops.comm_iv)]
+    busy = [sum(n * _union_length(_clip(c + m, lo, hi)) for lo, hi, n in _windows(trace))
+            for c, m in zip(ops.compute_iv, ops.comm_iv)]
     reserved = sc.cluster.reserved_bytes
     return Pipeline(stages=layout.stages, data_parallel=layout.data_parallel,
                     partition_method=sc.parallelism.partition_method,

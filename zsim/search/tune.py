@@ -1,13 +1,16 @@
 """zsim tune: search ZeRO configurations at the scenario's global batch and world size.
 
 Search (deterministic):
-1. Structural candidates: stage x offload x micro-batch (dividing the per-GPU batch, the rest
-   accumulated) x activation checkpointing. Each is first checked against a memory lower
+1. Structural candidates: layout (pipeline stages: every divisor of the world size up to the
+   layer count whose data-parallel size divides the global batch; DeepSpeed's PipelineEngine
+   takes ZeRO-0/1 only, pipe/engine.py:76) x stage x offload x micro-batch (dividing the batch
+   per data-parallel rank, the rest accumulated) x activation checkpointing. Each is first checked against a memory lower
    bound that needs no simulation: model states left on the GPU + the activations every
    micro-batch must hold at the end of its forward + the CUDA/allocator reserve. The
    simulated peak can only be higher, so a candidate over capacity is pruned unsimulated.
 2. The survivors are simulated, cheapest-looking first (no offload, no recompute, larger
-   micro-batches), until half the budget is spent.
+   micro-batches), until half the budget is spent; the scenario's own layout first, the
+   other layouts only while nothing fits.
 3. Knob refinement: for the best fitting structures, coordinate descent over bucket sizes,
    prefetch, persistence threshold, max live parameters and overlap_comm.
 A point of the search space is a `TunePoint`; it runs as a `Variant` (a list of `--set`
@@ -49,6 +52,37 @@ KNOBS_STAGE3 = {
 OBJECTIVES = {"tokens_per_s": True, "mfu": True, "step_time_s": False}
 
 
+@dataclass(frozen=True)
+class Layout:
+    """How the world splits besides data parallelism: the model-parallel dimensions searched
+    (a tensor-parallel size joins here as a field, in `assignments`, `model_parallel` and a loop
+    of `layouts`)."""
+    pipeline: int = 1
+
+    @property
+    def model_parallel(self) -> int:
+        """GPUs per data-parallel rank."""
+        return self.pipeline
+
+    @property
+    def top_stage(self) -> int:
+        # DeepSpeed's PipelineEngine refuses ZeRO-2/3 (pipe/engine.py:76)
+        return 1 if self.pipeline > 1 else 3
+
+    def assignments(self) -> tuple[str, ...]:
+        return (f"parallelism.pipeline={self.pipeline}",)
+
+    def label(self) -> str:
+        return f", PP {self.pipeline}" if self.pipeline > 1 else ""
+
+
+def layouts(sc) -> list[Layout]:
+    """Every layout of the scenario's world: pipeline sizes dividing it, with a transformer layer
+    per stage at least and a data-parallel size that divides the global batch."""
+    world, batch = sc.cluster.world_size, sc.global_batch_size
+    return [Layout(pp) for pp in _divisors(world) if pp <= sc.model.layers and batch % (world // pp) == 0]
+
+
 @dataclass
 class TunePoint:
     """One configuration of the search space: the structure and the ZeRO knobs it sets."""
@@ -58,9 +92,10 @@ class TunePoint:
     gas: int
     checkpointing: str
     knobs: dict = field(default_factory=dict)
+    layout: Layout = Layout()
 
     def assignments(self) -> tuple[str, ...]:
-        out = [f"{Z}.stage={self.stage}", *OFFLOADS[self.offload],
+        out = [*self.layout.assignments(), f"{Z}.stage={self.stage}", *OFFLOADS[self.offload],
                f"training.micro_batch_size={self.micro_batch}",
                f"training.gradient_accumulation_steps={self.gas}",
                "deepspeed.train_micro_batch_size_per_gpu=null", "deepspeed.gradient_accumulation_steps=null",
@@ -71,16 +106,18 @@ class TunePoint:
     @property
     def variant(self) -> Variant:
         knobs = "".join(f", {k}={fmt_setting(v)}" for k, v in sorted(self.knobs.items()))
-        return Variant(f"ZeRO-{self.stage}, offload {self.offload}, {self.micro_batch}x{self.gas}, "
+        return Variant(f"ZeRO-{self.stage}{self.layout.label()}, offload {self.offload}, {self.micro_batch}x{self.gas}, "
                        f"checkpointing {self.checkpointing}{knobs}", self.assignments())
 
     def key(self):
-        return (self.stage, self.offload, self.micro_batch, self.checkpointing, tuple(sorted(self.knobs.items())))
+        return (self.layout, self.stage, self.offload, self.micro_batch, self.checkpointing,
+                tuple(sorted(self.knobs.items())))
 
 
-def memory_lower_bound(sc) -> float:
-    """Bytes the simulated peak cannot go below (see module doc)."""
-    wl = workload_for(sc)
+def memory_lower_bound(sc, wl=None) -> float:
+    """Bytes the simulated peak cannot go below (see module doc); `wl`: the scenario's workload
+    when already built."""
+    wl = wl or workload_for(sc)
     # a pipeline: the worst stage holds at least the average stage's share of the model (states
     # and one micro-batch's activations of its layers)
     pp = sc.pipeline_stages
@@ -110,26 +147,31 @@ def _divisors(n: int) -> list[int]:
 
 
 def structural_candidates(sc) -> list[TunePoint]:
-    # the batch divides by the data-parallel size; a pipeline (kept at its stages) allows ZeRO-0/1 only
-    per_gpu = sc.global_batch_size // sc.data_parallel_size
     out = []
-    for stage in (0, 1) if sc.pipeline_stages > 1 else (0, 1, 2, 3):
-        for off in OFFLOADS:
-            if off != "none" and stage == 0:
-                continue
-            if off.startswith("optimizer+params") and stage != 3:
-                continue
-            if off.endswith("nvme") and sc.cluster.profile.nvme.drives_per_node == 0:
-                continue
-            for mb in _divisors(per_gpu):
-                for ck in ("none", "selective", "full"):
-                    if ck == "selective" and sc.training.flash_attention:
-                        continue   # with FlashAttention nothing s^2-sized is stored: same as none
-                    out.append(TunePoint(stage, off, mb, per_gpu // mb, ck))
-    # cheapest-looking first: no offload, no recompute, big micro-batches, higher stages last for ties
+    for layout in layouts(sc):
+        # the batch divides by the data-parallel size
+        per_rank = sc.global_batch_size // (sc.cluster.world_size // layout.model_parallel)
+        for stage in range(layout.top_stage + 1):
+            for off in OFFLOADS:
+                if off != "none" and stage == 0:
+                    continue
+                if off.startswith("optimizer+params") and stage != 3:
+                    continue
+                if off.endswith("nvme") and sc.cluster.profile.nvme.drives_per_node == 0:
+                    continue
+                for mb in _divisors(per_rank):
+                    for ck in ("none", "selective", "full"):
+                        if ck == "selective" and sc.training.flash_attention:
+                            continue   # with FlashAttention nothing s^2-sized is stored: same as none
+                        out.append(TunePoint(stage, off, mb, per_rank // mb, ck, layout=layout))
+    # cheapest-looking first: the scenario's own layout (a layout adds bubbles and point-to-point
+    # sends; the others are tried when the budget is not spent), no offload, no recompute, big
+    # micro-batches, higher ZeRO stages last for ties
+    own = Layout(sc.pipeline_stages)
     off_rank = {k: i for i, k in enumerate(OFFLOADS)}
     ck_rank = {"none": 0, "selective": 1, "full": 2}
-    out.sort(key=lambda c: (off_rank[c.offload], ck_rank[c.checkpointing], -c.micro_batch, c.stage))
+    out.sort(key=lambda c: (c.layout != own, c.layout.model_parallel, off_rank[c.offload], ck_rank[c.checkpointing],
+                            -c.micro_batch, c.stage))
     return out
 
 
@@ -174,18 +216,27 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int = 60) -> TuneR
         return sorted(ok, key=lambda cr: -score(cr[1], objective))
 
     survivors = []
+    workloads: dict = {}    # candidates share workloads: the micro-batch decides them here
     for c in structural_candidates(base_sc):
         try:
             sc = base.scenario(c.assignments())
         except ZsimInputError:
             rejected += 1
             continue
-        if memory_lower_bound(sc) > capacity:
+        key = (sc.model, sc.micro_batch_size, sc.seq_len, sc.precision, sc.training, sc.expert_parallel_size)
+        if key not in workloads:
+            workloads[key] = workload_for(sc)
+        if memory_lower_bound(sc, workloads[key]) > capacity:
             pruned.append(c)
         else:
             survivors.append((c, sc))
-    # half the budget on structures; if none of those fits, keep going until one does
+    # half the budget on structures; if none of those fits, keep going until one does. Other
+    # layouts than the scenario's come last, and only while nothing fits (a simulated pipeline of
+    # many stages costs several data-parallel ones)
+    own = Layout(base_sc.pipeline_stages)
     for i, (c, sc) in enumerate(survivors):
+        if c.layout != own and any(out.fits for _, out in seen.values()):
+            break
         evaluate(c, sc)
         if i + 1 >= max(1, budget // 2) and (any(out.fits for _, out in seen.values()) or len(seen) >= budget):
             break
@@ -200,7 +251,7 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int = 60) -> TuneR
                 if len(seen) >= budget:
                     break
                 trial = TunePoint(best_c.stage, best_c.offload, best_c.micro_batch, best_c.gas, best_c.checkpointing,
-                                  {**best_c.knobs, name: v})
+                                  {**best_c.knobs, name: v}, best_c.layout)
                 r = evaluate(trial)
                 if r is not None and r.fits and score(r, objective) > score(best_r, objective):
                     best_c, best_r = trial, r
