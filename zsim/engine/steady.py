@@ -64,7 +64,10 @@ def _simulate(sc: Scenario, steady: bool) -> tuple[Workload, Trace]:
     wl = None
     spent = 0   # micro-steps simulated in attempts: never more than the full step's
     attempts = _pipeline_micro_steps(sc.pipeline_stages) if pipeline else SIMULATED_MICRO_STEPS
-    for micro_steps in attempts if steady else ():
+    # Megatron's interleaved schedule runs micro-batches in groups of `pipeline` through every
+    # chunk: its period is a group, not one micro-step, so it is simulated in full
+    interleaved = sc.parallelism.virtual_stages > 1
+    for micro_steps in attempts if steady and not interleaved else ():
         spent += micro_steps
         if gas <= micro_steps or spent > gas:
             break
