@@ -137,10 +137,10 @@ class Zero12Buckets(_Buckets):
             ctx.b.add_free(before, *[Tag(Buffer.GRAD16, key=pid) for pid in self.bucket])
         self.micro_flush = (micro, last)
         if ctx.optimizer_offloaded:
-            owned = sum(n for _, r, n in bucket_slices(self.bucket, self.groups, self.group_of, self.numels)
-                        if r == 0)   # rank 0's slices (ranks are symmetric)
-            if owned:
-                self.last_d2h = offload.grads_to_host(ctx, owned, micro, last, f"bucket {self.flushes}")
+            mine = [n for _, r, n in bucket_slices(self.bucket, self.groups, self.group_of, self.numels)
+                    if r == 0]   # rank 0's slices (ranks are symmetric)
+            if sum(mine):
+                self.last_d2h = offload.grads_to_host(ctx, sum(mine), micro, last, f"bucket {self.flushes}", len(mine))
         if self.pending:
             ctx.b.add_free(last, *self.pending)
             self.pending = []

@@ -103,15 +103,17 @@ def grad_norm_ops(ctx: StepContext, shard_params: float, n_tensors: int, deps, o
     tests/fixtures); with several flat groups one norm all-reduce each, then each MoE group's
     norm averaged over its expert-data-parallel group (see [Note: MoE parameter groups]). The
     local passes stream the shard like the step does and are charged at
-    its rate (calibration times them together). With the optimizer offloaded the gradients are
-    checked on the host as they are copied (`local_overflow`, the CPU norm): one read here."""
+    its rate (calibration times them together). With the optimizer offloaded (ZeRO-1/2) the
+    overflow flag and the norms come from the backward's per-parameter passes."""
     check = overflow_check and ctx.param_bytes < FP32_BYTES
     if device_passes:
         per_param = norm_bytes_per_param(ctx.param_bytes) + (overflow_bytes_per_param(ctx.param_bytes) if check else 0.0)
         kernels = n_tensors * (NORM_KERNELS_PER_TENSOR + (OVERFLOW_KERNELS_PER_TENSOR if check else 0)) + 3
         work = ComputeWork(optimizer_bytes=per_param * shard_params, kernels=kernels)
     else:
-        work = ComputeWork(mem_bytes=ctx.param_bytes * shard_params, kernels=2)
+        # the norms were taken per parameter in the backward (see [Note: ZeRO-Offload gradient
+        # copies]); the step sums them on the host, one .item() each
+        work = ComputeWork(kernels=n_tensors)
     last = ctx.b.add(OpKind.GRAD_NORM, Stream.COMPUTE, Phase.STEP, ctx.last_micro, StepCompute(work, shard_params),
                      deps)
     if check:
