@@ -18,7 +18,8 @@ import math
 from zsim.schedule.context import StepContext
 from zsim.schedule.ir import (Category, ComputeWork, Copy, CpuAdam, HostSettings, OpKind, Phase, StepCompute, Stream,
                               Transfer)
-from zsim.schedule.optimizer import ADAM_STATE_BYTES, FP32_BYTES, NORM_DTYPE_BYTES, optimizer_step
+from zsim.schedule.optimizer import (ADAM_STATE_BYTES, FP32_BYTES, NORM_KERNELS_PER_TENSOR, OVERFLOW_KERNELS_PER_TENSOR,
+                                     norm_bytes_per_param, optimizer_step, overflow_bytes_per_param)
 
 OPT_STATE_BYTES = FP32_BYTES + ADAM_STATE_BYTES   # fp32 master + exp_avg + exp_avg_sq
 H2D, D2H = Transfer.H2D, Transfer.D2H
@@ -150,9 +151,9 @@ def _zero12_grads_to_host(ctx: StepContext, numel_owned: float, micro: int, afte
                      Copy(H2D, numel_owned * w, what=f"grad accumulation {label}"), [last])
     gpu_bytes, kernels = (3.0 * w, 1) if micro > 0 else (0.0, 0)
     if boundary:
-        # norm (cast + norm), overflow check (amax, amin, isfinite x2), cast
-        gpu_bytes += (w + 2 * NORM_DTYPE_BYTES) + 2 * w + (w + FP32_BYTES)
-        kernels += 2 + 4 + 1
+        # fp64 norm, overflow check, fp32 cast
+        gpu_bytes += norm_bytes_per_param(w) + overflow_bytes_per_param(w) + (w + FP32_BYTES)
+        kernels += NORM_KERNELS_PER_TENSOR + OVERFLOW_KERNELS_PER_TENSOR + 1
     if gpu_bytes:
         last = b.add(OpKind.GRAD_NORM, stream, Phase.BACKWARD, micro,
                      StepCompute(ComputeWork(mem_bytes=gpu_bytes * numel_owned, kernels=kernels * n_tensors),
