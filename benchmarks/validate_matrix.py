@@ -18,32 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _validate_common import CASES, run_case  # noqa: E402
+from _validate_common import CASES, combine, run_case  # noqa: E402
 
-from calibration.validation import mape, rel_error  # noqa: E402
-
-
-def combine(runs: list[dict]) -> dict:
-    """One report from repeated runs of a case: median of the runs' step-time medians."""
-    ok = [r for r in runs if "failed" not in r]
-    if not ok:
-        return runs[-1]
-    meds = [r["measured"]["step_time_s"] for r in ok]
-    med = statistics.median(meds)
-    out = dict(ok[0])
-    out["measured"] = {**ok[0]["measured"], "step_time_s": med, "run_medians_s": meds,
-                       "run_spread": (max(meds) - min(meds)) / med if med else 0.0,
-                       "peak_bytes": max(r["measured"]["peak_bytes"] for r in ok)}
-    out["error"] = {**ok[0]["error"], "step_time": rel_error(out["predicted"]["step_time_s"], med),
-                    "peak_bytes": rel_error(out["predicted"]["peak_bytes"], out["measured"]["peak_bytes"])}
-    out["collectives_equal"] = all(r["collectives_equal"] for r in ok)
-    out["runs"] = len(ok)
-    return out
+from calibration.validation import mape  # noqa: E402
 
 
 def main() -> int:

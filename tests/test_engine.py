@@ -166,7 +166,7 @@ def test_zero3_hook_time_is_charged_per_module_visit():
     sched = build_schedule(sc)[1]
     fwd = sum(op.hook_visits for op in sched.ops if op.phase == "forward")
     bwd = sum(op.hook_visits for op in sched.ops if op.phase == "backward")
-    n_visits = len(visit_sequence(StepContext(sc, workload_for(sc), None, 2, 2)))
+    n_visits = len(visit_sequence(StepContext(sc, workload_for(sc), None, 2, 2, 2)))
     # every visit's hooks land on a module's compute op, but for trailing param-less visits
     assert 0 < fwd and 0 < bwd and fwd + bwd <= n_visits
     base = run_scenario(sc)[0].step_time_s
@@ -260,7 +260,7 @@ def test_zero3_recompute_visits_the_modules_the_forward_visited():
 
     sc = scenario(**{"deepspeed.zero_optimization.stage": 3, "training.activation_checkpointing": "full"})
     wl = workload_for(sc)
-    visits = visit_sequence(StepContext(sc, wl, None, 2, 8))
+    visits = visit_sequence(StepContext(sc, wl, None, 2, 8, 2))
     layer_of = {m.name: m.layer for m in wl.modules} | {c: m.layer for m in wl.modules for c in m.containers}
 
     def per_layer(phase):

@@ -46,7 +46,9 @@ def test_compare_report_renders():
     assert "step time" in text and "-10.0%" in text and "equal" in text
 
 
-@pytest.mark.parametrize("name", [n for n in fixture_names() if n != "stage1_grad_accum_fp32"])
+# the core runs neither BF16_Optimizer nor a reduction dtype other than the model's (plan.unsupported)
+@pytest.mark.parametrize("name", [n for n in fixture_names()
+                                  if n != "stage1_grad_accum_fp32" and not n.endswith("_comm_fp32")])
 def test_core_plan_executes_deepspeed_schedule(name):
     """The core's plan covers every op of zsim's schedule for each recorded DeepSpeed config,
     assigns every gradient to exactly one bucket per micro-step, and expects the same calls."""

@@ -41,10 +41,13 @@ class GradBuckets:
         self.contiguous = z.contiguous_gradients
         self.ipg, self.ipg_numel = None, 0
         if self.contiguous and plan.buckets:
-            size = min(z.reduce_bucket_size, core.total)
+            # DeepSpeed allocates the full reduce_bucket_size however small the model (torch.empty:
+            # at the default 5e8 a 3.7M-param model's buffer is mostly never written, but it is
+            # allocated, and counted by the CUDA allocator as by the tracker)
+            size = z.reduce_bucket_size
             if self.sharded:   # one static IPG buffer (stage3.py:780-784)
-                size = max(min(b.numel, size + self.world * len(b.pids)) for b in plan.buckets.values())   # padding
-                self.ipg = torch.zeros(int(size), dtype=self.dtype)
+                need = max(min(b.numel, min(size, core.total) + self.world * len(b.pids)) for b in plan.buckets.values())
+                self.ipg = torch.empty(int(max(size, need)), dtype=self.dtype)
             else:
                 # see [Note: IPG buffer lifetime]: allocated at the first gradient of each backward and
                 # dropped at its end (setup_buckets, _release_ipg_buffers), as zsim's ledger charges it

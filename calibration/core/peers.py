@@ -67,10 +67,13 @@ def ds_config(sc) -> dict:
                     stage3_param_persistence_threshold=int(z.param_persistence_threshold),
                     stage3_max_live_parameters=int(z.max_live_parameters),
                     stage3_max_reuse_distance=int(z.max_reuse_distance))
-    return {"train_micro_batch_size_per_gpu": sc.micro_batch_size,
-            "gradient_accumulation_steps": sc.gradient_accumulation_steps,
-            "bf16": {"enabled": sc.precision == "bf16"}, "gradient_clipping": sc.deepspeed.gradient_clipping,
-            "zero_optimization": zero, "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    cfg = {"train_micro_batch_size_per_gpu": sc.micro_batch_size,
+           "gradient_accumulation_steps": sc.gradient_accumulation_steps,
+           "bf16": {"enabled": sc.precision == "bf16"}, "gradient_clipping": sc.deepspeed.gradient_clipping,
+           "zero_optimization": zero, "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    if sc.deepspeed.communication_data_type is not None:
+        cfg["communication_data_type"] = sc.deepspeed.reduction_dtype
+    return cfg
 
 
 def _trained(model) -> list:
@@ -152,6 +155,11 @@ def main(args, sc) -> int:
 
         def bwd(loss):
             engine.backward(loss)
+            if not engine.is_gradient_accumulation_boundary():
+                # DeepSpeed counts micro-steps in engine.step(), which must follow every backward
+                # (it steps the optimizer at the boundary only); without it every backward of
+                # the window after gas-1 skipped ones would count as a boundary
+                engine.step()
 
         def step(boundary):
             engine.step()

@@ -68,6 +68,8 @@ def unsupported(sc) -> str | None:
         return f"model.position {sc.model.position} (the core implements learned positions)"
     if sc.zero.optimizer_offload_device != "none" or sc.zero.param_offload_device != "none":
         return "deepspeed.zero_optimization offload (no device/host split on CPU)"
+    if sc.deepspeed.reduction_dtype != sc.precision:
+        return "deepspeed.communication_data_type other than the model dtype (the core reduces in the model dtype)"
     if sc.deepspeed.uses_bf16_optimizer:
         return "data_types.grad_accum_dtype fp32 with stage 1 (BF16_Optimizer)"   # see [Note: BF16_Optimizer]
     if sc.training.dropout:

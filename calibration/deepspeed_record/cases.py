@@ -76,6 +76,11 @@ def build_cases():
                                              stage3_max_reuse_distance=0)
     c["stage3_max_live_1e6_reuse_0"] = _base(3, stage3_max_live_parameters=1000000,
                                              stage3_max_reuse_distance=0)
+    # ---- communication_data_type fp32 under bf16 weights: every gradient reduction in fp32
+    # (engine.py:1719-1730, 3800; stage_1_and_2.py:2376; stage3.py:780-784, 1919)
+    c["stage0_comm_fp32"] = _with(_base(0), communication_data_type="fp32")
+    c["stage2_comm_fp32"] = _with(_base(2), communication_data_type="fp32")
+    c["stage3_comm_fp32"] = _with(_base(3), communication_data_type="fp32")
     return c
 
 

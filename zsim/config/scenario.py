@@ -170,8 +170,8 @@ def _check_top_level_ds(ds: dict):
     for key in ds:
         if key not in known:
             raise unknown_key("deepspeed", str(key), known)
-    # ignored for time and memory, but DeepSpeed refuses a bad value at start-up
-    # (runtime/config.py get_communication_data_type: fp16, bf16 or fp32, any case)
+    # DeepSpeed refuses a bad value at start-up (runtime/config.py get_communication_data_type:
+    # fp16, bf16 or fp32, any case); the sequence-parallel one is accepted and ignored
     for key in ("communication_data_type", "seq_parallel_communication_data_type"):
         value = ds.get(key)
         if value is not None and (not isinstance(value, str) or value.lower() not in COMM_DATA_TYPES):

@@ -118,7 +118,9 @@ def _op_totals(trace: Trace, gpus_per_node: int) -> _OpTotals:
             comm_bytes[kind] = comm_bytes.get(kind, 0.0) + n * sent
             comm_count[kind] = comm_count.get(kind, 0) + n
             comm_time[kind] = comm_time.get(kind, 0.0) + n * (t.end_s - t.start_s)
-        elif op.stream == Stream.COMPUTE:
+        elif op.stream == Stream.COMPUTE and not isinstance(p, Copy):
+            # a copy issued on the compute stream (ZeRO-Offload without overlap_comm) holds
+            # the stream but is host traffic, counted above
             compute_iv[op.stage].append((t.start_s, t.end_s))
             hw_flops += n * op.work.model_flops
     return _OpTotals(compute_iv, comm_iv, hw_flops, comm_bytes, comm_count, comm_time, comm_calls, host_time)

@@ -43,7 +43,8 @@ def build_schedule(sc: Scenario, wl: Workload | None = None,
     if micro_steps is not None:
         sc = with_micro_steps(sc, micro_steps)
     # every ZeRO collective of a stage runs over its data-parallel group (of its tensor-parallel rank)
-    ctx = StepContext(sc=sc, wl=wl, b=Builder(), param_bytes=DTYPE_BYTES[sc.precision], world=sc.data_parallel_size)
+    ctx = StepContext(sc=sc, wl=wl, b=Builder(), param_bytes=DTYPE_BYTES[sc.precision], world=sc.data_parallel_size,
+                      reduce_bytes=DTYPE_BYTES[sc.deepspeed.reduction_dtype])
     ctx.exchanges = (TokenExchanges(ctx), TensorCollectives(ctx))
     tp = sc.tensor_parallel_size
     if sc.pipeline_stages > 1:

@@ -17,6 +17,7 @@ class StepContext:
     b: Builder
     param_bytes: int            # 16-bit (2) or fp32 (4) model/gradient width
     world: int
+    reduce_bytes: int           # width of a reduced gradient element (DeepSpeedConfig.reduction_dtype)
     ckpt_offload_ops: dict = field(default_factory=dict)   # (micro, layer) -> D2H op of its checkpoint
     # what the passes add around the modules: moe.TokenExchanges (the MoE all-to-alls) and
     # tensor.TensorCollectives (Megatron's tensor-parallel collectives); build.py sets them

@@ -131,16 +131,17 @@ class Zero12Buckets(_Buckets):
             if self.lazy_grads and not self.partition_live:
                 alloc = (Alloc(Tag(Buffer.GRAD_PARTITION), Category.GRADIENTS, self.partition * width),)
                 self.partition_live = True
-            comm = Comm(collective, numel, numel * width, group=flat_group_process_group(ctx, self.groups[g]))
+            # allreduce_bucket casts the flat bucket to communication_data_type (stage_1_and_2.py:2376)
+            comm = Comm(collective, numel, numel * ctx.reduce_bytes, group=flat_group_process_group(ctx, self.groups[g]))
             last = self._reduce_op(micro, after, call, comm, dst, alloc, g)
         if self.lazy_grads and ctx.sc.zero.stage == 1 and self.walk_at_boundary:
             ctx.b.add_free(before, *[Tag(Buffer.GRAD16, key=pid) for pid in self.bucket])
         self.micro_flush = (micro, last)
         if ctx.optimizer_offloaded:
-            owned = sum(n for _, r, n in bucket_slices(self.bucket, self.groups, self.group_of, self.numels)
-                        if r == 0)   # rank 0's slices (ranks are symmetric)
-            if owned:
-                self.last_d2h = offload.grads_to_host(ctx, owned, micro, last, f"bucket {self.flushes}")
+            mine = [n for _, r, n in bucket_slices(self.bucket, self.groups, self.group_of, self.numels)
+                    if r == 0]   # rank 0's slices (ranks are symmetric)
+            if sum(mine):
+                self.last_d2h = offload.grads_to_host(ctx, sum(mine), micro, last, f"bucket {self.flushes}", len(mine))
         if self.pending:
             ctx.b.add_free(last, *self.pending)
             self.pending = []
@@ -163,17 +164,20 @@ class Zero3Buckets(_Buckets):
         bucket's per-rank chunks into a new buffer (torch.cat: read + write, skipped for a single
         tensor that divides evenly) and pre-divides it in place (div_: read + write); then
         partition_grads copies each rank's partition into its grad buffer (copy_ at the first
-        micro-step, add_ after: read + write, or 2 reads + write)."""
-        b = self.ctx.param_bytes
-        interleave = 2.0 * numel * b if interleaved else 0.0
-        predivide = 2.0 * numel * b
-        partition = (2.0 if micro == 0 else 3.0) * numel / self.ctx.world * b
+        micro-step, add_ after: read + write, or 2 reads + write). The bucket is in
+        communication_data_type, the grad partitions in the model dtype."""
+        # the gradients are in communication_data_type from the IPG buffer on (stage3.py:780-784,
+        # 1919); the partitions the reduced slice lands in hold the model dtype
+        b, r = self.ctx.param_bytes, self.ctx.reduce_bytes
+        interleave = 2.0 * numel * r if interleaved else 0.0
+        predivide = 2.0 * numel * r
+        partition = (r + b + (b if micro else 0)) * numel / self.ctx.world
         return interleave + predivide + partition
 
     def _flush(self, micro: int, after: int):
         ctx = self.ctx
         numel = sum(padded(self.numels[p], ctx.world) for p in self.bucket)
-        size_bytes = numel * ctx.param_bytes
+        size_bytes = numel * ctx.reduce_bytes
         if not ctx.sc.zero.reduce_scatter:
             comm, allocs = Comm(Collective.ALL_REDUCE, numel, size_bytes), ()
         else:

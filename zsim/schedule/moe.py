@@ -51,9 +51,10 @@ def moe_param_groups(sc, wl, world: int) -> list[FlatGroup]:
 
 
 def gathered_groups(groups: list[FlatGroup]) -> list[int]:
-    """The flat groups all-gathered after the step (all_gather_dp_groups): all but an expert group
-    of one rank (ep_size = world), which all_gather_into_tensor_dp_groups skips."""
-    return [g for g, group in enumerate(groups) if not (group.expert and group.ranks == 1)]
+    """The flat groups all-gathered after the step (all_gather_dp_groups): all but a group of one
+    rank, which all_gather_into_tensor_dp_groups skips (runtime/utils.py:1008-1015): an expert
+    group with ep_size = world, or every group on one GPU."""
+    return [g for g, group in enumerate(groups) if group.ranks > 1]
 
 
 def flat_group_process_group(ctx, group: FlatGroup) -> ProcessGroup | None:

@@ -18,7 +18,8 @@ import math
 from zsim.schedule.context import StepContext
 from zsim.schedule.ir import Category, HostSettings, OpKind, Phase, Stream, Transfer
 from zsim.schedule.payloads import ComputeWork, Copy, CpuAdam, StepCompute
-from zsim.schedule.optimizer import ADAM_STATE_BYTES, FP32_BYTES, optimizer_step
+from zsim.schedule.optimizer import (ADAM_STATE_BYTES, FP32_BYTES, NORM_KERNELS_PER_TENSOR, OVERFLOW_KERNELS_PER_TENSOR,
+                                     norm_bytes_per_param, optimizer_step, overflow_bytes_per_param)
 
 OPT_STATE_BYTES = FP32_BYTES + ADAM_STATE_BYTES   # fp32 master + exp_avg + exp_avg_sq
 H2D, D2H = Transfer.H2D, Transfer.D2H
@@ -95,24 +96,20 @@ def place_states(ctx: StepContext, states: dict[str, float], shard: float) -> di
     return states
 
 
-def grads_to_host(ctx: StepContext, numel_owned: float, micro: int, after: int, label: str) -> int:
+def grads_to_host(ctx: StepContext, numel_owned: float, micro: int, after: int, label: str, n_tensors: int = 1) -> int:
     """PCIe traffic of this rank's reduced gradient slice with optimizer offload.
 
     Stage 3 (stage3.py:2022-2045 partition_grads): the 16-bit partition goes to the host
     accumulation buffer and back to the GPU on the first micro-step (`.to(device)` keeps a GPU
     copy); later micro-steps bring the buffer to the GPU, add, and copy it back; at the boundary
     the fp32 cast is copied to the optimizer's fp32 gradient (_offload_grad_partition_at_boundary).
-    Stages 1/2 (stage_1_and_2.py:2142-2180): with accumulation, every micro-step copies the
-    16-bit gradient to a host buffer (async_accumulate_grad_in_cpu_via_gpu), bringing the
-    running sum back first after the first micro-step; at the boundary the fp32 cast goes to
-    the fp32 gradient partition (async_inplace_copy_grad_to_fp32_buffer_from_gpu)."""
+    Stages 1/2: see [Note: ZeRO-Offload gradient copies]."""
+    if ctx.sc.zero.stage != 3:
+        return _zero12_grads_to_host(ctx, numel_owned, micro, after, label, n_tensors)
     b, w = ctx.b, ctx.param_bytes
     boundary = micro == ctx.gas - 1
     last = after
-    if ctx.sc.zero.stage == 3:
-        steps = [(D2H, w), (H2D, w)] if micro == 0 else [(H2D, w), (D2H, w)]
-    else:
-        steps = ([(H2D, w)] if micro > 0 else []) + ([] if boundary else [(D2H, w)])
+    steps = [(D2H, w), (H2D, w)] if micro == 0 else [(H2D, w), (D2H, w)]
     if boundary:
         steps.append((D2H, FP32_BYTES))
     for transfer, width in steps:
@@ -120,6 +117,50 @@ def grads_to_host(ctx: StepContext, numel_owned: float, micro: int, after: int, 
         last = b.add(OpKind.GRAD_COPY, Stream(transfer.value), Phase.BACKWARD, micro,
                      Copy(transfer, numel_owned * width, what=f"{what} {label}"), [last])
     return last
+
+
+def _zero12_grads_to_host(ctx: StepContext, numel_owned: float, micro: int, after: int, label: str,
+                          n_tensors: int) -> int:
+    """[Note: ZeRO-Offload gradient copies] DeepSpeed 0.19.8's ZeRO-1/2 with offload_optimizer
+    handles each reduced gradient of its partition in reduce_ipg_grads -> copy_grads_in_partition
+    (stage_1_and_2.py:2142-2178), on the stream the bucket was reduced on: the reduction stream
+    with overlap_comm, else the current (compute) stream (2239-2246), so without overlap_comm
+    the backward's next kernels wait for the copies. Per parameter:
+    - accumulating (a micro-step before the boundary, or any after the first;
+      async_accumulate_grad_in_cpu_via_gpu, 1809-1860): the 16-bit running sum comes back from
+      the host (H2D, after the first micro-step) and is added on the GPU (read 2 x, write 1 x),
+      and goes out again (D2H, 16-bit) unless this is the boundary;
+    - at the boundary: the norm, cast to fp64 on the GPU (set_norm_for_param_grad_in_gpu,
+      1873-1886: read 16-bit, write and read fp64), the overflow check (has_inf_or_nan,
+      runtime/utils.py:205-228: amax and amin, two reads), then the fp16/bf16 -> fp32 cast on
+      the GPU (`src_tensor.to(fp32)`, 1899-1900: read 16-bit, write fp32) and its non-blocking
+      D2H copy into the fp32 gradient partition, pinned when offload_optimizer.pin_memory
+      (async_inplace_copy_grad_to_fp32_buffer_from_gpu, 1888-1912; 4 bytes an element cross PCIe).
+    zsim charges a bucket's parameters together: one GPU pass op (its kernels counted per
+    parameter) and one copy per direction.
+    The step then sums the per-parameter norms on the host (one `.item()` each,
+    complete_grad_norm_calculation_for_cpu_offload 1914-1944), runs DeepSpeedCPUAdam, casts the
+    fp32 partition into a pinned 16-bit host buffer and copies that to the GPU (2 bytes an
+    element, 3092-3096)."""
+    b, w = ctx.b, ctx.param_bytes
+    stream = ctx.grad_stream
+    boundary = micro == ctx.gas - 1
+    last = after
+    if micro > 0:
+        last = b.add(OpKind.GRAD_COPY, stream, Phase.BACKWARD, micro,
+                     Copy(H2D, numel_owned * w, what=f"grad accumulation {label}"), [last])
+    gpu_bytes, kernels = (3.0 * w, 1) if micro > 0 else (0.0, 0)
+    if boundary:
+        # fp64 norm, overflow check, fp32 cast
+        gpu_bytes += norm_bytes_per_param(w) + overflow_bytes_per_param(w) + (w + FP32_BYTES)
+        kernels += NORM_KERNELS_PER_TENSOR + OVERFLOW_KERNELS_PER_TENSOR + 1
+    if gpu_bytes:
+        last = b.add(OpKind.GRAD_NORM, stream, Phase.BACKWARD, micro,
+                     StepCompute(ComputeWork(mem_bytes=gpu_bytes * numel_owned, kernels=kernels * n_tensors),
+                                 numel_owned), [last])
+    width, what = (FP32_BYTES, "fp32 grads") if boundary else (w, "grad accumulation")
+    return b.add(OpKind.GRAD_COPY, stream, Phase.BACKWARD, micro, Copy(D2H, numel_owned * width, what=f"{what} {label}"),
+                 [last])
 
 
 def offloaded_step(ctx: StepContext, shard: float, deps, sub_group_size: int | None) -> int:

@@ -53,7 +53,18 @@ def model_state_bytes(n_params: int, shard_params: float, stage: int, param_byte
     """Model states per GPU (Rajbhandari et al. 2020, ZeRO, sec. 5): 16-bit params and grads,
     fp32 master weights and Adam moments; sharded by stage. `trainable` (count, this rank's
     shard of them) when some params are frozen: gradients and optimizer states cover only
-    those (see [Note: frozen parameters under ZeRO])."""
+    those (see [Note: frozen parameters under ZeRO]).
+
+    [Note: one-rank stage ordering] On one GPU, ZeRO-1 holds more than stage 0, as DeepSpeed
+    0.19.8 does. fp32: stage 0 runs the client optimizer on the fp32 params themselves (engine.py
+    _do_optimizer_sanity_check returns no wrapper, 2315-2316), while DeepSpeedZeroOptimizer
+    always clones an fp32 master partition (stage_1_and_2.py:560-561), +4 bytes a param, and its
+    IPG buffer holds reduce_bucket_size fp32 elements (setup_buckets 3256-3270). bf16: both keep
+    fp32 masters (stage 0's DDP_BFLOAT16 -> FP16_UnfusedOptimizer), but ZeRO-1's step flattens
+    the 16-bit gradient partition before casting it to fp32 (the flat copy, +2 bytes a param,
+    lives during the cast; see optimizer_step). Measured on one CPU rank
+    (tests/fixtures/single_rank, tests/test_one_rank_stages.py): bf16 70.89 -> 77.98 MiB,
+    fp32 70.89 -> 85.55 MiB of peak tensors for a 3.7M-param GPT."""
     n_train, train_shard = trainable if trainable is not None else (n_params, shard_params)
     master = FP32_BYTES if (param_bytes < FP32_BYTES or stage > 0) else 0
     opt_params = train_shard if stage >= 1 else n_train
@@ -109,15 +120,17 @@ def grad_norm_ops(ctx: StepContext, shard_params: float, n_tensors: int, deps, o
     tests/fixtures); with several flat groups one norm all-reduce each, then each MoE group's
     norm averaged over its expert-data-parallel group (see [Note: MoE parameter groups]). The
     local passes stream the shard like the step does and are charged at
-    its rate (calibration times them together). With the optimizer offloaded the gradients are
-    checked on the host as they are copied (`local_overflow`, the CPU norm): one read here."""
+    its rate (calibration times them together). With the optimizer offloaded (ZeRO-1/2) the
+    overflow flag and the norms come from the backward's per-parameter passes."""
     check = overflow_check and ctx.param_bytes < FP32_BYTES
     if device_passes:
         per_param = norm_bytes_per_param(ctx.param_bytes) + (overflow_bytes_per_param(ctx.param_bytes) if check else 0.0)
         kernels = n_tensors * (NORM_KERNELS_PER_TENSOR + (OVERFLOW_KERNELS_PER_TENSOR if check else 0)) + 3
         work = ComputeWork(optimizer_bytes=per_param * shard_params, kernels=kernels)
     else:
-        work = ComputeWork(mem_bytes=ctx.param_bytes * shard_params, kernels=2)
+        # the norms were taken per parameter in the backward (see [Note: ZeRO-Offload gradient
+        # copies]); the step sums them on the host, one .item() each
+        work = ComputeWork(kernels=n_tensors)
     last = ctx.b.add(OpKind.GRAD_NORM, Stream.COMPUTE, Phase.STEP, ctx.last_micro, StepCompute(work, shard_params),
                      deps)
     if check:

@@ -109,7 +109,8 @@ class Zero012Hooks(StageHooks):
             total = sum(self.buckets.numels[p] for p in group.pids)
             for offset in range(0, total, MEMORY_OPT_ALLREDUCE_SIZE):
                 n = min(MEMORY_OPT_ALLREDUCE_SIZE, total - offset)
-                comm = Comm(Collective.ALL_REDUCE, n, n * ctx.param_bytes, group=flat_group_process_group(ctx, group))
+                # engine.allreduce_bucket casts to communication_data_type (engine.py:3800)
+                comm = Comm(Collective.ALL_REDUCE, n, n * ctx.reduce_bytes, group=flat_group_process_group(ctx, group))
                 last = ctx.b.add(OpKind.GRAD_ALLREDUCE, Stream.COMPUTE, Phase.BACKWARD, micro,
                                  GradReduce(comm, call=chunk, offset=start + offset), [last])
                 chunk += 1

@@ -97,8 +97,9 @@ def build(ctx: StepContext):
         ctx.b.static_alloc(cat, size)
     ctx.b.static_alloc(Category.PERSISTENT, sum(numels[p] for p in persistent) * ctx.param_bytes)
     if z.contiguous_gradients:
-        # stage3.py:780-784: one IPG buffer of the full reduce_bucket_size elements
-        ctx.b.static_alloc(Category.BUCKETS, z.reduce_bucket_size * ctx.param_bytes)
+        # stage3.py:780-784: one IPG buffer of the full reduce_bucket_size elements, in
+        # communication_data_type (the key of ipg_buckets), not the model dtype
+        ctx.b.static_alloc(Category.BUCKETS, z.reduce_bucket_size * ctx.reduce_bytes)
     last = None
     for micro in range(ctx.gas):
         last = forward(ctx, hooks, micro, last)

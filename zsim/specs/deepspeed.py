@@ -208,7 +208,8 @@ IGNORED_TOP_LEVEL = frozenset({
     "compression_training", "data_efficiency", "curriculum_learning", "sparse_attention",
     "memory_breakdown", "seed", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
     "disable_allgather", "dataloader_drop_last", "sparse_gradients", "eigenvalue", "quantize_training",
-    "progressive_layer_drop", "gradient_predivide_factor", "prescale_gradients", "communication_data_type",
+    "progressive_layer_drop", "gradient_predivide_factor", "prescale_gradients",
+    # sequence parallelism (Ulysses) is not modelled: its reduction dtype has no step to act on
     "seq_parallel_communication_data_type", "amp", "timers", "monitor_config", "nebula",
     "hybrid_engine", "weight_quantization", "graph_harvesting", "use_node_local_storage", "load_universal",
     "torch_autocast", "compile",
@@ -246,6 +247,8 @@ class DeepSpeedConfig:
     optimizer: OptimizerConfig = spec(factory=OptimizerConfig)
     data_types: DataTypesConfig = spec(factory=DataTypesConfig)
     pipeline: PipelineConfig = spec(factory=PipelineConfig)
+    communication_data_type: Optional[str] = spec(
+        None, doc="dtype of the gradient reductions: fp16, bf16 or fp32 (any case); DeepSpeed's default: the model's")
 
     def __post_init__(self):
         if self.fp16.enabled and self.bf16.enabled:
@@ -272,6 +275,17 @@ class DeepSpeedConfig:
             return (f"deepspeed.activation_checkpointing.{key}: acts on checkpointed blocks only; "
                     f"ignored with training.activation_checkpointing: {mode} (set it to full)",)
         return ()
+
+    @property
+    def reduction_dtype(self) -> str:
+        """The dtype gradients are reduced in: engine.communication_data_type (engine.py:1719-1730)
+        is the configured one, else fp16 with fp16, bf16 with bf16, fp32 otherwise. Every stage
+        reduces in it: stage 0 and BF16_Optimizer through engine.allreduce_bucket (engine.py:3800),
+        ZeRO-1/2 through allreduce_bucket (stage_1_and_2.py:2376), ZeRO-3 through its IPG buffer,
+        allocated in that dtype (stage3.py:780-784), and __avg_scatter_grads (stage3.py:1919)."""
+        if self.communication_data_type is not None:
+            return self.communication_data_type.lower()
+        return "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
 
     @property
     def uses_bf16_optimizer(self) -> bool:

@@ -1,0 +1,137 @@
+"""zsim validate on configurations drawn at random (calibration/random_cases.py: stages 0-3,
+bucket / prefetch / persistence / max-live sizes with DeepSpeed's defaults and "auto",
+overlap_comm, contiguous_gradients, GAS 1-4, bf16/fp32, two model sizes, world 2 and 4), on
+each engine: predicted vs measured step time and peak memory per case, the measured run-to-run
+spread, step-time MAPE and max, peak-memory MAPE, and whether the collective lists are equal.
+
+    python benchmarks/validate_random.py [--seed S] [--n 20] [--engines own,deepspeed]
+                                         [--profile P] [--steps 8] [--repeats 3] [--json out.json]
+
+Without --seed a fresh seed is drawn; the seed is printed first either way. A seed listed in
+benchmarks/validate_random_tuned_seeds.txt was used to change the model or a profile: its
+figures are not held-out, and the script refuses it unless --reuse-tuned-seed (then it says so
+in the output). After tuning on a seed's cases, add the seed to that file.
+
+Each case runs --repeats times as separate launches in interleaved passes, as validate_matrix.py
+does (benchmarks/_validate_common.py combine); "run spread" is (max - min) / median of the runs'
+medians, "step spread" the largest within one run. A case an engine cannot run (the own core has
+no optimizer offload; the DeepSpeed peer on CPU has no host/device split to measure) is printed
+as skipped with the reason, and the offload draw is kept only when every engine runs it.
+
+DeepSpeed runs in the python named by ZSIM_DS_PYTHON (e.g. /work/venv-ds/bin/python) with
+DS_ACCELERATOR=cpu. Timing-sensitive: run it on a quiet machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _validate_common import combine, run_case  # noqa: E402
+
+from calibration.random_cases import describe, sample  # noqa: E402
+from calibration.validation import mape  # noqa: E402
+
+TUNED_SEEDS_FILE = Path(__file__).parent / "validate_random_tuned_seeds.txt"
+# engines whose measured run separates device from host memory, so an offloaded optimizer can
+# be compared; on CPU/gloo neither does (all tensors live in one memory)
+RUNS_OFFLOAD: frozenset[str] = frozenset()
+
+
+def tuned_seeds(path: Path = TUNED_SEEDS_FILE) -> dict[int, str]:
+    """{seed: what it was tuned for} from the file's `seed  note` lines (# comments)."""
+    out = {}
+    for line in path.read_text().splitlines() if path.exists() else ():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            seed, _, note = line.partition(" ")
+            out[int(seed)] = note.strip()
+    return out
+
+
+def _pct(e) -> str:
+    return "     -" if e is None else f"{100 * e:+6.1f}%"
+
+
+def report(engine: str, cases, results: dict) -> dict:
+    print(f"\n== engine {engine} ==")
+    print(f"{'case':8s} {'meas ms':>8s} {'run spr':>7s} {'step spr':>8s} {'pred ms':>8s} {'err':>7s}  "
+          f"{'meas MiB':>8s} {'pred MiB':>8s} {'err':>7s}  colls  config")
+    st, pk, equal = [], [], 0
+    for case in cases:
+        r = results.get(f"{engine}/{case.name}")
+        if r is None:
+            print(f"{case.name:8s} skipped: {engine} cannot run optimizer offload here  {describe(case)}")
+            continue
+        if "failed" in r:
+            print(f"{case.name:8s} FAILED: {r['failed']}  {describe(case)}")
+            continue
+        m, p, e = r["measured"], r["predicted"], r["error"]
+        st.append(e["step_time"])
+        pk.append(e["peak_bytes"])
+        equal += bool(r["collectives_equal"])
+        flag = " (spread > error)" if e["step_time"] is not None and m["run_spread"] > abs(e["step_time"]) else ""
+        print(f"{case.name:8s} {m['step_time_s'] * 1e3:8.1f} {100 * m['run_spread']:6.1f}% "
+              f"{100 * m.get('step_time_spread', 0.0):7.1f}% {p['step_time_s'] * 1e3:8.1f} {_pct(e['step_time'])}  "
+              f"{m['peak_bytes'] / 2**20:8.1f} {p['peak_bytes'] / 2**20:8.1f} {_pct(e['peak_bytes'])}  "
+              f"{'equal' if r['collectives_equal'] else 'DIFFER'}  {describe(case)}{flag}", flush=True)
+    summary = {"cases": len(st), "step_time_mape": mape(st), "peak_mape": mape(pk),
+               "step_time_max": max((abs(x) for x in st if x is not None), default=None),
+               "collectives_equal": equal}
+    if st:
+        print(f"{engine}: step-time MAPE {100 * summary['step_time_mape']:.1f}% (max {100 * summary['step_time_max']:.1f}%), "
+              f"peak-memory MAPE {100 * summary['peak_mape']:.1f}%, collective lists equal {equal}/{len(st)}")
+    else:
+        print(f"{engine}: no successful case")
+    return summary
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seed", type=int, default=None, help="default: a fresh one (printed)")
+    ap.add_argument("--n", type=int, default=20)
+    ap.add_argument("--engines", default="own,deepspeed")
+    ap.add_argument("--profile", default=None, help="hardware profile of the prediction (validate's default)")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--reuse-tuned-seed", action="store_true", help="allow a seed listed as tuned on")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    seed = a.seed if a.seed is not None else secrets.randbelow(2**31)
+    tuned = tuned_seeds()
+    if seed in tuned and not a.reuse_tuned_seed:
+        print(f"validate_random: error: seed {seed} was tuned on ({tuned[seed]}); its figures are not held-out. "
+              "Draw a fresh seed, or pass --reuse-tuned-seed to rerun it knowingly", file=sys.stderr)
+        return 2
+    engines = a.engines.split(",")
+    offload = all(e in RUNS_OFFLOAD for e in engines)
+    cases = sample(seed, a.n, offload=offload)
+    print(f"seed {seed}: {a.n} cases, engines {','.join(engines)}, profile {a.profile or 'validate default'}, "
+          f"{a.repeats} runs x {a.steps} steps per case"
+          + (f"  [TUNED SEED: {tuned[seed]}; not held-out]" if seed in tuned else "  [fresh: not tuned on]"), flush=True)
+    runs: dict[str, list[dict]] = {}
+    for rep in range(a.repeats):
+        print(f"pass {rep + 1}/{a.repeats}", file=sys.stderr, flush=True)
+        for case in cases:
+            for engine in engines:
+                if case.offloaded and engine not in RUNS_OFFLOAD:
+                    continue
+                runs.setdefault(f"{engine}/{case.name}", []).append(
+                    run_case(case.scenario, case.overrides, engine, a.steps, a.warmup, a.profile))
+    results = {k: combine(v) for k, v in runs.items()}
+    summaries = {engine: report(engine, cases, results) for engine in engines}
+    print(f"\nseed {seed}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"seed": seed, "tuned": seed in tuned, "summary": summaries,
+                                            "cases": {c.name: {"draws": dict(c.draws), "overrides": list(c.overrides)}
+                                                      for c in cases},
+                                            "results": results}, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""The sampler of benchmarks/validate_random.py (calibration/random_cases.py), without launching
+anything: a seed names a fixed list of cases, the draws cover the whole space (DeepSpeed's
+defaults and "auto" included), and every case is one zsim accepts and the engines can run."""
+from __future__ import annotations
+
+import importlib.util
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from calibration.core.plan import unsupported
+from calibration.random_cases import (AUTO, DEFAULT, GAS, MODELS, PRECISIONS, REDUCE_BUCKET, STAGE3_SIZES, STAGES,
+                                      WORLD_SIZES, deepspeed_default, describe, sample)
+from calibration.validation import TENSOR_ONLY_OVERRIDES
+from zsim.config.scenario import load_scenario
+from zsim.schedule.build import build_schedule
+
+ROOT = Path(__file__).resolve().parents[1]
+SCEN = ROOT / "benchmarks" / "validate_scenarios"
+
+
+def _load(case):
+    # what `zsim validate` adds (calibration/commands/validate.py main)
+    extra = ("hardware.profile=cpu-gloo-localhost", "hardware.nodes=1") + TENSOR_ONLY_OVERRIDES
+    return load_scenario(str(SCEN / f"{case.scenario}.yaml"), case.overrides + extra)
+
+
+def test_a_seed_names_a_fixed_list_of_cases():
+    a, b = sample(1234, 12), sample(1234, 12)
+    assert a == b
+    assert sample(1234, 5) == a[:5]                 # a longer draw extends a shorter one
+    assert [c.draws for c in sample(1235, 12)] != [c.draws for c in a]
+    # the offload switch changes the offload draw only: the other dimensions stay the seed's
+    off = sample(1234, 12, offload=False)
+    assert [[d for d in c.draws if d[0] != "offload_optimizer"] for c in off] == \
+        [[d for d in c.draws if d[0] != "offload_optimizer"] for c in a]
+    assert not any(c.offloaded for c in off) and any(c.offloaded for c in a)
+
+
+def test_the_draws_cover_the_space_defaults_and_auto_included():
+    seen = defaultdict(set)
+    for case in sample(7, 400):
+        for dim, option in case.draws:
+            seen[dim].add(option)
+    assert seen["model"] == set(MODELS) and seen["world"] == set(WORLD_SIZES)
+    assert seen["stage"] == set(STAGES) and seen["precision"] == set(PRECISIONS) and seen["gas"] == set(GAS)
+    assert seen["overlap_comm"] == {DEFAULT, True, False} and seen["contiguous_gradients"] == {True, False}
+    assert seen["reduce_bucket_size"] == set(REDUCE_BUCKET) >= {DEFAULT, AUTO}
+    for key, options in STAGE3_SIZES.items():
+        assert seen[key] == set(options) and DEFAULT in options
+    assert seen["offload_optimizer"] == {"none", "cpu"}
+    assert AUTO in seen["stage3_prefetch_bucket_size"] and AUTO in seen["stage3_param_persistence_threshold"]
+
+
+def test_default_and_auto_resolve_to_deepspeeds_and_hf_trainers_values():
+    cases = sample(7, 400)
+    d = next(c for c in cases if dict(c.draws)["reduce_bucket_size"] == DEFAULT)
+    assert _load(d).zero.reduce_bucket_size == deepspeed_default("reduce_bucket_size") == int(5e8)
+    a = next(c for c in cases if dict(c.draws)["stage"] == 3 and dict(c.draws)["stage3_prefetch_bucket_size"] == AUTO)
+    sc = _load(a)
+    # transformers' HfTrainerDeepSpeedConfig: 0.9 * hidden^2
+    assert sc.zero.prefetch_bucket_size == int(0.9 * sc.model.hidden ** 2)
+    p = next(c for c in cases if dict(c.draws)["stage"] == 3 and
+             dict(c.draws)["stage3_param_persistence_threshold"] == DEFAULT)
+    assert _load(p).zero.param_persistence_threshold == deepspeed_default("stage3_param_persistence_threshold") == int(1e5)
+
+
+@pytest.mark.parametrize("seed", [11, 12])
+def test_every_case_is_accepted_and_runs_on_the_engines(seed):
+    for case in sample(seed, 20):
+        sc = _load(case)
+        d = dict(case.draws)
+        assert (sc.zero.stage, sc.precision, sc.gradient_accumulation_steps, sc.cluster.world_size) == \
+            (d["stage"], d["precision"], d["gas"], d["world"]), describe(case)
+        build_schedule(sc)
+        why = unsupported(sc)
+        # the own core runs every case but an offloaded optimizer, which it refuses in one line
+        assert (why is not None) == case.offloaded, (describe(case), why)
+
+
+def test_the_benchmark_refuses_a_seed_it_was_tuned_on(tmp_path):
+    spec = importlib.util.spec_from_file_location("validate_random", ROOT / "benchmarks" / "validate_random.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    f = tmp_path / "seeds.txt"
+    f.write_text("# comment\n42  prefetch rule (2026-11-23)\n\n")
+    assert mod.tuned_seeds(f) == {42: "prefetch rule (2026-11-23)"}
+    assert isinstance(mod.tuned_seeds(), dict)      # the shipped list parses
