@@ -13,7 +13,8 @@ import pytest
 from tests.deepspeed_fixtures import fixture_names, load_fixture, scenario_for
 from tests.helpers import scenario
 from zsim.schedule.build import build_schedule
-from zsim.schedule.ir import MEASURED_PASS, Collective, GradReduce, OpKind
+from zsim.schedule.ir import MEASURED_PASS, Collective, OpKind
+from zsim.schedule.payloads import GradReduce
 from zsim.workload.module import DTYPE_BYTES
 
 REDUCTIONS = (OpKind.BUCKET_REDUCE, OpKind.GRAD_ALLREDUCE)
