@@ -85,14 +85,33 @@ def test_tensor_parallel_core_matches_unsharded_adamw(case, tmp_path):
     assert tp_calls(calls[0]) == tp_calls(calls[1])
 
 
-@pytest.mark.parametrize("case", ["tp2_sp", "tp2xdp2"])
-def test_tensor_parallel_calls_are_zsims(case, tmp_path):
-    """The TP calls of rank 0 against zsim's schedule of the same scenario (its ops over
-    Group.TENSOR, in order): switched on once zsim schedules tensor parallelism."""
+def zsim_calls(sched, stage: int) -> list[tuple]:
+    """A stage's tensor-parallel collectives and point-to-point sends in zsim's schedule, in
+    order, as the core logs them: (pass, call, numel, bytes)."""
     from zsim.schedule import ir
+    from zsim.schedule.payloads import PipeTransfer
 
-    if not hasattr(ir.Group, "TENSOR"):
-        pytest.skip("zsim does not schedule tensor parallelism yet (no Group.TENSOR in zsim/schedule/ir.py)")
+    pipe = {ir.OpKind.SEND_ACTIVATION: "send", ir.OpKind.SEND_GRAD: "send", ir.OpKind.RECV_ACTIVATION: "recv",
+            ir.OpKind.RECV_GRAD: "recv"}
+    out = []
+    for op in sched.ops:
+        if op.stage != stage:
+            continue
+        if isinstance(op.payload, PipeTransfer):
+            size = int(op.payload.size_bytes)
+            out.append((ir.MEASURED_PASS[op.phase], pipe[op.kind], size // 4, size))   # fp32 activations
+        elif op.comm is not None and op.comm.group is not None and op.comm.group.kind == ir.Group.TENSOR:
+            out.append((ir.MEASURED_PASS[op.phase], op.comm.collective.value, int(op.comm.numel),
+                        int(op.comm.size_bytes)))
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_tensor_parallel_calls_are_zsims(case, tmp_path):
+    """Every stage's TP calls and sends (its first rank's) against zsim's schedule of the same
+    scenario: the f/g collectives, the SP column-parallel backward's re-gather, the embedding's
+    all-reduce before the learned positions, the cross-entropy's fp32 all-reduces, the one
+    flattened all-reduce of the sequence-parallel gradients, the 1F1B sends of sequence shards."""
     from zsim.config.scenario import scenario_from_mapping
     from zsim.schedule.build import build_schedule
 
@@ -101,7 +120,10 @@ def test_tensor_parallel_calls_are_zsims(case, tmp_path):
     doc = raw(case, world)
     doc["parallelism"] = {"tensor": tp, "pipeline": pp, "sequence_parallel": sp}
     _, sched = build_schedule(scenario_from_mapping(doc, ROOT))
-    predicted = [(ir.MEASURED_PASS[op.phase], op.comm.collective.value, int(op.comm.numel)) for op in sched.ops
-                 if op.stage == 0 and op.comm is not None and op.comm.group is not None
-                 and op.comm.group.kind == ir.Group.TENSOR]
-    assert tp_calls(measured["collectives_per_rank"][0]) == predicted
+    dp = world // (tp * pp)
+    for stage in range(pp):
+        calls = measured["collectives_per_rank"][stage * dp * tp]
+        logged = [tuple(c[:4]) for c in calls if c[4] in ("tensor", "pipe")]
+        assert logged == zsim_calls(sched, stage), f"stage {stage}"
+    if sp:   # the sequence-parallel gradients: one call per stage, norms and row-parallel biases
+        assert sum(c[:2] == ("backward", "all_reduce") for c in zsim_calls(sched, 0)) == 1

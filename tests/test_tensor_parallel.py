@@ -88,15 +88,39 @@ def test_two_all_reduces_per_layer_each_way_without_sp():
 
 def test_sequence_parallel_turns_them_into_reduce_scatter_and_all_gather():
     sc = scenario(**TP, **{"parallelism.sequence_parallel": True})
-    _, sched = build_schedule(sc)
+    assert sc.model.position == "learned"
+    wl, sched = build_schedule(sc)
     ops = _tp_ops(sched)
     n = sc.model.layers
     fwd, bwd = _counts(ops, Phase.FORWARD), _counts(ops, Phase.BACKWARD)
-    # forward: all-gather before QKV, fc1 and lm_head; reduce-scatter after proj, fc2 and the embedding
-    assert fwd == {OpKind.TP_ALL_GATHER: 2 * n + 1, OpKind.TP_REDUCE_SCATTER: 2 * n + 1, OpKind.TP_ALL_REDUCE: 3}
+    # forward: all-gather before QKV, fc1 and lm_head; reduce-scatter after proj and fc2; the
+    # embedding all-reduced before the learned positions (LanguageModelEmbedding: no
+    # reduce_scatter_embeddings with a position embedding); the loss's three
+    assert fwd == {OpKind.TP_ALL_GATHER: 2 * n + 1, OpKind.TP_REDUCE_SCATTER: 2 * n, OpKind.TP_ALL_REDUCE: 1 + 3}
     # backward: re-gather of each column-parallel input + reduce-scatter of its gradient; the
-    # all-gather of the row-parallel outputs' (and the embedding's) gradients
-    assert bwd == {OpKind.TP_ALL_GATHER: 2 * (2 * n + 1), OpKind.TP_REDUCE_SCATTER: 2 * n + 1}
+    # all-gather of the row-parallel outputs' (and the scattered embedding's) gradients; one
+    # all-reduce of the sequence-parallel gradients
+    assert bwd == {OpKind.TP_ALL_GATHER: 2 * (2 * n + 1), OpKind.TP_REDUCE_SCATTER: 2 * n + 1,
+                   OpKind.TP_ALL_REDUCE: 1}
+    grads = [op for op in ops if op.phase == Phase.BACKWARD and op.kind == OpKind.TP_ALL_REDUCE]
+    # finalize_model_grads: every norm and row-parallel bias, flattened; not the positions
+    partial = [p for p in wl.params if p.tensor_partial_grad]
+    assert {p.name.rsplit(".", 2)[-2] for p in partial} == {"ln_1", "ln_2", "ln_f", "o_proj", "fc_out"}
+    assert grads[0].comm.numel == sum(p.numel for p in partial)
+    # after the last backward and the ZeRO-1 reduction, before the step's norm
+    last_bwd = max(op.id for op in sched.ops if op.kind == OpKind.BACKWARD)
+    assert grads[0].id > last_bwd
+    assert any(grads[0].id in op.deps for op in sched.ops if op.kind == OpKind.GRAD_NORM)
+
+
+def test_without_learned_positions_the_embedding_is_reduce_scattered():
+    """LanguageModelEmbedding's reduce_scatter_embeddings: RoPE under SP reduce-scatters the
+    vocab-parallel rows (VocabParallelEmbedding), no all-reduce; without SP no partial gradients."""
+    sc = scenario(**TP, **{"parallelism.sequence_parallel": True, "model.position": "rope"})
+    wte = [op for op in _tp_ops(build_schedule(sc)[1]) if op.payload.module == "wte"]
+    assert [(op.phase, op.kind) for op in wte][:2] == [(Phase.FORWARD, OpKind.TP_REDUCE_SCATTER),
+                                                       (Phase.BACKWARD, OpKind.TP_ALL_GATHER)]
+    assert not any(p.tensor_partial_grad for p in build_schedule(scenario(**TP))[0].params)
 
 
 def test_full_recompute_reruns_the_forward_collectives():

@@ -8,13 +8,16 @@ Shoeybi et al. 2019 / Megatron-LM core/tensor_parallel (layers.py, mappings.py, 
   (reduce_from_tensor_model_parallel_region: all-reduce forward, identity backward); their
   bias is added once, after the reduction;
 - with sequence parallelism (Korthikanti et al. 2022) `f` becomes an all-gather along the
-  sequence (reduce-scatter in backward) and `g` a reduce-scatter (all-gather in backward); the
-  layer norms, residuals and biases run on the rank's sequence shard, and the gradients of
-  the parameters replicated over the TP group (norms, row-parallel biases, positions) are
-  all-reduced over it (finalize_model_grads' _allreduce_layernorm_grads);
+  sequence (in backward the all-gather again, the saved input being the shard, then a
+  reduce-scatter) and `g` a reduce-scatter (all-gather in backward); the layer norms,
+  residuals and biases run on the rank's sequence shard, and the gradients of those
+  replicated over the TP group (norms, row-parallel biases: Megatron's `sequence_parallel`
+  params; not the positions, added before the scatter) are all-reduced over it in one
+  flattened call (finalize_model_grads' _allreduce_non_tensor_model_parallel_grads);
 - VocabParallelEmbedding: each rank holds V/t rows, looks up its own ids, zeros the others,
   and the partial embeddings are all-reduced; with SP the sum (positions added) is split into
-  sequence shards (its gradient all-gathered);
+  sequence shards (its gradient all-gathered; LanguageModelEmbedding, reduce_scatter_embeddings
+  off with learned positions);
 - the LM head is column-parallel over the vocabulary and the loss is
   _VocabParallelCrossEntropy: the logits' max, the target logit and the sum of exponentials
   all-reduced over the TP group, the gradient (softmax - one-hot) computed locally.
@@ -96,12 +99,30 @@ def reduce_from_tp(x, comm):                 # g: all-reduce forward, identity b
     return _Region.apply(x, _reduced(comm), _identity)
 
 
-def gather_from_sp(x, comm):                 # f with SP: all-gather forward, reduce-scatter backward
-    return _Region.apply(x, comm.all_gather_seq, comm.reduce_scatter_seq)
-
-
 def reduce_scatter_to_sp(x, comm):           # g with SP: reduce-scatter forward, all-gather backward
     return _Region.apply(x, comm.reduce_scatter_seq, comm.all_gather_seq)
+
+
+class _SequenceParallelColumnLinear(torch.autograd.Function):
+    """A column-parallel linear under SP as Megatron's LinearWithGradAccumulationAndAsync
+    Communication runs it (tensor_parallel/layers.py): forward all-gathers the sequence shards
+    but keeps only the shard for backward, which all-gathers it again (for the weight gradient)
+    before reduce-scattering the input gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm):
+        ctx.save_for_backward(x, weight)
+        ctx.comm, ctx.has_bias = comm, bias is not None
+        return F.linear(comm.all_gather_seq(x), weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        total = ctx.comm.all_gather_seq(x)
+        grad_x = ctx.comm.reduce_scatter_seq(g.matmul(weight))
+        g2 = g.reshape(-1, g.shape[-1])
+        grad_w = g2.t().matmul(total.reshape(-1, total.shape[-1]))
+        return grad_x, grad_w, g2.sum(0) if ctx.has_bias else None, None
 
 
 def scatter_to_sp(x, comm):                  # split into sequence shards, all-gather backward
@@ -180,12 +201,18 @@ class TPModel:
             local, part = shard(p.name, value, m, comm.rank, self.t)
             self.params[p.name] = local.to(dtype).contiguous().requires_grad_(True)
             self.partitioned[p.name] = part
+        # Megatron's `sequence_parallel` params: replicated, run on the sequence shard, their
+        # gradients partial sums (the position embedding is added before the scatter: whole)
+        self.partial_grad = {n: sp and not part and n != "wpe.weight" for n, part in self.partitioned.items()}
 
     def W(self, name):
         return self.params[name]
 
-    def _into_tp(self, x):     # before a column-parallel linear
-        return gather_from_sp(x, self.comm) if self.sp else copy_to_tp(x, self.comm)
+    def _column(self, x, name: str, bias: bool = True):     # a column-parallel linear
+        w, b = self.W(name + ".weight"), self.W(name + ".bias") if bias else None
+        if self.sp:
+            return _SequenceParallelColumnLinear.apply(x, w, b, self.comm)
+        return F.linear(copy_to_tp(x, self.comm), w, b)
 
     def _out_of_tp(self, x):   # after a row-parallel linear
         return reduce_scatter_to_sp(x, self.comm) if self.sp else reduce_from_tp(x, self.comm)
@@ -206,19 +233,16 @@ class TPModel:
 
     def block(self, i: int, x):
         p, m = f"layers.{i}.", self.m
-        a = self._into_tp(self._norm(x, p + "ln_1"))
-        qkv = F.linear(a, self.W(p + "attn.qkv.weight"), self.W(p + "attn.qkv.bias"))
+        qkv = self._column(self._norm(x, p + "ln_1"), p + "attn.qkv")
         h = m.heads // self.t
         q, k, v = qkv.split(h * m.head_size, dim=-1)
         c = attend(h, h, m.head_size, q, k, v)
         x1 = x + self._out_of_tp(F.linear(c, self.W(p + "attn.o_proj.weight"))) + self.W(p + "attn.o_proj.bias")
-        b = self._into_tp(self._norm(x1, p + "ln_2"))
-        f = F.gelu(F.linear(b, self.W(p + "mlp.fc_in.weight"), self.W(p + "mlp.fc_in.bias")), approximate="tanh")
+        f = F.gelu(self._column(self._norm(x1, p + "ln_2"), p + "mlp.fc_in"), approximate="tanh")
         return x1 + self._out_of_tp(F.linear(f, self.W(p + "mlp.fc_out.weight"))) + self.W(p + "mlp.fc_out.bias")
 
     def head_loss(self, x, labels):
-        y = self._into_tp(self._norm(x, "ln_f"))
-        logits = F.linear(y, self.W("lm_head.weight"))
+        logits = self._column(self._norm(x, "ln_f"), "lm_head", bias=False)
         lo = self.comm.rank * logits.shape[-1]
         return _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), lo,
                                                 self.comm).mean()

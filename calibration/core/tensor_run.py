@@ -12,7 +12,7 @@ blocking send/recv of the stage boundary's hidden states (sequence shards under 
 same tp_rank of neighbouring stages; the blocks split uniformly, the embedding on the first
 stage and the head on the last. After the step's micro-batches (finalize_model_grads): the
 gradients all-reduced over the data-parallel group (summed, then divided by dp: plain DDP, no
-ZeRO), with SP the replicated parameters' over the TP group, the norm's squares over the
+ZeRO), with SP the sequence-parallel parameters' over the TP group in one flattened call, the norm's squares over the
 model-parallel group (TP x PP; a duplicate counted on tp_rank 0 only, as Megatron's
 param_is_not_tensor_parallel_duplicate), clipping, AdamW.
 """
@@ -143,13 +143,13 @@ def train(args, sc, lay: Layout):
             elif cmd == Cmd.RECV_GRAD:
                 s["grad"] = torch.empty(shape, dtype=dtype)
                 p2p(dist.recv, "recv", s["grad"], nxt)
-        _finalize_grads(model, names, lay, args.sp, clip, log)
+        _finalize_grads(model, names, lay, clip, log)
         opt.step()
         opt.zero_grad(set_to_none=True)
     return losses, comm.log
 
 
-def _finalize_grads(model, names, lay: Layout, sp: bool, clip: float, log: _Log):
+def _finalize_grads(model, names, lay: Layout, clip: float, log: _Log):
     comm = model.comm
     comm.phase = "backward"
     for n in names:
@@ -158,10 +158,13 @@ def _finalize_grads(model, names, lay: Layout, sp: bool, clip: float, log: _Log)
             log.call("all_reduce", g, "data")
             dist.all_reduce(g, group=lay.dp_group)
             g.div_(lay.dp)
-    if sp:   # _allreduce_layernorm_grads: params on sequence shards, replicated over the TP group
-        for n in names:
-            if not model.partitioned[n]:
-                comm.all_reduce(model.params[n].grad)
+    # _allreduce_non_tensor_model_parallel_grads (finalize_model_grads.py): the partial gradients
+    # of the sequence-parallel params, flattened into one all-reduce over the TP group
+    partial = [model.params[n].grad for n in names if model.partial_grad[n]]
+    if partial:
+        flat = comm.all_reduce(torch.cat([g.reshape(-1) for g in partial]))
+        for g, synced in zip(partial, flat.split([g.numel() for g in partial])):
+            g.copy_(synced.view_as(g))
     if clip <= 0:
         return
     comm.phase = "step"

@@ -30,6 +30,7 @@ from zsim.schedule.moe import expert_data_parallel_group, flat_group_process_gro
 from zsim.schedule.optimizer import FP32_BYTES, grad_norm_ops, model_state_bytes, optimizer_step
 from zsim.schedule.partition import grads_ready_at, pieces_in_partition
 from zsim.schedule.passes import backward, forward
+from zsim.schedule.tensor import sequence_parallel_grads
 from zsim.workload.module import Module
 
 # engine.py allreduce_gradients -> buffered_allreduce_fallback: MEMORY_OPT_ALLREDUCE_SIZE elements per call
@@ -146,6 +147,9 @@ def optimizer_boundary(ctx: StepContext, hooks: Zero012Hooks, last: int) -> int:
     shard = buckets.optimized_numel(z.stage)
     # the step waits for every reduction (reduction stream synchronised before the step)
     step_deps = [last, hooks.last_reduce]
+    tp_grads = sequence_parallel_grads(ctx, step_deps)
+    if tp_grads is not None:
+        step_deps = [tp_grads]
     if z.stage == 0:
         return optimizer_step(ctx, n_trainable, step_deps, flatten=False)
     if not hooks.bf16_optimizer:

@@ -14,6 +14,7 @@ from zsim.schedule.param_fetch import ParamCoordinator, leaf_of
 from zsim.schedule.partition import (grads_ready_at, padded, persistent_params, shard_numel, sub_group_sizes,
                                      trainable_numels)
 from zsim.schedule.passes import backward, forward
+from zsim.schedule.tensor import sequence_parallel_grads
 from zsim.workload.module import Module
 
 
@@ -105,7 +106,9 @@ def build(ctx: StepContext):
         last = forward(ctx, hooks, micro, last)
         last = backward(ctx, hooks, micro, last)
     # stage3.py _overflow_check_and_loss_scale_update: the overflow all-reduce runs for fp16 only
-    last = grad_norm_ops(ctx, train_shard, len(trained), [last, hooks.buckets.last_reduce],
+    step_deps = [last, hooks.buckets.last_reduce]
+    tp_grads = sequence_parallel_grads(ctx, step_deps)
+    last = grad_norm_ops(ctx, train_shard, len(trained), step_deps if tp_grads is None else [tp_grads],
                          overflow_check=ctx.sc.precision == "fp16", device_passes=not ctx.optimizer_offloaded)
     if ctx.optimizer_offloaded:
         last = offload.offloaded_step(ctx, train_shard, [last, hooks.buckets.last_d2h], z.sub_group_size)

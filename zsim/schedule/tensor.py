@@ -17,8 +17,17 @@ module meets them is its TensorRole (zsim/workload/module.py):
           Communication re-gathers it for the weight gradient) and a reduce-scatter of the input
           gradient after it
    EXIT   reduce-scatter after its forward, all-gather of the output gradient before its backward
+          (the embedding without learned positions too: reduce_scatter_embeddings)
+   EMBED  (the vocab-parallel embedding before learned positions) all-reduce after its forward,
+          all-gather of the gradient of the scattered sum before its backward
+          (language_model_embedding.py: scatter_to_sequence_parallel_region after the positions)
  VOCAB_LOSS: vocab_parallel_cross_entropy's three all-reduces of one fp32 per token (max,
           target logit, sum of exponentials) in forward.
+
+After the step's last backward (`sequence_parallel_grads`, finalize_model_grads.py
+_allreduce_non_tensor_model_parallel_grads, after the data-parallel grad sync): one all-reduce
+over the TP group of the flattened gradients every TP rank only partly computed
+(Param.tensor_partial_grad: the sequence-sharded norms and row-parallel biases, qk layernorms).
 
 A checkpointed block's recompute re-runs its forward collectives (Megatron's full recompute
 re-runs the block's forward, communication included).
@@ -43,6 +52,9 @@ _PLAN = {
     (True, TensorRole.ENTER, False, False): (RS,),
     (True, TensorRole.EXIT, True, False): (RS,),
     (True, TensorRole.EXIT, False, True): (AG,),
+    (False, TensorRole.EMBED, True, False): (AR,),
+    (True, TensorRole.EMBED, True, False): (AR,),
+    (True, TensorRole.EMBED, False, True): (AG,),
     (False, TensorRole.VOCAB_LOSS, True, False): (AR,) * 3,
     (True, TensorRole.VOCAB_LOSS, True, False): (AR,) * 3,
 }
@@ -86,3 +98,16 @@ class TensorCollectives:
 
     def after(self, ctx, module: Module, micro: int, phase: Phase, op: int) -> int:
         return self._add(ctx, module, micro, phase, self._plan(module, phase, False), op)
+
+
+def sequence_parallel_grads(ctx, deps) -> int | None:
+    """finalize_model_grads' all-reduce of the stage's partly computed replicated gradients over
+    the TP group: one coalesced call (_flatten_dense_tensors), in the width the gradients are
+    reduced in, on the compute stream after the last backward and the data-parallel reduction;
+    None without such parameters."""
+    numel = sum(p.numel for p in ctx.wl.params if p.tensor_partial_grad and p.trainable)
+    if ctx.sc.parallelism.tensor == 1 or not numel:
+        return None
+    payload = TensorComm(Comm(Collective.ALL_REDUCE, numel, float(numel * ctx.reduce_bytes),
+                              group=tensor_parallel_group(ctx.sc.parallelism.tensor)), "tensor_partial_grads")
+    return ctx.b.add(OpKind.TP_ALL_REDUCE, Stream.COMPUTE, Phase.BACKWARD, ctx.last_micro, payload, deps)

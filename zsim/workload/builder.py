@@ -39,8 +39,9 @@ class Builder:
         self.scope: tuple[str, ...] = ()
         self.expert: int | None = None
 
-    def param(self, name: str, numel: int) -> int:
-        self.params.append(Param(name, int(numel), expert=self.expert is not None))
+    def param(self, name: str, numel: int, tensor_partial_grad: bool = False) -> int:
+        self.params.append(Param(name, int(numel), expert=self.expert is not None,
+                                 tensor_partial_grad=tensor_partial_grad))
         return len(self.params) - 1
 
     def add(self, **fields) -> None:
@@ -55,7 +56,11 @@ class Builder:
         n, a = size or self.m.hidden, self.a
         t = self.t // self.seq if residual else self.t
         w = width or n
-        ids = (self.param(f"{name}.weight", n),) + ((self.param(f"{name}.bias", n),) if self.m.norm == "layernorm" else ())
+        # see Param.tensor_partial_grad: a residual norm on a sequence shard, a qk norm shared by
+        # the heads of every TP rank
+        partial = self.seq > 1 if residual else self.tp > 1
+        ids = (self.param(f"{name}.weight", n, partial),) + \
+            ((self.param(f"{name}.bias", n, partial),) if self.m.norm == "layernorm" else ())
         # fwd: read x, write y; bwd: read dy and x, write dx (Korthikanti: stores its input, 2sbh)
         self.add(name=name, kind=ModuleKind.NORM, layer=layer, params=ids, gemm=None, fwd_flops=8.0 * t * w,
                  bwd_flops=16.0 * t * w, model_fwd_flops=0.0, fwd_mem_bytes=2 * t * w * self.a,
@@ -82,8 +87,8 @@ class Builder:
             n_in //= self.tp
             extra_act, fwd_mem, bwd_mem = extra_act / self.seq, fwd_mem / self.seq, bwd_mem / self.seq
         ids = (weight if weight is not None else self.param(f"{name}.weight", n_in * n_out),)
-        if bias:
-            ids += (self.param(f"{name}.bias", n_out),)
+        if bias:   # a row-parallel bias added on the sequence shard (Param.tensor_partial_grad)
+            ids += (self.param(f"{name}.bias", n_out, split == Split.ROW and self.seq > 1),)
         flops = 2.0 * t * n_in * n_out
         model = flops if model_tokens is None else 2.0 * model_tokens * n_in * n_out
         self.add(name=name, kind=ModuleKind.LINEAR, layer=layer, params=ids, gemm=(t, n_out, n_in),

@@ -22,6 +22,12 @@ class Param:
     # requires_grad: frozen weights (LoRA's base model, training.frozen) carry no gradient and no
     # optimizer state, but ZeRO-3 still partitions and gathers them
     trainable: bool = True
+    # replicated over the tensor-parallel group, but each TP rank computes only part of its
+    # gradient: under sequence parallelism the norms of the residual stream and the row-parallel
+    # biases (they see the rank's sequence shard; Megatron tags them `sequence_parallel`,
+    # fused_layer_norm.py, tensor_parallel/layers.py RowParallelLinear), and the qk layernorms
+    # (shared by the heads the ranks split). finalize_model_grads sums them over the TP group
+    tensor_partial_grad: bool = False
 
 
 class ModuleKind(StrEnum):
@@ -45,6 +51,12 @@ class TensorRole(StrEnum):
     # reduce_from_tensor_model_parallel_region (all-reduce forward, identity backward); with SP
     # reduce_scatter_to_sequence_parallel_region (reduce-scatter forward, all-gather backward)
     EXIT = "exit"
+    # VocabParallelEmbedding under LanguageModelEmbedding with learned positions
+    # (models/common/embeddings/language_model_embedding.py: reduce_scatter_embeddings only
+    # without a position embedding): the partial rows all-reduced in forward, the positions
+    # added, and with SP the sum split into sequence shards (scatter_to_sequence_parallel_region:
+    # no communication forward, all-gather of the gradient in backward)
+    EMBED = "embed"
     # vocab_parallel_cross_entropy (cross_entropy.py): three all-reduces of one fp32 per token
     # (the logits' max, the target's logit, the sum of exponentials) in forward
     VOCAB_LOSS = "vocab loss"

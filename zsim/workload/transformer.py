@@ -77,11 +77,12 @@ def build_workload(m: ModelSpec, micro_batch_size: int, seq_len: int, precision:
     e = m.embed_proj_dim or h          # the token embedding's width (OPT-350m: 512 with hidden 1024)
     wte = bld.param("wte.weight", V * e)
     # token embedding: gather rows (write t*e); backward scatter-adds into the fp32-width table.
-    # Vocab-parallel: each rank's partial rows are all-reduced (with SP reduce-scattered)
+    # Vocab-parallel: each rank's partial rows are all-reduced, or with SP and no learned
+    # positions reduce-scattered (LanguageModelEmbedding's reduce_scatter_embeddings; TensorRole.EMBED)
+    role = TensorRole.EMBED if m.position == "learned" else TensorRole.EXIT
     bld.add(name="wte", kind=ModuleKind.EMBEDDING, layer=-1, params=(wte,), gemm=None, fwd_flops=0.0,
             bwd_flops=0.0, model_fwd_flops=0.0, fwd_mem_bytes=t * e * a, bwd_mem_bytes=2 * t * e * a,
-            act_bytes=drop * t * e / bld.seq, kernels_fwd=1, kernels_bwd=1, tensor_role=TensorRole.EXIT,
-            tensor_width=e)
+            act_bytes=drop * t * e / bld.seq, kernels_fwd=1, kernels_bwd=1, tensor_role=role, tensor_width=e)
     if m.embed_proj_dim:
         bld.linear("project_in", -1, e, h, False)
     if m.position == "learned":
