@@ -123,6 +123,17 @@ def test_without_learned_positions_the_embedding_is_reduce_scattered():
     assert not any(p.tensor_partial_grad for p in build_schedule(scenario(**TP))[0].params)
 
 
+def test_qk_layernorm_gradients_are_summed_over_tp_without_sp():
+    """finalize_model_grads sums q_layernorm / k_layernorm grads over the TP group even without SP:
+    each rank normalizes only its heads with the shared head_dim-wide weights."""
+    sc = scenario(**TP, **{"model.qk_norm": True, "model.fused_qkv": False})
+    wl, sched = build_schedule(sc)
+    partial = [p for p in wl.params if p.tensor_partial_grad]
+    assert partial and all(p.name.split(".")[-2] in ("q_norm", "k_norm") for p in partial)
+    grads = [op for op in _tp_ops(sched) if op.payload.module == "tensor_partial_grads"]
+    assert [(op.phase, op.comm.numel) for op in grads] == [(Phase.BACKWARD, sum(p.numel for p in partial))]
+
+
 def test_full_recompute_reruns_the_forward_collectives():
     sc = scenario(**TP, **{"training.activation_checkpointing": "full"})
     _, sched = build_schedule(sc)
