@@ -140,12 +140,17 @@ def backward(ctx: StepContext, hooks: StageHooks, micro: int, after: int) -> int
         if checkpointed and ctx.wl.layer_modules(module.layer)[0].name == module.name:
             frees.append(Tag(Buffer.CHECKPOINT, micro, module.layer))
         selective_recompute = ctx.checkpointing == "selective" and module.act_bytes_s2 > 0
-        # Korthikanti selective: recompute the attention core
+        # Korthikanti selective: recompute the attention core. Megatron re-runs the whole
+        # CoreAttention forward under tensor_parallel.checkpoint (megatron/model/transformer.py
+        # _checkpointed_attention_forward): baddbmm, scale-mask-softmax, attention dropout and
+        # bmm, so the recompute pays the core's forward memory passes and kernels, not only its FLOPs
         extra_attn = module.fwd_flops if selective_recompute else 0.0
+        extra_mem, extra_kernels = (module.fwd_mem_bytes, module.kernels_fwd) if selective_recompute else (0.0, 0)
         workspace = Tag(Buffer.WORKSPACE, micro, module.name, Phase.BACKWARD)
         work = ComputeWork(gemms=linear_gemms(module, True),
                            attention_flops=(module.bwd_flops + extra_attn) if module.kind == "attention" else 0.0,
-                           attention_backward=True, mem_bytes=module.bwd_mem_bytes, kernels=module.kernels_bwd,
+                           attention_backward=True, mem_bytes=module.bwd_mem_bytes + extra_mem,
+                           kernels=module.kernels_bwd + extra_kernels,
                            model_flops=(3 if extra_attn else 2) * module.model_fwd_flops)
         allocs = ((Alloc(workspace, Category.ACTIVATION_GRADIENTS, module.bwd_workspace),)
                   if module.bwd_workspace > 0 else ())
