@@ -27,7 +27,7 @@ from zsim.schedule.grad_buckets import Zero12Buckets
 from zsim.schedule.ir import Alloc, Buffer, Category, Collective, OpKind, Phase, Stream, Tag
 from zsim.schedule.payloads import Comm, GradReduce, ParamGather
 from zsim.schedule.moe import expert_data_parallel_group, flat_group_process_group, gathered_groups
-from zsim.schedule.optimizer import FP32_BYTES, grad_norm_ops, model_state_bytes, optimizer_step
+from zsim.schedule.optimizer import FP32_BYTES, clip_fp32_norm_ops, grad_norm_ops, model_state_bytes, optimizer_step
 from zsim.schedule.partition import grads_ready_at, pieces_in_partition
 from zsim.schedule.passes import backward, forward
 from zsim.workload.module import Module
@@ -147,6 +147,8 @@ def optimizer_boundary(ctx: StepContext, hooks: Zero012Hooks, last: int) -> int:
     # the step waits for every reduction (reduction stream synchronised before the step)
     step_deps = [last, hooks.last_reduce]
     if z.stage == 0:
+        if ctx.sc.deepspeed.gradient_clipping > 0 and ctx.sc.precision == "fp32":
+            step_deps = [clip_fp32_norm_ops(ctx, n_trainable, len(buckets.trainable), step_deps)]
         return optimizer_step(ctx, n_trainable, step_deps, flatten=False)
     if not hooks.bf16_optimizer:
         pieces = sum(pieces_in_partition(g, buckets.numels, 0) for g in buckets.groups)

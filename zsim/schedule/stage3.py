@@ -9,7 +9,7 @@ from zsim.schedule.context import StageHooks, StepContext
 from zsim.schedule.grad_buckets import Zero3Buckets
 from zsim.schedule.ir import Category, Collective, OpKind, Phase, Stream
 from zsim.schedule.payloads import Comm, ParamGather
-from zsim.schedule.optimizer import grad_norm_ops, model_state_bytes, optimizer_step
+from zsim.schedule.optimizer import FP32_BYTES, NORM_DTYPE_BYTES, grad_norm_ops, model_state_bytes, optimizer_step
 from zsim.schedule.param_fetch import ParamCoordinator, leaf_of
 from zsim.schedule.partition import (grads_ready_at, padded, persistent_params, shard_numel, sub_group_sizes,
                                      trainable_numels)
@@ -106,7 +106,8 @@ def build(ctx: StepContext):
         last = backward(ctx, hooks, micro, last)
     # stage3.py _overflow_check_and_loss_scale_update: the overflow all-reduce runs for fp16 only
     last = grad_norm_ops(ctx, train_shard, len(trained), [last, hooks.buckets.last_reduce],
-                         overflow_check=ctx.sc.precision == "fp16", device_passes=not ctx.optimizer_offloaded)
+                         overflow_check=ctx.sc.precision == "fp16", device_passes=not ctx.optimizer_offloaded,
+                         norm_size_bytes=FP32_BYTES if ctx.optimizer_offloaded else NORM_DTYPE_BYTES)
     if ctx.optimizer_offloaded:
         last = offload.offloaded_step(ctx, train_shard, [last, hooks.buckets.last_d2h], z.sub_group_size)
     else:
