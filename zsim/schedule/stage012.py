@@ -176,7 +176,13 @@ def build(ctx: StepContext):
     hooks = Zero012Hooks(ctx)
     allocate_states(ctx, hooks)
     last = None
+    # independent_gradient_partition_epilogue (stage_1_and_2.py:1026-1028): under overlap_comm the
+    # host synchronizes the device after each backward's last reduction, so the next micro-step's
+    # forward starts only when the reduction stream has drained
+    sync = ctx.sc.zero.overlap and hooks.reduce_in_hooks
     for micro in range(ctx.gas):
         last = forward(ctx, hooks, micro, last)
         last = backward(ctx, hooks, micro, last)
+        if sync and hooks.last_reduce is not None:
+            last = hooks.last_reduce
     optimizer_boundary(ctx, hooks, last)
