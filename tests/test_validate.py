@@ -82,12 +82,12 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _run_core(tmp_path, sc_yaml: Path, steps: int, nproc: int = 2):
+def _run_core(tmp_path, sc_yaml: Path, steps: int, nproc: int = 2, memory: bool = False):
     out = tmp_path / "m.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(_free_port()),
            "-m", "calibration.core.run", "--scenario", str(sc_yaml), "--steps", str(steps), "--warmup", "0",
-           "--out", str(out), "--no-memory"]
+           "--out", str(out)] + ([] if memory else ["--no-memory"])
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and out.exists(), proc.stderr[-2000:]
     return json.loads(out.read_text())
@@ -188,3 +188,32 @@ def test_sharded_core_with_expert_parallelism_matches_unsharded_adamw(case, tmp_
            "deepspeed": {"zero_optimization": c["zero"], "gradient_clipping": 0.5}}
     expected = _matches_reference(tmp_path, raw, world, c.get("gas", 1))
     assert sum(k == "all_to_all" for _, k, _ in expected) == (8 * c.get("gas", 1) if c["ep"] > 1 else 0)
+
+
+def test_overlap_comm_double_ipg_buffer(tmp_path):
+    """overlap_comm allocates a second reduce_bucket_size IPG buffer (stage_1_and_2.py:3271-3277):
+    the core's peak grows by it, as zsim's does (a bucket far larger than the model keeps the peak
+    in the backward, where both buffers live). Stage 2: overlap_comm changes nothing else there
+    (stage 1 also moves its reduction into the hooks)."""
+    pytest.importorskip("torch")
+    import yaml
+
+    from zsim.api import run_scenario
+    from zsim.config.scenario import load_scenario
+
+    bucket = 2_000_000
+    peaks = {}
+    for overlap in (False, True):
+        raw = {"name": f"overlap{overlap}",
+               "model": {"layers": 1, "hidden": 32, "heads": 2, "vocab": 64, "seq_len": 16, "ffn_hidden": 64,
+                         "tied_embeddings": False},
+               "hardware": {"profile": "dgx-a100-80g", "nodes": 1, "gpus_per_node": 2},
+               "training": {"micro_batch_size": 2, "seq_len": 16, "precision": "fp32"},
+               "deepspeed": {"zero_optimization": {"stage": 2, "overlap_comm": overlap,
+                                                   "reduce_bucket_size": bucket}}}
+        path = tmp_path / f"o{overlap}.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        measured = _run_core(tmp_path, path, 1, memory=True)["peak_bytes"]
+        peaks[overlap] = (measured, run_scenario(load_scenario(path))[0].memory.peak_bytes)
+    assert peaks[True][0] - peaks[False][0] == bucket * 4
+    assert peaks[True][1] - peaks[False][1] == bucket * 4

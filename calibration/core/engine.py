@@ -258,6 +258,9 @@ class ZeroCore:
         """DeepSpeed's passes before the scalar all-reduces: each piece checked for inf/NaN with
         amax/amin when the overflow flag is reduced (has_inf_or_nan), and its norm taken in fp64
         (get_grad_norm_direct, get_norm_dtype)."""
+        if self.stage == 0:   # runtime/utils.py clip_grad_norm_: the averaged gradients' fp32 norm
+            self._sq = self.flatgrad[: self.total].float().div(self.world).norm().square()
+            return
         pieces, _ = self._grad_pieces()
         if self.check_overflow:
             self._bad = overflow_count(pieces)
@@ -266,7 +269,8 @@ class ZeroCore:
         if len(self.layout) > 1:   # one norm per flat group (get_grad_norm_direct per group)
             self._sq_groups = [(squared_norm(p) * scale).float() for p, _ in self._group_grad_pieces()]
             self._norms = []
-        self._sq = (squared_norm(pieces) * scale).float()
+        # ZeRO-3 all-reduces the squared norm in fp64 (stage3.py:2457-2469), ZeRO-1/2 in fp32
+        self._sq = squared_norm(pieces) * scale if self.stage == 3 else (squared_norm(pieces) * scale).float()
 
     def _step(self):
         g = self._fp32_grads()
@@ -350,9 +354,10 @@ class ZeroCore:
     def _norm_allreduce(self, op: Op):
         if len(self.layout) > 1:
             return self._group_norm_allreduce(op)
-        t = self._sq.reshape(1).clone()
+        # clip_grad_norm_ averages the ranks' norms (runtime/utils.py:415-418); ZeRO sums squares
+        t = self._sq.sqrt().div(self.world).reshape(1) if self.stage == 0 else self._sq.reshape(1).clone()
         self.comm.all_reduce(t)
-        self._norm = t.sqrt()[0]
+        self._norm = t[0] if self.stage == 0 else t.sqrt()[0]
 
     def _group_norm_allreduce(self, op: Op):
         """See [Note: MoE parameter groups]: each group's squared norm summed over the data-parallel

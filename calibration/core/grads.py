@@ -52,6 +52,10 @@ class GradBuckets:
                 # see [Note: IPG buffer lifetime]: allocated at the first gradient of each backward and
                 # dropped at its end (setup_buckets, _release_ipg_buffers), as zsim's ledger charges it
                 self.ipg_numel = int(size)
+        # overlap_comm's second buffer (stage_1_and_2.py:3271-3277, "double buffers"): allocated
+        # with the first; the core reduces synchronously and never writes it
+        self.ipg_spare = None
+        self.double_ipg = bool(self.ipg_numel) and z.overlap
         self.gpart = torch.zeros(core.goff[-1], dtype=self.dtype) if self.sharded else None
         self.begin_step()
 
@@ -71,13 +75,14 @@ class GradBuckets:
         self.micro = micro
         if self.ipg_numel and self.ipg is None:
             self.ipg = torch.empty(self.ipg_numel, dtype=self.dtype)
+            self.ipg_spare = torch.empty(self.ipg_numel, dtype=self.dtype) if self.double_ipg else None
         if self.hooks_fill:
             self.pending.extend(pids)
             self._fill()
 
     def end_backward(self):
         if self.ipg is not None and self.ipg_numel:
-            self.ipg = None   # the backward epilogue
+            self.ipg = self.ipg_spare = None   # the backward epilogue
 
     def _uses_ipg(self, b) -> bool:
         return self.ipg is not None and b.numel <= self.ipg.numel()

@@ -169,6 +169,12 @@ class PipeCore(ZeroCore):
 
     def _norm_and_overflow_local(self):
         super()._norm_and_overflow_local()
+        if self.stage == 0:
+            # clip_grad_norm_ (runtime/utils.py:391-398) counts a parameter on model-parallel rank 0
+            # only (the grid's model-parallel rank is the pipe stage, topology.py:304-313): the
+            # first stage's gradients, tied copy included, make the whole norm
+            self._sq = self._sq if self.grid.stage == 0 else torch.zeros_like(self._sq)
+            return
         if self.replicated is not None:   # the tied copy's share of this rank's partition, not counted
             piece = self._own_piece(self.replicated)
             if piece is not None:
@@ -185,7 +191,18 @@ class PipeCore(ZeroCore):
         return self.grads.partition_grads()[local + a - own.start: local + b - own.start]
 
     def _norm_allreduce(self, op):
-        """Squares over the data-parallel group, then over the pipe group, then the root."""
+        """Squares over the data-parallel group, then over the pipe group, then the root. ZeRO-0's
+        clip_grad_norm_: squares over the pipe group, then the root divided by the data-parallel
+        size summed over it (utils.py:410-418)."""
+        if self.stage == 0:
+            if op.comm.group is not None:
+                self._sq_total = self._sq.reshape(1).clone()
+                self.comm.all_reduce(self._sq_total, group=self.grid.pipe_group)
+                return
+            t = self._sq_total.sqrt().div(self.world)
+            self.comm.all_reduce(t)
+            self._norm = t[0]
+            return
         if op.comm.group is None:
             t = self._sq.reshape(1).clone()
             self.comm.all_reduce(t)

@@ -79,6 +79,9 @@ def build_cases():
     # ---- communication_data_type fp32 under bf16 weights: every gradient reduction in fp32
     # (engine.py:1719-1730, 3800; stage_1_and_2.py:2376; stage3.py:780-784, 1919)
     c["stage0_comm_fp32"] = _with(_base(0), communication_data_type="fp32")
+    # ---- stage 0 in fp32 with clipping: engine.py _take_model_step clips through
+    # runtime/utils.py clip_grad_norm_, one fp32 norm all-reduce over the data-parallel group
+    c["stage0_fp32_clip"] = _with(_base(0), bf16={"enabled": False}, gradient_clipping=1.0)
     c["stage2_comm_fp32"] = _with(_base(2), communication_data_type="fp32")
     c["stage3_comm_fp32"] = _with(_base(3), communication_data_type="fp32")
     return c

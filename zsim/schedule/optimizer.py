@@ -113,15 +113,40 @@ def _scalar_allreduce(ctx: StepContext, kind: OpKind, size_bytes: int, deps, gro
     return last
 
 
+def clip_fp32_norm_ops(ctx: StepContext, n_params: float, n_tensors: int, deps) -> int:
+    """Stage 0 in fp32 with gradient clipping: no optimizer wrapper clips, so engine.py:3510-3511
+    (_take_model_step) calls runtime/utils.py clip_grad_norm_: one fp32 norm per gradient, summed
+    (reads each gradient once), over the model-parallel group first where there is one (utils.py:410,
+    the pipe or tensor group), then divided by the data-parallel size and all-reduced over it
+    (utils.py:418; recorded, tests/fixtures/deepspeed/stage0_fp32_clip.json: one float32 element).
+    The clip's multiply is in the step's passes (step_bytes_per_param)."""
+    work = ComputeWork(optimizer_bytes=FP32_BYTES * n_params, kernels=n_tensors * NORM_KERNELS_PER_TENSOR + 3)
+    last = ctx.b.add(OpKind.GRAD_NORM, Stream.COMPUTE, Phase.STEP, ctx.last_micro, StepCompute(work, n_params), deps)
+    model_parallel = None
+    if ctx.sc.pipeline_stages > 1:
+        model_parallel = ProcessGroup(Group.PIPE, ctx.sc.pipeline_stages, ctx.sc.data_parallel_size)
+    elif ctx.sc.tensor_parallel_size > 1:
+        model_parallel = tensor_parallel_group(ctx.sc.tensor_parallel_size)
+    for group in ((model_parallel,) if model_parallel else ()) + (None,):
+        last = ctx.b.add(OpKind.NORM_ALLREDUCE, Stream.COMPUTE, Phase.STEP, ctx.last_micro,
+                         ScalarAllReduce(Comm(Collective.ALL_REDUCE, 1, FP32_BYTES, group=group)), [last])
+    return last
+
+
 def grad_norm_ops(ctx: StepContext, shard_params: float, n_tensors: int, deps, overflow_check: bool = True,
-                  device_passes: bool = True, norm_calls: int = 1, expert_norms: tuple[ProcessGroup, ...] = ()) -> int:
+                  device_passes: bool = True, norm_calls: int = 1, expert_norms: tuple[ProcessGroup, ...] = (),
+                  norm_size_bytes: int = FP32_BYTES) -> int:
     """The local gradient shard's overflow check and norm, then scalar all-reduces (fp16/bf16
     overflow flag, squared norm) as DeepSpeed 0.19.8 issues them before the step (recorded,
     tests/fixtures); with several flat groups one norm all-reduce each, then each MoE group's
     norm averaged over its expert-data-parallel group (see [Note: MoE parameter groups]). The
     local passes stream the shard like the step does and are charged at
     its rate (calibration times them together). With the optimizer offloaded (ZeRO-1/2) the
-    overflow flag and the norms come from the backward's per-parameter passes."""
+    overflow flag and the norms come from the backward's per-parameter passes. The overflow flag
+    is one uint8; the norm is reduced in `norm_size_bytes`: fp32 at ZeRO-1/2
+    (stage_1_and_2.py:2689 `.float()`, 1944 FloatTensor when offloaded) and under ZeRO-3 offload
+    (stage3.py:1989), fp64 in
+    ZeRO-3's device path (stage3.py:2457-2469, get_norm_dtype)."""
     check = overflow_check and ctx.param_bytes < FP32_BYTES
     if device_passes:
         per_param = norm_bytes_per_param(ctx.param_bytes) + (overflow_bytes_per_param(ctx.param_bytes) if check else 0.0)
@@ -136,7 +161,7 @@ def grad_norm_ops(ctx: StepContext, shard_params: float, n_tensors: int, deps, o
     if check:
         last = _scalar_allreduce(ctx, OpKind.OVERFLOW_ALLREDUCE, 1, [last])
     for _ in range(norm_calls):
-        last = _scalar_allreduce(ctx, OpKind.NORM_ALLREDUCE, 4, [last])
+        last = _scalar_allreduce(ctx, OpKind.NORM_ALLREDUCE, norm_size_bytes, [last])
     for group in expert_norms:
-        last = _scalar_allreduce(ctx, OpKind.NORM_ALLREDUCE, 4, [last], group)
+        last = _scalar_allreduce(ctx, OpKind.NORM_ALLREDUCE, norm_size_bytes, [last], group)
     return last

@@ -27,7 +27,7 @@ from zsim.schedule.grad_buckets import Zero12Buckets
 from zsim.schedule.ir import Alloc, Buffer, Category, Collective, OpKind, Phase, Stream, Tag
 from zsim.schedule.payloads import Comm, GradReduce, ParamGather
 from zsim.schedule.moe import expert_data_parallel_group, flat_group_process_group, gathered_groups
-from zsim.schedule.optimizer import FP32_BYTES, grad_norm_ops, model_state_bytes, optimizer_step
+from zsim.schedule.optimizer import FP32_BYTES, clip_fp32_norm_ops, grad_norm_ops, model_state_bytes, optimizer_step
 from zsim.schedule.partition import grads_ready_at, pieces_in_partition
 from zsim.schedule.passes import backward, forward
 from zsim.schedule.tensor import sequence_parallel_grads
@@ -151,6 +151,8 @@ def optimizer_boundary(ctx: StepContext, hooks: Zero012Hooks, last: int) -> int:
     if tp_grads is not None:
         step_deps = [tp_grads]
     if z.stage == 0:
+        if ctx.sc.deepspeed.gradient_clipping > 0 and ctx.sc.precision == "fp32":
+            step_deps = [clip_fp32_norm_ops(ctx, n_trainable, len(buckets.trainable), step_deps)]
         return optimizer_step(ctx, n_trainable, step_deps, flatten=False)
     if not hooks.bf16_optimizer:
         pieces = sum(pieces_in_partition(g, buckets.numels, 0) for g in buckets.groups)
@@ -178,7 +180,13 @@ def build(ctx: StepContext):
     hooks = Zero012Hooks(ctx)
     allocate_states(ctx, hooks)
     last = None
+    # independent_gradient_partition_epilogue (stage_1_and_2.py:1026-1028): under overlap_comm the
+    # host synchronizes the device after each backward's last reduction, so the next micro-step's
+    # forward starts only when the reduction stream has drained
+    sync = ctx.sc.zero.overlap and hooks.reduce_in_hooks
     for micro in range(ctx.gas):
         last = forward(ctx, hooks, micro, last)
         last = backward(ctx, hooks, micro, last)
+        if sync and hooks.last_reduce is not None:
+            last = hooks.last_reduce
     optimizer_boundary(ctx, hooks, last)

@@ -9,7 +9,7 @@ from zsim.schedule.context import StageHooks, StepContext
 from zsim.schedule.grad_buckets import Zero3Buckets
 from zsim.schedule.ir import Category, Collective, OpKind, Phase, Stream
 from zsim.schedule.payloads import Comm, ParamGather
-from zsim.schedule.optimizer import grad_norm_ops, model_state_bytes, optimizer_step
+from zsim.schedule.optimizer import FP32_BYTES, NORM_DTYPE_BYTES, grad_norm_ops, model_state_bytes, optimizer_step
 from zsim.schedule.param_fetch import ParamCoordinator, leaf_of
 from zsim.schedule.partition import (grads_ready_at, padded, persistent_params, shard_numel, sub_group_sizes,
                                      trainable_numels)
@@ -109,7 +109,8 @@ def build(ctx: StepContext):
     step_deps = [last, hooks.buckets.last_reduce]
     tp_grads = sequence_parallel_grads(ctx, step_deps)
     last = grad_norm_ops(ctx, train_shard, len(trained), step_deps if tp_grads is None else [tp_grads],
-                         overflow_check=ctx.sc.precision == "fp16", device_passes=not ctx.optimizer_offloaded)
+                         overflow_check=ctx.sc.precision == "fp16", device_passes=not ctx.optimizer_offloaded,
+                         norm_size_bytes=FP32_BYTES if ctx.optimizer_offloaded else NORM_DTYPE_BYTES)
     if ctx.optimizer_offloaded:
         last = offload.offloaded_step(ctx, train_shard, [last, hooks.buckets.last_d2h], z.sub_group_size)
     else:
