@@ -13,7 +13,8 @@ from zsim.errors import ZsimInputError
 from zsim.hardware.collectives import Tier, all_to_all_cost, collective_cost
 from zsim.hardware.placement import span
 from zsim.schedule.build import build_schedule
-from zsim.schedule.ir import Collective, Group, OpKind, Phase
+from zsim.schedule.ir import Buffer, Collective, Group, OpKind, Phase
+from zsim.schedule.moe import moe_param_groups
 from zsim.schedule.partition import MOE_MAX_GROUP_NUMEL, flat_groups
 from zsim.workload.moe import capacity
 
@@ -88,6 +89,27 @@ def test_zero12_reduces_expert_gradients_over_the_expert_data_parallel_group(sta
     # norms: one per group over the dp group, then the expert group's average over its own group
     norms = comm_ops(sched, OpKind.NORM_ALLREDUCE)
     assert [op.comm.group.kind if op.comm.group else None for op in norms] == [None, None, Group.EXPERT_DATA]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_zero12_steps_one_flat_group_at_a_time_freeing_its_temporaries(precision):
+    # stage_1_and_2.py step: the flat 16-bit copy and the fp32 copy of one group's partition live
+    # during that group's step only, so the peak holds the largest group's, not the sum
+    sc = moe_scenario(ep=2, **{"deepspeed.zero_optimization.stage": 2, "training.precision": precision})
+    wl, sched = build_schedule(sc)
+    steps = [op for op in sched.ops if op.kind == OpKind.OPTIMIZER_STEP]
+    groups = moe_param_groups(sc, wl, sc.data_parallel_size)
+    assert [g.expert for g in groups] == [False, True]
+    assert [op.payload.sub_group for op in steps] == [0, 1]
+    assert [op.payload.shard_params for op in steps] == [g.partition for g in groups]
+    assert groups[0].partition != groups[1].partition
+    for op in steps:
+        per_param = 4 + (2 if precision == "bf16" else 0)     # fp32 copy (+ the flat 16-bit copy)
+        assert sum(a.size_bytes for a in op.alloc) == per_param * op.payload.shard_params
+        assert {a.tag for a in op.alloc} <= set(op.free)
+    # grads_in_partition is one buffer for every group: freed after the last group's step
+    assert [Buffer.GRAD_PARTITION in {t.buffer for t in op.free} for op in steps] == [False, True]
+    assert steps[1].deps == (steps[0].id,)
 
 
 def test_stage0_allreduces_dense_then_expert_gradients():

@@ -32,15 +32,15 @@ from itertools import groupby
 import torch
 
 from calibration.core.comm import Comm
-from calibration.core.ds_passes import overflow_count, squared_norm
 from calibration.core.grads import GradBuckets
 from calibration.core.model import DTYPES, batch, build_segments, param_shapes
 from calibration.core.moe import exchange, expert_groups, rank_initial_values
 from calibration.core.plan import Plan
+from calibration.core.step import OptimizerStep, adamw_per_group
 from zsim.schedule.ir import Buffer, Op, OpKind, Phase
 
 
-class ZeroCore:
+class ZeroCore(OptimizerStep):
     def __init__(self, sc, plan: Plan, rank: int, world: int, comm: Comm, seed: int = 1234, wl=None):
         """`rank` and `world` are within the data-parallel group `comm` runs over; `wl`: the
         params this rank holds (a pipeline stage's slice; default the whole model)."""
@@ -75,10 +75,7 @@ class ZeroCore:
         master = self._init_flat(init) if self.stage < 3 else self._init_sharded(init)
         del init
         self.master = torch.nn.Parameter(master, requires_grad=False)
-        opt = sc.deepspeed.optimizer.params or {}
-        self.opt = torch.optim.AdamW([self.master], lr=float(opt.get("lr", 1e-3)),
-                                     betas=tuple(opt.get("betas", (0.9, 0.999))), eps=float(opt.get("eps", 1e-8)),
-                                     weight_decay=float(opt.get("weight_decay", 0.01)), fused=True)
+        self.opts = adamw_per_group(self)
         self.grads = GradBuckets(self)
         self.times: list[tuple[str, str, str, int, float, float]] = []
         # see [Note: coalesced post-step gathers]: runs of post-step persistent gathers, launched async
@@ -101,7 +98,7 @@ class ZeroCore:
             OpKind.GRAD_NORM: lambda op: self._norm_and_overflow_local(),
             OpKind.OVERFLOW_ALLREDUCE: self._overflow_allreduce,
             OpKind.NORM_ALLREDUCE: self._norm_allreduce,
-            OpKind.OPTIMIZER_STEP: lambda op: self._step(),
+            OpKind.OPTIMIZER_STEP: lambda op: self._step(op.payload.sub_group),
             OpKind.EXPERT_ALL_TO_ALL: lambda op: exchange(self, op),
         }
 
@@ -218,85 +215,6 @@ class ZeroCore:
         handle, out = self.inflight.pop(p)
         handle.wait()
         self.params[p].data = out[: self.numels[p]].view(self.shapes[p])
-
-    def _grad_pieces(self):
-        """The local gradient partition as DeepSpeed's averaged_gradients: one view per parameter
-        with elements in it, plus the alignment padding of each group's last partition."""
-        if self.stage == 3:
-            return [self.grads.gpart[self.goff[p]:self.goff[p + 1]] for p in self._trained()], []
-        pieces, pad = [], []
-        for group_pieces, group_pad in self._group_grad_pieces():
-            pieces += group_pieces
-            pad += group_pad
-        return pieces, pad
-
-    def _group_grad_pieces(self):
-        """(pieces, padding) of the local gradient partition, per flat group."""
-        gpart = self.grads.partition_grads()
-        out = []
-        for (base, own, local, _), group in zip(self.layout, self.plan.groups):
-            lo, hi = own.start, own.stop
-            part = gpart[local: local + hi - lo]
-            pieces = []
-            for p in group.pids:
-                a, b = max(lo, self.offsets[p]), min(hi, self.offsets[p] + self.numels[p])
-                if a < b:
-                    pieces.append(part[a - lo:b - lo])
-            covered = min(hi, base + sum(self.numels[p] for p in group.pids)) - lo
-            out.append((pieces, [part[covered:]] if covered < hi - lo else []))
-        return out
-
-    def _fp32_grads(self):
-        if self.stage == 0:
-            return self.flatgrad[: self.total].float().div_(self.world)
-        # flattened (a new buffer, as self.flatten(averaged_gradients)) and then converted
-        pieces, pad = self._grad_pieces()
-        flat = torch.cat(pieces + pad).float()
-        return flat if self.grads.scatter_coalesced else flat.div_(self.world)
-
-    def _norm_and_overflow_local(self):
-        """DeepSpeed's passes before the scalar all-reduces: each piece checked for inf/NaN with
-        amax/amin when the overflow flag is reduced (has_inf_or_nan), and its norm taken in fp64
-        (get_grad_norm_direct, get_norm_dtype)."""
-        if self.stage == 0:   # runtime/utils.py clip_grad_norm_: the averaged gradients' fp32 norm
-            self._sq = self.flatgrad[: self.total].float().div(self.world).norm().square()
-            return
-        pieces, _ = self._grad_pieces()
-        if self.check_overflow:
-            self._bad = overflow_count(pieces)
-        # the pieces hold sums over ranks; the step divides them
-        scale = 1.0 if self.grads.scatter_coalesced else 1.0 / self.world ** 2
-        if len(self.layout) > 1:   # one norm per flat group (get_grad_norm_direct per group)
-            self._sq_groups = [(squared_norm(p) * scale).float() for p, _ in self._group_grad_pieces()]
-            self._norms = []
-        # ZeRO-3 all-reduces the squared norm in fp64 (stage3.py:2457-2469), ZeRO-1/2 in fp32
-        self._sq = squared_norm(pieces) * scale if self.stage == 3 else (squared_norm(pieces) * scale).float()
-
-    def _step(self):
-        g = self._fp32_grads()
-        if self.clip > 0:
-            norm = self._norm if self._norm is not None else torch.dot(g, g).sqrt()
-            coef = self.clip / (float(norm) + 1e-6)
-            if coef < 1.0:
-                g.mul_(coef)
-        self.master.grad = g
-        self.opt.step()
-        self.master.grad = None
-        if self.stage == 0:
-            if self.master.data_ptr() != self.flat16.data_ptr():
-                self.flat16[: self.total].copy_(self.master)
-            self.flatgrad.zero_()
-        elif self.stage < 3:
-            for _, own, local, _ in self.layout:
-                self.flat16[own].copy_(self.master[local: local + own.stop - own.start])
-            self.grads.gpart = None   # averaged_gradients dropped after the step
-        else:
-            if all(self.trainable):
-                self.shard16.copy_(self.master)
-            else:
-                for p in self._trained():
-                    self.shard16[self.soff[p]:self.soff[p + 1]].copy_(self.master[self.goff[p]:self.goff[p + 1]])
-            self.grads.gpart.zero_()
 
     # -- what each op kind does -------------------------------------------------------------
     def _forward(self, op: Op):

@@ -75,6 +75,6 @@ def model_state_bytes(core) -> dict[str, int]:
         grads = core.flatgrad.nbytes if core.stage == 0 else 0
     else:
         params, grads = core.shard16.nbytes, core.grads.gpart.nbytes
-    state = core.opt.state[core.master]
-    moments = sum(v.nbytes for v in state.values() if torch.is_tensor(v) and v.numel() == core.master.numel())
+    moments = sum(v.nbytes for master, opt in core.opts for v in opt.state[master].values()
+                  if torch.is_tensor(v) and v.numel() == master.numel())
     return {"parameters": params, "gradients": grads, "optimizer states": core.master.nbytes + moments}

@@ -161,8 +161,9 @@ def plan_for(sc, wl, ops, world: int, executable=EXECUTABLE) -> Plan:
             buckets[p.bucket].calls.append(p)
     if bucketed:
         raise PlanError(f"{len(bucketed)} gradients never reduced")
-    if sum(op.kind == OpKind.OPTIMIZER_STEP for op in ops) > 1:
+    if stage == 3 and sum(op.kind == OpKind.OPTIMIZER_STEP for op in ops) > 1:
         # see [Note: ZeRO-3 optimizer sub-groups]: the core keeps one fp32 master of the shard
+        # (ZeRO-1/2 step each flat group on its own, calibration/core/step.py)
         raise PlanError(f"deepspeed.zero_optimization.sub_group_size {z.sub_group_size:g} splits this rank's shard "
                         f"of {part} elements into optimizer sub-groups; the core steps the shard at once "
                         f"(set sub_group_size to at least {part})")

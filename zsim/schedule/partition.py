@@ -75,7 +75,11 @@ def flat_groups(numels: list[int], expert: list[bool], trainable: list[bool], wo
     group's norm once more over its expert-data-parallel group, _average_expert_grad_norms). In
     the IPG bucket each gradient slice is reduced over its own param's group, one reduction per
     process group in order of first appearance (average_tensor); every slice is pre-divided by
-    the whole data-parallel world. Without MoE params: one group, as before."""
+    the whole data-parallel world. The step runs one group at a time: each group's gradient
+    partition is flattened, converted to fp32, stepped and dropped before the next group's
+    (stage_1_and_2.py step, `for i, group in enumerate(self.bit16_groups)`), so the optimizer's
+    temporaries at the peak are the largest group's, not all groups' (one OPTIMIZER_STEP op per
+    group, payload sub_group = the group's index). Without MoE params: one group, as before."""
     optimized = [p for p in range(len(numels)) if trainable[p]]
     dense = [p for p in optimized if not expert[p]]
     groups = [flat_group(dense, numels, world)]

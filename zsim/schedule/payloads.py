@@ -33,7 +33,7 @@ class ModulePass:
 class StepCompute:
     work: ComputeWork
     shard_params: float = 0.0       # parameters of the local partition it streams
-    sub_group: int = 0              # OPTIMIZER_STEP: the ZeRO-3 optimizer sub-group it updates
+    sub_group: int = 0              # OPTIMIZER_STEP: the ZeRO-3 optimizer sub-group, or ZeRO-1/2 flat group, it updates
 
 
 @dataclass(frozen=True, slots=True)

@@ -163,7 +163,15 @@ def optimizer_boundary(ctx: StepContext, hooks: Zero012Hooks, last: int) -> int:
     if ctx.optimizer_offloaded:
         last = offload.offloaded_step(ctx, shard, step_deps + [buckets.last_d2h], None)
     else:
-        last = optimizer_step(ctx, shard, step_deps)
+        # stage_1_and_2.py step: `for i, group in enumerate(self.bit16_groups)` flattens and converts
+        # one flat group's gradient partition, steps it (_optimizer_step(i)) and drops its copies
+        # before the next group's, so only one group's temporaries are alive at a time
+        # (see [Note: MoE parameter groups]); the partition buffer itself (grads_in_partition) is
+        # one allocation for all groups, freed after the last
+        last = step_deps
+        for g, group in enumerate(buckets.groups):
+            last = [optimizer_step(ctx, group.partition, last, sub_group=g)]
+        last = last[0]
         if buckets.partition_live:
             ctx.b.add_free(last, Tag(Buffer.GRAD_PARTITION))
     # all_gather_dp_groups: one all-gather of each whole flat 16-bit group over its own group
