@@ -62,3 +62,17 @@ def test_tune_on_a_small_model_keeps_pure_data_parallelism(tmp_path):
     assert (best["tensor_parallel_size"], best["pipeline_stages"], best["data_parallel_size"]) == (1, 1, 8)
     cands = json.loads((tmp_path / "t.json").read_text())["candidates"]
     assert any(c["tensor_parallel_size"] > 1 or c["pipeline_stages"] > 1 for c in cands)
+
+
+def test_doctor_suggests_other_layouts_that_tune_finds_fitting():
+    from tests.helpers import ROOT
+    from zsim.search.doctor import layout_fixes
+    from zsim.search.variants import Base
+    base = Base(mapping(), ROOT, "tiny")
+    fixes = layout_fixes(base, base.scenario(()))
+    assert fixes and all(f.name.startswith("layout TP ") for f in fixes)
+    for f in fixes:
+        out = base.run(f)
+        sc = base.scenario(f.assignments)
+        assert out.fits and (sc.tensor_parallel_size, sc.pipeline_stages) != (1, 1)
+        assert sc.global_batch_size == 16
