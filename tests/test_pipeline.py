@@ -183,8 +183,8 @@ def test_tune_and_doctor_stay_within_what_the_pipeline_engine_accepts():
     assert {c.stage for c in cands if c.layout.pipeline == 1} == {0, 1, 2, 3}
     # the batch per data-parallel rank (global 16 over 8 GPUs / PP data-parallel ranks): PP 2 -> micro 2 x GAS 2
     for c in cands:
-        assert c.micro_batch * c.gas == sc.global_batch_size // (8 // c.layout.pipeline)
-        assert sc.global_batch_size % (8 // c.layout.pipeline) == 0
+        assert c.micro_batch * c.gas == sc.global_batch_size // (8 // c.layout.model_parallel)
+        assert sc.global_batch_size % (8 // c.layout.model_parallel) == 0
     one = scenario(**{"model.layers": 4, "deepspeed.zero_optimization.stage": 1,
                       "training.gradient_accumulation_steps": 2})
     assert memory_lower_bound(sc) < memory_lower_bound(one)

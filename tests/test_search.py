@@ -233,14 +233,16 @@ def test_tune_searches_pipeline_layouts_and_writes_their_stage_count():
     """Pipeline sizes are a dimension of the search (ZeRO-0/1 only, the batch split over the
     data-parallel ranks left); a pipelined winner's ds_config carries DeepSpeed's pipeline.stages."""
     from zsim.config.ds_writer import tuned_ds_config
-    from zsim.search.tune import KNOBS, structural_candidates
+    from zsim.search.tune import KNOBS, layouts, structural_candidates
 
     flat = Base(mapping(**{"model.layers": 4, "training.micro_batch_size": 4}), ROOT, "flat")
     cands = structural_candidates(flat.scenario(()))
     assert {c.layout.pipeline for c in cands} == {1, 2, 4}
     assert all(c.stage <= 1 for c in cands if c.layout.pipeline > 1)
-    # the scenario's own layout first, then the others by size
-    assert [c.layout.pipeline for c in cands] == sorted(c.layout.pipeline for c in cands)
+    # the scenario's own layout first, then the others in `layouts` order (TP down, PP up)
+    order = layouts(flat.scenario(()))
+    assert [order.index(c.layout) for c in cands] == sorted(order.index(c.layout) for c in cands)
+    assert order[0].model_parallel == 1
     base = Base(mapping(**{"model.layers": 4, "training.micro_batch_size": 4, "parallelism.pipeline": 2,
                            "deepspeed.zero_optimization.stage": 1}), ROOT, "pp")
     sc = base.scenario(())
@@ -248,10 +250,10 @@ def test_tune_searches_pipeline_layouts_and_writes_their_stage_count():
     res = tune(base, "tokens_per_s", budget=24)
     for c, out in res.evaluated:
         if out.ok:
-            assert out.result.pipeline is None if c.layout.pipeline == 1 else out.result.pipeline.stages == 2
+            assert out.result.pipeline is None if c.layout.pipeline == 1 else out.result.pipeline.stages == c.layout.pipeline
             assert out.result.global_batch_size == sc.global_batch_size
-    winner = res.ranked[0][0]
-    assert winner.layout.pipeline == 2
+    # the tiny model runs fastest without a pipeline; the best pipelined point's ds_config
+    winner = next(c for c, _ in res.ranked if c.layout.pipeline == 2)
     cfg, notes = tuned_ds_config({}, flat.scenario(()), base.scenario(winner.assignments()), list(KNOBS))
     assert cfg["pipeline"] == {"stages": 2}
     assert any("num_stages=2" in n for n in notes)

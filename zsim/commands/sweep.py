@@ -71,6 +71,8 @@ def point_row(base, index: int, assignments: tuple[str, ...]) -> dict:
         row[k] = parse_value(v)
     row["ok"] = out.ok
     row["error"] = out.error
+    if out.note:   # batch keys re-derived for this point (a layout or cluster change; zsim.config.derive)
+        row["note"] = out.note
     if out.result is not None:
         row.update(flatten(out.result.to_dict()))
     return row
@@ -154,6 +156,8 @@ def main(args) -> int:
                      scheduler=args.scheduler)
     wall = time.perf_counter() - t0
     failed = sum(not r["ok"] for r in rows)
+    for note in dict.fromkeys(r["note"] for r in rows if "note" in r):
+        print(f"zsim: note: {note}", file=sys.stderr)
     if not args.quiet:
         from zsim.report.table import sweep_table
         sweep_table(rows, [k for k, _ in axes])

@@ -9,7 +9,7 @@ from zsim.errors import ZsimInputError
 
 
 def add_parser(sub):
-    p = sub.add_parser("tune", help="search stage, micro-batch, checkpointing, offload and ZeRO knobs")
+    p = sub.add_parser("tune", help="search the TP x PP x DP layout, stage, micro-batch, checkpointing, offload and ZeRO knobs")
     add_scenario_args(p, optional=False)
     p.add_argument("--objective", default="tokens_per_s", choices=("tokens_per_s", "mfu", "step_time_s"))
     p.add_argument("--budget", type=int, default=60, help="most configurations to simulate (default 60)")
@@ -72,7 +72,9 @@ def main(args) -> int:
             print(f"note: {note}", file=sys.stderr)
     if args.json:
         rows = [{"rank": i + 1, "set": list(c.assignments()), "stage": c.stage,
-                 "pipeline_stages": c.layout.pipeline, "offload": c.offload,
+                 "tensor_parallel_size": c.layout.tensor, "sequence_parallel": c.layout.sequence_parallel,
+                 "pipeline_stages": c.layout.pipeline, "data_parallel_size": r.world_size // c.layout.model_parallel,
+                 "offload": c.offload,
                  "micro_batch_size": c.micro_batch, "gradient_accumulation_steps": c.gas,
                  "activation_checkpointing": c.checkpointing, "knobs": c.knobs,
                  "tokens_per_s_per_gpu": r.tokens_per_s_per_gpu, "mfu": r.mfu, "step_time_s": r.step_time_s,

@@ -4,6 +4,12 @@ on a file that pins deepspeed.train_batch_size would contradict DeepSpeed's batc
 When micro-batch and GAS are both fixed, train_batch_size is the dependent key: re-derive it as
 DeepSpeed's rule does and say so. When one of them is free, DeepSpeed derives that one from
 train_batch_size itself (_set_batch_related_parameters), and the loader reports a remainder.
+
+A layout change (`parallelism.*`, the ds_config's `pipeline` / `tensor_parallel` blocks) alone
+keeps the global batch instead: the same samples per optimizer step over a different
+data-parallel size, so GAS is the dependent key (train_batch_size / (micro x DP)), the way a
+Megatron-DeepSpeed run keeps --global-batch-size when it changes --tensor/--pipeline-model-parallel-size.
+When the global batch does not divide by micro x the new DP, train_batch_size is re-derived instead.
 """
 from __future__ import annotations
 
@@ -13,7 +19,8 @@ from zsim.config.scenario import apply_set, load_raw, scenario_from_mapping
 from zsim.errors import ZsimInputError
 
 # keys whose change moves micro x GAS x data-parallel size (world / pipeline stages)
-_DEPENDS = ("hardware", "parallelism", "deepspeed.pipeline", "training.micro_batch_size", "training.gradient_accumulation_steps",
+_LAYOUT = ("parallelism", "deepspeed.pipeline", "deepspeed.tensor_parallel")
+_DEPENDS = ("hardware", *_LAYOUT, "training.micro_batch_size", "training.gradient_accumulation_steps",
             "deepspeed.train_micro_batch_size_per_gpu", "deepspeed.gradient_accumulation_steps")
 
 
@@ -39,8 +46,8 @@ def _mirrored(raw: dict, keys: list[str]) -> list[str]:
     return out
 
 
-def _touches(key: str) -> bool:
-    return any(key == d or key.startswith(d + ".") for d in _DEPENDS)
+def _touches(key: str, prefixes=_DEPENDS) -> bool:
+    return any(key == d or key.startswith(d + ".") for d in prefixes)
 
 
 def _pinned(raw: dict, training_key: str, ds_key: str) -> bool:
@@ -50,16 +57,26 @@ def _pinned(raw: dict, training_key: str, ds_key: str) -> bool:
 
 
 def rederive_batch(path: str | Path, overrides: tuple[str, ...]) -> tuple[tuple[str, ...], str | None]:
-    """(extra assignments, one-line note) when the overrides move a batch key that the file pins
-    under its other name, or move the batch product while the file pins train_batch_size;
+    """`rederive_raw` on a scenario file."""
+    path = Path(path)
+    try:
+        raw = load_raw(path)
+    except ZsimInputError:
+        return (), None
+    return rederive_raw(raw, overrides, path.parent, path.stem)
+
+
+def rederive_raw(raw: dict, overrides: tuple[str, ...], base_dir: Path,
+                 name: str) -> tuple[tuple[str, ...], str | None]:
+    """(extra assignments, one-line note) when the overrides move a batch key that the mapping pins
+    under its other name, or move the batch product while it pins train_batch_size;
     ((), None) when nothing needs deriving or the loader should speak."""
     keys = [a.split("=", 1)[0].strip() for a in overrides if "=" in a]
     changed = [k for k in keys if _touches(k)]
     if not changed or any(k in ("deepspeed", "deepspeed.train_batch_size") for k in keys):
         return (), None
-    path = Path(path)
+    layout_only = all(_touches(k, _LAYOUT) for k in changed)
     try:
-        raw = load_raw(path)
         pinned_tb = _get(raw, "deepspeed", "train_batch_size")
         for a in overrides:
             raw = apply_set(raw, a)
@@ -71,25 +88,45 @@ def rederive_batch(path: str | Path, overrides: tuple[str, ...]) -> tuple[tuple[
                 and _pinned(raw, "gradient_accumulation_steps", "gradient_accumulation_steps")):
             derived: tuple[str, ...] = ()
         else:
-            derived = _rederived_total(raw, path)
+            derived = _rederived(raw, base_dir, name, layout_only)
     except ZsimInputError:
         return (), None
     extra = tuple(mirrored) + derived
     if not extra:
         return (), None
     what = "; ".join(f"{a.split('=')[0]} -> {a.split('=')[1]}" for a in extra)
-    rule = " (train_batch_size = micro-batch x GAS x GPUs, DeepSpeed's rule)" if derived else ""
+    if any(a.startswith("deepspeed.train_batch_size=") for a in derived):
+        rule = " (train_batch_size = micro-batch x GAS x GPUs, DeepSpeed's rule)"
+    elif derived:
+        rule = " (global batch kept: GAS = train_batch_size / (micro-batch x data-parallel size), DeepSpeed's rule)"
+    else:
+        rule = ""
     note = (f"{what}{rule} after --set {', '.join(changed)}; --set those keys yourself to keep other values")
     return extra, note
 
 
-def _rederived_total(raw: dict, path: Path) -> tuple[str, ...]:
-    """train_batch_size re-derived when the pinned one no longer matches micro x GAS x GPUs."""
+def _rederived(raw: dict, base_dir: Path, name: str, keep_global: bool) -> tuple[str, ...]:
+    """The dependent batch key re-derived when the pinned train_batch_size no longer matches
+    micro x GAS x data-parallel size: GAS when `keep_global` and the batch divides, else
+    train_batch_size."""
     try:
-        scenario_from_mapping(raw, path.parent, name_default=path.stem)
+        scenario_from_mapping(raw, base_dir, name_default=name)
         return ()                    # the product still matches
     except ZsimInputError as err:
         if err.field != "deepspeed.train_batch_size":
             return ()                # another problem: the loader reports it
-    sc = scenario_from_mapping(apply_set(raw, "deepspeed.train_batch_size=null"), path.parent, path.stem)
+    if keep_global:
+        # DeepSpeed derives a free GAS from train_batch_size (runtime/config.py
+        # _set_batch_related_parameters); write it back under each name the mapping pins
+        pinned = [k for k in ("training.gradient_accumulation_steps", "deepspeed.gradient_accumulation_steps")
+                  if _get(raw, *k.split(".")) not in (None, "auto")]
+        free = raw
+        for k in pinned:
+            free = apply_set(free, f"{k}=null")
+        try:
+            sc = scenario_from_mapping(free, base_dir, name_default=name)
+            return tuple(f"{k}={sc.gradient_accumulation_steps}" for k in pinned)
+        except ZsimInputError:
+            pass                     # the global batch does not divide: keep GAS, move the batch
+    sc = scenario_from_mapping(apply_set(raw, "deepspeed.train_batch_size=null"), base_dir, name)
     return (f"deepspeed.train_batch_size={sc.global_batch_size}",)

@@ -70,6 +70,15 @@ def tuned_ds_config(user_ds: dict, base: Scenario, tuned: Scenario, knobs) -> tu
         pipe = cfg.get("pipeline") if isinstance(cfg.get("pipeline"), dict) else {}
         cfg["pipeline"] = {**pipe, "stages": tuned.pipeline_stages}
         notes.append(f"build the model as a PipelineModule with num_stages={tuned.pipeline_stages}")
+    if tuned.tensor_parallel_size != base.tensor_parallel_size:
+        # DeepSpeed's AutoTP training key (runtime/tensor_parallel/config.py TPTrainingConfig);
+        # the seeds' tensor_parallel.size, if written, is replaced by it
+        tp = cfg.get("tensor_parallel") if isinstance(cfg.get("tensor_parallel"), dict) else {}
+        tp = {k: v for k, v in tp.items() if k != "size"}
+        cfg["tensor_parallel"] = {**tp, "autotp_size": tuned.tensor_parallel_size}
+        sp = " with sequence parallelism (Megatron-LM's --sequence-parallel)" if tuned.parallelism.sequence_parallel else ""
+        notes.append(f"shard the model over {tuned.tensor_parallel_size} tensor-parallel ranks{sp} "
+                     "(deepspeed.tp_model_init or Megatron-DeepSpeed --tensor-model-parallel-size)")
     zero = cfg.setdefault("zero_optimization", {})
     if not isinstance(zero, dict):
         zero = cfg["zero_optimization"] = {}

@@ -176,7 +176,7 @@ def sweep_table(rows: list[dict], keys: list[str], console: Console | None = Non
 def tune_table(res, top: int, console: Console | None = None):
     console = console or make_console()
     t = Table(title=f"best configurations that fit (objective: {res.objective})")
-    for col in ("#", "stage", "PP", "offload", "mb x gas", "ckpt", "knobs", "tok/s/GPU", "MFU", "peak GiB"):
+    for col in ("#", "stage", "TP", "PP", "DP", "offload", "mb x gas", "ckpt", "knobs", "tok/s/GPU", "MFU", "peak GiB"):
         t.add_column(col, justify="right" if col in ("#", "tok/s/GPU", "MFU", "peak GiB") else "left")
     short = {"none": "-", "optimizer cpu": "opt", "optimizer+params cpu": "opt+par",
              "optimizer+params nvme": "nvme"}
@@ -184,7 +184,9 @@ def tune_table(res, top: int, console: Console | None = None):
               "stage3_param_persistence_threshold": "pt", "stage3_max_live_parameters": "ml"}
     for i, (c, r) in enumerate(res.ranked[:top]):
         knobs = " ".join(f"{abbrev.get(k, k)}={fmt_setting(v)}" for k, v in sorted(c.knobs.items())) or "-"
-        t.add_row(str(i + 1), str(c.stage), str(c.layout.pipeline), short.get(c.offload, c.offload),
+        tp = f"{c.layout.tensor}{' SP' if c.layout.sequence_parallel else ''}"
+        t.add_row(str(i + 1), str(c.stage), tp, str(c.layout.pipeline), str(r.world_size // c.layout.model_parallel),
+                  short.get(c.offload, c.offload),
                   f"{c.micro_batch}x{c.gas}",
                   c.checkpointing, knobs,
                   f"{r.tokens_per_s_per_gpu:,.0f}", f"{r.mfu * 100:.1f}%", f"{r.memory.peak_bytes / GiB:.1f}")

@@ -5,7 +5,9 @@
 assignments `zsim run` takes, so every fix is printable and re-applicable):
   smaller micro-batch with more accumulation (same global batch); activation checkpointing
   (selective, full, full + cpu_checkpointing); a higher ZeRO stage; optimizer offload; parameter
-  offload; smaller buckets / prefetch / max_live_parameters; 16-bit precision.
+  offload; smaller buckets / prefetch / max_live_parameters; 16-bit precision; when fewer than
+  MIN_FITTING of those fit, other tensor x pipeline x data-parallel layouts that zsim tune's
+  search finds fitting (`layout_fixes`).
 `doctor` simulates every candidate (and pairs of them when too few fit alone) and returns those
 that fit on the GPU and on the host, ranked by throughput. It is a pure function of the raw
 scenario mapping (a `Base`), and runs its candidates through the shared variant runner.
@@ -22,6 +24,8 @@ from zsim.search.variants import Base, Variant
 from zsim.specs.scenario import Scenario
 
 MIN_FITTING = 3
+LAYOUT_BUDGET = 12     # simulations of zsim tune's search spent on other TP x PP layouts
+LAYOUT_FIXES = 3
 
 
 def _peak_event(events) -> tuple[float, str]:
@@ -193,10 +197,35 @@ def doctor(base: Base, max_pairs: int = 40) -> dict:
             pairs += 1
         evaluated = _prune_batches(evaluated)
         fitting = [e for e in evaluated if e["valid"] and e["fits"]]
+    if len(fitting) < MIN_FITTING:
+        evaluated += [evaluate(base, c, baseline) for c in layout_fixes(base, sc)]
+        fitting = [e for e in evaluated if e["valid"] and e["fits"]]
     fitting.sort(key=lambda e: (-e["tokens_per_s"], len(e["overrides"]), e["name"]))
     report["fixes"] = fitting
     report["tried"] = evaluated
     return report
+
+
+def layout_fixes(base: Base, sc: Scenario) -> list[Variant]:
+    """Other tensor x pipeline x data-parallel layouts that fit, found by zsim tune's search
+    (its layouts, memory bound and evaluator) within LAYOUT_BUDGET simulations, best first: each
+    with the stage, micro-batch x GAS at the same global batch and checkpointing tune chose."""
+    from zsim.search.tune import own_layout, tune
+    own = own_layout(sc)
+    out: list[Variant] = []
+    for c, _ in tune(base, budget=LAYOUT_BUDGET).ranked:
+        if c.layout == own or any(v.name.startswith(_layout_name(sc, c.layout)) for v in out):
+            continue
+        out.append(Variant(f"{_layout_name(sc, c.layout)}: {c.variant.name}", c.assignments()))
+        if len(out) == LAYOUT_FIXES:
+            break
+    return out
+
+
+def _layout_name(sc: Scenario, layout) -> str:
+    sp = " (sequence parallel)" if layout.sequence_parallel else ""
+    return (f"layout TP {layout.tensor}{sp} x PP {layout.pipeline} x DP "
+            f"{sc.cluster.world_size // layout.model_parallel}")
 
 
 def _prune_batches(evaluated: list[dict]) -> list[dict]:

@@ -1,16 +1,18 @@
 """zsim tune: search ZeRO configurations at the scenario's global batch and world size.
 
 Search (deterministic):
-1. Structural candidates: layout (pipeline stages: every divisor of the world size up to the
-   layer count whose data-parallel size divides the global batch; DeepSpeed's PipelineEngine
-   takes ZeRO-0/1 only, pipe/engine.py:76) x stage x offload x micro-batch (dividing the batch
+1. Structural candidates: layout (`layouts`: tensor-parallel sizes dividing the GPUs per node
+   and the heads / key-value heads / MLP width, with sequence parallelism, x pipeline stages
+   dividing the rest up to the layer count, data parallel = world / (TP x PP) dividing the global
+   batch; DeepSpeed's PipelineEngine takes ZeRO-0/1 only, pipe/engine.py:76) x stage x offload x micro-batch (dividing the batch
    per data-parallel rank, the rest accumulated) x activation checkpointing. Each is first checked against a memory lower
    bound that needs no simulation: model states left on the GPU + the activations every
    micro-batch must hold at the end of its forward + the CUDA/allocator reserve. The
    simulated peak can only be higher, so a candidate over capacity is pruned unsimulated.
 2. The survivors are simulated, cheapest-looking first (no offload, no recompute, larger
-   micro-batches), until half the budget is spent; the scenario's own layout first, the
-   other layouts only while nothing fits.
+   micro-batches; a pipeline's with GAS >= 4 x PP first), until half the budget is spent,
+   round-robin over the layouts (the scenario's own first) so that each gets a fitting try
+   before any gets a second.
 3. Knob refinement: for the best fitting structures, coordinate descent over bucket sizes,
    prefetch, persistence threshold, max live parameters and overlap_comm.
 A point of the search space is a `TunePoint`; it runs as a `Variant` (a list of `--set`
@@ -19,14 +21,14 @@ assignments) through the shared runner, so every result is re-runnable.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from zsim.errors import ZsimInputError
 from zsim.report.format import fmt_setting
 from zsim.result import Result
 from zsim.schedule.build import workload_for
 from zsim.schedule.optimizer import model_state_bytes
-from zsim.workload.lora import trainable_params
+from zsim.workload.lora import apply_training, trainable_params
+from zsim.workload.transformer import build_workload
 from zsim.search.variants import Base, Outcome, Variant
 from zsim.workload.module import DTYPE_BYTES
 
@@ -54,15 +56,17 @@ OBJECTIVES = {"tokens_per_s": True, "mfu": True, "step_time_s": False}
 
 @dataclass(frozen=True)
 class Layout:
-    """How the world splits besides data parallelism: the model-parallel dimensions searched
-    (a tensor-parallel size joins here as a field, in `assignments`, `model_parallel` and a loop
-    of `layouts`)."""
+    """How the world splits besides data parallelism (data parallel = world / (tensor x pipeline)).
+    Megatron-LM's placement (zsim/hardware/placement.py): a tensor-parallel group inside a node,
+    pipeline stages across nodes, data parallel over what remains."""
     pipeline: int = 1
+    tensor: int = 1
+    sequence_parallel: bool = False
 
     @property
     def model_parallel(self) -> int:
         """GPUs per data-parallel rank."""
-        return self.pipeline
+        return self.pipeline * self.tensor
 
     @property
     def top_stage(self) -> int:
@@ -70,17 +74,49 @@ class Layout:
         return 1 if self.pipeline > 1 else 3
 
     def assignments(self) -> tuple[str, ...]:
-        return (f"parallelism.pipeline={self.pipeline}",)
+        return (f"parallelism.pipeline={self.pipeline}", f"parallelism.tensor={self.tensor}",
+                f"parallelism.sequence_parallel={str(self.sequence_parallel).lower()}")
 
     def label(self) -> str:
-        return f", PP {self.pipeline}" if self.pipeline > 1 else ""
+        sp = " SP" if self.sequence_parallel else ""
+        return (f", TP {self.tensor}{sp}" if self.tensor > 1 else "") + (f", PP {self.pipeline}" if self.pipeline > 1 else "")
+
+
+def _tensor_sizes(sc) -> list[int]:
+    """Tensor-parallel sizes the scenario admits: divisors of the GPUs per node (the group stays
+    on NVLink) that divide the heads, the key-value heads and the MLP width (Megatron's rules,
+    zsim/config/parallel.py _check_tensor); 1 only where zsim models no tensor parallelism."""
+    m = sc.model
+    if m.mla is not None or m.moe is not None or sc.training.lora is not None:
+        return [1]
+    return [t for t in _divisors(sc.cluster.gpus_per_node)
+            if m.heads % t == 0 and m.n_kv_heads % t == 0 and m.ffn % t == 0]
+
+
+def own_layout(sc) -> Layout:
+    return Layout(sc.pipeline_stages, sc.tensor_parallel_size, sc.parallelism.sequence_parallel)
 
 
 def layouts(sc) -> list[Layout]:
-    """Every layout of the scenario's world: pipeline sizes dividing it, with a transformer layer
-    per stage at least and a data-parallel size that divides the global batch."""
+    """Every layout of the scenario's world: tensor sizes from `_tensor_sizes` x pipeline sizes
+    dividing the rest, with a transformer layer per stage at least and a data-parallel size that
+    divides the global batch. With tensor parallelism, sequence parallelism is on wherever the
+    sequence divides (Korthikanti et al. 2022: it shards the activations TP leaves replicated
+    for the same communication volume); the scenario's own layout keeps its own setting."""
     world, batch = sc.cluster.world_size, sc.global_batch_size
-    return [Layout(pp) for pp in _divisors(world) if pp <= sc.model.layers and batch % (world // pp) == 0]
+    seq = sc.seq_len
+    own = own_layout(sc)
+    out = [own]
+    # Megatron-LM's practice (Narayanan et al. 2021, takeaway #1): tensor parallel up to the GPUs
+    # of a node, then the fewest pipeline stages that fit: tried in that order
+    for tp in sorted(_tensor_sizes(sc), reverse=True):
+        for pp in _divisors(world // tp):
+            if pp > sc.model.layers or batch % (world // (tp * pp)):
+                continue
+            layout = Layout(pp, tp, tp > 1 and seq % tp == 0)
+            if (layout.pipeline, layout.tensor) != (own.pipeline, own.tensor):
+                out.append(layout)
+    return out
 
 
 @dataclass
@@ -117,29 +153,56 @@ class TunePoint:
 def memory_lower_bound(sc, wl=None) -> float:
     """Bytes the simulated peak cannot go below (see module doc); `wl`: the scenario's workload
     when already built."""
-    wl = wl or workload_for(sc)
+    z = sc.zero
+    return _lower_bound(wl or workload_for(sc), sc.pipeline_stages, sc.data_parallel_size, z.stage,
+                        z.optimizer_offload_device, z.param_offload_device, sc.precision,
+                        sc.training.activation_checkpointing, sc.cluster.reserved_bytes)
+
+
+def point_lower_bound(sc, c: "TunePoint", wl) -> float:
+    """`memory_lower_bound` of the point `c` of the base scenario `sc`, with `wl` its workload at
+    micro-batch 1 from `point_workload` (activation bytes are per sample: they scale with the
+    micro-batch): no scenario is loaded or workload built per candidate (that costs more than
+    simulating the survivors)."""
+    off = OFFLOADS[c.offload]
+    return _lower_bound(wl, c.layout.pipeline, sc.cluster.world_size // c.layout.model_parallel, c.stage,
+                        "none" if "device: none" in off[0] else "offloaded",
+                        "none" if "device: none" in off[1] else "offloaded", sc.precision, c.checkpointing,
+                        sc.cluster.reserved_bytes, c.micro_batch)
+
+
+def point_workload(sc, c: "TunePoint"):
+    """The per-rank workload of the point `c` of the base scenario `sc` at micro-batch 1 (what
+    `workload_for` builds for the scenario `c` sets, but for the micro-batch)."""
+    training = replace(sc.training, activation_checkpointing=c.checkpointing)
+    wl = build_workload(sc.model, micro_batch_size=1, seq_len=sc.seq_len, precision=sc.precision,
+                        flash_attention=training.flash_attention, dropout=training.dropout,
+                        fused_cross_entropy=training.fused_cross_entropy,
+                        expert_parallel_size=sc.expert_parallel_size, tensor=c.layout.tensor,
+                        sequence_parallel=c.layout.sequence_parallel)
+    return apply_training(wl, training, zero3_linear=c.stage == 3 and sc.zero.memory_efficient_linear)
+
+
+def _lower_bound(wl, pp: int, dp: int, stage: int, optimizer_offload: str, param_offload: str, precision: str,
+                 mode: str, reserved_bytes: float, act_scale: int = 1) -> float:
     # a pipeline: the worst stage holds at least the average stage's share of the model (states
     # and one micro-batch's activations of its layers)
-    pp = sc.pipeline_stages
     n = wl.n_params / pp
-    z = sc.zero
-    dp = sc.data_parallel_size
     trained = trainable_params(wl) / pp   # frozen weights have no gradients or optimizer states
-    states = model_state_bytes(n, n / dp, z.stage, DTYPE_BYTES[sc.precision], trainable=(trained, trained / dp))
-    if z.optimizer_offload_device != "none":
+    states = model_state_bytes(n, n / dp, stage, DTYPE_BYTES[precision], trainable=(trained, trained / dp))
+    if optimizer_offload != "none":
         states["optimizer states"] = 0.0
-        if z.stage >= 2:
+        if stage >= 2:
             states["gradients"] = 0.0
-    if z.param_offload_device != "none":
+    if param_offload != "none":
         states["parameters"] = 0.0
-    mode = sc.training.activation_checkpointing
     if mode == "full":
         acts = wl.layers * wl.layer_input_bytes
     elif mode == "selective":
         acts = sum(m.act_bytes - m.act_bytes_s2 for m in wl.modules)
     else:
         acts = sum(m.act_bytes for m in wl.modules)
-    return sum(states.values()) + acts / pp + sc.cluster.reserved_bytes
+    return sum(states.values()) + act_scale * acts / pp + reserved_bytes
 
 
 def _divisors(n: int) -> list[int]:
@@ -167,11 +230,13 @@ def structural_candidates(sc) -> list[TunePoint]:
     # cheapest-looking first: the scenario's own layout (a layout adds bubbles and point-to-point
     # sends; the others are tried when the budget is not spent), no offload, no recompute, big
     # micro-batches, higher ZeRO stages last for ties
-    own = Layout(sc.pipeline_stages)
     off_rank = {k: i for i, k in enumerate(OFFLOADS)}
     ck_rank = {"none": 0, "selective": 1, "full": 2}
-    out.sort(key=lambda c: (c.layout != own, c.layout.model_parallel, off_rank[c.offload], ck_rank[c.checkpointing],
-                            -c.micro_batch, c.stage))
+    order = {layout: i for i, layout in enumerate(layouts(sc))}
+    # a pipeline's bubble is (p - 1) / GAS of its step (Narayanan et al. 2021): its micro-batches
+    # that leave at least 4 per stage come first, the largest of those first
+    out.sort(key=lambda c: (order[c.layout], off_rank[c.offload], ck_rank[c.checkpointing],
+                            c.layout.pipeline > 1 and c.gas < 4 * c.layout.pipeline, -c.micro_batch, c.stage))
     return out
 
 
@@ -203,10 +268,10 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int = 60) -> TuneR
     base_sc = base.scenario(())
     capacity = base_sc.cluster.hbm_capacity_bytes
 
-    def evaluate(c: TunePoint, sc=None) -> Result | None:
+    def evaluate(c: TunePoint) -> Result | None:
         nonlocal rejected
         if c.key() not in seen:
-            out = base.run(c.variant, sc)
+            out = base.run(c.variant)
             rejected += not out.ok
             seen[c.key()] = (c, out)
         return seen[c.key()][1].result
@@ -216,30 +281,49 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int = 60) -> TuneR
         return sorted(ok, key=lambda cr: -score(cr[1], objective))
 
     survivors = []
-    workloads: dict = {}    # candidates share workloads: the micro-batch decides them here
+    workloads: dict = {}    # candidates share workloads: the layout and ZeRO-3's linear decide them
+    # (checkpointing too where LoRA or frozen weights make the workload depend on it)
+    by_mode = base_sc.training.lora is not None or bool(base_sc.training.frozen)
     for c in structural_candidates(base_sc):
-        try:
-            sc = base.scenario(c.assignments())
-        except ZsimInputError:
-            rejected += 1
-            continue
-        key = (sc.model, sc.micro_batch_size, sc.seq_len, sc.precision, sc.training, sc.expert_parallel_size)
+        key = (c.layout, c.stage == 3, c.checkpointing if by_mode else None)
         if key not in workloads:
-            workloads[key] = workload_for(sc)
-        if memory_lower_bound(sc, workloads[key]) > capacity:
+            workloads[key] = point_workload(base_sc, c)
+        if point_lower_bound(base_sc, c, workloads[key]) > capacity:
             pruned.append(c)
         else:
-            survivors.append((c, sc))
-    # half the budget on structures; if none of those fits, keep going until one does. Other
-    # layouts than the scenario's come last, and only while nothing fits (a simulated pipeline of
-    # many stages costs several data-parallel ones)
-    own = Layout(base_sc.pipeline_stages)
-    for i, (c, sc) in enumerate(survivors):
-        if c.layout != own and any(out.fits for _, out in seen.values()):
+            survivors.append(c)
+    # half the budget on structures (if nothing fits, keep going until one does), layout by layout in
+    # `layouts` order: the scenario's own (up to a quarter of the budget), then a few tries each
+    # until one fits. A layout whose tensor size already fits with fewer stages is skipped: more
+    # stages add bubble and sends for memory it does not need (Narayanan et al. 2021, takeaway #1),
+    # and a pipeline of many stages costs the most to simulate
+    queues: dict[Layout, list] = {}
+    for c in survivors:
+        queues.setdefault(c.layout, []).append(c)
+    fitted: list[Layout] = []
+
+    def spent() -> bool:
+        return len(seen) >= budget or (len(seen) >= max(1, budget // 2) and bool(fitted))
+
+    own = own_layout(base_sc)
+    for layout, queue in queues.items():
+        if any(f.tensor == layout.tensor and f.pipeline < layout.pipeline for f in fitted):
+            continue
+        for c in queue[:max(1, budget // 4) if layout == own else 3]:
+            if spent():
+                break
+            r = evaluate(c)
+            if r is not None and r.fits:
+                fitted.append(layout)
+                break
+    best = {c.layout for c, _ in ranked()[:2]}
+    for c in survivors:
+        if spent():
             break
-        evaluate(c, sc)
-        if i + 1 >= max(1, budget // 2) and (any(out.fits for _, out in seen.values()) or len(seen) >= budget):
-            break
+        if c.layout in best or not fitted:
+            evaluate(c)
+            if c.key() in seen and seen[c.key()][1].fits and c.layout not in fitted:
+                fitted.append(c.layout)
 
     for c, r in ranked()[:3]:
         best_c, best_r = c, r

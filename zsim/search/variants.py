@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from zsim.api import run_scenario
+from zsim.config.derive import rederive_raw
 from zsim.config.scenario import apply_set, load_raw, scenario_from_mapping
 from zsim.specs.scenario import Scenario
 from zsim.engine.sim import Trace
@@ -35,6 +36,7 @@ class Outcome:
     variant: Variant
     result: Result | None
     error: str = ""
+    note: str = ""      # batch keys re-derived for the variant (zsim.config.derive), if any
 
     @property
     def ok(self) -> bool:
@@ -71,6 +73,13 @@ class Base:
             raw = apply_set(raw, a)
         return scenario_from_mapping(raw, self.base_dir, name_default=self.name)
 
+    def derived(self, assignments) -> tuple[tuple[str, ...], str]:
+        """(assignments, note): `assignments` plus the batch keys re-derived when they move the
+        batch product (a layout or cluster change on a mapping that pins train_batch_size), as
+        `--set` on the command line does (zsim.config.derive); the note is "" when none were."""
+        extra, note = rederive_raw(self.raw, tuple(assignments), self.base_dir, self.name)
+        return tuple(assignments) + extra, note or ""
+
     def simulate(self, assignments=(), scenario: Scenario | None = None) -> tuple[Scenario, Result, Trace]:
         """Simulate one variant (or its already built `scenario`); bad input raises ZsimInputError."""
         sc = scenario or self.scenario(assignments)
@@ -80,11 +89,22 @@ class Base:
     def run(self, variant: Variant, scenario: Scenario | None = None) -> Outcome:
         """Simulate one variant (once per distinct scenario); an invalid combination becomes an
         Outcome with its error."""
+        note = ""
         try:
-            sc = scenario or self.scenario(variant.assignments)
+            if scenario is None:
+                try:
+                    scenario = self.scenario(variant.assignments)
+                except ZsimInputError:
+                    # re-derived batch keys only where the variant as given is refused: a
+                    # variant that loads is simulated as written
+                    assignments, note = self.derived(variant.assignments)
+                    if not note:
+                        raise
+                    scenario = self.scenario(assignments)
+            sc = scenario
             key = repr(sc)
             if key not in self._results:
                 self._results[key] = self.simulate(scenario=sc)[1]
         except ZsimInputError as err:
-            return Outcome(variant, None, str(err))
-        return Outcome(variant, self._results[key])
+            return Outcome(variant, None, str(err), note)
+        return Outcome(variant, self._results[key], note=note)
