@@ -168,10 +168,12 @@ def _finalize_grads(model, names, lay: Layout, clip: float, log: _Log):
     if clip <= 0:
         return
     comm.phase = "step"
-    sq = sum(model.params[n].grad.double().square().sum() for n in names
-             if model.partitioned[n] or lay.tp_rank == 0).reshape(1)
+    # runtime/utils.py clip_grad_norm_ (DeepSpeed's stage-0 clip, engine.py:3510): fp32 squared
+    # norms of the rank's own parameters, summed over the model-parallel group (utils.py:410)
+    sq = sum(model.params[n].grad.float().norm().square() for n in names
+             if model.partitioned[n] or lay.tp_rank == 0).reshape(1).float()
     if lay.tp * lay.pp > 1:
-        log.call("all_reduce", sq, "model")
+        log.call("all_reduce", sq, "tensor" if lay.pp == 1 else "pipe" if lay.tp == 1 else "model")
         dist.all_reduce(sq, group=lay.mp_group)
     coef = clip / (float(sq.sqrt()) + 1e-6)
     if coef < 1.0:
