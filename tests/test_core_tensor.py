@@ -112,6 +112,7 @@ def test_tensor_parallel_calls_are_zsims(case, tmp_path):
     scenario: the f/g collectives, the SP column-parallel backward's re-gather, the embedding's
     all-reduce before the learned positions, the cross-entropy's fp32 all-reduces, the one
     flattened all-reduce of the sequence-parallel gradients, the 1F1B sends of sequence shards."""
+    pytest.importorskip("torch")
     from zsim.config.scenario import scenario_from_mapping
     from zsim.schedule.build import build_schedule
 
