@@ -38,7 +38,7 @@ from calibration.core.model import DTYPES, batch, build_segments, param_shapes
 from calibration.core.moe import exchange, expert_groups, rank_initial_values
 from calibration.core.plan import Plan
 from calibration.core.step import OptimizerStep, adamw_per_group
-from calibration.core.segments import _Entry, last_reads
+from calibration.core.segments import SegmentEntry, last_reads
 from zsim.schedule.ir import Buffer, Op, OpKind, Phase
 
 
@@ -90,7 +90,7 @@ class ZeroCore(OptimizerStep):
         self.inflight: dict[int, tuple] = {}
         self.flat_out: dict[int, torch.Tensor] = {}     # gather op id -> its flat output buffer
         self.last_reads = last_reads(plan.ops, self.segs, sc)
-        self._anchor = torch.empty(0, requires_grad=True)   # _Entry's input that needs a gradient
+        self._anchor = torch.empty(0, requires_grad=True)   # SegmentEntry's input that needs a gradient
         self.check_overflow = any(op.kind == OpKind.OVERFLOW_ALLREDUCE for op in plan.ops)
         self.dispatch = {
             OpKind.FORWARD: self._forward, OpKind.BACKWARD: self._backward,
@@ -223,7 +223,7 @@ class ZeroCore(OptimizerStep):
     # -- what each op kind does -------------------------------------------------------------
     def _forward(self, op: Op):
         """Run one segment. The core holds what DeepSpeed's autograd graph holds and no more (see
-        [Note: segment values]): its inputs enter through `_Entry` (which keeps no reference), its
+        [Note: segment values]): its inputs enter through `SegmentEntry` (which keeps no reference), its
         output is kept as its gradient edge, and env drops a value after its last reader."""
         module, micro = op.payload.module, op.micro_step
         if micro != self.micro or not self.env:
@@ -238,7 +238,7 @@ class ZeroCore(OptimizerStep):
             v = self.env[n]
             if v.is_floating_point() and v.requires_grad:
                 boxes.append((n, []))
-                ins.append(_Entry.apply(v.detach(), self._anchor, boxes[-1][1]))
+                ins.append(SegmentEntry.apply(v.detach(), self._anchor, boxes[-1][1]))
             else:
                 ins.append(v.detach() if v.is_floating_point() else v)
         with torch.enable_grad():

@@ -4,7 +4,7 @@
 DeepSpeed runs the model's forward as one autograd graph (runtime/engine.py:3007
 `loss = self.module(*inputs, **kwargs)`): an activation is alive while a Python local or a
 tensor autograd saved refers to it, and no longer. The core runs the same graph segment by
-segment, so it must not hold more than that: a segment's input enters through `_Entry`, which
+segment, so it must not hold more than that: a segment's input enters through `SegmentEntry`, which
 keeps no reference to it (a detached leaf would be kept by its AccumulateGrad node until the
 segment's backward), the gradient that reaches it is collected in a list; the segment's output
 is kept as its gradient edge (the node, not the tensor); and a value leaves the core's env after
@@ -20,7 +20,7 @@ from calibration.core.moe import exchanged_values
 from zsim.schedule.ir import OpKind, Phase
 
 
-class _Entry(torch.autograd.Function):
+class SegmentEntry(torch.autograd.Function):
     """A segment's input: the same storage (a view), no saved reference; backward hands the
     summed gradient to `box`. `anchor` is an empty leaf that needs a gradient, so the output
     does."""
@@ -44,7 +44,8 @@ def last_reads(ops, segs, sc) -> dict[int, list[str]]:
         if op.kind == OpKind.FORWARD:
             names = segs[op.payload.module].inputs
         elif op.kind == OpKind.EXPERT_ALL_TO_ALL and op.phase != Phase.BACKWARD:
-            tokens, outputs = exchanged_values(op.payload.layer, sc.model.moe.experts // sc.expert_parallel_size)
+            local = sc.model.moe.experts // sc.expert_parallel_size
+            tokens, outputs = exchanged_values(op.payload.layer, local)
             names = outputs if op.payload.combine else (tokens,)
         else:
             continue
