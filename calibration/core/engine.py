@@ -30,6 +30,7 @@ import time
 from itertools import groupby
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 from calibration.core.comm import Comm
 from calibration.core.grads import GradBuckets
@@ -37,6 +38,7 @@ from calibration.core.model import DTYPES, batch, build_segments, param_shapes
 from calibration.core.moe import exchange, expert_groups, rank_initial_values
 from calibration.core.plan import Plan
 from calibration.core.step import OptimizerStep, adamw_per_group
+from calibration.core.segments import SegmentEntry, last_reads
 from zsim.schedule.ir import Buffer, Op, OpKind, Phase
 
 
@@ -87,6 +89,8 @@ class ZeroCore(OptimizerStep):
                 self.coalesced_runs[run[0].id] = [op.payload.pids[0] for op in run]
         self.inflight: dict[int, tuple] = {}
         self.flat_out: dict[int, torch.Tensor] = {}     # gather op id -> its flat output buffer
+        self.last_reads = last_reads(plan.ops, self.segs, sc)
+        self._anchor = torch.empty(0, requires_grad=True)   # SegmentEntry's input that needs a gradient
         self.check_overflow = any(op.kind == OpKind.OVERFLOW_ALLREDUCE for op in plan.ops)
         self.dispatch = {
             OpKind.FORWARD: self._forward, OpKind.BACKWARD: self._backward,
@@ -218,6 +222,9 @@ class ZeroCore(OptimizerStep):
 
     # -- what each op kind does -------------------------------------------------------------
     def _forward(self, op: Op):
+        """Run one segment. The core holds what DeepSpeed's autograd graph holds and no more (see
+        [Note: segment values]): its inputs enter through `SegmentEntry` (which keeps no reference), its
+        output is kept as its gradient edge, and env drops a value after its last reader."""
         module, micro = op.payload.module, op.micro_step
         if micro != self.micro or not self.env:
             self.micro = micro
@@ -226,30 +233,37 @@ class ZeroCore(OptimizerStep):
         s = self.segs[module]
         # a segment's input carries a gradient where its producer's output does (none before the
         # first trained parameter: zsim/workload/lora.py)
-        ins = [self.env[n].detach().requires_grad_(self.env[n].requires_grad) if self.env[n].is_floating_point()
-               else self.env[n] for n in s.inputs]
+        ins, boxes = [], []
+        for n in s.inputs:
+            v = self.env[n]
+            if v.is_floating_point() and v.requires_grad:
+                boxes.append((n, []))
+                ins.append(SegmentEntry.apply(v.detach(), self._anchor, boxes[-1][1]))
+            else:
+                ins.append(v.detach() if v.is_floating_point() else v)
         with torch.enable_grad():
             out = s.fn(self.P, *ins)
         if module == "loss":
             self.losses.append(float(out.detach()))
             out = out / self.gas
         self.env[s.output] = out
-        self.saved[module] = (ins, out)
+        root = out if module == "loss" else get_gradient_edge(out) if out.requires_grad else None
+        self.saved[module] = (boxes, root)
 
     def _backward(self, op: Op):
         module = op.payload.module
         s = self.segs[module]
-        ins, out = self.saved.pop(module)
-        if not out.requires_grad:
+        boxes, root = self.saved.pop(module)
+        if module == "loss":
+            torch.autograd.backward(root)
+        elif root is None:
             pass   # frozen and no gradient into its input: autograd never reaches it
-        elif module == "loss":
-            torch.autograd.backward(out)
         else:
-            torch.autograd.backward(out, self.act_grads.pop(s.output))
+            torch.autograd.backward(root, self.act_grads.pop(s.output))
         self.env.pop(s.output, None)
-        for n, t in zip(s.inputs, ins):
-            if t.is_floating_point() and t.grad is not None:
-                self.act_grads[n] = self.act_grads[n] + t.grad if n in self.act_grads else t.grad
+        for n, box in boxes:
+            for g in box:
+                self.act_grads[n] = self.act_grads[n] + g if n in self.act_grads else g
         if op.payload.bucketed:
             self.grads.grads_ready(op.micro_step, op.payload.bucketed)
 
@@ -317,6 +331,9 @@ class ZeroCore(OptimizerStep):
                 self.grads.end_backward()
             self._drop_flat(op.free_before)
             self.dispatch[op.kind](op)
+            for n in self.last_reads.get(op.id, ()):
+                if n in self.env and self.env[n].is_floating_point():
+                    del self.env[n]
             for pid in self.plan.releases.get(op.id, ()):
                 self._release(pid)
             self._drop_flat(op.free)

@@ -176,6 +176,10 @@ class GradBuckets:
             for v in views:   # allreduce_no_retain copies the result back
                 v.copy_(t[o:o + v.numel()])
                 o += v.numel()
+            # the reduction's temporaries are gone before the copy into the gradient partition
+            # (stage_1_and_2.py reduce_ipg_grads: the reduction returns at 2229-2237, then
+            # copy_grads_in_partition at 2269-2271 allocates grads_in_partition, 2192)
+            del t, views
             if call == len(b.calls) - 1:
                 self._take_allreduced(b)
         else:   # all_reduce of a chunk (or the whole bucket)
