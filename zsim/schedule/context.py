@@ -23,6 +23,12 @@ class StepContext:
     # tensor.TensorCollectives (Megatron's tensor-parallel collectives); build.py sets them
     exchanges: tuple = ()
 
+    def for_slice(self, wl: Workload) -> StepContext:
+        """A pipeline stage's (or model chunk's) context: this step's settings over its slice of
+        the model, with its own checkpoint ops and no exchanges yet (the caller sets them)."""
+        return StepContext(sc=self.sc, wl=wl, b=self.b, param_bytes=self.param_bytes, world=self.world,
+                           reduce_bytes=self.reduce_bytes)
+
     @property
     def gas(self) -> int:
         return self.sc.gradient_accumulation_steps

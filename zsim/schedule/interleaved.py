@@ -189,14 +189,12 @@ def build(ctx0: StepContext) -> tuple[tuple[tuple[int, int], ...], HostSettings]
     ranks = []
     for r, (rank_wl, chunks) in enumerate(slices):
         b.stage = r
-        ctx = StepContext(sc=sc, wl=rank_wl, b=b, param_bytes=ctx0.param_bytes, world=ctx0.world,
-                          reduce_bytes=ctx0.reduce_bytes)
+        ctx = ctx0.for_slice(rank_wl)
         # no token exchanges: an MoE model under a pipeline is refused (config/parallel.py)
         ctx.exchanges = (TokenExchanges(ctx), TensorCollectives(ctx))
         chunk_ctxs = []
         for wl, _ in chunks:
-            chunk_ctx = StepContext(sc=sc, wl=wl, b=b, param_bytes=ctx0.param_bytes, world=ctx0.world,
-                                    reduce_bytes=ctx0.reduce_bytes)
+            chunk_ctx = ctx0.for_slice(wl)
             chunk_ctx.exchanges = ctx.exchanges
             chunk_ctxs.append(chunk_ctx)
         rank = _Rank(ctx, chunk_ctxs, r, progs[r])

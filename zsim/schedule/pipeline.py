@@ -121,8 +121,7 @@ def build(ctx0: StepContext) -> tuple[tuple[tuple[int, int], ...], HostSettings]
     ranks = []
     for s, (wl, _) in enumerate(slices):
         b.stage = s
-        ctx = StepContext(sc=sc, wl=wl, b=b, param_bytes=ctx0.param_bytes, world=ctx0.world,
-                          reduce_bytes=ctx0.reduce_bytes)
+        ctx = ctx0.for_slice(wl)
         # no token exchanges: an MoE model under a pipeline is refused (config/parallel.py)
         ctx.exchanges = (TokenExchanges(ctx), TensorCollectives(ctx))
         rank = _Stage(ctx, s, stages)
