@@ -6,6 +6,7 @@ spread, step-time MAPE and max, peak-memory MAPE, and whether the collective lis
 
     python benchmarks/validate_random.py [--seed S] [--n 20] [--engines own,deepspeed]
                                          [--profile P] [--steps 8] [--repeats 3] [--json out.json]
+                                         [--runs-log runs.jsonl]
 
 Without --seed a fresh seed is drawn; the seed is printed first either way. A seed listed in
 benchmarks/validate_random_tuned_seeds.txt was used to change the model or a profile: its
@@ -17,6 +18,10 @@ does (benchmarks/_validate_common.py combine); "run spread" is (max - min) / med
 medians, "step spread" the largest within one run. A case an engine cannot run (the own core has
 no optimizer offload; the DeepSpeed peer on CPU has no host/device split to measure) is printed
 as skipped with the reason, and the offload draw is kept only when every engine runs it.
+
+--runs-log appends every finished launch to a JSON-lines file as it ends; started again with the
+same file (and the same seed, n, steps, warmup and profile, which its first line records), the
+benchmark skips the launches already there, so a long run that is stopped loses nothing.
 
 DeepSpeed runs in the python named by ZSIM_DS_PYTHON (e.g. /work/venv-ds/bin/python) with
 DS_ACCELERATOR=cpu. Timing-sensitive: run it on a quiet machine.
@@ -50,6 +55,28 @@ def tuned_seeds(path: Path = TUNED_SEEDS_FILE) -> dict[int, str]:
             seed, _, note = line.partition(" ")
             out[int(seed)] = note.strip()
     return out
+
+
+def load_runs_log(path: Path, header: dict) -> dict[tuple[str, int], dict]:
+    """{(engine/case, pass): result} of a --runs-log written by a run with the same header."""
+    if not path.exists():
+        return {}
+    lines = path.read_text().splitlines()
+    if not lines:
+        return {}
+    first = json.loads(lines[0])
+    if first != header:
+        raise ValueError(f"--runs-log {path} was written by another run ({first}); this run is {header}: "
+                         "give a new file, or the same --seed/--n/--steps/--warmup/--profile")
+    return {(d["key"], d["pass"]): d["result"] for d in map(json.loads, lines[1:])}
+
+
+def open_runs_log(path: Path, header: dict):
+    new = not path.exists() or not path.read_text().strip()
+    f = path.open("a")
+    if new:
+        f.write(json.dumps(header) + "\n")
+    return f
 
 
 def _pct(e) -> str:
@@ -100,6 +127,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--reuse-tuned-seed", action="store_true", help="allow a seed listed as tuned on")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--runs-log", default=None, help="JSON lines of finished launches; resumes from it")
     a = ap.parse_args()
     seed = a.seed if a.seed is not None else secrets.randbelow(2**31)
     tuned = tuned_seeds()
@@ -113,6 +141,13 @@ def main() -> int:
     print(f"seed {seed}: {a.n} cases, engines {','.join(engines)}, profile {a.profile or 'validate default'}, "
           f"{a.repeats} runs x {a.steps} steps per case"
           + (f"  [TUNED SEED: {tuned[seed]}; not held-out]" if seed in tuned else "  [fresh: not tuned on]"), flush=True)
+    header = {"seed": seed, "n": a.n, "steps": a.steps, "warmup": a.warmup, "profile": a.profile}
+    try:
+        done = load_runs_log(Path(a.runs_log), header) if a.runs_log else {}
+    except ValueError as e:
+        print(f"validate_random: error: {e}", file=sys.stderr)
+        return 2
+    log = open_runs_log(Path(a.runs_log), header) if a.runs_log else None
     runs: dict[str, list[dict]] = {}
     for rep in range(a.repeats):
         print(f"pass {rep + 1}/{a.repeats}", file=sys.stderr, flush=True)
@@ -120,8 +155,16 @@ def main() -> int:
             for engine in engines:
                 if case.offloaded and engine not in RUNS_OFFLOAD:
                     continue
-                runs.setdefault(f"{engine}/{case.name}", []).append(
-                    run_case(case.scenario, case.overrides, engine, a.steps, a.warmup, a.profile))
+                key = f"{engine}/{case.name}"
+                r = done.get((key, rep))
+                if r is None:
+                    r = run_case(case.scenario, case.overrides, engine, a.steps, a.warmup, a.profile)
+                    if log:
+                        log.write(json.dumps({"key": key, "pass": rep, "result": r}, default=str) + "\n")
+                        log.flush()
+                print(f"  {key}: " + ("failed" if "failed" in r else f"{r['measured']['step_time_s'] * 1e3:.1f} ms"),
+                      file=sys.stderr, flush=True)
+                runs.setdefault(key, []).append(r)
     results = {k: combine(v) for k, v in runs.items()}
     summaries = {engine: report(engine, cases, results) for engine in engines}
     print(f"\nseed {seed}")

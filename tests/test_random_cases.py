@@ -87,3 +87,19 @@ def test_the_benchmark_refuses_a_seed_it_was_tuned_on(tmp_path):
     f.write_text("# comment\n42  prefetch rule (2026-11-23)\n\n")
     assert mod.tuned_seeds(f) == {42: "prefetch rule (2026-11-23)"}
     assert isinstance(mod.tuned_seeds(), dict)      # the shipped list parses
+
+
+def test_runs_log_resumes_only_the_run_that_wrote_it(tmp_path):
+    spec = importlib.util.spec_from_file_location("validate_random", ROOT / "benchmarks" / "validate_random.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    log = tmp_path / "runs.jsonl"
+    header = {"seed": 7, "n": 2, "steps": 4, "warmup": 1, "profile": None}
+    assert mod.load_runs_log(log, header) == {}
+    with mod.open_runs_log(log, header) as f:
+        f.write('{"key": "own/c00", "pass": 0, "result": {"failed": "x"}}\n')
+    with mod.open_runs_log(log, header) as f:      # reopened: the header is not written twice
+        f.write('{"key": "own/c00", "pass": 1, "result": {"failed": "y"}}\n')
+    assert mod.load_runs_log(log, header) == {("own/c00", 0): {"failed": "x"}, ("own/c00", 1): {"failed": "y"}}
+    with pytest.raises(ValueError, match="--runs-log"):
+        mod.load_runs_log(log, {**header, "steps": 8})
