@@ -90,6 +90,9 @@ def report(engine: str, cases, results: dict) -> dict:
     st, pk, equal = [], [], 0
     for case in cases:
         r = results.get(f"{engine}/{case.name}")
+        if r is None and not case.offloaded:
+            print(f"{case.name:8s} not run (the runs log has no launch of it)  {describe(case)}")
+            continue
         if r is None:
             print(f"{case.name:8s} skipped: {engine} cannot run optimizer offload here  {describe(case)}")
             continue
@@ -100,8 +103,11 @@ def report(engine: str, cases, results: dict) -> dict:
         st.append(e["step_time"])
         pk.append(e["peak_bytes"])
         equal += bool(r["collectives_equal"])
-        flag = " (spread > error)" if e["step_time"] is not None and m["run_spread"] > abs(e["step_time"]) else ""
-        print(f"{case.name:8s} {m['step_time_s'] * 1e3:8.1f} {100 * m['run_spread']:6.1f}% "
+        # one launch has no run-to-run spread: its within-run step spread stands for it (flag)
+        spread = m["run_spread"] if r.get("runs", 1) > 1 else m.get("step_time_spread", 0.0)
+        flag = " (spread > error)" if e["step_time"] is not None and spread > abs(e["step_time"]) else ""
+        run_spr = f"{100 * m['run_spread']:6.1f}%" if r.get("runs", 1) > 1 else "      -"
+        print(f"{case.name:8s} {m['step_time_s'] * 1e3:8.1f} {run_spr} "
               f"{100 * m.get('step_time_spread', 0.0):7.1f}% {p['step_time_s'] * 1e3:8.1f} {_pct(e['step_time'])}  "
               f"{m['peak_bytes'] / 2**20:8.1f} {p['peak_bytes'] / 2**20:8.1f} {_pct(e['peak_bytes'])}  "
               f"{'equal' if r['collectives_equal'] else 'DIFFER'}  {describe(case)}{flag}", flush=True)
@@ -128,6 +134,8 @@ def main() -> int:
     ap.add_argument("--reuse-tuned-seed", action="store_true", help="allow a seed listed as tuned on")
     ap.add_argument("--json", default=None)
     ap.add_argument("--runs-log", default=None, help="JSON lines of finished launches; resumes from it")
+    ap.add_argument("--report-only", action="store_true",
+                    help="launch nothing: report the --runs-log's launches (every pass it holds)")
     a = ap.parse_args()
     seed = a.seed if a.seed is not None else secrets.randbelow(2**31)
     tuned = tuned_seeds()
@@ -147,9 +155,14 @@ def main() -> int:
     except ValueError as e:
         print(f"validate_random: error: {e}", file=sys.stderr)
         return 2
-    log = open_runs_log(Path(a.runs_log), header) if a.runs_log else None
+    if a.report_only and not a.runs_log:
+        print("validate_random: error: --report-only needs --runs-log FILE (the launches to report)", file=sys.stderr)
+        return 2
+    log = open_runs_log(Path(a.runs_log), header) if a.runs_log and not a.report_only else None
     runs: dict[str, list[dict]] = {}
-    for rep in range(a.repeats):
+    for (key, _), r in sorted(done.items()) if a.report_only else ():
+        runs.setdefault(key, []).append(r)
+    for rep in range(0 if a.report_only else a.repeats):
         print(f"pass {rep + 1}/{a.repeats}", file=sys.stderr, flush=True)
         for case in cases:
             for engine in engines:

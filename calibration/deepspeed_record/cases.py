@@ -43,6 +43,7 @@ def build_cases():
     c["stage1_clip"] = _with(_base(1), gradient_clipping=1.0)
     c["stage1_overlap_true"] = _base(1, overlap_comm=True)
     c["stage1_multi_rank_allreduce_false"] = _base(1, use_multi_rank_bucket_allreduce=False)
+    c["stage1_contiguous_false_bucket_2e5"] = _base(1, contiguous_gradients=False, reduce_bucket_size=200000)
     c["stage1_grad_accum_fp32"] = _with(_base(1), data_types={"grad_accum_dtype": "fp32"})
     # ---- stage 2
     c["stage2_default"] = _base(2)
@@ -53,6 +54,9 @@ def build_cases():
     c["stage2_reduce_scatter_false"] = _base(2, reduce_scatter=False)
     c["stage2_contiguous_false"] = _base(2, contiguous_gradients=False)
     c["stage2_multi_rank_allreduce_false"] = _base(2, use_multi_rank_bucket_allreduce=False)
+    # without contiguous_gradients a bucket is all-reduced whole (buffered_reduce_fallback), even
+    # when it straddles the partition boundary and exceeds the bucket size (params of 1M elements)
+    c["stage2_contiguous_false_bucket_2e5"] = _base(2, contiguous_gradients=False, reduce_bucket_size=200000)
     c["stage2_gas2"] = _with(_base(2), gradient_accumulation_steps=2)
     c["stage2_clip"] = _with(_base(2), gradient_clipping=1.0)
     c["stage2_fp32"] = _with(_base(2), bf16={"enabled": False})

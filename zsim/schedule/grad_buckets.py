@@ -113,6 +113,16 @@ class Zero12Buckets(_Buckets):
         if not z.reduce_scatter:
             # gradient_reduction_w_predivide: the whole bucket in one all-reduce over the dp group
             return [(Collective.ALL_REDUCE, -1, self.bucket_numel, 0)]
+        if not z.contiguous_gradients:
+            # reduce_ipg_grads without contiguous_gradients (stage_1_and_2.py:2230-2237):
+            # buffered_reduce_fallback -> allreduce_no_retain(numel_per_bucket=bucket.elements), i.e.
+            # the bucket's grads flattened into one all-reduce whatever partitions they straddle
+            # (average_tensor's per-rank slices are the contiguous path only). One call per flat
+            # group here; MoE expert groups without contiguous_gradients were not recorded.
+            numel_of: dict[int, int] = {}
+            for pid in self.bucket:
+                numel_of[self.group_of[pid]] = numel_of.get(self.group_of[pid], 0) + self.numels[pid]
+            return [(Collective.ALL_REDUCE, -1, n, g) for g, n in numel_of.items()]
         slices = bucket_slices(self.bucket, self.groups, self.group_of, self.numels)
         keyed: dict[tuple[int, int], list[int]] = {}   # (group, dst or -1) in order of first appearance
         for g, rank, n in slices:
