@@ -96,6 +96,19 @@ PIPELINES = {
 }
 
 
+def _same_pipeline(sc):
+    """The steady-state run of pipeline `sc` gives the full simulation's result, per-stage peaks
+    and the bubble included; returns its trace."""
+    steady, trace = run_scenario(sc)
+    full, full_trace = run_scenario(sc, steady=False)
+    assert full_trace.repeat is None
+    _same(steady, full)
+    assert steady.pipeline.peak_bytes == full.pipeline.peak_bytes
+    assert steady.pipeline.worst_stage == full.pipeline.worst_stage
+    assert steady.pipeline.bubble_fraction == pytest.approx(full.pipeline.bubble_fraction, rel=1e-9)
+    return trace
+
+
 @pytest.mark.parametrize("name", sorted(PIPELINES))
 def test_pipeline_steady_state_equals_full_simulation(name):
     """A pipeline's 1F1B period, reused, gives the result of simulating every micro-step,
@@ -103,14 +116,7 @@ def test_pipeline_steady_state_equals_full_simulation(name):
     stages = PIPELINES[name]["parallelism.pipeline"]
     reused = []
     for gas in range(1, stages + 9):
-        sc = scenario(**PIPELINES[name], **{"training.gradient_accumulation_steps": gas})
-        steady, trace = run_scenario(sc)
-        full, full_trace = run_scenario(sc, steady=False)
-        assert full_trace.repeat is None
-        _same(steady, full)
-        assert steady.pipeline.peak_bytes == full.pipeline.peak_bytes
-        assert steady.pipeline.worst_stage == full.pipeline.worst_stage
-        assert steady.pipeline.bubble_fraction == pytest.approx(full.pipeline.bubble_fraction, rel=1e-9)
+        trace = _same_pipeline(scenario(**PIPELINES[name], **{"training.gradient_accumulation_steps": gas}))
         if trace.repeat is not None:
             assert trace.repeat.pipeline and trace.repeat.copies == gas - stages - 3
             reused.append(gas)
@@ -150,15 +156,8 @@ def test_interleaved_steady_state_equals_full_simulation(name):
     p = INTERLEAVED[name]["parallelism.pipeline"]
     reused = []
     for groups in range(1, 9):
-        sc = scenario(**{"parallelism.pipeline_schedule": "interleaved", f"{ZERO}.stage": 1, **INTERLEAVED[name],
-                         "training.gradient_accumulation_steps": groups * p})
-        steady, trace = run_scenario(sc)
-        full, full_trace = run_scenario(sc, steady=False)
-        assert full_trace.repeat is None
-        _same(steady, full)
-        assert steady.pipeline.peak_bytes == full.pipeline.peak_bytes
-        assert steady.pipeline.worst_stage == full.pipeline.worst_stage
-        assert steady.pipeline.bubble_fraction == pytest.approx(full.pipeline.bubble_fraction, rel=1e-9)
+        trace = _same_pipeline(scenario(**{"parallelism.pipeline_schedule": "interleaved", f"{ZERO}.stage": 1,
+                                           **INTERLEAVED[name], "training.gradient_accumulation_steps": groups * p}))
         if trace.repeat is not None:
             # five groups simulated, the window one group: one copy per group past the fifth
             assert trace.repeat.micro_steps == p and trace.repeat.copies == groups - 4
