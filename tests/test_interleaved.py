@@ -14,7 +14,7 @@ from zsim.api import run_scenario
 from zsim.errors import ZsimInputError
 from zsim.schedule.build import build_schedule, workload_for
 from zsim.schedule.interleaved import Step, programs, schedule_table, warmup_micro_batches
-from zsim.schedule.ir import Buffer, Group, OpKind, ProcessGroup
+from zsim.schedule.ir import Buffer, Group, OpKind, ProcessGroup, Stream
 
 _BIG = {"model.hidden": 2048, "model.heads": 16, "model.seq_len": 1024, "training.seq_len": 1024}
 
@@ -112,6 +112,79 @@ def test_bubble_falls_by_the_number_of_chunks(stages, chunks, gas):
     assert r.pipeline.bubble_fraction == pytest.approx(ideal, abs=0.02)
     assert plain.pipeline.bubble_fraction == pytest.approx((stages - 1) / (gas + stages - 1), abs=0.08)
     assert r.pipeline.bubble_fraction < plain.pipeline.bubble_fraction and r.step_time_s < plain.step_time_s
+
+
+def _tp8(chunks: int, gas: int, **changes):
+    """Korthikanti et al.'s full-recompute rows in small: TP8 inside a node, each of the 4 pipeline
+    stages on a node of its own (the sends cross InfiniBand), no sequence parallelism."""
+    base = {"model.layers": 12, "model.hidden": 4096, "model.heads": 32, "model.seq_len": 2048,
+            "training.seq_len": 2048, "training.micro_batch_size": 1, "training.activation_checkpointing": "full",
+            "parallelism.pipeline": 4, "parallelism.tensor": 8, "deepspeed.zero_optimization.stage": 1,
+            "training.gradient_accumulation_steps": gas, "hardware.nodes": 4}
+    if chunks > 1:
+        base.update({"parallelism.pipeline_schedule": "interleaved", "parallelism.virtual_stages": chunks})
+    base.update(changes)
+    return scenario(**base)
+
+
+def test_interleaving_beats_1f1b_when_the_bubble_dominates():
+    # Narayanan et al. SC'21 fig. 12/13: at a small batch the interleaved schedule wins, its bubble
+    # (p - 1) / (v m) against (p - 1) / m paying for its v times as many sends. Megatron's
+    # batched call sends both ways at once over full-duplex links, and with tensor parallelism each
+    # rank sends its 1/t of the tensor (scatter/gather); zsim charged every rank the whole tensor,
+    # one send after the other on half-duplex links, and had this run 20% slower than 1F1B.
+    p, v, m, t = 4, 3, 8, 8
+    plain, inter = run_scenario(_tp8(1, m))[0], run_scenario(_tp8(v, m))[0]
+    assert inter.step_time_s < 0.85 * plain.step_time_s
+    assert inter.pipeline.bubble_fraction < 0.5 * plain.pipeline.bubble_fraction
+    # the extra volume is charged: 2 m (p - 1) whole tensors per 1F1B step against 2 v m p - 2 m
+    # pieces of 1/t, each all-gathered over the tensor-parallel group at its receiver (per rank)
+    act = 2048 * 4096 * 2
+    assert plain.comm.bytes_per_gpu["send_recv"] == pytest.approx(2 * m * (p - 1) / p * act)
+    assert inter.comm.bytes_per_gpu["send_recv"] == pytest.approx((2 * v * m * p - 2 * m) / p * act / t)
+    assert inter.comm.calls["send_recv"] == inter.comm.calls["tp all_gather"] == (2 * v * m * p - 2 * m) / p
+    assert inter.comm.time_s["tp all_gather"] > 0 and "tp all_gather" not in plain.comm.calls
+
+
+def test_sequence_parallel_sends_the_sequence_shard_without_a_gather():
+    # with sequence parallelism the tensor between stages is already the rank's 1/t of the
+    # sequence: Megatron v3.0 sends it as it is (no scatter/gather)
+    p, v, m, t = 4, 3, 4, 8
+    r, trace = run_scenario(_tp8(v, m, **{"parallelism.sequence_parallel": True}))
+    assert r.comm.bytes_per_gpu["send_recv"] == pytest.approx((2 * v * m * p - 2 * m) / p * 2048 * 4096 * 2 / t)
+    assert not [op for op in trace.schedule.ops if op.kind == OpKind.TP_ALL_GATHER and "p2p" in op.payload.module]
+    _, trace = run_scenario(_tp8(v, m))
+    gathers = [op for op in trace.schedule.ops if op.kind == OpKind.TP_ALL_GATHER]
+    recvs = [op for op in trace.schedule.ops if op.kind in (OpKind.RECV_ACTIVATION, OpKind.RECV_GRAD)]
+    assert len(gathers) == len(recvs) and all("p2p recv" in op.payload.module for op in gathers)
+
+
+def test_a_batched_call_sends_both_ways_at_once():
+    # send_forward_backward_recv_forward_backward: one batch_isend_irecv, its requests all waited.
+    # A steady-state call's two sends go out together (the second on the P2P stream, each once its
+    # receiver has posted its call), and the compute stream goes on only after both: the first
+    # receive waits for the rank's own sends.
+    sc = interleaved(4, 2, 8, **{"hardware.gpus_per_node": 1, "hardware.nodes": 4})
+    _, trace = run_scenario(sc)
+    ops, timings = trace.schedule.ops, trace.timings
+    second = [op for op in ops if op.stream == Stream.P2P]
+    assert second and all(op.kind in (OpKind.SEND_ACTIVATION, OpKind.SEND_GRAD) for op in second)
+    together = 0
+    for op in second:
+        first = ops[op.id - 1]    # the call's first send, on the compute stream
+        assert first.stage == op.stage and first.stream == Stream.COMPUTE and first.kind != op.kind
+        # both wait for the rank's last op before the call
+        assert any(ops[d].stage == op.stage for d in set(first.deps) & set(op.deps))
+        together += timings[op.id].start_s < timings[first.id].end_s
+        waits = [o for o in ops if op.id in o.deps and o.stage == op.stage]
+        assert len(waits) == 1 and waits[0].kind in (OpKind.RECV_ACTIVATION, OpKind.RECV_GRAD)
+        assert timings[waits[0].id].start_s >= timings[op.id].end_s
+    assert together > len(second) / 2
+    # full-duplex links: a send takes the sender's outgoing and the receiver's incoming side
+    from zsim.hardware.cost_model import CostModel
+    cost = CostModel(sc.cluster, sc.precision, 1, trace.schedule.host, trace.schedule.pipeline)
+    assert cost.op_cost(second[0]).links[0].startswith("inter_node_out")
+    assert any(link.startswith("inter_node_in@") for link in cost.op_cost(second[0]).links)
 
 
 def _ops(sched, stage, kind):

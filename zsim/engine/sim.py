@@ -45,7 +45,8 @@ class OpTiming(NamedTuple):
 class Repeat:
     """The simulated steady state: the ops that start in the time window [start_s, end_s) (a
     data-parallel run: the ops of micro-step `micro`; a pipeline: one 1F1B period of every
-    stage, opened by stage 0's forward of micro-step `micro`) stand for `copies` identical
+    stage, opened by stage 0's forward of micro-step `micro`, of a group of `micro_steps`
+    micro-steps under the interleaved schedule) stand for `copies` identical
     windows, one `period_s` apart. Times in the trace are those simulated; `shift_s` maps them
     to the full step's clock."""
     micro: int
@@ -55,6 +56,7 @@ class Repeat:
     end_s: float
     ops: frozenset[int]          # ids of the simulated ops that stand for `copies` ops each
     pipeline: bool = False
+    micro_steps: int = 1         # micro-steps per window (Megatron's interleaved schedule: a group of `pipeline`)
 
     @property
     def skipped_s(self) -> float:
@@ -63,6 +65,8 @@ class Repeat:
 
     @property
     def name(self) -> str:
+        if self.micro_steps > 1:
+            return f"interleaved 1F1B period ({self.micro_steps} micro-steps) from micro-step {self.micro}"
         return f"1F1B period from micro-step {self.micro}" if self.pipeline else f"micro-step {self.micro}"
 
     def shift_s(self, time_s: float) -> float:

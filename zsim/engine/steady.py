@@ -17,8 +17,11 @@ phase is periodic in time: every stage runs one forward and one backward per per
 is built with stages + 4 micro-steps (then 2 x stages + 4), and the period opened by stage 0's
 forward of the second-to-last micro-step stands for all the steady periods of the full step
 when the period before it ran the same ops one period earlier (find_pipeline_repeat).
+Megatron's interleaved schedule repeats a group of `pipeline` micro-steps (each through every
+chunk): its step is built with 5 (then 7) groups, and the period of one group, opened the same
+way, stands for the full step's middle groups.
 tests/test_steady.py checks both paths agree for every stage, offload and checkpointing
-variant, and for pipelines.
+variant, and for pipelines, interleaved ones included.
 """
 from __future__ import annotations
 
@@ -63,19 +66,21 @@ def _simulate(sc: Scenario, steady: bool) -> tuple[Workload, Trace]:
     pipeline = sc.pipeline_stages > 1
     wl = None
     spent = 0   # micro-steps simulated in attempts: never more than the full step's
-    attempts = _pipeline_micro_steps(sc.pipeline_stages) if pipeline else SIMULATED_MICRO_STEPS
     # Megatron's interleaved schedule runs micro-batches in groups of `pipeline` through every
-    # chunk: its period is a group, not one micro-step, so it is simulated in full
-    interleaved = sc.parallelism.virtual_stages > 1
-    for micro_steps in attempts if steady and not interleaved else ():
+    # chunk: its period is a group of micro-steps, 1F1B's one micro-step
+    stride = sc.pipeline_stages if sc.parallelism.virtual_stages > 1 else 1
+    attempts = _pipeline_micro_steps(sc.pipeline_stages, stride) if pipeline else SIMULATED_MICRO_STEPS
+    for micro_steps in attempts if steady else ():
         spent += micro_steps
         if gas <= micro_steps or spent > gas:
             break
         wl, reduced = build_schedule(sc, wl, micro_steps=micro_steps)
         timings, ledgers = run_ops(reduced, sc.cluster, sc.precision)
         events = tuple(ledger.events() for ledger in ledgers)
-        find = find_pipeline_repeat if pipeline else find_repeat
-        repeat = find(reduced, timings, events, micro_steps, gas)
+        if pipeline:
+            repeat = find_pipeline_repeat(reduced, timings, events, micro_steps, gas, stride)
+        else:
+            repeat = find_repeat(reduced, timings, events, micro_steps, gas)
         if repeat is not None:
             end = repeat.shift_s(max(t.end_s for t in timings))
             ops = len(reduced.ops) + (repeat.copies - 1) * len(repeat.ops)
@@ -130,30 +135,43 @@ def find_repeat(schedule: Schedule, timings, stage_events, micro_steps: int, gas
     return Repeat(micro, gas - micro_steps + 1, period, lo, hi, frozenset(op.id for op in repeated))
 
 
-def _pipeline_micro_steps(stages: int) -> tuple[int, ...]:
+def _pipeline_micro_steps(stages: int, stride: int) -> tuple[int, ...]:
     """A pipeline of `stages` stages settles into its 1F1B period a micro-step or two after
     the last stage's first backward (stage 0 then runs one forward and one backward per
-    period): the shortened step runs a few periods past that."""
+    period): the shortened step runs a few periods past that. The interleaved schedule's
+    period is a group of `stride` (= stages) micro-steps: rank 0 warms up for
+    2 (p - 1) + (v - 1) p of its p v forwards per group (get_pp_rank_microbatches) and runs its
+    first backward of chunk 0 (the last chunk's to start its gradients) (v - 1) p backwards
+    later, in its second group of forwards; the period before the window starts in the third
+    group, the window ends at the fifth's first forward (five groups), or two groups later."""
+    if stride > 1:
+        return (5 * stride, 7 * stride)
     return (stages + 4, 2 * stages + 4)
 
 
-def find_pipeline_repeat(schedule: Schedule, timings, stage_events, micro_steps: int, gas: int) -> Repeat | None:
-    """The Repeat of a pipeline's shortened step: the 1F1B period opened by stage 0's forward
-    of micro-step j = micro_steps - 2 repeats when the period before it holds the same ops on
-    every stage and stream (each one micro-step earlier), each starting and ending exactly one
-    period earlier, nothing that started before that period is still running when the window
-    opens, and no stage's memory changes over the window. A full step of `gas` micro-steps is
-    then this one with gas - micro_steps more copies of the window: 1F1B adds one forward and
-    one backward per stage per extra micro-step, all in the steady phase."""
+def find_pipeline_repeat(schedule: Schedule, timings, stage_events, micro_steps: int, gas: int,
+                         stride: int = 1) -> Repeat | None:
+    """The Repeat of a pipeline's shortened step: the period opened by stage 0's first forward
+    of micro-step j = micro_steps - 1 - stride (its forward of chunk 0, interleaved) and closed
+    by that of micro-step j + stride repeats when the period before it holds the same ops on
+    every stage and stream (each `stride` micro-steps earlier), each starting and ending
+    exactly one period earlier, nothing that started before that period is still running when
+    the window opens, and no stage's memory changes over the window. A full step of `gas`
+    micro-steps is then this one with (gas - micro_steps) / stride more copies of the window:
+    1F1B adds one forward and one backward per stage per extra micro-step, the interleaved
+    schedule a forward and a backward of every chunk per extra micro-step, all in the steady
+    phase (a group of `stride` micro-steps per period)."""
+    if (gas - micro_steps) % stride:
+        return None
     opens: dict[int, float] = {}
     for op in schedule.ops:
         if op.stage == 0 and op.kind == OpKind.FORWARD and op.micro_step not in opens:
             opens[op.micro_step] = timings[op.id].start_s
-    j = micro_steps - 2
-    if any(m not in opens for m in (j - 1, j, j + 1)):
+    j = micro_steps - 1 - stride
+    if any(m not in opens for m in (j - stride, j, j + stride)):
         return None
-    lo, hi = opens[j], opens[j + 1]
-    period = lo - opens[j - 1]
+    lo, hi = opens[j], opens[j + stride]
+    period = lo - opens[j - stride]
     if period <= 0 or hi <= lo:
         return None
     tol = _REL_TOL * max(max(t.end_s for t in timings), 1.0)
@@ -172,11 +190,12 @@ def find_pipeline_repeat(schedule: Schedule, timings, stage_events, micro_steps:
     window.sort(key=order)
     if len(before) != len(window) or not window:
         return None
-    if any(b.micro_step != a.micro_step + 1 or b.payload != a.payload
+    if any(b.micro_step != a.micro_step + stride or b.payload != a.payload
            or [x.size_bytes for x in a.alloc] != [x.size_bytes for x in b.alloc] for a, b in zip(before, window)):
         return None
     if not _shifted(zip(before, window), timings, period, tol):
         return None
     if not all(_balanced(events, lo, hi) for events in stage_events):
         return None
-    return Repeat(j, gas - micro_steps + 1, period, lo, hi, frozenset(op.id for op in window), pipeline=True)
+    return Repeat(j, (gas - micro_steps) // stride + 1, period, lo, hi, frozenset(op.id for op in window),
+                  pipeline=True, micro_steps=stride)

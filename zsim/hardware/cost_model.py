@@ -20,7 +20,9 @@ from zsim.schedule.payloads import ComputeWork, Copy, CpuAdam, PipeTransfer
 from zsim.workload.module import DTYPE_BYTES
 
 COMPUTE = ("compute",)
-COMM_LINKS = ("intra_node", "inter_node")   # an NCCL transfer on these slows the compute stream
+# an NCCL transfer on these slows the compute stream; a point-to-point send crosses one direction
+# of each tier (its "_out" side at the sender, its "_in" side at the receiver)
+COMM_LINKS = ("intra_node", "inter_node", "intra_node_out", "intra_node_in", "inter_node_out", "inter_node_in")
 CPU = ("cpu",)
 _PATHS = {   # links each host transfer crosses
     Transfer.H2D: ("gpu_link_down", "uplink_down"),
@@ -122,12 +124,23 @@ class CostModel:
         if op.stage != p.src_stage:
             return OpCost(fixed, 0.0, stage_links(COMPUTE, op.stage))   # a recv: done when its send is
         # p2p.send: one message between two ranks, priced as a two-rank broadcast (what p2p.py
-        # falls back to); it occupies the sender's and the receiver's links
+        # falls back to). Links are full duplex: it occupies the sender's outgoing side and the
+        # receiver's incoming side, so a rank that sends to one peer while it receives from
+        # another (Megatron's batched exchange) shares neither. A rank's sends never overlap its
+        # own collectives (it blocks in its p2p call), so these sides need no share with them.
         name, tier = self._between(p.src_stage, p.dst_stage)
         cost = ring_cost("broadcast", p.size_bytes, 2, tier, name)
-        links = self._tier_links(cost.tier)
         return OpCost(fixed + cost.latency_s, cost.transfer_s,
-                      stage_links(links, p.src_stage) + stage_links(links, p.dst_stage))
+                      stage_links(self._p2p_links(cost.tier, True), p.src_stage)
+                      + stage_links(self._p2p_links(cost.tier, False), p.dst_stage))
+
+    def _p2p_links(self, tier: str, sender: bool) -> tuple[str, ...]:
+        """One direction of the tier (a NIC that shares the GPU's PCIe link also crosses it, up at
+        the sender, down at the receiver)."""
+        side = (f"{tier}_out",) if sender else (f"{tier}_in",)
+        if tier == "inter_node" and len(self.nic_links) > 1:
+            side += ("gpu_link_up",) if sender else ("gpu_link_down",)
+        return side
 
     def _tier_links(self, tier: str) -> tuple[str, ...]:
         return self.nic_links if tier == "inter_node" else (tier,)

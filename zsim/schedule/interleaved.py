@@ -8,10 +8,15 @@ pipe_partition.chunk_slices). A rank walks the virtual micro-batches k = 0 .. m 
 Megatron's schedule table (groups of p micro-batches, each group through every chunk in
 turn): a warm-up of forwards, then one forward and one backward per step, then the
 cool-down's backwards. Activations go to the next rank (the last rank's chunk j to rank 0's
-chunk j + 1), gradients back. The sends are Megatron's default blocking batched exchange
-(batch_p2p_comm, no overlap_p2p_comm): after each step a rank posts its sends and receives
-together and waits for all of them; each send is a rendezvous with the peer's matching
-receive. The warm-up, the bubble and each rank's in-flight activations come out of the run.
+chunk j + 1), gradients back. The sends are Megatron's blocking batched exchange (p2p_communication.py
+_communicate with batch_p2p_comm, no overlap_p2p_comm; the only kind in v2.x-v3.0, the versions of
+the published SC'21 and Korthikanti et al. runs): after each step a rank posts its sends and
+receives in one batch_isend_irecv, which NCCL runs at once, and waits for all of them; each send
+is a rendezvous with the peer's matching receive and crosses one direction of each rank's
+full-duplex link. With tensor parallelism and no sequence parallelism, each rank sends its 1/t
+of the tensor and the receiver all-gathers it (v2.x-v3.0's scatter_gather_tensors_in_pipeline,
+on by default; `wire`). The warm-up, the bubble and each rank's in-flight activations come out
+of the run.
 
 The per-rank ZeRO-0/1 machinery is stage012's over the rank's chunks (one optimizer for all of
 them) and the epilogue is pipeline.finish, as for DeepSpeed's schedule.
@@ -23,13 +28,14 @@ from typing import NamedTuple
 
 from zsim.schedule import stage012
 from zsim.schedule.context import StepContext
-from zsim.schedule.ir import Alloc, Buffer, Category, HostSettings, OpKind, Phase, Stream, Tag
+from zsim.schedule.ir import Alloc, Buffer, Category, Collective, HostSettings, OpKind, Phase, Stream, Tag
 from zsim.schedule.moe import TokenExchanges
 from zsim.schedule.passes import backward, forward
-from zsim.schedule.payloads import PipeTransfer
+from zsim.schedule.payloads import Comm, PipeTransfer, TensorComm
 from zsim.schedule.pipe_partition import chunk_slices
 from zsim.schedule.pipeline import DeferredHooks, finish, tied_params
-from zsim.schedule.tensor import TensorCollectives
+from zsim.schedule.tensor import TensorCollectives, tensor_parallel_group
+from zsim.specs.scenario import Scenario
 
 
 def schedule_table(micro_batches: int, chunks: int, group: int) -> list[tuple[int, int]]:
@@ -168,6 +174,27 @@ def programs(stages: int, chunks: int, micro_batches: int) -> list[list[Step | E
     return progs
 
 
+class Wire(NamedTuple):
+    """What each point-to-point tensor costs: the bytes a rank sends and, under Megatron's
+    scatter/gather optimization, the all-gather that rebuilds the tensor at the receiver."""
+    size_bytes: float
+    gather: Comm | None
+
+
+def wire(sc: Scenario, act_bytes: float, act_dtype_bytes: int) -> Wire:
+    """p2p_communication.py _communicate of Megatron-LM v2.x-v3.0 (the SC'21 and Korthikanti
+    et al. runs; Narayanan et al. section 4.1): with tensor parallelism and no sequence
+    parallelism, scatter_gather_tensors_in_pipeline (on unless --no-scatter-gather-tensors-in-
+    pipeline) sends each tensor-parallel rank's 1/t of the tensor (split_tensor_into_1d_equal_
+    chunks) over its own link and all-gathers it at the receiver (gather_split_1d_tensor, over
+    NVLink); with sequence parallelism the tensor is already the rank's 1/t of the sequence."""
+    t = sc.parallelism.tensor
+    if t == 1 or sc.parallelism.sequence_parallel:
+        return Wire(act_bytes, None)
+    numel = round(act_bytes / act_dtype_bytes)
+    return Wire(act_bytes / t, Comm(Collective.ALL_GATHER, numel, act_bytes, group=tensor_parallel_group(t)))
+
+
 class _Rank:
     def __init__(self, ctx: StepContext, chunk_ctxs: list[StepContext], index: int, program):
         self.ctx, self.chunks, self.index, self.program = ctx, chunk_ctxs, index, program
@@ -175,6 +202,7 @@ class _Rank:
         self.pos = 0
         self.last: int | None = None
         self.posted = False        # inside an Exchange: its receives are posted
+        self.batch: list[int] = []  # the Exchange's sends on the P2P stream, not yet waited for
         # the program's last forward/backward: the boundary's backward, whose ReduceGrads is deferred
         self.final = max(i for i, x in enumerate(program) if isinstance(x, Step))
 
@@ -200,7 +228,8 @@ def build(ctx0: StepContext) -> tuple[tuple[tuple[int, int], ...], HostSettings]
         rank = _Rank(ctx, chunk_ctxs, r, progs[r])
         stage012.allocate_states(ctx, rank.hooks.inner)
         ranks.append(rank)
-    _run(ranks, ctx0.wl.layer_input_bytes)
+    act_bytes = ctx0.wl.layer_input_bytes
+    _run(ranks, act_bytes, wire(sc, act_bytes, ctx0.wl.act_dtype_bytes))
     layers: list[tuple[int, int]] = [(0, 0)] * (p * v)
     for r, (_, chunks) in enumerate(slices):
         for j, (_, span) in enumerate(chunks):
@@ -208,7 +237,7 @@ def build(ctx0: StepContext) -> tuple[tuple[tuple[int, int], ...], HostSettings]
     return tuple(layers), finish(ctx0, ranks, tied_params(slices[0][0], slices[-1][0]))
 
 
-def _run(ranks: list[_Rank], act_bytes: float):
+def _run(ranks: list[_Rank], act_bytes: float, wire: Wire):
     """Emit every rank's program in an order that respects each send's rendezvous: a rank's
     sends go out once every receiver has posted the call that receives them, its receives once
     their sends are out (Megatron's schedule guarantees one exists)."""
@@ -223,7 +252,7 @@ def _run(ranks: list[_Rank], act_bytes: float):
                 item = rank.program[rank.pos]
                 if isinstance(item, Step):
                     _compute(b, rank, item, act_bytes, len(ranks))
-                elif not _exchange(b, rank, item, posts, sent, act_bytes, len(ranks)):
+                elif not _exchange(b, rank, item, posts, sent, wire, len(ranks)):
                     break
                 rank.pos += 1
         if all(rank.pos == len(rank.program) for rank in ranks):
@@ -257,8 +286,14 @@ def _compute(b, rank: _Rank, s: Step, act_bytes: float, p: int):
         inner.ipg_micro = -1
 
 
-def _exchange(b, rank: _Rank, ex: Exchange, posts, sent, act_bytes: float, p: int) -> bool:
-    """One batched p2p call; False while a peer has not reached its side of it."""
+def _exchange(b, rank: _Rank, ex: Exchange, posts, sent, wire: Wire, p: int) -> bool:
+    """One batched p2p call (p2p_communication.py _communicate: batch_isend_irecv, then every
+    request waited and torch.cuda.synchronize()); False while a peer has not reached its side
+    of it. Its sends start together once their receivers have posted their calls (NCCL runs a
+    group's sends at once: the first on the compute stream, the other on the P2P stream); the
+    receives wait for the peers' sends, the first of them for the rank's own sends too, so
+    the compute stream goes on only when the whole batch is done. With scatter/gather, each
+    received piece is then all-gathered over the tensor-parallel group (gather_split_1d_tensor)."""
     if not rank.posted:
         for msg in ex.recvs:
             posts[msg] = rank.last
@@ -267,21 +302,33 @@ def _exchange(b, rank: _Rank, ex: Exchange, posts, sent, act_bytes: float, p: in
     if pending:
         if not all(msg in posts for msg in pending):
             return False
-        for msg in pending:
+        start, rank.batch = rank.last, []
+        for i, msg in enumerate(pending):
             kind = OpKind.SEND_ACTIVATION if msg.forward else OpKind.SEND_GRAD
             # the chunk it leaves: rank p - 1's chunk j feeds rank 0's chunk j + 1 (and back)
             wraps = rank.index == (p - 1 if msg.forward else 0)
             src_chunk = msg.chunk + (-1 if msg.forward else 1) * wraps
-            payload = PipeTransfer(act_bytes, rank.index, msg.dst, (src_chunk, msg.chunk))
+            payload = PipeTransfer(wire.size_bytes, rank.index, msg.dst, (src_chunk, msg.chunk))
             phase = Phase.FORWARD if msg.forward else Phase.BACKWARD
-            rank.last = b.add(kind, Stream.COMPUTE, phase, msg.micro, payload, [rank.last, posts[msg]])
-            sent[msg] = (rank.last, payload)
+            # a call that receives nothing sends one tensor (Megatron's schedule): the compute stream
+            stream = Stream.COMPUTE if i == 0 or not ex.recvs else Stream.P2P
+            op = b.add(kind, stream, phase, msg.micro, payload, [start, posts[msg]])
+            if stream == Stream.COMPUTE:
+                rank.last = op
+            else:
+                rank.batch.append(op)
+            sent[msg] = (op, payload)
     if not all(msg in sent for msg in ex.recvs):
         return False
     for msg in ex.recvs:
         kind = OpKind.RECV_ACTIVATION if msg.forward else OpKind.RECV_GRAD
         op, payload = sent[msg]
         rank.last = b.add(kind, Stream.COMPUTE, Phase.FORWARD if msg.forward else Phase.BACKWARD, msg.micro,
-                          payload, [op, rank.last])
+                          payload, [op, rank.last, *rank.batch])
+        rank.batch = []
+    for msg in ex.recvs if wire.gather is not None else ():
+        payload = TensorComm(wire.gather, "p2p recv activation" if msg.forward else "p2p recv grad")
+        rank.last = b.add(OpKind.TP_ALL_GATHER, Stream.COMPUTE, Phase.FORWARD if msg.forward else Phase.BACKWARD,
+                          msg.micro, payload, [rank.last])
     rank.posted = False
     return True

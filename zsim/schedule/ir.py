@@ -27,6 +27,9 @@ class Stream(StrEnum):
     D2H = "d2h"
     CPU = "cpu"
     NVME = "nvme"
+    # Megatron's batched point-to-point call (interleaved.py): NCCL runs a group's sends at once,
+    # one on the compute stream, the other here
+    P2P = "p2p"
 
 
 STREAMS = tuple(Stream)
