@@ -27,6 +27,9 @@ class Stream(StrEnum):
     D2H = "d2h"
     CPU = "cpu"
     NVME = "nvme"
+    # the tensor-parallel group's NCCL stream: Megatron's asynchronous backward collectives
+    # (see [Note: tensor-parallel backward overlap]); the blocking ones stay on the compute stream
+    TENSOR = "tensor"
 
 
 STREAMS = tuple(Stream)
@@ -125,7 +128,8 @@ class OpKind(Enum):
     LOSS_ALLREDUCE = "loss allreduce"
     LOSS_BROADCAST = "loss broadcast"
     # Megatron-LM tensor parallelism (payload TensorComm; megatron/core/tensor_parallel/mappings.py):
-    # activations (or their gradients) over the tensor-parallel group, on the compute stream
+    # activations (or their gradients) over the tensor-parallel group, on the compute stream but
+    # for the column-parallel backward's asynchronous ones (Stream.TENSOR)
     TP_ALL_REDUCE = "tp allreduce"           # _ReduceFromModelParallelRegion and its conjugate
     TP_REDUCE_SCATTER = "tp reduce-scatter"  # sequence parallel: _ReduceScatterToSequenceParallelRegion
     TP_ALL_GATHER = "tp all-gather"          # sequence parallel: _GatherFromSequenceParallelRegion
@@ -230,7 +234,7 @@ class Op:
 def label(op: Op) -> str:
     p, k = op.payload, op.kind
     if k in (OpKind.FORWARD, OpKind.BACKWARD):
-        return f"{op.phase} {p.module}"
+        return f"{op.phase} {p.module}" + (f" ({p.part})" if p.part else "")
     if k == OpKind.PARAM_GATHER:
         return f"all-gather prefetch from {p.visit}" if p.prefetch else f"all-gather {p.visit}"
     if k == OpKind.PERSISTENT_GATHER:
