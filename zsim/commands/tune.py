@@ -103,7 +103,8 @@ def main(args) -> int:
         if args.out:
             save(args.out, json.dumps(cfg, indent=2) + "\n")
         if args.scenario_out:
-            ds = os.path.relpath(Path(args.out).resolve(), Path(args.scenario_out).resolve().parent) if args.out else cfg
+            where = Path(args.scenario_out).resolve().parent
+            ds = os.path.relpath(Path(args.out).resolve(), where) if args.out else cfg
             raw = tuned_scenario(base, best.assignments(), ds)
             save(args.scenario_out, f"# zsim tune's best configuration ({res.objective}): {best.variant.name}\n"
                  + yaml.safe_dump(raw, sort_keys=False))

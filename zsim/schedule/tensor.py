@@ -124,17 +124,18 @@ class TensorCollectives:
 
     def _add(self, ctx, module: Module, micro: int, phase: Phase, collectives, last):
         for collective in collectives:
-            last = ctx.b.add(_KINDS[collective], Stream.COMPUTE, phase, micro, self._payload(module, collective), [last])
+            payload = self._payload(module, collective)
+            last = ctx.b.add(_KINDS[collective], Stream.COMPUTE, phase, micro, payload, [last])
         return last
 
     def backward_overlapped(self, ctx, module: Module, micro: int, deps, work: ComputeWork,
                             allocs: tuple[Alloc, ...], workspace: tuple[Tag, ...], frees) -> tuple[int, int]:
         """`module`'s backward as Megatron's column-parallel linear runs it
-        (see [Note: tensor-parallel backward overlap]): `work` (its dgrad and wgrad GEMMs) split in two ops, the
-        collectives on Stream.TENSOR. `allocs` (the input gradient, `workspace`) start with the
-        dgrad and end with the collective that reduces it; `frees` (the saved input) end with the
-        wgrad. Returns (the wgrad op: the module's gradients are ready, the op the next module
-        waits for: its input gradient's collective)."""
+        (see [Note: tensor-parallel backward overlap]): `work` (its dgrad and wgrad GEMMs) split
+        in two ops, the collectives on Stream.TENSOR. `allocs` (the input gradient, `workspace`)
+        start with the dgrad and end with the collective that reduces it; `frees` (the saved
+        input) end with the wgrad. Returns (the wgrad op: the module's gradients are ready, the
+        op the next module waits for: its input gradient's collective)."""
         dgrad_gemm, wgrad_gemm = work.gemms
         half = work.model_flops / 2
         # the bias gradient (grad_output.sum) and any memory-bound pass run with the wgrad
