@@ -126,6 +126,13 @@ def test_tune_scenario_out_keeps_the_chosen_layout_and_runs_as_simulated(tmp_pat
     assert run_cli(["run", str(alone), "--quiet"]).code == 0
 
 
+def test_tune_out_alone_says_the_ds_config_cannot_carry_sequence_parallelism(tmp_path):
+    out = run_cli(["tune", _tp_sp(tmp_path), "--budget", "1", "--out", str(tmp_path / "ds.json")])
+    assert out.code == 0, out.stderr
+    assert "cannot say sequence_parallel" in out.stderr and "--scenario-out" in out.stderr
+    assert json.loads((tmp_path / "ds.json").read_text())["zero_optimization"]["stage"] in (0, 1)
+
+
 def test_tune_scenario_out_refuses_an_existing_file_or_the_out_path(tmp_path):
     scen = tmp_path / "exists.yaml"
     scen.write_text("x: 1\n")
