@@ -50,7 +50,19 @@ def test_tune_layouts_follow_megatrons_rules():
     found = layouts(scenario())
     assert found[0] == Layout(1, 1, False)
     assert {(lay.tensor, lay.pipeline) for lay in found} == {(t, p) for t in (1, 2, 4) for p in (1, 2)}
-    assert all(lay.sequence_parallel == (lay.tensor > 1) for lay in found[1:])
+    # sequence parallelism searched on (first) and off wherever TP > 1; never without TP
+    assert sorted((lay.tensor, lay.pipeline, lay.sequence_parallel) for lay in found) == sorted(
+        [(1, p, False) for p in (1, 2)] + [(t, p, sp) for t in (2, 4) for p in (1, 2) for sp in (True, False)])
+    on = [i for i, lay in enumerate(found) if lay.sequence_parallel]
+    assert all(found[i + 1] == Layout(found[i].pipeline, found[i].tensor, False) for i in on)
+    assert len(set(found)) == len(found)
+    # the scenario's own layout first, not repeated; a sequence length TP does not divide: SP off only
+    own = scenario(**{"parallelism.tensor": 2, "parallelism.sequence_parallel": True})
+    assert layouts(own)[0] == Layout(1, 2, True) and layouts(own).count(Layout(1, 2, True)) == 1
+    assert Layout(1, 2, False) in layouts(own)
+    odd = layouts(scenario(**{"training.seq_len": 250, "model.seq_len": 250}))   # 250 % 4: no TP4 shards
+    assert not any(lay.tensor == 4 and lay.sequence_parallel for lay in odd) and Layout(1, 4, False) in odd
+    assert Layout(1, 2, True) in odd
 
 
 def test_tune_on_a_small_model_keeps_pure_data_parallelism(tmp_path):
@@ -76,3 +88,56 @@ def test_doctor_suggests_other_layouts_that_tune_finds_fitting():
         sc = base.scenario(f.assignments)
         assert out.fits and (sc.tensor_parallel_size, sc.pipeline_stages) != (1, 1)
         assert sc.global_batch_size == 16
+
+
+def _tp_sp(tmp_path, folder: str = "sub") -> str:
+    raw = mapping(**{"parallelism.tensor": 2, "parallelism.sequence_parallel": True,
+                     "deepspeed.zero_optimization.stage": 1})
+    path = tmp_path / folder / "s.yaml"
+    path.parent.mkdir()
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+def test_tune_scenario_out_keeps_the_chosen_layout_and_runs_as_simulated(tmp_path):
+    """--scenario-out: the winner's parallelism block (TP 2 with sequence parallelism, which no
+    ds_config key carries) and its ds_config; zsim run on it gives the tuned figures."""
+    # budget 1: the scenario's own layout, TP 2 + SP, is the one simulated and the winner
+    scen, ds, tuned = tmp_path / "out" / "best.yaml", tmp_path / "out" / "ds.json", tmp_path / "t.json"
+    out = run_cli(["tune", _tp_sp(tmp_path), "--budget", "1", "--json", str(tuned), "--out", str(ds),
+                   "--scenario-out", str(scen)])
+    assert out.code == 0, out.stderr
+    best = json.loads(tuned.read_text())["candidates"][0]
+    assert (best["tensor_parallel_size"], best["sequence_parallel"]) == (2, True)
+    written = yaml.safe_load(scen.read_text())
+    assert written["parallelism"] == {"tensor": 2, "sequence_parallel": True, "pipeline": 1}
+    assert written["deepspeed"] == "ds.json"     # the --out file, relative to the scenario's folder
+    assert written["training"]["micro_batch_size"] == best["micro_batch_size"]
+    ran = run_cli(["run", str(scen), "--json", str(tmp_path / "r.json"), "--quiet"])
+    assert ran.code == 0, ran.stderr
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["tensor_parallel"]["sequence_parallel"] is True and r["tensor_parallel"]["tensor"] == 2
+    assert r["step_time_s"] == best["step_time_s"] and r["memory"]["peak_bytes"] == best["peak_bytes"]
+    # without --out the tuned ds_config goes inline
+    alone = tmp_path / "alone.yaml"
+    assert run_cli(["tune", _tp_sp(tmp_path, "x"), "--budget", "1", "--scenario-out", str(alone)]).code == 0
+    inline = yaml.safe_load(alone.read_text())
+    assert inline["deepspeed"]["zero_optimization"]["stage"] == best["stage"]
+    assert run_cli(["run", str(alone), "--quiet"]).code == 0
+
+
+def test_tune_out_alone_says_the_ds_config_cannot_carry_sequence_parallelism(tmp_path):
+    out = run_cli(["tune", _tp_sp(tmp_path), "--budget", "1", "--out", str(tmp_path / "ds.json")])
+    assert out.code == 0, out.stderr
+    assert "cannot say sequence_parallel" in out.stderr and "--scenario-out" in out.stderr
+    assert json.loads((tmp_path / "ds.json").read_text())["zero_optimization"]["stage"] in (0, 1)
+
+
+def test_tune_scenario_out_refuses_an_existing_file_or_the_out_path(tmp_path):
+    scen = tmp_path / "exists.yaml"
+    scen.write_text("x: 1\n")
+    out = run_cli(["tune", _tp_sp(tmp_path), "--budget", "1", "--scenario-out", str(scen)])
+    assert out.code == 2 and "--scenario-out" in out.stderr and "--force" in out.stderr
+    same = tmp_path / "same.json"
+    out = run_cli(["tune", _tp_sp(tmp_path, "y"), "--budget", "1", "--out", str(same), "--scenario-out", str(same)])
+    assert out.code == 2 and "its own path" in out.stderr

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from zsim.commands.common import add_headroom_arg, add_scenario_args, headroom_fraction, scenario_overrides
 from zsim.errors import ZsimInputError
@@ -15,8 +16,12 @@ def add_parser(sub):
     p.add_argument("--budget", type=int, default=60, help="most configurations to simulate (default 60)")
     p.add_argument("--top", type=int, default=5, help="how many to print")
     p.add_argument("--out", metavar="DS_CONFIG.json", help="write the best configuration as a ds_config.json")
+    p.add_argument("--scenario-out", metavar="SCENARIO.yaml",
+                   help="write the best configuration as a scenario zsim run takes: the scenario with its "
+                        "parallelism (TP, PP, sequence parallel) and training keys, and the tuned ds_config "
+                        "(the --out file when given, else inline)")
     p.add_argument("--json", metavar="PATH", help="write the ranked candidates as JSON")
-    p.add_argument("--force", action="store_true", help="overwrite an existing --out file")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --out or --scenario-out file")
     add_headroom_arg(p)
     p.set_defaults(func=main)
 
@@ -34,8 +39,33 @@ def distinct(ranked) -> list:
     return out
 
 
+def tuned_scenario(base, assignments, deepspeed) -> dict:
+    """The scenario mapping of a tuned configuration: the base's (its --set and cluster flags
+    applied) with the configuration's assignments, so its `parallelism:` block carries the
+    layout a ds_config cannot (sequence_parallel, a TP size agreeing with autotp_size), and
+    `deepspeed` the tuned ds_config (a mapping, or the path of the --out file). Paths that were
+    relative to the scenario's folder (a profile file; model.hf_config is absolute already) are
+    made absolute, so the file runs from wherever it is written."""
+    import copy
+
+    from zsim.config.scenario import apply_set
+
+    raw = copy.deepcopy(base.raw)
+    for a in assignments:
+        raw = apply_set(raw, a)
+    raw["deepspeed"] = deepspeed
+    hw = raw.get("hardware")
+    profile = hw.get("profile") if isinstance(hw, dict) else None
+    if isinstance(profile, str) and Path(profile).suffix in (".yaml", ".yml") and not Path(profile).is_absolute() \
+            and (base.base_dir / profile).is_file():
+        hw["profile"] = str((base.base_dir / profile).resolve())
+    return raw
+
+
 def main(args) -> int:
-    from pathlib import Path
+    import os
+
+    import yaml
 
     from zsim.report.table import tune_table
     from zsim.report.writers import dumps, save
@@ -48,8 +78,11 @@ def main(args) -> int:
     if args.top < 0:
         raise ZsimInputError("--top", args.top, "give 0 or more")
     headroom = headroom_fraction(args.headroom)
-    if args.out and Path(args.out).exists() and not args.force:
-        raise ZsimInputError("--out", args.out, "the file exists; pass --force to overwrite it or choose another path")
+    for flag, path in (("--out", args.out), ("--scenario-out", args.scenario_out)):
+        if path and Path(path).exists() and not args.force:
+            raise ZsimInputError(flag, path, "the file exists; pass --force to overwrite it or choose another path")
+    if args.out and args.scenario_out and Path(args.out).resolve() == Path(args.scenario_out).resolve():
+        raise ZsimInputError("--scenario-out", args.scenario_out, "is the --out file; give the scenario its own path")
     base = Base.load(args.scenario, scenario_overrides(args))
     res = tune(base, args.objective, args.budget)
     res.ranked = distinct(r for r in res.ranked if r[1].fits_with(headroom))
@@ -64,10 +97,20 @@ def main(args) -> int:
     if best.checkpointing != "none":
         print(f"note: the best configuration uses {best.checkpointing} activation checkpointing; enable it in the "
               "model (e.g. model.gradient_checkpointing_enable() or deepspeed.checkpointing)", file=sys.stderr)
-    if args.out:
+    if args.out or args.scenario_out:
         cfg, notes = tuned_ds_config(base.raw.get("deepspeed"), base.scenario(()), base.scenario(best.assignments()),
                                      [*KNOBS, *KNOBS_STAGE3])
-        save(args.out, json.dumps(cfg, indent=2) + "\n")
+        if args.out:
+            save(args.out, json.dumps(cfg, indent=2) + "\n")
+        if args.scenario_out:
+            where = Path(args.scenario_out).resolve().parent
+            ds = os.path.relpath(Path(args.out).resolve(), where) if args.out else cfg
+            raw = tuned_scenario(base, best.assignments(), ds)
+            save(args.scenario_out, f"# zsim tune's best configuration ({res.objective}): {best.variant.name}\n"
+                 + yaml.safe_dump(raw, sort_keys=False))
+        elif best.layout.sequence_parallel:
+            notes.append("the ds_config cannot say sequence_parallel (Megatron's --sequence-parallel): "
+                         "--scenario-out writes a scenario that zsim run takes with the whole layout")
         for note in notes:
             print(f"note: {note}", file=sys.stderr)
     if args.json:

@@ -226,9 +226,17 @@ def nccl_topo_for(cluster) -> NcclTopo | None:
     return topo_for(p.nccl, cluster.intra_busbw_Bps / 1e9, cluster.inter_node_bw_Bps / 1e9, cluster.gpus_per_node)
 
 
-def link_busbw_Bps(cluster) -> float:
-    """The peak bus bandwidth of the links a collective over the whole cluster crosses: NVLink in
-    one node, else the slower of NVLink and the node's NICs (a ring leaves each node through them)."""
-    if cluster.nodes == 1:
+def link_busbw_Bps(cluster, nodes: int | None = None) -> float:
+    """The peak bus bandwidth of the links a collective over `nodes` nodes (default: the whole
+    cluster) crosses: NVLink in one node, else the slower of NVLink and the node's NICs (a ring
+    leaves each node through them)."""
+    if (cluster.nodes if nodes is None else nodes) == 1:
         return cluster.intra_busbw_Bps
     return min(cluster.intra_busbw_Bps, cluster.inter_node_bw_Bps)
+
+
+def send_busbw_Bps(cluster, same_node: bool) -> float:
+    """The peak of a point-to-point send: NVLink inside a node, one rail (the node's NICs / its
+    GPUs, what the cost model prices a send across nodes on) between nodes."""
+    intra, inter = tiers_for(cluster)
+    return intra.busbw_Bps if same_node else inter.busbw_Bps

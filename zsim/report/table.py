@@ -122,8 +122,10 @@ def render(r: Result, console: Console | None = None):
     for k in sorted(c.bytes_per_gpu):
         algos = ", ".join(f"{a} {n}" for a, n in sorted(c.algorithms.get(k, {}).items(), key=lambda x: -x[1]))
         bw = c.achieved_busbw_Bps.get(k)
+        # the peak of the tier the kind's group crosses (NVLink inside a node, the NICs across nodes)
+        peak = c.tier_busbw_Bps.get(k, c.link_busbw_Bps)
         ct.add_row(k, str(c.calls[k]), fmt_bytes(c.bytes_per_gpu[k]), fmt_time(c.time_s[k]), algos,
-                   f"{bw / 1e9:.1f} of {c.link_busbw_Bps / 1e9:.0f}" if bw else "-")
+                   f"{bw / 1e9:.1f} of {peak / 1e9:.0f}" if bw else "-")
     console.print(ct)
     if r.host_time_s:
         parts = ", ".join(f"{k} {fmt_time(v)}" for k, v in r.host_time_s.items())

@@ -64,6 +64,10 @@ class Comm:
     algorithms: dict[str, dict[str, int]] = field(default_factory=dict)
     achieved_busbw_Bps: dict[str, float] = field(default_factory=dict)  # bytes sent / busy time
     link_busbw_Bps: float = 0.0         # the links' peak bus bandwidth (NVLink, or min(NVLink, NICs) across nodes)
+    # per collective kind, the peak of the tier(s) its process group crosses (NVLink for a group
+    # inside a node, e.g. tensor parallel; one rail for a send across nodes): the table's "of"
+    # figure. Left out of the JSON, whose comm block keeps its one link_busbw_Bps
+    tier_busbw_Bps: dict[str, float] = field(default_factory=dict)
 
     @property
     def total_bytes_per_gpu(self) -> float:
@@ -170,4 +174,5 @@ class Result:
             del out["pipeline"]["schedule"], out["pipeline"]["virtual_stages"]
         if self.tensor_parallel is None:
             del out["tensor_parallel"]
+        del out["comm"]["tier_busbw_Bps"]
         return out

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 from zsim.specs.scenario import Scenario
 from zsim.engine.ledger import peak_and_breakdown
 from zsim.engine.sim import Trace
-from zsim.hardware.collectives import bus_factor, collective_cost, link_busbw_Bps, nccl_topo_for, tiers_for
-from zsim.hardware.placement import group_shape, rank_map
+from zsim.hardware.collectives import (bus_factor, collective_cost, link_busbw_Bps, nccl_topo_for, send_busbw_Bps,
+                                      tiers_for)
+from zsim.hardware.placement import group_shape, rank_map, rank_of, same_node
 from zsim.result import Comm, HostMemory, Memory, MoE, Pipeline, Result, TensorParallel
 from zsim.schedule.ir import Stream
 from zsim.schedule.payloads import Copy, CpuAdam, PipeTransfer, TensorComm
@@ -71,6 +72,7 @@ class _OpTotals:
     comm_time_s: dict[str, float]
     comm_calls: dict[tuple, int]        # (kind, collective, size_bytes, coalesced, (nodes, ranks per node)) -> calls
     host_time_s: dict[str, float]
+    comm_peak_s: dict[str, float]       # per kind: the time its bytes take at the peak of the tier each call crosses
 
 
 def _group_placement(comm, op, sched, gpus_per_node: int) -> tuple[int, int, int]:
@@ -81,12 +83,13 @@ def _group_placement(comm, op, sched, gpus_per_node: int) -> tuple[int, int, int
     return (size, *group_shape(comm.group, op.stage, dp, gpus_per_node, sched.tensor))
 
 
-def _op_totals(trace: Trace, gpus_per_node: int) -> _OpTotals:
+def _op_totals(trace: Trace, cl) -> _OpTotals:
     """The only reader of the schedule's op fields here (transfer, cpu_adam_params, collective,
     size_bytes, stream, model_flops): one pass over the ops and their timings. An op of a
     repeated micro-step counts once per micro-step it stands for."""
     repeat = trace.repeat
     sched = trace.schedule
+    gpus_per_node = cl.gpus_per_node
     compute_iv: list[list] = [[] for _ in range(sched.stages)]
     comm_iv: list[list] = [[] for _ in range(sched.stages)]
     hw_flops = 0.0
@@ -95,6 +98,7 @@ def _op_totals(trace: Trace, gpus_per_node: int) -> _OpTotals:
     comm_time: dict[str, float] = {}
     comm_calls: dict[tuple, int] = {}
     host_time: dict[str, float] = {}
+    peak_s: dict[str, float] = {}
     for op, t in zip(sched.ops, trace.timings):
         p, comm = op.payload, op.comm
         n = 1 if repeat is None else repeat.weight(op)
@@ -106,6 +110,8 @@ def _op_totals(trace: Trace, gpus_per_node: int) -> _OpTotals:
                 if op.stage != p.src_stage:
                     continue            # the recv's side of a send counted once, at the send
                 kind, sent = P2P, p.size_bytes
+                ranks = (rank_of(s, sched.data_parallel, tensor=sched.tensor) for s in (p.src_stage, p.dst_stage))
+                peak = send_busbw_Bps(cl, same_node(*ranks, gpus_per_node))
             else:
                 collective = comm.collective.value
                 ranks, nodes, per_node = _group_placement(comm, op, sched, gpus_per_node)
@@ -114,6 +120,8 @@ def _op_totals(trace: Trace, gpus_per_node: int) -> _OpTotals:
                 kind = f"tp {collective}" if isinstance(p, TensorComm) else collective
                 call = (kind, collective, comm.size_bytes, comm.coalesced, (nodes, per_node))
                 comm_calls[call] = comm_calls.get(call, 0) + n
+                peak = link_busbw_Bps(cl, nodes)
+            peak_s[kind] = peak_s.get(kind, 0.0) + n * sent / peak
             comm_iv[op.stage].append((t.start_s, t.end_s))
             comm_bytes[kind] = comm_bytes.get(kind, 0.0) + n * sent
             comm_count[kind] = comm_count.get(kind, 0) + n
@@ -123,7 +131,14 @@ def _op_totals(trace: Trace, gpus_per_node: int) -> _OpTotals:
             # the stream but is host traffic, counted above
             compute_iv[op.stage].append((t.start_s, t.end_s))
             hw_flops += n * op.work.model_flops
-    return _OpTotals(compute_iv, comm_iv, hw_flops, comm_bytes, comm_count, comm_time, comm_calls, host_time)
+    return _OpTotals(compute_iv, comm_iv, hw_flops, comm_bytes, comm_count, comm_time, comm_calls, host_time, peak_s)
+
+
+def _tier_busbw(ops: _OpTotals) -> dict[str, float]:
+    """Per collective kind, the peak bus bandwidth of the tiers its calls cross: its bytes over
+    the time they take at each call's tier peak (NVLink for a group inside a node, e.g. tensor
+    parallel, the NICs for one across nodes)."""
+    return {k: b / ops.comm_peak_s[k] for k, b in ops.comm_bytes.items() if ops.comm_peak_s.get(k, 0.0) > 0}
 
 
 def _algorithms(cl, calls: dict[tuple, int], stages: int) -> dict[str, dict[str, int]]:
@@ -214,7 +229,7 @@ def summarize(sc: Scenario, wl: Workload, trace: Trace) -> Result:
     # per GPU: a pipeline's stages split the model (and its FLOPs); figures of the stages'
     # ranks are averaged over them
     model_flops_gpu = wl.model_flops * sc.gradient_accumulation_steps / stages
-    ops = _op_totals(trace, cl.gpus_per_node)
+    ops = _op_totals(trace, cl)
     windows = _windows(trace)
     peak_flops = cl.peak_flops(sc.precision)
     tflops = model_flops_gpu / step / TFLOP if step > 0 else 0.0
@@ -252,7 +267,7 @@ def summarize(sc: Scenario, wl: Workload, trace: Trace) -> Result:
                   algorithms=_algorithms(cl, ops.comm_calls, stages),
                   achieved_busbw_Bps={k: b / ops.comm_time_s[k] for k, b in ops.comm_bytes.items()
                                       if ops.comm_time_s.get(k, 0.0) > 0},
-                  link_busbw_Bps=link_busbw_Bps(cl)),
+                  link_busbw_Bps=link_busbw_Bps(cl), tier_busbw_Bps=_tier_busbw(ops)),
         host_time_s=dict(sorted(ops.host_time_s.items())),
         events=trace.events_processed,
         warnings=tuple(sc.warnings),

@@ -79,7 +79,7 @@ class Builder:
             payload = d.payload
             if d.bucketed:
                 assert isinstance(payload, ModulePass)
-                payload = ModulePass(payload.module, payload.work, tuple(d.bucketed))
+                payload = ModulePass(payload.module, payload.work, tuple(d.bucketed), payload.part)
             ops.append(Op(i, d.kind, d.stream, d.phase, d.micro, payload, d.deps, tuple(d.alloc), tuple(d.free),
                           d.hook_visits, d.grad_hooks, d.stage, tuple(d.free_before)))
         if not stage_layers:

@@ -30,6 +30,9 @@ class Stream(StrEnum):
     # Megatron's batched point-to-point call (interleaved.py): NCCL runs a group's sends at once,
     # one on the compute stream, the other here
     P2P = "p2p"
+    # the tensor-parallel group's NCCL stream: Megatron's asynchronous backward collectives
+    # (see [Note: tensor-parallel backward overlap]); the blocking ones stay on the compute stream
+    TENSOR = "tensor"
 
 
 STREAMS = tuple(Stream)
@@ -128,7 +131,8 @@ class OpKind(Enum):
     LOSS_ALLREDUCE = "loss allreduce"
     LOSS_BROADCAST = "loss broadcast"
     # Megatron-LM tensor parallelism (payload TensorComm; megatron/core/tensor_parallel/mappings.py):
-    # activations (or their gradients) over the tensor-parallel group, on the compute stream
+    # activations (or their gradients) over the tensor-parallel group, on the compute stream but
+    # for the column-parallel backward's asynchronous ones (Stream.TENSOR)
     TP_ALL_REDUCE = "tp allreduce"           # _ReduceFromModelParallelRegion and its conjugate
     TP_REDUCE_SCATTER = "tp reduce-scatter"  # sequence parallel: _ReduceScatterToSequenceParallelRegion
     TP_ALL_GATHER = "tp all-gather"          # sequence parallel: _GatherFromSequenceParallelRegion
@@ -233,7 +237,7 @@ class Op:
 def label(op: Op) -> str:
     p, k = op.payload, op.kind
     if k in (OpKind.FORWARD, OpKind.BACKWARD):
-        return f"{op.phase} {p.module}"
+        return f"{op.phase} {p.module}" + (f" ({p.part})" if p.part else "")
     if k == OpKind.PARAM_GATHER:
         return f"all-gather prefetch from {p.visit}" if p.prefetch else f"all-gather {p.visit}"
     if k == OpKind.PERSISTENT_GATHER:

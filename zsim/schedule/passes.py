@@ -5,6 +5,7 @@ from __future__ import annotations
 from zsim.schedule.context import StageHooks, StepContext
 from zsim.schedule.ir import Alloc, Buffer, Category, OpKind, Phase, Stream, Tag, Transfer
 from zsim.schedule.payloads import ComputeWork, Copy, ModulePass
+from zsim.schedule.tensor import TensorCollectives
 from zsim.workload.module import Module, Workload
 
 
@@ -19,6 +20,11 @@ def _after(ctx: StepContext, module: Module, micro: int, phase: Phase, op: int) 
     for exchange in ctx.exchanges:
         op = exchange.after(ctx, module, micro, phase, op)
     return op
+
+
+def _overlapping_tensor(ctx: StepContext, module: Module) -> TensorCollectives | None:
+    """The tensor-parallel exchange when it runs `module`'s backward beside its collectives."""
+    return next((x for x in ctx.exchanges if isinstance(x, TensorCollectives) and x.overlaps_backward(module)), None)
 
 
 def linear_gemms(module: Module, backward: bool) -> tuple:
@@ -154,10 +160,15 @@ def backward(ctx: StepContext, hooks: StageHooks, micro: int, after: int) -> int
                            model_flops=(3 if extra_attn else 2) * module.model_fwd_flops)
         allocs = ((Alloc(workspace, Category.ACTIVATION_GRADIENTS, module.bwd_workspace),)
                   if module.bwd_workspace > 0 else ())
-        op = ctx.b.add(OpKind.BACKWARD, Stream.COMPUTE, Phase.BACKWARD, micro, ModulePass(module.name, work), deps,
-                       allocs)
-        ctx.b.add_free(op, *((workspace,) if allocs else ()), *frees)
+        tensor = _overlapping_tensor(ctx, module)
+        if tensor is not None:   # see [Note: tensor-parallel backward overlap]
+            op, done = tensor.backward_overlapped(ctx, module, micro, deps, work, allocs,
+                                                  (workspace,) if allocs else (), frees)
+        else:
+            op = done = ctx.b.add(OpKind.BACKWARD, Stream.COMPUTE, Phase.BACKWARD, micro,
+                                  ModulePass(module.name, work), deps, allocs)
+            ctx.b.add_free(op, *((workspace,) if allocs else ()), *frees)
         hooks.post_module(ctx, module, micro, Phase.BACKWARD, op)
-        last = _after(ctx, module, micro, Phase.BACKWARD, op)
+        last = _after(ctx, module, micro, Phase.BACKWARD, done)
     hooks.end_backward(ctx, micro, last)
     return last

@@ -27,6 +27,9 @@ class ModulePass:
     module: str
     work: ComputeWork
     bucketed: tuple[int, ...] = ()  # params whose gradients enter the IPG bucket after it, in hook order
+    # a part of the module's backward run as its own op: "dgrad" or "wgrad"
+    # (see [Note: tensor-parallel backward overlap]); "" for the whole pass
+    part: str = ""
 
 
 @dataclass(frozen=True, slots=True)

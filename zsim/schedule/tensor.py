@@ -2,9 +2,10 @@
 tensor-parallel group (megatron/core/tensor_parallel/mappings.py, layers.py, cross_entropy.py).
 
 Each simulated rank is one rank of its tensor-parallel group; the group runs in lockstep, so
-its collectives are blocking calls on the compute stream (Megatron issues them on the default
-stream; the wgrad/dgrad overlap of its sequence-parallel backward is not modelled). Where a
-module meets them is its TensorRole (zsim/workload/module.py):
+its collectives are blocking calls on the compute stream (mappings.py's autograd functions wait
+for them), except the column-parallel linear's backward ones, which overlap its GEMMs: see
+[Note: tensor-parallel backward overlap]. Where a module meets them is its TensorRole
+(zsim/workload/module.py):
 
  without sequence parallelism (Shoeybi et al. 2019, fig. 3's f and g):
    ENTER  (column-parallel input): nothing in forward, all-reduce of the input gradient after
@@ -31,11 +32,34 @@ over the TP group of the flattened gradients every TP rank only partly computed
 
 A checkpointed block's recompute re-runs its forward collectives (Megatron's full recompute
 re-runs the block's forward, communication included).
+
+[Note: tensor-parallel backward overlap] Megatron's column-parallel linear runs its backward
+in LinearWithGradAccumulationAndAsyncCommunication.backward (megatron/core/tensor_parallel/
+layers.py; CUDA_DEVICE_MAX_CONNECTIONS=1 keeps the launch order on the GPU), which issues the
+ENTER collectives with async_op=True around its two GEMMs:
+  with sequence parallelism: the all-gather of the saved input shard (for the wgrad), then the
+      dgrad GEMM (grad_output . weight) while it runs; handle.wait(); the reduce-scatter of the
+      input gradient, then the wgrad GEMM (grad_output^T . total_input, and the bias gradient)
+      while it runs; handle.wait() before returning the gradient shard.
+  without: the dgrad GEMM, the all-reduce of the input gradient (allreduce_dgrad, the
+      ColumnParallelLinear then skips copy_to_tensor_model_parallel_region), the wgrad GEMM
+      while it runs; handle.wait().
+So the schedule splits such a module's backward into a dgrad and a wgrad op on the compute
+stream and puts the collectives on the tensor-parallel group's own stream (Stream.TENSOR): the
+all-gather waits for what precedes the module (the NCCL stream waits on the compute stream when
+the call is issued), the dgrad does not wait for it; the reduce-scatter / all-reduce waits for
+the dgrad and the all-gather, the wgrad too (its input is the gathered one); the next module
+waits for the collective (its input gradient) and, the compute stream being in order, the
+wgrad. The calls, their order and bytes are the blocking schedule's. A linear without a weight
+gradient (LinearWithFrozenWeight: "async and sync are effectively the same") or without an
+input gradient has nothing to overlap and keeps the blocking calls.
 """
 from __future__ import annotations
 
-from zsim.schedule.ir import Collective, Group, OpKind, Phase, ProcessGroup, Stream
-from zsim.schedule.payloads import Comm, TensorComm
+from dataclasses import replace
+
+from zsim.schedule.ir import Alloc, Collective, Group, OpKind, Phase, ProcessGroup, Stream, Tag
+from zsim.schedule.payloads import Comm, ComputeWork, ModulePass, TensorComm
 from zsim.workload.module import Module, TensorRole
 
 FP32_BYTES = 4
@@ -76,22 +100,60 @@ class TensorCollectives:
         self.a = ctx.wl.act_dtype_bytes
         self.tokens = ctx.wl.tokens
 
+    def overlaps_backward(self, module: Module) -> bool:
+        """Whether `module`'s backward runs its collectives asynchronously beside its GEMMs (see
+        [Note: tensor-parallel backward overlap]): a column-parallel linear with both GEMMs."""
+        return (self.active and module.tensor_role == TensorRole.ENTER and module.gemm is not None
+                and module.input_grad and module.weight_grad)
+
     def _plan(self, module: Module, phase: Phase, before: bool) -> tuple[Collective, ...]:
         if not self.active or module.tensor_role is None:
             return ()
+        if phase == Phase.BACKWARD and self.overlaps_backward(module):
+            return ()   # backward_overlapped issues them
         return _PLAN.get((self.sp, module.tensor_role, phase != Phase.BACKWARD, before), ())
+
+    def _payload(self, module: Module, collective: Collective) -> TensorComm:
+        if module.tensor_role == TensorRole.VOCAB_LOSS:
+            numel = self.tokens
+            size = float(numel * FP32_BYTES)
+        else:
+            numel = self.tokens * module.tensor_width
+            size = float(numel * self.a)
+        return TensorComm(Comm(collective, numel, size, group=self.group), module.name)
 
     def _add(self, ctx, module: Module, micro: int, phase: Phase, collectives, last):
         for collective in collectives:
-            if module.tensor_role == TensorRole.VOCAB_LOSS:
-                numel = self.tokens
-                size = float(numel * FP32_BYTES)
-            else:
-                numel = self.tokens * module.tensor_width
-                size = float(numel * self.a)
-            payload = TensorComm(Comm(collective, numel, size, group=self.group), module.name)
+            payload = self._payload(module, collective)
             last = ctx.b.add(_KINDS[collective], Stream.COMPUTE, phase, micro, payload, [last])
         return last
+
+    def backward_overlapped(self, ctx, module: Module, micro: int, deps, work: ComputeWork,
+                            allocs: tuple[Alloc, ...], workspace: tuple[Tag, ...], frees) -> tuple[int, int]:
+        """`module`'s backward as Megatron's column-parallel linear runs it
+        (see [Note: tensor-parallel backward overlap]): `work` (its dgrad and wgrad GEMMs) split
+        in two ops, the collectives on Stream.TENSOR. `allocs` (the input gradient, `workspace`)
+        start with the dgrad and end with the collective that reduces it; `frees` (the saved
+        input) end with the wgrad. Returns (the wgrad op: the module's gradients are ready, the
+        op the next module waits for: its input gradient's collective)."""
+        dgrad_gemm, wgrad_gemm = work.gemms
+        half = work.model_flops / 2
+        # the bias gradient (grad_output.sum) and any memory-bound pass run with the wgrad
+        dgrad = replace(work, gemms=(dgrad_gemm,), mem_bytes=0.0, kernels=1, model_flops=half)
+        wgrad = replace(work, gemms=(wgrad_gemm,), kernels=work.kernels - 1, model_flops=half)
+        b, phase = ctx.b, Phase.BACKWARD
+        gather = None
+        if self.sp:   # the saved input shard re-gathered for the wgrad, beside the dgrad
+            gather = b.add(OpKind.TP_ALL_GATHER, Stream.TENSOR, phase, micro, self._payload(module, AG), deps)
+        dgrad_op = b.add(OpKind.BACKWARD, Stream.COMPUTE, phase, micro, ModulePass(module.name, dgrad, part="dgrad"),
+                         deps, allocs)
+        reduce = RS if self.sp else AR
+        comm = b.add(_KINDS[reduce], Stream.TENSOR, phase, micro, self._payload(module, reduce), [dgrad_op, gather])
+        wgrad_op = b.add(OpKind.BACKWARD, Stream.COMPUTE, phase, micro, ModulePass(module.name, wgrad, part="wgrad"),
+                         [dgrad_op, gather])
+        b.add_free(wgrad_op, *frees)
+        b.add_free(comm, *workspace)
+        return wgrad_op, comm
 
     def before(self, ctx, module: Module, micro: int, phase: Phase, last: int | None) -> int | None:
         return self._add(ctx, module, micro, phase, self._plan(module, phase, True), last)

@@ -2,7 +2,7 @@
 
 Search (deterministic):
 1. Structural candidates: layout (`layouts`: tensor-parallel sizes dividing the GPUs per node
-   and the heads / key-value heads / MLP width, with sequence parallelism, x pipeline stages
+   and the heads / key-value heads / MLP width, with sequence parallelism on and off, x pipeline stages
    dividing the rest up to the layer count, data parallel = world / (TP x PP) dividing the global
    batch; DeepSpeed's PipelineEngine takes ZeRO-0/1 only, pipe/engine.py:76) x stage x offload x micro-batch (dividing the batch
    per data-parallel rank, the rest accumulated) x activation checkpointing. Each is first checked against a memory lower
@@ -100,9 +100,10 @@ def own_layout(sc) -> Layout:
 def layouts(sc) -> list[Layout]:
     """Every layout of the scenario's world: tensor sizes from `_tensor_sizes` x pipeline sizes
     dividing the rest, with a transformer layer per stage at least and a data-parallel size that
-    divides the global batch. With tensor parallelism, sequence parallelism is on wherever the
-    sequence divides (Korthikanti et al. 2022: it shards the activations TP leaves replicated
-    for the same communication volume); the scenario's own layout keeps its own setting."""
+    divides the global batch. With tensor parallelism, sequence parallelism on (wherever the
+    sequence divides) and off: on first (Korthikanti et al. 2022: it shards the activations TP
+    leaves replicated for the same communication volume), off because its extra all-gathers
+    can cost more than it saves. The scenario's own layout comes first."""
     world, batch = sc.cluster.world_size, sc.global_batch_size
     seq = sc.seq_len
     own = own_layout(sc)
@@ -113,9 +114,10 @@ def layouts(sc) -> list[Layout]:
         for pp in _divisors(world // tp):
             if pp > sc.model.layers or batch % (world // (tp * pp)):
                 continue
-            layout = Layout(pp, tp, tp > 1 and seq % tp == 0)
-            if (layout.pipeline, layout.tensor) != (own.pipeline, own.tensor):
-                out.append(layout)
+            for sp in ((True, False) if tp > 1 else (False,)):
+                layout = Layout(pp, tp, sp)
+                if layout != own and not (sp and seq % tp):
+                    out.append(layout)
     return out
 
 
