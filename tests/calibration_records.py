@@ -22,19 +22,24 @@ def coll_records(tier: Tier, n=2, ops=("all_gather", "all_reduce", "broadcast"))
             for op in ops for s in SIZES]
 
 
-def synthetic_run():
-    recs = coll_records(Tier(4e9, 30e-6, ((1024, 0.05), (1 << 24, 1.0))))
+def compute_records(dtype: str, slowdown: float = 1.0) -> list[dict]:
+    """One layer's GEMM, attention, memory-bound and layer records in `dtype`, every kernel
+    `slowdown` times slower than the bf16 reference (an emulated dtype)."""
     L = {"hidden": 128, "heads": 2, "seq_len": 64, "micro_batch": 1}
-    for name, pas, m, n, k in layer_gemms(LayerShape(**L)):
-        recs.append({"kind": "gemm", "dtype": "bf16", "module": name, "pass": pas, "m": m, "n": n, "k": k,
-                     "flops": 2.0 * m * n * k, "time_s": 2.0 * m * n * k / 1e11})
+    recs = [{"kind": "gemm", "dtype": dtype, "module": name, "pass": pas, "m": m, "n": n, "k": k,
+             "flops": 2.0 * m * n * k, "time_s": slowdown * 2.0 * m * n * k / 1e11}
+            for name, pas, m, n, k in layer_gemms(LayerShape(**L))]
+    return recs + [{"kind": "attention", "dtype": dtype, "pass": "fwd", "flops": 1e6, "time_s": slowdown * 1e-4},
+                   {"kind": "attention", "dtype": dtype, "pass": "bwd", "flops": 2.5e6, "time_s": slowdown * 5e-4},
+                   {"kind": "membound", "dtype": dtype, "pass": "fwd", "bytes": 1e5, "time_s": slowdown * 1e-5},
+                   {"kind": "layer", "dtype": dtype, "layer": "x", "pass": "fwd", **L, "time_s": slowdown * 1e-3},
+                   {"kind": "layer", "dtype": dtype, "layer": "x", "pass": "bwd", **L, "time_s": slowdown * 2e-3}]
+
+
+def synthetic_run():
+    recs = coll_records(Tier(4e9, 30e-6, ((1024, 0.05), (1 << 24, 1.0)))) + compute_records("bf16")
     recs += [{"kind": "kernel_overhead", "time_s": 3e-6}, {"kind": "autograd_overhead", "time_s": 13e-6},
              {"kind": "memcpy", "where": "host", "GBps": 20.0, "time_s": 1e-3},
-             {"kind": "attention", "dtype": "bf16", "pass": "fwd", "flops": 1e6, "time_s": 1e-4},
-             {"kind": "attention", "dtype": "bf16", "pass": "bwd", "flops": 2.5e6, "time_s": 5e-4},
-             {"kind": "membound", "dtype": "bf16", "pass": "fwd", "bytes": 1e5, "time_s": 1e-5},
-             {"kind": "layer", "dtype": "bf16", "layer": "x", "pass": "fwd", **L, "time_s": 1e-3},
-             {"kind": "layer", "dtype": "bf16", "layer": "x", "pass": "bwd", **L, "time_s": 2e-3},
              {"kind": "adam", "impl": "torch.optim.Adam(fused)", "device": "cpu", "params": 100, "threads": 2,
               "params_per_s": 4e8, "time_s": 1e-3},
              {"kind": "file_io", "op": "read", "node_GBps": 2.0, "o_direct": True, "time_s": 1.0},

@@ -39,7 +39,7 @@ def test_layer_prediction_is_its_components_plus_launch_overhead():
 
 def test_build_profile_is_loadable_and_exact():
     recs, prov = synthetic_run()
-    prof, report = build_profile("synthetic", recs, prov, "bf16")
+    prof, report = build_profile("synthetic", recs, prov, ("bf16",))
     hp = build(HardwareProfile, prof)
     assert hp.gpus_per_node == 2
     assert hp.cpu.adam_params_per_s_per_core == pytest.approx(2e8)
@@ -117,3 +117,77 @@ def test_zero3_hook_fit_reads_the_measured_slopes():
     assert f == {"zero3_hook_fwd_us": pytest.approx(10.0), "zero3_hook_bwd_us": pytest.approx(200.0),
                  "zero0_grad_hook_us": pytest.approx(40.0), "zero1_grad_hook_us": pytest.approx(70.0),
                  "zero2_grad_hook_us": 0.0}
+
+
+def _two_dtype_run(slowdown=10.0):
+    """fp32 at the reference speed and bf16 `slowdown` times slower in every kernel (bf16 emulated
+    on a CPU without bf16 units), each with its own optimizer step."""
+    from tests.calibration_records import compute_records
+    recs, prov = synthetic_run()
+    recs = [r for r in recs if r.get("dtype") != "bf16" or r["kind"] == "collective"]
+    recs += compute_records("fp32") + compute_records("bf16", slowdown)
+    recs += [{"kind": "optimizer_step", "dtype": d, "bytes": 1e6, "kernels": 0, "time_s": t}
+             for d, t in (("fp32", 1e-4), ("bf16", 4e-4))]
+    return recs, prov
+
+
+def test_two_dtypes_fit_each_its_own_figures_into_by_dtype():
+    recs, prov = _two_dtype_run()
+    prof, report = build_profile("synthetic", recs, prov, ("fp32", "bf16"))
+    gpu = prof["gpu"]
+    assert list(gpu["by_dtype"]) == ["fp32", "bf16"]
+    # the top level is the first dtype's: a reader of the top-level fields sees the fp32 fit
+    assert all(gpu[k] == v for k, v in gpu["by_dtype"]["fp32"].items())
+    kernel = {d: report["compute"]["by_dtype"][d]["kernel_fits"] for d in ("fp32", "bf16")}
+    # memory-bound: bytes / (bandwidth * (time - launch overhead)); the device bandwidth is the
+    # fastest stream of either dtype (fp32's optimizer step: 1e6 B in 1e-4 s = 10 GB/s < memcpy 20)
+    for d, t in (("fp32", 1e-5), ("bf16", 1e-4)):
+        assert kernel[d]["memory_bound_efficiency"] == pytest.approx(1e5 / (20e9 * (t - 3e-6)), rel=1e-5)
+        assert gpu["by_dtype"][d]["memory_bound_efficiency"] == pytest.approx(kernel[d]["memory_bound_efficiency"],
+                                                                               rel=1e-5)
+    assert gpu["by_dtype"]["fp32"]["optimizer_efficiency"] == pytest.approx(1e6 / 1e-4 / 20e9, rel=1e-5)
+    assert gpu["by_dtype"]["bf16"]["optimizer_efficiency"] == pytest.approx(1e6 / 4e-4 / 20e9, rel=1e-5)
+    assert gpu["peak_tflops_bf16"] < gpu["peak_tflops_fp32"]
+    # each dtype's layer closure fits its own layers, printed for both
+    layers = report["compute"]["layers"]
+    assert sorted({r["dtype"] for r in layers}) == ["bf16", "fp32"]
+    assert max(abs(r["error"]) for r in layers) < 1e-6
+    assert prof["provenance"]["compute_dtype"] == "fp32" and prof["provenance"]["compute_dtypes"] == "fp32,bf16"
+    assert prof["provenance"]["layer_closure"] == "fp32: x; bf16: x"
+    hp = build(HardwareProfile, prof)
+    assert hp.gpu.for_dtype("bf16").memory_bound_efficiency == gpu["by_dtype"]["bf16"]["memory_bound_efficiency"]
+    assert hp.gpu.for_dtype("bf16").flash_attention_bwd_efficiency < hp.gpu.flash_attention_bwd_efficiency
+
+
+def test_one_dtype_writes_no_by_dtype():
+    recs, prov = _two_dtype_run()
+    prof, report = build_profile("synthetic", recs, prov, ("bf16",))
+    assert "by_dtype" not in prof["gpu"] and "compute_dtypes" not in prof["provenance"]
+    assert "by_dtype" not in report["compute"] and {r["dtype"] for r in report["compute"]["layers"]} == {"bf16"}
+
+
+def test_a_dtype_listed_but_not_measured_is_refused():
+    from zsim.errors import ZsimInputError
+    recs, prov = synthetic_run()   # bf16 only
+    with pytest.raises(ZsimInputError, match="--dtype.*no fp32 layer"):
+        build_profile("synthetic", recs, prov, ("fp32", "bf16"))
+
+
+def test_one_layer_shape_keeps_the_gemm_scale():
+    """One shape's two passes cannot identify three scales: the attention scales close them and
+    the GEMMs stay as their benchmark measured them (the three-scale fit set GEMM time to 0)."""
+    from calibration.harness.fit_layer import fit_layer_closure, layer_components, layer_residuals, profile_gpu
+    fields = {"gemm_max_efficiency": 1.0, "gemm_half_efficiency_dim": 0.0, "flash_attention_fwd_efficiency": 0.5,
+              "flash_attention_bwd_efficiency": 0.4, "memory_bound_efficiency": 0.5, "kernel_overhead_us": 0.0}
+    gpu = profile_gpu(fields, 1.0, 20.0, "bf16")
+    shape = {"hidden": 256, "heads": 4, "seq_len": 128, "micro_batch": 2}
+    layers = []
+    for pas in ("fwd", "bwd"):
+        g, att, m, _ = layer_components(gpu, 1e12, shape, "bf16", pas == "bwd")
+        t = g + att * (3.0 if pas == "fwd" else 5.0) + m
+        layers.append({**shape, "layer": "one", "dtype": "bf16", "pass": pas, "time_s": t})
+    closed, peak_scale, scales = fit_layer_closure(layers, fields, 1.0, 20.0, "bf16")
+    assert scales["gemm"] == 1.0 and peak_scale == 1.0
+    assert scales["attention_fwd"] == pytest.approx(3.0, rel=1e-6)
+    assert scales["attention_bwd"] == pytest.approx(5.0, rel=1e-6)
+    assert max(abs(r["error"]) for r in layer_residuals(layers, closed, {"bf16": 1.0}, 20.0)) < 1e-9

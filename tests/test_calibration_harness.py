@@ -20,6 +20,8 @@ from zsim.config.profile import load_profile
     (["--out", "x", "--nproc-per-node", "0"], "--nproc-per-node"),
     (["--out", "x", "--timeout", "-1"], "--timeout"),
     (["--out", "x", "--dtype", "int8"], "--dtype"),
+    (["--out", "x", "--dtype", "fp32,int8"], "--dtype"),
+    (["--out", "x", "--dtype", "bf16,bf16"], "--dtype"),
     (["--out", "x", "--backend", "mpi"], "--backend"),
     ([], "--out"),
 ])

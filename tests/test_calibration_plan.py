@@ -54,3 +54,21 @@ def test_collective_passes_are_spread_and_pooled():
     assert pooled[0]["last_arriver_s"] == pytest.approx(2.0)
     assert pooled[0]["item"] == "collective/all_reduce/world/bf16/1024"
     assert recs[0]["times_s"] == [1.0, 2.0]   # the input records are left as they were
+
+
+def test_a_dtype_list_measures_each_dtype_and_its_optimizer_step():
+    import json
+    from calibration.harness.plan import Plan
+    plan = default_plan("quick", dtypes=("fp32", "bf16"))
+    assert plan.profile_dtype == "fp32" and plan.fitted_dtypes == ("fp32", "bf16")
+    layers = [n for n in items(plan, 2, 1) if n.startswith("layer/")]
+    assert layers == ["layer/fp32/h256-a4-s128-b1", "layer/bf16/h256-a4-s128-b1"]
+    assert Plan.from_json(plan.to_json()) == plan
+    # one dtype: today's plan, no by_dtype fit
+    one = default_plan("quick")
+    assert one.fit_dtypes == () and one.fitted_dtypes == ("bf16",) and one.compute_dtypes == ("bf16",)
+    assert default_plan("full", dtypes=("fp16", "bf16")).compute_dtypes == ("fp16", "bf16", "fp32")
+    # a plan.json written before fit_dtypes existed still loads
+    old = json.loads(one.to_json())
+    del old["fit_dtypes"]
+    assert Plan.from_json(json.dumps(old)) == one

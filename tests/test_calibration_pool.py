@@ -27,7 +27,7 @@ def test_pooled_collectives_fit_the_mean_call_over_all_runs(tmp_path):
     for k, s in enumerate(SIZES, start=1):   # every call of both runs: (1 + 3) / 2 ms per k
         assert collective_cost("all_reduce", s, 1, 2, tier, tier).time_s == pytest.approx(2e-3 * k, rel=1e-9)
     # the compute figures are the fitted run's alone
-    assert build_profile("x", records, prov2, "bf16")[0]["gpu"] == build_profile("x", recs, prov, "bf16")[0]["gpu"]
+    assert build_profile("x", records, prov2, ("bf16",))[0]["gpu"] == build_profile("x", recs, prov, ("bf16",))[0]["gpu"]
 
 
 @pytest.mark.parametrize("changes,needle", [

@@ -39,8 +39,10 @@ def add_parser(sub):
                    help="transformer layer to time: hidden,heads,seq_len,micro_batch (repeatable)")
     p.add_argument("--scenario", default=None, metavar="YAML",
                    help="take the layer shape (hidden/heads/seq/micro-batch) and precision from a scenario")
-    p.add_argument("--dtype", default=None, help="training precision the compute figures are fitted for "
-                                                 "(fp32, bf16, fp16; default bf16 or the scenario's)")
+    p.add_argument("--dtype", default=None, metavar="DTYPE[,DTYPE...]",
+                   help="training precision(s) the compute figures are fitted for (fp32, bf16, fp16; default bf16 "
+                        "or the scenario's); a list such as fp32,bf16 fits each one into the profile's gpu.by_dtype, "
+                        "the first also as the top-level fields")
     p.add_argument("--timeout", default=None, metavar="SECONDS",
                    help="a rank silent this long is declared hung (default: 60 quick, 180 full)")
     p.add_argument("--force", action="store_true", help="overwrite an existing profile / complete run")
@@ -93,13 +95,13 @@ def resolve(args):
     max_size = parse_size(args.max_size, "--max-size") if args.max_size is not None else None
     if max_size is not None and not 1024 <= max_size <= 1 << 34:
         raise ZsimInputError("--max-size", args.max_size, "choose a size between 1KiB and 16GiB")
-    dtype = args.dtype
+    dtypes = parse_dtypes(args.dtype) if args.dtype is not None else None
     layers = []
     if args.scenario:
         from zsim.config.scenario import load_scenario
         sc = load_scenario(args.scenario)
         layers.append(LayerShape(sc.model.hidden, sc.model.heads, sc.seq_len, sc.micro_batch_size))
-        dtype = dtype or sc.precision
+        dtypes = dtypes or (sc.precision,)
     for text in args.layer or ():
         parts = text.split(",")
         try:
@@ -109,9 +111,7 @@ def resolve(args):
         if min(h, a, s, b) <= 0 or h % a:
             raise ZsimInputError("--layer", text, "all four must be positive and hidden divisible by heads")
         layers.append(LayerShape(h, a, s, b))
-    dtype = dtype or "bf16"
-    if dtype not in ("fp32", "bf16", "fp16"):
-        raise ZsimInputError("--dtype", dtype, "choose fp32, bf16 or fp16")
+    dtypes = dtypes or ("bf16",)
     timeout = _positive(args.timeout, "--timeout") if args.timeout is not None else None
     io_path = ""
     if args.io_path:
@@ -123,11 +123,23 @@ def resolve(args):
     if args.root and not root.is_dir():
         raise ZsimInputError("--root", args.root, "give an existing directory")
     plan = default_plan(mode, max_size_bytes=max_size, io_path=io_path, layers=tuple(layers) or None,
-                        timeout_s=timeout, profile_dtype=dtype)
-    return plan, nproc, dtype, root
+                        timeout_s=timeout, dtypes=dtypes)
+    return plan, nproc, dtypes, root
 
 
-def _fit_existing(args, dtype, profile_path: Path, run_dir: Path, fit_and_write) -> int:
+def parse_dtypes(text: str) -> tuple[str, ...]:
+    """`--dtype bf16` or a list `fp32,bf16` (the first is the profile's top-level dtype)."""
+    dtypes = tuple(x.strip() for x in str(text).split(","))
+    bad = next((d for d in dtypes if d not in ("fp32", "bf16", "fp16")), None)
+    if bad is not None:
+        raise ZsimInputError("--dtype", text, f"{bad!r} is not a dtype: choose fp32, bf16 or fp16, or a list "
+                                              "such as fp32,bf16")
+    if len(set(dtypes)) != len(dtypes):
+        raise ZsimInputError("--dtype", text, "a dtype is listed twice; list each once")
+    return dtypes
+
+
+def _fit_existing(args, dtypes, profile_path: Path, run_dir: Path, fit_and_write) -> int:
     """Fit a run measured elsewhere: a calibration/runs/NAME directory (records.json) or a
     worker's run directory from a torchrun/srun launch (records.partial.jsonl + status/)."""
     import json
@@ -156,16 +168,24 @@ def _fit_existing(args, dtype, profile_path: Path, run_dir: Path, fit_and_write)
     if src.resolve() != run_dir.resolve():
         write_atomic(run_dir / "records.json", json.dumps(doc, indent=1, sort_keys=True) + "\n")
     write_pool(run_dir, pool, write_atomic)
-    fit_and_write(args.out, *pooled(doc["records"], prov, pool), dtype, profile_path, run_dir)
+    _, report = fit_and_write(args.out, *pooled(doc["records"], prov, pool), dtypes, profile_path, run_dir)
+    _print_layers(report)
     print(f"wrote {profile_path} and {run_dir}/" + (f" (collectives pooled with {len(pool)} more runs)" if pool else ""),
           file=sys.stderr)
     return 0
 
 
+def _print_layers(report: dict) -> None:
+    """Each measured layer (every fitted dtype's) against the fitted profile's prediction."""
+    for r in report["compute"].get("layers", []):
+        print(f"  layer {r['layer']} {r['dtype']} {r['pass']}: measured {r['measured_s'] * 1e3:.3f} ms, "
+              f"zsim {r['predicted_s'] * 1e3:.3f} ms ({100 * r['error']:+.1f}%)", file=sys.stderr)
+
+
 def main(args) -> int:
     import json
 
-    plan, nproc, dtype, root = resolve(args)
+    plan, nproc, dtypes, root = resolve(args)
     profile_path = root / "hardware_profiles" / f"{args.out}.yaml"
     run_dir = root / "calibration" / "runs" / args.out
     if not args.force and not args.from_run:   # refuse before spending minutes measuring
@@ -185,7 +205,7 @@ def main(args) -> int:
     if args.pool_collectives and not args.from_run:
         precheck(args.pool_collectives, run_dir)
     if args.from_run:
-        return _fit_existing(args, dtype, profile_path, run_dir, fit_and_write)
+        return _fit_existing(args, dtypes, profile_path, run_dir, fit_and_write)
     if nproc is None:
         nproc = torch.cuda.device_count() if torch.cuda.is_available() else 2
     if args.backend == "nccl":
@@ -193,19 +213,16 @@ def main(args) -> int:
             raise ZsimInputError("--backend", "nccl", "NCCL needs CUDA GPUs; use gloo on this machine")
     print(f"zsim calibrate: {plan.mode} mode, {nproc} ranks, results in {run_dir}", file=sys.stderr)
     try:
-        out = calibrate(args.out, plan, root=root, nproc=nproc, backend=args.backend, force=args.force, dtype=dtype)
+        out = calibrate(args.out, plan, root=root, nproc=nproc, backend=args.backend, force=args.force, dtypes=dtypes)
     except CalibrationFailed as err:
         print(f"zsim: error: {err}", file=sys.stderr)
         return 1
-    rep = out["report"]
-    for r in rep["compute"].get("layers", []):
-        print(f"  layer {r['layer']} {r['dtype']} {r['pass']}: measured {r['measured_s'] * 1e3:.3f} ms, "
-              f"zsim {r['predicted_s'] * 1e3:.3f} ms ({100 * r['error']:+.1f}%)", file=sys.stderr)
+    _print_layers(out["report"])
     print(f"wrote {out['profile_path']} and {out['run_dir']}/ ({out['records']} records, {out['wall_s']:.1f} s)",
           file=sys.stderr)
     if args.pool_collectives:
         args.from_run = str(out["run_dir"])
         args.force = True   # refit the run just written, with the pooled collectives
         from calibration.harness.launch import fit_and_write
-        return _fit_existing(args, dtype, profile_path, run_dir, fit_and_write)
+        return _fit_existing(args, dtypes, profile_path, run_dir, fit_and_write)
     return 0

@@ -15,6 +15,13 @@ from calibration.harness.context import Ctx, timed_everywhere
 
 
 def bench_optimizer_step(ctx: Ctx) -> list[dict]:
+    """The optimizer step (below) in each dtype whose compute the profile fits: an fp32 run's step
+    has no 16-bit copies and no overflow check, and on a CPU without bf16 units a bf16 one's
+    conversions are emulated."""
+    return [r for dtype_name in ctx.plan.fitted_dtypes for r in _optimizer_step(ctx, dtype_name)]
+
+
+def _optimizer_step(ctx: Ctx, dtype_name: str) -> list[dict]:
     """DeepSpeed 0.19.8's ZeRO-1/2 optimizer step on the device over one shard, pass by pass as
     zsim charges it (zsim.schedule.optimizer grad_norm_ops and optimizer_step): per gradient piece
     the overflow check (amax/amin) and the fp64 norm, then the pieces flattened and converted to
@@ -27,7 +34,6 @@ def bench_optimizer_step(ctx: Ctx) -> list[dict]:
     from zsim.schedule.optimizer import (NORM_KERNELS_PER_TENSOR, OVERFLOW_KERNELS_PER_TENSOR, norm_bytes_per_param,
                                          overflow_bytes_per_param, step_bytes_per_param)
 
-    dtype_name = ctx.plan.profile_dtype
     dt = DTYPES[dtype_name]
     n = ctx.plan.adam_params // 3
     p16 = torch.randn(n, dtype=dt, device=ctx.device)

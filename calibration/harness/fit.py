@@ -16,9 +16,11 @@ Methods
   the FLOPs and bytes zsim's workload charges (zsim/workload/transformer.py), so the fitted
   efficiencies reproduce what the simulator predicts for exactly these ops.
 - Layer closure: the real layer also runs work zsim does not cost per op (reshapes,
-  autograd bookkeeping, bias-gradient reductions); the remaining time is spread over the
-  layer's kernels as kernel overhead (forward and backward share one overhead, fitted by
-  least squares over all measured layers).
+  autograd bookkeeping, bias-gradient reductions); scales of the GEMM and attention times
+  close the gap to the measured layers (fit_layer.py).
+- Each training precision listed (`--dtype fp32,bf16`) gets its own kernel fits and closure
+  from its own records (fit_compute.py); the device's figures (launch overhead, bandwidth,
+  d_half, fresh allocations) are one fit.
 """
 from __future__ import annotations
 
@@ -28,16 +30,25 @@ from calibration.harness.fit_comm import fit_collectives
 from calibration.harness.fit_common import fit_rate, usable
 from calibration.harness.fit_compute import fit_compute
 from calibration.harness.fit_host import fit_adam, fit_interference, fit_io, fit_zero3_hooks
+from zsim.errors import ZsimInputError
 
 
-def build_profile(name: str, records: list[dict], prov: dict, dtype: str) -> tuple[dict, dict]:
-    """The profile mapping (same keys as hardware_profiles/*.yaml) and the fit report."""
+def build_profile(name: str, records: list[dict], prov: dict, dtypes: tuple[str, ...]) -> tuple[dict, dict]:
+    """The profile mapping (same keys as hardware_profiles/*.yaml) and the fit report. The
+    compute figures are fitted for each of `dtypes`: the first gives the top-level gpu fields, and
+    two or more also give gpu.by_dtype one entry each (zsim.specs.hardware.GpuProfile.for_dtype)."""
+    dtype = dtypes[0]
+    missing = [d for d in dtypes if len(dtypes) > 1 and not any(r["dtype"] == d for r in usable(records, "layer"))]
+    if missing:   # a by_dtype entry without its own measurements would only repeat another dtype's
+        raise ZsimInputError("--dtype", ",".join(dtypes), f"the run measured no {missing[0]} layer (it measured "
+                             f"{', '.join(sorted({r['dtype'] for r in usable(records, 'layer')})) or 'none'}); "
+                             "list only measured dtypes or measure again with this --dtype")
     world = int(prov.get("world_size", 1))
     per_node = int(prov.get("ranks_per_node", world))
     coll = fit_collectives(records, "fp32" if dtype not in {r.get("dtype") for r in usable(records, "collective")} else dtype)
     if not coll:   # the profile dtype was not measured for collectives: fall back to fp32
         coll = fit_collectives(records, "fp32")
-    fields, comp = fit_compute(records, dtype)
+    fields, by_dtype, comp = fit_compute(records, tuple(dtypes))
     peak = comp["gemm"]["peak_tflops"]
     v = peak.get(dtype, max(peak.values()))
     adam_rate, adam_impl = fit_adam(records)
@@ -84,6 +95,8 @@ def build_profile(name: str, records: list[dict], prov: dict, dtype: str) -> tup
            "allocator_fragmentation_fraction": 0.02,
            # torch's and DeepSpeed's CPU backends run collectives and copies in program order
            "concurrent_streams": bool(cuda), **fields}
+    if by_dtype:
+        gpu["by_dtype"] = by_dtype
     profile = {
         "name": name,
         "description": f"calibrated by zsim calibrate ({prov.get('mode', '?')} mode) on {prov.get('hosts', '?')}: "
@@ -107,6 +120,10 @@ def build_profile(name: str, records: list[dict], prov: dict, dtype: str) -> tup
                        "comm_slowdown_during_compute": f"{interf['comm_slowdown_during_compute']:.3f}",
                        "compute_dtype": dtype},
     }
+    if by_dtype:   # which dtypes have their own figures, and on which layers each closure was fitted
+        layers = {d: sorted({r["layer"] for r in usable(records, "layer") if r["dtype"] == d}) for d in dtypes}
+        profile["provenance"]["compute_dtypes"] = ",".join(dtypes)
+        profile["provenance"]["layer_closure"] = "; ".join(f"{d}: {', '.join(ls)}" for d, ls in layers.items())
     hooks = usable(records, "zero3_hooks")
     if hooks:
         profile["provenance"]["zero3_hooks_deepspeed"] = hooks[0]["deepspeed"]

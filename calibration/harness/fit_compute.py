@@ -7,6 +7,7 @@ import numpy as np
 from calibration.harness.fit_common import fit_rate, fit_time_s, usable
 from calibration.harness.fit_layer import (fit_layer_closure, held_out_layer_errors, layer_residuals,
                                            nnls_relative)
+from zsim.specs.hardware import DTYPE_COMPUTE_FIELDS
 
 def gemm_law(m: float, n: float, k: float, d_half: float) -> float:
     return (m / (m + d_half)) * (n / (n + d_half)) * (k / (k + d_half))
@@ -89,8 +90,11 @@ def _optimizer_passes_s(rec: dict, overhead_s: float) -> float:
     return fit_time_s(rec) - rec.get("kernels", 6) * overhead_s
 
 
-def fit_compute(records: list[dict], dtype: str) -> tuple[dict, dict]:
-    """GpuProfile fields for `dtype` (the training precision) and a report of residuals."""
+def fit_compute(records: list[dict], dtypes: tuple[str, ...]) -> tuple[dict, dict, dict]:
+    """GpuProfile fields for dtypes[0] (the top level), one by_dtype entry per dtype when several
+    are fitted (DTYPE_COMPUTE_FIELDS, each from that dtype's own records and layer closure), and
+    a report of residuals. Launch overhead, the device's bandwidth, the GEMM law's d_half and fresh
+    allocations are the device's: one fit over all dtypes."""
     over = usable(records, "kernel_overhead")
     overhead_s = fit_time_s(over[0]) if over else 0.0
     ag = usable(records, "autograd_overhead")
@@ -98,13 +102,33 @@ def fit_compute(records: list[dict], dtype: str) -> tuple[dict, dict]:
     # start-up (paid once per layer backward, not per op), keeping the op's own kernel cost
     autograd_s = max(0.0, fit_time_s(ag[0]) - overhead_s) if ag else 0.0
     mc = [r for r in usable(records, "memcpy") if r.get("where") in ("device", "host")]
-    opt = [r for r in usable(records, "optimizer_step") if r["dtype"] == dtype]
+    opt = [r for r in usable(records, "optimizer_step") if r["dtype"] in dtypes]
     # the device's bandwidth is at least the best streaming rate any benchmark reached (the
     # copy and the optimizer's passes), so every efficiency against it stays <= 1
     rates = ([fit_rate(mc[0], "GBps")] if mc else []) + [o["bytes"] / _optimizer_passes_s(o, overhead_s) / 1e9
                                                       for o in opt]
-    hbm_GBps = max(rates) if rates else 1.0
-    gemm = fit_gemm([r for r in records if r.get("kind") == "gemm"])
+    dev = {"overhead_s": overhead_s, "autograd_s": autograd_s, "hbm_GBps": max(rates) if rates else 1.0,
+           "gemm": fit_gemm([r for r in records if r.get("kind") == "gemm"]), "fresh_alloc": fit_fresh_alloc(records)}
+    report = {"kernel_overhead_measured_us": overhead_s * 1e6, "autograd_call_us": autograd_s * 1e6,
+              "hbm_bw_GBps": dev["hbm_GBps"], "gemm": dev["gemm"]}
+    fitted = {d: _fit_dtype(records, d, dev) for d in dtypes}
+    fields, first = fitted[dtypes[0]]
+    report.update(first)
+    by_dtype = {}
+    if len(dtypes) > 1:
+        by_dtype = {d: {k: f[k] for k in DTYPE_COMPUTE_FIELDS if k in f} for d, (f, _) in fitted.items()}
+        report["by_dtype"] = {d: rep for d, (_, rep) in fitted.items()}
+        # every dtype's layers, so the lines printed per layer (calibrate, the profile header) show them all
+        for key in ("layers", "layers_held_out"):
+            report[key] = [r for _, rep in fitted.values() for r in rep.get(key, [])]
+    return fields, by_dtype, report
+
+
+def _fit_dtype(records: list[dict], dtype: str, dev: dict) -> tuple[dict, dict]:
+    """The fields of one training precision: attention, memory-bound and optimizer efficiencies
+    from its kernels, then its layer closure (which may rescale its GEMM peak in dev["gemm"])."""
+    overhead_s, autograd_s, hbm_GBps, gemm = dev["overhead_s"], dev["autograd_s"], dev["hbm_GBps"], dev["gemm"]
+    opt = [r for r in usable(records, "optimizer_step") if r["dtype"] == dtype]
     peak = gemm["peak_tflops"]
     p = peak.get(dtype) or max(peak.values())
     att = [r for r in usable(records, "attention") if r["dtype"] == dtype]
@@ -125,13 +149,11 @@ def fit_compute(records: list[dict], dtype: str) -> tuple[dict, dict]:
               "flash_attention_bwd_efficiency": eff.get("bwd", 0.4),
               "flash_attention_fwd_overhead_us": att_over_us.get("fwd", 0.0),
               "flash_attention_bwd_overhead_us": att_over_us.get("bwd", 0.0),
-              "memory_bound_efficiency": mem_eff, "kernel_overhead_us": overhead_s * 1e6}
-    fields.update(fit_fresh_alloc(records))
+              "memory_bound_efficiency": mem_eff, "kernel_overhead_us": overhead_s * 1e6, **dev["fresh_alloc"]}
     if opt:   # bytes as zsim charges them (step_bytes_per_param), over the device bandwidth above
         fields["optimizer_efficiency"] = min(1.0, opt[0]["bytes"] / max(_optimizer_passes_s(opt[0], overhead_s), 1e-9)
                                              / (hbm_GBps * 1e9))
-    report = {"kernel_overhead_measured_us": overhead_s * 1e6, "autograd_call_us": autograd_s * 1e6,
-              "hbm_bw_GBps": hbm_GBps, "gemm": gemm}
+    report = {}
     layers = [r for r in usable(records, "layer") if r["dtype"] == dtype]
     if layers:
         report["layers_before_closure"] = layer_residuals(layers, {**fields, "kernel_overhead_us": overhead_s * 1e6},

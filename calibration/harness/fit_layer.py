@@ -63,7 +63,8 @@ def fit_layer_closure(layers: list[dict], fields: dict, peak_tflops: float, hbm_
     """Close the gap between the kernel-level fits and the measured transformer layers (the
     compute model's ground truth): one non-negative scale each for GEMM, attention forward and
     attention backward time, least squares in relative error over every (layer, pass), the
-    way benchmarks/fit_h100_efficiencies.py fits the H100 profile. Memory-bound efficiency
+    way benchmarks/fit_h100_efficiencies.py fits the H100 profile (one shape: the attention
+    scales alone, the GEMM scale stays 1). Memory-bound efficiency
     and kernel overhead stay at their directly measured values: letting them float lets the
     fit trade one component against another (elementwise kernels made implausibly fast to
     pay for slow GEMMs), which then mispredicts models whose mix differs from these layers.
@@ -77,10 +78,15 @@ def fit_layer_closure(layers: list[dict], fields: dict, peak_tflops: float, hbm_
         rows.append([g, 0.0 if back else a, a if back else 0.0])
         fixed.append(m + kernel_overhead_s(k, gpu))
         y.append(fit_time_s(r))
-    y = np.array(y)
+    y, X = np.array(y), np.array(rows)
     # an efficiency cannot exceed 1: a scale s turns efficiency e into e/s, so s >= e
     lower = np.array([0.0, fields["flash_attention_fwd_efficiency"], fields["flash_attention_bwd_efficiency"]])
-    b = nnls_relative(np.array(rows), y - np.array(fixed), lower, y)
+    if len({r["layer"] for r in layers}) > 1:
+        b = nnls_relative(X, y - np.array(fixed), lower, y)
+    else:   # one shape's forward and backward cannot identify three scales: the two attention
+        # scales alone then fit both passes exactly with the GEMM scale at 0 (GEMMs free, the
+        # measured GEMM rate discarded); keep the GEMMs as their own benchmark timed them
+        b = np.concatenate([[1.0], nnls_relative(X[:, 1:], y - np.array(fixed) - X[:, 0], lower[1:], y)])
     sg, saf, sab = (float(v) for v in b)
     out = dict(fields)
     peak_scale = 1.0

@@ -248,7 +248,7 @@ def measure(plan: Plan, scratch: Path, nproc: int, backend: str | None, log_path
     raise CalibrationFailed(reason)
 
 
-def finish(name: str, scratch: Path, profile_path: Path, run_dir: Path, dtype: str, status: str,
+def finish(name: str, scratch: Path, profile_path: Path, run_dir: Path, dtypes: tuple[str, ...], status: str,
            error: str = "") -> tuple[list[dict], dict | None, dict | None]:
     """Move the raw records to run_dir (atomically); on a complete run fit and write the profile."""
     records = read_records(scratch)
@@ -272,14 +272,15 @@ def finish(name: str, scratch: Path, profile_path: Path, run_dir: Path, dtype: s
         shutil.copyfile(scratch / "torchrun.log", run_dir / "torchrun.log")
     if status != "complete":
         return records, None, None
-    profile, report = fit_and_write(name, records, prov, dtype, profile_path, run_dir)
+    profile, report = fit_and_write(name, records, prov, dtypes, profile_path, run_dir)
     return records, profile, report
 
 
-def fit_and_write(name: str, records: list[dict], prov: dict, dtype: str, profile_path: Path, run_dir: Path):
+def fit_and_write(name: str, records: list[dict], prov: dict, dtypes: tuple[str, ...], profile_path: Path,
+                  run_dir: Path):
     from zsim.schema import build
     from zsim.specs.hardware import HardwareProfile
-    profile, report = build_profile(name, records, prov, dtype)
+    profile, report = build_profile(name, records, prov, dtypes)
     build(HardwareProfile, profile, str(profile_path))   # refuse to write a profile zsim cannot load
     write_atomic(run_dir / "fit_report.json", json.dumps(report, indent=1, sort_keys=True, default=float) + "\n")
     write_atomic(profile_path, profile_header(profile, report, run_dir) +
@@ -326,7 +327,7 @@ def profile_header(profile: dict, report: dict, run_dir: Path) -> str:
 
 
 def calibrate(name: str, plan: Plan, *, root: Path, nproc: int, backend: str | None, force: bool,
-              dtype: str) -> dict:
+              dtypes: tuple[str, ...]) -> dict:
     profile_path, run_dir = output_paths(root, name)
     scratch = run_dir.parent / f".{name}.scratch-{os.getpid()}"
     scratch.parent.mkdir(parents=True, exist_ok=True)
@@ -335,10 +336,10 @@ def calibrate(name: str, plan: Plan, *, root: Path, nproc: int, backend: str | N
         try:
             measure(plan, scratch, nproc, backend, scratch / "torchrun.log")
         except CalibrationFailed as err:
-            records, _, _ = finish(name, scratch, profile_path, run_dir, dtype, "failed", str(err))
+            records, _, _ = finish(name, scratch, profile_path, run_dir, dtypes, "failed", str(err))
             raise CalibrationFailed(f"calibration failed: {err}; {len(records)} records measured so far are kept "
                                     f"in {run_dir / 'records.json'}") from None
-        records, profile, report = finish(name, scratch, profile_path, run_dir, dtype, "complete")
+        records, profile, report = finish(name, scratch, profile_path, run_dir, dtypes, "complete")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return {"profile_path": profile_path, "run_dir": run_dir, "records": len(records), "wall_s": time.time() - t0,

@@ -61,7 +61,7 @@ class Plan:
     size_step: int                   # sizes grow by this factor from 1 KB
     coll_dtypes: tuple[str, ...]
     compute_dtypes: tuple[str, ...]
-    profile_dtype: str               # the dtype whose compute figures define the profile's efficiencies
+    profile_dtype: str               # the dtype whose compute figures are the profile's top-level gpu fields
     layers: tuple[LayerShape, ...]
     warmup: int
     reps: int
@@ -77,7 +77,15 @@ class Plan:
     # all-reduce's in-step mean moved between 2 and 5 ms from one minute to the next here)
     coll_passes: int = 1
     ops: tuple[str, ...] = COLLECTIVE_OPS
+    # `--dtype fp32,bf16`: each dtype gets its own compute fit and layer closure, written to the
+    # profile's gpu.by_dtype (the first is profile_dtype). Empty: profile_dtype alone, no by_dtype
+    fit_dtypes: tuple[str, ...] = ()
     extra: dict = field(default_factory=dict)
+
+    @property
+    def fitted_dtypes(self) -> tuple[str, ...]:
+        """The dtypes whose compute figures the fit writes (the optimizer step is measured in each)."""
+        return self.fit_dtypes or (self.profile_dtype,)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -86,8 +94,9 @@ class Plan:
     def from_json(text: str) -> "Plan":
         d = json.loads(text)
         d["layers"] = tuple(LayerShape(**x) for x in d["layers"])
-        for k in ("coll_dtypes", "compute_dtypes", "ops"):
-            d[k] = tuple(d[k])
+        for k in ("coll_dtypes", "compute_dtypes", "ops", "fit_dtypes"):
+            if k in d:   # a plan.json written before fit_dtypes existed has no such key
+                d[k] = tuple(d[k])
         return Plan(**d)
 
 
@@ -104,19 +113,24 @@ def message_sizes(max_size_bytes: int, step: int) -> list[int]:
 
 def default_plan(mode: str, *, max_size_bytes: int | None = None, io_path: str = "",
                  layers: tuple[LayerShape, ...] | None = None, timeout_s: float | None = None,
-                 profile_dtype: str = "bf16") -> Plan:
+                 dtypes: tuple[str, ...] = ("bf16",)) -> Plan:
+    """`dtypes`: the training precisions the compute figures are fitted for, the first one the
+    profile's top-level fields; two or more also give the profile a gpu.by_dtype entry each."""
+    profile_dtype, fit_dtypes = dtypes[0], (tuple(dtypes) if len(dtypes) > 1 else ())
     if mode == "quick":
         # About 1.5 minutes on two cores (98 s measured, 2 gloo ranks; 128 s with deepspeed installed
-        # and the machine busy): one small layer, sizes up to 1 MiB, fp32 only.
+        # and the machine busy): one small layer, sizes up to 1 MiB, fp32 collectives; the compute
+        # benchmarks once per dtype asked for.
         return Plan(mode=mode, max_size_bytes=max_size_bytes or 1 << 20, size_step=4,
-                    coll_dtypes=("fp32",), compute_dtypes=(profile_dtype,), profile_dtype=profile_dtype,
+                    coll_dtypes=("fp32",), compute_dtypes=tuple(dtypes), profile_dtype=profile_dtype,
+                    fit_dtypes=fit_dtypes,
                     layers=layers or (LayerShape(256, 4, 128, 1),), warmup=1, reps=5, min_rep_time_s=0.002,
                     coll_calls_per_rep=4, memcpy_bytes=16 << 20, io_path=io_path, io_bytes=8 << 20, adam_params=1 << 20,
                     timeout_s=timeout_s or 60.0)
     if mode == "full":
         return Plan(mode=mode, max_size_bytes=max_size_bytes or 64 << 20, size_step=2,
-                    coll_dtypes=("fp32", "bf16"), compute_dtypes=tuple(dict.fromkeys((profile_dtype, "fp32", "bf16"))),
-                    profile_dtype=profile_dtype,
+                    coll_dtypes=("fp32", "bf16"), compute_dtypes=tuple(dict.fromkeys((*dtypes, "fp32", "bf16"))),
+                    profile_dtype=profile_dtype, fit_dtypes=fit_dtypes,
                     layers=layers or (LayerShape(256, 4, 128, 2), LayerShape(512, 8, 256, 2),
                                       LayerShape(768, 12, 512, 1), LayerShape(1024, 16, 256, 2)),
                     warmup=3, reps=15, min_rep_time_s=0.01, coll_calls_per_rep=8, memcpy_bytes=256 << 20, io_path=io_path,

@@ -45,7 +45,7 @@ class CostModel:
         prof = cluster.profile
         self.pipeline, self.tensor = pipeline, tensor
         self.cluster, self.stage, self.host = cluster, stage, host
-        self.gpu = prof.gpu
+        self.gpu = prof.gpu.for_dtype(precision)   # the run's dtype's compute figures (gpu.by_dtype)
         self.cpu = prof.cpu
         self.peak_flops = cluster.peak_flops(precision)
         self.dtype_bytes = DTYPE_BYTES[precision]

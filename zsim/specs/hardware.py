@@ -6,6 +6,7 @@ units (bytes, seconds, FLOP/s) once, so no other module sees GiB or Gbps.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -49,6 +50,49 @@ class GpuProfile:
     fresh_alloc_GBps: Optional[float] = spec(None, gt=0, doc="first-touch (page-fault) rate of such a tensor")
     concurrent_streams: bool = spec(True, doc="side streams run beside compute (CUDA); false: one stream in "
                                               "program order, as DeepSpeed's and torch's CPU backends run")
+    by_dtype: dict[str, DtypeCompute] = spec(
+        factory=dict, doc="per training precision (fp32, fp16, bf16): compute figures that replace the fields "
+                          "above for a run in that dtype (zsim calibrate --dtype fp32,bf16 writes them); a dtype "
+                          "not listed, or a field not set, uses the fields above")
+
+    def __post_init__(self):
+        for dtype in self.by_dtype:
+            if dtype not in TRAINING_DTYPES:
+                raise ValueError(f"by_dtype.{dtype}", dtype, f"not a training precision"
+                                 f"{did_you_mean(dtype, TRAINING_DTYPES)}; use one of {', '.join(TRAINING_DTYPES)}")
+
+    def for_dtype(self, dtype: str) -> GpuProfile:
+        """The device as a run in `dtype` sees it: the by_dtype entry's fields over the top-level
+        ones. A GEMM, attention or elementwise kernel in fp32 runs at other efficiencies than in
+        bf16 (tensor cores, FlashAttention only in 16-bit; on a CPU without bf16 units bf16 is
+        emulated). The cost model prices every op through this one view (CostModel.__init__)."""
+        own = self.by_dtype.get(dtype)
+        if own is None:
+            return self
+        return dataclasses.replace(self, **{k: v for k, v in dataclasses.asdict(own).items() if v is not None})
+
+
+TRAINING_DTYPES = ("fp32", "fp16", "bf16")
+# The compute figures that depend on the training precision. The peaks already do, one field per
+# dtype; capacity, bandwidth, the allocator and the streams are the device's whatever it computes.
+DTYPE_COMPUTE_FIELDS = ("gemm_max_efficiency", "gemm_half_efficiency_dim", "flash_attention_fwd_efficiency",
+                        "flash_attention_bwd_efficiency", "flash_attention_fwd_overhead_us",
+                        "flash_attention_bwd_overhead_us", "memory_bound_efficiency", "optimizer_efficiency",
+                        "kernel_overhead_us")
+
+
+def _dtype_field(name: str) -> tuple:
+    """A by_dtype field: optional, with the bounds of the GpuProfile field it replaces."""
+    meta = GpuProfile.__dataclass_fields__[name].metadata
+    return name, Optional[float], spec(None, ge=meta["ge"], gt=meta["gt"], le=meta["le"],
+                                       doc=f"unset: the top-level {name}")
+
+
+# one training precision's compute figures (GpuProfile.by_dtype), derived from GpuProfile's fields
+# so the two keep the same names and bounds
+DtypeCompute = dataclasses.make_dataclass("DtypeCompute", [_dtype_field(n) for n in DTYPE_COMPUTE_FIELDS],
+                                          frozen=True, kw_only=True)
+DtypeCompute.__module__ = __name__   # where pickle (dask sweeps) finds the class
 
 
 # "<collective>_coalesced": calls launched async back to back, then all waited (calibrated
