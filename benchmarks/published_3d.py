@@ -7,6 +7,9 @@ GeLU MLP, tied embeddings, dropout) on the shipped profile of its GPU (dgx-a100-
 parallelism.tensor / pipeline / sequence_parallel from the row, data parallel = gpus / (tp x pp),
 micro-batches per step = global batch / (micro batch x dp), recompute full or selective, ZeRO
 stage 0 unless the row names one. Megatron of 2021-22 ran without FlashAttention, so the rows do.
+Its fused kernels (FusedLayerNorm, bias-GeLU, bias-dropout-add, FusedScaleMaskSoftmax, gradient
+accumulation fusion) need no setting: the workload's memory-bound passes are already theirs
+(docs/validation.md, "Megatron's fused kernels against zsim's per-layer charges").
 Per-layer timing rows and rows missing part of their configuration are skipped, saying why.
 
 Each row is compared in its own convention: SC'21's TFLOP/s per GPU count the recompute forward

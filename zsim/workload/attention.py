@@ -60,7 +60,13 @@ def attention_core(bld: Builder, name: str, layer: int, b: int, s: int, shape: C
         # softmax output (a bytes per score); with dropout also its mask (1 B) and output (a B)
         act_s2 = s2 * (2 * a + 1) if bld.drop else s2 * a
         act = qkv_saved + act_s2
-        mem_f = rope_mem + s2 * a * (3 + 2 * bld.drop)   # scores write, softmax read/write
+        # Megatron's CoreAttention (megatron/model/transformer.py): baddbmm writes the scores once
+        # (scaled by its alpha), FusedScaleMaskSoftmax reads and writes them (scale, causal mask and
+        # softmax in one kernel), the dropout reads and writes them. Backward: bmm's dprobs write, the
+        # dropout's read and write, the softmax's reads of y and dy and write. Not charged: the dropout
+        # mask's byte per score and the context's permute copy (docs/validation.md, "Megatron's fused
+        # kernels against zsim's per-layer charges")
+        mem_f = rope_mem + s2 * a * (3 + 2 * bld.drop)
         mem_b = rope_mem + s2 * a * (4 + 2 * bld.drop)
         kf, kb = 4, 6
     bld.add(name=name, kind=ModuleKind.ATTENTION, layer=layer, params=(), gemm=None, fwd_flops=fwd, bwd_flops=bwd,
@@ -97,7 +103,8 @@ def attention(bld: Builder, pfx: str, layer: int, b: int, s: int, flash: bool) -
         shape = CoreShape(q=qd, k=kvd, v_heads=qd, v=kvd, rope_q=qd, rope_k=kvd)
     window = m.sliding_window if m.has_window(layer) else None
     attention_core(bld, f"{pfx}.core", layer, b, s, shape, flash, window)
-    # output projection + residual add (+ dropout mask): read 2, write 1
+    # output projection, then bias + dropout + residual add in one pass (Megatron's
+    # bias_dropout_add_fused_train): read 2, write 1
     bld.linear(f"{pfx}.o_proj", layer, shape.v_heads * tp, h, m.attn_bias, extra_act=bld.drop * t * h,
                fwd_mem=3 * t * h * a, bwd_mem=2 * t * h * a, split=None if m.mla is not None else Split.ROW)
 

@@ -126,9 +126,12 @@ class Builder:
                             act=2 * t * fr * a)
         else:
             self.linear(f"{pfx}.fc_in", layer, h, f, bias, split=col, **rows)
+            # one pass each way, as Megatron's bias_gelu_fusion runs it (fc1's bias added inside the
+            # GeLU kernel, fused_bias_gelu.py); the bias gradient's reduction is not charged
             self.activation(f"{pfx}.act", layer, flops=8.0 * t * fr, fwd_mem=2 * t * fr * a, bwd_mem=3 * t * fr * a,
                             act=t * fr * a)
         if residual_add:
+            # bias + dropout + residual add in one kernel's passes (Megatron's bias_dropout_add_fused_train)
             self.linear(f"{pfx}.fc_out", layer, f, h, bias, extra_act=self.drop * t * h, fwd_mem=3 * t * h * a,
                         bwd_mem=2 * t * h * a, split=row, **rows)
         else:
