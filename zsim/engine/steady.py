@@ -25,6 +25,7 @@ from __future__ import annotations
 import gc
 from contextlib import contextmanager
 
+from zsim.engine.layer_repeat import simulate_layers
 from zsim.engine.sim import Repeat, Trace, run_ops, simulate, worst_stage
 from zsim.schedule.build import build_schedule
 from zsim.schedule.ir import OpKind, Schedule
@@ -85,6 +86,8 @@ def _simulate(sc: Scenario, steady: bool) -> tuple[Workload, Trace]:
             return wl, Trace(reduced, tuple(timings), events[worst], end, ops, repeat,
                              stage_ledger_events=events, worst_stage=worst)
     wl, schedule = build_schedule(sc, wl)
+    if steady and not pipeline:   # the step's identical layers, simulated once (layer_repeat.py)
+        return wl, simulate_layers(schedule, wl, sc.cluster, sc.precision)
     return wl, simulate(schedule, sc.cluster, sc.precision)
 
 
