@@ -216,37 +216,29 @@ class _Places:
             for x in range(a, end):
                 self.key[x], self.offset[x] = key, x - a
 
-    def same_ref(self, r: int, q: int, layer_r: int, layer_q: int) -> bool:
-        """Op r, seen from a block of layer `layer_r`, is op q seen from one of `layer_q`: the same
-        op of a block as many layers away in the same pass, or the very same op outside the layers."""
-        kr, kq = self.key[r], self.key[q]
-        if kr is None or kq is None or kr[2] < 0 or kq[2] < 0:
-            return r == q
-        return (kr[:2] == kq[:2] and kr[2] - layer_r == kq[2] - layer_q
-                and self.offset[r] == self.offset[q])
 
-
-def _same_block(ops, sites, places: _Places, a: int, b: int, length: int) -> bool:
-    """Ops [b, b + length) are ops [a, a + length) one layer on: same shapes, waiting on and
-    freeing the allocations of the same ops of blocks as many layers away."""
+def _canon(ops, sites, places: _Places) -> list:
+    """Per op of a layer block, what must be equal for it to be the same op one layer on: its
+    shape, and each op it waits on or frees an allocation of, as the same op of a block as many
+    layers away in the same pass (or the very same op outside the layers). None elsewhere."""
     before, after = sites
-    la, lb = places.key[a][2], places.key[b][2]
-    same = places.same_ref
-    for x, y in zip(ops[a:a + length], ops[b:b + length]):
-        if (x.kind is not y.kind or x.stream != y.stream or x.phase != y.phase or x.micro_step != y.micro_step
-                or x.stage != y.stage or x.hook_visits != y.hook_visits or x.grad_hooks != y.grad_hooks
-                or len(x.deps) != len(y.deps) or len(x.alloc) != len(y.alloc)):
-            return False
-        if not all(same(dx, dy, la, lb) for dx, dy in zip(x.deps, y.deps)):
-            return False
-        if any(ax.category != ay.category or ax.size_bytes != ay.size_bytes for ax, ay in zip(x.alloc, y.alloc)):
-            return False
-        for sx, sy in ((before[x.id], before[y.id]), (after[x.id], after[y.id])):
-            if len(sx) != len(sy) or not all(qx[1] == qy[1] and same(qx[0], qy[0], la, lb) for qx, qy in zip(sx, sy)):
-                return False
-        if _shape(x) != _shape(y):
-            return False
-    return True
+    key, offset = places.key, places.offset
+    out: list = [None] * len(ops)
+
+    def ref(r, layer):
+        k = key[r]
+        return (k[0], k[1], k[2] - layer, offset[r]) if k is not None and k[2] >= 0 else r
+    for op in ops:
+        k = key[op.id]
+        if k is None or k[2] < 0:
+            continue
+        layer = k[2]
+        out[op.id] = (op.kind, op.stream, op.phase, op.micro_step, op.stage, op.hook_visits, op.grad_hooks,
+                      _shape(op), tuple((a.category, a.size_bytes) for a in op.alloc),
+                      tuple(ref(d, layer) for d in op.deps),
+                      tuple((ref(r, layer), i) for r, i in before[op.id]),
+                      tuple((ref(r, layer), i) for r, i in after[op.id]))
+    return out
 
 
 @dataclass(frozen=True)
@@ -267,6 +259,7 @@ def _runs(schedule: Schedule, wl: Workload, sites) -> tuple[dict[tuple[int, str]
     blocks = _blocks(schedule, wl)
     ops = schedule.ops
     places = _Places(len(ops), blocks)
+    canon = _canon(ops, sites, places)
     runs: dict[tuple[int, str], list] = {}
     current: list = []
     for i, ((micro, direction, layer), a, end) in enumerate(blocks):
@@ -274,7 +267,7 @@ def _runs(schedule: Schedule, wl: Workload, sites) -> tuple[dict[tuple[int, str]
         nxt = blocks[i + 1] if i + 1 < len(blocks) else None
         step = -1 if direction == "b" else 1
         if (nxt is not None and layer >= 0 and nxt[0] == (micro, direction, layer + step)
-                and nxt[2] - nxt[1] == end - a and _same_block(ops, sites, places, a, nxt[1], end - a)):
+                and nxt[2] - nxt[1] == end - a and canon[a:end] == canon[nxt[1]:nxt[2]]):
             continue
         if len(current) > len(runs.get((micro, direction), ())):
             runs[(micro, direction)] = current
