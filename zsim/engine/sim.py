@@ -33,7 +33,7 @@ from zsim.hardware.placement import base_link, link_rank
 from zsim.schedule.ir import Op, Schedule, Stream, STREAMS, Tag
 
 if TYPE_CHECKING:   # layer_repeat.py builds on this module
-    from zsim.engine.layer_repeat import LayerRepeat
+    from zsim.engine.layer_repeat import LayeredRepeat, LayerRepeat
 
 _EPS_S = 1e-15
 
@@ -98,6 +98,10 @@ class Repeat:
         """(what, start_s and length_s on the full step's clock, period_s, copies) of the copies not simulated."""
         return ((self.name, self.end_s, self.skipped_s, self.period_s, self.copies),)
 
+    def step_ops(self, simulated_ops: int) -> int:
+        """Ops of the full step, from those of the shortened step."""
+        return simulated_ops + (self.copies - 1) * len(self.ops)
+
 
 @dataclass(frozen=True)
 class Trace:
@@ -106,7 +110,7 @@ class Trace:
     ledger_events: tuple[tuple[float, float, str, Tag], ...]   # (time_s, delta_bytes, category, tag)
     step_time_s: float
     events_processed: int              # ops of the full step
-    repeat: Repeat | LayerRepeat | None = None       # None: every op of the step was simulated
+    repeat: Repeat | LayerRepeat | LayeredRepeat | None = None    # None: every op of the step was simulated
     # a pipeline: each stage's ledger events; ledger_events is the stage with the highest peak
     stage_ledger_events: tuple[tuple[tuple[float, float, str, Tag], ...], ...] = ()
     worst_stage: int = 0
