@@ -60,60 +60,82 @@ def _blocks(schedule: Schedule, wl: Workload) -> list[tuple[tuple, int, int]]:
     return blocks
 
 
+def _tag_key(t):
+    # a Tag's own hash goes through the Enum's Python-level __hash__; its fields hash in C
+    return id(t.buffer), t.micro, t.key, t.phase
+
+
 def _alloc_sites(ops) -> tuple[list, list] | None:
     """For every op, the (op id, alloc index) each tag of its `free_before` and `free` releases
     (the latest allocation of the tag in program order); None when a free names no live buffer."""
     live: dict = {}
     before: list = [()] * len(ops)
     after: list = [()] * len(ops)
+    pop = live.pop
     for op in ops:
         if op.free_before:
-            if any(t not in live for t in op.free_before):
+            keys = [_tag_key(t) for t in op.free_before]
+            if any(k not in live for k in keys):
                 return None
-            before[op.id] = tuple(live.pop(t) for t in op.free_before)
+            before[op.id] = tuple(pop(k) for k in keys)
         for i, a in enumerate(op.alloc):
-            if a.tag in live:
+            k = _tag_key(a.tag)
+            if k in live:
                 return None
-            live[a.tag] = (op.id, i)
+            live[k] = (op.id, i)
         if op.free:
-            if any(t not in live for t in op.free):
+            keys = [_tag_key(t) for t in op.free]
+            if any(k not in live for k in keys):
                 return None
-            after[op.id] = tuple(live.pop(t) for t in op.free)
+            after[op.id] = tuple(pop(k) for k in keys)
     return before, after
 
 
 class _Places:
-    """Where each op sits: its block's (micro-step, direction, layer) and its offset in the block."""
+    """Where each op sits: its block's (micro-step, direction, layer) and its offset in the block,
+    and a number per op (`pos`) from which `_canon` reads both in one subtraction: block k's op
+    at offset j of a pass's layer L is (pass * _SPAN + L) * _SPAN + j."""
 
     def __init__(self, n_ops: int, blocks):
         self.key: list = [None] * n_ops
-        self.offset = [0] * n_ops
+        self.pos: list = [None] * n_ops
+        passes: dict = {}
         for key, a, end in blocks:
+            if key[2] < 0:
+                for x in range(a, end):
+                    self.key[x] = key
+                continue
+            base = (passes.setdefault(key[:2], len(passes)) * _SPAN + key[2]) * _SPAN
             for x in range(a, end):
-                self.key[x], self.offset[x] = key, x - a
+                self.key[x], self.pos[x] = key, base + x - a
+
+
+# more than any layer count and any block's ops
+_SPAN = 1 << 20
 
 
 def _canon(ops, sites, places: _Places) -> list:
     """Per op of a layer block, what must be equal for it to be the same op one layer on: its
     shape, and each op it waits on or frees an allocation of, as the same op of a block as many
-    layers away in the same pass (or the very same op outside the layers). None elsewhere."""
+    layers away in the same pass (pos minus the layer's), or the very same op outside the
+    layers (its id). None elsewhere."""
     before, after = sites
-    key, offset = places.key, places.offset
+    key, pos = places.key, places.pos
     out: list = [None] * len(ops)
-
-    def ref(r, layer):
-        k = key[r]
-        return (k[0], k[1], k[2] - layer, offset[r]) if k is not None and k[2] >= 0 else r
     for op in ops:
         k = key[op.id]
         if k is None or k[2] < 0:
             continue
-        layer = k[2]
+        shift = k[2] * _SPAN
+        refs = [(pos[d] - shift) if pos[d] is not None else (d,) for d in op.deps]
+        for r, i in before[op.id]:
+            refs += ((pos[r] - shift) if pos[r] is not None else (r,), i)
+        refs.append(-1 << 62)     # frees after: apart from frees before
+        for r, i in after[op.id]:
+            refs += ((pos[r] - shift) if pos[r] is not None else (r,), i)
         out[op.id] = (op.kind, op.stream, op.phase, op.micro_step, op.stage, op.hook_visits, op.grad_hooks,
-                      op_shape(op), tuple((a.category, a.size_bytes) for a in op.alloc),
-                      tuple(ref(d, layer) for d in op.deps),
-                      tuple((ref(r, layer), i) for r, i in before[op.id]),
-                      tuple((ref(r, layer), i) for r, i in after[op.id]))
+                      op_shape(op), [(a.category, a.size_bytes) for a in op.alloc] if op.alloc else None,
+                      len(op.deps), refs)
     return out
 
 
