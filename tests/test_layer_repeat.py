@@ -110,3 +110,16 @@ def test_the_forward_keeps_growing_through_the_copies_not_simulated():
     assert forward and dict(forward[0].delta_bytes)["activations"] > 0
     simulated_top = max(used for _, used in timeline(trace.ledger_events))
     assert trace.repeat.peak_and_breakdown(trace.ledger_events)[0] > simulated_top
+
+
+@pytest.mark.parametrize("name", ("stage3", "stage3-full"))
+def test_buckets_that_span_layers_repeat_every_few_layers(name):
+    """An IPG bucket of about 1.6 layers' gradients flushes at the same place every 3 layers:
+    3 layers make one copy."""
+    model = {**MODELS["gpt-24"], "model.layers": 40, f"{ZERO}.reduce_bucket_size": 20_000_000}
+    for gas in (1, 2):
+        sc = scenario(**VARIANTS[name], **model, **{"training.gradient_accumulation_steps": gas})
+        reused, trace = run_scenario(sc)
+        full, _ = run_scenario(sc, steady=False)
+        _equal_results(reused, full)
+        assert {w.layers for w in trace.repeat.windows if not w.name.startswith("post-step")} == {3}

@@ -149,56 +149,108 @@ class Gap:
     count: int
     length: int
     window: tuple[int, int]
+    layers: int = 1             # layers per copy (the period of their IPG buckets)
 
 
-def _runs(schedule: Schedule, wl: Workload, sites) -> tuple[dict[tuple[int, str], list[tuple[int, int, int]]], _Places]:
-    """Per (micro-step, direction), its blocks (layer, first, end) inside the longest run of
-    consecutive layer blocks each a copy of the one before; and where every op sits."""
+def _chunks(blocks, p: int, phase: int, descending: bool) -> list[tuple[int, int, int]]:
+    """A pass's layer blocks, `p` layers at a time: (lowest layer, first op, end op) of each chunk
+    of layers [s, s + p) with s = phase mod p, in the pass's order (its blocks are consecutive)."""
+    by_layer = {layer: (a, end) for layer, a, end in blocks}
+    out = []
+    for s in sorted({layer - (layer - phase) % p for layer in by_layer}, reverse=descending):
+        layers = range(s, s + p)
+        if all(x in by_layer for x in layers):
+            spans = [by_layer[x] for x in layers]
+            out.append((s, min(a for a, _ in spans), max(end for _, end in spans)))
+    return out
+
+
+def _run(chunks, canon, p: int, descending: bool) -> tuple[int, int] | None:
+    """[lowest, highest] layer of the longest run of consecutive chunks each the one before, p layers on."""
+    best, start = None, 0
+    for i in range(len(chunks) + 1):
+        same = (0 < i < len(chunks) and chunks[i][0] == chunks[i - 1][0] + (-p if descending else p)
+                and chunks[i][2] - chunks[i][1] == chunks[i - 1][2] - chunks[i - 1][1]
+                and canon[chunks[i][1]:chunks[i][2]] == canon[chunks[i - 1][1]:chunks[i - 1][2]])
+        if not same and i > 0:
+            if i - start > 1 and (best is None or i - start > best[0]):
+                layers = [chunks[j][0] for j in range(start, i)]
+                best = (i - start, min(layers), max(layers) + p - 1)
+            start = i
+    return None if best is None else best[1:]
+
+
+def _passes(schedule: Schedule, wl: Workload, sites):
+    """Each pass's (micro-step, direction) layer blocks in order, the canonical ops, where every op sits."""
     blocks = _blocks(schedule, wl)
-    ops = schedule.ops
-    places = _Places(len(ops), blocks)
-    canon = _canon(ops, sites, places)
-    runs: dict[tuple[int, str], list] = {}
-    current: list = []
-    for i, ((micro, direction, layer), a, end) in enumerate(blocks):
-        current.append((layer, a, end))
-        nxt = blocks[i + 1] if i + 1 < len(blocks) else None
-        step = -1 if direction == "b" else 1
-        if (nxt is not None and layer >= 0 and nxt[0] == (micro, direction, layer + step)
-                and nxt[2] - nxt[1] == end - a and canon[a:end] == canon[nxt[1]:nxt[2]]):
-            continue
-        if len(current) > len(runs.get((micro, direction), ())):
-            runs[(micro, direction)] = current
-        current = []
-    return runs, places
+    places = _Places(len(schedule.ops), blocks)
+    canon = _canon(schedule.ops, sites, places)
+    passes: dict[tuple[int, str], list] = {}
+    for (micro, direction, layer), a, end in blocks:
+        if layer >= 0:
+            passes.setdefault((micro, direction), []).append((layer, a, end))
+    return passes, canon, places
+
+
+# the longest period, in layers, tried: IPG buckets that span a few layers repeat every few layers
+MAX_PERIOD_LAYERS = 8
+
+
+def _layer_gaps(passes, canon) -> list[Gap]:
+    """Layers [g0, g1) dropped from every micro-step's forward and backward (the same layers, so
+    activations stay paired), `p` at a time, for the shortest period p that drops any. Forward: the
+    window is the chunk before g0 after SETTLING_BLOCKS periodic chunks, and the chunk after the gap
+    is periodic too; backward (layers descending): the window is the chunk from g1, likewise."""
+    micros = sorted({m for m, d in passes if d in "fb"})
+    if not micros or any((m, d) not in passes for m in micros for d in "fb"):
+        return []
+    s = SETTLING_BLOCKS
+    for p in range(1, MAX_PERIOD_LAYERS + 1):
+        for phase in range(p):
+            lo, hi = -1 << 30, 1 << 30
+            chunks = {}
+            for m in micros:
+                for d in "fb":
+                    chunks[(m, d)] = _chunks(passes[(m, d)], p, phase, d == "b")
+                    run = _run(chunks[(m, d)], canon, p, d == "b")
+                    if run is None:
+                        break
+                    if d == "f":
+                        lo, hi = max(lo, run[0] + (s + 1) * p), min(hi, run[1] - p + 1)
+                    else:
+                        lo, hi = max(lo, run[0] + p), min(hi, run[1] - (s + 1) * p + 1)
+                else:
+                    continue
+                break
+            else:
+                g0 = lo + (phase - lo) % p
+                g1 = hi - (hi - phase) % p
+                if g1 - g0 >= p:
+                    return [_gap(chunks[(m, d)], m, d, g0, g1, p) for m in micros for d in "fb"]
+    return []
+
+
+def _gap(chunks, m: int, d: str, g0: int, g1: int, p: int) -> Gap:
+    at = {low: (a, end) for low, a, end in chunks}
+    window, first = (at[g0 - p], at[g0][0]) if d == "f" else (at[g1], at[g1 - p][0])
+    what = "forward" if d == "f" else "backward"
+    name = f"{what} of layers {g0 - p}-{g0 - 1}" if d == "f" else f"{what} of layers {g1 + p - 1}-{g1}"
+    return Gap(f"{name}, micro-step {m}", (m, d), first, (g1 - g0) // p, window[1] - window[0], window, p)
 
 
 def _gaps(schedule: Schedule, wl: Workload, sites) -> tuple[list[Gap], _Places]:
-    """The blocks to drop: layers [g0, g1) of every micro-step's forward and backward (the
-    same layers, so activations stay paired), and of the post-step gathers."""
-    runs, places = _runs(schedule, wl, sites)
-    micros = sorted({m for m, d in runs if d in "fb"})
-    if not micros or any((m, d) not in runs for m in micros for d in "fb"):
-        return [], places
+    """The blocks to drop: the layers of every micro-step's forward and backward, and of the
+    post-step gathers (one layer at a time)."""
+    passes, canon, places = _passes(schedule, wl, sites)
+    gaps = _layer_gaps(passes, canon)
     s = SETTLING_BLOCKS
-    # forward: the window is layer g0 - 1, after `s` periodic blocks; the block after the gap periodic too
-    # backward (layers descending): the window is layer g1, after `s` periodic blocks; the block after, g0 - 1
-    g0 = max(max(runs[(m, "f")][0][0] + s + 1, runs[(m, "b")][-1][0] + 1) for m in micros)
-    g1 = min(min(runs[(m, "f")][-1][0], runs[(m, "b")][0][0] - s) for m in micros)
-    gaps = []
-    if g1 - g0 >= 1:
-        for m in micros:
-            for d in "fb":
-                by_layer = {layer: (a, end) for layer, a, end in runs[(m, d)]}
-                window = by_layer[g0 - 1] if d == "f" else by_layer[g1]
-                first = by_layer[g0][0] if d == "f" else by_layer[g1 - 1][0]
-                name = f"{'forward' if d == 'f' else 'backward'} of layer {g0 - 1 if d == 'f' else g1}, micro-step {m}"
-                gaps.append(Gap(name, (m, d), first, g1 - g0, window[1] - window[0], window))
-    for (m, d), run in runs.items():
-        if d == "s" and len(run) > s + 2:
-            window = run[s]
-            gaps.append(Gap(f"post-step gathers of layer {window[0]}", (m, d), window[2], len(run) - s - 2,
-                             window[2] - window[1], (window[1], window[2])))
+    for (m, d), blocks in passes.items():
+        run = _run(blocks, canon, 1, False) if d == "s" else None
+        if run is not None and run[1] - run[0] + 1 > s + 2:
+            at = {layer: (a, end) for layer, a, end in blocks}
+            window = at[run[0] + s]
+            gaps.append(Gap(f"post-step gathers of layer {run[0] + s}", (m, d), window[1], run[1] - run[0] - s - 1,
+                            window[1] - window[0], window))
     return sorted(gaps, key=lambda g: g.first), places
 
 

@@ -42,6 +42,7 @@ class LayerWindow:
     end_s: float
     ops: frozenset[int]
     delta_bytes: tuple[tuple[str, float], ...]
+    layers: int = 1             # layers per copy
 
     @property
     def skipped_s(self) -> float:
@@ -114,8 +115,10 @@ class LayerRepeat:
         return peak, peak_t, {str(k): v for k, v in sorted(peak_cat.items()) if v > 0.5}
 
     def marks(self, op: Op) -> dict:
-        n = self.weight(op)
-        return {"repeated_layers": n} if n > 1 else {}
+        for w in self.windows:
+            if op.id in w.ops:
+                return {"repeated_layers": w.copies, **({"layers_per_copy": w.layers} if w.layers > 1 else {})}
+        return {}
 
     def spans(self) -> tuple[tuple[str, float, float, float, int], ...]:
         return tuple((w.name, self.shift_s(w.start_s) + w.end_s - w.start_s, w.skipped_s, w.period_s, w.copies)
@@ -187,7 +190,7 @@ def _window(gap: Gap, schedule: Schedule, new_id: dict[int, int], timings, event
     for _, d, cat, _ in ev_window:
         delta[cat] = delta.get(cat, 0.0) + d
     return LayerWindow(gap.name, gap.count + 1, period, lo, hi, frozenset(op.id for op in window),
-                       tuple(sorted(delta.items())))
+                       tuple(sorted(delta.items())), gap.layers)
 
 
 
