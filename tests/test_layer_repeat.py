@@ -20,18 +20,18 @@ LAYER_SIZED = {"training.micro_batch_size": 4, "training.seq_len": 1024, "model.
                f"{ZERO}.reduce_bucket_size": 1_000_000, f"{ZERO}.stage3_prefetch_bucket_size": 5_000_000,
                f"{ZERO}.stage3_max_reuse_distance": 1_000_000, f"{ZERO}.stage3_max_live_parameters": 30_000_000}
 MODELS = {
-    "gpt-24": {"model.layers": 24, "model.hidden": 1024, "model.heads": 16, **LAYER_SIZED},
-    "llama-20": {"model.layers": 20, "model.hidden": 768, "model.heads": 12, "model.glu": True,
+    "gpt-32": {"model.layers": 32, "model.hidden": 1024, "model.heads": 16, **LAYER_SIZED},
+    "llama-28": {"model.layers": 28, "model.hidden": 768, "model.heads": 12, "model.glu": True,
                  "model.norm": "rmsnorm", "model.position": "rope", "model.bias": False, "model.fused_qkv": False,
                  "model.tied_embeddings": True, **LAYER_SIZED},
 }
 # where the detector finds no one-layer period, or the shortened step's window does not repeat,
 # every op is simulated (checked exact like the rest): ZeRO-1 without overlap_comm walks every
 # layer's gradients at the boundary (reduce_gradients); with cpu_checkpointing the forward's window
-# does not run one period after the block before it (its checkpoint copies have not settled); llama-20's q/k/v/o are smaller than
+# does not run one period after the block before it (its checkpoint copies have not settled); llama-28's q/k/v/o are smaller than
 # a bucket, so the bucket boundaries do not fall at the same place in every layer
-NOT_REUSED = {("gpt-24", "stage1"), ("gpt-24", "stage1-selective"), ("gpt-24", "stage2-full-cpu-checkpointing"),
-              *(("llama-20", name) for name in VARIANTS if name.startswith(("stage1", "stage2"))
+NOT_REUSED = {("gpt-32", "stage1"), ("gpt-32", "stage1-selective"), ("gpt-32", "stage2-full-cpu-checkpointing"),
+              *(("llama-28", name) for name in VARIANTS if name.startswith(("stage1", "stage2"))
                 if name != "stage1-bf16-optimizer")}
 
 
@@ -73,7 +73,7 @@ def test_layers_reused_inside_a_repeated_micro_step(name):
     """Past the shortened step's micro-steps, steady.py's micro-step repeat and the layer repeat
     nest: still the full simulation's result."""
     for gas in (7, 9):
-        sc = scenario(**VARIANTS[name], **MODELS["gpt-24"], **{"training.gradient_accumulation_steps": gas})
+        sc = scenario(**VARIANTS[name], **MODELS["gpt-32"], **{"training.gradient_accumulation_steps": gas})
         reused, trace = run_scenario(sc)
         full, _ = run_scenario(sc, steady=False)
         _equal_results(reused, full)
@@ -84,7 +84,7 @@ def test_layers_reused_inside_a_repeated_micro_step(name):
 def test_the_trace_shows_the_simulated_layers_and_marks_the_repeated_ones():
     from zsim.report.writers import chrome_trace
     from zsim.units import GiB
-    sc = scenario(**VARIANTS["stage3"], **MODELS["gpt-24"])
+    sc = scenario(**VARIANTS["stage3"], **MODELS["gpt-32"])
     result, trace = run_scenario(sc)
     windows = trace.repeat.windows
     events = chrome_trace(trace, "t")["traceEvents"]
@@ -104,7 +104,7 @@ def test_the_trace_shows_the_simulated_layers_and_marks_the_repeated_ones():
 def test_the_forward_keeps_growing_through_the_copies_not_simulated():
     """Without checkpointing every forward block keeps its activations: the peak, at the end of
     the forward, holds every layer's, though the simulation ran a few of them."""
-    sc = scenario(**VARIANTS["stage3"], **MODELS["gpt-24"])
+    sc = scenario(**VARIANTS["stage3"], **MODELS["gpt-32"])
     _, trace = run_scenario(sc)
     forward = [w for w in trace.repeat.windows if w.name.startswith("forward")]
     assert forward and dict(forward[0].delta_bytes)["activations"] > 0
@@ -116,7 +116,7 @@ def test_the_forward_keeps_growing_through_the_copies_not_simulated():
 def test_buckets_that_span_layers_repeat_every_few_layers(name):
     """An IPG bucket of about 1.6 layers' gradients flushes at the same place every 3 layers:
     3 layers make one copy."""
-    model = {**MODELS["gpt-24"], "model.layers": 40, f"{ZERO}.reduce_bucket_size": 20_000_000}
+    model = {**MODELS["gpt-32"], "model.layers": 48, f"{ZERO}.reduce_bucket_size": 20_000_000}
     for gas in (1, 2):
         sc = scenario(**VARIANTS[name], **model, **{"training.gradient_accumulation_steps": gas})
         reused, trace = run_scenario(sc)

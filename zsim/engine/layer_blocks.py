@@ -15,8 +15,8 @@ from zsim.schedule.ir import Op, Phase, Schedule
 from zsim.schedule.payloads import Copy, ModulePass
 from zsim.workload.module import Workload
 
-# periodic blocks simulated before a window: the two whose periods are compared, and one that
-# may still be settling from the blocks before the run
+# periodic blocks simulated before a window: the three periods compared (layer_repeat._window)
+# end with it, and one more that may still be settling from the blocks before the run
 SETTLING_BLOCKS = 3
 
 

@@ -27,8 +27,8 @@ from zsim.engine.sim import Repeat, Trace, run_ops
 from zsim.schedule.ir import Op, Schedule
 from zsim.workload.module import Workload
 
+# two periods agree when every op's start and end agree to this fraction of the step (steady.py's)
 _REL_TOL = 1e-12
-
 
 
 @dataclass(frozen=True)
@@ -73,9 +73,10 @@ class LayerRepeat:
         return tuple(out) + ((lo, float("inf"), 1),)
 
     def _expanded(self, events, shift=None):
-        """Yield (time_s on the full step's clock, bytes in use, bytes per category, is-a-copy's-peak)
-        at each event of the full step that can hold its peak: every simulated event with the
-        copies' memory added, and a growing window's maximum in its last copy."""
+        """Yield (time_s on the full step's clock, bytes in use, bytes per category) at each event
+        of the full step that can hold its peak: every simulated event with the memory of the
+        copies before it added, and a growing window's first maximum in its last copy (each copy
+        is the one before plus the same bytes, so the last copy's maximum is the highest)."""
         shift = shift or self.shift_s
         current, per_cat = 0.0, {}
         i, n = 0, len(events)
@@ -145,7 +146,10 @@ def _apply(current, per_cat, event):
 
 
 def _window(gap: Gap, schedule: Schedule, new_id: dict[int, int], timings, events, tol: float) -> LayerWindow | None:
-    """The gap's window when the simulated window block and the two before it ran one period apart."""
+    """The gap's window [lo, hi) when the simulated step ran its last three periods alike: the ops
+    that start in each period are the ops of the period before, each starting and ending exactly
+    one period later, nothing older is still running when a period opens, the ledger sees the
+    same events; and the window is as long as a period (the block after the gap opens on time)."""
     a, end = gap.window
     length = gap.length
 
@@ -160,27 +164,30 @@ def _window(gap: Gap, schedule: Schedule, new_id: dict[int, int], timings, event
     period = lo - prev
     if period <= 0 or abs(prev - prev2 - period) > tol or abs(hi - lo - period) > tol:
         return None
-    earlier, window = [], []
+    # the periods open `tol` early: an op of the block that opens one starts there up to rounding
+    lo, hi = lo - tol, hi - tol
+    periods: list[list] = [[], [], []]      # the ops that start in each of the last three periods
     for op in schedule.ops:
         _, start, stop = timings[op.id]
-        if lo - period <= start < lo:
-            earlier.append(op)
-        elif lo <= start < hi:
-            window.append(op)
-        elif start < lo - period and stop > lo:
-            return None     # still running from before: the window's state would differ
-    if len(window) != length or len(earlier) != length:
-        return None
+        if lo - 2 * period <= start < hi:
+            periods[0 if start < lo - period else 1 if start < lo else 2].append(op)
+        elif start < lo - 2 * period and stop > lo - period + 2 * tol:
+            return None     # still running from before: the periods' states would differ
+        if lo - 2 * period <= start < lo - period and stop > lo + 2 * tol:
+            return None
 
     def order(op):
         return op.stream, timings[op.id].start_s, op.id
-    earlier.sort(key=order)
-    window.sort(key=order)
-    for x, y in zip(earlier, window):
-        tx, ty = timings[x.id], timings[y.id]
-        if (x.kind is not y.kind or x.stream != y.stream or op_shape(x) != op_shape(y)
-                or abs(ty.start_s - tx.start_s - period) > tol or abs(ty.end_s - tx.end_s - period) > tol):
+    for ops in periods:
+        if len(ops) != length:
             return None
+        ops.sort(key=order)
+    for earlier, later in zip(periods, periods[1:]):
+        for x, y in zip(earlier, later):
+            tx, ty = timings[x.id], timings[y.id]
+            if (x.kind is not y.kind or x.stream != y.stream or op_shape(x) != op_shape(y)
+                    or abs(ty.start_s - tx.start_s - period) > tol or abs(ty.end_s - tx.end_s - period) > tol):
+                return None
     ev_earlier = [e for e in events if lo - period <= e[0] < lo]
     ev_window = [e for e in events if lo <= e[0] < hi]
     if len(ev_earlier) != len(ev_window) or any(
@@ -189,9 +196,8 @@ def _window(gap: Gap, schedule: Schedule, new_id: dict[int, int], timings, event
     delta: dict[str, float] = {}
     for _, d, cat, _ in ev_window:
         delta[cat] = delta.get(cat, 0.0) + d
-    return LayerWindow(gap.name, gap.count + 1, period, lo, hi, frozenset(op.id for op in window),
+    return LayerWindow(gap.name, gap.count + 1, period, lo, hi, frozenset(op.id for op in periods[2]),
                        tuple(sorted(delta.items())), gap.layers)
-
 
 
 def _layer_repeat(short: Schedule, gaps: list[Gap], kept: list[int], timings, events,
