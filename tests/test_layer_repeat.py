@@ -123,3 +123,15 @@ def test_buckets_that_span_layers_repeat_every_few_layers(name):
         full, _ = run_scenario(sc, steady=False)
         _equal_results(reused, full)
         assert {w.layers for w in trace.repeat.windows if not w.name.startswith("post-step")} == {3}
+
+
+@pytest.mark.parametrize("name", ("stage2", "stage1-bf16-optimizer"))
+def test_tensor_parallel_layers_reused(name):
+    """Megatron's per-layer tensor-parallel collectives repeat with their layer."""
+    for gas in (1, 8):
+        sc = scenario(**VARIANTS[name], **MODELS["gpt-32"], **{"parallelism.tensor": 2, "parallelism.sequence_parallel": True,
+                                                               "training.gradient_accumulation_steps": gas})
+        reused, trace = run_scenario(sc)
+        full, _ = run_scenario(sc, steady=False)
+        _equal_results(reused, full)
+        assert isinstance(trace.repeat, LayerRepeat if gas == 1 else LayeredRepeat)
