@@ -60,31 +60,30 @@ def _blocks(schedule: Schedule, wl: Workload) -> list[tuple[tuple, int, int]]:
     return blocks
 
 
-def _tag_key(t):
-    # a Tag's own hash goes through the Enum's Python-level __hash__; its fields hash in C
-    return id(t.buffer), t.micro, t.key, t.phase
-
-
 def _alloc_sites(ops) -> tuple[list, list] | None:
     """For every op, the (op id, alloc index) each tag of its `free_before` and `free` releases
-    (the latest allocation of the tag in program order); None when a free names no live buffer."""
+    (the latest allocation of the tag in program order); None when a free names no live buffer.
+    A tag is keyed by its fields: its own hash goes through the Enum's Python-level __hash__."""
     live: dict = {}
     before: list = [()] * len(ops)
     after: list = [()] * len(ops)
     pop = live.pop
     for op in ops:
         if op.free_before:
-            keys = [_tag_key(t) for t in op.free_before]
+            keys = [(id(t.buffer), t.micro, t.key, t.phase) for t in op.free_before]
             if any(k not in live for k in keys):
                 return None
             before[op.id] = tuple(pop(k) for k in keys)
-        for i, a in enumerate(op.alloc):
-            k = _tag_key(a.tag)
-            if k in live:
-                return None
-            live[k] = (op.id, i)
+        if op.alloc:
+            x = op.id
+            for i, a in enumerate(op.alloc):
+                t = a.tag
+                k = (id(t.buffer), t.micro, t.key, t.phase)
+                if k in live:
+                    return None
+                live[k] = (x, i)
         if op.free:
-            keys = [_tag_key(t) for t in op.free]
+            keys = [(id(t.buffer), t.micro, t.key, t.phase) for t in op.free]
             if any(k not in live for k in keys):
                 return None
             after[op.id] = tuple(pop(k) for k in keys)
@@ -123,19 +122,24 @@ def _canon(ops, sites, places: _Places) -> list:
     key, pos = places.key, places.pos
     out: list = [None] * len(ops)
     for op in ops:
-        k = key[op.id]
+        x = op.id
+        k = key[x]
         if k is None or k[2] < 0:
             continue
         shift = k[2] * _SPAN
         refs = [(pos[d] - shift) if pos[d] is not None else (d,) for d in op.deps]
-        for r, i in before[op.id]:
-            refs += ((pos[r] - shift) if pos[r] is not None else (r,), i)
-        refs.append(-1 << 62)     # frees after: apart from frees before
-        for r, i in after[op.id]:
-            refs += ((pos[r] - shift) if pos[r] is not None else (r,), i)
-        out[op.id] = (op.kind, op.stream, op.phase, op.micro_step, op.stage, op.hook_visits, op.grad_hooks,
-                      op_shape(op), [(a.category, a.size_bytes) for a in op.alloc] if op.alloc else None,
-                      len(op.deps), refs)
+        refs.append(len(refs))
+        for r, i in before[x]:
+            refs.append((pos[r] - shift) if pos[r] is not None else (r,))
+            refs.append(i)
+        refs.append(-1)     # frees after: apart from frees before
+        for r, i in after[x]:
+            refs.append((pos[r] - shift) if pos[r] is not None else (r,))
+            refs.append(i)
+        p = op.payload
+        shape = getattr(p, "comm", None) or getattr(p, "work", None) or op_shape(op)
+        out[x] = (op.kind, op.stream, op.phase, op.micro_step, op.stage, op.hook_visits, op.grad_hooks, shape,
+                  [(a.category, a.size_bytes) for a in op.alloc] if op.alloc else None, refs)
     return out
 
 
@@ -266,15 +270,19 @@ def compress(schedule: Schedule, wl: Workload) -> tuple[Schedule, list[Gap], lis
     if not gaps:
         return None
     ops = schedule.ops
-    target = list(range(len(ops)))      # a dropped op stands for its copy in the last kept blocks
-    gap_of = [-1] * len(ops)
+    n = len(ops)
+    target = list(range(n))      # a dropped op stands for its copy in the last kept blocks
+    gap_of = [-1] * n
+    kept: list[int] = []
+    start = 0
     for i, g in enumerate(gaps):
         span = g.count * g.length
-        for x in range(g.first, g.first + span):
-            target[x] = x - span
-            gap_of[x] = i
-    kept = [x for x in range(len(ops)) if target[x] == x]
-    new_id = [-1] * len(ops)
+        target[g.first:g.first + span] = range(g.first - span, g.first)
+        gap_of[g.first:g.first + span] = [i] * span
+        kept += range(start, g.first)
+        start = g.first + span
+    kept += range(start, n)
+    new_id = [-1] * n
     for i, x in enumerate(kept):
         new_id[x] = i
     before, after = sites
