@@ -79,11 +79,23 @@ def test_layers_reused_inside_a_repeated_micro_step(name):
         _equal_results(reused, full)
         assert isinstance(trace.repeat, LayeredRepeat)
         assert reused.events == full.events
+        _trace_on_the_full_clock(reused, trace)
+
+
+def _trace_on_the_full_clock(result, trace):
+    """The trace's last op ends with the step and its memory track reaches the peak."""
+    from zsim.report.writers import chrome_trace
+    from zsim.units import GiB
+    events = chrome_trace(trace, "t")["traceEvents"]
+    ops = [e for e in events if e["ph"] == "X" and e["cat"] != "steady state"]
+    assert max(e["ts"] + e["dur"] for e in ops) == pytest.approx(result.step_time_s * 1e6, abs=1e-2)
+    reserved = result.memory.breakdown["CUDA context + allocator reserve"]
+    top = max(e["args"]["GiB"] for e in events if e["ph"] == "C")
+    assert top == pytest.approx((result.memory.peak_bytes - reserved) / GiB, abs=1e-5)
 
 
 def test_the_trace_shows_the_simulated_layers_and_marks_the_repeated_ones():
     from zsim.report.writers import chrome_trace
-    from zsim.units import GiB
     sc = scenario(**VARIANTS["stage3"], **MODELS["gpt-32"])
     result, trace = run_scenario(sc)
     windows = trace.repeat.windows
@@ -94,11 +106,7 @@ def test_the_trace_shows_the_simulated_layers_and_marks_the_repeated_ones():
     assert {e["args"]["repeated_layers"] for e in marked} == {w.copies for w in windows}
     skipped = [e for e in events if e.get("cat") == "steady state"]
     assert [e["dur"] for e in skipped] == pytest.approx([w.skipped_s * 1e6 for w in windows], abs=1e-3)
-    # on the full step's clock: the last op ends with the step, and the memory track reaches the peak
-    assert max(e["ts"] + e["dur"] for e in ops) == pytest.approx(result.step_time_s * 1e6, abs=1e-2)
-    reserved = result.memory.breakdown["CUDA context + allocator reserve"]
-    top = max(e["args"]["GiB"] for e in events if e["ph"] == "C")
-    assert top == pytest.approx((result.memory.peak_bytes - reserved) / GiB, abs=1e-5)
+    _trace_on_the_full_clock(result, trace)
 
 
 def test_the_forward_keeps_growing_through_the_copies_not_simulated():
