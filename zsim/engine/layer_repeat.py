@@ -19,6 +19,7 @@ any order. Anything else simulates every op. Under steady.py's micro-step repeat
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 
 from zsim.engine.layer_blocks import Gap, compress, op_shape
@@ -145,7 +146,21 @@ def _apply(current, per_cat, event):
 # -- the shortened step simulated ---------------------------------------------------------------
 
 
-def _window(gap: Gap, schedule: Schedule, new_id: dict[int, int], timings, events, tol: float) -> LayerWindow | None:
+class _Clock:
+    """The simulated step's ops in order of their start (and the latest end of the ops before
+    each), and its ledger's event times (in time order already), for the windows' look-ups."""
+
+    def __init__(self, timings, events):
+        self.by_start = sorted(range(len(timings)), key=lambda i: timings[i].start_s)
+        self.starts = [timings[i].start_s for i in self.by_start]
+        self.latest_end = [float("-inf")]
+        for i in self.by_start:
+            self.latest_end.append(max(self.latest_end[-1], timings[i].end_s))
+        self.event_times = [e[0] for e in events]
+
+
+def _window(gap: Gap, schedule: Schedule, new_id: dict[int, int], timings, events, tol: float,
+            clock: _Clock) -> LayerWindow | None:
     """The gap's window [lo, hi) when the simulated step ran its last three periods alike: the ops
     that start in each period are the ops of the period before, each starting and ending exactly
     one period later, nothing older is still running when a period opens, the ledger sees the
@@ -166,15 +181,19 @@ def _window(gap: Gap, schedule: Schedule, new_id: dict[int, int], timings, event
         return None
     # the periods open `tol` early: an op of the block that opens one starts there up to rounding
     lo, hi = lo - tol, hi - tol
+    i0, i1 = bisect_left(clock.starts, lo - 2 * period), bisect_left(clock.starts, hi)
+    if clock.latest_end[i0] > lo - period + 2 * tol:
+        return None     # still running from before: the periods' states would differ
     periods: list[list] = [[], [], []]      # the ops that start in each of the last three periods
-    for op in schedule.ops:
-        _, start, stop = timings[op.id]
-        if lo - 2 * period <= start < hi:
-            periods[0 if start < lo - period else 1 if start < lo else 2].append(op)
-        elif start < lo - 2 * period and stop > lo - period + 2 * tol:
-            return None     # still running from before: the periods' states would differ
-        if lo - 2 * period <= start < lo - period and stop > lo + 2 * tol:
-            return None
+    ops = schedule.ops
+    for x in clock.by_start[i0:i1]:
+        _, start, stop = timings[x]
+        if start < lo - period:
+            if stop > lo + 2 * tol:
+                return None
+            periods[0].append(ops[x])
+        else:
+            periods[1 if start < lo else 2].append(ops[x])
 
     def order(op):
         return op.stream, timings[op.id].start_s, op.id
@@ -188,8 +207,8 @@ def _window(gap: Gap, schedule: Schedule, new_id: dict[int, int], timings, event
             if (x.kind is not y.kind or x.stream != y.stream or op_shape(x) != op_shape(y)
                     or abs(ty.start_s - tx.start_s - period) > tol or abs(ty.end_s - tx.end_s - period) > tol):
                 return None
-    ev_earlier = [e for e in events if lo - period <= e[0] < lo]
-    ev_window = [e for e in events if lo <= e[0] < hi]
+    j0, j1, j2 = (bisect_left(clock.event_times, t) for t in (lo - period, lo, hi))
+    ev_earlier, ev_window = events[j0:j1], events[j1:j2]
     if len(ev_earlier) != len(ev_window) or any(
             x[1] != y[1] or x[2] != y[2] or abs(y[0] - x[0] - period) > tol for x, y in zip(ev_earlier, ev_window)):
         return None
@@ -207,8 +226,9 @@ def _layer_repeat(short: Schedule, gaps: list[Gap], kept: list[int], timings, ev
     new_id = {x: i for i, x in enumerate(kept)}
     tol = _REL_TOL * max(max(t.end_s for t in timings), 1.0)
     windows = []
+    clock = _Clock(timings, events)
     for gap in gaps:
-        w = _window(gap, short, new_id, timings, events, tol)
+        w = _window(gap, short, new_id, timings, events, tol, clock)
         if w is None:
             return None
         windows.append(w)
