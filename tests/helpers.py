@@ -41,7 +41,8 @@ def model_states_held(sc) -> float:
     and their partition is dropped after the step, as DeepSpeed does; see [Note: ZeRO-1/2 gradient lifetime])."""
     from zsim.api import run_scenario
 
-    _, trace = run_scenario(sc)
+    # every op simulated: a reused layer's copies are not in the trace's events (zsim/engine/layer_repeat.py)
+    _, trace = run_scenario(sc, steady=False)
     live = peak = 0.0
     for _, delta, category, _ in trace.ledger_events:
         if category in MODEL_STATES:

@@ -22,15 +22,18 @@ time window stands for how many copies of itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import simpy
 from simpy.events import Event
 
-from zsim.engine.ledger import Ledger, peak_and_breakdown
+from zsim.engine.ledger import Ledger, peak_and_breakdown, timeline
 from zsim.hardware.cost_model import COMM_LINKS, COMPUTE, CostModel
 from zsim.hardware.placement import base_link, link_rank
 from zsim.schedule.ir import Op, Schedule, Stream, STREAMS, Tag
+
+if TYPE_CHECKING:   # layer_repeat.py builds on this module
+    from zsim.engine.layer_repeat import LayeredRepeat, LayerRepeat
 
 _EPS_S = 1e-15
 
@@ -77,6 +80,32 @@ class Repeat:
         """How many ops of the full step this simulated op stands for."""
         return self.copies if op.id in self.ops else 1
 
+    # what summarize and the trace writer ask of a repeat (layer_repeat.LayerRepeat answers the same)
+    def segments(self) -> tuple[tuple[float, float, int], ...]:
+        """(start_s, end_s, copies): the simulated time split so that each piece stands for
+        `copies` pieces of the full step (a measure over the step is their weighted sum)."""
+        return ((float("-inf"), self.start_s, 1), (self.start_s, self.end_s, self.copies), (self.end_s, float("inf"), 1))
+
+    def peak_and_breakdown(self, events) -> tuple[float, float, dict[str, float]]:
+        """The full step's peak: the window leaves every category as it found it, so its copies
+        peak where it does."""
+        peak, peak_t, breakdown = peak_and_breakdown(events)
+        return peak, self.shift_s(peak_t), breakdown
+
+    def timeline(self, events) -> list[tuple[float, float]]:
+        return [(self.shift_s(t), used) for t, used in timeline(events)]
+
+    def marks(self, op: Op) -> dict:
+        return {"repeated_micro_steps": self.copies} if op.id in self.ops else {}
+
+    def spans(self) -> tuple[tuple[str, float, float, float, int], ...]:
+        """(what, start_s and length_s on the full step's clock, period_s, copies) of the copies not simulated."""
+        return ((self.name, self.end_s, self.skipped_s, self.period_s, self.copies),)
+
+    def step_ops(self, simulated_ops: int) -> int:
+        """Ops of the full step, from those of the shortened step."""
+        return simulated_ops + (self.copies - 1) * len(self.ops)
+
 
 @dataclass(frozen=True)
 class Trace:
@@ -85,7 +114,7 @@ class Trace:
     ledger_events: tuple[tuple[float, float, str, Tag], ...]   # (time_s, delta_bytes, category, tag)
     step_time_s: float
     events_processed: int              # ops of the full step
-    repeat: Repeat | None = None       # None: every op of the step was simulated
+    repeat: Repeat | LayerRepeat | LayeredRepeat | None = None    # None: every op of the step was simulated
     # a pipeline: each stage's ledger events; ledger_events is the stage with the highest peak
     stage_ledger_events: tuple[tuple[tuple[float, float, str, Tag], ...], ...] = ()
     worst_stage: int = 0

@@ -28,6 +28,7 @@ from __future__ import annotations
 import gc
 from contextlib import contextmanager
 
+from zsim.engine.layer_repeat import nest, run_layers, simulate_layers
 from zsim.engine.sim import Repeat, Trace, run_ops, simulate, worst_stage
 from zsim.schedule.build import build_schedule
 from zsim.schedule.ir import OpKind, Schedule
@@ -75,21 +76,27 @@ def _simulate(sc: Scenario, steady: bool) -> tuple[Workload, Trace]:
         if gas <= micro_steps or spent > gas:
             break
         wl, reduced = build_schedule(sc, wl, micro_steps=micro_steps)
-        timings, ledgers = run_ops(reduced, sc.cluster, sc.precision)
+        # each micro-step's identical layers simulated once (layer_repeat.py)
+        simulated, timings, ledgers, layers = (run_layers(reduced, wl, sc.cluster, sc.precision) if not pipeline
+                                               else (reduced, *run_ops(reduced, sc.cluster, sc.precision), None))
         events = tuple(ledger.events() for ledger in ledgers)
         if pipeline:
-            repeat = find_pipeline_repeat(reduced, timings, events, micro_steps, gas, stride)
+            repeat = find_pipeline_repeat(simulated, timings, events, micro_steps, gas, stride)
         else:
-            repeat = find_repeat(reduced, timings, events, micro_steps, gas)
+            repeat = find_repeat(simulated, timings, events, micro_steps, gas)
+        if repeat is not None and layers is not None:
+            repeat = nest(repeat, layers)
         if repeat is not None:
             end = repeat.shift_s(max(t.end_s for t in timings))
-            ops = len(reduced.ops) + (repeat.copies - 1) * len(repeat.ops)
+            ops = repeat.step_ops(len(reduced.ops))
             if not pipeline:
-                return wl, Trace(reduced, tuple(timings), events[0], end, ops, repeat)
+                return wl, Trace(simulated, tuple(timings), events[0], end, ops, repeat)
             worst = worst_stage(events)
             return wl, Trace(reduced, tuple(timings), events[worst], end, ops, repeat,
                              stage_ledger_events=events, worst_stage=worst)
     wl, schedule = build_schedule(sc, wl)
+    if steady and not pipeline:   # the step's identical layers, simulated once (layer_repeat.py)
+        return wl, simulate_layers(schedule, wl, sc.cluster, sc.precision)
     return wl, simulate(schedule, sc.cluster, sc.precision)
 
 

@@ -121,8 +121,8 @@ def chrome_trace(trace: Trace, name: str) -> dict:
         comm = op.comm
         if comm is not None:
             args.update(collective=comm.collective.value, numel=comm.numel, bytes=comm.size_bytes)
-        if repeat is not None and op.id in repeat.ops:
-            args["repeated_micro_steps"] = repeat.copies
+        if repeat is not None:
+            args.update(repeat.marks(op))
         start, end = shift(t.start_s), shift(t.end_s)
         events.append({"ph": "X", "pid": op.stage + 1, "tid": tids[op.stream], "name": op.name,
                        "cat": "comm" if comm is not None else op.phase.value,
@@ -130,14 +130,17 @@ def chrome_trace(trace: Trace, name: str) -> dict:
     if repeat is not None:
         tid = len(STREAMS) + 1
         events.append({"ph": "M", "pid": 1, "tid": tid, "name": "thread_name", "args": {"name": "steady state"}})
-        events.append({"ph": "X", "pid": 1, "tid": tid, "cat": "steady state",
-                       "name": f"{repeat.name} repeated {repeat.copies - 1} more times (not simulated)",
-                       "ts": round(repeat.end_s * 1e6, 3), "dur": round(repeat.skipped_s * 1e6, 3),
-                       "args": {"period_s": repeat.period_s, "copies": repeat.copies}})
+        for what, start_s, length_s, period_s, copies in repeat.spans():
+            events.append({"ph": "X", "pid": 1, "tid": tid, "cat": "steady state",
+                           "name": f"{what} repeated {copies - 1} more times (not simulated)",
+                           "ts": round(start_s * 1e6, 3), "dur": round(length_s * 1e6, 3),
+                           "args": {"period_s": period_s, "copies": copies}})
     for stage, ledger_events in enumerate(trace.stage_ledger_events or (trace.ledger_events,)):
-        for time_s, used_bytes in timeline(ledger_events):
+        # a repeated layer keeps its activations: the memory of the copies not simulated is added
+        points = timeline(ledger_events) if repeat is None else repeat.timeline(ledger_events)
+        for time_s, used_bytes in points:
             events.append({"ph": "C", "pid": stage + 1, "tid": 0, "name": "memory allocated",
-                           "ts": round(shift(time_s) * 1e6, 3), "args": {"GiB": round(used_bytes / GiB, 6)}})
+                           "ts": round(time_s * 1e6, 3), "args": {"GiB": round(used_bytes / GiB, 6)}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 

@@ -162,7 +162,7 @@ def _windows(trace: Trace) -> tuple[tuple[float, float, int], ...]:
     r = trace.repeat
     if r is None:
         return ((float("-inf"), float("inf"), 1),)
-    return ((float("-inf"), r.start_s, 1), (r.start_s, r.end_s, r.copies), (r.end_s, float("inf"), 1))
+    return r.segments()
 
 
 def _clip(intervals, lo: float, hi: float) -> list[tuple[float, float]]:
@@ -188,10 +188,9 @@ def _host_memory(sc: Scenario, trace: Trace) -> HostMemory:
 
 def _memory(sc: Scenario, trace: Trace) -> Memory:
     cl = sc.cluster
-    # a repeated window leaves every category as it found it, so its copies peak where it does
-    peak_alloc, peak_t, breakdown = peak_and_breakdown(trace.ledger_events)
-    if trace.repeat is not None:
-        peak_t = trace.repeat.shift_s(peak_t)
+    # on the full step's clock, the copies not simulated included
+    peak_alloc, peak_t, breakdown = (peak_and_breakdown(trace.ledger_events) if trace.repeat is None
+                                     else trace.repeat.peak_and_breakdown(trace.ledger_events))
     reserved = cl.reserved_bytes
     peak = peak_alloc + reserved
     breakdown = dict(breakdown)

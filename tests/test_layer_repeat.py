@@ -1,0 +1,145 @@
+"""Identical layers reused (zsim/engine/layer_repeat.py) give the result of simulating every op:
+step time to 1e-9, peak memory and its breakdown exactly, collective counts and bytes exactly,
+for every ZeRO stage, offload and checkpointing variant at GAS 1..4 and a few models."""
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import scenario
+from tests.test_steady import VARIANTS, _same
+from zsim.api import run_scenario
+from zsim.engine.layer_repeat import LayeredRepeat, LayerRepeat
+from zsim.engine.ledger import timeline
+
+ZERO = "deepspeed.zero_optimization"
+# buckets, prefetch and reuse distance smaller than a layer, as a large model's are next to
+# DeepSpeed's defaults (the tiny model is smaller than the defaults: every param stays gathered),
+# and enough tokens that a layer's compute outlasts its reductions (else they fall further behind
+# every layer and never repeat)
+LAYER_SIZED = {"training.micro_batch_size": 4, "training.seq_len": 1024, "model.seq_len": 1024,
+               f"{ZERO}.reduce_bucket_size": 1_000_000, f"{ZERO}.stage3_prefetch_bucket_size": 5_000_000,
+               f"{ZERO}.stage3_max_reuse_distance": 1_000_000, f"{ZERO}.stage3_max_live_parameters": 30_000_000}
+MODELS = {
+    "gpt-32": {"model.layers": 32, "model.hidden": 1024, "model.heads": 16, **LAYER_SIZED},
+    "llama-28": {"model.layers": 28, "model.hidden": 768, "model.heads": 12, "model.glu": True,
+                 "model.norm": "rmsnorm", "model.position": "rope", "model.bias": False, "model.fused_qkv": False,
+                 "model.tied_embeddings": True, **LAYER_SIZED},
+}
+# where the detector finds no one-layer period, or the shortened step's window does not repeat,
+# every op is simulated (checked exact like the rest): ZeRO-1 without overlap_comm walks every
+# layer's gradients at the boundary (reduce_gradients); with cpu_checkpointing the forward's window
+# does not run one period after the block before it (its checkpoint copies have not settled); llama-28's q/k/v/o are smaller than
+# a bucket, so the bucket boundaries do not fall at the same place in every layer
+NOT_REUSED = {("gpt-32", "stage1"), ("gpt-32", "stage1-selective"), ("gpt-32", "stage2-full-cpu-checkpointing"),
+              *(("llama-28", name) for name in VARIANTS if name.startswith(("stage1", "stage2"))
+                if name != "stage1-bf16-optimizer")}
+
+
+def _equal_results(steady, full):
+    _same(steady, full)
+    a, b = steady.to_dict(), full.to_dict()
+    for key in ("events", "comm", "memory", "step_time_s", "compute_time_s", "hfu", "host_time_s"):
+        a.pop(key), b.pop(key)
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], float):
+            assert a[key] == pytest.approx(b[key], rel=1e-9), key
+        else:
+            assert a[key] == b[key], key
+    assert steady.memory.peak_time_s == pytest.approx(full.memory.peak_time_s, rel=1e-9, abs=1e-12)
+    assert steady.comm.algorithms == full.comm.algorithms
+    assert steady.comm.time_s.keys() == full.comm.time_s.keys()
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_layers_reused_equal_full_simulation(name, model):
+    for gas in range(1, 5):
+        sc = scenario(**VARIANTS[name], **MODELS[model], **{"training.gradient_accumulation_steps": gas})
+        reused, trace = run_scenario(sc)
+        full, full_trace = run_scenario(sc, steady=False)
+        assert full_trace.repeat is None
+        _equal_results(reused, full)
+        if (model, name) not in NOT_REUSED:
+            assert isinstance(trace.repeat, LayerRepeat), f"GAS {gas}: layers not reused"
+            assert len(trace.schedule.ops) < len(full_trace.schedule.ops)
+
+
+NESTED = ("stage0", "stage2", "stage2-offload-cpu", "stage3", "stage3-full", "stage3-offload-nvme")
+
+
+@pytest.mark.parametrize("name", NESTED)
+def test_layers_reused_inside_a_repeated_micro_step(name):
+    """Past the shortened step's micro-steps, steady.py's micro-step repeat and the layer repeat
+    nest: still the full simulation's result."""
+    for gas in (7, 9):
+        sc = scenario(**VARIANTS[name], **MODELS["gpt-32"], **{"training.gradient_accumulation_steps": gas})
+        reused, trace = run_scenario(sc)
+        full, _ = run_scenario(sc, steady=False)
+        _equal_results(reused, full)
+        assert isinstance(trace.repeat, LayeredRepeat)
+        assert reused.events == full.events
+        _trace_on_the_full_clock(reused, trace)
+
+
+def _trace_on_the_full_clock(result, trace):
+    """The trace's last op ends with the step and its memory track reaches the peak."""
+    from zsim.report.writers import chrome_trace
+    from zsim.units import GiB
+    events = chrome_trace(trace, "t")["traceEvents"]
+    ops = [e for e in events if e["ph"] == "X" and e["cat"] != "steady state"]
+    assert max(e["ts"] + e["dur"] for e in ops) == pytest.approx(result.step_time_s * 1e6, abs=1e-2)
+    reserved = result.memory.breakdown["CUDA context + allocator reserve"]
+    top = max(e["args"]["GiB"] for e in events if e["ph"] == "C")
+    assert top == pytest.approx((result.memory.peak_bytes - reserved) / GiB, abs=1e-5)
+
+
+def test_the_trace_shows_the_simulated_layers_and_marks_the_repeated_ones():
+    from zsim.report.writers import chrome_trace
+    sc = scenario(**VARIANTS["stage3"], **MODELS["gpt-32"])
+    result, trace = run_scenario(sc)
+    windows = trace.repeat.windows
+    events = chrome_trace(trace, "t")["traceEvents"]
+    ops = [e for e in events if e["ph"] == "X" and e["cat"] != "steady state"]
+    marked = [e for e in ops if "repeated_layers" in e["args"]]
+    assert len(marked) == sum(len(w.ops) for w in windows)
+    assert {e["args"]["repeated_layers"] for e in marked} == {w.copies for w in windows}
+    skipped = [e for e in events if e.get("cat") == "steady state"]
+    assert [e["dur"] for e in skipped] == pytest.approx([w.skipped_s * 1e6 for w in windows], abs=1e-3)
+    _trace_on_the_full_clock(result, trace)
+
+
+def test_the_forward_keeps_growing_through_the_copies_not_simulated():
+    """Without checkpointing every forward block keeps its activations: the peak, at the end of
+    the forward, holds every layer's, though the simulation ran a few of them."""
+    sc = scenario(**VARIANTS["stage3"], **MODELS["gpt-32"])
+    _, trace = run_scenario(sc)
+    forward = [w for w in trace.repeat.windows if w.name.startswith("forward")]
+    assert forward and dict(forward[0].delta_bytes)["activations"] > 0
+    simulated_top = max(used for _, used in timeline(trace.ledger_events))
+    assert trace.repeat.peak_and_breakdown(trace.ledger_events)[0] > simulated_top
+
+
+@pytest.mark.parametrize("name", ("stage3", "stage3-full"))
+def test_buckets_that_span_layers_repeat_every_few_layers(name):
+    """An IPG bucket of about 1.6 layers' gradients flushes at the same place every 3 layers:
+    3 layers make one copy."""
+    model = {**MODELS["gpt-32"], "model.layers": 48, f"{ZERO}.reduce_bucket_size": 20_000_000}
+    for gas in (1, 2):
+        sc = scenario(**VARIANTS[name], **model, **{"training.gradient_accumulation_steps": gas})
+        reused, trace = run_scenario(sc)
+        full, _ = run_scenario(sc, steady=False)
+        _equal_results(reused, full)
+        assert {w.layers for w in trace.repeat.windows if not w.name.startswith("post-step")} == {3}
+
+
+@pytest.mark.parametrize("name", ("stage2", "stage1-bf16-optimizer"))
+def test_tensor_parallel_layers_reused(name):
+    """Megatron's per-layer tensor-parallel collectives repeat with their layer."""
+    for gas in (1, 8):
+        sc = scenario(**VARIANTS[name], **MODELS["gpt-32"], **{"parallelism.tensor": 2, "parallelism.sequence_parallel": True,
+                                                               "training.gradient_accumulation_steps": gas})
+        reused, trace = run_scenario(sc)
+        full, _ = run_scenario(sc, steady=False)
+        _equal_results(reused, full)
+        assert isinstance(trace.repeat, LayerRepeat if gas == 1 else LayeredRepeat)

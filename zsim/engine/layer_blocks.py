@@ -1,0 +1,315 @@
+"""The schedule's transformer blocks, for layer_repeat.py: which ops are the same ops one layer on,
+and the schedule without the blocks in the middle of each run of identical blocks.
+
+A module's compute op anchors the block of its layer; the ops between anchors (gathers,
+reductions, copies) belong to the next anchor's block. Block k+1 is block k one layer on when
+every op has the same shape (what CostModel.op_cost prices and summarize counts: the call, the
+work, the copy, the hooks before it, the sizes it allocates), on the same stream, and waits on
+and frees allocations of the same ops of blocks as many layers away (`_canon`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from zsim.schedule.ir import Op, Phase, Schedule
+from zsim.schedule.payloads import Copy, ModulePass
+from zsim.workload.module import Workload
+
+# periodic blocks simulated before a window: the three periods compared (layer_repeat._window)
+# end with it, and one more that may still be settling from the blocks before the run
+SETTLING_BLOCKS = 3
+
+
+def op_shape(op: Op):
+    """What the engine prices and summarize counts of an op's payload (CostModel.op_cost's key)."""
+    p = op.payload
+    shape = getattr(p, "comm", None) or getattr(p, "work", None)
+    if shape is None:
+        shape = (p.transfer, p.size_bytes, p.pinned) if isinstance(p, Copy) else p
+    return shape
+
+
+def _blocks(schedule: Schedule, wl: Workload) -> list[tuple[tuple, int, int]]:
+    """((micro, direction, layer), first op id, end op id) in program order. A module's compute op
+    anchors the block of its layer ("f" forward, "b" recompute and backward), a post-step gather
+    the block of its param's layer ("s"); the ops between anchors (gathers, reductions, copies)
+    belong to the next anchor's block."""
+    module_layer = {m.name: m.layer for m in wl.modules}
+    param_layer: dict[int, int] = {}
+    for m in wl.modules:
+        for p in m.params:
+            param_layer.setdefault(p, m.layer)
+    blocks: list[tuple[tuple, int, int]] = []
+    key, start, end = None, 0, 0
+    for op in schedule.ops:
+        p = op.payload
+        if isinstance(p, ModulePass):
+            k = (op.micro_step, "f" if op.phase == Phase.FORWARD else "b", module_layer.get(p.module, -3))
+        elif op.phase == Phase.STEP and getattr(p, "pids", ()):
+            k = (op.micro_step, "s", param_layer.get(p.pids[0], -3))
+        else:
+            continue
+        if k != key:
+            if key is not None:
+                blocks.append((key, start, end))
+                start = end
+            key = k
+        end = op.id + 1
+    if key is not None:
+        blocks.append((key, start, len(schedule.ops)))
+    return blocks
+
+
+def _alloc_sites(ops) -> tuple[list, list] | None:
+    """For every op, the (op id, alloc index) each tag of its `free_before` and `free` releases
+    (the latest allocation of the tag in program order); None when a free names no live buffer.
+    A tag is keyed by its fields: its own hash goes through the Enum's Python-level __hash__."""
+    live: dict = {}
+    before: list = [()] * len(ops)
+    after: list = [()] * len(ops)
+    pop = live.pop
+    for op in ops:
+        if op.free_before:
+            keys = [(id(t.buffer), t.micro, t.key, t.phase) for t in op.free_before]
+            if any(k not in live for k in keys):
+                return None
+            before[op.id] = tuple(pop(k) for k in keys)
+        if op.alloc:
+            x = op.id
+            for i, a in enumerate(op.alloc):
+                t = a.tag
+                k = (id(t.buffer), t.micro, t.key, t.phase)
+                if k in live:
+                    return None
+                live[k] = (x, i)
+        if op.free:
+            keys = [(id(t.buffer), t.micro, t.key, t.phase) for t in op.free]
+            if any(k not in live for k in keys):
+                return None
+            after[op.id] = tuple(pop(k) for k in keys)
+    return before, after
+
+
+class _Places:
+    """Where each op sits: its block's (micro-step, direction, layer) and its offset in the block,
+    and a number per op (`pos`) from which `_canon` reads both in one subtraction: block k's op
+    at offset j of a pass's layer L is (pass * _SPAN + L) * _SPAN + j."""
+
+    def __init__(self, n_ops: int, blocks):
+        self.key: list = [None] * n_ops
+        self.pos: list = [None] * n_ops
+        passes: dict = {}
+        for key, a, end in blocks:
+            if key[2] < 0:
+                for x in range(a, end):
+                    self.key[x] = key
+                continue
+            base = (passes.setdefault(key[:2], len(passes)) * _SPAN + key[2]) * _SPAN
+            for x in range(a, end):
+                self.key[x], self.pos[x] = key, base + x - a
+
+
+# more than any layer count and any block's ops
+_SPAN = 1 << 20
+
+
+def _canon(ops, sites, places: _Places) -> list:
+    """Per op of a layer block, what must be equal for it to be the same op one layer on: its
+    shape, and each op it waits on or frees an allocation of, as the same op of a block as many
+    layers away in the same pass (pos minus the layer's), or the very same op outside the
+    layers (its id). None elsewhere."""
+    before, after = sites
+    key, pos = places.key, places.pos
+    out: list = [None] * len(ops)
+    for op in ops:
+        x = op.id
+        k = key[x]
+        if k is None or k[2] < 0:
+            continue
+        shift = k[2] * _SPAN
+        refs = [(pos[d] - shift) if pos[d] is not None else (d,) for d in op.deps]
+        refs.append(len(refs))
+        for r, i in before[x]:
+            refs.append((pos[r] - shift) if pos[r] is not None else (r,))
+            refs.append(i)
+        refs.append(-1)     # frees after: apart from frees before
+        for r, i in after[x]:
+            refs.append((pos[r] - shift) if pos[r] is not None else (r,))
+            refs.append(i)
+        p = op.payload
+        shape = getattr(p, "comm", None) or getattr(p, "work", None) or op_shape(op)
+        out[x] = (op.kind, op.stream, op.phase, op.micro_step, op.stage, op.hook_visits, op.grad_hooks, shape,
+                  [(a.category, a.size_bytes) for a in op.alloc] if op.alloc else None, refs)
+    return out
+
+
+@dataclass(frozen=True)
+class Gap:
+    """Blocks [first, first + count * length) of the full schedule dropped, each a copy of the
+    block `length` ops before it; `window` is the (first, end) of the last block kept before."""
+    name: str
+    region: tuple[int, str]     # (micro-step, direction) of its blocks
+    first: int
+    count: int
+    length: int
+    window: tuple[int, int]
+    layers: int = 1             # layers per copy (the period of their IPG buckets)
+
+
+def _chunks(blocks, p: int, phase: int, descending: bool) -> list[tuple[int, int, int]]:
+    """A pass's layer blocks, `p` layers at a time: (lowest layer, first op, end op) of each chunk
+    of layers [s, s + p) with s = phase mod p, in the pass's order (its blocks are consecutive)."""
+    by_layer = {layer: (a, end) for layer, a, end in blocks}
+    out = []
+    for s in sorted({layer - (layer - phase) % p for layer in by_layer}, reverse=descending):
+        layers = range(s, s + p)
+        if all(x in by_layer for x in layers):
+            spans = [by_layer[x] for x in layers]
+            out.append((s, min(a for a, _ in spans), max(end for _, end in spans)))
+    return out
+
+
+def _run(chunks, canon, p: int, descending: bool) -> tuple[int, int] | None:
+    """[lowest, highest] layer of the longest run of consecutive chunks each the one before, p layers on."""
+    best, start = None, 0
+    for i in range(len(chunks) + 1):
+        same = (0 < i < len(chunks) and chunks[i][0] == chunks[i - 1][0] + (-p if descending else p)
+                and chunks[i][2] - chunks[i][1] == chunks[i - 1][2] - chunks[i - 1][1]
+                and canon[chunks[i][1]:chunks[i][2]] == canon[chunks[i - 1][1]:chunks[i - 1][2]])
+        if not same and i > 0:
+            if i - start > 1 and (best is None or i - start > best[0]):
+                layers = [chunks[j][0] for j in range(start, i)]
+                best = (i - start, min(layers), max(layers) + p - 1)
+            start = i
+    return None if best is None else best[1:]
+
+
+def _passes(schedule: Schedule, wl: Workload, sites):
+    """Each pass's (micro-step, direction) layer blocks in order, the canonical ops, where every op sits."""
+    blocks = _blocks(schedule, wl)
+    places = _Places(len(schedule.ops), blocks)
+    canon = _canon(schedule.ops, sites, places)
+    passes: dict[tuple[int, str], list] = {}
+    for (micro, direction, layer), a, end in blocks:
+        if layer >= 0:
+            passes.setdefault((micro, direction), []).append((layer, a, end))
+    return passes, canon, places
+
+
+# the longest period, in layers, tried: IPG buckets that span a few layers repeat every few layers
+MAX_PERIOD_LAYERS = 8
+
+
+def _layer_gaps(passes, canon) -> list[Gap]:
+    """Layers [g0, g1) dropped from every micro-step's forward and backward (the same layers, so
+    activations stay paired), `p` at a time, for the shortest period p that drops any. Forward: the
+    window is the chunk before g0 after SETTLING_BLOCKS periodic chunks, and the chunk after the gap
+    is periodic too; backward (layers descending): the window is the chunk from g1, likewise."""
+    micros = sorted({m for m, d in passes if d in "fb"})
+    if not micros or any((m, d) not in passes for m in micros for d in "fb"):
+        return []
+    s = SETTLING_BLOCKS
+    for p in range(1, MAX_PERIOD_LAYERS + 1):
+        for phase in range(p):
+            lo, hi = -1 << 30, 1 << 30
+            chunks = {}
+            for m in micros:
+                for d in "fb":
+                    chunks[(m, d)] = _chunks(passes[(m, d)], p, phase, d == "b")
+                    run = _run(chunks[(m, d)], canon, p, d == "b")
+                    if run is None:
+                        break
+                    if d == "f":
+                        lo, hi = max(lo, run[0] + (s + 1) * p), min(hi, run[1] - p + 1)
+                    else:
+                        lo, hi = max(lo, run[0] + p), min(hi, run[1] - (s + 1) * p + 1)
+                else:
+                    continue
+                break
+            else:
+                g0 = lo + (phase - lo) % p
+                g1 = hi - (hi - phase) % p
+                if g1 - g0 >= p:
+                    return [_gap(chunks[(m, d)], m, d, g0, g1, p) for m in micros for d in "fb"]
+    return []
+
+
+def _gap(chunks, m: int, d: str, g0: int, g1: int, p: int) -> Gap:
+    at = {low: (a, end) for low, a, end in chunks}
+    window, first = (at[g0 - p], at[g0][0]) if d == "f" else (at[g1], at[g1 - p][0])
+    what = "forward" if d == "f" else "backward"
+    name = f"{what} of layers {g0 - p}-{g0 - 1}" if d == "f" else f"{what} of layers {g1 + p - 1}-{g1}"
+    return Gap(f"{name}, micro-step {m}", (m, d), first, (g1 - g0) // p, window[1] - window[0], window, p)
+
+
+def _gaps(schedule: Schedule, wl: Workload, sites) -> tuple[list[Gap], _Places]:
+    """The blocks to drop: the layers of every micro-step's forward and backward, and of the
+    post-step gathers (one layer at a time)."""
+    passes, canon, places = _passes(schedule, wl, sites)
+    gaps = _layer_gaps(passes, canon)
+    s = SETTLING_BLOCKS
+    for (m, d), blocks in passes.items():
+        run = _run(blocks, canon, 1, False) if d == "s" else None
+        if run is not None and run[1] - run[0] + 1 > s + 2:
+            at = {layer: (a, end) for layer, a, end in blocks}
+            window = at[run[0] + s]
+            gaps.append(Gap(f"post-step gathers of layer {run[0] + s}", (m, d), window[1], run[1] - run[0] - s - 1,
+                            window[1] - window[0], window))
+    return sorted(gaps, key=lambda g: g.first), places
+
+
+def compress(schedule: Schedule, wl: Workload) -> tuple[Schedule, list[Gap], list[int]] | None:
+    """The schedule without its gaps' blocks, each kept op renumbered, or None when nothing
+    repeats. Also the gaps and, per kept op, its id in the full schedule."""
+    if schedule.pipeline is not None:
+        return None
+    sites = _alloc_sites(schedule.ops)
+    if sites is None:
+        return None
+    gaps, places = _gaps(schedule, wl, sites)
+    if not gaps:
+        return None
+    ops = schedule.ops
+    n = len(ops)
+    target = list(range(n))      # a dropped op stands for its copy in the last kept blocks
+    gap_of = [-1] * n
+    kept: list[int] = []
+    start = 0
+    for i, g in enumerate(gaps):
+        span = g.count * g.length
+        target[g.first:g.first + span] = range(g.first - span, g.first)
+        gap_of[g.first:g.first + span] = [i] * span
+        kept += range(start, g.first)
+        start = g.first + span
+    kept += range(start, n)
+    new_id = [-1] * n
+    for i, x in enumerate(kept):
+        new_id[x] = i
+    before, after = sites
+    out = []
+    for i, x in enumerate(kept):
+        op = ops[x]
+        # a dropped op stands for its copy only within its own pass: a kept op of another pass
+        # that refers to it (the backward below the gap to a forward block in it) would not fit
+        refs = list(op.deps) + [s[0] for s in before[x]] + [s[0] for s in after[x]]
+        if any(gap_of[r] >= 0 and not _stands_in(gaps[gap_of[r]], r, places.key[x][:2]) for r in refs):
+            return None
+        deps = tuple(sorted({new_id[target[d]] for d in op.deps}))
+        if any(d < 0 for d in deps):
+            return None
+        free = tuple(ops[target[s[0]]].alloc[s[1]].tag for s in after[x])
+        free_before = tuple(ops[target[s[0]]].alloc[s[1]].tag for s in before[x])
+        out.append(Op(i, op.kind, op.stream, op.phase, op.micro_step, op.payload, deps, op.alloc, free,
+                      op.hook_visits, op.grad_hooks, op.stage, free_before))
+    return replace(schedule, ops=tuple(out)), gaps, kept
+
+
+def _stands_in(gap: Gap, r: int, region: tuple[int, str]) -> bool:
+    """A kept op of `region` may refer to dropped op r: r's copy is in the blocks kept before
+    the gap, the window and the settling blocks checked with it, and the referring op is of the
+    gap's own pass (a kept op of another pass, e.g. the backward below the gap referring to a
+    forward block in it, would have to name a different copy)."""
+    end = gap.first + gap.count * gap.length
+    return gap.region == region and r >= end - (SETTLING_BLOCKS + 1) * gap.length
+
+
