@@ -335,7 +335,7 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60) -
             workloads[key] = point_workload(base_sc, c)
         return workloads[key]
 
-    terms: dict = {}    # (workload, checkpointing) -> workload_terms: the bound's costly part
+    terms: dict = {}    # (workload, checkpointing) -> workload_terms, computed once for the candidates sharing them
     for c in structural_candidates(base_sc):
         wl = workload(c)
         if (id(wl), c.checkpointing) not in terms:
