@@ -257,3 +257,52 @@ def test_tune_searches_pipeline_layouts_and_writes_their_stage_count():
     cfg, notes = tuned_ds_config({}, flat.scenario(()), base.scenario(winner.assignments()), list(KNOBS))
     assert cfg["pipeline"] == {"stages": 2}
     assert any("num_stages=2" in n for n in notes)
+
+
+def test_points_keeping_the_same_parameters_gathered_share_one_simulation_exactly():
+    """tune's structural_key: stage-3 persistence thresholds that keep the same parameters
+    gathered build the same schedule, so tune simulates one of them; every point of a shared
+    group, simulated on its own, gives the same Result and JSON, and different groups differ."""
+    from dataclasses import replace
+
+    from zsim.search.tune import point_workload, structural_candidates, structural_key
+    raw = mapping(**{"deepspeed.zero_optimization.stage": 3, "training.micro_batch_size": 4})
+    sc = Base(raw, ROOT, "p").scenario(())
+    sample = [c for c in structural_candidates(sc) if c.stage == 3 and c.layout.model_parallel == 1][::4][:3]
+    assert sample
+    for c in sample:
+        groups: dict = {}
+        wl = point_workload(sc, c)
+        for t in (0, 1e3, 1e4, 1e5, 1e6, 1e9):
+            p = replace(c, knobs={"stage3_param_persistence_threshold": t})
+            groups.setdefault(structural_key(sc, p, wl), []).append(p)
+        assert 1 < len(groups) < 6
+        firsts = []
+        for group in groups.values():
+            fresh = [Base(raw, ROOT, "p").run(p.variant).result for p in group]   # no cache shared
+            assert all(r == fresh[0] and r.to_dict() == fresh[0].to_dict() for r in fresh)
+            firsts.append(fresh[0])
+        assert len({json.dumps(r.to_dict(), sort_keys=True) for r in firsts}) == len(firsts)
+
+
+def test_tune_reports_shared_simulations(tmp_path, scen):
+    out = tmp_path / "t.json"
+    assert main(["tune", str(scen), "--budget", "40", "--json", str(out),
+                 "--set", "deepspeed.zero_optimization.stage=3"]) == 0
+    data = json.loads(out.read_text())
+    assert 0 <= data["shared"] < data["simulated"] <= 40
+
+
+def test_tune_budget_all_evaluates_every_candidate_the_bound_leaves(tmp_path):
+    from zsim.search.tune import structural_candidates
+    raw = mapping(**{"training.micro_batch_size": 2, "hardware.gpus_per_node": 1})
+    base = Base(raw, ROOT, "one")
+    res = tune(base, "tokens_per_s", budget=None)
+    run = {c.key() for c, _ in res.evaluated}
+    cands = structural_candidates(base.scenario(()))
+    assert all((c in res.pruned) != (c.key() in run) for c in cands)
+    assert len(run) > len(cands) - len(res.pruned)   # the knob refinement of the best three too
+    p = tmp_path / "one.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    assert main(["tune", str(p), "--budget", "all", "--top", "1"]) == 0
+    assert main(["tune", str(p), "--budget", "some"]) == 2

@@ -13,7 +13,9 @@ def add_parser(sub):
     p = sub.add_parser("tune", help="search the TP x PP x DP layout, stage, micro-batch, checkpointing, offload and ZeRO knobs")
     add_scenario_args(p, optional=False)
     p.add_argument("--objective", default="tokens_per_s", choices=("tokens_per_s", "mfu", "step_time_s"))
-    p.add_argument("--budget", type=int, default=60, help="most configurations to simulate (default 60)")
+    p.add_argument("--budget", default="60",
+                   help="most configurations to simulate (default 60), or 'all': every candidate the memory "
+                        "lower bound leaves, then the knob refinement")
     p.add_argument("--top", type=int, default=5, help="how many to print")
     p.add_argument("--out", metavar="DS_CONFIG.json", help="write the best configuration as a ds_config.json")
     p.add_argument("--scenario-out", metavar="SCENARIO.yaml",
@@ -24,6 +26,13 @@ def add_parser(sub):
     p.add_argument("--force", action="store_true", help="overwrite an existing --out or --scenario-out file")
     add_headroom_arg(p)
     p.set_defaults(func=main)
+
+
+def _int_or_none(text: str) -> int | None:
+    try:
+        return int(text)
+    except ValueError:
+        return None
 
 
 def distinct(ranked) -> list:
@@ -73,8 +82,9 @@ def main(args) -> int:
     from zsim.search.tune import KNOBS, KNOBS_STAGE3, tune
     from zsim.search.variants import Base
 
-    if args.budget < 1:
-        raise ZsimInputError("--budget", args.budget, "simulate at least 1 configuration")
+    budget = None if args.budget == "all" else _int_or_none(args.budget)
+    if args.budget != "all" and (budget is None or budget < 1):
+        raise ZsimInputError("--budget", args.budget, "give a number of configurations (1 or more) or 'all'")
     if args.top < 0:
         raise ZsimInputError("--top", args.top, "give 0 or more")
     headroom = headroom_fraction(args.headroom)
@@ -84,10 +94,11 @@ def main(args) -> int:
     if args.out and args.scenario_out and Path(args.out).resolve() == Path(args.scenario_out).resolve():
         raise ZsimInputError("--scenario-out", args.scenario_out, "is the --out file; give the scenario its own path")
     base = Base.load(args.scenario, scenario_overrides(args))
-    res = tune(base, args.objective, args.budget)
+    res = tune(base, args.objective, budget)
     res.ranked = distinct(r for r in res.ranked if r[1].fits_with(headroom))
     tune_table(res, args.top)
-    print(f"simulated {res.simulated} configurations ({len(res.pruned)} pruned by the memory lower bound, "
+    print(f"simulated {res.simulated} configurations ({res.shared} of them sharing another's simulation, "
+          f"{len(res.pruned)} pruned by the memory lower bound, "
           f"{res.rejected} rejected as invalid) in {res.wall_s:.1f} s", file=sys.stderr)
     if not res.ranked:
         margin = f" with {headroom:.0%} headroom" if headroom else ""
@@ -122,6 +133,7 @@ def main(args) -> int:
                  "activation_checkpointing": c.checkpointing, "knobs": c.knobs,
                  "tokens_per_s_per_gpu": r.tokens_per_s_per_gpu, "mfu": r.mfu, "step_time_s": r.step_time_s,
                  "peak_bytes": r.memory.peak_bytes} for i, (c, r) in enumerate(res.ranked)]
-        save(args.json, dumps({"objective": res.objective, "simulated": res.simulated, "pruned": len(res.pruned),
+        save(args.json, dumps({"objective": res.objective, "simulated": res.simulated, "shared": res.shared,
+                               "pruned": len(res.pruned),
                                "rejected": res.rejected, "candidates": rows}))
     return 0

@@ -12,14 +12,17 @@ Search (deterministic):
 2. The survivors are simulated, cheapest-looking first (no offload, no recompute, larger
    micro-batches; a pipeline's with GAS >= 4 x PP first), until half the budget is spent,
    round-robin over the layouts (the scenario's own first) so that each gets a fitting try
-   before any gets a second.
+   before any gets a second; with `budget=None` (`zsim tune --budget all`) every survivor.
 3. Knob refinement: for the best fitting structures, coordinate descent over bucket sizes,
    prefetch, persistence threshold, max live parameters and overlap_comm.
+Points whose `structural_key` is equal (ZeRO-3 persistence thresholds that keep the same
+parameters gathered) build the same schedule: one is simulated, the others share its Result.
 A point of the search space is a `TunePoint`; it runs as a `Variant` (a list of `--set`
 assignments) through the shared runner, so every result is re-runnable.
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field, replace
 
@@ -27,6 +30,7 @@ from zsim.report.format import fmt_setting
 from zsim.result import Result
 from zsim.schedule.build import workload_for
 from zsim.schedule.optimizer import model_state_bytes
+from zsim.schedule.partition import persistent_params
 from zsim.workload.lora import apply_training, trainable_params
 from zsim.workload.transformer import build_workload
 from zsim.search.variants import Base, Outcome, Variant
@@ -156,21 +160,23 @@ def memory_lower_bound(sc, wl=None) -> float:
     """Bytes the simulated peak cannot go below (see module doc); `wl`: the scenario's workload
     when already built."""
     z = sc.zero
-    return _lower_bound(wl or workload_for(sc), sc.pipeline_stages, sc.data_parallel_size, z.stage,
-                        z.optimizer_offload_device, z.param_offload_device, sc.precision,
-                        sc.training.activation_checkpointing, sc.cluster.reserved_bytes)
+    return _bound(workload_terms(wl or workload_for(sc), sc.training.activation_checkpointing), sc.pipeline_stages,
+                  sc.data_parallel_size, z.stage, z.optimizer_offload_device, z.param_offload_device, sc.precision,
+                  sc.cluster.reserved_bytes)
 
 
-def point_lower_bound(sc, c: "TunePoint", wl) -> float:
+def point_lower_bound(sc, c: "TunePoint", wl, terms: tuple | None = None) -> float:
     """`memory_lower_bound` of the point `c` of the base scenario `sc`, with `wl` its workload at
     micro-batch 1 from `point_workload` (activation bytes are per sample: they scale with the
     micro-batch): no scenario is loaded or workload built per candidate (that costs more than
-    simulating the survivors)."""
+    simulating the survivors). `terms`: `workload_terms(wl, c.checkpointing)` when already known
+    (candidates sharing a workload and a checkpointing mode share them)."""
     off = OFFLOADS[c.offload]
-    return _lower_bound(wl, c.layout.pipeline, sc.cluster.world_size // c.layout.model_parallel, c.stage,
-                        "none" if "device: none" in off[0] else "offloaded",
-                        "none" if "device: none" in off[1] else "offloaded", sc.precision, c.checkpointing,
-                        sc.cluster.reserved_bytes, c.micro_batch)
+    return _bound(terms or workload_terms(wl, c.checkpointing), c.layout.pipeline,
+                  sc.cluster.world_size // c.layout.model_parallel, c.stage,
+                  "none" if "device: none" in off[0] else "offloaded",
+                  "none" if "device: none" in off[1] else "offloaded", sc.precision,
+                  sc.cluster.reserved_bytes, c.micro_batch)
 
 
 def point_workload(sc, c: "TunePoint"):
@@ -185,12 +191,25 @@ def point_workload(sc, c: "TunePoint"):
     return apply_training(wl, training, zero3_linear=c.stage == 3 and sc.zero.memory_efficient_linear)
 
 
-def _lower_bound(wl, pp: int, dp: int, stage: int, optimizer_offload: str, param_offload: str, precision: str,
-                 mode: str, reserved_bytes: float, act_scale: int = 1) -> float:
+def workload_terms(wl, mode: str) -> tuple[float, float, float]:
+    """(parameters, trained parameters, activation bytes one micro-batch holds at the end of its
+    forward under checkpointing `mode`): the parts of the bound that depend on the workload only."""
+    if mode == "full":
+        acts = wl.layers * wl.layer_input_bytes
+    elif mode == "selective":
+        acts = sum(m.act_bytes - m.act_bytes_s2 for m in wl.modules)
+    else:
+        acts = sum(m.act_bytes for m in wl.modules)
+    return wl.n_params, trainable_params(wl), acts
+
+
+def _bound(terms, pp: int, dp: int, stage: int, optimizer_offload: str, param_offload: str, precision: str,
+           reserved_bytes: float, act_scale: int = 1) -> float:
     # a pipeline: the worst stage holds at least the average stage's share of the model (states
     # and one micro-batch's activations of its layers)
-    n = wl.n_params / pp
-    trained = trainable_params(wl) / pp   # frozen weights have no gradients or optimizer states
+    n_params, trained_params, acts = terms
+    n = n_params / pp
+    trained = trained_params / pp   # frozen weights have no gradients or optimizer states
     states = model_state_bytes(n, n / dp, stage, DTYPE_BYTES[precision], trainable=(trained, trained / dp))
     if optimizer_offload != "none":
         states["optimizer states"] = 0.0
@@ -198,13 +217,21 @@ def _lower_bound(wl, pp: int, dp: int, stage: int, optimizer_offload: str, param
             states["gradients"] = 0.0
     if param_offload != "none":
         states["parameters"] = 0.0
-    if mode == "full":
-        acts = wl.layers * wl.layer_input_bytes
-    elif mode == "selective":
-        acts = sum(m.act_bytes - m.act_bytes_s2 for m in wl.modules)
-    else:
-        acts = sum(m.act_bytes for m in wl.modules)
     return sum(states.values()) + act_scale * acts / pp + reserved_bytes
+
+
+def structural_key(sc, c: TunePoint, wl) -> tuple:
+    """`c.key()` with stage3_param_persistence_threshold replaced by the parameters it keeps
+    gathered (partition.persistent_params on the point's workload `wl`): the one place the builder
+    reads the threshold (zsim/schedule/stage3.py build), and summarize never does, so points with
+    the same key build the same schedule and get the same Result (tests/test_search.py compares
+    them with their own simulations)."""
+    knobs = dict(c.knobs)
+    if c.stage == 3:
+        threshold = knobs.pop("stage3_param_persistence_threshold", sc.zero.param_persistence_threshold)
+        knobs["persistent"] = persistent_params([p.numel for p in wl.params], threshold,
+                                                sc.zero.model_persistence_threshold)
+    return (c.layout, c.stage, c.offload, c.micro_batch, c.gas, c.checkpointing, tuple(sorted(knobs.items())))
 
 
 def _divisors(n: int) -> list[int]:
@@ -253,7 +280,13 @@ class TuneResult:
 
     @property
     def simulated(self) -> int:
+        """Configurations with a result (simulated, or sharing another's simulation)."""
         return sum(out.ok for _, out in self.evaluated)
+
+    @property
+    def shared(self) -> int:
+        """Configurations whose result is another's simulation (see `structural_key`)."""
+        return sum(out.ok and out.shared for _, out in self.evaluated)
 
 
 def score(result: Result, objective: str) -> float:
@@ -262,18 +295,27 @@ def score(result: Result, objective: str) -> float:
     return v if OBJECTIVES[objective] else -v
 
 
-def tune(base: Base, objective: str = "tokens_per_s", budget: int = 60) -> TuneResult:
+def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60) -> TuneResult:
+    """`budget`: the most configurations to evaluate; None evaluates every candidate the bound
+    leaves, then refines the knobs of the best three as always."""
     t0 = time.perf_counter()
+    exhaustive = budget is None
+    budget = sys.maxsize if budget is None else budget
     seen: dict = {}    # point key -> (point, Outcome), in evaluation order
     pruned: list[TunePoint] = []
     rejected = 0
     base_sc = base.scenario(())
     capacity = base_sc.cluster.hbm_capacity_bytes
 
+    by_structure: dict = {}   # structural_key -> Outcome of the first point simulated with it
+
     def evaluate(c: TunePoint) -> Result | None:
         nonlocal rejected
         if c.key() not in seen:
-            out = base.run(c.variant)
+            skey = structural_key(base_sc, c, workload(c))
+            prior = by_structure.get(skey)
+            out = base.run(c.variant) if prior is None else replace(prior, variant=c.variant, shared=True)
+            by_structure.setdefault(skey, out)
             rejected += not out.ok
             seen[c.key()] = (c, out)
         return seen[c.key()][1].result
@@ -286,11 +328,19 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int = 60) -> TuneR
     workloads: dict = {}    # candidates share workloads: the layout and ZeRO-3's linear decide them
     # (checkpointing too where LoRA or frozen weights make the workload depend on it)
     by_mode = base_sc.training.lora is not None or bool(base_sc.training.frozen)
-    for c in structural_candidates(base_sc):
+
+    def workload(c: TunePoint):
         key = (c.layout, c.stage == 3, c.checkpointing if by_mode else None)
         if key not in workloads:
             workloads[key] = point_workload(base_sc, c)
-        if point_lower_bound(base_sc, c, workloads[key]) > capacity:
+        return workloads[key]
+
+    terms: dict = {}    # (workload, checkpointing) -> workload_terms, computed once for the candidates sharing them
+    for c in structural_candidates(base_sc):
+        wl = workload(c)
+        if (id(wl), c.checkpointing) not in terms:
+            terms[id(wl), c.checkpointing] = workload_terms(wl, c.checkpointing)
+        if point_lower_bound(base_sc, c, wl, terms[id(wl), c.checkpointing]) > capacity:
             pruned.append(c)
         else:
             survivors.append(c)
@@ -305,7 +355,7 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int = 60) -> TuneR
     fitted: list[Layout] = []
 
     def spent() -> bool:
-        return len(seen) >= budget or (len(seen) >= max(1, budget // 2) and bool(fitted))
+        return not exhaustive and (len(seen) >= budget or (len(seen) >= max(1, budget // 2) and bool(fitted)))
 
     own = own_layout(base_sc)
     for layout, queue in queues.items():
@@ -322,7 +372,7 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int = 60) -> TuneR
     for c in survivors:
         if spent():
             break
-        if c.layout in best or not fitted:
+        if c.layout in best or not fitted or exhaustive:
             evaluate(c)
             if c.key() in seen and seen[c.key()][1].fits and c.layout not in fitted:
                 fitted.append(c.layout)

@@ -37,6 +37,7 @@ class Outcome:
     result: Result | None
     error: str = ""
     note: str = ""      # batch keys re-derived for the variant (zsim.config.derive), if any
+    shared: bool = False   # the result is another variant's simulation (the same resolved scenario)
 
     @property
     def ok(self) -> bool:
@@ -101,10 +102,10 @@ class Base:
                     if not note:
                         raise
                     scenario = self.scenario(assignments)
-            sc = scenario
-            key = repr(sc)
-            if key not in self._results:
-                self._results[key] = self.simulate(scenario=sc)[1]
+            key = repr(scenario)
+            shared = key in self._results
+            if not shared:
+                self._results[key] = self.simulate(scenario=scenario)[1]
         except ZsimInputError as err:
             return Outcome(variant, None, str(err), note)
-        return Outcome(variant, self._results[key], note=note)
+        return Outcome(variant, self._results[key], note=note, shared=shared)
