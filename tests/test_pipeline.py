@@ -325,6 +325,39 @@ def test_calls_are_deepspeed_pipeline_engines(case):
     assert stages_seen == {0, 1}
 
 
+def test_partitioned_sends_are_deepspeed_pipeline_engines():
+    """DeepSpeed 0.19.8's PipelineEngine on a model-parallel grid (calibration/deepspeed_record/
+    pipeline.py --tensor 2: PipeModelDataParallelTopology, PP2 x TP2 at world 4, ZeRO-1, bf16):
+    every send and recv and every PartitionedTensor.full() all-gather over the slice group of the
+    second train_batch, of every rank, in order, is zsim's for that rank's stage (the meta of
+    t + 7 int64, then the part; see [Note: partitioned pipeline sends])."""
+    doc = json.loads((ROOT / "tests/fixtures/pipeline/pp2_tp2_world4.json").read_text())
+    world, t = doc["world_size"], doc["tensor"]
+    raw = {"model": doc["model"], "hardware": {"profile": "dgx-a100-80g", "nodes": 1, "gpus_per_node": world},
+           "training": {"seq_len": doc["model"]["seq_len"]},
+           "parallelism": {"pipeline": doc["stages"], "tensor": t}, "deepspeed": doc["ds_config"]}
+    _, sched = build_schedule(scenario_from_mapping(raw, ROOT))
+    pipe_gathers = ("p2p recv activation", "pipe output", "p2p recv grad")
+    seen = set()
+    for rank in doc["ranks"]:
+        recorded = [(c["op"], c["numel"]) for c in rank["calls"] if c["opt_step"] == 1
+                    and (c["op"] in ("send", "recv") or c["op"] == "all_gather" and c["caller"].endswith(":full"))]
+        ours = []
+        for op in sched.ops:
+            if op.stage != rank["stage"]:
+                continue
+            if op.kind in _P2P:
+                ours.append((_P2P[op.kind], int(op.payload.size_bytes) // (8 if op.payload.meta else 2)))
+            elif op.kind == OpKind.TP_ALL_GATHER and op.payload.module in pipe_gathers:
+                assert op.comm.group.size == t
+                ours.append(("all_gather", op.comm.numel))
+        assert recorded == ours, f"stage {rank['stage']}"
+        act = doc["ds_config"]["train_micro_batch_size_per_gpu"] * doc["model"]["seq_len"] * doc["model"]["hidden"]
+        assert {("send", t + 7), ("send", act // t), ("all_gather", act)} <= set(recorded)
+        seen.add((rank["stage"], rank["model_parallel_rank"]))
+    assert seen == {(0, 0), (0, 1), (1, 0), (1, 1)}
+
+
 def test_memory_command_estimates_the_worst_stage(tmp_path):
     from zsim.cli import main as cli_main
 
