@@ -11,7 +11,8 @@ TiedLayerSpec (the model without learned positions, so the tied copy is the word
 alone), which adds ReduceTiedGrads (pp<stages>_world<world>_tied.json). `--tensor T`: a model-parallel
 grid (PipeModelDataParallelTopology, T model-parallel ranks per stage), on which the
 PipelineEngine partitions the tensors it sends between stages over the slice (model-parallel)
-group (pipe_partitioned / grad_partitioned; pp<stages>_tp<T>_world<world>.json). The layers
+group (pipe_partitioned / grad_partitioned; pp<stages>_tp<T>_world<world>.json; `--whole-grads`:
+grad_partitioned false, pp<stages>_tp<T>_world<world>_whole_grads.json). The layers
 are the same plain GPT's, replicated on the T ranks (no Megatron layers: DeepSpeed partitions
 on any model-parallel grid, and the replicas hold the same values, so the gathered tensors are
 whole).
@@ -48,6 +49,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--tied", action="store_true")
     ap.add_argument("--tensor", type=int, default=1, help="model-parallel ranks per stage")
+    ap.add_argument("--whole-grads", action="store_true", help="ds_config pipeline.grad_partitioned false")
     args = ap.parse_args()
     install_recorder()
 
@@ -89,8 +91,20 @@ def main():
             torch.nn.init.normal_(p.data, std=0.02)
         module._synchronize_tied_weights()
     cfg = config(args.stages, world // args.tensor)
+    if args.whole_grads:
+        cfg["pipeline"] = {"grad_partitioned": False}
     opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=opt, config=cfg)
+    if args.whole_grads:
+        # _exec_recv_grads caches the output's meta as outputs[0].to('cpu') and then overwrites
+        # outputs[0].data with the whole output: on a CPU device .to('cpu') is the same tensor, so
+        # the cache turns bf16 and the next from_meta asserts (on a GPU it is a copy). The cache
+        # set beforehand to the same meta, as a copy
+        from deepspeed.runtime.utils import PartitionedTensor
+
+        shape = (MICRO_BATCH, model.seq_len, model.hidden)
+        engine.pipe_partition_grad_meta_cache = PartitionedTensor(
+            torch.zeros(shape), group=engine.grid.get_slice_parallel_group()).to_meta().clone()
     g = torch.Generator().manual_seed(4321 + engine.grid.get_data_parallel_rank())
     batches = [(torch.randint(0, MODEL.vocab, (MICRO_BATCH, MODEL.seq_len), generator=g),
                 torch.randint(0, MODEL.vocab, (MICRO_BATCH, MODEL.seq_len), generator=g))
@@ -114,7 +128,8 @@ def main():
                "ranks": gathered}
         os.makedirs(args.out, exist_ok=True)
         tp = f"_tp{args.tensor}" if args.tensor > 1 else ""
-        path = os.path.join(args.out, f"pp{args.stages}{tp}_world{world}{'_tied' if args.tied else ''}.json")
+        tail = ("_tied" if args.tied else "") + ("_whole_grads" if args.whole_grads else "")
+        path = os.path.join(args.out, f"pp{args.stages}{tp}_world{world}{tail}.json")
         with open(path, "w") as fh:
             json.dump(doc, fh, indent=0, sort_keys=True)
             fh.write("\n")
