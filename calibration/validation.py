@@ -40,14 +40,16 @@ P2P_CALLS = {OpKind.SEND_ACTIVATION: "send", OpKind.SEND_GRAD: "send", OpKind.RE
 
 def stage_calls(schedule: Schedule, stage: int, element_bytes: int) -> list[tuple[str, str, int, int]]:
     """(phase, collective or send/recv, numel, bytes) of one pipeline stage's rank, in issue
-    order; a transfer's numel is its activation (or gradient) elements of `element_bytes` each."""
+    order; a transfer's numel is its activation (or gradient) elements of `element_bytes` each
+    (a PartitionedTensor meta's: int64)."""
     out = []
     for op in schedule.ops:
         if op.stage != stage:
             continue
         if op.kind in P2P_CALLS:
-            size = int(op.payload.size_bytes)
-            out.append((MEASURED_PASS[op.phase], P2P_CALLS[op.kind], size // element_bytes, size))
+            size = int(op.payload.size_bytes)   # DeepSpeed's PartitionedTensor meta is int64
+            out.append((MEASURED_PASS[op.phase], P2P_CALLS[op.kind], size // (8 if op.payload.meta else element_bytes),
+                        size))
         elif op.comm:
             out.append((MEASURED_PASS[op.phase], op.comm.collective.value, int(op.comm.numel), int(op.comm.size_bytes)))
     return out

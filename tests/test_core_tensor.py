@@ -22,14 +22,19 @@ CASES = {   # name: (world, tp, pp, sequence parallel)
     "tp2_sp": (2, 2, 1, True),
     "tp2xdp2": (4, 2, 1, False),
     "pp2xtp2_sp": (4, 2, 2, True),
+    "pp2xtp2": (4, 2, 2, False),
+    "pp2xtp2_whole_grads": (4, 2, 2, False),
 }
+# the ds_config's pipeline block of a case: the activations partitioned, the gradients sent whole
+PIPELINE = {"pp2xtp2_whole_grads": {"grad_partitioned": False}}
 
 
 def raw(name: str, world: int) -> dict:
     return {"name": name, "model": MODEL, "hardware": {"profile": "dgx-a100-80g", "nodes": 1, "gpus_per_node": world},
             "training": {"micro_batch_size": MICRO, "seq_len": SEQ, "precision": "fp32",
                          "gradient_accumulation_steps": GAS},
-            "deepspeed": {"zero_optimization": {"stage": 0}, "gradient_clipping": 0.5}}
+            "deepspeed": {"zero_optimization": {"stage": 0}, "gradient_clipping": 0.5,
+                          **({"pipeline": PIPELINE[name]} if name in PIPELINE else {})}}
 
 
 def run_tensor(tmp_path, name: str, steps: int = 3) -> tuple[dict, object]:
@@ -75,12 +80,22 @@ def test_tensor_parallel_core_matches_unsharded_adamw(case, tmp_path):
     if sp:   # each block: all-gather + reduce-scatter around attention and around the MLP
         assert sum(c[1] == "reduce_scatter" for c in fwd) == 2 * per_layer * GAS
         assert sum(c[1] == "all_gather" for c in fwd) == 2 * per_layer * GAS + (GAS if pp == 1 else 0)
-    else:    # each block: one all-reduce after attention, one after the MLP; the loss's three
+    else:    # each block: one all-reduce after attention, one after the MLP; the loss's three (last stage)
         assert fwd.count(("forward", "all_reduce", act)) == (2 * per_layer + 1) * GAS
-        assert fwd.count(("forward", "all_reduce", MICRO * SEQ)) == 3 * GAS
-    if pp > 1:   # 1F1B between the same TP rank of the two stages: sequence shards with SP
-        shard = act // tp if sp else act
-        assert [c[1:3] for c in calls[0] if c[4] == "pipe"] == [["send", shard], ["recv", shard]] * GAS
+        assert fwd.count(("forward", "all_reduce", MICRO * SEQ)) == (3 * GAS if pp == 1 else 0)
+        last = tp_calls(calls[-1])
+        assert last.count(("forward", "all_reduce", MICRO * SEQ)) == 3 * GAS
+        if pp > 1:   # the last stage all-gathers each received activation; the first stage its
+            # own output and the received gradient in each backward
+            assert last.count(("forward", "all_gather", act)) == GAS
+            assert first.count(("backward", "all_gather", act)) == (1 if case in PIPELINE else 2) * GAS
+    if pp > 1:   # 1F1B between the same TP rank of the two stages: sequence shards with SP; without,
+        # DeepSpeed's PartitionedTensor meta (t + 7 int64) and the rank's 1/t part
+        # (see [Note: partitioned pipeline sends])
+        each = [act // tp] if sp else [tp + 7, act // tp]
+        grads = [act] if case in PIPELINE else each
+        assert [c[1:3] for c in calls[0] if c[4] == "pipe"] == ([["send", n] for n in each]
+                                                                 + [["recv", n] for n in grads]) * GAS
     # the TP ranks of one stage and data-parallel index issue the same calls
     assert tp_calls(calls[0]) == tp_calls(calls[1])
 
@@ -98,8 +113,8 @@ def zsim_calls(sched, stage: int) -> list[tuple]:
         if op.stage != stage:
             continue
         if isinstance(op.payload, PipeTransfer):
-            size = int(op.payload.size_bytes)
-            out.append((ir.MEASURED_PASS[op.phase], pipe[op.kind], size // 4, size))   # fp32 activations
+            size = int(op.payload.size_bytes)   # fp32 activations, an int64 PartitionedTensor meta
+            out.append((ir.MEASURED_PASS[op.phase], pipe[op.kind], size // (8 if op.payload.meta else 4), size))
         elif op.comm is not None and op.comm.group is not None and op.comm.group.kind == ir.Group.TENSOR:
             out.append((ir.MEASURED_PASS[op.phase], op.comm.collective.value, int(op.comm.numel),
                         int(op.comm.size_bytes)))
@@ -111,7 +126,8 @@ def test_tensor_parallel_calls_are_zsims(case, tmp_path):
     """Every stage's TP calls and sends (its first rank's) against zsim's schedule of the same
     scenario: the f/g collectives, the SP column-parallel backward's re-gather, the embedding's
     all-reduce before the learned positions, the cross-entropy's fp32 all-reduces, the one
-    flattened all-reduce of the sequence-parallel gradients, the 1F1B sends of sequence shards."""
+    flattened all-reduce of the sequence-parallel gradients, the 1F1B sends of sequence shards,
+    without SP DeepSpeed's partitioned sends and their all-gathers."""
     pytest.importorskip("torch")
     from zsim.config.scenario import scenario_from_mapping
     from zsim.schedule.build import build_schedule

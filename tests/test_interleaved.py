@@ -131,19 +131,23 @@ def test_interleaving_beats_1f1b_when_the_bubble_dominates():
     # Narayanan et al. SC'21 fig. 12/13: at a small batch the interleaved schedule wins, its bubble
     # (p - 1) / (v m) against (p - 1) / m paying for its v times as many sends. Megatron's
     # batched call sends both ways at once over full-duplex links, and with tensor parallelism each
-    # rank sends its 1/t of the tensor (scatter/gather); zsim charged every rank the whole tensor,
-    # one send after the other on half-duplex links, and had this run 20% slower than 1F1B.
+    # rank sends its 1/t of the tensor (scatter/gather), as DeepSpeed's 1F1B does (pipe_partitioned /
+    # grad_partitioned); zsim charged every rank the whole tensor, one send after the other on
+    # half-duplex links, and had this run 20% slower than 1F1B.
     p, v, m, t = 4, 3, 8, 8
     plain, inter = run_scenario(_tp8(1, m))[0], run_scenario(_tp8(v, m))[0]
-    assert inter.step_time_s < 0.85 * plain.step_time_s
+    assert inter.step_time_s < 0.9 * plain.step_time_s
     assert inter.pipeline.bubble_fraction < 0.5 * plain.pipeline.bubble_fraction
-    # the extra volume is charged: 2 m (p - 1) whole tensors per 1F1B step against 2 v m p - 2 m
-    # pieces of 1/t, each all-gathered over the tensor-parallel group at its receiver (per rank)
+    # the extra volume is charged: 2 m (p - 1) tensors per 1F1B step (each 1/t and DeepSpeed's
+    # PartitionedTensor meta of t + 7 int64) against 2 v m p - 2 m pieces of 1/t, each all-gathered
+    # over the tensor-parallel group at its receiver (per rank)
     act = 2048 * 4096 * 2
-    assert plain.comm.bytes_per_gpu["send_recv"] == pytest.approx(2 * m * (p - 1) / p * act)
+    assert plain.comm.bytes_per_gpu["send_recv"] == pytest.approx(2 * m * (p - 1) / p * (act / t + 8 * (t + 7)))
+    # 1F1B: the received activation in forward, the output and the received gradient in backward
+    assert plain.comm.calls["tp all_gather"] == 3 * m * (p - 1) / p
     assert inter.comm.bytes_per_gpu["send_recv"] == pytest.approx((2 * v * m * p - 2 * m) / p * act / t)
     assert inter.comm.calls["send_recv"] == inter.comm.calls["tp all_gather"] == (2 * v * m * p - 2 * m) / p
-    assert inter.comm.time_s["tp all_gather"] > 0 and "tp all_gather" not in plain.comm.calls
+    assert inter.comm.time_s["tp all_gather"] > 0
 
 
 def test_sequence_parallel_sends_the_sequence_shard_without_a_gather():

@@ -63,6 +63,8 @@ def test_1f1b_micro_batches_in_order():
     ({"deepspeed.pipeline": {"stages": 4}}, "deepspeed.pipeline.stages", "disagrees with parallelism.pipeline"),
     ({"deepspeed.pipeline": {"activation_checkpoint_interval": 2}}, "deepspeed.pipeline.activation_checkpoint_interval",
      "use 0 or 1"),
+    ({"parallelism.tensor": 2, "deepspeed.pipeline": {"pipe_partitioned": False}}, "deepspeed.pipeline.grad_partitioned",
+     "set grad_partitioned false too, or pipe_partitioned true"),
 ])
 def test_refusals(change, field, fix):
     with pytest.raises(ZsimInputError) as err:
@@ -121,6 +123,91 @@ def test_sends_pair_with_recvs_and_tied_grads_are_reduced():
     assert sorted(op.stage for op in tied) == [0, 3]
     assert all(op.comm.group == ProcessGroup(Group.TIED, 2, 3 * sched.pipeline.data_parallel)
                and op.comm.numel == 1024 * 256 for op in tied)
+
+
+def _tp_calls(sched, stage: int) -> list[tuple]:
+    """A stage's sends, recvs and tensor-parallel all-gathers, in order: (kind, micro, bytes)."""
+    keep = (OpKind.SEND_ACTIVATION, OpKind.RECV_ACTIVATION, OpKind.SEND_GRAD, OpKind.RECV_GRAD, OpKind.TP_ALL_GATHER,
+            OpKind.FORWARD, OpKind.BACKWARD)
+    out = []
+    for op in sched.ops:
+        if op.stage == stage and op.kind in keep:
+            size = op.comm.size_bytes if op.kind == OpKind.TP_ALL_GATHER else getattr(op.payload, "size_bytes", 0)
+            entry = (op.kind, op.micro_step, size)
+            if not (out and op.kind in (OpKind.FORWARD, OpKind.BACKWARD) and out[-1] == entry):
+                out.append(entry)   # one entry per pass (its modules' ops)
+    return out
+
+
+def test_tensor_parallel_ranks_send_their_part_and_all_gather_it():
+    """pipe/engine.py with a model-parallel grid (pipe_partitioned / grad_partitioned on by
+    default): each TP rank sends the PartitionedTensor's meta and its 1/t part; ForwardPass
+    all-gathers the received activation (not on the first stage), BackwardPass the stage's own
+    output and then the received gradient (not on the last stage); see
+    [Note: partitioned pipeline sends]."""
+    t, p, gas = 2, 4, 4
+    sc = pipe(p, **{"parallelism.tensor": t, "training.gradient_accumulation_steps": gas})
+    _, sched = build_schedule(sc)
+    act = sc.micro_batch_size * sc.seq_len * 256 * 2
+    part, meta = act / t, 8 * (3 + 4 + t)       # to_meta: ndims, shape (3), num_parts, rank, t + 1 offsets
+    F, B, G = OpKind.FORWARD, OpKind.BACKWARD, OpKind.TP_ALL_GATHER
+    for s in range(p):
+        calls = _tp_calls(sched, s)
+        for m in range(gas):
+            fwd = calls.index((F, m, 0))
+            if s > 0:   # meta, part, then the gather just before the forward
+                assert calls[fwd - 3:fwd] == [(OpKind.RECV_ACTIVATION, m, meta), (OpKind.RECV_ACTIVATION, m, part),
+                                              (G, m, act)]
+            else:
+                assert calls[fwd - 1][0] != G
+            if s < p - 1:   # after the forward: the meta, then the part
+                send = calls.index((OpKind.SEND_ACTIVATION, m, meta))
+                assert send > fwd and calls[send + 1] == (OpKind.SEND_ACTIVATION, m, part)
+            bwd = calls.index((B, m, 0))
+            if s < p - 1:   # its two recvs (RecvGrad), then in BackwardPass the output rebuilt, then the gradient
+                recv = calls.index((OpKind.RECV_GRAD, m, meta))
+                assert calls[recv + 1] == (OpKind.RECV_GRAD, m, part) and recv < bwd - 2
+                assert calls[bwd - 2:bwd] == [(G, m, act), (G, m, act)]
+                assert [op.payload.module for op in sched.ops if op.stage == s and op.kind == G
+                        and op.micro_step == m][-2:] == ["pipe output", "p2p recv grad"]
+            if s > 0:
+                send = calls.index((OpKind.SEND_GRAD, m, meta))
+                assert send > bwd and calls[send + 1] == (OpKind.SEND_GRAD, m, part)
+        gathers = [op for op in sched.ops if op.stage == s and op.kind == G]
+        assert len(gathers) == gas * ((s > 0) + 2 * (s < p - 1))
+        assert all(op.comm.group.kind == Group.TENSOR and op.comm.group.size == t for op in gathers)
+    # a stage keeps only its part of each in-flight output (the output's data is dropped)
+    pipe_out = [a for op in sched.ops if op.stage == 0 for a in op.alloc if a.tag.buffer == Buffer.PIPE_OUTPUT]
+    assert pipe_out and all(a.size_bytes == part for a in pipe_out)
+
+
+def test_partitioned_sends_follow_the_ds_config_keys():
+    t, p, gas = 2, 4, 4
+    keys = {"parallelism.tensor": t, "training.gradient_accumulation_steps": gas}
+    act = 4 * 128 * 256 * 2
+    full = pipe(p, **keys, **{"deepspeed.pipeline": {"pipe_partitioned": False, "grad_partitioned": False}})
+    _, sched = build_schedule(full)
+    assert not [op for op in sched.ops if op.kind == OpKind.TP_ALL_GATHER]
+    assert {op.payload.size_bytes for op in sched.ops if isinstance(op.payload, PipeTransfer)} == {act}
+    # pipe_partitioned only: RecvGrad rebuilds the output, then takes the whole gradient in one recv
+    _, sched = build_schedule(pipe(p, **keys, **{"deepspeed.pipeline": {"grad_partitioned": False}}))
+    calls = _tp_calls(sched, 1)
+    recv = calls.index((OpKind.RECV_GRAD, 0, act))
+    assert calls[recv - 1] == (OpKind.TP_ALL_GATHER, 0, act)
+    assert not [c for c in calls[recv:calls.index((OpKind.BACKWARD, 0, 0))] if c[0] == OpKind.TP_ALL_GATHER]
+    assert [c[2] for c in calls if c[0] == OpKind.SEND_GRAD][:1] == [act]
+    # a stage per node, TP8 inside it: the parts over InfiniBand and the all-gathers over NVLink
+    # cost less than the whole tensor from every rank (on one node a tiny tensor's extra meta
+    # send and gathers cost more than they save: latency)
+    big = {"model.hidden": 2048, "model.heads": 16, "model.seq_len": 1024, "training.seq_len": 1024,
+           "hardware.nodes": 2, "parallelism.tensor": 8, "training.gradient_accumulation_steps": gas}
+    whole = {"deepspeed.pipeline": {"pipe_partitioned": False, "grad_partitioned": False}}
+    assert run_scenario(pipe(2, **big))[0].step_time_s < 0.9 * run_scenario(pipe(2, **big, **whole))[0].step_time_s
+    # with sequence parallelism the tensor is already the rank's shard: sent as it is, whatever the keys
+    _, sched = build_schedule(pipe(p, **keys, **{"parallelism.sequence_parallel": True}))
+    assert not [op for op in sched.ops if op.kind == OpKind.TP_ALL_GATHER
+                and op.payload.module in ("p2p recv activation", "pipe output", "p2p recv grad")]
+    assert {op.payload.size_bytes for op in sched.ops if isinstance(op.payload, PipeTransfer)} == {act / t}
 
 
 def test_stage_i_holds_up_to_p_minus_i_micro_batches():
@@ -236,6 +323,42 @@ def test_calls_are_deepspeed_pipeline_engines(case):
         assert recorded == ours, f"stage {rank['stage']}"
         stages_seen.add(rank["stage"])
     assert stages_seen == {0, 1}
+
+
+@pytest.mark.parametrize("case", ["pp2_tp2_world4", "pp2_tp2_world4_whole_grads"])
+def test_partitioned_sends_are_deepspeed_pipeline_engines(case):
+    """DeepSpeed 0.19.8's PipelineEngine on a model-parallel grid (calibration/deepspeed_record/
+    pipeline.py --tensor 2: PipeModelDataParallelTopology, PP2 x TP2 at world 4, ZeRO-1, bf16;
+    `--whole-grads`: pipeline.grad_partitioned false): every send and recv and every
+    PartitionedTensor.full() all-gather over the slice group of the second train_batch, of every
+    rank, in order, is zsim's for that rank's stage (the meta of t + 7 int64, then the part; see
+    [Note: partitioned pipeline sends])."""
+    doc = json.loads((ROOT / f"tests/fixtures/pipeline/{case}.json").read_text())
+    world, t = doc["world_size"], doc["tensor"]
+    raw = {"model": doc["model"], "hardware": {"profile": "dgx-a100-80g", "nodes": 1, "gpus_per_node": world},
+           "training": {"seq_len": doc["model"]["seq_len"]},
+           "parallelism": {"pipeline": doc["stages"], "tensor": t}, "deepspeed": doc["ds_config"]}
+    _, sched = build_schedule(scenario_from_mapping(raw, ROOT))
+    pipe_gathers = ("p2p recv activation", "pipe output", "p2p recv grad")
+    seen = set()
+    for rank in doc["ranks"]:
+        recorded = [(c["op"], c["numel"]) for c in rank["calls"] if c["opt_step"] == 1
+                    and (c["op"] in ("send", "recv") or c["op"] == "all_gather" and c["caller"].endswith(":full"))]
+        ours = []
+        for op in sched.ops:
+            if op.stage != rank["stage"]:
+                continue
+            if op.kind in _P2P:
+                ours.append((_P2P[op.kind], int(op.payload.size_bytes) // (8 if op.payload.meta else 2)))
+            elif op.kind == OpKind.TP_ALL_GATHER and op.payload.module in pipe_gathers:
+                assert op.comm.group.size == t
+                ours.append(("all_gather", op.comm.numel))
+        assert recorded == ours, f"stage {rank['stage']}"
+        act = doc["ds_config"]["train_micro_batch_size_per_gpu"] * doc["model"]["seq_len"] * doc["model"]["hidden"]
+        assert {t + 7, act // t} <= {n for op, n in recorded if op in ("send", "recv")}
+        assert ("all_gather", act) in recorded
+        seen.add((rank["stage"], rank["model_parallel_rank"]))
+    assert seen == {(0, 0), (0, 1), (1, 0), (1, 1)}
 
 
 def test_memory_command_estimates_the_worst_stage(tmp_path):

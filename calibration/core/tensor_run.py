@@ -10,7 +10,10 @@ pipe, data, model; Megatron's default order too): rank = (stage * dp + dp_rank) 
 The pipeline runs zsim's port of TrainSchedule (zsim/schedule/pipeline.py train_schedule) with
 blocking send/recv of the stage boundary's hidden states (sequence shards under SP) between the
 same tp_rank of neighbouring stages; the blocks split uniformly, the embedding on the first
-stage and the head on the last. After the step's micro-batches (finalize_model_grads): the
+stage and the head on the last. Without SP, as DeepSpeed's PipelineEngine does on a
+model-parallel grid (ds_config pipeline.pipe_partitioned / grad_partitioned, on by default;
+`PipeWire`), each tp_rank sends a PartitionedTensor's meta and its 1/t part, and the TP group
+all-gathers it where it is used (see [Note: partitioned pipeline sends]). After the step's micro-batches (finalize_model_grads): the
 gradients all-reduced over the data-parallel group (summed, then divided by dp: plain DDP, no
 ZeRO), with SP the sequence-parallel parameters' over the TP group in one flattened call, the norm's squares over the
 model-parallel group (TP x PP; a duplicate counted on tp_rank 0 only, as Megatron's
@@ -78,6 +81,48 @@ class _Log:
             self.tp.log.append((self.tp.phase, kind, int(t.numel()), int(t.numel() * t.element_size()), group))
 
 
+class PipeWire:
+    """DeepSpeed 0.19.8's partitioned pipeline tensors (pipe/engine.py, runtime/utils.py
+    PartitionedTensor) over the TP group: `parts` sends the meta (to_meta: ndims, shape,
+    num_parts, rank, partition_uniform's offsets; int64) and this rank's 1/t of the flattened
+    tensor; `full` all-gathers the parts (PartitionedTensor.full()). Activations are partitioned
+    when `acts`, gradients when `grads` (see [Note: partitioned pipeline sends])."""
+
+    def __init__(self, comm, log, sc, sp: bool, dtype):
+        from zsim.schedule.pipe_partition import partition_uniform
+
+        keys, partitioned = sc.deepspeed.pipeline, comm.size > 1 and not sp
+        self.acts, self.grads = partitioned and keys.pipe_partitioned, partitioned and keys.grad_partitioned
+        self.comm, self.log, self.dtype = comm, log, dtype
+        self.shape = (sc.micro_batch_size, sc.seq_len // comm.size if sp else sc.seq_len, sc.model.hidden)
+        numel = self.shape[0] * self.shape[1] * self.shape[2]
+        self.bounds = partition_uniform(numel, comm.size)
+        self.meta = torch.tensor([len(self.shape), *self.shape, comm.size, comm.rank, *self.bounds], dtype=torch.long)
+
+    def parts(self, t: torch.Tensor, partitioned: bool) -> list[torch.Tensor]:
+        if not partitioned:
+            return [t.detach().contiguous()]
+        r = self.comm.rank
+        return [self.meta, t.detach().reshape(-1)[self.bounds[r]:self.bounds[r + 1]].clone()]
+
+    def buffers(self, partitioned: bool) -> list[torch.Tensor]:
+        if not partitioned:
+            return [torch.empty(self.shape, dtype=self.dtype)]
+        r = self.comm.rank
+        return [torch.empty_like(self.meta), torch.empty(self.bounds[r + 1] - self.bounds[r], dtype=self.dtype)]
+
+    def full(self, part: torch.Tensor) -> torch.Tensor:
+        """all_gather_into_tensor over the TP group (gloo: all_gather into the flat tensor's pieces)."""
+        flat = torch.empty(self.bounds[-1], dtype=part.dtype)
+        pieces = [flat[a:b] for a, b in zip(self.bounds, self.bounds[1:])]
+        self.log.call("all_gather", flat, "tensor")
+        gathered = [torch.empty_like(x) for x in pieces]
+        dist.all_gather(gathered, part, group=self.comm.group)
+        for x, g in zip(pieces, gathered):
+            x.copy_(g)
+        return flat.view(self.shape)
+
+
 def train(args, sc, lay: Layout):
     from calibration.core.model import DTYPES, batch
     from calibration.core.tensor import TPComm, TPModel, supported
@@ -101,8 +146,7 @@ def train(args, sc, lay: Layout):
     opt = torch.optim.AdamW(params, lr=float(o.get("lr", 1e-3)), betas=tuple(o.get("betas", (0.9, 0.999))),
                             eps=float(o.get("eps", 1e-8)), weight_decay=float(o.get("weight_decay", 0.01)))
     gas, clip = sc.gradient_accumulation_steps, sc.deepspeed.gradient_clipping
-    seq = sc.seq_len // lay.tp if args.sp else sc.seq_len
-    shape = (sc.micro_batch_size, seq, sc.model.hidden)
+    wire = PipeWire(comm, log, sc, args.sp, dtype)
     prev, nxt = (lay.rank_of(lay.stage + d, lay.dp_rank, lay.tp_rank) for d in (-1, 1))
     if lay.pp == 1:
         program = [(c, m) for m in range(gas) for c in (Cmd.FORWARD, Cmd.BACKWARD)]
@@ -110,9 +154,16 @@ def train(args, sc, lay: Layout):
         program = train_schedule(lay.pp, lay.stage, gas)
     losses = []
 
-    def p2p(fn, kind, t, peer):
-        log.call(kind, t, "pipe")
-        fn(t, peer)
+    def send(tensors, peer):
+        for t in tensors:
+            log.call("send", t, "pipe")
+            dist.send(t, peer)
+
+    def recv(tensors, peer):
+        for t in tensors:
+            log.call("recv", t, "pipe")
+            dist.recv(t, peer)
+        return tensors
 
     for step in range(args.steps):
         comm.log = [] if step == args.steps - 1 else None
@@ -122,6 +173,8 @@ def train(args, sc, lay: Layout):
             comm.phase = "forward" if cmd in (Cmd.FORWARD, Cmd.SEND_ACTIVATION, Cmd.RECV_ACTIVATION) else "backward"
             if cmd == Cmd.FORWARD:
                 ids, labels = batch(sc, step, micro, lay.dp_rank, args.seed)
+                if not first:   # _exec_forward_pass: the received part made whole
+                    s["in"] = (wire.full(s.pop("in_part")) if wire.acts else s["in"]).requires_grad_(True)
                 x = model.embed(ids) if first else s["in"]
                 for i in blocks:
                     x = model.block(i, x)
@@ -129,20 +182,27 @@ def train(args, sc, lay: Layout):
                     loss = model.head_loss(x, labels)
                     losses.append(float(loss.detach()))
                     x = loss / gas
+                elif wire.acts:   # keep the part only: the output's data dropped (engine.py:745-750)
+                    s["out_part"] = wire.parts(x, True)[1]
+                    x.data = torch.zeros(1, dtype=x.dtype)
                 s["out"] = x
             elif cmd == Cmd.BACKWARD:
+                if not last and wire.grads:   # _exec_backward_pass: the output, then the gradient, made whole
+                    s["out"].data = wire.full(s.pop("out_part"))
+                    s["grad"] = wire.full(s.pop("grad_part"))
                 torch.autograd.backward(s.pop("out"), None if last else s.pop("grad"))
             elif cmd == Cmd.SEND_ACTIVATION:
-                p2p(dist.send, "send", s["out"].detach().contiguous(), nxt)
+                send([wire.meta, s["out_part"]] if wire.acts else wire.parts(s["out"], False), nxt)
             elif cmd == Cmd.RECV_ACTIVATION:
-                s["in"] = torch.empty(shape, dtype=dtype)
-                p2p(dist.recv, "recv", s["in"], prev)
-                s["in"].requires_grad_(True)
+                got = recv(wire.buffers(wire.acts), prev)
+                s["in_part" if wire.acts else "in"] = got[-1]
             elif cmd == Cmd.SEND_GRAD:
-                p2p(dist.send, "send", state.pop(micro)["in"].grad.contiguous(), prev)
+                send(wire.parts(state.pop(micro)["in"].grad, wire.grads), prev)
             elif cmd == Cmd.RECV_GRAD:
-                s["grad"] = torch.empty(shape, dtype=dtype)
-                p2p(dist.recv, "recv", s["grad"], nxt)
+                if wire.acts and not wire.grads:   # _exec_recv_grads: the output made whole first
+                    s["out"].data = wire.full(s.pop("out_part"))
+                got = recv(wire.buffers(wire.grads), nxt)
+                s["grad_part" if wire.grads else "grad"] = got[-1]
         _finalize_grads(model, names, lay, clip, log)
         opt.step()
         opt.zero_grad(set_to_none=True)

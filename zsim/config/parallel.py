@@ -120,6 +120,14 @@ def check_parallelism(par: ParallelismSpec, ds: DeepSpeedConfig, training: Train
         raise ZsimInputError("deepspeed.zero_optimization.stage", ds.zero_optimization.stage,
                              "DeepSpeed's PipelineEngine refuses it (ZeRO-2 and ZeRO-3 are incompatible with pipeline "
                              "parallelism, runtime/pipe/engine.py:76); use ZeRO-1 or drop pipeline")
+    if par.pipeline > 1 and par.tensor > 1 and par.pipeline_schedule == "1f1b" and ds.pipeline.grad_partitioned \
+            and not ds.pipeline.pipe_partitioned and not par.sequence_parallel:
+        # pipe/engine.py: the sender then splits the gradient into meta and part
+        # (_exec_send_grads) while the receiver, whose output went whole, posts one recv of the
+        # whole gradient (_exec_recv_grads): the pair does not match
+        raise ZsimInputError("deepspeed.pipeline.grad_partitioned", True,
+                             "DeepSpeed's PipelineEngine cannot receive a partitioned gradient when "
+                             "pipe_partitioned is false; set grad_partitioned false too, or pipe_partitioned true")
     interval = ds.pipeline.activation_checkpoint_interval
     if par.pipeline == 1 or interval == 0:
         return training

@@ -14,8 +14,8 @@ the published SC'21 and Korthikanti et al. runs): after each step a rank posts i
 receives in one batch_isend_irecv, which NCCL runs at once, and waits for all of them; each send
 is a rendezvous with the peer's matching receive and crosses one direction of each rank's
 full-duplex link. With tensor parallelism and no sequence parallelism, each rank sends its 1/t
-of the tensor and the receiver all-gathers it (v2.x-v3.0's scatter_gather_tensors_in_pipeline,
-on by default; `wire`). The warm-up, the bubble and each rank's in-flight activations come out
+of the tensor and the receiver all-gathers it after the call (v2.x-v3.0's
+scatter_gather_tensors_in_pipeline, on by default; see [Note: partitioned pipeline sends]). The warm-up, the bubble and each rank's in-flight activations come out
 of the run.
 
 The per-rank ZeRO-0/1 machinery is stage012's over the rank's chunks (one optimizer for all of
@@ -28,14 +28,14 @@ from typing import NamedTuple
 
 from zsim.schedule import stage012
 from zsim.schedule.context import StepContext
-from zsim.schedule.ir import Alloc, Buffer, Category, Collective, HostSettings, OpKind, Phase, Stream, Tag
+from zsim.schedule.ir import Alloc, Buffer, Category, HostSettings, OpKind, Phase, Stream, Tag
 from zsim.schedule.moe import TokenExchanges
 from zsim.schedule.passes import backward, forward
-from zsim.schedule.payloads import Comm, PipeTransfer, TensorComm
+from zsim.schedule.payloads import PipeTransfer, TensorComm
 from zsim.schedule.pipe_partition import chunk_slices
+from zsim.schedule.pipe_wire import Wire, wire
 from zsim.schedule.pipeline import DeferredHooks, finish, tied_params
-from zsim.schedule.tensor import TensorCollectives, tensor_parallel_group
-from zsim.specs.scenario import Scenario
+from zsim.schedule.tensor import TensorCollectives
 
 
 def schedule_table(micro_batches: int, chunks: int, group: int) -> list[tuple[int, int]]:
@@ -172,27 +172,6 @@ def programs(stages: int, chunks: int, micro_batches: int) -> list[list[Step | E
     if sent != got:
         raise RuntimeError("interleaved schedule: sends and receives do not pair")
     return progs
-
-
-class Wire(NamedTuple):
-    """What each point-to-point tensor costs: the bytes a rank sends and, under Megatron's
-    scatter/gather optimization, the all-gather that rebuilds the tensor at the receiver."""
-    size_bytes: float
-    gather: Comm | None
-
-
-def wire(sc: Scenario, act_bytes: float, act_dtype_bytes: int) -> Wire:
-    """p2p_communication.py _communicate of Megatron-LM v2.x-v3.0 (the SC'21 and Korthikanti
-    et al. runs; Narayanan et al. section 4.1): with tensor parallelism and no sequence
-    parallelism, scatter_gather_tensors_in_pipeline (on unless --no-scatter-gather-tensors-in-
-    pipeline) sends each tensor-parallel rank's 1/t of the tensor (split_tensor_into_1d_equal_
-    chunks) over its own link and all-gathers it at the receiver (gather_split_1d_tensor, over
-    NVLink); with sequence parallelism the tensor is already the rank's 1/t of the sequence."""
-    t = sc.parallelism.tensor
-    if t == 1 or sc.parallelism.sequence_parallel:
-        return Wire(act_bytes, None)
-    numel = round(act_bytes / act_dtype_bytes)
-    return Wire(act_bytes / t, Comm(Collective.ALL_GATHER, numel, act_bytes, group=tensor_parallel_group(t)))
 
 
 class _Rank:

@@ -109,6 +109,9 @@ class PipeTransfer:
     src_stage: int
     dst_stage: int
     chunks: tuple[int, int] | None = None   # interleaved: the (sender's, receiver's) model chunk
+    # DeepSpeed's PartitionedTensor meta (int64 shape and partition), sent before each part
+    # (see [Note: partitioned pipeline sends])
+    meta: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,9 @@ only where DeepSpeed's do: the point-to-point sends of activations and gradients
 and ReduceTiedGrads.
 
 A send and its recv are a rendezvous (a blocking NCCL send/recv pair): the SEND op waits for
-both ranks to reach the pair and carries the transfer; the RECV op waits for the SEND. The
+both ranks to reach the pair and carries the transfer; the RECV op waits for the SEND. With
+tensor parallelism each rank sends its part of the tensor and the tensor-parallel group
+all-gathers it where it is used (see [Note: partitioned pipeline sends]). The
 per-stage ZeRO-0/1 (and BF16_Optimizer) machinery is stage012's, over the stage's slice of
 the model and its data-parallel group (see [Note: pipeline gradient reduction]).
 """
@@ -18,10 +20,11 @@ from zsim.schedule import offload, stage012
 from zsim.schedule.context import StageHooks, StepContext
 from zsim.schedule.ir import (Alloc, Buffer, Category, Collective, Group, HostSettings, OpKind, Phase, ProcessGroup,
                               Stream, Tag)
-from zsim.schedule.payloads import Comm, GradReduce, PipeTransfer, ScalarAllReduce
+from zsim.schedule.payloads import Comm, GradReduce, PipeTransfer, ScalarAllReduce, TensorComm
 from zsim.schedule.moe import TokenExchanges
 from zsim.schedule.passes import backward, forward
 from zsim.schedule.pipe_partition import stage_slices
+from zsim.schedule.pipe_wire import Wire, deepspeed_wires
 from zsim.schedule.tensor import TensorCollectives
 from zsim.workload.module import Workload
 
@@ -127,7 +130,7 @@ def build(ctx0: StepContext) -> tuple[tuple[tuple[int, int], ...], HostSettings]
         rank = _Stage(ctx, s, stages)
         stage012.allocate_states(ctx, rank.hooks.inner)
         ranks.append(rank)
-    _run_programs(ranks, ctx0.wl.layer_input_bytes)
+    _run_programs(ranks, deepspeed_wires(sc, ctx0.wl.layer_input_bytes, ctx0.wl.act_dtype_bytes))
     tied = tied_params(slices[0][0], slices[-1][0]) if stages > 1 else 0
     return tuple(layers for _, layers in slices), finish(ctx0, ranks, tied)
 
@@ -156,10 +159,12 @@ def finish(ctx0: StepContext, ranks: list, tied: int) -> HostSettings:
     return replace(offload.host_settings(ctx0), host_load_bytes_per_gpu=load)
 
 
-def _run_programs(ranks: list[_Stage], act_bytes: float):
+def _run_programs(ranks: list[_Stage], wires: tuple[Wire, Wire]):
     """Emit every stage's instructions in an order that respects the rendezvous of each
-    send/recv pair (TrainSchedule orders them so that one exists)."""
+    send/recv pair (TrainSchedule orders them so that one exists). `wires`: the activation's
+    and the gradient's (see [Note: partitioned pipeline sends])."""
     b = ranks[0].ctx.b
+    acts, grads = wires
     while True:
         progressed = False
         for rank in ranks:
@@ -168,17 +173,25 @@ def _run_programs(ranks: list[_Stage], act_bytes: float):
                 if kind in (Cmd.RECV_ACTIVATION, Cmd.RECV_GRAD):
                     break                       # emitted with its send
                 b.stage = rank.index
+                first, last = rank.index == 0, rank.index == rank.stages - 1
                 if kind == Cmd.LOAD:
                     pass
                 elif kind == Cmd.FORWARD:
+                    if not first:   # _exec_forward_pass: the received part, made whole
+                        _gather(b, rank, acts, micro, Phase.FORWARD, "p2p recv activation")
                     rank.last = forward(rank.ctx, rank.hooks, micro, rank.last)
-                    if rank.index < rank.stages - 1:   # pipe_buffers['outputs'], kept for its backward
-                        b.add_alloc(rank.last, Alloc(Tag(Buffer.PIPE_OUTPUT, micro), Category.ACTIVATIONS, act_bytes))
+                    if not last:   # pipe_buffers['outputs'], kept for its backward: only the part
+                        # when partitioned (the output's data is dropped, engine.py:745-750)
+                        b.add_alloc(rank.last, Alloc(Tag(Buffer.PIPE_OUTPUT, micro), Category.ACTIVATIONS,
+                                                     acts.size_bytes))
                 elif kind == Cmd.BACKWARD:
+                    if not last and grads.gather is not None:   # _exec_backward_pass
+                        _gather(b, rank, acts, micro, Phase.BACKWARD, "pipe output")
+                        _gather(b, rank, grads, micro, Phase.BACKWARD, "p2p recv grad")
                     rank.last = backward(rank.ctx, rank.hooks, micro, rank.last)
-                    if rank.index < rank.stages - 1:
+                    if not last:
                         b.add_free(rank.last, Tag(Buffer.PIPE_OUTPUT, micro))
-                elif not _send(b, rank, ranks, kind, micro, act_bytes):
+                elif not _send(b, rank, ranks, kind, micro, wires):
                     break
                 rank.pos += 1
                 progressed = True
@@ -189,19 +202,33 @@ def _run_programs(ranks: list[_Stage], act_bytes: float):
             raise RuntimeError(f"pipeline schedule deadlock ({stuck})")
 
 
-def _send(b, rank: _Stage, ranks: list[_Stage], kind: Cmd, micro: int, act_bytes: float) -> bool:
-    """A send and its peer's recv when the peer has reached it; False while it has not."""
+def _gather(b, rank: _Stage, w: Wire, micro: int, phase: Phase, what: str):
+    """PartitionedTensor.full(): the all-gather over the tensor-parallel group, when partitioned."""
+    if w.gather is not None:
+        rank.last = b.add(OpKind.TP_ALL_GATHER, Stream.COMPUTE, phase, micro, TensorComm(w.gather, what), [rank.last])
+
+
+def _send(b, rank: _Stage, ranks: list[_Stage], kind: Cmd, micro: int, wires: tuple[Wire, Wire]) -> bool:
+    """A send and its peer's recv when the peer has reached it; False while it has not. A
+    partitioned tensor goes as two pairs: its meta, then its part."""
     recv, step, send_kind, recv_kind = _PAIR[kind]
     peer = ranks[rank.index + step]
     if peer.next_cmd != (recv, micro):
         return False
-    payload = PipeTransfer(act_bytes, rank.index, peer.index)
     phase = Phase.FORWARD if kind == Cmd.SEND_ACTIVATION else Phase.BACKWARD
-    send = b.add(send_kind, Stream.COMPUTE, phase, micro, payload, [rank.last, peer.last])
-    rank.last = send
-    b.stage = peer.index
-    peer.last = b.add(recv_kind, Stream.COMPUTE, phase, micro, payload, [send, peer.last])
-    b.stage = rank.index
+    acts, w = wires if kind == Cmd.SEND_GRAD else (wires[0], wires[0])
+    if kind == Cmd.SEND_GRAD and w.gather is None:
+        # _exec_recv_grads with pipe_partitioned only: the output made whole before the whole
+        # gradient comes (nothing when the activation went whole too)
+        b.stage = peer.index
+        _gather(b, peer, acts, micro, phase, "pipe output")
+        b.stage = rank.index
+    parts = [PipeTransfer(w.meta_bytes, rank.index, peer.index, meta=True)] if w.meta_bytes else []
+    for payload in parts + [PipeTransfer(w.size_bytes, rank.index, peer.index)]:
+        rank.last = b.add(send_kind, Stream.COMPUTE, phase, micro, payload, [rank.last, peer.last])
+        b.stage = peer.index
+        peer.last = b.add(recv_kind, Stream.COMPUTE, phase, micro, payload, [rank.last, peer.last])
+        b.stage = rank.index
     peer.pos += 1
     return True
 
