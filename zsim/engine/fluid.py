@@ -21,13 +21,13 @@ from itertools import repeat
 from operator import mul, sub, truediv
 
 import simpy
+from simpy.core import EmptySchedule
 from simpy.events import Event
 
 from zsim.hardware.cost_model import COMM_LINKS
 from zsim.hardware.placement import base_link, link_rank
 
 _EPS_S = 1e-15
-_NEVER = float("inf")
 
 
 class Clock:
@@ -64,14 +64,15 @@ class Clock:
         return ev
 
     def run(self):
-        env, ready = self.env, self.ready
-        popleft, step, peek = ready.popleft, env.step, env.peek
-        while True:
-            while ready:
-                popleft()(None)
-            if peek() == _NEVER:
-                return
-            step()
+        ready = self.ready
+        popleft, step = ready.popleft, self.env.step
+        try:
+            while True:
+                while ready:
+                    popleft()(None)
+                step()
+        except EmptySchedule:
+            return
 
 
 def _link_facts(links: tuple[str, ...]) -> tuple[bool, int, tuple[int, ...]]:

@@ -64,7 +64,6 @@ class CostModel:
             cap = self.uplink_Bps * cluster.gpus_per_node / self.sharers
             self.nvme_node_Bps = {k: min(v, cap) for k, v in self.nvme_node_Bps.items()}
         self._cache: dict[tuple, OpCost] = {}
-        self._shapes: list = []
 
     def _links(self, path: tuple[str, ...]) -> tuple[str, ...]:
         # without a shared switch uplink, host traffic has no uplink to contend for
@@ -99,18 +98,16 @@ class CostModel:
 
     def op_cost(self, op: Op) -> OpCost:
         """The op's cost, computed once per op shape: a cost depends only on the shape's fields
-        (the work, call or copy, the hooks before it, the sizes it allocates), never on names.
-        The shape is keyed by identity (ops share their workload's ComputeWork; hashing a frozen
-        shape by value is most of the price of a lookup): an equal shape held twice is priced
-        twice, to the same cost. Valid while the schedule's ops are alive, as a CostModel is used."""
+        (the work, call or copy, the hooks before it, the sizes it allocates), never on names."""
         p = op.payload
-        shape = getattr(p, "comm", None) or getattr(p, "work", None) or p
+        shape = getattr(p, "comm", None) or getattr(p, "work", None)
+        if shape is None:
+            shape = (p.transfer, p.size_bytes, p.pinned) if isinstance(p, Copy) else p
         sizes = tuple(a.size_bytes for a in op.alloc) if op.alloc and self.gpu.fresh_alloc_GBps else ()
-        key = (id(shape), op.phase if op.hook_visits else None, op.hook_visits, op.grad_hooks, sizes, op.stage)
+        key = (shape, op.phase if op.hook_visits else None, op.hook_visits, op.grad_hooks, sizes, op.stage)
         cost = self._cache.get(key)
         if cost is None:
             cost = self._cache[key] = self._op_cost(op)
-            self._shapes.append(shape)      # keeps the id unique while the cache holds it
         return cost
 
     def _op_cost(self, op: Op) -> OpCost:
