@@ -6,6 +6,8 @@ The ledger is strict: a tag is allocated once, freed once, and only after it was
 any other (so their frees are checked) but produce no events."""
 from __future__ import annotations
 
+from itertools import accumulate, islice
+
 from zsim.schedule.ir import Alloc, Tag
 
 
@@ -48,16 +50,18 @@ class Ledger:
 
 
 def peak_and_breakdown(events) -> tuple[float, float, dict[str, float]]:
-    """(peak_bytes, time_s of the first peak, bytes per category at that instant)."""
-    current = 0.0
-    per_cat: dict[str, float] = {}
-    peak, peak_t, peak_cat = 0.0, 0.0, {}
-    for time_s, delta, category, _ in events:
-        current += delta
-        per_cat[category] = per_cat.get(category, 0.0) + delta
+    """(peak_bytes, time_s of the first peak, bytes per category at that instant). A new peak
+    is one more than 1e-6 bytes above the last; the breakdown is summed once, up to that event."""
+    peak, at = 0.0, -1
+    for i, current in enumerate(accumulate(event[1] for event in events)):
         if current > peak + 1e-6:
-            peak, peak_t, peak_cat = current, time_s, dict(per_cat)
-    return peak, peak_t, {str(k): v for k, v in sorted(peak_cat.items()) if v > 0.5}
+            peak, at = current, i
+    if at < 0:
+        return 0.0, 0.0, {}
+    per_cat: dict[str, float] = {}
+    for _, delta, category, _ in islice(events, at + 1):
+        per_cat[category] = per_cat.get(category, 0.0) + delta
+    return peak, events[at][0], {str(k): v for k, v in sorted(per_cat.items()) if v > 0.5}
 
 
 def timeline(events) -> list[tuple[float, float]]:

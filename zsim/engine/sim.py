@@ -1,14 +1,11 @@
 """The simpy engine: runs a Schedule on one representative data-parallel rank.
 
 Data-parallel ranks are symmetric, so one rank is simulated and its collectives are
-costed for the whole group; 1024 GPUs cost what 8 do. Streams are FIFO processes. Time
-that competes for a resource is "work" served by a fluid (processor-sharing) model. A job
-crosses one or more links (NVLink tier, IB rails, the GPU's PCIe link per direction, the
-PCIe switch uplink per direction, NVMe); while jobs overlap, each progresses at the
-smallest share it gets on any link it crosses (1/jobs on that link), and the compute stream
-slows by the profile's interference factor while an NCCL transfer is active.
-Fixed latencies (alpha, launch overheads) are not shared. Memory effects of every op go to
-the ledger in simulated time.
+costed for the whole group; 1024 GPUs cost what 8 do. Streams are FIFO: each is a state machine
+driven by the clock's callbacks (fluid.py Clock: simpy's environment plus a FIFO of what is due
+now). Time that competes for a resource is "work" served by a fluid (processor-sharing) model
+(fluid.py Fluid); fixed latencies (alpha, launch overheads) are not shared. Memory effects of
+every op go to the ledger in simulated time.
 
 A pipeline (schedule.pipeline) runs one representative rank per stage in the same simulation:
 each stage has its own streams, its own copy of every link (placement.stage_links) and its own
@@ -21,21 +18,18 @@ time window stands for how many copies of itself.
 """
 from __future__ import annotations
 
+import gc
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-import simpy
-from simpy.events import Event
-
+from zsim.engine.fluid import Clock, Fluid
 from zsim.engine.ledger import Ledger, peak_and_breakdown, timeline
-from zsim.hardware.cost_model import COMM_LINKS, COMPUTE, CostModel
-from zsim.hardware.placement import base_link, link_rank
+from zsim.hardware.cost_model import COMPUTE, CostModel
 from zsim.schedule.ir import Op, Schedule, Stream, STREAMS, Tag
 
 if TYPE_CHECKING:   # layer_repeat.py builds on this module
     from zsim.engine.layer_repeat import LayeredRepeat, LayerRepeat
-
-_EPS_S = 1e-15
 
 
 class OpTiming(NamedTuple):
@@ -120,154 +114,124 @@ class Trace:
     worst_stage: int = 0
 
 
-def _link_facts(links: tuple[str, ...]) -> tuple[bool, int, tuple[int, ...]]:
-    """(compute job?, its rank, the ranks whose SMs an NCCL kernel of it occupies)."""
-    compute = len(links) == 1 and base_link(links[0]) == "compute"
-    return compute, link_rank(links[0]), tuple(sorted({link_rank(x) for x in links if base_link(x) in COMM_LINKS}))
+@contextmanager
+def collector_paused():
+    """Building and simulating a step allocates some 100k small objects and frees them as it
+    goes, and the result is summarized from a trace that holds most of them: the cyclic
+    collector's passes over them cost 10-20% of the step, and its first pass once re-enabled
+    (over everything allocated meanwhile) as much again. The few cycles are collected after,
+    when a caller that drops the trace has let most of the objects go."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
-class _Job:
-    __slots__ = ("remaining_s", "rate", "event", "links", "compute", "nccl", "rank")
+class _Done:
+    """The end of an op that others wait for: the streams waiting, or None once it is signalled."""
+    __slots__ = ("waiters",)
 
-    def __init__(self, remaining_s: float, event: Event, links: tuple[str, ...], facts):
-        self.remaining_s, self.rate, self.event, self.links = remaining_s, 1.0, event, links
-        self.compute, self.rank, self.nccl = facts
+    def __init__(self):
+        self.waiters: list | None = []
+
+    def signal(self, _event=None):
+        waiters, self.waiters = self.waiters, None
+        for resume in waiters:
+            resume(None)
 
 
-class _Fluid:
-    """Processor sharing over all resource-bound work in flight. Driven by timer callbacks
-    rather than a process: each change of the job set reschedules one timer for the next
-    completion, and timers made stale by a later change are ignored (cheaper than waiting on
-    a condition of two events). Jobs per link are counted as jobs come and go."""
+class _StreamRun:
+    """One stream of one stage: its ops in FIFO order, each waiting for its deps, then its
+    fixed time, then its work. A state machine driven by callbacks (rather than a simpy process:
+    the same instants in the same order, without a generator and its events)."""
+    __slots__ = ("ops", "i", "waited", "start_s", "cost", "ledger", "engine")
 
-    def __init__(self, env: simpy.Environment, compute_slowdown: float):
-        self.env = env
-        self.compute_rate = 1.0 / (1.0 + compute_slowdown)
-        self.jobs: list[_Job] = []
-        self.count: dict[str, int] = {}
-        self.nccl_jobs: dict[int, int] = {}     # per rank (pipeline stage)
-        self.last_s = 0.0
-        self.version = 0
-        self.facts: dict[tuple[str, ...], tuple] = {}
+    def __init__(self, ops: list[Op], ledger: Ledger, engine: "_Engine"):
+        self.ops, self.ledger, self.engine = ops, ledger, engine
+        self.i, self.waited, self.start_s, self.cost = 0, 0, 0.0, None
 
-    def submit(self, links: tuple[str, ...], work_s: float) -> Event:
-        ev = Event(self.env)
-        if work_s <= 0:
-            ev.succeed()
-            return ev
-        self._advance()
-        facts = self.facts.get(links)
-        if facts is None:
-            facts = self.facts[links] = _link_facts(links)
-        job = _Job(work_s, ev, links, facts)
-        self.jobs.append(job)
-        for rank in job.nccl:
-            self.nccl_jobs[rank] = self.nccl_jobs.get(rank, 0) + 1
-        count = self.count
-        for link in links:
-            count[link] = count.get(link, 0) + 1
-        self._rerate()
-        return ev
+    def run(self, _event=None):
+        """Run ops until one has to wait; `waited` says how far the current op got (0: its deps,
+        1: its fixed time, 2: its work)."""
+        eng = self.engine
+        ops, done, clock = self.ops, eng.done, eng.clock
+        env = clock.env
+        ledger = self.ledger
+        while self.i < len(ops):
+            op = ops[self.i]
+            if self.waited == 0:
+                for d in op.deps:
+                    waiters = done[d].waiters
+                    if waiters is not None:     # not signalled yet
+                        waiters.append(self.run)
+                        return
+                self.start_s = start = env.now
+                for tag in op.free_before:
+                    ledger.free(start, tag)
+                for a in op.alloc:
+                    ledger.alloc(start, a)
+                self.cost = c = eng.op_cost(op)
+                self.waited = 1
+                if c.fixed_s > 0:
+                    clock.after(c.fixed_s, self.run)
+                    return
+            if self.waited == 1:
+                c = self.cost
+                if c.work_s > 0 or c.links != COMPUTE:
+                    self.waited = 2
+                    eng.fluid.submit(c.links, c.work_s, self.run)
+                    return
+            end = env.now
+            for tag in op.free:
+                ledger.free(end, tag)
+            eng.timings[op.id] = OpTiming(op.id, self.start_s, end)
+            d = done[op.id]
+            if d is not None:
+                clock.soon(d.signal)
+            self.waited = 0
+            self.i += 1
 
-    def _advance(self):
-        now = self.env.now
-        dt = now - self.last_s
-        if dt > 0:
-            for job in self.jobs:
-                job.remaining_s -= dt * job.rate
-        self.last_s = now
 
-    def _rerate(self):
-        """New shares for the current job set, then one timer for the next completion."""
-        count = self.count
-        # NCCL kernels occupy SMs; copy engines (PCIe), NVMe and the host do not slow the GPU
-        nccl = self.nccl_jobs
-        dt = float("inf")
-        for job in self.jobs:
-            if job.compute:
-                job.rate = self.compute_rate if nccl.get(job.rank) else 1.0
-            else:
-                links = job.links
-                sharers = count[links[0]] if len(links) == 1 else max(count[link] for link in links)
-                job.rate = 1.0 / sharers
-            t = job.remaining_s / job.rate
-            if t < dt:
-                dt = t
-        self.version += 1
-        if self.jobs:
-            version = self.version
-            timer = self.env.timeout(dt if dt > 0 else 0.0)
-            timer.callbacks.append(lambda _ev: self._fire(version))
+class _Engine:
+    """What the streams share: the clock, the processor-sharing model, the cost model, the
+    ends of the ops others wait for and every op's timing."""
 
-    def _fire(self, version: int):
-        if version != self.version:
-            return
-        self._advance()
-        limit = _EPS_S * max(1.0, self.env.now)
-        keep = []
-        for job in self.jobs:
-            if job.remaining_s <= limit:
-                for link in job.links:
-                    self.count[link] -= 1
-                for rank in job.nccl:
-                    self.nccl_jobs[rank] -= 1
-                job.event.succeed()
-            else:
-                keep.append(job)
-        self.jobs = keep
-        self._rerate()
+    def __init__(self, schedule: Schedule, cluster, precision: str):
+        cost = CostModel(cluster, precision, schedule.stage, schedule.host, schedule.pipeline, schedule.tensor)
+        self.clock = Clock()
+        self.fluid = Fluid(self.clock, cost.compute_slowdown)
+        self.op_cost = cost.op_cost
+        n = len(schedule.ops)
+        self.timings: list[OpTiming | None] = [None] * n
+        # only an op that another op waits for signals its end (a signal nobody waits for would
+        # only be another pass of the loop)
+        awaited = {d for op in schedule.ops for d in op.deps}
+        self.done = [_Done() if i in awaited else None for i in range(n)]
 
 
 def run_ops(schedule: Schedule, cluster, precision: str) -> tuple[list[OpTiming], list[Ledger]]:
     """Simulate every op of `schedule`: their timings and, per pipeline stage, the ledger of
     their memory effects."""
-    cost = CostModel(cluster, precision, schedule.stage, schedule.host, schedule.pipeline, schedule.tensor)
-    env = simpy.Environment()
-    fluid = _Fluid(env, cost.compute_slowdown)
+    eng = _Engine(schedule, cluster, precision)
     ledgers = [Ledger() for _ in range(schedule.stages)]
     for stage, ledger in enumerate(ledgers):
         for a in schedule.static_of(stage):
             ledger.alloc(0.0, a)
-    timings: list[OpTiming | None] = [None] * len(schedule.ops)
     by_stream: dict[tuple[int, Stream], list[Op]] = {}
     # a device without concurrent streams (a CPU rank) runs every op in program order
     serial = not cluster.profile.gpu.concurrent_streams
     for op in schedule.ops:
         by_stream.setdefault((op.stage, Stream.COMPUTE if serial else op.stream), []).append(op)
-    # only an op that another op waits for needs an event to signal its end (an event nobody
-    # waits for would only be another pass of simpy's loop)
-    awaited = {d for op in schedule.ops for d in op.deps}
-    done = [Event(env) if i in awaited else None for i in range(len(schedule.ops))]
-    op_cost, timeout, submit = cost.op_cost, env.timeout, fluid.submit
-
-    def run_stream(ops: list[Op], ledger: Ledger):
-        alloc, free = ledger.alloc, ledger.free
-        for op in ops:
-            for d in op.deps:
-                if not done[d].processed:
-                    yield done[d]
-            start = env.now
-            for tag in op.free_before:
-                free(start, tag)
-            for a in op.alloc:
-                alloc(start, a)
-            c = op_cost(op)
-            if c.fixed_s > 0:
-                yield timeout(c.fixed_s)
-            if c.work_s > 0 or c.links != COMPUTE:
-                yield submit(c.links, c.work_s)
-            end = env.now
-            for tag in op.free:
-                free(end, tag)
-            timings[op.id] = OpTiming(op.id, start, end)
-            if done[op.id] is not None:
-                done[op.id].succeed()
-
+    # every stream starts at time 0, in this order, before any other event is processed
     for stage in range(schedule.stages):
         for stream in STREAMS:
             if by_stream.get((stage, stream)):
-                env.process(run_stream(by_stream[(stage, stream)], ledgers[stage]))
-    env.run()
+                _StreamRun(by_stream[(stage, stream)], ledgers[stage], eng).run()
+    eng.clock.run()
+    timings = eng.timings
     missing = [op.name for op, t in zip(schedule.ops, timings) if t is None]
     if missing:
         raise RuntimeError(f"schedule deadlock: {len(missing)} ops never ran, first {missing[0]!r}")

@@ -25,11 +25,8 @@ variant, and for pipelines, interleaved ones included.
 """
 from __future__ import annotations
 
-import gc
-from contextlib import contextmanager
-
 from zsim.engine.layer_repeat import nest, run_layers, simulate_layers
-from zsim.engine.sim import Repeat, Trace, run_ops, simulate, worst_stage
+from zsim.engine.sim import Repeat, Trace, collector_paused, run_ops, simulate, worst_stage
 from zsim.schedule.build import build_schedule
 from zsim.schedule.ir import OpKind, Schedule
 from zsim.specs.scenario import Scenario
@@ -42,23 +39,9 @@ SIMULATED_MICRO_STEPS = (5, 6)
 _REL_TOL = 1e-12
 
 
-@contextmanager
-def _collector_paused():
-    """Building and simulating a step allocates some 100k small objects and frees them as it
-    goes; the cyclic collector's passes over them cost 10-20% of the step. The few cycles
-    (simpy processes and their events) are collected after."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 def simulate_scenario(sc: Scenario, steady: bool = True) -> tuple[Workload, Trace]:
     """Build and simulate the step of `sc`; `steady=False` simulates every micro-step."""
-    with _collector_paused():
+    with collector_paused():
         return _simulate(sc, steady)
 
 

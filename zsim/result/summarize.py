@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from zsim.specs.scenario import Scenario
 from zsim.engine.ledger import peak_and_breakdown
-from zsim.engine.sim import Trace
+from zsim.engine.sim import Trace, collector_paused
 from zsim.hardware.collectives import (bus_factor, collective_cost, link_busbw_Bps, nccl_topo_for, send_busbw_Bps,
                                       tiers_for)
 from zsim.hardware.placement import group_shape, rank_map, rank_of, same_node
@@ -83,11 +83,25 @@ def _group_placement(comm, op, sched, gpus_per_node: int) -> tuple[int, int, int
     return (size, *group_shape(comm.group, op.stage, dp, gpus_per_node, sched.tensor))
 
 
+def _comm_facts(op, sched, gpus_per_node: int) -> tuple[str, float, tuple | None]:
+    """(comm kind, bytes sent, the call's key for _algorithms) of an op that communicates."""
+    p, comm = op.payload, op.comm
+    if isinstance(p, PipeTransfer):
+        return P2P, p.size_bytes, None
+    collective = comm.collective.value
+    ranks, nodes, per_node = _group_placement(comm, op, sched, gpus_per_node)
+    # the tensor-parallel activations' collectives are shown apart from ZeRO's
+    kind = f"tp {collective}" if isinstance(p, TensorComm) else collective
+    return (kind, comm.size_bytes * bus_factor(collective, ranks),
+            (kind, collective, comm.size_bytes, comm.coalesced, (nodes, per_node)))
+
+
 def _op_totals(trace: Trace, cl) -> _OpTotals:
     """The only reader of the schedule's op fields here (transfer, cpu_adam_params, collective,
     size_bytes, stream, model_flops): one pass over the ops and their timings. An op of a
-    repeated micro-step counts once per micro-step it stands for."""
+    repeated micro-step counts once per micro-step it stands for. Sums accumulate in op order."""
     repeat = trace.repeat
+    weight = None if repeat is None else repeat.weight
     sched = trace.schedule
     gpus_per_node = cl.gpus_per_node
     compute_iv: list[list] = [[] for _ in range(sched.stages)]
@@ -99,34 +113,39 @@ def _op_totals(trace: Trace, cl) -> _OpTotals:
     comm_calls: dict[tuple, int] = {}
     host_time: dict[str, float] = {}
     peak_s: dict[str, float] = {}
+    # a call's figures depend on its collective, size, group and stage only: worked out once each
+    facts: dict[tuple, tuple] = {}
+    compute = Stream.COMPUTE
     for op, t in zip(sched.ops, trace.timings):
-        p, comm = op.payload, op.comm
-        n = 1 if repeat is None else repeat.weight(op)
-        if isinstance(p, (Copy, CpuAdam)):
-            key = p.transfer.value if isinstance(p, Copy) else "cpu_adam"
+        p = op.payload
+        cls = type(p)
+        n = 1 if weight is None else weight(op)
+        if cls is Copy or cls is CpuAdam:
+            key = p.transfer.value if cls is Copy else "cpu_adam"
             host_time[key] = host_time.get(key, 0.0) + n * (t.end_s - t.start_s)
-        if comm is not None or isinstance(p, PipeTransfer):
-            if isinstance(p, PipeTransfer):
+        comm = getattr(p, "comm", None)
+        if comm is not None or cls is PipeTransfer:
+            if cls is PipeTransfer:
                 if op.stage != p.src_stage:
                     continue            # the recv's side of a send counted once, at the send
-                kind, sent = P2P, p.size_bytes
+                kind, sent, call = P2P, p.size_bytes, None
                 ranks = (rank_of(s, sched.data_parallel, tensor=sched.tensor) for s in (p.src_stage, p.dst_stage))
                 peak = send_busbw_Bps(cl, same_node(*ranks, gpus_per_node))
             else:
-                collective = comm.collective.value
-                ranks, nodes, per_node = _group_placement(comm, op, sched, gpus_per_node)
-                sent = comm.size_bytes * bus_factor(collective, ranks)
-                # the tensor-parallel activations' collectives are shown apart from ZeRO's
-                kind = f"tp {collective}" if isinstance(p, TensorComm) else collective
-                call = (kind, collective, comm.size_bytes, comm.coalesced, (nodes, per_node))
+                fkey = (cls is TensorComm, comm.collective, comm.size_bytes, comm.coalesced, comm.group, op.stage)
+                f = facts.get(fkey)
+                if f is None:
+                    f = facts[fkey] = _comm_facts(op, sched, gpus_per_node)
+                kind, sent, call = f
                 comm_calls[call] = comm_calls.get(call, 0) + n
-                peak = link_busbw_Bps(cl, nodes)
+                peak = link_busbw_Bps(cl, call[4][0])
+            start, end = t.start_s, t.end_s
             peak_s[kind] = peak_s.get(kind, 0.0) + n * sent / peak
-            comm_iv[op.stage].append((t.start_s, t.end_s))
+            comm_iv[op.stage].append((start, end))
             comm_bytes[kind] = comm_bytes.get(kind, 0.0) + n * sent
             comm_count[kind] = comm_count.get(kind, 0) + n
-            comm_time[kind] = comm_time.get(kind, 0.0) + n * (t.end_s - t.start_s)
-        elif op.stream == Stream.COMPUTE and not isinstance(p, Copy):
+            comm_time[kind] = comm_time.get(kind, 0.0) + n * (end - start)
+        elif op.stream == compute and cls is not Copy:
             # a copy issued on the compute stream (ZeRO-Offload without overlap_comm) holds
             # the stream but is host traffic, counted above
             compute_iv[op.stage].append((t.start_s, t.end_s))
@@ -165,6 +184,12 @@ def _windows(trace: Trace) -> tuple[tuple[float, float, int], ...]:
     return r.segments()
 
 
+def _clipped(ops: _OpTotals, trace: Trace) -> list[list[tuple[list, list, int]]]:
+    """Per stage, per window of `_windows`: (compute intervals, comm intervals, copies), clipped to the window."""
+    return [[(_clip(c, lo, hi), _clip(m, lo, hi), n) for lo, hi, n in _windows(trace)]
+            for c, m in zip(ops.compute_iv, ops.comm_iv)]
+
+
 def _clip(intervals, lo: float, hi: float) -> list[tuple[float, float]]:
     if lo == float("-inf") and hi == float("inf"):
         return intervals
@@ -200,13 +225,12 @@ def _memory(sc: Scenario, trace: Trace) -> Memory:
                   peak_time_s=peak_t, breakdown=breakdown, host=_host_memory(sc, trace))
 
 
-def _pipeline(sc: Scenario, trace: Trace, ops: _OpTotals) -> Pipeline | None:
+def _pipeline(sc: Scenario, trace: Trace, clipped) -> Pipeline | None:
     layout = trace.schedule.pipeline
     if layout is None:
         return None
     step = trace.step_time_s
-    busy = [sum(n * _union_length(_clip(c + m, lo, hi)) for lo, hi, n in _windows(trace))
-            for c, m in zip(ops.compute_iv, ops.comm_iv)]
+    busy = [sum(n * _union_length(c + m) for c, m, n in stage) for stage in clipped]
     reserved = sc.cluster.reserved_bytes
     return Pipeline(stages=layout.stages, data_parallel=layout.data_parallel,
                     partition_method=sc.parallelism.partition_method,
@@ -219,6 +243,11 @@ def _pipeline(sc: Scenario, trace: Trace, ops: _OpTotals) -> Pipeline | None:
 
 
 def summarize(sc: Scenario, wl: Workload, trace: Trace) -> Result:
+    with collector_paused():
+        return _summarize(sc, wl, trace)
+
+
+def _summarize(sc: Scenario, wl: Workload, trace: Trace) -> Result:
     cl = sc.cluster
     world = cl.world_size
     step = trace.step_time_s
@@ -229,13 +258,12 @@ def summarize(sc: Scenario, wl: Workload, trace: Trace) -> Result:
     # ranks are averaged over them
     model_flops_gpu = wl.model_flops * sc.gradient_accumulation_steps / stages
     ops = _op_totals(trace, cl)
-    windows = _windows(trace)
+    clipped = _clipped(ops, trace)
     peak_flops = cl.peak_flops(sc.precision)
     tflops = model_flops_gpu / step / TFLOP if step > 0 else 0.0
     trained = trainable_params(wl)
-    compute_s = sum(sum(n * _union_length(_clip(iv, lo, hi)) for lo, hi, n in windows) for iv in ops.compute_iv)
-    exposed_s = sum(sum(n * _exposed(_clip(m, lo, hi), _clip(c, lo, hi)) for lo, hi, n in windows)
-                    for c, m in zip(ops.compute_iv, ops.comm_iv))
+    compute_s = sum(sum(n * _union_length(c) for c, _, n in stage) for stage in clipped)
+    exposed_s = sum(sum(n * _exposed(m, c) for c, m, n in stage) for stage in clipped)
     return Result(
         scenario=sc.name,
         stage=sc.zero.stage,
@@ -272,7 +300,7 @@ def summarize(sc: Scenario, wl: Workload, trace: Trace) -> Result:
         warnings=tuple(sc.warnings),
         trainable_params=None if trained == wl.n_params else trained,
         moe=_moe(sc, wl),
-        pipeline=_pipeline(sc, trace, ops),
+        pipeline=_pipeline(sc, trace, clipped),
         tensor_parallel=_tensor_parallel(sc),
     )
 

@@ -8,15 +8,17 @@ from zsim.schedule.payloads import ModulePass
 
 
 class _Draft:
+    """One op before `build`. The lists a hook may extend start as the shared empty tuple and
+    become lists on the first addition (most ops never get one)."""
     __slots__ = ("kind", "stream", "phase", "micro", "payload", "deps", "alloc", "free", "free_before",
                  "hook_visits", "grad_hooks", "bucketed", "stage")
 
     def __init__(self, kind, stream, phase, micro, payload, deps, alloc, stage):
         self.kind, self.stream, self.phase, self.micro, self.payload = kind, stream, phase, micro, payload
         self.stage = stage
-        self.deps, self.alloc, self.free, self.free_before = deps, list(alloc), [], []
+        self.deps, self.alloc, self.free, self.free_before = deps, alloc, (), ()
         self.hook_visits = self.grad_hooks = 0
-        self.bucketed: list[int] = []
+        self.bucketed = ()
 
 
 class Builder:
@@ -28,8 +30,11 @@ class Builder:
 
     def add(self, kind: OpKind, stream: Stream, phase: Phase, micro: int, payload, deps=(),
             alloc: tuple[Alloc, ...] = ()) -> int:
-        deps = tuple(sorted({d for d in deps if d is not None}))
-        self._ops.append(_Draft(kind, stream, phase, micro, payload, deps, alloc, self.stage))
+        if isinstance(deps, (list, tuple)) and len(deps) == 1:
+            deps = () if deps[0] is None else (deps[0],)
+        else:
+            deps = tuple(sorted({d for d in deps if d is not None}))
+        self._ops.append(_Draft(kind, stream, phase, micro, payload, deps, tuple(alloc), self.stage))
         return len(self._ops) - 1
 
     @property
@@ -42,14 +47,23 @@ class Builder:
         d.deps = tuple(sorted(set(d.deps) | {x for x in deps if x is not None and x < op_id}))
 
     def add_free(self, op_id: int, *tags: Tag):
-        self._ops[op_id].free.extend(tags)
+        d = self._ops[op_id]
+        if not d.free:
+            d.free = []
+        d.free.extend(tags)
 
     def add_free_before(self, op_id: int, *tags: Tag):
         """`tags` are freed when the op starts, before it allocates (a pre-forward hook's wait)."""
-        self._ops[op_id].free_before.extend(tags)
+        d = self._ops[op_id]
+        if not d.free_before:
+            d.free_before = []
+        d.free_before.extend(tags)
 
     def add_alloc(self, op_id: int, *allocs: Alloc):
-        self._ops[op_id].alloc.extend(allocs)
+        d = self._ops[op_id]
+        if isinstance(d.alloc, tuple):
+            d.alloc = list(d.alloc)
+        d.alloc.extend(allocs)
 
     def add_hook_visits(self, op_id: int, visits: int):
         self._ops[op_id].hook_visits += visits
@@ -59,7 +73,10 @@ class Builder:
 
     def add_bucketed(self, op_id: int, pid: int):
         """A gradient hook after this (backward) op puts `pid` into the IPG bucket."""
-        self._ops[op_id].bucketed.append(pid)
+        d = self._ops[op_id]
+        if not d.bucketed:
+            d.bucketed = []
+        d.bucketed.append(pid)
 
     def static_alloc(self, category: str, size_bytes: float):
         if size_bytes > 0:

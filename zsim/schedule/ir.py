@@ -166,6 +166,11 @@ class Tag:
     key: int | str = ""             # param id, module name, layer, bucket, or the state's category
     phase: str = ""                 # WORKSPACE: the pass
 
+    def __hash__(self) -> int:
+        # the dataclass's own hash, in one call: an Enum member hashes as its name (the ledger
+        # looks a tag up a few times per allocation)
+        return hash((self.buffer._name_, self.micro, self.key, self.phase))
+
     def __str__(self) -> str:
         parts = [self.buffer.value]
         if self.micro >= 0:
