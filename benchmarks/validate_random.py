@@ -79,6 +79,27 @@ def open_runs_log(path: Path, header: dict):
     return f
 
 
+def profiles_by_world(spec: str | None):
+    """--profile P (every case) or W=P,W=P (the profile of each world size): a function of the world size.
+
+    Why per world size: on a machine with fewer cores than ranks (world 4 on this VM's 2 cores)
+    each rank computes at a fraction of a core, which only a calibration with that many ranks sees."""
+    if not spec or "=" not in spec:
+        return lambda world: spec
+    table = {}
+    for item in spec.split(","):
+        world, _, path = item.partition("=")
+        if not world.strip().isdigit() or not path.strip():
+            raise ValueError(f"--profile {spec!r}: each item must be WORLD=PROFILE (e.g. 2=a.yaml,4=b.yaml), got {item!r}")
+        table[int(world)] = path.strip()
+
+    def profile_for(world: int) -> str:
+        if world not in table:
+            raise ValueError(f"--profile {spec!r} names no profile for world size {world}")
+        return table[world]
+    return profile_for
+
+
 def _pct(e) -> str:
     return "     -" if e is None else f"{100 * e:+6.1f}%"
 
@@ -127,7 +148,10 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=None, help="default: a fresh one (printed)")
     ap.add_argument("--n", type=int, default=20)
     ap.add_argument("--engines", default="own,deepspeed")
-    ap.add_argument("--profile", default=None, help="hardware profile of the prediction (validate's default)")
+    ap.add_argument("--profile", default=None,
+                    help="hardware profile of the prediction (validate's default), or one per world size, "
+                         "e.g. 2=cpu-2ranks.yaml,4=cpu-4ranks.yaml: each calibrated with that many ranks "
+                         "(`zsim calibrate --nproc-per-node N`), as a user calibrates the layout they run")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
@@ -149,6 +173,13 @@ def main() -> int:
     print(f"seed {seed}: {a.n} cases, engines {','.join(engines)}, profile {a.profile or 'validate default'}, "
           f"{a.repeats} runs x {a.steps} steps per case"
           + (f"  [TUNED SEED: {tuned[seed]}; not held-out]" if seed in tuned else "  [fresh: not tuned on]"), flush=True)
+    try:
+        profile_for = profiles_by_world(a.profile)
+        for case in cases:          # every world size drawn has its profile before anything launches
+            profile_for(case.world_size)
+    except ValueError as e:
+        print(f"validate_random: error: {e}", file=sys.stderr)
+        return 2
     header = {"seed": seed, "n": a.n, "steps": a.steps, "warmup": a.warmup, "profile": a.profile}
     try:
         done = load_runs_log(Path(a.runs_log), header) if a.runs_log else {}
@@ -171,7 +202,7 @@ def main() -> int:
                 key = f"{engine}/{case.name}"
                 r = done.get((key, rep))
                 if r is None:
-                    r = run_case(case.scenario, case.overrides, engine, a.steps, a.warmup, a.profile)
+                    r = run_case(case.scenario, case.overrides, engine, a.steps, a.warmup, profile_for(case.world_size))
                     if log:
                         log.write(json.dumps({"key": key, "pass": rep, "result": r}, default=str) + "\n")
                         log.flush()

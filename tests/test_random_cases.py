@@ -103,3 +103,26 @@ def test_runs_log_resumes_only_the_run_that_wrote_it(tmp_path):
     assert mod.load_runs_log(log, header) == {("own/c00", 0): {"failed": "x"}, ("own/c00", 1): {"failed": "y"}}
     with pytest.raises(ValueError, match="--runs-log"):
         mod.load_runs_log(log, {**header, "steps": 8})
+
+
+def test_a_profile_per_world_size():
+    spec = importlib.util.spec_from_file_location("validate_random", ROOT / "benchmarks" / "validate_random.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.profiles_by_world(None)(4) is None
+    assert mod.profiles_by_world("p.yaml")(2) == "p.yaml"
+    f = mod.profiles_by_world("2=a.yaml,4=b.yaml")
+    assert (f(2), f(4)) == ("a.yaml", "b.yaml")
+    with pytest.raises(ValueError, match="no profile for world size 8"):
+        f(8)
+    with pytest.raises(ValueError, match="WORLD=PROFILE"):
+        mod.profiles_by_world("2=a.yaml,four=b.yaml")
+
+
+def test_the_benchmark_refuses_a_world_size_without_its_profile(tmp_path):
+    import subprocess
+    import sys
+    seed = next(s for s in range(1000, 2000) if any(c.world_size == 4 for c in sample(s, 3)))
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "validate_random.py"), "--seed", str(seed), "--n", "3",
+                        "--profile", "2=a.yaml"], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 2 and "no profile for world size 4" in p.stderr and "Traceback" not in p.stderr
