@@ -83,17 +83,19 @@ def _group_placement(comm, op, sched, gpus_per_node: int) -> tuple[int, int, int
     return (size, *group_shape(comm.group, op.stage, dp, gpus_per_node, sched.tensor))
 
 
-def _comm_facts(op, sched, gpus_per_node: int) -> tuple[str, float, tuple | None]:
-    """(comm kind, bytes sent, the call's key for _algorithms) of an op that communicates."""
+def _comm_facts(op, sched, cl) -> tuple[str, float, tuple | None, float]:
+    """(comm kind, bytes sent, the call's key for _algorithms or None for a send, the peak bus
+    bandwidth of the tier it crosses) of an op that communicates."""
     p, comm = op.payload, op.comm
     if isinstance(p, PipeTransfer):
-        return P2P, p.size_bytes, None
+        ranks = (rank_of(s, sched.data_parallel, tensor=sched.tensor) for s in (p.src_stage, p.dst_stage))
+        return P2P, p.size_bytes, None, send_busbw_Bps(cl, same_node(*ranks, cl.gpus_per_node))
     collective = comm.collective.value
-    ranks, nodes, per_node = _group_placement(comm, op, sched, gpus_per_node)
+    ranks, nodes, per_node = _group_placement(comm, op, sched, cl.gpus_per_node)
     # the tensor-parallel activations' collectives are shown apart from ZeRO's
     kind = f"tp {collective}" if isinstance(p, TensorComm) else collective
     return (kind, comm.size_bytes * bus_factor(collective, ranks),
-            (kind, collective, comm.size_bytes, comm.coalesced, (nodes, per_node)))
+            (kind, collective, comm.size_bytes, comm.coalesced, (nodes, per_node)), link_busbw_Bps(cl, nodes))
 
 
 def _op_totals(trace: Trace, cl) -> _OpTotals:
@@ -103,7 +105,6 @@ def _op_totals(trace: Trace, cl) -> _OpTotals:
     repeat = trace.repeat
     weight = None if repeat is None else repeat.weight
     sched = trace.schedule
-    gpus_per_node = cl.gpus_per_node
     compute_iv: list[list] = [[] for _ in range(sched.stages)]
     comm_iv: list[list] = [[] for _ in range(sched.stages)]
     hw_flops = 0.0
@@ -113,7 +114,8 @@ def _op_totals(trace: Trace, cl) -> _OpTotals:
     comm_calls: dict[tuple, int] = {}
     host_time: dict[str, float] = {}
     peak_s: dict[str, float] = {}
-    # a call's figures depend on its collective, size, group and stage only: worked out once each
+    # a call's figures depend on its collective, size, group and stage only (a send's on its
+    # stages and size): worked out once each
     facts: dict[tuple, tuple] = {}
     compute = Stream.COMPUTE
     for op, t in zip(sched.ops, trace.timings):
@@ -128,17 +130,15 @@ def _op_totals(trace: Trace, cl) -> _OpTotals:
             if cls is PipeTransfer:
                 if op.stage != p.src_stage:
                     continue            # the recv's side of a send counted once, at the send
-                kind, sent, call = P2P, p.size_bytes, None
-                ranks = (rank_of(s, sched.data_parallel, tensor=sched.tensor) for s in (p.src_stage, p.dst_stage))
-                peak = send_busbw_Bps(cl, same_node(*ranks, gpus_per_node))
+                fkey = (cls, p.src_stage, p.dst_stage, p.size_bytes)
             else:
                 fkey = (cls is TensorComm, comm.collective, comm.size_bytes, comm.coalesced, comm.group, op.stage)
-                f = facts.get(fkey)
-                if f is None:
-                    f = facts[fkey] = _comm_facts(op, sched, gpus_per_node)
-                kind, sent, call = f
+            f = facts.get(fkey)
+            if f is None:
+                f = facts[fkey] = _comm_facts(op, sched, cl)
+            kind, sent, call, peak = f
+            if call is not None:
                 comm_calls[call] = comm_calls.get(call, 0) + n
-                peak = link_busbw_Bps(cl, call[4][0])
             start, end = t.start_s, t.end_s
             peak_s[kind] = peak_s.get(kind, 0.0) + n * sent / peak
             comm_iv[op.stage].append((start, end))
