@@ -191,3 +191,18 @@ def test_one_layer_shape_keeps_the_gemm_scale():
     assert scales["attention_fwd"] == pytest.approx(3.0, rel=1e-6)
     assert scales["attention_bwd"] == pytest.approx(5.0, rel=1e-6)
     assert max(abs(r["error"]) for r in layer_residuals(layers, closed, {"bf16": 1.0}, 20.0)) < 1e-9
+
+
+def test_rank_view_fit_takes_the_median_slope_over_world_sizes():
+    """See [Note: per-rank host loops]: what one more world size costs per view, per call shape."""
+    from calibration.harness.fit_host import fit_rank_views
+    assert fit_rank_views([]) == ({}, {})
+    recs = []
+    for case, us, fixed_s in (("scatter_1", 2.0, 1e-5), ("scatter_3", 3.0, 4e-5), ("gather_3", 5.0, 2e-5)):
+        for world in (64, 256, 1024):
+            views = world * (6 if case == "scatter_3" else 4 if case == "gather_3" else 1)
+            recs.append({"kind": "rank_views", "case": case, "world": world, "views": views,
+                         "time_s": fixed_s + views * us * 1e-6})
+    fields, prov = fit_rank_views(recs)
+    assert fields == {"zero3_rank_view_us": pytest.approx(3.0)}
+    assert prov == {"zero3_rank_view_us_by_case": "gather_3 5.000, scatter_1 2.000, scatter_3 3.000"}

@@ -272,3 +272,37 @@ def test_zero3_recompute_visits_the_modules_the_forward_visited():
 
     forward, recompute = per_layer(Phase.FORWARD), per_layer(Phase.RECOMPUTE)
     assert forward and recompute == forward
+
+
+def test_zero3_per_rank_host_loops_are_charged_per_view():
+    """See [Note: per-rank host loops]: reduce_scatter_coalesced makes a view per rank of each tensor
+    of a bucket and, unless the bucket is one tensor dividing evenly, walks rank x tensor again to
+    interleave; a coalesced gather makes one per rank at launch and one per rank and param at its
+    wait. On a serial device the host time adds up exactly."""
+    from zsim.api import run_scenario
+    from zsim.schedule.build import build_schedule, workload_for
+    from zsim.schedule.ir import Collective
+
+    def cpu(us, world=2):
+        return scenario(**{"deepspeed.zero_optimization.stage": 3, "hardware.profile": "cpu-gloo-localhost",
+                           "hardware.gpus_per_node": world, "deepspeed.zero_optimization.reduce_bucket_size": 3e5,
+                           "deepspeed.zero_optimization.stage3_prefetch_bucket_size": 2e5,
+                           "hardware.override": {"cpu": {"zero3_rank_view_us": us}}})
+    for world in (2, 4):
+        sc = cpu(0.0, world)
+        numels = [p.numel for p in workload_for(sc).params]
+        ops = build_schedule(sc)[1].ops
+        expected = 0
+        for op in ops:
+            pids = getattr(op.payload, "pids", ())
+            if op.kind == OpKind.BUCKET_REDUCE and op.comm.collective == Collective.REDUCE_SCATTER:
+                divisible = len(pids) == 1 and numels[pids[0]] % world == 0
+                expected += world * len(pids) * (1 if divisible else 2)
+            elif op.kind == OpKind.PARAM_GATHER and len(pids) > 1:
+                expected += world * (1 + len(pids))
+        views = sum(op.host_views for op in ops)
+        assert views == expected and views > 0
+        # the views sit on compute ops: the hooks run on the thread that launches the kernels
+        assert all(op.kind in (OpKind.FORWARD, OpKind.BACKWARD) for op in ops if op.host_views)
+        slow = run_scenario(cpu(40.0, world))[0].step_time_s
+        assert slow - run_scenario(sc)[0].step_time_s == pytest.approx(views * 40e-6, rel=1e-6)

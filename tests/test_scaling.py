@@ -13,16 +13,24 @@ GPUS = (8, 32, 128, 256, 512, 1024, 2048, 4096)
 BATCH = 4096   # sequences per step: micro-batch 512 on 8 GPUs, 1 on 4096
 
 
-@lru_cache(maxsize=None)
-def _point(model: str, gpus: int, nic_Gbps: float | None = None):
+def _run(model: str, gpus: int, nic_Gbps: float | None, view_us: float | None):
     m = {"name": f"{model}-{gpus}", "model": {"preset": model},
-         "hardware": {"profile": "dgx-a100-80g", "nodes": gpus // 8, "gpus_per_node": 8},
+         "hardware": {"profile": "dgx-a100-80g", "nodes": gpus // 8, "gpus_per_node": 8, "override": {}},
          "training": {"micro_batch_size": BATCH // gpus, "gradient_accumulation_steps": 1, "seq_len": 2048,
                       "precision": "bf16", "activation_checkpointing": "full", "flash_attention": True},
          "deepspeed": {"zero_optimization": {"stage": 3, "overlap_comm": True}}}
     if nic_Gbps:
-        m["hardware"]["override"] = {"inter_node": {"nic_bw_Gbps": nic_Gbps}}
-    r = run_scenario(scenario_from_mapping(m, ROOT))[0]
+        m["hardware"]["override"]["inter_node"] = {"nic_bw_Gbps": nic_Gbps}
+    if view_us is not None:
+        m["hardware"]["override"]["cpu"] = {"zero3_rank_view_us": view_us}
+    return run_scenario(scenario_from_mapping(m, ROOT))[0]
+
+
+@lru_cache(maxsize=None)
+def _point(model: str, gpus: int, nic_Gbps: float | None = None):
+    """The communication side alone: DeepSpeed's host loops over ranks (priced by the next
+    tests) off, so the crossover is NCCL's."""
+    r = _run(model, gpus, nic_Gbps, 0.0)
     return r.tokens_per_s_per_gpu, r.compute_time_s, sum(r.comm.time_s.values())
 
 
@@ -75,3 +83,25 @@ def test_scaling_plot_marks_where_communication_stops_hiding(monkeypatch, tmp_pa
     panel = figs[0].axes[2]
     crossing = [ln for ln in panel.lines if list(ln.get_xdata()) == [128, 128]]
     assert len(figs[0].axes) == 3 and len(crossing) == 1     # 0.75 s comm >= 0.5 s compute first at 128
+
+
+@lru_cache(maxsize=None)
+def _loops(model: str, gpus: int, view_us: float | None = None):
+    r = _run(model, gpus, None, view_us)
+    return r.tokens_per_s_per_gpu, r.host_time_s.get("zero3_rank_loops", 0.0)
+
+
+def test_zero3_host_loops_grow_with_the_rank_count_and_cost_throughput():
+    """See [Note: per-rank host loops]: at fixed global batch the views per step grow in
+    proportion to the data-parallel size (same buckets, one view per rank per tensor), so the
+    loops' host time doubles with the GPUs while the compute per GPU halves; with them the
+    per-GPU throughput falls earlier and further than NCCL alone makes it."""
+    loops = [_loops("gpt3-6.7b", g)[1] for g in GPUS]
+    assert all(b == pytest.approx(2 * a, rel=0.02) for a, b in zip(loops[3:], loops[4:]))   # 256 GPUs on
+    assert loops[0] > 0
+    with_loops = [_loops("gpt3-6.7b", g)[0] for g in GPUS]
+    without = [_point("gpt3-6.7b", g)[0] for g in GPUS]
+    assert all(a < b for a, b in zip(with_loops, without))
+    assert with_loops[-1] / with_loops[2] < 0.8 * without[-1] / without[2]
+    # a slower host (2x the view cost) loses more at 4096 GPUs
+    assert _loops("gpt3-6.7b", 4096, 5.0)[0] < with_loops[-1]

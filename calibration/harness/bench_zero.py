@@ -153,3 +153,75 @@ def bench_zero3_hooks(ctx: Ctx) -> list[dict]:
              "grad_hook_s_per_param": {str(s): (slope(f"stage{s}", 1) - slope("plain_after3", 1)) / 2
                                        for s in (0, 1, 2)},
              "time_s": med[("stage3", hi)][0] + med[("stage3", hi)][1]}]
+
+
+RANK_VIEW_WORLDS = (64, 256, 1024)
+
+
+def _scatter_prep(tensors: list, world: int):
+    """reduce_scatter_coalesced (runtime/comm/coalesced_collectives.py) up to its collective:
+    the per-rank slice lists, the rank x tensor interleave and its torch.cat, the pre-divide and
+    torch.chunk."""
+    parts = []
+    for t in tensors:
+        flat = t.view(-1)
+        chunk = -(-t.numel() // world)
+        parts.append([flat[r * chunk:r * chunk + chunk] for r in range(world)])
+    padded = tuple(-(-t.numel() // world) for t in tensors)
+    if len(tensors) == 1 and tensors[0].numel() % world == 0:
+        buf = tensors[0].view(-1)
+    else:
+        lst = []
+        for r in range(world):
+            for i in range(len(tensors)):
+                piece = parts[i][r]
+                lst.append(piece)
+                pad = padded[i] - piece.numel()
+                if pad > 0:
+                    lst.append(torch.empty(pad, dtype=piece.dtype, device=piece.device))
+        buf = torch.cat(lst)
+    buf.div_(world)
+    return torch.chunk(buf, world)
+
+
+def _gather_launch_and_wait(params: list, world: int, cuda: bool):
+    """A coalesced all-gather of `params` without its collective: _all_gather_dtype's flat buffer
+    and per-rank `partitions` (partition_parameters.py), then AllGatherCoalescedHandle.wait's split
+    of every param out of it (narrow per rank, torch.cat, record_stream on a GPU)."""
+    shard = [-(-p.numel() // world) for p in params]
+    flat = torch.empty(sum(shard) * world, dtype=params[0].dtype, device=params[0].device)
+    partitions = [flat.narrow(0, sum(shard) * r, sum(shard)) for r in range(world)]
+    offset = 0
+    for p, s in zip(params, shard):
+        pieces = []
+        for r in range(world):
+            if r * s < p.numel():
+                pieces.append(partitions[r].narrow(0, offset, min(p.numel() - r * s, s)))
+        p.data = torch.cat(pieces).view(p.shape)
+        if cuda:
+            for piece in pieces:
+                piece.record_stream(torch.cuda.current_stream())
+        offset += s
+
+
+def bench_rank_views(ctx: Ctx) -> list[dict]:
+    """Host time of ZeRO-3's per-rank Python loops (see [Note: per-rank host loops] in
+    zsim/schedule/partition.py) at a few pretend world sizes: a one-tensor divisible bucket, a
+    three-tensor bucket and a coalesced gather of three params, on tiny tensors of this rank's
+    device (the loops' cost does not depend on the bytes). Each record gives the views zsim counts
+    for the call and its time; the fit takes the slope over world sizes."""
+    from zsim.schedule.partition import coalesced_gather_views, scatter_views
+    dt = DTYPES[ctx.plan.profile_dtype]
+    out = []
+    for world in RANK_VIEW_WORLDS:
+        one = [torch.zeros(world * 4, dtype=dt, device=ctx.device)]
+        three = [torch.zeros(world * 4 + 1, dtype=dt, device=ctx.device) for _ in range(3)]
+        params = [torch.nn.Parameter(torch.zeros(world * 4 + 1, dtype=dt, device=ctx.device)) for _ in range(3)]
+        cases = (("scatter_1", lambda: _scatter_prep(one, world), scatter_views(world, 1, False)),
+                 ("scatter_3", lambda: _scatter_prep(three, world), scatter_views(world, 3, True)),
+                 ("gather_3", lambda: _gather_launch_and_wait(params, world, ctx.cuda),
+                  sum(coalesced_gather_views(world, 3))))
+        for name, fn, views in cases:
+            st, inner = timed_everywhere(ctx, fn, reps=max(5, ctx.plan.reps // 2))
+            out.append({"kind": "rank_views", "case": name, "world": world, "views": views, "inner": inner, **st})
+    return out

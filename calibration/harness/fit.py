@@ -29,7 +29,7 @@ import math
 from calibration.harness.fit_comm import fit_collectives
 from calibration.harness.fit_common import fit_rate, usable
 from calibration.harness.fit_compute import fit_compute
-from calibration.harness.fit_host import fit_adam, fit_interference, fit_io, fit_zero3_hooks
+from calibration.harness.fit_host import fit_adam, fit_interference, fit_io, fit_rank_views, fit_zero3_hooks
 from zsim.errors import ZsimInputError
 
 
@@ -54,6 +54,7 @@ def build_profile(name: str, records: list[dict], prov: dict, dtypes: tuple[str,
     adam_rate, adam_impl = fit_adam(records)
     io = fit_io(records)
     interf = fit_interference(records)
+    views, views_prov = fit_rank_views(records)
     cuda = prov.get("backend") == "nccl"
     host_GiB = float(prov.get("host_memory_GiB", 16))
     intra = coll.get("intra_node") or coll.get("world")
@@ -111,14 +112,14 @@ def build_profile(name: str, records: list[dict], prov: dict, dtypes: tuple[str,
                  "read_GBps_per_drive": io["read_GBps"] or 1.0, "write_GBps_per_drive": io["write_GBps"] or 1.0},
         "cpu": {"model": prov.get("cpu", "unknown"), "cores_per_node": int(prov.get("cpu_cores", 1)),
                 "memory_GiB": host_GiB, "memory_bw_GBps": (fit_rate(memcpy[0], "GBps") * per_node if memcpy else 10.0),
-                "adam_params_per_s_per_core": adam_rate, **fit_zero3_hooks(records)},
+                "adam_params_per_s_per_core": adam_rate, **fit_zero3_hooks(records), **views},
         "interference": {"compute_slowdown_during_comm": min(1.0, interf["compute_slowdown_during_comm"])},
         # sorted: a fresh run and a refit of its records.json (written with sorted keys) give
         # byte-identical profiles
         "provenance": {**{k: str(v) for k, v in sorted(prov.items())}, "adam_implementation": adam_impl,
                        "file_io_o_direct": str(io["o_direct"]),
                        "comm_slowdown_during_compute": f"{interf['comm_slowdown_during_compute']:.3f}",
-                       "compute_dtype": dtype},
+                       "compute_dtype": dtype, **views_prov},
     }
     if by_dtype:   # which dtypes have their own figures, and on which layers each closure was fitted
         layers = {d: sorted({r["layer"] for r in usable(records, "layer") if r["dtype"] == d}) for d in dtypes}

@@ -44,3 +44,25 @@ def fit_interference(records: list[dict]) -> dict:
         return {"compute_slowdown_during_comm": 0.0, "comm_slowdown_during_compute": 0.0}
     return {"compute_slowdown_during_comm": max(0.0, r["gemm_during_comm_s"] / r["gemm_alone_s"] - 1.0),
             "comm_slowdown_during_compute": max(0.0, r["comm_during_gemm_s"] / r["comm_alone_s"] - 1.0)}
+
+
+def fit_rank_views(records: list[dict]) -> tuple[dict, dict]:
+    """(cpu fields, provenance) of cpu.zero3_rank_view_us from bench_zero.bench_rank_views: per
+    case, the slope of the call's time over the views zsim counts for it between the smallest and
+    the largest world size (what a call costs at one world size more is views, not fixed
+    overhead); the profile takes the median of the cases and the provenance keeps each."""
+    rs = usable(records, "rank_views")
+    by_case: dict[str, list[dict]] = {}
+    for r in rs:
+        by_case.setdefault(r["case"], []).append(r)
+    slopes = {}
+    for case, recs in sorted(by_case.items()):
+        lo, hi = min(recs, key=lambda r: r["world"]), max(recs, key=lambda r: r["world"])
+        if hi["views"] > lo["views"]:
+            slopes[case] = max(0.0, (hi["time_s"] - lo["time_s"]) / (hi["views"] - lo["views"])) * 1e6
+    if not slopes:
+        return {}, {}
+    values = sorted(slopes.values())
+    median = values[len(values) // 2] if len(values) % 2 else (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
+    return ({"zero3_rank_view_us": median},
+            {"zero3_rank_view_us_by_case": ", ".join(f"{c} {v:.3f}" for c, v in slopes.items())})

@@ -138,7 +138,8 @@ def _canon(ops, sites, places: _Places) -> list:
             refs.append(i)
         p = op.payload
         shape = getattr(p, "comm", None) or getattr(p, "work", None) or op_shape(op)
-        out[x] = (op.kind, op.stream, op.phase, op.micro_step, op.stage, op.hook_visits, op.grad_hooks, shape,
+        out[x] = (op.kind, op.stream, op.phase, op.micro_step, op.stage, op.hook_visits, op.grad_hooks, op.host_views,
+                  shape,
                   [(a.category, a.size_bytes) for a in op.alloc] if op.alloc else None, refs)
     return out
 
@@ -300,7 +301,7 @@ def compress(schedule: Schedule, wl: Workload) -> tuple[Schedule, list[Gap], lis
         free = tuple(ops[target[s[0]]].alloc[s[1]].tag for s in after[x])
         free_before = tuple(ops[target[s[0]]].alloc[s[1]].tag for s in before[x])
         out.append(Op(i, op.kind, op.stream, op.phase, op.micro_step, op.payload, deps, op.alloc, free,
-                      op.hook_visits, op.grad_hooks, op.stage, free_before))
+                      op.hook_visits, op.grad_hooks, op.stage, free_before, op.host_views))
     return replace(schedule, ops=tuple(out)), gaps, kept
 
 

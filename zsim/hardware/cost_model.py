@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from zsim.hardware.collectives import collective_cost, nccl_topo_for, ring_cost, tiers_for
 from zsim.hardware.compute import (attention_time_s, fresh_alloc_time_s, gemm_time_s, kernel_overhead_s,
                                    memory_bound_time_s, optimizer_time_s)
-from zsim.hardware.host import aio_efficiency, cpu_adam_time_s, host_link_Bps, nvme_time_s, pcie_time_s
+from zsim.hardware.host import (aio_efficiency, cpu_adam_time_s, host_link_Bps, nvme_time_s, pcie_time_s,
+                                rank_views_time_s)
 from zsim.hardware.placement import group_shape, rank_of, same_node, stage_links
 from zsim.schedule.ir import Collective, HostSettings, Op, Phase, PipelineLayout, Transfer
 from zsim.schedule.payloads import ComputeWork, Copy, CpuAdam, PipeTransfer
@@ -80,6 +81,8 @@ class CostModel:
             fixed += op.hook_visits * 1e-6 * per_visit_us
         if op.grad_hooks:
             fixed += op.grad_hooks * 1e-6 * self.cpu.grad_hook_us(self.stage)
+        if op.host_views:
+            fixed += rank_views_time_s(op.host_views, self.cpu.zero3_rank_view_us)
         if op.alloc and self.gpu.fresh_alloc_GBps:
             comm = op.comm
             # a gather's params are views of one flat output buffer; other ops' allocations are tensors
@@ -106,7 +109,7 @@ class CostModel:
         if shape is None:
             shape = (p.transfer, p.size_bytes, p.pinned) if isinstance(p, Copy) else p
         sizes = tuple(a.size_bytes for a in op.alloc) if op.alloc and self.gpu.fresh_alloc_GBps else ()
-        key = (shape, op.phase if op.hook_visits else None, op.hook_visits, op.grad_hooks, sizes, op.stage)
+        key = (shape, op.phase if op.hook_visits else None, op.hook_visits, op.grad_hooks, op.host_views, sizes, op.stage)
         cost = self._cache.get(key)
         if cost is None:
             cost = self._cache[key] = self._op_cost(op)

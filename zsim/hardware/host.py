@@ -47,3 +47,9 @@ def cpu_adam_time_s(params: float, per_core_per_s: float, cores_per_node: int, g
                     cores_fraction: float) -> float:
     cores = max(1.0, cores_per_node * cores_fraction / gpus_per_node)
     return params / (per_core_per_s * cores)
+
+
+def rank_views_time_s(views: int, view_us: float) -> float:
+    """Host time of ZeRO-3's per-rank Python loops: `views` per-rank tensor views at the
+    profile's `cpu.zero3_rank_view_us` each (see [Note: per-rank host loops])."""
+    return views * view_us * 1e-6

@@ -127,9 +127,13 @@ def render(r: Result, console: Console | None = None):
         ct.add_row(k, str(c.calls[k]), fmt_bytes(c.bytes_per_gpu[k]), fmt_time(c.time_s[k]), algos,
                    f"{bw / 1e9:.1f} of {peak / 1e9:.0f}" if bw else "-")
     console.print(ct)
-    if r.host_time_s:
-        parts = ", ".join(f"{k} {fmt_time(v)}" for k, v in r.host_time_s.items())
+    offload = {k: v for k, v in r.host_time_s.items() if k != "zero3_rank_loops"}
+    if offload:
+        parts = ", ".join(f"{k} {fmt_time(v)}" for k, v in offload.items())
         console.print(f"Offload busy time per GPU: {parts}")
+    if "zero3_rank_loops" in r.host_time_s:
+        console.print(f"ZeRO-3 host loops over the data-parallel ranks: {fmt_time(r.host_time_s['zero3_rank_loops'])} "
+                      "per step, before compute (reduce_scatter_coalesced, coalesced all-gathers; docs/model.md)")
 
 
 def compare_table(name: str, rows: list[dict], console: Console | None = None):

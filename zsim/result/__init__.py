@@ -142,7 +142,7 @@ class Result:
     model_flops_per_gpu: float
     memory: Memory
     comm: Comm
-    host_time_s: dict[str, float]       # offload busy time per transfer kind / cpu_adam
+    host_time_s: dict[str, float]       # offload busy time per transfer kind / cpu_adam; zero3_rank_loops
     events: int                         # ops simulated
     warnings: tuple[str, ...]
     # params with requires_grad (LoRA adapters, what training.frozen leaves); None when all are

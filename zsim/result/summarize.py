@@ -8,6 +8,7 @@ from zsim.engine.ledger import peak_and_breakdown
 from zsim.engine.sim import Trace, collector_paused
 from zsim.hardware.collectives import (bus_factor, collective_cost, link_busbw_Bps, nccl_topo_for, send_busbw_Bps,
                                       tiers_for)
+from zsim.hardware.host import rank_views_time_s
 from zsim.hardware.placement import group_shape, rank_map, rank_of, same_node
 from zsim.result import Comm, HostMemory, Memory, MoE, Pipeline, Result, TensorParallel
 from zsim.schedule.ir import Stream
@@ -118,6 +119,7 @@ def _op_totals(trace: Trace, cl) -> _OpTotals:
     # stages and size): worked out once each
     facts: dict[tuple, tuple] = {}
     compute = Stream.COMPUTE
+    view_us = cl.profile.cpu.zero3_rank_view_us
     for op, t in zip(sched.ops, trace.timings):
         p = op.payload
         cls = type(p)
@@ -125,6 +127,9 @@ def _op_totals(trace: Trace, cl) -> _OpTotals:
         if cls is Copy or cls is CpuAdam:
             key = p.transfer.value if cls is Copy else "cpu_adam"
             host_time[key] = host_time.get(key, 0.0) + n * (t.end_s - t.start_s)
+        if op.host_views and view_us:
+            host_time["zero3_rank_loops"] = (host_time.get("zero3_rank_loops", 0.0)
+                                             + n * rank_views_time_s(op.host_views, view_us))
         comm = getattr(p, "comm", None)
         if comm is not None or cls is PipeTransfer:
             if cls is PipeTransfer:

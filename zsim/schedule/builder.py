@@ -11,13 +11,13 @@ class _Draft:
     """One op before `build`. The lists a hook may extend start as the shared empty tuple and
     become lists on the first addition (most ops never get one)."""
     __slots__ = ("kind", "stream", "phase", "micro", "payload", "deps", "alloc", "free", "free_before",
-                 "hook_visits", "grad_hooks", "bucketed", "stage")
+                 "hook_visits", "grad_hooks", "host_views", "bucketed", "stage")
 
     def __init__(self, kind, stream, phase, micro, payload, deps, alloc, stage):
         self.kind, self.stream, self.phase, self.micro, self.payload = kind, stream, phase, micro, payload
         self.stage = stage
         self.deps, self.alloc, self.free, self.free_before = deps, alloc, (), ()
-        self.hook_visits = self.grad_hooks = 0
+        self.hook_visits = self.grad_hooks = self.host_views = 0
         self.bucketed = ()
 
 
@@ -71,6 +71,10 @@ class Builder:
     def add_grad_hooks(self, op_id: int, params: int):
         self._ops[op_id].grad_hooks += params
 
+    def add_host_views(self, op_id: int, views: int):
+        """The host makes `views` per-rank tensor views before the op (see [Note: per-rank host loops])."""
+        self._ops[op_id].host_views += views
+
     def add_bucketed(self, op_id: int, pid: int):
         """A gradient hook after this (backward) op puts `pid` into the IPG bucket."""
         d = self._ops[op_id]
@@ -98,7 +102,7 @@ class Builder:
                 assert isinstance(payload, ModulePass)
                 payload = ModulePass(payload.module, payload.work, tuple(d.bucketed), payload.part)
             ops.append(Op(i, d.kind, d.stream, d.phase, d.micro, payload, d.deps, tuple(d.alloc), tuple(d.free),
-                          d.hook_visits, d.grad_hooks, d.stage, tuple(d.free_before)))
+                          d.hook_visits, d.grad_hooks, d.stage, tuple(d.free_before), d.host_views))
         if not stage_layers:
             return Schedule(stage=stage, world_size=world_size, ops=tuple(ops), static=tuple(self._static.get(0, ())),
                             host=host, host_static=tuple(self._host_static.get(0, ())), tensor=tensor)

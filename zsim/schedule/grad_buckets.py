@@ -28,7 +28,7 @@ from zsim.schedule.context import StepContext
 from zsim.schedule.ir import Alloc, Buffer, Category, Collective, OpKind, Phase, Tag
 from zsim.schedule.payloads import Comm, GradReduce
 from zsim.schedule.moe import flat_group_process_group, moe_param_groups
-from zsim.schedule.partition import bucket_slices, call_sizes, padded
+from zsim.schedule.partition import bucket_slices, call_sizes, padded, scatter_views
 
 
 class _Buckets:
@@ -192,6 +192,7 @@ class Zero3Buckets(_Buckets):
             comm, allocs = Comm(Collective.ALL_REDUCE, numel, size_bytes), ()
         else:
             interleaved = not (len(self.bucket) == 1 and self.numels[self.bucket[0]] % ctx.world == 0)
+            ctx.b.add_host_views(after, scatter_views(ctx.world, len(self.bucket), interleaved))
             comm = Comm(Collective.REDUCE_SCATTER, numel, size_bytes,
                         buffer_bytes=self._scatter_traffic_bytes(numel, micro, interleaved))
             # reduce_scatter_coalesced's interleaved copy lives for the call

@@ -224,6 +224,7 @@ class Op:
     grad_hooks: int = 0             # ZeRO-0/1/2 params whose gradients DeepSpeed handles after it
     stage: int = 0                  # the pipeline stage whose representative rank runs it
     free_before: tuple[Tag, ...] = ()   # freed when the op starts, before its allocations (a hook's wait)
+    host_views: int = 0             # per-rank views ZeRO-3's host loops make before it, see [Note: per-rank host loops]
 
     @property
     def comm(self) -> Comm | None:

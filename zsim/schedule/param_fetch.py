@@ -36,7 +36,7 @@ from zsim.schedule.context import StepContext
 from zsim.schedule.ir import Alloc, Buffer, Category, Collective, OpKind, Phase, Stream, Tag
 from zsim.schedule.payloads import Comm, ParamGather
 from zsim.schedule.moe import z3_leaf_blocks
-from zsim.schedule.partition import padded
+from zsim.schedule.partition import coalesced_gather_views, padded
 from zsim.workload.module import Module
 
 NOT_AVAILABLE, AVAILABLE = 0, 1
@@ -132,6 +132,10 @@ class ParamCoordinator:
         self.inflight: dict[int, int] = {}
         self.unwaited: dict[int, set[int]] = {}
         self.waited: list[Tag] = []
+        # see [Note: per-rank host loops]: the wait views of each coalesced handle not yet waited,
+        # and the views the next module's hook makes
+        self.wait_views: dict[int, int] = {}
+        self.pending_views = 0
         self.queue = deque(self.trace)
         self.most_recent = {pid: -10**10 for pid in range(len(self.numels))}
         self.n_available = 0
@@ -154,6 +158,8 @@ class ParamCoordinator:
             allocs += (Alloc(Tag(Buffer.GATHER_FLAT, micro, flat), Category.GATHERED, numel * ctx.param_bytes),)
             self.unwaited[flat] = set(pids)
             self.inflight.update((p, flat) for p in pids)
+            launch, self.wait_views[flat] = coalesced_gather_views(ctx.world, len(pids))
+            self.pending_views += launch
         op = ctx.b.add(OpKind.PARAM_GATHER, Stream.ALLGATHER, phase, micro,
                        ParamGather(Comm(Collective.ALL_GATHER, numel, numel * ctx.param_bytes), tuple(pids), visit,
                                    prefetch),
@@ -198,6 +204,8 @@ class ParamCoordinator:
         """The registry pops `p`; its flat buffer goes when no param of it is left in flight."""
         flat = self.inflight.pop(p, None)
         if flat is not None:
+            # the first wait on a handle splits out every param of it
+            self.pending_views += self.wait_views.pop(flat, 0)
             self.unwaited[flat].discard(p)
             if not self.unwaited[flat]:
                 del self.unwaited[flat]
@@ -206,6 +214,9 @@ class ParamCoordinator:
     def module_ran(self, op: int):
         """The module's compute op: the flat buffers its hook's wait dropped go before it runs."""
         self.last_compute = op
+        if self.pending_views:
+            self.ctx.b.add_host_views(op, self.pending_views)
+            self.pending_views = 0
         if self.waited:
             self.ctx.b.add_free_before(op, *self.waited)
             self.waited = []
@@ -238,6 +249,9 @@ class ParamCoordinator:
                 self.ctx.b.add_free(op, Tag(Buffer.GATHERED, micro, p))
         # the registry's leftovers are waited here; their flat buffers go with them
         self.ctx.b.add_free(op, *(Tag(Buffer.GATHER_FLAT, micro, flat) for flat in self.unwaited), *self.waited)
+        views = self.pending_views + sum(self.wait_views.values())
+        if views:
+            self.ctx.b.add_host_views(op, views)
         self.reset()
 
     def _drop(self, p: int):

@@ -209,3 +209,31 @@ def grads_ready_at(wl) -> dict[str, tuple[int, ...]]:
 def trainable_numels(wl) -> list[int]:
     """numels of the optimized params in registration order (ZeRO-3's optimizer sub-groups)."""
     return [p.numel for p in wl.params if p.trainable]
+
+
+# [Note: per-rank host loops] Three of ZeRO-3's host-side steps loop over every rank of the
+# data-parallel group in Python, once per tensor, so their host time grows with the world size
+# while the bytes each rank sends do not (DeepSpeed 0.19.8):
+# - reduce_scatter_coalesced (runtime/comm/coalesced_collectives.py), per gradient bucket: a
+#   slice view per rank of each gradient (partition_lst_for_each_tensor), then, unless the bucket
+#   is one tensor that divides evenly, an interleaving pass over rank x tensor (append, numel,
+#   padding check) whose list torch.cat consumes;
+# - a coalesced all-gather of more than one param (partition_parameters.py _all_gather_dtype,
+#   at launch): a narrow view per rank of the flat output buffer (`partitions`);
+# - its handle's wait (AllGatherCoalescedHandle.wait, at the first use of any of its params):
+#   per param, a narrow view per rank, list append and torch.cat of the pieces (plus, on a GPU,
+#   record_stream of each piece).
+# A single-param gather (the one-param path of all_gather_coalesced) and a divisible
+# single-tensor bucket skip the second pass. The cost per view is the profile's
+# (cpu.zero3_rank_view_us, measured by `zsim calibrate`: calibration/harness/bench_zero.py);
+# the counts below are data. They run in the hooks, on the thread that launches the module's
+# kernels, so they are charged before the compute op the hook belongs to.
+def scatter_views(world: int, tensors: int, interleaved: bool) -> int:
+    """Per-rank views of one reduce_scatter_coalesced call (see [Note: per-rank host loops])."""
+    return world * tensors * (2 if interleaved else 1)
+
+
+def coalesced_gather_views(world: int, params: int) -> tuple[int, int]:
+    """(views at launch, views at the handle's wait) of a coalesced all-gather of `params` > 1
+    params (see [Note: per-rank host loops])."""
+    return world, world * params

@@ -184,6 +184,10 @@ class CpuProfile:
                                                     "copy-back) over plain torch; 0: not measured")
     zero1_grad_hook_us: float = spec(0.0, ge=0, doc="the same for ZeRO-1 (per-parameter bucketing at the boundary)")
     zero2_grad_hook_us: float = spec(0.0, ge=0, doc="the same for ZeRO-2 (per-parameter gradient hooks)")
+    zero3_rank_view_us: float = spec(0.0, ge=0, doc="host time per per-rank tensor view DeepSpeed ZeRO-3's Python "
+                                                    "loops make and consume (reduce_scatter_coalesced, a coalesced "
+                                                    "all-gather's launch and wait): a call costs world size x "
+                                                    "tensors of them (see [Note: per-rank host loops]); 0: not measured")
 
     def grad_hook_us(self, stage: int) -> float:
         return (self.zero0_grad_hook_us, self.zero1_grad_hook_us, self.zero2_grad_hook_us)[stage] if stage < 3 else 0.0
