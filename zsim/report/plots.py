@@ -155,7 +155,8 @@ def scaling_data(rows: list[dict]) -> dict:
             pts.append({"gpus": ws, "tokens_per_s": best["tokens_per_s"],
                         "tokens_per_s_per_gpu": best["tokens_per_s_per_gpu"], "oom": not ok,
                         "compute_s": best.get("compute_time_s"), "comm_s": comm_s,
-                        "exposed_s": best.get("comm.exposed_time_s")})
+                        "exposed_s": best.get("comm.exposed_time_s"),
+                        "host_loops_s": best.get("host_time_s.zero3_rank_loops")})
         out[stage] = pts
     if not out:
         raise ZsimInputError("RESULTS", "rows", "no successful points with world_size; sweep hardware.nodes")
@@ -173,6 +174,9 @@ def _hiding_panel(ax, data: dict):
         ax.plot(g, [p["comm_s"] for p in pts], "s--", color=color, alpha=0.8, label=f"ZeRO-{stage} comm busy")
         ax.plot(g, [max(p["exposed_s"] or 0.0, 1e-6) for p in pts], ":", color=color, alpha=0.6,
                 label=f"ZeRO-{stage} comm exposed")
+        if any(p.get("host_loops_s") for p in pts):   # inside compute: see [Note: per-rank host loops]
+            ax.plot(g, [max(p.get("host_loops_s") or 0.0, 1e-6) for p in pts], "^-.", color=PALETTE[2 * i + 1],
+                    alpha=0.8, label=f"ZeRO-{stage} host loops over ranks (in compute)")
         cross = next((p for p in pts if p["comm_s"] >= p["compute_s"]), None)
         if cross is not None:
             ax.axvline(cross["gpus"], color=color, alpha=0.4, linewidth=1)
