@@ -48,7 +48,7 @@ def run_tensor(tmp_path, name: str, steps: int = 3) -> tuple[dict, object]:
     out = tmp_path / "tp.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
            str(_free_port()), "-m", "calibration.core.tensor_run", "--scenario", str(path), "--tp", str(tp),
-           "--pp", str(pp), "--steps", str(steps), "--out", str(out)] + (["--sp"] if sp else [])
+           "--pp", str(pp), "--steps", str(steps), "--no-memory", "--out", str(out)] + (["--sp"] if sp else [])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and out.exists(), proc.stderr[-2000:]
@@ -144,3 +144,24 @@ def test_tensor_parallel_calls_are_zsims(case, tmp_path):
         assert logged == zsim_calls(sched, stage), f"stage {stage}"
     if sp:   # the sequence-parallel gradients: one call per stage, norms and row-parallel biases
         assert sum(c[:2] == ("backward", "all_reduce") for c in zsim_calls(sched, 0)) == 1
+
+
+def test_validate_runs_tensor_parallelism_on_the_core(tmp_path, capsys):
+    """`zsim validate` of a TP2 scenario (no data parallelism, ZeRO-0) launches the core's
+    tensor-parallel runner, times its steps, tracks its peak and compares its tensor-group calls
+    with zsim's schedule of the same scenario."""
+    import yaml
+
+    from zsim.cli import main as cli_main
+
+    path = tmp_path / "tp.yaml"
+    path.write_text(yaml.safe_dump({**raw("tp2", 2), "parallelism": {"tensor": 2}}))
+    report = tmp_path / "r.json"
+    assert cli_main(["validate", str(path), "--steps", "2", "--warmup", "0", "--json", str(report)]) == 0
+    r = json.loads(report.read_text())
+    assert r["collectives_equal"], r["collectives_first_difference"]
+    m, p = r["measured"], r["predicted"]
+    assert m["step_time_s"] > 0 and len(m["step_times_s"]) == 2 and m["peak_bytes"] > 0
+    assert m["collectives"] == p["collectives"] and len(m["collectives"]) > 0
+    assert {c[1] for c in m["collectives"]} == {"all_reduce"}      # TP2 without SP: f/g all-reduces only
+    assert len(m["losses"]) == 3 * GAS    # two timed steps and the one under the memory tracker

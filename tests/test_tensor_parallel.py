@@ -221,12 +221,18 @@ def test_bad_tensor_size_exits_2_in_one_line(tmp_path):
     assert proc.stderr.strip().count("\n") == 0 and "parallelism.tensor" in proc.stderr
 
 
-def test_validate_refuses_tensor_parallelism_in_one_line(tmp_path, capsys):
+@pytest.mark.parametrize("changes, key", [
+    ({"deepspeed.zero_optimization.stage": 0, "hardware.gpus_per_node": 2}, "--engine"),   # no DeepSpeed TP runner
+    ({"deepspeed.zero_optimization.stage": 0, "hardware.gpus_per_node": 4}, "hardware.gpus_per_node"),  # DP 2
+    ({"deepspeed.zero_optimization.stage": 1, "hardware.gpus_per_node": 2}, "deepspeed.zero_optimization.stage"),
+])
+def test_validate_refuses_what_the_tensor_core_does_not_run_in_one_line(tmp_path, capsys, changes, key):
     from tests.helpers import mapping
     from zsim.cli import main as cli_main
 
     path = tmp_path / "s.yaml"
-    path.write_text(json.dumps(mapping(**TP)))
-    assert cli_main(["validate", str(path)]) == 2
+    path.write_text(json.dumps(mapping(**{**TP, **changes})))
+    args = ["validate", str(path)] + (["--engine", "deepspeed"] if key == "--engine" else [])
+    assert cli_main(args) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "parallelism.tensor" in err
+    assert "\n" not in err and key in err

@@ -92,7 +92,12 @@ def predict(sc) -> tuple[dict, object]:
            "collectives": [list(c) for c in schedule_collectives(schedule)],
            "collectives_summary": schedule_summary(schedule),
            "memory_breakdown": result.memory.breakdown}
-    if schedule.stages > 1:   # each stage's rank issues its own calls (rank 0: stage 0's)
+    if schedule.tensor > 1:   # the tensor-parallel runner's calls: see validation.tensor_and_pipe_calls
+        per_stage = [[list(c) for c in stage_calls(schedule, s, DTYPE_BYTES[sc.precision], tensor_and_pipe=True)]
+                     for s in range(schedule.stages)]
+        out.update(collectives=per_stage[0], collectives_per_stage=per_stage,
+                   collectives_summary=collective_summary(per_stage[0]))
+    elif schedule.stages > 1:   # each stage's rank issues its own calls (rank 0: stage 0's)
         per_stage = [[list(c) for c in stage_calls(schedule, s, DTYPE_BYTES[sc.precision])]
                      for s in range(schedule.stages)]
         out.update(collectives=per_stage[0], collectives_per_stage=per_stage,
@@ -103,7 +108,8 @@ def predict(sc) -> tuple[dict, object]:
 def main(args) -> int:
     from zsim.config.scenario import load_scenario
     from zsim.report.writers import chrome_trace, write_atomic
-    from calibration.validation import TENSOR_ONLY_OVERRIDES, collective_summary, compare, render_text
+    from calibration.validation import (TENSOR_ONLY_OVERRIDES, collective_summary, compare, render_text,
+                                        tensor_and_pipe_calls)
 
     python = args.python or sys.executable
     if args.engine not in ENGINES:
@@ -116,16 +122,26 @@ def main(args) -> int:
     if sc0.pipeline_stages > 1 and args.engine == "fsdp":
         raise ZsimInputError("parallelism.pipeline", sc0.pipeline_stages,
                              "--engine fsdp runs data parallelism only; use --engine own or deepspeed")
-    if sc0.tensor_parallel_size > 1:
-        # the core's tensor-parallel runner (calibration/core/tensor_run.py) trains its own model,
-        # not the schedule's ops: its calls are checked in tests/test_core_tensor.py instead
-        raise ZsimInputError("parallelism.tensor", sc0.tensor_parallel_size,
-                             "zsim validate does not run tensor parallelism; set parallelism.tensor=1")
+    tensor = sc0.tensor_parallel_size > 1
+    if tensor:
+        # the core's tensor-parallel runner (calibration/core/tensor_run.py) trains Megatron's TP
+        # with DeepSpeed's 1F1B, plain AdamW and plain DDP: a grid without data parallelism at
+        # ZeRO-0 is what it shares with zsim's schedule
+        if args.engine != "own":
+            raise ZsimInputError("--engine", args.engine, "tensor parallelism runs on the own core only; use --engine own")
+        dp = sc0.cluster.world_size // (sc0.tensor_parallel_size * sc0.pipeline_stages)
+        if dp != 1:
+            raise ZsimInputError("hardware.gpus_per_node", sc0.cluster.world_size,
+                                 f"the core's tensor-parallel runner has no DeepSpeed data parallelism (DP {dp}); "
+                                 "use tensor x pipeline GPUs")
+        if sc0.zero.stage != 0:
+            raise ZsimInputError("deepspeed.zero_optimization.stage", sc0.zero.stage,
+                                 "the core's tensor-parallel runner steps plain AdamW; set it to 0")
     nproc = _int(args.nproc_per_node, "--nproc-per-node") if args.nproc_per_node else sc0.cluster.world_size
     overrides += [f"hardware.profile={args.profile}", "hardware.nodes=1", f"hardware.gpus_per_node={nproc}"]
     overrides += list(TENSOR_ONLY_OVERRIDES)
     sc = load_scenario(args.scenario, tuple(overrides))
-    if args.engine == "own":
+    if args.engine == "own" and not tensor:
         from calibration.core.plan import unsupported   # pure python, no torch
         why = unsupported(sc)
         if why:
@@ -141,10 +157,11 @@ def main(args) -> int:
     with tempfile.TemporaryDirectory(prefix="zsim-validate-") as tmp:
         out = Path(tmp) / "measured.json"
         mtrace = Path(tmp) / "measured_trace.json"
-        cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               "-m", "calibration.core.run", "--scenario", str(Path(args.scenario).resolve()),
-               "--engine", args.engine, "--steps", str(steps), "--warmup", str(warmup), "--out", str(out),
-               "--trace", str(mtrace)]
+        cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+        common = ["--scenario", str(Path(args.scenario).resolve()), "--steps", str(steps), "--warmup", str(warmup),
+                  "--out", str(out)]
+        cmd += (["-m", "calibration.core.tensor_run", *common] if tensor else
+                ["-m", "calibration.core.run", *common, "--engine", args.engine, "--trace", str(mtrace)])
         for o in overrides:
             cmd += ["--set", o]
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
@@ -166,6 +183,9 @@ def main(args) -> int:
             return 1
         measured = json.loads(out.read_text())
         measured_trace = json.loads(mtrace.read_text()) if mtrace.exists() else None
+    if tensor:
+        measured["collectives"] = tensor_and_pipe_calls(measured["collectives"])
+        measured["collectives_per_rank"] = [tensor_and_pipe_calls(c) for c in measured["collectives_per_rank"]]
     measured["collectives_summary"] = collective_summary(measured.get("collectives", []))
     report = compare(measured, predicted)
     report.update(scenario=sc.name, engine=args.engine, profile=args.profile, world_size=nproc)

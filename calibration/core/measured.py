@@ -48,12 +48,12 @@ def write_measurement(path: str, engine: str, sc, args, step_times, phase_times,
             json.dump(out, f, indent=1)
 
 
-def measure_steps(args, sc, engine: str, train_step, record: dict) -> None:
+def measure_steps(args, sc, engine: str, train_step, record: dict, write=None) -> None:
     """The peers' measurement (calibration/core/peers.py, ds_pipe.py): `args.warmup` steps, then
     `args.steps` timed ones (the last one's calls logged into record["log"]), then one step under
     the tensor memory tracker; rank 0 writes the JSON and every rank leaves.
     `train_step(step, phases)` returns the step's losses and adds its phases' times to `phases`
-    (a dict, or None when not timed)."""
+    (a dict, or None when not timed). `write` replaces write_measurement (same arguments)."""
     import time
 
     import torch.distributed as dist
@@ -85,7 +85,7 @@ def measure_steps(args, sc, engine: str, train_step, record: dict) -> None:
         with tr:
             losses += train_step(s, None)
         peak = tr.peak
-    write_measurement(args.out, engine, sc, args, step_times, phase_times, peak, collectives, losses)
+    (write or write_measurement)(args.out, engine, sc, args, step_times, phase_times, peak, collectives, losses)
     dist.barrier()
     exit_without_teardown()
 

@@ -27,6 +27,8 @@ count it (the output of an all-gather, the input of a reduce-scatter).
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -195,7 +197,10 @@ class TPModel:
         self.m, self.comm, self.sp, self.t = m, comm, sp, comm.size
         if m.heads % self.t or m.vocab % self.t or m.ffn % self.t or (sp and sc.seq_len % self.t):
             raise SystemExit(f"tensor parallel {self.t} must divide heads, vocab, ffn (and seq_len with SP)")
-        wl = workload_for(sc)
+        # the whole model's parameters, each rank taking its shard below (a scenario that sets
+        # parallelism.tensor describes one rank's already)
+        whole = replace(sc, parallelism=replace(sc.parallelism, tensor=1, sequence_parallel=False))
+        wl = workload_for(whole)
         self.params, self.partitioned = {}, {}
         for p, value in zip(wl.params, init_params(wl, param_shapes(wl), seed)):
             local, part = shard(p.name, value, m, comm.rank, self.t)

@@ -34,10 +34,12 @@ def parse(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--scenario", required=True)
     p.add_argument("--set", action="append", default=[])
-    p.add_argument("--tp", type=int, required=True)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--sp", action="store_true", help="Megatron sequence parallelism")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--tp", type=int, help="tensor parallel size (default: the scenario's parallelism.tensor)")
+    p.add_argument("--pp", type=int, help="pipeline stages (default: the scenario's parallelism.pipeline)")
+    p.add_argument("--sp", action="store_true", help="Megatron sequence parallelism (default: the scenario's)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps (the last one's calls are logged)")
+    p.add_argument("--warmup", type=int, default=0)
+    p.add_argument("--no-memory", action="store_true", help="skip the step under the tensor memory tracker")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
@@ -123,7 +125,9 @@ class PipeWire:
         return flat.view(self.shape)
 
 
-def train(args, sc, lay: Layout):
+def train(args, sc, lay: Layout, record: dict):
+    """This rank's `train_step(step, phases)` (measured.measure_steps' contract): one optimizer
+    step of GAS micro-batches, its losses returned; the calls go to record["log"] when it is a list."""
     from calibration.core.model import DTYPES, batch
     from calibration.core.tensor import TPComm, TPModel, supported
     from zsim.schedule.pipe_partition import partition_uniform
@@ -152,7 +156,6 @@ def train(args, sc, lay: Layout):
         program = [(c, m) for m in range(gas) for c in (Cmd.FORWARD, Cmd.BACKWARD)]
     else:
         program = train_schedule(lay.pp, lay.stage, gas)
-    losses = []
 
     def send(tensors, peer):
         for t in tensors:
@@ -165,8 +168,9 @@ def train(args, sc, lay: Layout):
             dist.recv(t, peer)
         return tensors
 
-    for step in range(args.steps):
-        comm.log = [] if step == args.steps - 1 else None
+    def train_step(step: int, phases) -> list[float]:
+        comm.log = record["log"]
+        losses: list[float] = []
         state: dict[int, dict] = {}
         for cmd, micro in program:
             s = state.setdefault(micro, {})
@@ -206,7 +210,8 @@ def train(args, sc, lay: Layout):
         _finalize_grads(model, names, lay, clip, log)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return losses, comm.log
+        return losses
+    return train_step
 
 
 def _finalize_grads(model, names, lay: Layout, clip: float, log: _Log):
@@ -241,30 +246,46 @@ def _finalize_grads(model, names, lay: Layout, clip: float, log: _Log):
             model.params[n].grad.mul_(coef)
 
 
+def write_tensor_measurement(path: str, engine: str, sc, args, step_times, phase_times, peak_bytes: int,
+                             collectives, losses: list[float], lay: Layout) -> None:
+    """measured.write_measurement's figures (rank 0's step times, the peak over ranks), plus what a
+    tensor/pipeline grid needs: the loss as the last stage's first TP rank reports it (averaged
+    over data-parallel ranks) and every rank's calls with their group (all ranks call)."""
+    from calibration.core.measured import summarize_times
+
+    world = dist.get_world_size()
+    every = [None] * world
+    dist.all_gather_object(every, {"losses": losses, "calls": [list(c) for c in collectives or []], "peak": peak_bytes,
+                                   "stage": lay.stage, "dp_rank": lay.dp_rank, "tp_rank": lay.tp_rank})
+    if dist.get_rank() == 0:
+        reporting = [r["losses"] for r in every if r["stage"] == lay.pp - 1 and r["tp_rank"] == 0]
+        peaks = [r["peak"] for r in every]
+        out = {"engine": engine, "scenario": sc.name, "world_size": world, "steps": args.steps, "warmup": args.warmup,
+               "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "sequence_parallel": args.sp,
+               **summarize_times(step_times, phase_times), "peak_bytes": max(peaks), "peak_bytes_per_rank": peaks,
+               "losses": [sum(v) / len(reporting) for v in zip(*reporting)],
+               "losses_per_rank": [r["losses"] for r in every],
+               "collectives": every[0]["calls"], "collectives_per_rank": [r["calls"] for r in every]}
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    from calibration.core.measured import exit_without_teardown
+    from calibration.core.measured import measure_steps
     from zsim.config.scenario import load_scenario
 
     dist.init_process_group("gloo")
     sc = load_scenario(args.scenario, tuple(args.set))
+    args.tp = args.tp or sc.tensor_parallel_size
+    args.pp = args.pp or sc.pipeline_stages
+    args.sp = args.sp or sc.parallelism.sequence_parallel
     lay = Layout(dist.get_world_size(), args.tp, args.pp)
-    losses, calls = train(args, sc, lay)
-    world = dist.get_world_size()
-    every = [None] * world
-    dist.all_gather_object(every, {"losses": losses, "calls": [list(c) for c in calls or []],
-                                   "stage": lay.stage, "dp_rank": lay.dp_rank, "tp_rank": lay.tp_rank})
-    if dist.get_rank() == 0:
-        reporting = [r["losses"] for r in every if r["stage"] == lay.pp - 1 and r["tp_rank"] == 0]
-        out = {"scenario": sc.name, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "sequence_parallel": args.sp,
-               "losses": [sum(v) / len(reporting) for v in zip(*reporting)],
-               "losses_per_rank": [r["losses"] for r in every],
-               "collectives_per_rank": [r["calls"] for r in every]}
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
-    dist.barrier()
-    exit_without_teardown()
+    record = {"log": None}
+    measure_steps(args, sc, "own", train(args, sc, lay, record), record,
+                  write=lambda *a: write_tensor_measurement(*a, lay=lay))
+    return 0
 
 
 if __name__ == "__main__":
