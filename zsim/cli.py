@@ -5,13 +5,17 @@ inside main so `zsim --help` stays fast. zsim's own subcommands live in zsim/com
 and are listed in COMMANDS. Packages layered above zsim contribute theirs through the
 `zsim.commands` entry point group (pyproject.toml: `calibrate = "calibration.commands.calibrate"`),
 so zsim never imports them by name: the layer contract in pyproject.toml forbids zsim -> calibration.
+
+A command line naming a built-in command gets a parser holding that command alone: its parsing,
+help and errors are those of its own subparser, so the other commands' modules and the entry
+point scan (importlib.metadata reads every installed distribution's metadata) are left out of
+`zsim run`'s start-up. Any other command line (a plugin's command, `--help`, a typo) gets them all.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
-from importlib.metadata import entry_points
 
 from zsim.errors import ZsimInputError, one_line
 
@@ -24,11 +28,15 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"zsim: error: {message} (see {self.prog} --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """Every command's parser, or, with `only` (a built-in command), that command's alone."""
     p = _Parser(prog="zsim", description="Simulate DeepSpeed ZeRO training steps before renting GPUs.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for name in COMMANDS:
+    for name in (only,) if only else COMMANDS:
         importlib.import_module(f"zsim.commands.{name}").add_parser(sub)
+    if only:
+        return p
+    from importlib.metadata import entry_points
     # sorted: the help lists them in the same order whatever order the installer recorded
     for ep in sorted(entry_points(group=PLUGIN_GROUP), key=lambda ep: ep.name):
         if ep.name in COMMANDS:
@@ -38,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # the first word picks the command: zsim's top-level parser has no options besides --help
+    parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -1,8 +1,6 @@
 """User-facing errors: one line naming the field, the value and the fix (exit code 2)."""
 from __future__ import annotations
 
-import difflib
-
 
 def one_line(text: str) -> str:
     """`text` with control characters escaped (a key or path typed with a newline or a carriage
@@ -21,6 +19,7 @@ class ZsimInputError(Exception):
 
 
 def did_you_mean(name: str, choices) -> str:
+    import difflib   # here: only bad input needs it, and every zsim command imports this module
     close = difflib.get_close_matches(name, sorted(choices), n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
 

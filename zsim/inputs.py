@@ -6,6 +6,8 @@ gives a ZsimInputError naming the file instead of a UnicodeDecodeError or Recurs
 """
 from __future__ import annotations
 
+import copy
+import functools
 import json
 from pathlib import Path
 
@@ -56,9 +58,10 @@ def check_nesting(data, field: str, value: object) -> None:
 
 def parse_yaml(text: str, field: str, value: object):
     """yaml.safe_load with syntax and nesting errors as one line. Raises yaml.YAMLError's
-    position, or RecursionError's, as a ZsimInputError naming `field`."""
+    position, or RecursionError's, as a ZsimInputError naming `field`. Each text is parsed once
+    per process (_safe_load); every call returns a fresh copy."""
     try:
-        data = yaml.safe_load(text)
+        data = _safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
@@ -66,7 +69,15 @@ def parse_yaml(text: str, field: str, value: object):
     except RecursionError:
         raise too_deep(field, value) from None
     check_nesting(data, field, value)
-    return data
+    return copy.deepcopy(data)   # a copy of the kept parse: callers edit what they are given
+
+
+# Kept by the document's text, so an edited file is parsed afresh: `zsim run` reads its scenario
+# twice (is it a ds_config? then the load), tune, doctor and sweeps resolve hundreds of variants of
+# one scenario and its profile, and the pure-Python parser takes about 10 ms for a 4 KB profile.
+@functools.lru_cache(maxsize=32)
+def _safe_load(text: str):
+    return yaml.safe_load(text)
 
 
 def parse_json(text: str, field: str, value: object):

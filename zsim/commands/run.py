@@ -29,8 +29,6 @@ def main(args) -> int:
     from zsim.api import run_scenario
     from zsim.config.scenario import load_scenario
     from zsim.errors import ZsimInputError
-    from zsim.report.table import make_console, render
-    from zsim.report.writers import dumps, save, trace_json
     from zsim.units import GiB
 
     headroom = headroom_fraction(args.headroom)
@@ -39,12 +37,16 @@ def main(args) -> int:
     sc = load_scenario(args.scenario, scenario_overrides(args))
     result, trace = run_scenario(sc, steady=not args.full_simulation)
     if not args.quiet:
+        # rich (about 30 ms of imports) only when there is a table to draw
+        from zsim.report.table import make_console, render
         render(result, make_console(args.width))
     fits = result.fits_with(headroom)
     if headroom and result.fits and not fits:
         mem = result.memory
         print(f"with {headroom:.0%} headroom: peak {mem.peak_bytes / GiB:.2f} GiB over the "
               f"{mem.capacity_bytes * (1 - headroom) / GiB:.2f} GiB allowed -> does not fit", file=sys.stderr)
+    if args.json or args.trace:
+        from zsim.report.writers import dumps, save, trace_json
     if args.json:
         save(args.json, dumps(result.to_dict()))
     if args.trace:

@@ -57,7 +57,9 @@ def _pinned(raw: dict, training_key: str, ds_key: str) -> bool:
 
 
 def rederive_batch(path: str | Path, overrides: tuple[str, ...]) -> tuple[tuple[str, ...], str | None]:
-    """`rederive_raw` on a scenario file."""
+    """`rederive_raw` on a scenario file (read only when the overrides move a batch key)."""
+    if _batch_keys_moved(overrides) is None:
+        return (), None
     path = Path(path)
     try:
         raw = load_raw(path)
@@ -66,15 +68,25 @@ def rederive_batch(path: str | Path, overrides: tuple[str, ...]) -> tuple[tuple[
     return rederive_raw(raw, overrides, path.parent, path.stem)
 
 
+def _batch_keys_moved(overrides: tuple[str, ...]) -> tuple[list[str], list[str]] | None:
+    """(every overridden key, those that move a batch key), or None when nothing is to derive:
+    no batch key moves, or the user sets the deepspeed block or train_batch_size themselves."""
+    keys = [a.split("=", 1)[0].strip() for a in overrides if "=" in a]
+    changed = [k for k in keys if _touches(k)]
+    if not changed or any(k in ("deepspeed", "deepspeed.train_batch_size") for k in keys):
+        return None
+    return keys, changed
+
+
 def rederive_raw(raw: dict, overrides: tuple[str, ...], base_dir: Path,
                  name: str) -> tuple[tuple[str, ...], str | None]:
     """(extra assignments, one-line note) when the overrides move a batch key that the mapping pins
     under its other name, or move the batch product while it pins train_batch_size;
     ((), None) when nothing needs deriving or the loader should speak."""
-    keys = [a.split("=", 1)[0].strip() for a in overrides if "=" in a]
-    changed = [k for k in keys if _touches(k)]
-    if not changed or any(k in ("deepspeed", "deepspeed.train_batch_size") for k in keys):
+    moved = _batch_keys_moved(overrides)
+    if moved is None:
         return (), None
+    keys, changed = moved
     layout_only = all(_touches(k, _LAYOUT) for k in changed)
     try:
         pinned_tb = _get(raw, "deepspeed", "train_batch_size")

@@ -2,7 +2,6 @@
 scenario's `hardware.override`, -> a HardwareProfile (zsim.specs.hardware)."""
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 from zsim.errors import ZsimInputError, did_you_mean
@@ -30,26 +29,19 @@ def read_profile_mapping(ref: str, base_dir: Path | None = None) -> tuple[dict, 
         candidates.append(profiles_dir() / f"{ref}.yaml")
     for c in candidates:
         if c.is_file():
-            return copy.deepcopy(_parsed(c)), str(c)
+            return _parsed(c), str(c)
     names = available_profiles()
     raise ZsimInputError("hardware.profile", ref,
                          f"no such profile{did_you_mean(ref, names)}; available: {', '.join(names)} or a path to a .yaml file")
 
 
-# (path, mtime, size) -> the parsed profile: tune, doctor and sweeps resolve hundreds of variants
-# of one scenario, and parsing its profile's YAML was most of each resolution
-_PARSED: dict[tuple[str, int, int], dict | None] = {}
-
-
 def _parsed(path: Path) -> dict | None:
-    stat = path.stat()
-    key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
-    if key not in _PARSED:
-        data = parse_yaml(read_text(path, "hardware.profile", "a hardware profile YAML"), "hardware.profile", str(path))
-        if data is not None and not isinstance(data, dict):
-            raise ZsimInputError("hardware.profile", str(path), "a profile must be a mapping of keys to values")
-        _PARSED[key] = data
-    return _PARSED[key]
+    # parse_yaml keeps the parse of each text: tune, doctor and sweeps resolve hundreds of
+    # variants of one scenario, and parsing its profile's YAML was most of each resolution
+    data = parse_yaml(read_text(path, "hardware.profile", "a hardware profile YAML"), "hardware.profile", str(path))
+    if data is not None and not isinstance(data, dict):
+        raise ZsimInputError("hardware.profile", str(path), "a profile must be a mapping of keys to values")
+    return data
 
 
 def deep_merge(base: dict, override: dict) -> dict:
