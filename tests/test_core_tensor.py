@@ -150,6 +150,7 @@ def test_validate_runs_tensor_parallelism_on_the_core(tmp_path, capsys):
     """`zsim validate` of a TP2 scenario (no data parallelism, ZeRO-0) launches the core's
     tensor-parallel runner, times its steps, tracks its peak and compares its tensor-group calls
     with zsim's schedule of the same scenario."""
+    pytest.importorskip("torch")
     import yaml
 
     from zsim.cli import main as cli_main
