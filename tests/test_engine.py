@@ -306,3 +306,25 @@ def test_zero3_per_rank_host_loops_are_charged_per_view():
         assert all(op.kind in (OpKind.FORWARD, OpKind.BACKWARD) for op in ops if op.host_views)
         slow = run_scenario(cpu(40.0, world))[0].step_time_s
         assert slow - run_scenario(sc)[0].step_time_s == pytest.approx(views * 40e-6, rel=1e-6)
+
+
+def test_zero3_reduce_scatter_false_all_reduces_only_contiguous_buckets_within_size():
+    """stage3.py __reduce_and_partition_ipg_grads: with reduce_scatter false a bucket is
+    all-reduced only with contiguous_gradients and at most reduce_bucket_size elements (a param
+    larger than the bucket fills one alone); otherwise reduce_scatter_coalesced runs."""
+    from zsim.schedule.build import build_schedule, workload_for
+    from zsim.schedule.ir import Collective
+
+    def kinds(**keys):
+        sc = scenario(**{"deepspeed.zero_optimization.stage": 3, "deepspeed.zero_optimization.reduce_scatter": False,
+                         **keys})
+        numels = [p.numel for p in workload_for(sc).params]
+        return [(op.comm.collective, sum(numels[p] for p in op.payload.pids))
+                for op in build_schedule(sc)[1].ops if op.kind == OpKind.BUCKET_REDUCE]
+    contiguous = kinds(**{"deepspeed.zero_optimization.reduce_bucket_size": 5e5})
+    assert contiguous and all(c == Collective.ALL_REDUCE and n <= 5e5 for c, n in contiguous)
+    assert {c for c, _ in kinds(**{"deepspeed.zero_optimization.contiguous_gradients": False})} == {
+        Collective.REDUCE_SCATTER}
+    small = kinds(**{"deepspeed.zero_optimization.reduce_bucket_size": 1e3})
+    assert {c for c, n in small if n > 1e3} == {Collective.REDUCE_SCATTER}
+    assert {c for c, n in small if n <= 1e3} <= {Collective.ALL_REDUCE}

@@ -17,7 +17,8 @@ module in forward order (partition.grads_ready_at).
   (use_multi_rank_bucket_allreduce, average_tensor), else one `reduce` per destination rank.
   This moves 2x the bytes of the ZeRO paper's reduce-scatter (2(N-1)/N vs (N-1)/N).
 - ZeRO-3 (`Zero3Buckets`): one coalesced reduce-scatter of the padded bucket (all-reduce with
-  reduce_scatter false), with reduce_scatter_coalesced's buffer passes (see [Note: reduce-scatter
+  reduce_scatter false, contiguous gradients and at most reduce_bucket_size elements), with
+  reduce_scatter_coalesced's buffer passes (see [Note: reduce-scatter
   buffer passes]).
 With the optimizer offloaded, this rank's reduced slice goes to the host after each bucket.
 """
@@ -188,7 +189,12 @@ class Zero3Buckets(_Buckets):
         ctx = self.ctx
         numel = sum(padded(self.numels[p], ctx.world) for p in self.bucket)
         size_bytes = numel * ctx.reduce_bytes
-        if not ctx.sc.zero.reduce_scatter:
+        z = ctx.sc.zero
+        # stage3.py __reduce_and_partition_ipg_grads: the all-reduce path needs contiguous
+        # gradients and a bucket within reduce_bucket_size (one param larger than it fills a
+        # bucket alone); anything else goes through __avg_scatter_grads' reduce_scatter_coalesced
+        elements = sum(self.numels[p] for p in self.bucket)
+        if not z.reduce_scatter and z.contiguous_gradients and elements <= z.reduce_bucket_size:
             comm, allocs = Comm(Collective.ALL_REDUCE, numel, size_bytes), ()
         else:
             interleaved = not (len(self.bucket) == 1 and self.numels[self.bucket[0]] % ctx.world == 0)
