@@ -8,6 +8,7 @@ import pytest
 from tests.helpers import ROOT
 from zsim.api import run_scenario
 from zsim.config.scenario import scenario_from_mapping
+from zsim.result import ZERO3_RANK_LOOPS
 
 GPUS = (8, 32, 128, 256, 512, 1024, 2048, 4096)
 BATCH = 4096   # sequences per step: micro-batch 512 on 8 GPUs, 1 on 4096
@@ -88,7 +89,7 @@ def test_scaling_plot_marks_where_communication_stops_hiding(monkeypatch, tmp_pa
 @lru_cache(maxsize=None)
 def _loops(model: str, gpus: int, view_us: float | None = None):
     r = _run(model, gpus, None, view_us)
-    return r.tokens_per_s_per_gpu, r.host_time_s.get("zero3_rank_loops", 0.0)
+    return r.tokens_per_s_per_gpu, r.host_time_s.get(ZERO3_RANK_LOOPS, 0.0)
 
 
 def test_zero3_host_loops_grow_with_the_rank_count_and_cost_throughput():

@@ -92,13 +92,11 @@ def predict(sc) -> tuple[dict, object]:
            "collectives": [list(c) for c in schedule_collectives(schedule)],
            "collectives_summary": schedule_summary(schedule),
            "memory_breakdown": result.memory.breakdown}
-    if schedule.tensor > 1:   # the tensor-parallel runner's calls: see validation.tensor_and_pipe_calls
-        per_stage = [[list(c) for c in stage_calls(schedule, s, DTYPE_BYTES[sc.precision], tensor_and_pipe=True)]
-                     for s in range(schedule.stages)]
-        out.update(collectives=per_stage[0], collectives_per_stage=per_stage,
-                   collectives_summary=collective_summary(per_stage[0]))
-    elif schedule.stages > 1:   # each stage's rank issues its own calls (rank 0: stage 0's)
-        per_stage = [[list(c) for c in stage_calls(schedule, s, DTYPE_BYTES[sc.precision])]
+    if schedule.stages > 1 or schedule.tensor > 1:
+        # each stage's rank issues its own calls (rank 0: stage 0's); under TP only the tensor
+        # group's and the pipe's are compared (see validation.tensor_and_pipe_calls)
+        per_stage = [[list(c) for c in stage_calls(schedule, s, DTYPE_BYTES[sc.precision],
+                                                   tensor_and_pipe=schedule.tensor > 1)]
                      for s in range(schedule.stages)]
         out.update(collectives=per_stage[0], collectives_per_stage=per_stage,
                    collectives_summary=collective_summary(per_stage[0]))

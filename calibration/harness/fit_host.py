@@ -2,6 +2,8 @@
 interference."""
 from __future__ import annotations
 
+import statistics
+
 from calibration.harness.fit_common import fit_rate, usable
 
 
@@ -62,7 +64,5 @@ def fit_rank_views(records: list[dict]) -> tuple[dict, dict]:
             slopes[case] = max(0.0, (hi["time_s"] - lo["time_s"]) / (hi["views"] - lo["views"])) * 1e6
     if not slopes:
         return {}, {}
-    values = sorted(slopes.values())
-    median = values[len(values) // 2] if len(values) % 2 else (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
-    return ({"zero3_rank_view_us": median},
+    return ({"zero3_rank_view_us": statistics.median(slopes.values())},
             {"zero3_rank_view_us_by_case": ", ".join(f"{c} {v:.3f}" for c, v in slopes.items())})

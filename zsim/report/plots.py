@@ -10,7 +10,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from zsim.errors import ZsimInputError  # noqa: E402
 from zsim.inputs import parse_json, read_text  # noqa: E402
-from zsim.result import row_fits  # noqa: E402
+from zsim.result import ZERO3_RANK_LOOPS, row_fits  # noqa: E402
 from zsim.units import GiB  # noqa: E402
 
 FORMATS = (".png", ".svg")
@@ -156,7 +156,7 @@ def scaling_data(rows: list[dict]) -> dict:
                         "tokens_per_s_per_gpu": best["tokens_per_s_per_gpu"], "oom": not ok,
                         "compute_s": best.get("compute_time_s"), "comm_s": comm_s,
                         "exposed_s": best.get("comm.exposed_time_s"),
-                        "host_loops_s": best.get("host_time_s.zero3_rank_loops")})
+                        "host_loops_s": best.get(f"host_time_s.{ZERO3_RANK_LOOPS}")})
         out[stage] = pts
     if not out:
         raise ZsimInputError("RESULTS", "rows", "no successful points with world_size; sweep hardware.nodes")

@@ -5,7 +5,7 @@ from rich.console import Console
 from rich.table import Table
 
 from zsim.report.format import fmt_bytes, fmt_setting, fmt_time
-from zsim.result import Result, row_fits
+from zsim.result import ZERO3_RANK_LOOPS, Result, row_fits
 from zsim.units import GiB
 
 
@@ -127,12 +127,12 @@ def render(r: Result, console: Console | None = None):
         ct.add_row(k, str(c.calls[k]), fmt_bytes(c.bytes_per_gpu[k]), fmt_time(c.time_s[k]), algos,
                    f"{bw / 1e9:.1f} of {peak / 1e9:.0f}" if bw else "-")
     console.print(ct)
-    offload = {k: v for k, v in r.host_time_s.items() if k != "zero3_rank_loops"}
+    offload = {k: v for k, v in r.host_time_s.items() if k != ZERO3_RANK_LOOPS}
     if offload:
         parts = ", ".join(f"{k} {fmt_time(v)}" for k, v in offload.items())
         console.print(f"Offload busy time per GPU: {parts}")
-    if "zero3_rank_loops" in r.host_time_s:
-        console.print(f"ZeRO-3 host loops over the data-parallel ranks: {fmt_time(r.host_time_s['zero3_rank_loops'])} "
+    if ZERO3_RANK_LOOPS in r.host_time_s:
+        console.print(f"ZeRO-3 host loops over the data-parallel ranks: {fmt_time(r.host_time_s[ZERO3_RANK_LOOPS])} "
                       "per step, before compute (reduce_scatter_coalesced, coalesced all-gathers; docs/model.md)")
 
 

@@ -10,6 +10,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Mapping
 
+# Result.host_time_s's key for ZeRO-3's host loops over ranks (see [Note: per-rank host loops]);
+# its other keys are offload transfers and cpu_adam
+ZERO3_RANK_LOOPS = "zero3_rank_loops"
+
 
 def fits(gpu_fits: bool, host_fits: bool) -> bool:
     """The OOM rule every tool shares: a configuration fits when its peak fits in HBM and its
@@ -142,7 +146,7 @@ class Result:
     model_flops_per_gpu: float
     memory: Memory
     comm: Comm
-    host_time_s: dict[str, float]       # offload busy time per transfer kind / cpu_adam; zero3_rank_loops
+    host_time_s: dict[str, float]       # offload busy time per transfer kind / cpu_adam; ZERO3_RANK_LOOPS
     events: int                         # ops simulated
     warnings: tuple[str, ...]
     # params with requires_grad (LoRA adapters, what training.frozen leaves); None when all are

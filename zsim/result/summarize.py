@@ -10,7 +10,7 @@ from zsim.hardware.collectives import (bus_factor, collective_cost, link_busbw_B
                                       tiers_for)
 from zsim.hardware.host import rank_views_time_s
 from zsim.hardware.placement import group_shape, rank_map, rank_of, same_node
-from zsim.result import Comm, HostMemory, Memory, MoE, Pipeline, Result, TensorParallel
+from zsim.result import ZERO3_RANK_LOOPS, Comm, HostMemory, Memory, MoE, Pipeline, Result, TensorParallel
 from zsim.schedule.ir import Stream
 from zsim.schedule.payloads import Copy, CpuAdam, PipeTransfer, TensorComm
 from zsim.units import TFLOP
@@ -128,8 +128,8 @@ def _op_totals(trace: Trace, cl) -> _OpTotals:
             key = p.transfer.value if cls is Copy else "cpu_adam"
             host_time[key] = host_time.get(key, 0.0) + n * (t.end_s - t.start_s)
         if op.host_views and view_us:
-            host_time["zero3_rank_loops"] = (host_time.get("zero3_rank_loops", 0.0)
-                                             + n * rank_views_time_s(op.host_views, view_us))
+            host_time[ZERO3_RANK_LOOPS] = (host_time.get(ZERO3_RANK_LOOPS, 0.0)
+                                           + n * rank_views_time_s(op.host_views, view_us))
         comm = getattr(p, "comm", None)
         if comm is not None or cls is PipeTransfer:
             if cls is PipeTransfer:
