@@ -120,13 +120,18 @@ def collector_paused():
     goes, and the result is summarized from a trace that holds most of them: the cyclic
     collector's passes over them cost 10-20% of the step, and its first pass once re-enabled
     (over everything allocated meanwhile) as much again. The few cycles are collected after,
-    when a caller that drops the trace has let most of the objects go."""
+    when a caller that drops the trace has let most of the objects go: the objects still alive
+    on the way out are frozen (gc.freeze) so that re-enabling the collector does not walk them,
+    and unfrozen into the oldest generation on the next entry, where a full collection still
+    finds any cycle among them (nothing is exempt from collection for longer than one step)."""
     enabled = gc.isenabled()
     gc.disable()
+    gc.unfreeze()
     try:
         yield
     finally:
         if enabled:
+            gc.freeze()
             gc.enable()
 
 
