@@ -105,6 +105,22 @@ def test_fresh_alloc_fit_finds_the_mmap_threshold_and_first_touch_rate():
     assert fit_fresh_alloc([{**r, "time_s": r["kept_time_s"]} for r in recs]) == {}
 
 
+def test_fresh_alloc_fit_sees_first_touch_at_1_5_to_4x_the_fill():
+    # medians measured by `zsim calibrate --quick` on 2 ranks of the 2026-11-26 Xeon VM (MiB:
+    # alloc+fill ms, kept-fill ms): first touch ran 2-3 GB/s, only 1.8-3.8x a fill that had fallen
+    # out of cache, so the earlier 3x bar found no fresh size and the profile charged nothing
+    from calibration.harness.fit_compute import fit_fresh_alloc
+    mib = 1 << 20
+    measured = {8: (0.476, 0.733), 16: (1.072, 1.538), 24: (3.827, 2.141), 31: (4.058, 4.312),
+                33: (19.437, 6.903), 48: (34.412, 7.439), 64: (44.511, 11.735)}
+    recs = [{"kind": "fresh_alloc", "size_bytes": m * mib, "time_s": t * 1e-3, "kept_time_s": k * 1e-3}
+            for m, (t, k) in measured.items()]
+    f = fit_fresh_alloc(recs)
+    assert f["fresh_alloc_threshold_bytes"] == 31 * mib
+    rates = sorted(m * mib / ((t - k) * 1e-3) for m, (t, k) in measured.items() if m > 32)
+    assert f["fresh_alloc_GBps"] == pytest.approx(rates[1] / 1e9, rel=1e-12)
+
+
 def test_zero3_hook_fit_reads_the_measured_slopes():
     from calibration.harness.fit_host import fit_zero3_hooks
     assert fit_zero3_hooks([]) == {}

@@ -39,6 +39,15 @@ def test_json_has_the_documented_keys(tmp_path):
     assert r["tokens_per_s"] == pytest.approx(r["tokens_per_s_per_gpu"] * r["world_size"])
 
 
+def test_json_dash_is_standard_output(tmp_path, capsys, monkeypatch):
+    # the Unix convention: `--json -` prints the JSON (alone with --quiet) and writes no file named "-"
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", str(write(tmp_path, mapping())), "--quiet", "--json", "-"]) == 0
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["step_time_s"] > 0
+    assert not (tmp_path / "-").exists() and "wrote" not in cap.err
+
+
 def test_trace_is_valid_chrome_json_with_streams_and_memory(tmp_path):
     out = tmp_path / "t.json"
     raw = mapping(**{"deepspeed.zero_optimization.stage": 3})

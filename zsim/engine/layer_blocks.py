@@ -140,7 +140,7 @@ def _canon(ops, sites, places: _Places) -> list:
         shape = getattr(p, "comm", None) or getattr(p, "work", None) or op_shape(op)
         out[x] = (op.kind, op.stream, op.phase, op.micro_step, op.stage, op.hook_visits, op.grad_hooks, op.host_views,
                   shape,
-                  [(a.category, a.size_bytes) for a in op.alloc] if op.alloc else None, refs)
+                  [(a.category, a.size_bytes, a.touched_bytes) for a in op.alloc] if op.alloc else None, refs)
     return out
 
 

@@ -38,17 +38,20 @@ def optimizer_time_s(bytes_moved: float, gpu: GpuProfile) -> float:
     return bytes_moved / (gpu.hbm_bw_GBps * 1e9 * eff)
 
 
-def fresh_alloc_time_s(buffer_bytes, gpu: GpuProfile) -> float:
-    """First touch of the buffers an op allocates that the allocator maps fresh from the OS.
+def fresh_alloc_time_s(buffers, gpu: GpuProfile) -> float:
+    """First touch of the buffers an op allocates that the allocator maps fresh from the OS;
+    `buffers` holds (size_bytes, touched_bytes) pairs.
 
     torch's CPU allocator is malloc: glibc serves a request above its mmap threshold (dynamic,
     at most DEFAULT_MMAP_THRESHOLD_MAX = 32 MiB on 64-bit; mallopt(3)) with a new mapping and
-    returns it on free, so every such tensor page-faults its memory in again. The CUDA caching
-    allocator reuses blocks: profiles without the two fields pay nothing."""
+    returns it on free, so every such tensor page-faults its memory in again. The mapping is
+    chosen by the request's size, the faults by the pages written: a page never written is
+    never faulted in (mmap(2) maps anonymous memory lazily). The CUDA caching allocator reuses
+    blocks: profiles without the two fields pay nothing."""
     lim, rate = gpu.fresh_alloc_threshold_bytes, gpu.fresh_alloc_GBps
     if not lim or not rate:
         return 0.0
-    return sum(b for b in buffer_bytes if b > lim) / (rate * 1e9)
+    return sum(touched for size, touched in buffers if size > lim) / (rate * 1e9)
 
 
 def attention_time_s(flops: float, backward: bool, gpu: GpuProfile, peak_flops: float) -> float:

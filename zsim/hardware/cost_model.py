@@ -86,8 +86,8 @@ class CostModel:
         if op.alloc and self.gpu.fresh_alloc_GBps:
             comm = op.comm
             # a gather's params are views of one flat output buffer; other ops' allocations are tensors
-            sizes = ([comm.size_bytes] if comm is not None and comm.collective == Collective.ALL_GATHER
-                     else [a.size_bytes for a in op.alloc])
+            sizes = ([(comm.size_bytes, comm.size_bytes)] if comm is not None and comm.collective == Collective.ALL_GATHER
+                     else [(a.size_bytes, a.first_touch_bytes) for a in op.alloc])
             fixed += fresh_alloc_time_s(sizes, self.gpu)
         return fixed
 
@@ -108,7 +108,8 @@ class CostModel:
         shape = getattr(p, "comm", None) or getattr(p, "work", None)
         if shape is None:
             shape = (p.transfer, p.size_bytes, p.pinned) if isinstance(p, Copy) else p
-        sizes = tuple(a.size_bytes for a in op.alloc) if op.alloc and self.gpu.fresh_alloc_GBps else ()
+        sizes = (tuple((a.size_bytes, a.touched_bytes) for a in op.alloc) if op.alloc and self.gpu.fresh_alloc_GBps
+                 else ())
         key = (shape, op.phase if op.hook_visits else None, op.hook_visits, op.grad_hooks, op.host_views, sizes, op.stage)
         cost = self._cache.get(key)
         if cost is None:

@@ -78,8 +78,13 @@ def write_atomic(path: str | Path, text: str):
 
 def save(path: str | Path, text: str):
     """Write an output the user named, atomically, and say so on stderr, including when an
-    existing file is replaced (never silently)."""
+    existing file is replaced (never silently). "-" is standard output, as Unix tools read it
+    (with `zsim run --quiet --json -` the JSON alone)."""
     import sys
+    if str(path) == "-":
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
     existed = Path(path).exists()
     write_atomic(path, text)
     print(f"{'replaced existing' if existed else 'wrote'} {path}", file=sys.stderr)

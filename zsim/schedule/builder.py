@@ -3,6 +3,8 @@ hooks can attach frees, allocations and host-side effects to an op added earlier
 copying it."""
 from __future__ import annotations
 
+import dataclasses
+
 from zsim.schedule.ir import Alloc, Buffer, HostSettings, Op, OpKind, Phase, PipelineLayout, Schedule, Stream, Tag
 from zsim.schedule.payloads import ModulePass
 
@@ -64,6 +66,11 @@ class Builder:
         if isinstance(d.alloc, tuple):
             d.alloc = list(d.alloc)
         d.alloc.extend(allocs)
+
+    def set_touched(self, op_id: int, tag: Tag, touched_bytes: float):
+        """The buffer `tag` that op `op_id` allocates has `touched_bytes` written while it lives."""
+        d = self._ops[op_id]
+        d.alloc = [dataclasses.replace(a, touched_bytes=float(touched_bytes)) if a.tag == tag else a for a in d.alloc]
 
     def add_hook_visits(self, op_id: int, visits: int):
         self._ops[op_id].hook_visits += visits

@@ -95,6 +95,18 @@ class Zero12Buckets(_Buckets):
         self.partition_live = False
         self.pending: list[Tag] = []
         self.micro_flush: tuple[int, int] | None = None   # (micro-step, its last reduction op)
+        self.fills: dict[int, list[int]] = {}   # micro-step -> elements each flush copied into the IPG buffer
+
+    def ipg_touched_numel(self, micro: int, buffers: int) -> int:
+        """[Note: IPG buffer first touch] Elements of the IPG buffers that micro-step `micro`
+        writes: each bucket's gradients are copied to the start of buffer `bucket.index`
+        (reduce_independent_p_g_buckets_and_remove_grads, stage_1_and_2.py:1455), which
+        overlap_comm flips after every reduction (:1428) and setup_buckets resets to 0 at each
+        backward; a gradient over reduce_bucket_size bypasses the buffer. So each of the
+        `buffers` buffers is written up to its fullest bucket, however large it is: the rest of a
+        default 5e8-element buffer is never faulted in."""
+        fills = self.fills.get(micro, [])
+        return sum(max(fills[i::buffers], default=0) for i in range(buffers))
 
     def _on_add(self, pid: int, micro: int, after: int):
         z = self.ctx.sc.zero
@@ -133,6 +145,8 @@ class Zero12Buckets(_Buckets):
 
     def _flush(self, micro: int, after: int):
         ctx, width = self.ctx, self.ctx.param_bytes
+        rbs = ctx.sc.zero.reduce_bucket_size
+        self.fills.setdefault(micro, []).append(sum(n for n in map(self.numels.__getitem__, self.bucket) if n <= rbs))
         # the boundary walk's previous reduction (or the op the walk starts after): the bucket's
         # gradients were copied into the IPG buffer before this one starts
         before = self.micro_flush[1] if self.micro_flush and self.micro_flush[0] == micro else after

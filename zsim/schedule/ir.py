@@ -205,6 +205,13 @@ class Alloc:
     tag: Tag
     category: str                   # a Category on the GPU; host categories are display strings
     size_bytes: float
+    # the bytes its writers touch while it lives, when fewer than size_bytes (see [Note: IPG
+    # buffer first touch]); None: all of it. Costs only: the ledger holds size_bytes.
+    touched_bytes: float | None = None
+
+    @property
+    def first_touch_bytes(self) -> float:
+        return self.size_bytes if self.touched_bytes is None else self.touched_bytes
 
 
 # -- ops and the schedule ---------------------------------------------------------------------

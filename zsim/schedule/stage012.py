@@ -57,7 +57,8 @@ class Zero012Hooks(StageHooks):
         # _release_ipg_buffers drops it in the backward epilogue
         self.ipg_bytes = ((2 if z.overlap else 1) * z.reduce_bucket_size * ctx.param_bytes
                           if self.stage >= 1 and z.contiguous_gradients and not self.bf16_optimizer else 0.0)
-        self.ipg_micro = -1
+        self.ipg_buffers = 2 if z.overlap else 1
+        self.ipg_micro = self.ipg_op = -1
         self.last_reduce: int | None = None
 
     def post_module(self, ctx, module: Module, micro, phase, op):
@@ -66,7 +67,7 @@ class Zero012Hooks(StageHooks):
             return
         if self.ipg_bytes and self.ipg_micro != micro:
             ctx.b.add_alloc(op, Alloc(Tag(Buffer.IPG, micro), Category.BUCKETS, self.ipg_bytes))
-            self.ipg_micro = micro
+            self.ipg_micro, self.ipg_op = micro, op
         if self.buckets.lazy_grads and self.stage == 1 and micro == 0:
             ctx.b.add_alloc(op, *[Alloc(Tag(Buffer.GRAD16, key=pid), Category.GRADIENTS,
                                         self.buckets.numels[pid] * ctx.param_bytes) for pid in ready])
@@ -98,6 +99,10 @@ class Zero012Hooks(StageHooks):
         if self.ipg_micro == micro:
             # the epilogue after this micro-step's last reduction
             ctx.b.add_free(last_op if flushed is None else flushed, Tag(Buffer.IPG, micro))
+            # see [Note: IPG buffer first touch]
+            element_bytes = self.ipg_bytes / (self.ipg_buffers * ctx.sc.zero.reduce_bucket_size)
+            ctx.b.set_touched(self.ipg_op, Tag(Buffer.IPG, micro),
+                              self.buckets.ipg_touched_numel(micro, self.ipg_buffers) * element_bytes)
 
     def _boundary_allreduce(self, micro: int, after: int) -> int:
         """engine.allreduce_gradients -> buffered_allreduce_fallback: all grads, in
