@@ -3,7 +3,7 @@
 the measured collective list equals zsim's schedule.
 
     python benchmarks/validate_matrix.py [--engines own,deepspeed,fsdp] [--steps 12] [--repeats 3]
-                                         [--cases S-z0,M-z3] [--json out.json]
+                                         [--cases S-z0,M-z3] [--json out.json] [--profile P]
 
 Each case runs --repeats times as separate launches, in interleaved passes (every case and
 engine once per pass), and the measured step time is the median of the runs' medians: on a
@@ -34,6 +34,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cases", default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", default=None,
+                    help="hardware profile to predict with (default: each scenario's own, cpu-gloo-localhost)")
     a = ap.parse_args()
     cases = [c for c in CASES if not a.cases or c[0] in a.cases.split(",")]
     engines = a.engines.split(",")
@@ -42,7 +44,7 @@ def main() -> int:
         print(f"pass {rep + 1}/{a.repeats}", file=sys.stderr, flush=True)
         for name, scen, ov in cases:
             for engine in engines:
-                runs.setdefault(f"{engine}/{name}", []).append(run_case(scen, ov, engine, a.steps))
+                runs.setdefault(f"{engine}/{name}", []).append(run_case(scen, ov, engine, a.steps, profile=a.profile))
     results = {k: combine(v) for k, v in runs.items()}
     for engine in engines:
         print(f"\n== engine {engine}: {a.repeats} runs x {a.steps} steps per case ==")

@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _validate_common import combine, run_case  # noqa: E402
+from _validate_common import SCEN, combine, run_case  # noqa: E402
 
 from calibration.random_cases import describe, sample  # noqa: E402
 from calibration.validation import mape  # noqa: E402
@@ -57,14 +57,17 @@ def tuned_seeds(path: Path = TUNED_SEEDS_FILE) -> dict[int, str]:
     return out
 
 
-def load_runs_log(path: Path, header: dict) -> dict[tuple[str, int], dict]:
-    """{(engine/case, pass): result} of a --runs-log written by a run with the same header."""
+def load_runs_log(path: Path, header: dict, any_profile: bool = False) -> dict[tuple[str, int], dict]:
+    """{(engine/case, pass): result} of a --runs-log written by a run with the same header (but
+    for the profile when `any_profile`: a re-prediction names its own)."""
     if not path.exists():
         return {}
     lines = path.read_text().splitlines()
     if not lines:
         return {}
     first = json.loads(lines[0])
+    if any_profile:
+        first, header = {**first, "profile": None}, {**header, "profile": None}
     if first != header:
         raise ValueError(f"--runs-log {path} was written by another run ({first}); this run is {header}: "
                          "give a new file, or the same --seed/--n/--steps/--warmup/--profile")
@@ -98,6 +101,20 @@ def profiles_by_world(spec: str | None):
             raise ValueError(f"--profile {spec!r} names no profile for world size {world}")
         return table[world]
     return profile_for
+
+
+def repredict(case, profile: str | None, launches: list[dict]) -> list[dict]:
+    """The launches' measured figures against the current tree's prediction of the case, made as
+    `zsim validate` makes it (its overrides, the profile, one node of the case's ranks): what a
+    model change does to cases already measured. A seed used this way is tuned on."""
+    from calibration.commands.validate import predict
+    from calibration.validation import TENSOR_ONLY_OVERRIDES, compare
+    from zsim.config.scenario import load_scenario
+
+    ov = (*case.overrides, *([f"hardware.profile={profile}"] if profile else ()), "hardware.nodes=1",
+          f"hardware.gpus_per_node={case.world_size}", *TENSOR_ONLY_OVERRIDES)
+    predicted, _ = predict(load_scenario(str(SCEN / f"{case.scenario}.yaml"), ov))
+    return [r if "failed" in r else {**r, **compare(r["measured"], predicted)} for r in launches]
 
 
 def _pct(e) -> str:
@@ -160,6 +177,9 @@ def main() -> int:
     ap.add_argument("--runs-log", default=None, help="JSON lines of finished launches; resumes from it")
     ap.add_argument("--report-only", action="store_true",
                     help="launch nothing: report the --runs-log's launches (every pass it holds)")
+    ap.add_argument("--repredict", action="store_true",
+                    help="with --report-only: predict each case again with the current tree and --profile "
+                         "(the measured figures stay the log's); the seed then counts as tuned on")
     a = ap.parse_args()
     seed = a.seed if a.seed is not None else secrets.randbelow(2**31)
     tuned = tuned_seeds()
@@ -182,9 +202,13 @@ def main() -> int:
         return 2
     header = {"seed": seed, "n": a.n, "steps": a.steps, "warmup": a.warmup, "profile": a.profile}
     try:
-        done = load_runs_log(Path(a.runs_log), header) if a.runs_log else {}
+        done = load_runs_log(Path(a.runs_log), header, any_profile=a.repredict) if a.runs_log else {}
     except ValueError as e:
         print(f"validate_random: error: {e}", file=sys.stderr)
+        return 2
+    if a.repredict and not a.report_only:
+        print("validate_random: error: --repredict needs --report-only (it re-predicts launches already measured)",
+              file=sys.stderr)
         return 2
     if a.report_only and not a.runs_log:
         print("validate_random: error: --report-only needs --runs-log FILE (the launches to report)", file=sys.stderr)
@@ -209,6 +233,11 @@ def main() -> int:
                 print(f"  {key}: " + ("failed" if "failed" in r else f"{r['measured']['step_time_s'] * 1e3:.1f} ms"),
                       file=sys.stderr, flush=True)
                 runs.setdefault(key, []).append(r)
+    if a.repredict:
+        print("re-predicted with the current tree: step-time and peak errors are of the new prediction", flush=True)
+        by_name = {c.name: c for c in cases}
+        runs = {k: repredict(by_name[k.split("/", 1)[1]], profile_for(by_name[k.split("/", 1)[1]].world_size), v)
+                for k, v in runs.items()}
     results = {k: combine(v) for k, v in runs.items()}
     summaries = {engine: report(engine, cases, results) for engine in engines}
     print(f"\nseed {seed}")

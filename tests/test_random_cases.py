@@ -126,3 +126,26 @@ def test_the_benchmark_refuses_a_world_size_without_its_profile(tmp_path):
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "validate_random.py"), "--seed", str(seed), "--n", "3",
                         "--profile", "2=a.yaml"], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 2 and "no profile for world size 4" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_repredict_compares_the_logged_measurement_with_the_current_prediction(tmp_path):
+    # a logged launch (its measured figures, a stale prediction) is compared again with what the
+    # current tree predicts for the case through validate's own predict
+    from calibration.commands.validate import predict
+    from calibration.validation import TENSOR_ONLY_OVERRIDES
+    from zsim.config.scenario import load_scenario
+
+    spec = importlib.util.spec_from_file_location("validate_random", ROOT / "benchmarks" / "validate_random.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    case = sample(7, 1, offload=False)[0]
+    measured = {"step_time_s": 2.0, "peak_bytes": 1e8, "phases_s": {"forward": 0.5}, "collectives": [],
+                "collectives_summary": {}}
+    stale = {"measured": measured, "predicted": {"step_time_s": 1.0, "peak_bytes": 1.0}, "error": {}}
+    (new,) = mod.repredict(case, None, [stale])
+    ov = (*case.overrides, "hardware.nodes=1", f"hardware.gpus_per_node={case.world_size}", *TENSOR_ONLY_OVERRIDES)
+    expected, _ = predict(load_scenario(str(ROOT / "benchmarks" / "validate_scenarios" / f"{case.scenario}.yaml"), ov))
+    assert new["measured"] == measured
+    assert new["predicted"]["step_time_s"] == expected["step_time_s"] != 1.0
+    assert new["error"]["step_time"] == pytest.approx(expected["step_time_s"] / 2.0 - 1)
+    assert mod.repredict(case, None, [{"failed": "x"}]) == [{"failed": "x"}]
