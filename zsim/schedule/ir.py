@@ -154,6 +154,7 @@ class Buffer(Enum):
     EXPERT_BUFFER = "moe"            # an MoE layer's capacity buffer around one all-to-all
     IPG = "ipg"                      # ZeRO-1/2 IPG bucket buffer of one backward
     SCATTER_COPY = "rs"              # reduce_scatter_coalesced's interleaved copy of a bucket
+    ALLREDUCE_FLAT = "arflat"        # allreduce_bucket's flat copy of the gradients it reduces (key: the call)
     OPT_FP32_GRADS = "opt/fp32_grads"
     OPT_FLAT16 = "opt/flat16_grads"
     PIPE_OUTPUT = "pipe/output"      # a stage's output, kept until its gradient comes back (pipe_buffers['outputs'])

@@ -48,8 +48,8 @@ class Zero012Hooks(StageHooks):
         # see [Note: pipeline gradient reduction]: a pipeline reduces at ReduceGrads only
         self.reduce_in_hooks = not pipelined and not self.boundary_allreduce and (
             self.stage == 2 or (self.stage == 1 and z.overlap))
-        # see [Note: ZeRO-1/2 gradient lifetime]
-        lazy_grads = self.stage in (1, 2) and not self.bf16_optimizer and not ctx.optimizer_offloaded
+        # see [Note: ZeRO-1/2 gradient lifetime]; see [Note: ZeRO-0 gradient lifetime]
+        lazy_grads = self.stage in (0, 1, 2) and not self.bf16_optimizer and not ctx.optimizer_offloaded
         self.buckets = Zero12Buckets(ctx, lazy_grads, walk_at_boundary=self.stage == 1 and not self.reduce_in_hooks)
         # [Note: IPG buffer lifetime] setup_buckets (stage_1_and_2.py:3256-3279) allocates the IPG
         # buffer at the first gradient hook of each backward (one of the full reduce_bucket_size
@@ -68,7 +68,7 @@ class Zero012Hooks(StageHooks):
         if self.ipg_bytes and self.ipg_micro != micro:
             ctx.b.add_alloc(op, Alloc(Tag(Buffer.IPG, micro), Category.BUCKETS, self.ipg_bytes))
             self.ipg_micro, self.ipg_op = micro, op
-        if self.buckets.lazy_grads and self.stage == 1 and micro == 0:
+        if self.buckets.lazy_grads and self.stage in (0, 1) and micro == 0:
             ctx.b.add_alloc(op, *[Alloc(Tag(Buffer.GRAD16, key=pid), Category.GRADIENTS,
                                         self.buckets.numels[pid] * ctx.param_bytes) for pid in ready])
         if self.stage == 2 or micro == ctx.last_micro:
@@ -117,8 +117,18 @@ class Zero012Hooks(StageHooks):
                 n = min(MEMORY_OPT_ALLREDUCE_SIZE, total - offset)
                 # engine.allreduce_bucket casts to communication_data_type (engine.py:3800)
                 comm = Comm(Collective.ALL_REDUCE, n, n * ctx.reduce_bytes, group=flat_group_process_group(ctx, group))
+                # allreduce_and_copy (engine.py:3795-3826): allreduce_bucket flattens the .grad
+                # tensors into a new buffer (plus a cast copy when communication_data_type differs),
+                # reduces it and copies it back; both live for the call. The bf16 optimizer reduces
+                # its own fp32 accumulation buffers instead.
+                flat = ((n * ctx.param_bytes,) + ((n * ctx.reduce_bytes,) if ctx.reduce_bytes != ctx.param_bytes else ())
+                        if not self.bf16_optimizer else ())
+                allocs = tuple(Alloc(Tag(Buffer.ALLREDUCE_FLAT, micro, f"{chunk}/{i}"), Category.BUCKETS, size)
+                               for i, size in enumerate(flat))
                 last = ctx.b.add(OpKind.GRAD_ALLREDUCE, Stream.COMPUTE, Phase.BACKWARD, micro,
-                                 GradReduce(comm, call=chunk, offset=start + offset), [last])
+                                 GradReduce(comm, call=chunk, offset=start + offset), [last], allocs)
+                if allocs:
+                    ctx.b.add_free(last, *(a.tag for a in allocs))
                 chunk += 1
             start += total
         return last
@@ -158,7 +168,17 @@ def optimizer_boundary(ctx: StepContext, hooks: Zero012Hooks, last: int) -> int:
     if z.stage == 0:
         if ctx.sc.deepspeed.gradient_clipping > 0 and ctx.sc.precision == "fp32":
             step_deps = [clip_fp32_norm_ops(ctx, n_trainable, len(buckets.trainable), step_deps)]
-        return optimizer_step(ctx, n_trainable, step_deps, flatten=False)
+        last = optimizer_step(ctx, n_trainable, step_deps, flatten=False)
+        if buckets.lazy_grads:
+            # [Note: ZeRO-0 gradient lifetime] without a ZeRO optimizer, _take_model_step ends in
+            # the engine's zero_grad (fp32: param.grad = None, engine.py:3495-3500) or
+            # FP16_Optimizer.zero_grad(set_to_none=True) (fp16/fused_optimizer.py:137): every
+            # gradient is freed after the step, and autograd allocates each again as the next
+            # window's first backward produces it, while that backward frees its activations.
+            # So at GAS 1 the gradients never coexist with the whole forward's activations.
+            # (The bf16 optimizer keeps fp32 accumulation buffers instead.)
+            ctx.b.add_free(last, *[Tag(Buffer.GRAD16, key=pid) for pid in buckets.trainable])
+        return last
     if not hooks.bf16_optimizer:
         pieces = sum(pieces_in_partition(g, buckets.numels, 0) for g in buckets.groups)
         experts = sum(g.expert for g in buckets.groups)
