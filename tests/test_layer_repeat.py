@@ -29,8 +29,11 @@ MODELS = {
 # every op is simulated (checked exact like the rest): ZeRO-1 without overlap_comm walks every
 # layer's gradients at the boundary (reduce_gradients); with cpu_checkpointing the forward's window
 # does not run one period after the block before it (its checkpoint copies have not settled); llama-28's q/k/v/o are smaller than
-# a bucket, so the bucket boundaries do not fall at the same place in every layer
+# a bucket, so the bucket boundaries do not fall at the same place in every layer; ZeRO-0's first
+# backward allocates each layer's gradients, kept to the step (see [Note: ZeRO-0 gradient
+# lifetime]), so no layer leaves the memory as the one before it found it
 NOT_REUSED = {("gpt-32", "stage1"), ("gpt-32", "stage1-selective"), ("gpt-32", "stage2-full-cpu-checkpointing"),
+              ("gpt-32", "stage0"), ("llama-28", "stage0"),
               *(("llama-28", name) for name in VARIANTS if name.startswith(("stage1", "stage2"))
                 if name != "stage1-bf16-optimizer")}
 
@@ -65,7 +68,7 @@ def test_layers_reused_equal_full_simulation(name, model):
             assert len(trace.schedule.ops) < len(full_trace.schedule.ops)
 
 
-NESTED = ("stage0", "stage2", "stage2-offload-cpu", "stage3", "stage3-full", "stage3-offload-nvme")
+NESTED = ("stage2", "stage2-offload-cpu", "stage3", "stage3-full", "stage3-offload-nvme")
 
 
 @pytest.mark.parametrize("name", NESTED)

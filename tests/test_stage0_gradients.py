@@ -1,6 +1,6 @@
 """See [Note: ZeRO-0 gradient lifetime]: without a ZeRO optimizer DeepSpeed drops every gradient
 after the step, and allreduce_bucket reduces a flat copy of them; checked against DeepSpeed's
-measured peaks (tests/fixtures/deepspeed/stage0_fp32_peaks.json)."""
+measured peaks (tests/fixtures/measured/stage0_fp32_peaks.json)."""
 import json
 
 import pytest
@@ -11,7 +11,7 @@ from zsim.config.scenario import load_scenario
 from zsim.schedule.build import build_schedule
 from zsim.schedule.ir import Buffer, OpKind
 
-FIXTURE = json.loads((ROOT / "tests" / "fixtures" / "deepspeed" / "stage0_fp32_peaks.json").read_text())
+FIXTURE = json.loads((ROOT / "tests" / "fixtures" / "measured" / "stage0_fp32_peaks.json").read_text())
 VALIDATE = ("hardware.nodes=1", "hardware.override.gpu.cuda_context_GiB=0",
             "hardware.override.gpu.allocator_fragmentation_fraction=0")
 
