@@ -6,7 +6,7 @@ spread, step-time MAPE and max, peak-memory MAPE, and whether the collective lis
 
     python benchmarks/validate_random.py [--seed S] [--n 20] [--engines own,deepspeed]
                                          [--profile P] [--steps 8] [--repeats 3] [--json out.json]
-                                         [--runs-log runs.jsonl]
+                                         [--runs-log runs.jsonl] [--report-only [--repredict]]
 
 Without --seed a fresh seed is drawn; the seed is printed first either way. A seed listed in
 benchmarks/validate_random_tuned_seeds.txt was used to change the model or a profile: its
@@ -22,6 +22,10 @@ as skipped with the reason, and the offload draw is kept only when every engine 
 --runs-log appends every finished launch to a JSON-lines file as it ends; started again with the
 same file (and the same seed, n, steps, warmup and profile, which its first line records), the
 benchmark skips the launches already there, so a long run that is stopped loses nothing.
+
+--report-only --repredict reports a runs-log's measurements against the current tree's
+prediction (made as `zsim validate` makes it, with --profile): what a model change does to cases
+already measured. Such figures are tuned on, not held-out.
 
 DeepSpeed runs in the python named by ZSIM_DS_PYTHON (e.g. /work/venv-ds/bin/python) with
 DS_ACCELERATOR=cpu. Timing-sensitive: run it on a quiet machine.
