@@ -111,12 +111,11 @@ def repredict(case, profile: str | None, launches: list[dict]) -> list[dict]:
     """The launches' measured figures against the current tree's prediction of the case, made as
     `zsim validate` makes it (its overrides, the profile, one node of the case's ranks): what a
     model change does to cases already measured. A seed used this way is tuned on."""
-    from calibration.commands.validate import predict
-    from calibration.validation import TENSOR_ONLY_OVERRIDES, compare
+    from calibration.commands.validate import DEFAULT_PROFILE, predict
+    from calibration.validation import compare, prediction_overrides
     from zsim.config.scenario import load_scenario
 
-    ov = (*case.overrides, *([f"hardware.profile={profile}"] if profile else ()), "hardware.nodes=1",
-          f"hardware.gpus_per_node={case.world_size}", *TENSOR_ONLY_OVERRIDES)
+    ov = (*case.overrides, *prediction_overrides(profile or DEFAULT_PROFILE, case.world_size))
     predicted, _ = predict(load_scenario(str(SCEN / f"{case.scenario}.yaml"), ov))
     return [r if "failed" in r else {**r, **compare(r["measured"], predicted)} for r in launches]
 

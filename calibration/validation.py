@@ -17,6 +17,14 @@ TENSOR_ONLY_OVERRIDES = ("hardware.override.gpu.cuda_context_GiB=0",
                          "hardware.override.gpu.allocator_fragmentation_fraction=0")
 
 
+def prediction_overrides(profile: str, nproc: int) -> tuple[str, ...]:
+    """What `zsim validate` sets on the scenario it predicts: the measured profile, one node of
+    the launched ranks, and the tensor-only memory of a torch run (no CUDA context, no
+    allocator reserve)."""
+    return (f"hardware.profile={profile}", "hardware.nodes=1", f"hardware.gpus_per_node={nproc}",
+            *TENSOR_ONLY_OVERRIDES)
+
+
 def rel_error(predicted: float, measured: float) -> float | None:
     if not measured:
         return None

@@ -106,7 +106,7 @@ def predict(sc) -> tuple[dict, object]:
 def main(args) -> int:
     from zsim.config.scenario import load_scenario
     from zsim.report.writers import chrome_trace, write_atomic
-    from calibration.validation import (TENSOR_ONLY_OVERRIDES, collective_summary, compare, render_text,
+    from calibration.validation import (collective_summary, compare, prediction_overrides, render_text,
                                         tensor_and_pipe_calls)
 
     python = args.python or sys.executable
@@ -136,8 +136,7 @@ def main(args) -> int:
             raise ZsimInputError("deepspeed.zero_optimization.stage", sc0.zero.stage,
                                  "the core's tensor-parallel runner steps plain AdamW; set it to 0")
     nproc = _int(args.nproc_per_node, "--nproc-per-node") if args.nproc_per_node else sc0.cluster.world_size
-    overrides += [f"hardware.profile={args.profile}", "hardware.nodes=1", f"hardware.gpus_per_node={nproc}"]
-    overrides += list(TENSOR_ONLY_OVERRIDES)
+    overrides += prediction_overrides(args.profile, nproc)
     sc = load_scenario(args.scenario, tuple(overrides))
     if args.engine == "own" and not tensor:
         from calibration.core.plan import unsupported   # pure python, no torch

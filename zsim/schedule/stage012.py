@@ -55,9 +55,9 @@ class Zero012Hooks(StageHooks):
         # buffer at the first gradient hook of each backward (one of the full reduce_bucket_size
         # elements in the parameter dtype, two with overlap_comm, however small the model) and
         # _release_ipg_buffers drops it in the backward epilogue
-        self.ipg_bytes = ((2 if z.overlap else 1) * z.reduce_bucket_size * ctx.param_bytes
-                          if self.stage >= 1 and z.contiguous_gradients and not self.bf16_optimizer else 0.0)
         self.ipg_buffers = 2 if z.overlap else 1
+        self.ipg_bytes = (self.ipg_buffers * z.reduce_bucket_size * ctx.param_bytes
+                          if self.stage >= 1 and z.contiguous_gradients and not self.bf16_optimizer else 0.0)
         self.ipg_micro = self.ipg_op = -1
         self.last_reduce: int | None = None
 
@@ -100,9 +100,8 @@ class Zero012Hooks(StageHooks):
             # the epilogue after this micro-step's last reduction
             ctx.b.add_free(last_op if flushed is None else flushed, Tag(Buffer.IPG, micro))
             # see [Note: IPG buffer first touch]
-            element_bytes = self.ipg_bytes / (self.ipg_buffers * ctx.sc.zero.reduce_bucket_size)
             ctx.b.set_touched(self.ipg_op, Tag(Buffer.IPG, micro),
-                              self.buckets.ipg_touched_numel(micro, self.ipg_buffers) * element_bytes)
+                              self.buckets.ipg_touched_numel(micro, self.ipg_buffers) * ctx.param_bytes)
 
     def _boundary_allreduce(self, micro: int, after: int) -> int:
         """engine.allreduce_gradients -> buffered_allreduce_fallback: all grads, in
