@@ -149,3 +149,11 @@ def test_repredict_compares_the_logged_measurement_with_the_current_prediction(t
     assert new["predicted"]["step_time_s"] == expected["step_time_s"] != 1.0
     assert new["error"]["step_time"] == pytest.approx(expected["step_time_s"] / 2.0 - 1)
     assert mod.repredict(case, None, [{"failed": "x"}]) == [{"failed": "x"}]
+
+
+def test_repredict_without_report_only_is_refused_in_one_line():
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "validate_random.py"), "--seed", "7", "--n", "1",
+                        "--repredict"], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 2 and "--repredict needs --report-only" in p.stderr and "Traceback" not in p.stderr
