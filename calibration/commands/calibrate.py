@@ -18,6 +18,8 @@ _SIZE = re.compile(r"^\s*([0-9.]+(?:[eE][+-]?\d+)?)\s*([KMG]i?B?|B)?\s*$", re.IG
 # a day is the longest silence worth waiting for; 1,024 ranks are more than any node holds
 _MAX_TIMEOUT_S = 86_400
 _MAX_NPROC_PER_NODE = 1024
+_ONE_RANK_FIX = ("one rank measures no collective (no peer): pass --base PROFILE (e.g. dgx-h100) to take the "
+                 "interconnect from a shipped profile, or launch 2+ ranks")
 _UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
           "g": 1 << 30, "gb": 10**9, "gib": 1 << 30}
 
@@ -53,6 +55,9 @@ def add_parser(sub):
                    help="also fit the collective timings of this earlier complete run of the same cluster "
                         "(calibration/runs/NAME; repeatable): each size's calls are pooled across the runs, "
                         "averaging over the windows in which the cluster's collective times drift")
+    p.add_argument("--base", default=None, metavar="PROFILE",
+                   help="one rank (e.g. one GPU) measures no collective: take the interconnect (intra_node, "
+                        "inter_node, nccl, interference) from this profile, e.g. dgx-h100")
     p.add_argument("--root", default=None, metavar="DIR",
                    help="directory holding hardware_profiles/ and calibration/runs/ (default: the zsim checkout)")
     p.set_defaults(func=main)
@@ -122,9 +127,25 @@ def resolve(args):
     root = Path(args.root).resolve() if args.root else Path(__file__).resolve().parents[2]
     if args.root and not root.is_dir():
         raise ZsimInputError("--root", args.root, "give an existing directory")
+    if nproc == 1 and not args.base and not args.from_run:
+        raise ZsimInputError("--nproc-per-node", 1, _ONE_RANK_FIX)
     plan = default_plan(mode, max_size_bytes=max_size, io_path=io_path, layers=tuple(layers) or None,
                         timeout_s=timeout, dtypes=dtypes)
     return plan, nproc, dtypes, root
+
+
+def base_interconnect(name: str | None) -> tuple[str, dict] | None:
+    """(name, mapping) of the --base profile, whose interconnect a one-rank run takes."""
+    if not name:
+        return None
+    from zsim.config.profile import read_profile_mapping
+
+    data, _ = read_profile_mapping(name)
+    missing = [k for k in ("intra_node", "inter_node") if not isinstance((data or {}).get(k), dict)]
+    if missing:
+        raise ZsimInputError("--base", name, f"the profile has no {missing[0]} section; choose a full profile "
+                                             "such as dgx-h100")
+    return name, data
 
 
 def parse_dtypes(text: str) -> tuple[str, ...]:
@@ -168,7 +189,10 @@ def _fit_existing(args, dtypes, profile_path: Path, run_dir: Path, fit_and_write
     if src.resolve() != run_dir.resolve():
         write_atomic(run_dir / "records.json", json.dumps(doc, indent=1, sort_keys=True) + "\n")
     write_pool(run_dir, pool, write_atomic)
-    _, report = fit_and_write(args.out, *pooled(doc["records"], prov, pool), dtypes, profile_path, run_dir)
+    base = base_interconnect(args.base or prov.get("interconnect_from"))
+    if base is not None:
+        prov = {**prov, "interconnect_from": base[0]}
+    _, report = fit_and_write(args.out, *pooled(doc["records"], prov, pool), dtypes, profile_path, run_dir, base)
     _print_layers(report)
     print(f"wrote {profile_path} and {run_dir}/" + (f" (collectives pooled with {len(pool)} more runs)" if pool else ""),
           file=sys.stderr)
@@ -177,6 +201,10 @@ def _fit_existing(args, dtypes, profile_path: Path, run_dir: Path, fit_and_write
 
 def _print_layers(report: dict) -> None:
     """Each measured layer (every fitted dtype's) against the fitted profile's prediction."""
+    host = report.get("host_streaming_GBps", {})
+    if host.get("cpu_adam"):
+        print(f"  host streaming: copy {host['memcpy'] or 0:.1f} GB/s, DeepSpeedCPUAdam out of cache "
+              f"{host['cpu_adam']:.1f} GB/s (cpu.memory_bw_GBps: the better)", file=sys.stderr)
     for r in report["compute"].get("layers", []):
         print(f"  layer {r['layer']} {r['dtype']} {r['pass']}: measured {r['measured_s'] * 1e3:.3f} ms, "
               f"zsim {r['predicted_s'] * 1e3:.3f} ms ({100 * r['error']:+.1f}%)", file=sys.stderr)
@@ -186,6 +214,7 @@ def main(args) -> int:
     import json
 
     plan, nproc, dtypes, root = resolve(args)
+    base = base_interconnect(args.base)
     profile_path = root / "hardware_profiles" / f"{args.out}.yaml"
     run_dir = root / "calibration" / "runs" / args.out
     if not args.force and not args.from_run:   # refuse before spending minutes measuring
@@ -208,12 +237,15 @@ def main(args) -> int:
         return _fit_existing(args, dtypes, profile_path, run_dir, fit_and_write)
     if nproc is None:
         nproc = torch.cuda.device_count() if torch.cuda.is_available() else 2
+        if nproc == 1 and base is None:   # one GPU
+            raise ZsimInputError("--nproc-per-node", "1 (the GPU count)", _ONE_RANK_FIX)
     if args.backend == "nccl":
         if not torch.cuda.is_available():
             raise ZsimInputError("--backend", "nccl", "NCCL needs CUDA GPUs; use gloo on this machine")
     print(f"zsim calibrate: {plan.mode} mode, {nproc} ranks, results in {run_dir}", file=sys.stderr)
     try:
-        out = calibrate(args.out, plan, root=root, nproc=nproc, backend=args.backend, force=args.force, dtypes=dtypes)
+        out = calibrate(args.out, plan, root=root, nproc=nproc, backend=args.backend, force=args.force, dtypes=dtypes,
+                        interconnect=base)
     except CalibrationFailed as err:
         print(f"zsim: error: {err}", file=sys.stderr)
         return 1

@@ -77,6 +77,16 @@ def check_engine(engine: str, python: str) -> None:
                                                  f"run `{INSTALL[engine]}` (or pass --python of a venv that has it)")
 
 
+def has_cuda(python: str) -> bool:
+    """Whether the ranks' python sees a CUDA GPU (the peers then run on it: calibration/core/peers.py)."""
+    try:
+        out = subprocess.run([python, "-c", "import torch; print(torch.cuda.is_available())"],
+                             capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.stdout.strip() == "True"
+
+
 def predict(sc) -> tuple[dict, object]:
     from zsim.api import run_scenario
     from zsim.schedule.build import build_schedule
@@ -161,10 +171,13 @@ def main(args) -> int:
                 ["-m", "calibration.core.run", *common, "--engine", args.engine, "--trace", str(mtrace)])
         for o in overrides:
             cmd += ["--set", o]
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-                   PYTHONPATH=os.pathsep.join([str(REPO_ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        cuda = args.engine != "own" and not tensor and has_cuda(python)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        if not cuda:   # CPU ranks share the cores; on a GPU DeepSpeedCPUAdam uses them all
+            env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
         if args.engine == "deepspeed":
-            env.setdefault("DS_ACCELERATOR", "cpu")
+            if not cuda:
+                env.setdefault("DS_ACCELERATOR", "cpu")
             env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
         print(f"zsim validate: running {sc.name} on {nproc} ranks ({args.engine}), {warmup}+{steps} steps ...",
               file=sys.stderr)

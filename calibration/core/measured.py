@@ -48,12 +48,15 @@ def write_measurement(path: str, engine: str, sc, args, step_times, phase_times,
             json.dump(out, f, indent=1)
 
 
-def measure_steps(args, sc, engine: str, train_step, record: dict, write=None) -> None:
+def measure_steps(args, sc, engine: str, train_step, record: dict, write=None, device=None) -> None:
     """The peers' measurement (calibration/core/peers.py, ds_pipe.py): `args.warmup` steps, then
     `args.steps` timed ones (the last one's calls logged into record["log"]), then one step under
     the tensor memory tracker; rank 0 writes the JSON and every rank leaves.
     `train_step(step, phases)` returns the step's losses and adds its phases' times to `phases`
-    (a dict, or None when not timed). `write` replaces write_measurement (same arguments)."""
+    (a dict, or None when not timed). `write` replaces write_measurement (same arguments).
+    On a CUDA `device` the peak is the caching allocator's max_memory_allocated over that step
+    (tensor bytes on the GPU, as the tracker counts them on a CPU; host tensors, e.g. an
+    offloaded optimizer's, are not GPU memory)."""
     import time
 
     import torch.distributed as dist
@@ -79,7 +82,16 @@ def measure_steps(args, sc, engine: str, train_step, record: dict, write=None) -
     collectives = record["log"] or []
     record["log"] = None
     peak = 0
-    if not args.no_memory:
+    if not args.no_memory and device is not None and device.type == "cuda":
+        import torch
+
+        dist.barrier()
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        losses += train_step(s, None)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+    elif not args.no_memory:
         dist.barrier()
         tr = TensorMemoryTracker().start()
         with tr:

@@ -6,7 +6,10 @@ The model is calibration/core/model.py's GPT (zsim's workload module for module,
 core's initial values and data), so DeepSpeed's flat groups, buckets and ZeRO-3 module trace
 match what zsim schedules.
 - DeepSpeed: the scenario's ds_config (stage, buckets, prefetch, persistence, clipping, bf16),
-  client optimizer torch.optim.AdamW, gloo (DS_ACCELERATOR=cpu on this machine).
+  client optimizer torch.optim.AdamW, gloo (DS_ACCELERATOR=cpu on a machine without a GPU).
+  On CUDA GPUs: NCCL, the batch on the rank's GPU, and ZeRO-Offload (offload_optimizer /
+  offload_param) as configured, with DeepSpeed's own optimizer built from the ds_config
+  (DeepSpeedCPUAdam for an offloaded AdamW), as a user's offload run is.
 - FSDP2: fully_shard on every block and the root; stage 3 reshards after forward, stages 1/2
   keep parameters gathered between forward and backward (ZeRO-2-like); stage 0 is DDP.
   bf16 via MixedPrecisionPolicy (fp32 sharded master parameters).
@@ -73,7 +76,24 @@ def ds_config(sc) -> dict:
            "zero_optimization": zero, "steps_per_print": 10**9, "wall_clock_breakdown": False}
     if sc.deepspeed.communication_data_type is not None:
         cfg["communication_data_type"] = sc.deepspeed.reduction_dtype
+    if z.optimizer_offload_device != "none":
+        zero["offload_optimizer"] = {"device": z.optimizer_offload_device, "pin_memory": z.offload_optimizer.pin_memory}
+        o = sc.deepspeed.optimizer.params or {}
+        cfg["optimizer"] = {"type": "AdamW", "params": {
+            "lr": float(o.get("lr", 1e-3)), "betas": list(o.get("betas", (0.9, 0.999))),
+            "eps": float(o.get("eps", 1e-8)), "weight_decay": float(o.get("weight_decay", 0.01))}}
+    if z.param_offload_device != "none":
+        zero["offload_param"] = {"device": z.param_offload_device, "pin_memory": z.offload_param.pin_memory}
     return cfg
+
+
+def on_cuda() -> bool:
+    """The peer runs on this rank's GPU: CUDA is there and DS_ACCELERATOR does not ask for the CPU."""
+    import os
+
+    import torch
+
+    return torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
 
 
 def _trained(model) -> list:
@@ -133,10 +153,20 @@ def main(args, sc) -> int:
     from calibration.core.model import batch
 
     gas = sc.gradient_accumulation_steps
+    cuda = on_cuda()
+    device = torch.device("cpu")
+    if cuda:
+        import os
+
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    offloaded = sc.zero.optimizer_offload_device != "none" or sc.zero.param_offload_device != "none"
+    if offloaded and not cuda:
+        raise SystemExit("ZeRO-Offload needs a GPU: on a CPU device there is no host/device split to measure")
     if args.engine == "deepspeed":
         import deepspeed
 
-        deepspeed.init_distributed(dist_backend="gloo")
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
         rank = dist.get_rank()
         model = _model(sc, args.seed, use_peft=True)
         # the optimizer gets the trainable params, as HF Trainer / PEFT hand them over
@@ -147,7 +177,9 @@ def main(args, sc) -> int:
             from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
             params = split_params_into_different_moe_groups_for_optimizer({"params": params, "name": "dense-params"})
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=_optimizer(sc, params),
+        # offloaded: DeepSpeed builds its own optimizer from the ds_config (DeepSpeedCPUAdam)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=None if offloaded else _optimizer(sc, params),
+                                               model_parameters=params if offloaded else None,
                                                config=ds_config(sc))
 
         def fwd(ids, labels):
@@ -164,16 +196,19 @@ def main(args, sc) -> int:
         def step(boundary):
             engine.step()
     else:
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if cuda else "gloo")
         rank = dist.get_rank()
         if sc.model.moe is not None:
             raise SystemExit("--engine fsdp: MoE models run on the own core or DeepSpeed")
-        model = _model(sc, args.seed, use_peft=False)
+        if offloaded:
+            raise SystemExit("--engine fsdp: ZeRO-Offload runs on DeepSpeed")
+        model = _model(sc, args.seed, use_peft=False).to(device)
         dtype = torch.bfloat16 if sc.precision == "bf16" else torch.float32
         if sc.zero.stage == 0:
             from torch.nn.parallel import DistributedDataParallel as DDP
             model = model.to(dtype)
-            module = DDP(model, bucket_cap_mb=max(1, int(sc.zero.reduce_bucket_size * 2 / 2**20)))
+            module = DDP(model, bucket_cap_mb=max(1, int(sc.zero.reduce_bucket_size * 2 / 2**20)),
+                         device_ids=[device.index] if cuda else None)
         else:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
             mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
@@ -197,10 +232,13 @@ def main(args, sc) -> int:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
+    # a phase ends when its GPU work has (the CPU path's calls block already)
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+
     def train_step(s, phases=None):
         losses = []
         for micro in range(gas):
-            ids, labels = batch(sc, s, micro, rank, args.seed)
+            ids, labels = (t.to(device) for t in batch(sc, s, micro, rank, args.seed))
             for ph in ("forward", "backward"):
                 RECORD["phase"] = ph
                 t0 = time.perf_counter()
@@ -209,13 +247,15 @@ def main(args, sc) -> int:
                     losses.append(float(loss.detach()))
                 else:
                     bwd(loss)
+                sync()
                 if phases is not None:
                     phases[ph] = phases.get(ph, 0.0) + time.perf_counter() - t0
         RECORD["phase"] = "step"
         t0 = time.perf_counter()
         step(True)
+        sync()
         if phases is not None:
             phases["step"] = phases.get("step", 0.0) + time.perf_counter() - t0
         return losses
 
-    measure_steps(args, sc, args.engine, train_step, RECORD)
+    measure_steps(args, sc, args.engine, train_step, RECORD, device=device)

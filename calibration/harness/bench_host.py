@@ -16,6 +16,10 @@ from calibration.harness.plan import stats
 
 
 FRESH_ALLOC_MiB = (1, 2, 4, 8, 16, 24, 31, 33, 48, 64)
+# A GPU node's host streams (CPU Adam, the offloaded step's passes: see [Note: CPU step traffic])
+# run over GBs, far beyond any last-level cache (up to ~0.4 GB on current server CPUs), so
+# its host copy and its large CPU Adam are measured at this size.
+HOST_STREAM_BYTES = 1 << 30
 
 
 def bench_fresh_alloc(ctx: Ctx) -> list[dict]:
@@ -46,6 +50,14 @@ def bench_memcpy(ctx: Ctx) -> list[dict]:
     out.append({"kind": "memcpy", "where": "device" if ctx.cuda else "host", "size_bytes": n * 4,
                 "bytes_moved": 2 * n * 4, "GBps": 2 * n * 4 / st["time_s"] / 1e9, "inner": inner, **st})
     if ctx.cuda:
+        # the host's own bandwidth (cpu.memory_bw_GBps), out of cache, with the rank's threads
+        hn = HOST_STREAM_BYTES // 4
+        hsrc = torch.ones(hn)
+        hdst = torch.empty_like(hsrc)
+        st, inner = timed_everywhere(ctx, lambda: hdst.copy_(hsrc), reps=max(5, ctx.plan.reps // 2))
+        out.append({"kind": "memcpy", "where": "host", "size_bytes": hn * 4, "bytes_moved": 2 * hn * 4,
+                    "threads": torch.get_num_threads(), "GBps": 2 * hn * 4 / st["time_s"] / 1e9, "inner": inner, **st})
+        del hsrc, hdst
         for pinned in (True, False):
             h = torch.ones(n, pin_memory=pinned)
             for direction, fn in (("h2d", lambda: src.copy_(h, non_blocking=pinned)),
@@ -90,6 +102,18 @@ def bench_adam(ctx: Ctx) -> list[dict]:
         out.append({"kind": "adam", "impl": "DeepSpeedCPUAdam", "device": "cpu", "params": sum(chunks),
                     "threads": torch.get_num_threads(), "params_per_s": sum(chunks) / st["time_s"],
                     "inner": inner, **st})
+        if ctx.cuda:   # out of cache, as an offloaded shard is (see [Note: CPU step traffic])
+            del ps, opt
+            big = HOST_STREAM_BYTES // 4 // 4    # fp32 params whose four streams span HOST_STREAM_BYTES
+            ps = [torch.nn.Parameter(torch.randn(big // 8)) for _ in range(8)]
+            for p in ps:
+                p.grad = torch.randn_like(p)
+            opt = DeepSpeedCPUAdam(ps, lr=1e-3)
+            st, inner = timed_everywhere(ctx, opt.step, reps=5)
+            n_big = sum(p.numel() for p in ps)
+            out.append({"kind": "adam", "impl": "DeepSpeedCPUAdam", "device": "cpu", "params": n_big,
+                        "regime": "out of cache", "threads": torch.get_num_threads(),
+                        "params_per_s": n_big / st["time_s"], "inner": inner, **st})
     except Exception as exc:   # optional: absent or failing to build is not a calibration failure
         out.append({"kind": "adam", "impl": "DeepSpeedCPUAdam", "device": "cpu",
                     "error": f"unavailable: {type(exc).__name__}: {str(exc)[:150]}"})

@@ -14,6 +14,12 @@ from calibration.core.model import DTYPES
 from calibration.harness.context import Ctx, timed_everywhere
 
 
+# parameters of the optimizer-step benchmark on a GPU: ~1.5 GB of state and gradients moved per
+# step, milliseconds against the step's ~100 kernel launches (a quick CPU plan's 350k
+# parameters measured launches, not bandwidth, on an H200: optimizer_efficiency 0.019)
+CUDA_STEP_PARAMS = 48 << 20
+
+
 def bench_optimizer_step(ctx: Ctx) -> list[dict]:
     """The optimizer step (below) in each dtype whose compute the profile fits: an fp32 run's step
     has no 16-bit copies and no overflow check, and on a CPU without bf16 units a bf16 one's
@@ -36,6 +42,8 @@ def _optimizer_step(ctx: Ctx, dtype_name: str) -> list[dict]:
 
     dt = DTYPES[dtype_name]
     n = ctx.plan.adam_params // 3
+    if ctx.cuda:   # a GPU's ~50 MB L2 and ~8 us launches: a shard of GBs, as a real one is
+        n = max(n, CUDA_STEP_PARAMS)
     p16 = torch.randn(n, dtype=dt, device=ctx.device)
     g16 = torch.randn(n, dtype=dt, device=ctx.device) * 1e-3
     pieces = g16.split(1 << 20)    # a partition's gradient pieces (averaged_gradients)

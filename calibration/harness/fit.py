@@ -31,12 +31,17 @@ from calibration.harness.fit_common import fit_rate, usable
 from calibration.harness.fit_compute import fit_compute
 from calibration.harness.fit_host import fit_adam, fit_interference, fit_io, fit_rank_views, fit_zero3_hooks
 from zsim.errors import ZsimInputError
+from zsim.hardware.host import CPU_ADAM_BYTES_PER_PARAM
 
 
-def build_profile(name: str, records: list[dict], prov: dict, dtypes: tuple[str, ...]) -> tuple[dict, dict]:
+def build_profile(name: str, records: list[dict], prov: dict, dtypes: tuple[str, ...],
+                  interconnect: tuple[str, dict] | None = None) -> tuple[dict, dict]:
     """The profile mapping (same keys as hardware_profiles/*.yaml) and the fit report. The
     compute figures are fitted for each of `dtypes`: the first gives the top-level gpu fields, and
-    two or more also give gpu.by_dtype one entry each (zsim.specs.hardware.GpuProfile.for_dtype)."""
+    two or more also give gpu.by_dtype one entry each (zsim.specs.hardware.GpuProfile.for_dtype).
+    `interconnect` (a profile's name and mapping) gives the tiers a one-rank run cannot measure
+    (no collective has a peer): its intra_node, inter_node and nccl sections are copied, and the
+    provenance says so."""
     dtype = dtypes[0]
     missing = [d for d in dtypes if len(dtypes) > 1 and not any(r["dtype"] == d for r in usable(records, "layer"))]
     if missing:   # a by_dtype entry without its own measurements would only repeat another dtype's
@@ -59,6 +64,9 @@ def build_profile(name: str, records: list[dict], prov: dict, dtypes: tuple[str,
     host_GiB = float(prov.get("host_memory_GiB", 16))
     intra = coll.get("intra_node") or coll.get("world")
     inter = coll.get("inter_node")
+    if not intra and interconnect is None:
+        raise ZsimInputError("--base", "none", "this run measured no collective (one rank has no peer): pass "
+                             "--base PROFILE (e.g. dgx-h100) for its interconnect, or launch 2+ ranks")
 
     def tier_map(t, fabric):
         if not t:
@@ -69,7 +77,9 @@ def build_profile(name: str, records: list[dict], prov: dict, dtypes: tuple[str,
 
     backend = prov.get("backend", "gloo")
     intra_m = tier_map(intra, f"{backend}-intra-node" if cuda else "gloo-loopback (shared memory / TCP)")
-    if inter:
+    if not intra:   # a one-rank run: the interconnect is the base profile's, as measured there
+        intra_m, inter_m = interconnect[1]["intra_node"], interconnect[1]["inter_node"]
+    elif inter:
         inter_m = {"fabric": f"{backend}-inter-node", "nics_per_node": 1,
                    # one rank per node drives the node's NIC(s): its busbw is the node's bandwidth
                    "nic_bw_Gbps": inter["busbw_GBps"] * 8, "latency_us": inter["latency_us"],
@@ -83,8 +93,21 @@ def build_profile(name: str, records: list[dict], prov: dict, dtypes: tuple[str,
                    "efficiency_by_collective": intra["efficiency_by_collective"]}
     pcie = [r for r in records if r.get("kind") == "pcie" and r.get("pinned") and "error" not in r]
     memcpy = usable(records, "memcpy")
+    # the host's bandwidth: the best streaming rate a rank reached on it, its largest copy (a GPU
+    # run's 1 GiB one; a CPU rank's device copy) or DeepSpeedCPUAdam out of cache at its 28 bytes
+    # per parameter (see [Note: CPU step traffic]; on an H200's host the kernel streamed 108 GB/s
+    # where torch's copy reached 65), times the ranks that ran it at once
+    host_copy = max((r for r in memcpy if r.get("where") == "host"), key=lambda r: r.get("size_bytes", 0), default=None)
+    big_adam = next((r for r in usable(records, "adam") if r.get("regime") == "out of cache"), None)
+    host_rates = {"memcpy": fit_rate(host_copy, "GBps") if host_copy else None,
+                  "cpu_adam": fit_rate(big_adam, "params_per_s") * CPU_ADAM_BYTES_PER_PARAM / 1e9 if big_adam else None}
+    host_GBps = max((v for v in host_rates.values() if v), default=None)
+    pageable = [r for r in records if r.get("kind") == "pcie" and r.get("pinned") is False and "error" not in r]
+    pageable_fraction = None   # not measured: the profile's default (zsim/specs/hardware.py)
     if pcie:
         pcie_GBps = min(fit_rate(r, "GBps") for r in pcie)
+        if pageable:
+            pageable_fraction = min(1.0, min(fit_rate(r, "GBps") for r in pageable) / pcie_GBps)
     else:   # no device: an "offload copy" is a host memcpy of one direction
         pcie_GBps = fit_rate(memcpy[0], "GBps") / 2 if memcpy else 1.0
     gpu = {"model": prov.get("gpu", "unknown"),
@@ -107,11 +130,12 @@ def build_profile(name: str, records: list[dict], prov: dict, dtypes: tuple[str,
         "intra_node": intra_m,
         "inter_node": inter_m,
         "pcie": {"generation": 4, "bw_GBps_per_gpu": pcie_GBps, "gpus_per_switch": 1,
-                 "latency_us": 10.0 if cuda else fields["kernel_overhead_us"]},
+                 "latency_us": 10.0 if cuda else fields["kernel_overhead_us"],
+                 **({"pageable_fraction": pageable_fraction} if pageable else {})},
         "nvme": {"drives_per_node": 1,
                  "read_GBps_per_drive": io["read_GBps"] or 1.0, "write_GBps_per_drive": io["write_GBps"] or 1.0},
         "cpu": {"model": prov.get("cpu", "unknown"), "cores_per_node": int(prov.get("cpu_cores", 1)),
-                "memory_GiB": host_GiB, "memory_bw_GBps": (fit_rate(memcpy[0], "GBps") * per_node if memcpy else 10.0),
+                "memory_GiB": host_GiB, "memory_bw_GBps": host_GBps * per_node if host_GBps else 10.0,
                 "adam_params_per_s_per_core": adam_rate, **fit_zero3_hooks(records), **views},
         "interference": {"compute_slowdown_during_comm": min(1.0, interf["compute_slowdown_during_comm"])},
         # sorted: a fresh run and a refit of its records.json (written with sorted keys) give
@@ -121,6 +145,14 @@ def build_profile(name: str, records: list[dict], prov: dict, dtypes: tuple[str,
                        "comm_slowdown_during_compute": f"{interf['comm_slowdown_during_compute']:.3f}",
                        "compute_dtype": dtype, **views_prov},
     }
+    if not intra:
+        profile["provenance"]["interconnect"] = (f"{interconnect[0]}'s intra_node, inter_node, nccl and interference (a one-rank "
+                                                 "run measures no collective)")
+        profile["gpus_per_node"] = int(interconnect[1].get("gpus_per_node", per_node))
+        if "nccl" in interconnect[1]:
+            profile["nccl"] = interconnect[1]["nccl"]
+        if "interference" in interconnect[1]:   # measured against a collective, which had no peer here
+            profile["interference"] = interconnect[1]["interference"]
     if by_dtype:   # which dtypes have their own figures, and on which layers each closure was fitted
         layers = {d: sorted({r["layer"] for r in usable(records, "layer") if r["dtype"] == d}) for d in dtypes}
         profile["provenance"]["compute_dtypes"] = ",".join(dtypes)
@@ -130,6 +162,7 @@ def build_profile(name: str, records: list[dict], prov: dict, dtypes: tuple[str,
         profile["provenance"]["zero3_hooks_deepspeed"] = hooks[0]["deepspeed"]
     report = {"collectives": coll, "compute": comp, "adam": {"params_per_s_per_core": adam_rate, "impl": adam_impl},
               "io": io, "interference": interf}
+    report["host_streaming_GBps"] = host_rates
     return _round(profile), report
 
 

@@ -104,7 +104,9 @@ def fit_compute(records: list[dict], dtypes: tuple[str, ...]) -> tuple[dict, dic
     # a backward benchmark is one autograd.grad call on an isolated op: drop the engine's
     # start-up (paid once per layer backward, not per op), keeping the op's own kernel cost
     autograd_s = max(0.0, fit_time_s(ag[0]) - overhead_s) if ag else 0.0
-    mc = [r for r in usable(records, "memcpy") if r.get("where") in ("device", "host")]
+    # the device's copy (a CPU rank's device is the host)
+    mc = ([r for r in usable(records, "memcpy") if r.get("where") == "device"]
+          or [r for r in usable(records, "memcpy") if r.get("where") == "host"])
     opt = [r for r in usable(records, "optimizer_step") if r["dtype"] in dtypes]
     # the device's bandwidth is at least the best streaming rate any benchmark reached (the
     # copy and the optimizer's passes), so every efficiency against it stays <= 1

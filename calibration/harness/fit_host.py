@@ -24,8 +24,11 @@ def fit_zero3_hooks(records: list[dict]) -> dict:
 
 def fit_adam(records: list[dict]) -> tuple[float, str]:
     """(params/s per core, implementation): DeepSpeedCPUAdam when measured, else the fastest
-    torch CPU Adam; a rank's rate is divided by the threads it ran with."""
-    cpu = [r for r in records if r.get("kind") == "adam" and r.get("device") == "cpu" and "error" not in r]
+    torch CPU Adam; a rank's rate is divided by the threads it ran with. The cores' rate comes
+    from the cache-resident size; the out-of-cache run measures the host's bandwidth instead
+    (see [Note: CPU step traffic]; fit.py)."""
+    cpu = [r for r in records if r.get("kind") == "adam" and r.get("device") == "cpu" and "error" not in r
+           and not r.get("regime")]
     if not cpu:
         raise ValueError("no CPU Adam records")
     ds = [r for r in cpu if r["impl"] == "DeepSpeedCPUAdam"]

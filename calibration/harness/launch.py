@@ -249,7 +249,7 @@ def measure(plan: Plan, scratch: Path, nproc: int, backend: str | None, log_path
 
 
 def finish(name: str, scratch: Path, profile_path: Path, run_dir: Path, dtypes: tuple[str, ...], status: str,
-           error: str = "") -> tuple[list[dict], dict | None, dict | None]:
+           error: str = "", interconnect: tuple[str, dict] | None = None) -> tuple[list[dict], dict | None, dict | None]:
     """Move the raw records to run_dir (atomically); on a complete run fit and write the profile."""
     records = read_records(scratch)
     prov = {}
@@ -264,6 +264,8 @@ def finish(name: str, scratch: Path, profile_path: Path, run_dir: Path, dtypes: 
         write_atomic(run_dir / NCCL_TUNING_FILE, json.dumps(
             {"communicators": tunings, "choices": nccl_log.choices_for(records, tunings)}, indent=1) + "\n")
         prov["nccl_tuning"] = NCCL_TUNING_FILE
+    if interconnect is not None:   # a refit (--from-run) of a one-rank run finds its base here
+        prov["interconnect_from"] = interconnect[0]
     # collectives pooled into the run this one replaces belong to that run's profile
     (run_dir / POOL_FILE).unlink(missing_ok=True)
     doc = {"format": 1, "status": status, "error": error, "provenance": prov, "plan": plan, "records": records}
@@ -272,15 +274,15 @@ def finish(name: str, scratch: Path, profile_path: Path, run_dir: Path, dtypes: 
         shutil.copyfile(scratch / "torchrun.log", run_dir / "torchrun.log")
     if status != "complete":
         return records, None, None
-    profile, report = fit_and_write(name, records, prov, dtypes, profile_path, run_dir)
+    profile, report = fit_and_write(name, records, prov, dtypes, profile_path, run_dir, interconnect)
     return records, profile, report
 
 
 def fit_and_write(name: str, records: list[dict], prov: dict, dtypes: tuple[str, ...], profile_path: Path,
-                  run_dir: Path):
+                  run_dir: Path, interconnect: tuple[str, dict] | None = None):
     from zsim.schema import build
     from zsim.specs.hardware import HardwareProfile
-    profile, report = build_profile(name, records, prov, dtypes)
+    profile, report = build_profile(name, records, prov, dtypes, interconnect)
     build(HardwareProfile, profile, str(profile_path))   # refuse to write a profile zsim cannot load
     write_atomic(run_dir / "fit_report.json", json.dumps(report, indent=1, sort_keys=True, default=float) + "\n")
     write_atomic(profile_path, profile_header(profile, report, run_dir) +
@@ -327,7 +329,7 @@ def profile_header(profile: dict, report: dict, run_dir: Path) -> str:
 
 
 def calibrate(name: str, plan: Plan, *, root: Path, nproc: int, backend: str | None, force: bool,
-              dtypes: tuple[str, ...]) -> dict:
+              dtypes: tuple[str, ...], interconnect: tuple[str, dict] | None = None) -> dict:
     profile_path, run_dir = output_paths(root, name)
     scratch = run_dir.parent / f".{name}.scratch-{os.getpid()}"
     scratch.parent.mkdir(parents=True, exist_ok=True)
@@ -339,7 +341,8 @@ def calibrate(name: str, plan: Plan, *, root: Path, nproc: int, backend: str | N
             records, _, _ = finish(name, scratch, profile_path, run_dir, dtypes, "failed", str(err))
             raise CalibrationFailed(f"calibration failed: {err}; {len(records)} records measured so far are kept "
                                     f"in {run_dir / 'records.json'}") from None
-        records, profile, report = finish(name, scratch, profile_path, run_dir, dtypes, "complete")
+        records, profile, report = finish(name, scratch, profile_path, run_dir, dtypes, "complete",
+                                          interconnect=interconnect)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return {"profile_path": profile_path, "run_dir": run_dir, "records": len(records), "wall_s": time.time() - t0,

@@ -181,8 +181,11 @@ def items(plan: Plan, world_size: int, nodes: int) -> list[str]:
 
 
 def groups(world_size: int, nodes: int) -> list[str]:
-    """The process groups that matter: the world, one node, one rank per node."""
+    """The process groups that matter: the world, one node, one rank per node (none for one
+    rank: a collective without a peer measures nothing)."""
     per_node = world_size // max(nodes, 1)
+    if world_size < 2:
+        return []
     out = ["world"]
     if nodes > 1 and per_node > 1:
         out.append("intra_node")

@@ -53,6 +53,8 @@ def provenance(ctx: Ctx) -> dict:
         prov["gpu"] = torch.cuda.get_device_name(ctx.device)
         prov["cuda"] = str(torch.version.cuda)
         prov["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        # the profile's hbm_capacity_GiB (fit.py): what the device has, not a share of host RAM
+        prov["gpu_memory_GiB"] = f"{torch.cuda.get_device_properties(ctx.device).total_memory / 2**30:.1f}"
         try:
             import subprocess
             prov["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],

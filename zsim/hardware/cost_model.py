@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from zsim.hardware.collectives import collective_cost, nccl_topo_for, ring_cost, tiers_for
 from zsim.hardware.compute import (attention_time_s, fresh_alloc_time_s, gemm_time_s, kernel_overhead_s,
                                    memory_bound_time_s, optimizer_time_s)
-from zsim.hardware.host import (aio_efficiency, cpu_adam_time_s, host_link_Bps, nvme_time_s, pcie_time_s,
+from zsim.hardware.host import (aio_efficiency, cpu_adam_time_s, host_link_Bps, host_pass_time_s, nvme_time_s, pcie_time_s,
                                 rank_views_time_s)
 from zsim.hardware.placement import group_shape, rank_of, same_node, stage_links
 from zsim.schedule.ir import Collective, HostSettings, Op, Phase, PipelineLayout, Transfer
@@ -177,12 +177,15 @@ class CostModel:
         if isinstance(p, Copy):
             if p.transfer in (Transfer.H2D, Transfer.D2H):
                 pinned = self.host.pin_memory if p.pinned is None else p.pinned
-                lat, xfer = pcie_time_s(p.size_bytes, self.host_Bps, cl.profile.pcie.latency_us * 1e-6, pinned)
+                lat, xfer = pcie_time_s(p.size_bytes, self.host_Bps, cl.profile.pcie.latency_us * 1e-6, pinned,
+                                        cl.profile.pcie.pageable_fraction)
                 return OpCost(fixed + lat, xfer, self._links(_PATHS[p.transfer]))
             t = nvme_time_s(p.size_bytes, self.nvme_node_Bps[p.transfer], cl.gpus_per_node, self.aio_efficiency)
             return OpCost(fixed + 0.0, t, self._links(_PATHS[p.transfer]))
         if isinstance(p, CpuAdam):
+            memory_Bps = self.cpu.memory_bw_GBps * 1e9
             t = cpu_adam_time_s(p.params, self.cpu.adam_params_per_s_per_core, self.cpu.cores_per_node,
-                                cl.gpus_per_node, self.host.cpu_cores_fraction)
+                                cl.gpus_per_node, self.host.cpu_cores_fraction, memory_Bps)
+            t += host_pass_time_s(p.pass_bytes, memory_Bps, cl.gpus_per_node)
             return OpCost(fixed + t, 0.0, CPU)
         return OpCost(fixed, self.compute_work_s(op.work), COMPUTE)

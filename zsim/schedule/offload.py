@@ -163,6 +163,24 @@ def _zero12_grads_to_host(ctx: StepContext, numel_owned: float, micro: int, afte
                  [last])
 
 
+def step_host_pass_bytes(ctx: StepContext) -> float:
+    """Host traffic per parameter of the offloaded step's passes besides CPU Adam (DeepSpeed
+    0.19.8; see [Note: CPU step traffic]):
+    - unscale/clip, `grad.mul_(1 / combined_scale)` on the fp32 gradient (read 4, write 4):
+      ZeRO-3 always (stage3.py:2979-2988); ZeRO-1/2 unless clipping is off and the loss scale is 1
+      (stage_1_and_2.py:3193-3195);
+    - the updated fp32 master converted to the 16-bit parameter dtype on the host (read 4, write
+      the width): ZeRO-1/2 into the bit16 buffer (stage_1_and_2.py:3093); ZeRO-3 by the
+      cross-device `copy_` (stage3.py:2858), which converts on the CPU before the copy (torch's
+      copy_kernel_cuda converts a CPU source with `.to(dtype)` first) when the dtypes differ."""
+    sc, w = ctx.sc, ctx.param_bytes
+    # fp16's loss scale (dynamic, or a static one other than 1) is divided out here too
+    scaled = sc.deepspeed.gradient_clipping > 0 or (sc.precision == "fp16" and sc.deepspeed.fp16.loss_scale != 1)
+    clip = 2 * FP32_BYTES if sc.zero.stage == 3 or scaled else 0.0
+    convert = FP32_BYTES + w if sc.zero.stage < 3 or w < FP32_BYTES else 0.0
+    return clip + convert
+
+
 def offloaded_step(ctx: StepContext, shard: float, deps, sub_group_size: int | None) -> int:
     """CPU (or NVMe-backed) optimizer step over the local shard; returns the op after which
     the GPU holds the updated 16-bit partition."""
@@ -184,19 +202,24 @@ def offloaded_step(ctx: StepContext, shard: float, deps, sub_group_size: int | N
     last_h2d = None
     prev_write = None
     b = ctx.b
+    pass_bytes = step_host_pass_bytes(ctx) * per
+    # ZeRO-3's copy converts into a fresh pageable CPU tensor, then copies that (stage3.py:2858);
+    # ZeRO-1/2 copy the bit16 buffer, pinned when pin_memory (stage_1_and_2.py:569-575)
+    pinned = False if z.stage == 3 and ctx.param_bytes < FP32_BYTES else None
     for g in range(groups):
         read = None
         if nvme:
             read_deps = deps if pipelined or prev_write is None else deps + [prev_write]
             read = b.add(OpKind.OPTIMIZER_SWAP, Stream.NVME, Phase.STEP, step,
                          Copy(Transfer.NVME_READ, per * OPT_STATE_BYTES, what=f"optimizer group {g}"), read_deps)
-        adam = b.add(OpKind.CPU_ADAM, Stream.CPU, Phase.STEP, step, CpuAdam(per, g), deps + [read])
+        adam = b.add(OpKind.CPU_ADAM, Stream.CPU, Phase.STEP, step, CpuAdam(per, g, pass_bytes), deps + [read])
         if nvme:
             prev_write = b.add(OpKind.OPTIMIZER_SWAP, Stream.NVME, Phase.STEP, step,
                                Copy(Transfer.NVME_WRITE, per * OPT_STATE_BYTES, what=f"optimizer group {g}"), [adam])
         if param_device(ctx) == "none":
             last_h2d = b.add(OpKind.PARAM_UPLOAD, Stream.H2D, Phase.STEP, step,
-                             Copy(Transfer.H2D, per * ctx.param_bytes, what=f"updated params group {g}"), [adam])
+                             Copy(Transfer.H2D, per * ctx.param_bytes, pinned, what=f"updated params group {g}"),
+                             [adam])
         else:
             last_h2d = adam   # the updated 16-bit partition stays on the host with the params
     return b.add(OpKind.STEP_DONE, Stream.COMPUTE, Phase.STEP, step, StepCompute(ComputeWork()),

@@ -99,6 +99,7 @@ class Copy:
 class CpuAdam:
     params: float
     group: int
+    pass_bytes: float = 0.0     # host traffic of the step's other passes on this group (unscale/clip, 16-bit copy)
 
 
 @dataclass(frozen=True, slots=True)

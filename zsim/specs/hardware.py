@@ -155,6 +155,10 @@ class PcieProfile:
     bw_GBps_per_gpu: float = spec(gt=0, doc="achieved H2D/D2H bandwidth of one GPU, pinned memory")
     gpus_per_switch: int = spec(1, ge=1)
     latency_us: float = spec(10.0, ge=0)
+    pageable_fraction: float = spec(0.5, gt=0, le=1, doc="pageable-memory copies' share of the pinned bandwidth "
+                                                          "(a staging copy through a pinned buffer); default: the CUDA "
+                                                          "Best Practices Guide's rough half, `zsim calibrate` "
+                                                          "measures it on a GPU")
     switch_uplink_GBps: Optional[float] = spec(None, gt=0, doc="switch-to-CPU link shared by the GPUs (and NVMe) "
                                                                "under one PCIe switch; none = each GPU has its own")
     nics_share_gpu_link: bool = spec(False, doc="NICs sit under the GPU's switch (GPUDirect RDMA): inter-node "
