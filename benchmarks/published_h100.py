@@ -29,9 +29,10 @@ def scenario_mapping(row: dict) -> dict:
                   "vocab": int(row["vocab"]), "seq_len": seq},
         # FSDP gathers and reduce-scatters one flat parameter per unit (all_gather_into_tensor,
         # reduce_scatter_tensor): none of DeepSpeed ZeRO-3's per-rank Python loops
-        # (see [Note: per-rank host loops])
+        # (see [Note: per-rank host loops]) and none of its per-module hooks
         "hardware": {"profile": "dgx-h100", "nodes": int(row["gpus"]) // 8,
-                     "override": {"cpu": {"zero3_rank_view_us": 0.0}}},
+                     "override": {"cpu": {"zero3_rank_view_us": 0.0, "zero3_hook_fwd_us": 0.0,
+                                          "zero3_hook_bwd_us": 0.0}}},
         "training": {"micro_batch_size": int(row["micro_batch"]), "gradient_accumulation_steps": int(row["grad_accum"]),
                      "seq_len": seq, "precision": "bf16", "flash_attention": True,
                      "fused_cross_entropy": True,  # llm-foundry uses flash-attn's fused CrossEntropyLoss
