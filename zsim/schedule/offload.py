@@ -226,11 +226,13 @@ def offloaded_step(ctx: StepContext, shard: float, deps, sub_group_size: int | N
                  [last_h2d, prev_write, gpu_part])
 
 
-def params_to_device(ctx: StepContext, numel_shard: float, micro: int, phase: str, deps, label: str) -> int:
-    """Stage 3 offload_param: bring this rank's partitions to the GPU before the all-gather."""
+def params_to_device(ctx: StepContext, numel_shard: float, micro: int, phase: str, deps, label: str,
+                     allocs=()) -> int:
+    """Stage 3 offload_param: bring this rank's partitions to the GPU before the all-gather
+    (`allocs`: what the copy itself allocates; on one rank the param's GPU data)."""
     size_bytes = numel_shard * ctx.param_bytes
     if param_device(ctx) == "nvme":
         deps = [ctx.b.add(OpKind.PARAM_FETCH, Stream.NVME, phase, micro,
                           Copy(Transfer.NVME_READ, size_bytes, what=f"params {label}"), deps)]
     return ctx.b.add(OpKind.PARAM_FETCH, Stream.H2D, phase, micro, Copy(Transfer.H2D, size_bytes, what=f"params {label}"),
-                     deps)
+                     deps, allocs)

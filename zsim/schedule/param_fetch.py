@@ -22,6 +22,13 @@
   in the hook of the visit that waits for the bucket's last param, before that module runs;
   a prefetch of many modules' params holds it until the last of them is used. A single param
   (_all_gather_sequential) is gathered into its own buffer, no copy.
+- [Note: one-rank ZeRO-3 fetch] With a partition group of one rank there is nothing to gather:
+  all_gather_coalesced and _allgather_params_coalesced take _no_gather_coalesced
+  (partition_parameters.py:904-913, 1559-1560, 2029-2032), which sets
+  `param.data = param.ds_tensor.data.to(device).view(shape)`: a view of the partition, no
+  collective, no flat buffer, no new memory. An offloaded partition's `.to(device)` is the
+  param's own GPU copy (the H2D copy, then freed at release). Measured: DeepSpeed on one rank
+  issues no all_gather (CPU/gloo, medium GPT; validate --nproc-per-node 1).
 Timing assumption: the host reaches a visit's hook when the previous compute op has finished
 (lock-step), so a prefetch overlaps the compute of the module before its consumer.
 """
@@ -121,6 +128,9 @@ class ParamCoordinator:
             for p in v.params:
                 self.uses.setdefault(p, []).append(k)
         self.last_compute: int | None = None
+        # a fetched param holds memory of its own unless it is a view of its one-rank partition
+        # (see [Note: one-rank ZeRO-3 fetch])
+        self.allocates = ctx.world > 1 or ctx.params_offloaded
         self.reset()
 
     def reset(self):
@@ -149,6 +159,18 @@ class ParamCoordinator:
         numel = sum(padded(self.numels[p], ctx.world) for p in pids)
         what = f"prefetch from {visit}" if prefetch else visit
         deps = [self.last_compute]
+        if ctx.world == 1:   # see [Note: one-rank ZeRO-3 fetch]
+            op = None
+            if ctx.params_offloaded:
+                op = offload.params_to_device(ctx, numel, micro, phase, deps, what, allocs=tuple(
+                    Alloc(Tag(Buffer.GATHERED, micro, p), Category.GATHERED, self.numels[p] * ctx.param_bytes)
+                    for p in pids))
+            for p in pids:
+                self.status[p] = AVAILABLE
+                if op is not None:
+                    self.gather_op[p] = op
+                self.n_available += self.numels[p]
+            return op
         if ctx.params_offloaded:
             deps = [offload.params_to_device(ctx, numel / ctx.world, micro, phase, deps, what)]
         allocs = tuple(Alloc(Tag(Buffer.GATHERED, micro, p), Category.GATHERED, self.numels[p] * ctx.param_bytes)
@@ -240,12 +262,13 @@ class ParamCoordinator:
         for p in candidates:
             if self.status[p] == AVAILABLE:
                 self._drop(p)
-                self.ctx.b.add_free(op, Tag(Buffer.GATHERED, micro, p))
+                if self.allocates:
+                    self.ctx.b.add_free(op, Tag(Buffer.GATHERED, micro, p))
 
     def release_all(self, micro: int, op: int):
         """release_and_reset_all at the end of backward."""
         for p, st in self.status.items():
-            if st == AVAILABLE and p not in self.persistent:
+            if st == AVAILABLE and p not in self.persistent and self.allocates:
                 self.ctx.b.add_free(op, Tag(Buffer.GATHERED, micro, p))
         # the registry's leftovers are waited here; their flat buffers go with them
         self.ctx.b.add_free(op, *(Tag(Buffer.GATHER_FLAT, micro, flat) for flat in self.unwaited), *self.waited)

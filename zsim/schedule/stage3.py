@@ -96,7 +96,10 @@ def build(ctx: StepContext):
                                                          trainable=(sum(trained), train_shard)), train_shard)
     for cat, size in states.items():
         ctx.b.static_alloc(cat, size)
-    ctx.b.static_alloc(Category.PERSISTENT, sum(numels[p] for p in persistent) * ctx.param_bytes)
+    # persistent params hold a gathered copy, except one rank's views of its partitions
+    # (see [Note: one-rank ZeRO-3 fetch])
+    if ctx.world > 1 or ctx.params_offloaded:
+        ctx.b.static_alloc(Category.PERSISTENT, sum(numels[p] for p in persistent) * ctx.param_bytes)
     if z.contiguous_gradients:
         # stage3.py:780-784: one IPG buffer of the full reduce_bucket_size elements, in
         # communication_data_type (the key of ipg_buckets), not the model dtype
@@ -123,7 +126,7 @@ def build(ctx: StepContext):
     # [Note: coalesced post-step gathers] _post_step: persistent params re-gathered one call each,
     # in registration order, all launched async before any is waited
     # (partition_parameters.py _allgather_params_coalesced)
-    for p in persistent:
+    for p in persistent if ctx.world > 1 else ():   # one rank gathers nothing (see [Note: one-rank ZeRO-3 fetch])
         n = padded(numels[p], ctx.world)
         last = ctx.b.add(OpKind.PERSISTENT_GATHER, Stream.COMPUTE, Phase.STEP, ctx.last_micro,
                          ParamGather(Comm(Collective.ALL_GATHER, n, n * ctx.param_bytes,
