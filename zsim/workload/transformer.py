@@ -30,6 +30,18 @@ from zsim.workload.module import DTYPE_BYTES, Module, ModuleKind, TensorRole, Wo
 from zsim.workload.moe import moe_mlp
 
 
+# [Note: HF loss memory]
+# The unfused loss as transformers (>= 4.46, ForCausalLMLoss) and the HF Trainer run it: the
+# 16-bit logits are upcast to fp32 inside the loss function and cross_entropy's log_softmax
+# saves its fp32 output (4 B per logit), the one tensor held until backward: the fp32 copy is
+# not saved, and the Trainer drops the model output (the 16-bit logits) before it calls
+# backward (compute_loss returns the loss alone). Forward's transient peak is the 16-bit
+# logits, their fp32 copy and the log-softmax output; backward's is the saved output with
+# nll_loss's fp32 gradient and log_softmax's fp32 input gradient (8 B). Measured: DeepSpeed
+# on one CPU rank, vocab 50304 (medium GPT, ZeRO-2): zsim was 6.0% over (98 MiB, 2 B per
+# logit) with the fp32 logits held through backward; the H200 runs (vocab 50304, 412M logits
+# per micro-batch) were 2-3% over. A training loop that keeps `outputs` alive through
+# `engine.backward(outputs.loss)` holds the 16-bit logits too (2 B per logit more).
 def _loss(logits: float, fwd_mem: float, bwd_mem: float, act: float, kernels: int, fwd_workspace: float,
           bwd_workspace: float) -> Module:
     """Cross-entropy over `logits` (tokens x the rank's vocab) elements."""
@@ -135,9 +147,8 @@ def build_workload(m: ModelSpec, micro_batch_size: int, seq_len: int, precision:
         bld.modules.append(_loss(t * V, fwd_mem=t * V * a, bwd_mem=2 * t * V * a, act=t * V * a + 4 * t, kernels=1,
                                  fwd_workspace=0.0, bwd_workspace=0.0))
     else:
-        # HF-style: logits upcast to fp32 and held by the model output, log-softmax output saved
-        # by cross_entropy; the 16-bit logits are transient; backward makes fp32 and 16-bit grads.
-        bld.modules.append(_loss(t * V, fwd_mem=t * V * (a + 12), bwd_mem=t * V * (24 + a), act=8 * t * V, kernels=3,
-                                 fwd_workspace=t * V * a, bwd_workspace=t * V * (4 + a)))
+        # see [Note: HF loss memory]
+        bld.modules.append(_loss(t * V, fwd_mem=t * V * (a + 12), bwd_mem=t * V * (24 + a), act=4 * t * V, kernels=3,
+                                 fwd_workspace=t * V * (a + 4), bwd_workspace=8 * t * V))
     return Workload(params=tuple(bld.params), modules=tuple(bld.modules), layers=m.layers, tokens=t,
                     micro_batch_size=b, seq_len=s, layer_input_bytes=float(t * h * a / bld.seq), act_dtype_bytes=a)
