@@ -159,6 +159,11 @@ def main() -> int:
               + (f" (unknown: {', '.join(unknown)})" if unknown else ""), file=sys.stderr)
         return 2
     if a.measure:
+        import torch
+        if not torch.cuda.is_available():
+            print("validate_gpu: error: --measure needs a CUDA GPU (this machine has none); "
+                  "--report DIR works anywhere", file=sys.stderr)
+            return 2
         return measure(Path(a.measure), names, a.steps, a.warmup, a.timeout)
     if not a.profile:
         print("validate_gpu: error: --report needs --profile (e.g. dgx-h100)", file=sys.stderr)

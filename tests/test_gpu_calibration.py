@@ -105,3 +105,26 @@ def test_base_without_interconnect_is_refused(tmp_path):
     bad.write_text("name: bad\ngpus_per_node: 1\n")
     with pytest.raises(ZsimInputError, match="intra_node"):
         base_interconnect(str(bad))
+
+
+def test_validate_sees_no_gpu_without_importing_torch(monkeypatch):
+    """Without an NVIDIA driver the DeepSpeed peer runs on the CPU (DS_ACCELERATOR=cpu), decided
+    without starting the ranks' python."""
+    import calibration.commands.validate as v
+
+    monkeypatch.setattr(v.shutil, "which", lambda name: None)
+    monkeypatch.setattr(v.Path, "exists", lambda self: False)
+    monkeypatch.setattr(v.subprocess, "run", lambda *a, **k: pytest.fail("torch was started"))
+    assert v.has_cuda(sys.executable) is False
+
+
+def test_validate_gpu_measure_refuses_without_a_gpu(tmp_path):
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "validate_gpu.py"), "--measure", str(tmp_path / "m")],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and "CUDA" in out.stderr
+    assert not (tmp_path / "m").exists()

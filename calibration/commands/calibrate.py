@@ -242,6 +242,10 @@ def main(args) -> int:
     if args.backend == "nccl":
         if not torch.cuda.is_available():
             raise ZsimInputError("--backend", "nccl", "NCCL needs CUDA GPUs; use gloo on this machine")
+    if base is not None and nproc > 1:
+        print(f"zsim calibrate: --base {base[0]} unused: {nproc} ranks measure their own interconnect",
+              file=sys.stderr)
+        base = None
     print(f"zsim calibrate: {plan.mode} mode, {nproc} ranks, results in {run_dir}", file=sys.stderr)
     try:
         out = calibrate(args.out, plan, root=root, nproc=nproc, backend=args.backend, force=args.force, dtypes=dtypes,

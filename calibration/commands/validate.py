@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -78,7 +79,10 @@ def check_engine(engine: str, python: str) -> None:
 
 
 def has_cuda(python: str) -> bool:
-    """Whether the ranks' python sees a CUDA GPU (the peers then run on it: calibration/core/peers.py)."""
+    """Whether the ranks' python sees a CUDA GPU (the peers then run on it: calibration/core/peers.py).
+    Without an NVIDIA driver on the machine it cannot, and no torch is imported to find out."""
+    if not (shutil.which("nvidia-smi") or Path("/dev/nvidiactl").exists()):
+        return False
     try:
         out = subprocess.run([python, "-c", "import torch; print(torch.cuda.is_available())"],
                              capture_output=True, text=True, timeout=120)
