@@ -198,6 +198,8 @@ def optimizer_boundary(ctx: StepContext, hooks: Zero012Hooks, last: int) -> int:
         last = last[0]
         if buckets.partition_live:
             ctx.b.add_free(last, Tag(Buffer.GRAD_PARTITION))
+        if buckets.nocg:
+            buckets.release_kept(last)
     # all_gather_dp_groups: one all-gather of each whole flat 16-bit group over its own group
     for g in gathered_groups(buckets.groups):
         group = buckets.groups[g]

@@ -1,0 +1,61 @@
+"""See [Note: ZeRO-2 gradients without contiguous_gradients]: the grads of params touching this
+rank's partition live from their first backward to the step, the others until their bucket's
+reduction (the next one with overlap_comm), and each reduction flattens its bucket into a
+transient copy."""
+import pytest
+
+from tests.helpers import scenario
+from zsim.schedule.build import build_schedule
+from zsim.schedule.ir import Buffer, Category, OpKind
+
+Z = "deepspeed.zero_optimization."
+
+
+def _schedule(overlap: bool, gas: int = 3):
+    sc = scenario(**{"hardware.gpus_per_node": 2, f"{Z}stage": 2, f"{Z}contiguous_gradients": False,
+                     f"{Z}overlap_comm": overlap, f"{Z}reduce_bucket_size": 2e6,
+                     "training.gradient_accumulation_steps": gas})
+    return build_schedule(sc)[1]
+
+
+def _where(schedule):
+    alloc, free = {}, {}
+    for i, op in enumerate(schedule.ops):
+        for a in op.alloc:
+            alloc.setdefault(a.tag, []).append(i)
+        for t in op.free:
+            free.setdefault(t, []).append(i)
+    return alloc, free
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_in_partition_grads_live_to_the_step_and_others_to_their_reduction(overlap):
+    s = _schedule(overlap)
+    alloc, free = _where(s)
+    kept = [t for t in alloc if t.buffer == Buffer.GRAD_PENDING and t.micro == -1]
+    others = [t for t in alloc if t.buffer == Buffer.GRAD_PENDING and t.micro >= 0 and isinstance(t.key, int)]
+    flats = [t for t in alloc if t.buffer == Buffer.GRAD_PENDING and isinstance(t.key, str)]
+    assert kept and others and flats
+    step = [i for i, op in enumerate(s.ops) if op.kind == OpKind.OPTIMIZER_STEP][-1]
+    for t in kept:   # allocated once in the window (autograd accumulates into it), freed at the step
+        assert len(alloc[t]) == 1 and free[t] == [step]
+        assert s.ops[alloc[t][0]].micro_step == 0
+    reduces = [i for i, op in enumerate(s.ops) if op.kind == OpKind.BUCKET_REDUCE]
+    for t in flats:   # the flat copy lives on its reduction alone
+        assert alloc[t] == free[t] and alloc[t][0] in reduces
+    for t in others:
+        assert len(free[t]) == 1
+        later = [r for r in reduces if r >= alloc[t][0]]
+        # freed with the bucket's reduction, or with the next reduction (or the step) under overlap_comm
+        if overlap:
+            assert free[t][0] in later[1:] + [step]
+        else:
+            assert free[t][0] == later[0]
+    # no partition buffer without contiguous gradients
+    assert not [t for t in alloc if t.buffer == Buffer.GRAD_PARTITION]
+
+
+def test_kept_grads_count_as_gradients():
+    s = _schedule(False, gas=1)
+    cats = {a.category for op in s.ops for a in op.alloc if a.tag.buffer == Buffer.GRAD_PENDING and a.tag.micro == -1}
+    assert cats == {Category.GRADIENTS}
