@@ -27,12 +27,15 @@ reduced bucket is not copied into a partition buffer (copy_grads_in_partition is
 contiguous path): reduce_ipg_grads (stage_1_and_2.py) all-reduces a flat copy of the bucket's
 grads (allreduce_bucket's flatten, freed once copied back), clears the .grad of every param
 outside this rank's partition (with overlap_comm at the next reduction: previous_reduced_grads)
-and keeps the .grad of every param that touches it, whole, which autograd accumulates into
-through the window; the step flattens them and frees them (free_grad_in_param_list). Measured
+and keeps the .grad of every param that touches it, whole, through the window; the step
+flattens them and frees them (free_grad_in_param_list). The epilogue also keeps references to
+them (all_grad_tensors), so in the second micro-step autograd's AccumulateGrad, seeing the
+.grad shared, adds out of place: a second copy of each, until the boundary's epilogue drops
+all_grad_tensors (measured on DeepSpeed at the epilogue's peak: the in-partition grads twice). Measured
 (DeepSpeed, CPU/gloo, seed 975049619): small ZeRO-2 bf16 at world 4 with overlap_comm was 9.1%
-under, now exact; small ZeRO-2 fp32 GAS 3 at world 2 moves from -13.6% to -11.1% (the own
-core, which holds what zsim now does, measured the same 63.8 MiB: DeepSpeed holds 8 MiB more
-there, not located).
+under, now exact; small ZeRO-2 fp32 GAS 3 at world 2 was 13.6% under, now 1.2% (70.9 MiB against
+71.8, and 70.95 in a rerun that traced the peak to the epilogue's flatten). The own core has
+no all_grad_tensors and holds one copy (63.8 MiB there).
 """
 from __future__ import annotations
 
@@ -109,6 +112,7 @@ class Zero12Buckets(_Buckets):
         z = ctx.sc.zero
         self.nocg = z.stage == 2 and not z.contiguous_gradients
         self.kept: set[int] = set()    # in-partition .grads held to the step (nocg)
+        self.accumulated: list[Tag] = []   # their second copies from the second micro-step on (nocg)
         self.overlap_held: list[Tag] = []   # out-of-partition .grads cleared at the next reduction
         self.micro_flush: tuple[int, int] | None = None   # (micro-step, its last reduction op)
         self.fills: dict[int, list[int]] = {}   # micro-step -> elements each flush copied into the IPG buffer
@@ -129,10 +133,16 @@ class Zero12Buckets(_Buckets):
         if self.nocg:
             # see [Note: ZeRO-2 gradients without contiguous_gradients]
             if not self.ctx.optimizer_offloaded and self._in_partition(pid):
-                if pid not in self.kept:   # autograd accumulates into it in the later micro-steps
+                size = self.numels[pid] * self.ctx.param_bytes
+                if pid not in self.kept:
                     self.kept.add(pid)
-                    self.ctx.b.add_alloc(after, Alloc(Tag(Buffer.GRAD_PENDING, key=pid), Category.GRADIENTS,
-                                                      self.numels[pid] * self.ctx.param_bytes))
+                    self.ctx.b.add_alloc(after, Alloc(Tag(Buffer.GRAD_PENDING, key=pid), Category.GRADIENTS, size))
+                elif micro == 1:
+                    # all_grad_tensors still references the first micro-step's .grad, so autograd
+                    # accumulates out of place: a second copy, until the boundary's epilogue
+                    tag = Tag(Buffer.GRAD_PENDING, key=f"accumulated {pid}")
+                    self.ctx.b.add_alloc(after, Alloc(tag, Category.GRADIENTS, size))
+                    self.accumulated.append(tag)
             else:
                 tag = Tag(Buffer.GRAD_PENDING, micro, pid)
                 self.ctx.b.add_alloc(after, Alloc(tag, Category.BUCKETS, self.numels[pid] * self.ctx.param_bytes))
@@ -209,6 +219,12 @@ class Zero12Buckets(_Buckets):
     def _in_partition(self, pid: int) -> bool:
         """is_param_in_current_partition for rank 0 (ranks are symmetric): any slice is its."""
         return any(r == 0 for _, r, _ in bucket_slices((pid,), self.groups, self.group_of, self.numels))
+
+    def release_accumulated(self, op: int):
+        """The boundary epilogue sets all_grad_tensors to None: the first copies go."""
+        if self.accumulated:
+            self.ctx.b.add_free(op, *self.accumulated)
+            self.accumulated = []
 
     def release_kept(self, op: int):
         """The step's free_grad_in_param_list (and the overlap-held grads left of the last bucket)."""

@@ -96,6 +96,8 @@ class Zero012Hooks(StageHooks):
         flushed = self.buckets.flushed_in(micro)
         if flushed is not None and (self.stage == 2 or boundary):
             self.last_reduce = flushed
+        if boundary and self.buckets.nocg:
+            self.buckets.release_accumulated(last_op if flushed is None else flushed)
         if self.ipg_micro == micro:
             # the epilogue after this micro-step's last reduction
             ctx.b.add_free(last_op if flushed is None else flushed, Tag(Buffer.IPG, micro))
