@@ -72,3 +72,17 @@ def test_kept_grads_count_as_gradients():
     cats = {a.category for op in s.ops for a in op.alloc if a.tag.buffer == Buffer.GRAD_PENDING and a.tag.micro == -1
             and isinstance(a.tag.key, int)}
     assert cats == {Category.GRADIENTS}
+
+
+def test_zero3_without_contiguous_gradients_holds_each_grad_until_its_reduce_scatter():
+    """stage3.py copies a .grad into the IPG buffer only with contiguous_gradients: without it
+    autograd's .grad is memory of its own until partition_grads drops it after the reduction."""
+    for cg in (True, False):
+        sc = scenario(**{"hardware.gpus_per_node": 2, f"{Z}stage": 3, f"{Z}contiguous_gradients": cg,
+                         f"{Z}reduce_bucket_size": 2e6})
+        s = build_schedule(sc)[1]
+        alloc, free = _where(s)
+        grads = [t for t in alloc if t.buffer == Buffer.GRAD_PENDING]
+        assert bool(grads) == (not cg)
+        for t in grads:
+            assert s.ops[free[t][0]].kind == OpKind.BUCKET_REDUCE and free[t][0] > alloc[t][0]

@@ -242,6 +242,21 @@ class Zero12Buckets(_Buckets):
 
 
 class Zero3Buckets(_Buckets):
+    def __init__(self, ctx: StepContext):
+        super().__init__(ctx)
+        self.pending: list[Tag] = []
+
+    def _on_add(self, pid: int, micro: int, after: int):
+        z = self.ctx.sc.zero
+        if not z.contiguous_gradients:
+            # stage3.py reduce_independent_p_g_buckets_and_remove_grads copies a .grad into the
+            # IPG buffer only with contiguous_gradients (:1626); otherwise autograd's own .grad
+            # waits for its bucket, and partition_grads drops it after the reduce-scatter (before,
+            # zsim held no gradient at all between a hook and its reduction without the IPG buffer)
+            tag = Tag(Buffer.GRAD_PENDING, micro, pid)
+            self.ctx.b.add_alloc(after, Alloc(tag, Category.BUCKETS, self.numels[pid] * self.ctx.param_bytes))
+            self.pending.append(tag)
+
     def _scatter_traffic_bytes(self, numel: int, micro: int, interleaved: bool) -> float:
         """[Note: reduce-scatter buffer passes] Around one bucket's reduce-scatter, DeepSpeed 0.19.8's stage3.py
         __avg_scatter_grads -> coalesced_collectives.py reduce_scatter_coalesced interleaves the
@@ -278,7 +293,8 @@ class Zero3Buckets(_Buckets):
             allocs = ((Alloc(Tag(Buffer.SCATTER_COPY, micro, self.flushes), Category.BUCKETS, size_bytes),)
                       if interleaved else ())
         self.last_reduce = self._reduce_op(micro, after, 0, comm, alloc=allocs)
-        ctx.b.add_free(self.last_reduce, *(a.tag for a in allocs))
+        ctx.b.add_free(self.last_reduce, *(a.tag for a in allocs), *self.pending)
+        self.pending = []
         if ctx.optimizer_offloaded:
             self.last_d2h = offload.grads_to_host(ctx, numel / ctx.world, micro, self.last_reduce,
                                                   f"bucket {self.flushes}")
