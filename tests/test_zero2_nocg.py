@@ -32,9 +32,9 @@ def _where(schedule):
 def test_in_partition_grads_live_to_the_step_and_others_to_their_reduction(overlap):
     s = _schedule(overlap)
     alloc, free = _where(s)
-    kept = [t for t in alloc if t.buffer == Buffer.GRAD_PENDING and t.micro == -1 and isinstance(t.key, int)]
-    others = [t for t in alloc if t.buffer == Buffer.GRAD_PENDING and t.micro >= 0 and isinstance(t.key, int)]
-    flats = [t for t in alloc if t.buffer == Buffer.GRAD_PENDING and str(t.key).startswith("flat")]
+    kept = [t for t in alloc if t.buffer == Buffer.GRAD_KEPT]
+    others = [t for t in alloc if t.buffer == Buffer.GRAD_PENDING]
+    flats = [t for t in alloc if t.buffer == Buffer.ALLREDUCE_FLAT]
     assert kept and others and flats
     step = [i for i, op in enumerate(s.ops) if op.kind == OpKind.OPTIMIZER_STEP][-1]
     for t in kept:   # allocated once in the window (autograd accumulates into it), freed at the step
@@ -60,7 +60,7 @@ def test_second_micro_step_copies_the_kept_grads_until_the_boundary_epilogue():
     for gas, expect in ((1, False), (3, True)):
         s = _schedule(False, gas=gas)
         alloc, free = _where(s)
-        copies = [t for t in alloc if t.buffer == Buffer.GRAD_PENDING and str(t.key).startswith("accumulated")]
+        copies = [t for t in alloc if t.buffer == Buffer.GRAD_ACCUM_COPY]
         assert bool(copies) == expect
         for t in copies:
             assert s.ops[alloc[t][0]].micro_step == 1
@@ -69,8 +69,7 @@ def test_second_micro_step_copies_the_kept_grads_until_the_boundary_epilogue():
 
 def test_kept_grads_count_as_gradients():
     s = _schedule(False, gas=1)
-    cats = {a.category for op in s.ops for a in op.alloc if a.tag.buffer == Buffer.GRAD_PENDING and a.tag.micro == -1
-            and isinstance(a.tag.key, int)}
+    cats = {a.category for op in s.ops for a in op.alloc if a.tag.buffer == Buffer.GRAD_KEPT}
     assert cats == {Category.GRADIENTS}
 
 

@@ -160,7 +160,7 @@ def parse_dtypes(text: str) -> tuple[str, ...]:
     return dtypes
 
 
-def _fit_existing(args, dtypes, profile_path: Path, run_dir: Path, fit_and_write) -> int:
+def _fit_existing(args, dtypes, profile_path: Path, run_dir: Path, fit_and_write, base=None) -> int:
     """Fit a run measured elsewhere: a calibration/runs/NAME directory (records.json) or a
     worker's run directory from a torchrun/srun launch (records.partial.jsonl + status/)."""
     import json
@@ -189,7 +189,7 @@ def _fit_existing(args, dtypes, profile_path: Path, run_dir: Path, fit_and_write
     if src.resolve() != run_dir.resolve():
         write_atomic(run_dir / "records.json", json.dumps(doc, indent=1, sort_keys=True) + "\n")
     write_pool(run_dir, pool, write_atomic)
-    base = base_interconnect(args.base or prov.get("interconnect_from"))
+    base = base or base_interconnect(prov.get("interconnect_from"))   # a one-rank run names its own
     if base is not None:
         prov = {**prov, "interconnect_from": base[0]}
     _, report = fit_and_write(args.out, *pooled(doc["records"], prov, pool), dtypes, profile_path, run_dir, base)
@@ -234,7 +234,7 @@ def main(args) -> int:
     if args.pool_collectives and not args.from_run:
         precheck(args.pool_collectives, run_dir)
     if args.from_run:
-        return _fit_existing(args, dtypes, profile_path, run_dir, fit_and_write)
+        return _fit_existing(args, dtypes, profile_path, run_dir, fit_and_write, base)
     if nproc is None:
         nproc = torch.cuda.device_count() if torch.cuda.is_available() else 2
         if nproc == 1 and base is None:   # one GPU
@@ -260,5 +260,5 @@ def main(args) -> int:
         args.from_run = str(out["run_dir"])
         args.force = True   # refit the run just written, with the pooled collectives
         from calibration.harness.launch import fit_and_write
-        return _fit_existing(args, dtypes, profile_path, run_dir, fit_and_write)
+        return _fit_existing(args, dtypes, profile_path, run_dir, fit_and_write, base)
     return 0

@@ -17,6 +17,7 @@ match what zsim schedules.
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import time
 
@@ -89,8 +90,6 @@ def ds_config(sc) -> dict:
 
 def on_cuda() -> bool:
     """The peer runs on this rank's GPU: CUDA is there and DS_ACCELERATOR does not ask for the CPU."""
-    import os
-
     import torch
 
     return torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
@@ -156,8 +155,6 @@ def main(args, sc) -> int:
     cuda = on_cuda()
     device = torch.device("cpu")
     if cuda:
-        import os
-
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     offloaded = sc.zero.optimizer_offload_device != "none" or sc.zero.param_offload_device != "none"

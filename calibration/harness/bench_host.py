@@ -98,26 +98,20 @@ def bench_adam(ctx: Ctx) -> list[dict]:
         return out
     try:   # DeepSpeedCPUAdam: `zsim calibrate` built its extension before the benchmarks (ds_ops.py)
         from deepspeed.ops.adam import DeepSpeedCPUAdam
-        ps = [torch.nn.Parameter(torch.randn(c)) for c in chunks]
-        for p in ps:
-            p.grad = torch.randn_like(p)
-        opt = DeepSpeedCPUAdam(ps, lr=1e-3)
-        st, inner = timed_everywhere(ctx, opt.step, reps=max(5, ctx.plan.reps // 2))
-        out.append({"kind": "adam", "impl": "DeepSpeedCPUAdam", "device": "cpu", "params": sum(chunks),
-                    "threads": torch.get_num_threads(), "params_per_s": sum(chunks) / st["time_s"],
-                    "inner": inner, **st})
-        if ctx.cuda:   # out of cache, as an offloaded shard is (see [Note: CPU step traffic])
-            del ps, opt
-            big = HOST_STREAM_BYTES // 4 // 4    # fp32 params whose four streams span HOST_STREAM_BYTES
-            ps = [torch.nn.Parameter(torch.randn(big // 8)) for _ in range(8)]
+        sizes = [(chunks, None, max(5, ctx.plan.reps // 2))]
+        if ctx.cuda:   # out of cache, as an offloaded shard is (see [Note: CPU step traffic]): fp32
+            # params whose four streams span HOST_STREAM_BYTES
+            sizes.append(([HOST_STREAM_BYTES // 16 // 8] * 8, "out of cache", 5))
+        for chunk_sizes, regime, reps in sizes:
+            ps = [torch.nn.Parameter(torch.randn(c)) for c in chunk_sizes]
             for p in ps:
                 p.grad = torch.randn_like(p)
             opt = DeepSpeedCPUAdam(ps, lr=1e-3)
-            st, inner = timed_everywhere(ctx, opt.step, reps=5)
-            n_big = sum(p.numel() for p in ps)
-            out.append({"kind": "adam", "impl": "DeepSpeedCPUAdam", "device": "cpu", "params": n_big,
-                        "regime": "out of cache", "threads": torch.get_num_threads(),
-                        "params_per_s": n_big / st["time_s"], "inner": inner, **st})
+            st, inner = timed_everywhere(ctx, opt.step, reps=reps)
+            out.append({"kind": "adam", "impl": "DeepSpeedCPUAdam", "device": "cpu", "params": sum(chunk_sizes),
+                        **({"regime": regime} if regime else {}), "threads": torch.get_num_threads(),
+                        "params_per_s": sum(chunk_sizes) / st["time_s"], "inner": inner, **st})
+            del ps, opt
     except Exception as exc:   # optional: absent or failing to build is not a calibration failure
         out.append({"kind": "adam", "impl": "DeepSpeedCPUAdam", "device": "cpu",
                     "error": f"unavailable: {type(exc).__name__}: {str(exc)[:150]}"})

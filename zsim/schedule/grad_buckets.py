@@ -58,6 +58,14 @@ class _Buckets:
         self.flushes = 0
         self.last_reduce: int | None = None
         self.last_d2h: int | None = None
+        self.pending: list[Tag] = []   # .grads held until the current bucket's reduction
+
+    def _hold_until_reduced(self, pid: int, micro: int, after: int):
+        """Without contiguous_gradients autograd's .grad is memory of its own until its bucket
+        is reduced (the stages' _flush frees `pending`)."""
+        tag = Tag(Buffer.GRAD_PENDING, micro, pid)
+        self.ctx.b.add_alloc(after, Alloc(tag, Category.BUCKETS, self.numels[pid] * self.ctx.param_bytes))
+        self.pending.append(tag)
 
     def add(self, pid: int, micro: int, after: int):
         """A gradient hook after op `after` puts `pid` into the bucket."""
@@ -108,7 +116,6 @@ class Zero12Buckets(_Buckets):
         self.lazy_grads = lazy_grads
         self.walk_at_boundary = walk_at_boundary     # ZeRO-1 without overlap_comm: reduce_gradients
         self.partition_live = False
-        self.pending: list[Tag] = []
         z = ctx.sc.zero
         self.nocg = z.stage == 2 and not z.contiguous_gradients
         self.kept: set[int] = set()    # in-partition .grads held to the step (nocg)
@@ -136,17 +143,15 @@ class Zero12Buckets(_Buckets):
                 size = self.numels[pid] * self.ctx.param_bytes
                 if pid not in self.kept:
                     self.kept.add(pid)
-                    self.ctx.b.add_alloc(after, Alloc(Tag(Buffer.GRAD_PENDING, key=pid), Category.GRADIENTS, size))
+                    self.ctx.b.add_alloc(after, Alloc(Tag(Buffer.GRAD_KEPT, key=pid), Category.GRADIENTS, size))
                 elif micro == 1:
                     # all_grad_tensors still references the first micro-step's .grad, so autograd
                     # accumulates out of place: a second copy, until the boundary's epilogue
-                    tag = Tag(Buffer.GRAD_PENDING, key=f"accumulated {pid}")
+                    tag = Tag(Buffer.GRAD_ACCUM_COPY, key=pid)
                     self.ctx.b.add_alloc(after, Alloc(tag, Category.GRADIENTS, size))
                     self.accumulated.append(tag)
             else:
-                tag = Tag(Buffer.GRAD_PENDING, micro, pid)
-                self.ctx.b.add_alloc(after, Alloc(tag, Category.BUCKETS, self.numels[pid] * self.ctx.param_bytes))
-                self.pending.append(tag)
+                self._hold_until_reduced(pid, micro, after)
         if self.lazy_grads and z.stage == 1 and not self.walk_at_boundary:
             # the boundary micro-step's hook copies the accumulated gradient into the IPG buffer
             self.ctx.b.add_free(after, Tag(Buffer.GRAD16, key=pid))
@@ -188,7 +193,7 @@ class Zero12Buckets(_Buckets):
             if self.nocg:
                 # allreduce_bucket flattens the bucket's grads into one new tensor
                 # (stage_1_and_2.py allreduce_and_copy), freed once copied back
-                flat = Tag(Buffer.GRAD_PENDING, micro, f"flat {self.flushes}.{call}")
+                flat = Tag(Buffer.ALLREDUCE_FLAT, micro, f"{self.flushes}/{call}")
                 alloc = (Alloc(flat, Category.BUCKETS, numel * width),)
             elif self.lazy_grads and not self.partition_live:
                 alloc = (Alloc(Tag(Buffer.GRAD_PARTITION), Category.GRADIENTS, self.partition * width),)
@@ -228,7 +233,7 @@ class Zero12Buckets(_Buckets):
 
     def release_kept(self, op: int):
         """The step's free_grad_in_param_list (and the overlap-held grads left of the last bucket)."""
-        self.ctx.b.add_free(op, *(Tag(Buffer.GRAD_PENDING, key=pid) for pid in sorted(self.kept)), *self.overlap_held)
+        self.ctx.b.add_free(op, *(Tag(Buffer.GRAD_KEPT, key=pid) for pid in sorted(self.kept)), *self.overlap_held)
         self.kept, self.overlap_held = set(), []
 
     def optimized_numel(self, stage: int) -> int:
@@ -242,20 +247,12 @@ class Zero12Buckets(_Buckets):
 
 
 class Zero3Buckets(_Buckets):
-    def __init__(self, ctx: StepContext):
-        super().__init__(ctx)
-        self.pending: list[Tag] = []
-
     def _on_add(self, pid: int, micro: int, after: int):
-        z = self.ctx.sc.zero
-        if not z.contiguous_gradients:
+        if not self.ctx.sc.zero.contiguous_gradients:
             # stage3.py reduce_independent_p_g_buckets_and_remove_grads copies a .grad into the
             # IPG buffer only with contiguous_gradients (:1626); otherwise autograd's own .grad
-            # waits for its bucket, and partition_grads drops it after the reduce-scatter (before,
-            # zsim held no gradient at all between a hook and its reduction without the IPG buffer)
-            tag = Tag(Buffer.GRAD_PENDING, micro, pid)
-            self.ctx.b.add_alloc(after, Alloc(tag, Category.BUCKETS, self.numels[pid] * self.ctx.param_bytes))
-            self.pending.append(tag)
+            # waits for its bucket, and partition_grads drops it after the reduce-scatter
+            self._hold_until_reduced(pid, micro, after)
 
     def _scatter_traffic_bytes(self, numel: int, micro: int, interleaved: bool) -> float:
         """[Note: reduce-scatter buffer passes] Around one bucket's reduce-scatter, DeepSpeed 0.19.8's stage3.py
