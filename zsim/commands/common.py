@@ -68,3 +68,19 @@ def headroom_fraction(text: str) -> float:
     if not math.isfinite(value) or not 0 <= value <= 0.9:
         raise ZsimInputError("--headroom", text, "give a margin from 0% to 90%")
     return value
+
+
+def add_workers_arg(p, what: str):
+    import os
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help=f"worker processes that {what} (default: CPU count; 1: none)")
+
+
+def workers_count(value: int) -> int:
+    """--workers checked: each worker is a forked process holding a copy of the scenario, so
+    more than a few per core only costs memory."""
+    import os
+    max_workers = 4 * (os.cpu_count() or 1)
+    if not 1 <= value <= max_workers:
+        raise ZsimInputError("--workers", value, f"use 1 to {max_workers} worker processes (4 per CPU core)")
+    return value

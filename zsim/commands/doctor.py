@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 
-from zsim.commands.common import add_headroom_arg, add_scenario_args, headroom_fraction, scenario_overrides
+from zsim.commands.common import (add_headroom_arg, add_scenario_args, add_workers_arg, headroom_fraction,
+                                  scenario_overrides, workers_count)
 from zsim.units import GiB
 
 
@@ -12,6 +13,7 @@ def add_parser(sub):
     p.add_argument("--json", metavar="PATH", help="write the diagnosis and ranked fixes as JSON")
     p.add_argument("--top", type=int, default=10, help="print at most this many fixes (default 10)")
     add_headroom_arg(p)
+    add_workers_arg(p, "simulate the candidate fixes")
     p.set_defaults(func=main)
 
 
@@ -56,7 +58,7 @@ def main(args) -> int:
     if args.top < 0:
         raise ZsimInputError("--top", args.top, "give 0 or more")
     headroom = headroom_fraction(args.headroom)
-    rep = doctor_file(args.scenario, scenario_overrides(args))
+    rep = doctor_file(args.scenario, scenario_overrides(args), workers=workers_count(args.workers))
     if headroom:
         # the fixes listed are those that fit; with a margin, those that fit inside it
         cap = rep["diagnosis"]["capacity_bytes"]

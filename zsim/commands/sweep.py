@@ -5,7 +5,7 @@ import itertools
 import os
 import sys
 
-from zsim.commands.common import add_scenario_args, scenario_overrides
+from zsim.commands.common import add_scenario_args, add_workers_arg, scenario_overrides, workers_count
 from zsim.errors import ZsimInputError
 
 
@@ -126,7 +126,7 @@ def add_parser(sub):
                    help="a scenario key and its values (repeatable; the product of all is run)")
     p.add_argument("--csv", metavar="PATH", help="one row per point, run JSON keys flattened")
     p.add_argument("--json", metavar="PATH", help="the same rows as a JSON list")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="worker processes (default: CPU count)")
+    add_workers_arg(p, "run the points")
     p.add_argument("--executor", choices=("local", "dask"), default="local",
                    help="local: a process pool on this machine (default); dask: the workers of a Dask "
                         "distributed cluster (pip install -e '.[distributed]')")
@@ -138,11 +138,7 @@ def add_parser(sub):
 def main(args) -> int:
     from zsim.report.writers import dumps, rows_csv, save
 
-    # each worker is a forked process holding a copy of the scenario: more than a few per core
-    # only costs memory
-    max_workers = 4 * (os.cpu_count() or 1)
-    if not 1 <= args.workers <= max_workers:
-        raise ZsimInputError("--workers", args.workers, f"use 1 to {max_workers} worker processes (4 per CPU core)")
+    workers_count(args.workers)
     if (args.executor == "dask") != (args.scheduler is not None):
         raise ZsimInputError("--scheduler", args.scheduler,
                              "give --scheduler tcp://HOST:8786 with --executor dask, and only with it")

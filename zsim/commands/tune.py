@@ -5,7 +5,8 @@ import json
 import sys
 from pathlib import Path
 
-from zsim.commands.common import add_headroom_arg, add_scenario_args, headroom_fraction, scenario_overrides
+from zsim.commands.common import (add_headroom_arg, add_scenario_args, add_workers_arg, headroom_fraction,
+                                  scenario_overrides, workers_count)
 from zsim.errors import ZsimInputError
 
 
@@ -25,6 +26,7 @@ def add_parser(sub):
     p.add_argument("--json", metavar="PATH", help="write the ranked candidates as JSON")
     p.add_argument("--force", action="store_true", help="overwrite an existing --out or --scenario-out file")
     add_headroom_arg(p)
+    add_workers_arg(p, "simulate the configurations the search is about to try")
     p.set_defaults(func=main)
 
 
@@ -93,8 +95,11 @@ def main(args) -> int:
             raise ZsimInputError(flag, path, "the file exists; pass --force to overwrite it or choose another path")
     if args.out and args.scenario_out and Path(args.out).resolve() == Path(args.scenario_out).resolve():
         raise ZsimInputError("--scenario-out", args.scenario_out, "is the --out file; give the scenario its own path")
-    base = Base.load(args.scenario, scenario_overrides(args))
-    res = tune(base, args.objective, budget)
+    base = Base.load(args.scenario, scenario_overrides(args), workers=workers_count(args.workers))
+    try:
+        res = tune(base, args.objective, budget)
+    finally:
+        base.close()
     res.ranked = distinct(r for r in res.ranked if r[1].fits_with(headroom))
     tune_table(res, args.top)
     print(f"simulated {res.simulated} configurations ({res.shared} of them sharing another's simulation, "

@@ -8,7 +8,7 @@ Every figure comes from the pure functions of compute.py, collectives.py and hos
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from zsim.schedule.record import record
 
 from zsim.hardware.collectives import collective_cost, nccl_topo_for, ring_cost, tiers_for
 from zsim.hardware.compute import (attention_time_s, fresh_alloc_time_s, gemm_time_s, kernel_overhead_s,
@@ -33,7 +33,7 @@ _PATHS = {   # links each host transfer crosses
 }
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class OpCost:
     fixed_s: float
     work_s: float

@@ -12,6 +12,8 @@ Memory effects are structured too: an op allocates `alloc` when it starts and fr
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from zsim.schedule.record import record
 from enum import Enum, StrEnum
 from typing import TYPE_CHECKING
 
@@ -75,7 +77,7 @@ class Group(StrEnum):
 STAGE_GROUPS = frozenset({Group.DATA, Group.EXPERT, Group.EXPERT_DATA})
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ProcessGroup:
     """A process group as its ranks are placed: `size` ranks, `stride` apart, from the first rank of
     the op's stage (STAGE_GROUPS) or of the world (TIED, PIPE: data-parallel index 0). The
@@ -162,7 +164,7 @@ class Buffer(Enum):
     PIPE_OUTPUT = "pipe/output"      # a stage's output, kept until its gradient comes back (pipe_buffers['outputs'])
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Tag:
     buffer: Buffer
     micro: int = -1
@@ -203,7 +205,7 @@ class Category(StrEnum):
 MODEL_STATES = (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATES)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Alloc:
     tag: Tag
     category: str                   # a Category on the GPU; host categories are display strings
@@ -219,7 +221,7 @@ class Alloc:
 
 # -- ops and the schedule ---------------------------------------------------------------------
 
-@dataclass(frozen=True, slots=True)
+@record
 class Op:
     id: int
     kind: OpKind
@@ -296,7 +298,7 @@ _FIXED_LABELS = {
 }
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class HostSettings:
     """Host-side settings of the step the cost model needs (from the ds_config)."""
     pin_memory: bool

@@ -5,12 +5,12 @@ kind with it, the writers label it; nothing reads a label back.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from zsim.schedule.record import record
 
 from zsim.schedule.ir import Collective, ProcessGroup, Transfer
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ComputeWork:
     """What the cost model prices on the compute stream."""
     gemms: tuple[tuple[float, float, float], ...] = ()   # (m, n, k) each
@@ -22,7 +22,7 @@ class ComputeWork:
     model_flops: float = 0.0        # MFU convention (full attention); recompute included
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ModulePass:
     module: str
     work: ComputeWork
@@ -32,14 +32,14 @@ class ModulePass:
     part: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class StepCompute:
     work: ComputeWork
     shard_params: float = 0.0       # parameters of the local partition it streams
     sub_group: int = 0              # OPTIMIZER_STEP: the ZeRO-3 optimizer sub-group, or ZeRO-1/2 flat group, it updates
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Comm:
     """One collective call, over the data-parallel group unless `group` names another."""
     collective: Collective
@@ -52,7 +52,7 @@ class Comm:
     group: ProcessGroup | None = None   # None: the op's stage's whole data-parallel group
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ParamGather:
     comm: Comm
     pids: tuple[int, ...] = ()      # params gathered (UPDATED_GATHER: the whole flat group, empty)
@@ -60,7 +60,7 @@ class ParamGather:
     prefetch: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class GradReduce:
     comm: Comm
     bucket: int = -1                # IPG bucket id (GRAD_ALLREDUCE: -1)
@@ -71,13 +71,13 @@ class GradReduce:
     flat_group: int = 0             # ZeRO-1/2: the flat parameter group whose slices it reduces (see [Note: MoE parameter groups])
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ScalarAllReduce:
     """A few-element collective (a flag, a norm, the loss): an all-reduce, or LOSS_BROADCAST's broadcast."""
     comm: Comm
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class TokenExchange:
     """One MoE layer's all-to-all over the expert-parallel group (sharded_moe.py _AllToAll): the
     capacity buffer [experts, capacity, hidden] out to the experts' ranks (dispatch) or back
@@ -87,7 +87,7 @@ class TokenExchange:
     combine: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Copy:
     transfer: Transfer
     size_bytes: float
@@ -95,14 +95,14 @@ class Copy:
     what: str = ""                  # display: the buffer ("fp32 grads", "checkpoint layer 3", ...)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class CpuAdam:
     params: float
     group: int
     pass_bytes: float = 0.0     # host traffic of the step's other passes on this group (unscale/clip, 16-bit copy)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class PipeTransfer:
     """One micro-batch's activation (or its gradient) between adjacent pipeline stages: a
     point-to-point send over the link between the two stages' ranks of the same data-parallel index."""
@@ -115,7 +115,7 @@ class PipeTransfer:
     meta: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class TensorComm:
     """One tensor-parallel collective of `module`'s activations or their gradients (Megatron-LM's
     mappings.py). `comm.size_bytes` is the whole activation tensor (micro-batch x sequence x

@@ -172,11 +172,12 @@ def ds_config_change(overrides) -> dict:
 
 
 def doctor(base: Base, max_pairs: int = 40) -> dict:
+    singles = playbook(base.raw, base.scenario(()))
+    base.prefetch(singles)    # simulated on the workers while the baseline runs here
     sc, baseline, trace = base.simulate()
     report = {"scenario": sc.name, "baseline": {"fits": baseline.fits, "step_time_s": baseline.step_time_s,
                                                 "tokens_per_s": baseline.tokens_per_s},
               "diagnosis": diagnose(baseline, trace)}
-    singles = playbook(base.raw, sc)
     evaluated = [evaluate(base, c, baseline) for c in singles]
     # micro-batch candidates: keep the largest micro-batch that fits (smaller ones are only slower)
     evaluated = _prune_batches(evaluated)
@@ -186,15 +187,10 @@ def doctor(base: Base, max_pairs: int = 40) -> dict:
         # pair the changes that saved the most memory; skip pairs whose parts already fit alone
         helpful = sorted((e for e in evaluated if e["valid"] and not e["fits"]), key=lambda e: e["peak_bytes"])
         names = [e["name"] for e in helpful]
-        pairs = 0
-        for a, b in itertools.combinations(names, 2):
-            if pairs >= max_pairs:
-                break
-            if a.startswith("micro-batch") and b.startswith("micro-batch"):
-                continue
-            cand = by_name[a] + by_name[b]
-            evaluated.append(evaluate(base, cand, baseline))
-            pairs += 1
+        pairs = [by_name[a] + by_name[b] for a, b in itertools.combinations(names, 2)
+                 if not (a.startswith("micro-batch") and b.startswith("micro-batch"))][:max_pairs]
+        base.prefetch(pairs)
+        evaluated += [evaluate(base, cand, baseline) for cand in pairs]
         evaluated = _prune_batches(evaluated)
         fitting = [e for e in evaluated if e["valid"] and e["fits"]]
     if len(fitting) < MIN_FITTING:
@@ -246,5 +242,10 @@ def _prune_batches(evaluated: list[dict]) -> list[dict]:
     return [e for e in evaluated if id(e) not in drop]
 
 
-def doctor_file(path: str | Path, overrides=()) -> dict:
-    return doctor(Base.load(path, tuple(overrides)))
+def doctor_file(path: str | Path, overrides=(), workers: int = 1) -> dict:
+    """`workers` > 1 simulates the candidates on that many processes (the report is the same)."""
+    base = Base.load(path, tuple(overrides), workers=workers)
+    try:
+        return doctor(base)
+    finally:
+        base.close()

@@ -320,6 +320,16 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60) -
             seen[c.key()] = (c, out)
         return seen[c.key()][1].result
 
+    def lookahead(points):
+        """Prefetch (Base.prefetch) the next points this search may simulate, one per worker."""
+        todo = []
+        for c in points:
+            if len(todo) >= base.workers:
+                break
+            if c.key() not in seen and structural_key(base_sc, c, workload(c)) not in by_structure:
+                todo.append(c.variant)
+        base.prefetch(todo)
+
     def ranked():
         ok = [(c, out.result) for c, out in seen.values() if out.fits]
         return sorted(ok, key=lambda cr: -score(cr[1], objective))
@@ -358,21 +368,30 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60) -
         return not exhaustive and (len(seen) >= budget or (len(seen) >= max(1, budget // 2) and bool(fitted)))
 
     own = own_layout(base_sc)
-    for layout, queue in queues.items():
-        if any(f.tensor == layout.tensor and f.pipeline < layout.pipeline for f in fitted):
+
+    def covered(layout, fits) -> bool:
+        return any(f.tensor == layout.tensor and f.pipeline < layout.pipeline for f in fits)
+
+    order = list(queues.items())
+    for j, (layout, queue) in enumerate(order):
+        if covered(layout, fitted):
             continue
-        for c in queue[:max(1, budget // 4) if layout == own else 3]:
+        tries = queue[:max(1, budget // 4) if layout == own else 3]
+        for i, c in enumerate(tries):
             if spent():
                 break
+            # what comes next if this try fits: the first try of each later layout it leaves uncovered
+            lookahead([c] + [q[0] for later, q in order[j + 1:] if not covered(later, fitted + [layout])])
             r = evaluate(c)
             if r is not None and r.fits:
                 fitted.append(layout)
                 break
     best = {c.layout for c, _ in ranked()[:2]}
-    for c in survivors:
+    for i, c in enumerate(survivors):
         if spent():
             break
         if c.layout in best or not fitted or exhaustive:
+            lookahead(x for x in survivors[i:] if x.layout in best or not fitted or exhaustive)
             evaluate(c)
             if c.key() in seen and seen[c.key()][1].fits and c.layout not in fitted:
                 fitted.append(c.layout)
@@ -383,11 +402,13 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60) -
         if c.stage == 3:
             knobs.update(KNOBS_STAGE3)
         for name, values in knobs.items():
-            for v in values:
+            for i, v in enumerate(values):
                 if len(seen) >= budget:
                     break
-                trial = TunePoint(best_c.stage, best_c.offload, best_c.micro_batch, best_c.gas, best_c.checkpointing,
-                                  {**best_c.knobs, name: v}, best_c.layout)
+                trials = [TunePoint(best_c.stage, best_c.offload, best_c.micro_batch, best_c.gas, best_c.checkpointing,
+                                    {**best_c.knobs, name: x}, best_c.layout) for x in values[i:]]
+                lookahead(trials)
+                trial = trials[0]
                 r = evaluate(trial)
                 if r is not None and r.fits and score(r, objective) > score(best_r, objective):
                     best_c, best_r = trial, r

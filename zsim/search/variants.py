@@ -2,10 +2,19 @@
 
 A variant is a named list of `--set` style assignments applied to the scenario's raw mapping,
 so every variant is reproducible with `zsim run scenario.yaml --set ...`.
+
+Searches (doctor, tune) decide what to simulate next from what they simulated so far, one
+variant at a time. With more than one worker, `Base.prefetch` simulates the variants a search
+is about to ask for on forked worker processes ahead of it; `run` then takes the worker's
+Result for the same resolved scenario instead of simulating it again. The search itself is
+unchanged and the engine is deterministic, so its answer is the same with any number of
+workers; a prefetched variant the search never asks for is only wasted work.
 """
 from __future__ import annotations
 
 import copy
+import multiprocessing as mp
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,14 +66,18 @@ class Base:
     # resolved scenario (its repr) -> Result: variants that resolve to the same scenario (a knob
     # set to the value it has, a fix already applied) are simulated once
     _results: dict = field(default_factory=dict, compare=False, repr=False)
+    # worker processes for `prefetch` (1: none)
+    workers: int = field(default=1, compare=False, repr=False)
+    _ahead: _Prefetch = field(default_factory=lambda: _Prefetch(), compare=False, repr=False)
 
     @classmethod
-    def load(cls, path: str | Path, overrides: tuple[str, ...] = ()) -> "Base":
+    def load(cls, path: str | Path, overrides: tuple[str, ...] = (), workers: int = 1) -> "Base":
         path = Path(path)
         raw = load_raw(path)
         for a in overrides:
             raw = apply_set(raw, a)
-        base = cls(raw, path.parent, raw.get("name", path.stem) if isinstance(raw.get("name"), str) else path.stem)
+        base = cls(raw, path.parent, raw.get("name", path.stem) if isinstance(raw.get("name"), str) else path.stem,
+                   workers=workers)
         base.scenario(())   # validate the base once, so bad input fails before any variant runs
         return base
 
@@ -87,25 +100,95 @@ class Base:
         result, trace = run_scenario(sc)
         return sc, result, trace
 
+    def resolve(self, variant: Variant) -> tuple[Scenario, str]:
+        """The variant's scenario and the note of any batch keys re-derived for it."""
+        try:
+            return self.scenario(variant.assignments), ""
+        except ZsimInputError:
+            # re-derived batch keys only where the variant as given is refused: a
+            # variant that loads is simulated as written
+            assignments, note = self.derived(variant.assignments)
+            if not note:
+                raise
+            return self.scenario(assignments), note
+
     def run(self, variant: Variant, scenario: Scenario | None = None) -> Outcome:
         """Simulate one variant (once per distinct scenario); an invalid combination becomes an
         Outcome with its error."""
         note = ""
         try:
             if scenario is None:
-                try:
-                    scenario = self.scenario(variant.assignments)
-                except ZsimInputError:
-                    # re-derived batch keys only where the variant as given is refused: a
-                    # variant that loads is simulated as written
-                    assignments, note = self.derived(variant.assignments)
-                    if not note:
-                        raise
-                    scenario = self.scenario(assignments)
+                scenario, note = self.resolve(variant)
             key = repr(scenario)
             shared = key in self._results
             if not shared:
-                self._results[key] = self.simulate(scenario=scenario)[1]
+                result = self._prefetched(key)
+                self._results[key] = result if result is not None else self.simulate(scenario=scenario)[1]
         except ZsimInputError as err:
             return Outcome(variant, None, str(err), note)
         return Outcome(variant, self._results[key], note=note, shared=shared)
+
+    def prefetch(self, variants) -> None:
+        """Start simulating `variants` on the worker processes (with workers > 1), those not
+        simulated or started yet; invalid ones are left to `run` to report."""
+        if self.workers <= 1:
+            return
+        for variant in variants:
+            try:
+                key = repr(self.resolve(variant)[0])
+            except ZsimInputError:
+                continue
+            ahead = self._ahead
+            if key in self._results or key in ahead.pending:
+                continue
+            if ahead.pool is None:
+                global _WORKER_BASE
+                _WORKER_BASE = self   # inherited by the forked workers, never pickled
+                ahead.pool = mp.get_context("fork").Pool(self.workers)
+            ahead.pending[key] = ahead.pool.apply_async(_simulate_variant, (variant.assignments,))
+
+    def _prefetched(self, key: str) -> Result | None:
+        """A worker's Result for `key`, waiting for it if it is still running; None when nothing
+        was prefetched or the worker failed (then `run` simulates here, and reports any error)."""
+        pending = self._ahead.pending.pop(key, None)
+        if pending is None:
+            return None
+        try:
+            return pending.get()
+        except Exception:   # noqa: BLE001 - the simulation is repeated here, where its error surfaces
+            return None
+
+    def close(self) -> None:
+        """Stop the worker processes (prefetched simulations not yet taken are dropped)."""
+        ahead = self._ahead
+        if ahead.pool is not None:
+            ahead.pool.terminate()
+            ahead.pool.join()
+            ahead.pool = None
+        ahead.pending.clear()
+
+
+class _Prefetch:
+    """A Base's worker pool, once started, and the prefetched simulations `run` has not taken
+    yet (the resolved scenario's repr -> AsyncResult)."""
+
+    def __init__(self):
+        self.pool = None
+        self.pending: dict = {}
+
+
+_WORKER_BASE: Base | None = None
+
+
+def _simulate_variant(assignments: tuple[str, ...]) -> Result | None:
+    """In a worker: the variant's Result (None when it is invalid: `run` says why in the parent)."""
+    try:
+        scenario = _WORKER_BASE.resolve(Variant("", assignments))[0]
+        return _WORKER_BASE.simulate(scenario=scenario)[1]
+    except ZsimInputError:
+        return None
+
+
+def default_workers() -> int:
+    """Worker processes a search uses by default: one per CPU core."""
+    return os.cpu_count() or 1

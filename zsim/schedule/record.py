@@ -1,0 +1,36 @@
+"""`record`: a frozen, slotted dataclass whose instances are built three to four times faster.
+
+A frozen dataclass's generated `__init__` stores each field through `object.__setattr__`
+(a global lookup, an attribute lookup and a call per field): building a schedule creates some
+100k ops, tags, allocations and payloads, and that was a fifth of a ZeRO-3 step's simulation.
+`record` keeps everything the dataclass is (frozen, slots, eq, hash, repr, `replace`, the same
+signature) and only swaps `__init__` for one that stores through each slot's own descriptor,
+bound once. Field defaults must be plain values (no default_factory) and the class must not
+define `__post_init__`: `record` refuses anything else rather than build it differently.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+def record(cls):
+    cls = dataclasses.dataclass(frozen=True, slots=True)(cls)
+    if hasattr(cls, "__post_init__"):
+        raise TypeError(f"record {cls.__name__}: __post_init__ is not supported")
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    if len(fields) != len(dataclasses.fields(cls)) or any(f.default_factory is not dataclasses.MISSING
+                                                         or f.kw_only for f in fields):
+        raise TypeError(f"record {cls.__name__}: only positional fields with plain defaults (no default_factory, no kw_only) are supported")
+    names = [f.name for f in fields]
+    params = ", ".join(n if f.default is dataclasses.MISSING else f"{n}=_d_{n}" for n, f in zip(names, fields))
+    body = "".join(f"        _s_{n}(self, {n})\n" for n in names) or "        pass\n"
+    src = (f"def _make({', '.join([f'_s_{n}' for n in names] + [f'_d_{n}' for n in names])}):\n"
+           f"    def __init__(self, {params}):\n{body}"
+           f"    return __init__\n")
+    namespace: dict = {}
+    exec(src, namespace)   # noqa: S102 - the source is built from the class's own field names
+    init = namespace["_make"](*(getattr(cls, n).__set__ for n in names), *(f.default for f in fields))
+    init.__qualname__ = f"{cls.__qualname__}.__init__"
+    init.__module__ = cls.__module__
+    cls.__init__ = init
+    return cls
