@@ -17,8 +17,7 @@ while an NCCL transfer of its rank is active.
 from __future__ import annotations
 
 from collections import deque
-from itertools import repeat
-from operator import mul, sub, truediv
+from heapq import heappop, heappush
 
 import simpy
 from simpy.core import EmptySchedule
@@ -82,46 +81,63 @@ def _link_facts(links: tuple[str, ...]) -> tuple[bool, int, tuple[int, ...]]:
 
 
 class _Job:
-    __slots__ = ("resume", "links", "compute", "nccl", "rank")
+    __slots__ = ("resume", "links", "compute", "nccl", "rank", "seq", "rate", "left_s", "since_s", "version")
 
-    def __init__(self, resume, links: tuple[str, ...], facts):
+    def __init__(self, resume, links: tuple[str, ...], facts, seq: int, work_s: float, now: float):
         self.resume, self.links = resume, links
         self.compute, self.rank, self.nccl = facts
+        self.seq, self.left_s, self.since_s = seq, work_s, now
+        self.rate, self.version = 1.0, 0
+
+    def end_s(self) -> float:
+        return self.since_s + self.left_s / self.rate
 
 
 class Fluid:
     """Processor sharing over all resource-bound work in flight. Driven by timer callbacks
-    rather than a process: each change of the job set schedules one timer for the next
-    completion, and timers made stale by a later change are ignored (cheaper than waiting on
-    a condition of two events). Jobs per link are counted as jobs come and go, and rates are
-    recomputed only where a count they depend on changed.
+    rather than a process: each change of the job set keeps one timer for the next completion,
+    and timers made stale by a later change are ignored.
 
-    The remaining work of every job is advanced at every change of the job set by one float
-    operation per job (remaining -= dt * rate): the step's times depend on that arithmetic, so
-    it is kept as it is rather than advanced lazily."""
+    Each job's remaining work is brought up to date only when its rate changes (left -= elapsed
+    x rate), and its completion time is kept in a heap: a change of the job set touches only
+    the jobs whose share it changes (those crossing a link whose job count changed, and the
+    compute jobs of a rank whose NCCL kernels started or all ended), not every job in flight,
+    which matters when many pipeline stages run at once. Jobs that complete at the same instant
+    are signalled in submission order."""
 
     def __init__(self, clock: Clock, compute_slowdown: float):
         self.clock = clock
         self.compute_rate = 1.0 / (1.0 + compute_slowdown)
-        self.jobs: list[_Job] = []              # in submission order: completions are signalled in it
-        self.remaining_s: list[float] = []      # per job, parallel to jobs
-        self.rate: list[float] = []             # per job: 1 / sharers, or the compute stream's share
-        self.count: dict[str, int] = {}         # jobs per link
-        self.nccl_jobs: dict[int, int] = {}     # per rank (pipeline stage)
-        self.last_s = 0.0
-        self.timer: Event | None = None         # the live timer, not yet due; earlier ones are stale
+        self.seq = 0                             # submission counter
+        self.count: dict[str, int] = {}          # jobs per link
+        self.sharing: dict[str, dict] = {}       # per link: its non-compute jobs (seq -> job)
+        self.computing: dict[int, dict] = {}     # per rank: its compute jobs (seq -> job)
+        self.nccl_jobs: dict[int, int] = {}      # per rank (pipeline stage)
+        self.heap: list = []                     # (end_s, seq, version, job); stale entries skipped
+        self.timer: Event | None = None          # the live timer, not yet due; earlier ones are stale
         self.facts: dict[tuple[str, ...], tuple] = {}
 
-    def submit(self, links: tuple[str, ...], work_s: float, resume):
-        """Serve `work_s` over `links`, then call `resume(None)`."""
-        if work_s <= 0:
-            self.clock.soon(resume)
-            return
-        self._advance()
+    def is_compute(self, links: tuple[str, ...]) -> bool:
         facts = self.facts.get(links)
         if facts is None:
             facts = self.facts[links] = _link_facts(links)
-        job = _Job(resume, links, facts)
+        return facts[0]
+
+    def submit(self, links: tuple[str, ...], work_s: float, resume, delay_s: float = 0.0):
+        """Serve `work_s` over `links`, then call `resume(None)`. A compute job may start
+        `delay_s` from now (its op's fixed host time): a compute job shares nothing with
+        others, so joining now and progressing only from then is the same as joining then,
+        without an event at its start."""
+        if work_s <= 0:
+            self.clock.soon(resume)
+            return
+        now = self.clock.env.now
+        facts = self.facts.get(links)
+        if facts is None:
+            facts = self.facts[links] = _link_facts(links)
+        assert delay_s == 0.0 or facts[0], "only a compute job starts later"
+        self.seq += 1
+        job = _Job(resume, links, facts, self.seq, work_s, now + delay_s)
         toggled = []
         nccl = self.nccl_jobs
         for rank in job.nccl:
@@ -132,75 +148,130 @@ class Fluid:
         count = self.count
         for link in links:
             count[link] = count.get(link, 0) + 1
-        self.jobs.append(job)
-        self.remaining_s.append(work_s)
-        # NCCL kernels occupy SMs; copy engines (PCIe), NVMe and the host do not slow the GPU
-        self.rate.append(self.compute_rate if job.compute and nccl.get(job.rank) else 1.0)
-        if toggled or not job.compute:
-            self._rates(toggled)
+        if job.compute:
+            self.computing.setdefault(job.rank, {})[job.seq] = job
+            # NCCL kernels occupy SMs; copy engines (PCIe), NVMe and the host do not slow the GPU
+            job.rate = self.compute_rate if nccl.get(job.rank) else 1.0
+        else:
+            sharing = self.sharing
+            for link in links:
+                sharing.setdefault(link, {})[job.seq] = job
+            job.rate = 1.0 / (count[links[0]] if len(links) == 1 else max(map(count.__getitem__, links)))
+        heappush(self.heap, (job.end_s(), job.seq, 0, job))
+        self._rerate(now, () if job.compute else links, toggled, job)
         self._schedule()
 
-    def _advance(self):
-        now = self.clock.env.now
-        dt = now - self.last_s
-        if dt > 0:
-            self.remaining_s = list(map(sub, self.remaining_s, map(mul, repeat(dt), self.rate)))
-        self.last_s = now
+    def _rerate(self, now: float, links, toggled, skip=None):
+        """New shares after a change of the job set on `links` and of the NCCL jobs of the
+        `toggled` ranks: each job whose share changes is brought up to `now` at its old rate."""
+        count, nccl, compute_rate = self.count, self.nccl_jobs, self.compute_rate
+        changed = {}
+        for link in links:
+            for seq, job in self.sharing.get(link, {}).items():
+                if job is not skip:
+                    changed[seq] = job
+        for seq, job in changed.items():
+            links_j = job.links
+            rate = 1.0 / (count[links_j[0]] if len(links_j) == 1 else max(map(count.__getitem__, links_j)))
+            if rate != job.rate:
+                self._set_rate(job, rate, now)
+        for rank in toggled:
+            rate = compute_rate if nccl.get(rank) else 1.0
+            for job in self.computing.get(rank, {}).values():
+                if job is not skip and rate != job.rate:
+                    self._set_rate(job, rate, now)
 
-    def _rates(self, toggled: list[int]):
-        """New shares after a change of the job set: every job crossing a link (a link's count
-        may have changed), and the compute jobs of the ranks whose NCCL kernels started or all ended."""
-        count, nccl, rate = self.count, self.nccl_jobs, self.rate
-        compute_rate = self.compute_rate
-        for i, job in enumerate(self.jobs):
-            if job.compute:
-                if job.rank in toggled:
-                    rate[i] = compute_rate if nccl.get(job.rank) else 1.0
-            else:
-                links = job.links
-                rate[i] = 1.0 / (count[links[0]] if len(links) == 1 else max(map(count.__getitem__, links)))
+    def _set_rate(self, job: _Job, rate: float, now: float):
+        if now > job.since_s:   # else it has not started: nothing done yet
+            job.left_s -= (now - job.since_s) * job.rate
+            job.since_s = now
+        job.rate = rate
+        job.version += 1
+        heappush(self.heap, (job.end_s(), job.seq, job.version, job))
+
+    def _top(self):
+        """The heap's first live entry (stale ones dropped), or None."""
+        heap = self.heap
+        while heap:
+            entry = heap[0]
+            job = entry[3]
+            if job.version == entry[2] and job.left_s is not None:
+                return entry
+            heappop(heap)
+        return None
 
     def _schedule(self):
         """One timer for the next completion. The live timer is kept when it is already due
         then and nothing else due then was scheduled after it: a new one would run at the same
         point (most changes of the job set leave the next completion where it was)."""
         clock = self.clock
-        if not self.jobs:
+        top = self._top()
+        if top is None:
             self.timer = clock.watch_s = None
             return
-        dt = min(map(truediv, self.remaining_s, self.rate))
+        now = clock.env.now
+        dt = top[0] - now
         delay_s = dt if dt > 0 else 0.0
-        if self.timer is not None and clock.env.now + delay_s == clock.watch_s and not clock.tainted:
+        if self.timer is not None and now + delay_s == clock.watch_s and not clock.tainted:
             return
         clock.watch_s = None
         self.timer = clock.after(delay_s, self._fire)
-        clock.watch_s, clock.tainted = clock.env.now + delay_s, False
+        clock.watch_s, clock.tainted = now + delay_s, False
 
     def _fire(self, timer: Event):
         if timer is not self.timer:
             return
         self.timer = self.clock.watch_s = None
-        self._advance()
-        limit = _EPS_S * max(1.0, self.clock.env.now)
-        remaining = self.remaining_s
-        if min(remaining) <= limit:
-            done = [i for i, left in enumerate(remaining) if left <= limit]
+        now = self.clock.env.now
+        scale = max(1.0, now)
+        limit, horizon = _EPS_S * scale, now + _LOOK_S * scale
+        heap = self.heap
+        done, later = [], []
+        while heap:
+            entry = heap[0]
+            job = entry[3]
+            if job.version != entry[2] or job.left_s is None:
+                heappop(heap)      # stale
+                continue
+            if entry[0] > horizon:
+                break
+            heappop(heap)
+            if job.left_s - max(now - job.since_s, 0.0) * job.rate <= limit:
+                done.append(job)
+            else:
+                later.append(entry)
+        for entry in later:
+            heappush(heap, entry)
+        if done:
+            if len(done) > 1:
+                done.sort(key=_by_seq)
             count, nccl, soon = self.count, self.nccl_jobs, self.clock.soon
-            jobs, rate = self.jobs, self.rate
             toggled: list[int] = []
-            shared = False
-            for i in done:
-                job = jobs[i]
+            links: dict[str, None] = {}
+            for job in done:
+                job.left_s = None     # gone: its heap entries are stale
                 for link in job.links:
                     count[link] -= 1
+                if job.compute:
+                    del self.computing[job.rank][job.seq]
+                else:
+                    for link in job.links:
+                        del self.sharing[link][job.seq]
+                        links[link] = None
                 for rank in job.nccl:
                     nccl[rank] -= 1
                     if not nccl[rank]:
                         toggled.append(rank)
-                shared = shared or not job.compute
                 soon(job.resume)
-            for i in reversed(done):
-                del jobs[i], remaining[i], rate[i]
-            if shared or toggled:
-                self._rates(toggled)
+            if links or toggled:
+                self._rerate(now, links, toggled)
         self._schedule()
+
+
+def _by_seq(job: _Job) -> int:
+    return job.seq
+
+
+# heap entries due this close after the fired instant are checked for completion (a job is done
+# when what is left of it is within _EPS_S of the clock, as the remaining work's rounding allows)
+_LOOK_S = 1e-9

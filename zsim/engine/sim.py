@@ -181,6 +181,11 @@ class _StreamRun:
                 self.cost = c = eng.op_cost(op)
                 self.waited = 1
                 if c.fixed_s > 0:
+                    if c.work_s > 0 and eng.fluid.is_compute(c.links):
+                        # its fixed time, then its work, as one job (Fluid.submit's delay_s)
+                        self.waited = 2
+                        eng.fluid.submit(c.links, c.work_s, self.run, c.fixed_s)
+                        return
                     clock.after(c.fixed_s, self.run)
                     return
             if self.waited == 1:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import lru_cache
 
 from zsim.specs.scenario import Scenario
 from zsim.schedule import interleaved, offload, pipeline, stage3, stage012
@@ -17,14 +18,24 @@ from zsim.workload.transformer import build_workload
 
 def workload_for(sc: Scenario) -> Workload:
     """The scenario's workload: the model, then its frozen parameters and LoRA adapters."""
-    wl = build_workload(sc.model, micro_batch_size=sc.micro_batch_size, seq_len=sc.seq_len,
-                        precision=sc.precision, flash_attention=sc.training.flash_attention,
-                        dropout=sc.training.dropout,
-                        fused_cross_entropy=sc.training.fused_cross_entropy,
-                        expert_parallel_size=sc.expert_parallel_size, tensor=sc.tensor_parallel_size,
-                        sequence_parallel=sc.parallelism.sequence_parallel)
     z = sc.zero   # see [Note: ZeRO-3 linear saves its input]
-    return apply_training(wl, sc.training, zero3_linear=z.stage == 3 and z.memory_efficient_linear)
+    return _workload(sc.model, sc.micro_batch_size, sc.seq_len, sc.precision, sc.training, sc.expert_parallel_size,
+                     sc.tensor_parallel_size, sc.parallelism.sequence_parallel,
+                     z.stage == 3 and z.memory_efficient_linear)
+
+
+@lru_cache(maxsize=16)
+def _workload(model, micro_batch_size: int, seq_len: int, precision: str, training, expert_parallel_size: int,
+              tensor: int, sequence_parallel: bool, zero3_linear: bool) -> Workload:
+    """Every input the workload depends on, so the variants of a search (and the attempts of
+    the steady-state engine) that share them share one (frozen) workload."""
+    wl = build_workload(model, micro_batch_size=micro_batch_size, seq_len=seq_len,
+                        precision=precision, flash_attention=training.flash_attention,
+                        dropout=training.dropout,
+                        fused_cross_entropy=training.fused_cross_entropy,
+                        expert_parallel_size=expert_parallel_size, tensor=tensor,
+                        sequence_parallel=sequence_parallel)
+    return apply_training(wl, training, zero3_linear=zero3_linear)
 
 
 def with_micro_steps(sc: Scenario, micro_steps: int) -> Scenario:
