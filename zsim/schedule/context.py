@@ -22,6 +22,8 @@ class StepContext:
     # what the passes add around the modules: moe.TokenExchanges (the MoE all-to-alls) and
     # tensor.TensorCollectives (Megatron's tensor-parallel collectives); build.py sets them
     exchanges: tuple = ()
+    # (id of a module, backward?) -> its pass's payload (passes.py), made once per step
+    passes: dict = field(default_factory=dict)
 
     def for_slice(self, wl: Workload) -> StepContext:
         """A pipeline stage's (or model chunk's) context: this step's settings over its slice of

@@ -62,13 +62,44 @@ def _forward_op(ctx: StepContext, module: Module, micro: int, phase: Phase, deps
         workspace = Tag(Buffer.WORKSPACE, micro, module.name, phase)
         category = Category.LOGITS if module.kind == "loss" else Category.ACTIVATIONS
         allocs.append(Alloc(workspace, category, module.fwd_workspace_bytes))
-    work = ComputeWork(gemms=linear_gemms(module, False),
-                       attention_flops=module.fwd_flops if module.kind == "attention" else 0.0,
-                       mem_bytes=module.fwd_mem_bytes, kernels=module.kernels_fwd, model_flops=module.model_fwd_flops)
-    op = ctx.b.add(OpKind.FORWARD, Stream.COMPUTE, phase, micro, ModulePass(module.name, work), deps, tuple(allocs))
+    op = ctx.b.add(OpKind.FORWARD, Stream.COMPUTE, phase, micro, _forward_pass(ctx, module), deps, tuple(allocs))
     if workspace:
         ctx.b.add_free(op, workspace)
     return op
+
+
+def _forward_pass(ctx: StepContext, module: Module) -> ModulePass:
+    """The module's forward (also its recompute): the same payload every micro-step, made once
+    per step (ctx.passes), so the cost model prices it once."""
+    key = (id(module), False)
+    mp = ctx.passes.get(key)
+    if mp is None:
+        work = ComputeWork(gemms=linear_gemms(module, False),
+                           attention_flops=module.fwd_flops if module.kind == "attention" else 0.0,
+                           mem_bytes=module.fwd_mem_bytes, kernels=module.kernels_fwd, model_flops=module.model_fwd_flops)
+        mp = ctx.passes[key] = ModulePass(module.name, work)
+    return mp
+
+
+def _backward_pass(ctx: StepContext, module: Module) -> ModulePass:
+    """The module's backward, made once per step like _forward_pass."""
+    key = (id(module), True)
+    mp = ctx.passes.get(key)
+    if mp is None:
+        selective_recompute = ctx.checkpointing == "selective" and module.act_bytes_s2 > 0
+        # Korthikanti selective: recompute the attention core. Megatron re-runs the whole
+        # CoreAttention forward under tensor_parallel.checkpoint (megatron/model/transformer.py
+        # _checkpointed_attention_forward): baddbmm, scale-mask-softmax, attention dropout and
+        # bmm, so the recompute pays the core's forward memory passes and kernels, not only its FLOPs
+        extra_attn = module.fwd_flops if selective_recompute else 0.0
+        extra_mem, extra_kernels = (module.fwd_mem_bytes, module.kernels_fwd) if selective_recompute else (0.0, 0)
+        work = ComputeWork(gemms=linear_gemms(module, True),
+                           attention_flops=(module.bwd_flops + extra_attn) if module.kind == "attention" else 0.0,
+                           attention_backward=True, mem_bytes=module.bwd_mem_bytes + extra_mem,
+                           kernels=module.kernels_bwd + extra_kernels,
+                           model_flops=(3 if extra_attn else 2) * module.model_fwd_flops)
+        mp = ctx.passes[key] = ModulePass(module.name, work)
+    return mp
 
 
 def forward(ctx: StepContext, hooks: StageHooks, micro: int, after: int | None) -> int:
@@ -145,28 +176,16 @@ def backward(ctx: StepContext, hooks: StageHooks, micro: int, after: int) -> int
         frees = [Tag(Buffer.ACTIVATION, micro, module.name)]
         if checkpointed and ctx.wl.layer_modules(module.layer)[0].name == module.name:
             frees.append(Tag(Buffer.CHECKPOINT, micro, module.layer))
-        selective_recompute = ctx.checkpointing == "selective" and module.act_bytes_s2 > 0
-        # Korthikanti selective: recompute the attention core. Megatron re-runs the whole
-        # CoreAttention forward under tensor_parallel.checkpoint (megatron/model/transformer.py
-        # _checkpointed_attention_forward): baddbmm, scale-mask-softmax, attention dropout and
-        # bmm, so the recompute pays the core's forward memory passes and kernels, not only its FLOPs
-        extra_attn = module.fwd_flops if selective_recompute else 0.0
-        extra_mem, extra_kernels = (module.fwd_mem_bytes, module.kernels_fwd) if selective_recompute else (0.0, 0)
         workspace = Tag(Buffer.WORKSPACE, micro, module.name, Phase.BACKWARD)
-        work = ComputeWork(gemms=linear_gemms(module, True),
-                           attention_flops=(module.bwd_flops + extra_attn) if module.kind == "attention" else 0.0,
-                           attention_backward=True, mem_bytes=module.bwd_mem_bytes + extra_mem,
-                           kernels=module.kernels_bwd + extra_kernels,
-                           model_flops=(3 if extra_attn else 2) * module.model_fwd_flops)
+        mp = _backward_pass(ctx, module)
         allocs = ((Alloc(workspace, Category.ACTIVATION_GRADIENTS, module.bwd_workspace),)
                   if module.bwd_workspace > 0 else ())
         tensor = _overlapping_tensor(ctx, module)
         if tensor is not None:   # see [Note: tensor-parallel backward overlap]
-            op, done = tensor.backward_overlapped(ctx, module, micro, deps, work, allocs,
+            op, done = tensor.backward_overlapped(ctx, module, micro, deps, mp.work, allocs,
                                                   (workspace,) if allocs else (), frees)
         else:
-            op = done = ctx.b.add(OpKind.BACKWARD, Stream.COMPUTE, Phase.BACKWARD, micro,
-                                  ModulePass(module.name, work), deps, allocs)
+            op = done = ctx.b.add(OpKind.BACKWARD, Stream.COMPUTE, Phase.BACKWARD, micro, mp, deps, allocs)
             ctx.b.add_free(op, *((workspace,) if allocs else ()), *frees)
         hooks.post_module(ctx, module, micro, Phase.BACKWARD, op)
         last = _after(ctx, module, micro, Phase.BACKWARD, done)
