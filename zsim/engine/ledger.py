@@ -16,32 +16,39 @@ class LedgerError(RuntimeError):
 
 
 class Ledger:
+    """Live buffers are keyed by their tag's fields (a tuple hashes and compares in C; a tag's
+    own hash and equality are Python calls, and every op allocates or frees a few)."""
+
     def __init__(self):
-        self._live: dict[Tag, tuple[str, float]] = {}
-        self._freed: set[Tag] = set()
+        self._live: dict[tuple, tuple[str, float, Tag]] = {}
+        self._freed: set[tuple] = set()
         self._events: list[tuple[float, float, str, Tag]] = []
 
     def alloc(self, time_s: float, a: Alloc):
-        if a.tag in self._live:
-            raise LedgerError(f"ledger: {a.tag} allocated twice")
-        self._freed.discard(a.tag)
-        self._live[a.tag] = (a.category, a.size_bytes)
+        tag = a.tag
+        k = (id(tag.buffer), tag.micro, tag.key, tag.phase)   # an Enum hashes in Python
+        if k in self._live:
+            raise LedgerError(f"ledger: {tag} allocated twice")
+        self._freed.discard(k)
+        self._live[k] = (a.category, a.size_bytes, tag)
         if a.size_bytes > 0:
-            self._events.append((time_s, a.size_bytes, a.category, a.tag))
+            self._events.append((time_s, a.size_bytes, a.category, tag))
 
     def free(self, time_s: float, tag: Tag):
-        entry = self._live.pop(tag, None)
+        k = (id(tag.buffer), tag.micro, tag.key, tag.phase)   # an Enum hashes in Python
+        entry = self._live.pop(k, None)
         if entry is None:
-            state = "already freed" if tag in self._freed else "never allocated"
+            state = "already freed" if k in self._freed else "never allocated"
             raise LedgerError(f"ledger: free of {tag}, {state}")
-        self._freed.add(tag)
-        category, size = entry
+        self._freed.add(k)
+        category, size, _ = entry
         if size > 0:
             self._events.append((time_s, -size, category, tag))
 
     def close(self, static: tuple[Alloc, ...]):
         """The end of the step: everything but the static buffers must have been freed."""
-        leaked = [t for t in self._live if t not in {a.tag for a in static}]
+        kept = {a.tag for a in static}
+        leaked = [entry[2] for entry in self._live.values() if entry[2] not in kept]
         if leaked:
             raise LedgerError(f"ledger: {len(leaked)} buffers alive at the end of the step, first {leaked[0]}")
 

@@ -323,8 +323,9 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60) -
     def lookahead(points):
         """Prefetch (Base.prefetch) the next points this search may simulate, one per worker."""
         todo = []
+        room = base.workers if exhaustive else min(base.workers, budget - len(seen))
         for c in points:
-            if len(todo) >= base.workers:
+            if len(todo) >= room:
                 break
             if c.key() not in seen and structural_key(base_sc, c, workload(c)) not in by_structure:
                 todo.append(c.variant)
