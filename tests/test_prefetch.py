@@ -66,3 +66,21 @@ def test_workers_flag_is_checked(capsys):
     assert cli_main(["doctor", str(ROOT / "scenarios" / "default.yaml"), "--workers", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--workers" in err[0] and "0" in err[0]
+
+
+def test_a_worker_that_dies_costs_time_not_the_answer(monkeypatch):
+    """BrokenProcessPool: the variants are simulated here instead, no hang, the same results."""
+    import os
+    raw = mapping(**{"training.micro_batch_size": 4})
+    variants_ = [Variant(f"stage {s}", (f"deepspeed.zero_optimization.stage={s}",)) for s in (1, 2, 3)]
+    monkeypatch.setattr(variants, "_simulate_variant", lambda assignments: os._exit(3))
+    base = Base(raw, ROOT, "tiny", workers=2)
+    try:
+        base.prefetch(variants_[:2])
+        got = [base.run(v).result for v in variants_[:2]]
+        base.prefetch(variants_[2:])     # the pool is broken: nothing is submitted
+        got.append(base.run(variants_[2]).result)
+    finally:
+        base.close()
+    plain = Base(raw, ROOT, "tiny")
+    assert got == [plain.run(v).result for v in variants_]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import multiprocessing as mp
-import os
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -131,7 +131,7 @@ class Base:
     def prefetch(self, variants) -> None:
         """Start simulating `variants` on the worker processes (with workers > 1), those not
         simulated or started yet; invalid ones are left to `run` to report."""
-        if self.workers <= 1:
+        if self.workers <= 1 or self._ahead.broken:
             return
         for variant in variants:
             try:
@@ -144,17 +144,22 @@ class Base:
             if ahead.pool is None:
                 global _WORKER_BASE
                 _WORKER_BASE = self   # inherited by the forked workers, never pickled
-                ahead.pool = mp.get_context("fork").Pool(self.workers)
-            ahead.pending[key] = ahead.pool.apply_async(_simulate_variant, (variant.assignments,))
+                ahead.pool = ProcessPoolExecutor(self.workers, mp_context=mp.get_context("fork"))
+            try:
+                ahead.pending[key] = ahead.pool.submit(_simulate_variant, variant.assignments)
+            except RuntimeError:   # a worker died (BrokenProcessPool): simulate here from now on
+                ahead.broken = True
+                return
 
     def _prefetched(self, key: str) -> Result | None:
         """A worker's Result for `key`, waiting for it if it is still running; None when nothing
-        was prefetched or the worker failed (then `run` simulates here, and reports any error)."""
+        was prefetched or the worker failed, a dead worker included (then `run` simulates here,
+        and reports any error)."""
         pending = self._ahead.pending.pop(key, None)
         if pending is None:
             return None
         try:
-            return pending.get()
+            return pending.result()
         except Exception:   # noqa: BLE001 - the simulation is repeated here, where its error surfaces
             return None
 
@@ -162,19 +167,25 @@ class Base:
         """Stop the worker processes (prefetched simulations not yet taken are dropped)."""
         ahead = self._ahead
         if ahead.pool is not None:
-            ahead.pool.terminate()
-            ahead.pool.join()
+            # a prefetch still running is not waited for: its worker is stopped
+            workers = list((getattr(ahead.pool, "_processes", None) or {}).values())
+            ahead.pool.shutdown(wait=False, cancel_futures=True)
+            for proc in workers:
+                proc.terminate()
+            for proc in workers:
+                proc.join()
             ahead.pool = None
         ahead.pending.clear()
 
 
 class _Prefetch:
     """A Base's worker pool, once started, and the prefetched simulations `run` has not taken
-    yet (the resolved scenario's repr -> AsyncResult)."""
+    yet (the resolved scenario's repr -> Future)."""
 
     def __init__(self):
         self.pool = None
         self.pending: dict = {}
+        self.broken = False
 
 
 _WORKER_BASE: Base | None = None
@@ -188,7 +199,3 @@ def _simulate_variant(assignments: tuple[str, ...]) -> Result | None:
     except ZsimInputError:
         return None
 
-
-def default_workers() -> int:
-    """Worker processes a search uses by default: one per CPU core."""
-    return os.cpu_count() or 1
