@@ -51,14 +51,14 @@ def stage_calls(schedule: Schedule, stage: int, element_bytes: int,
     """(phase, collective or send/recv, numel, bytes) of one pipeline stage's rank, in issue
     order; a transfer's numel is its activation (or gradient) elements of `element_bytes` each
     (a PartitionedTensor meta's: int64). `tensor_and_pipe`: only the tensor-parallel group's
-    calls and the pipeline's transfers (what the core's tensor-parallel runner checks, see
-    tensor_and_pipe_calls)."""
+    calls, the data-parallel gradient all-reduce and the pipeline's transfers (what the core's
+    tensor-parallel runner checks, see tensor_and_pipe_calls)."""
     out = []
     for op in schedule.ops:
         if op.stage != stage:
             continue
-        if tensor_and_pipe and op.kind not in P2P_CALLS and not (op.comm and op.comm.group is not None
-                                                                 and op.comm.group.kind == Group.TENSOR):
+        if tensor_and_pipe and op.kind not in P2P_CALLS and op.kind != OpKind.GRAD_ALLREDUCE and not (
+                op.comm and op.comm.group is not None and op.comm.group.kind == Group.TENSOR):
             continue
         if op.kind in P2P_CALLS:
             size = int(op.payload.size_bytes)   # DeepSpeed's PartitionedTensor meta is int64
@@ -71,10 +71,10 @@ def stage_calls(schedule: Schedule, stage: int, element_bytes: int,
 
 def tensor_and_pipe_calls(calls) -> list[list]:
     """The core's tensor-parallel runner logs (phase, call, numel, bytes, group): the calls of its
-    `tensor` group and its `pipe` transfers, as stage_calls(tensor_and_pipe=True) lists them. Its
-    data-parallel reduction is plain DDP and its step's scalar calls are Megatron's, not the
-    DeepSpeed engine's zsim schedules, so those are not compared."""
-    return [list(c[:4]) for c in calls if c[4] in ("tensor", "pipe")]
+    `tensor` group, its `data` group (ZeRO-0's gradient all-reduce) and its `pipe` transfers, as
+    stage_calls(tensor_and_pipe=True) lists them. Its step's scalar calls (the gradient norm)
+    are Megatron's, not the DeepSpeed engine's zsim schedules, so those are not compared."""
+    return [list(c[:4]) for c in calls if c[4] in ("tensor", "data", "pipe")]
 
 
 def collective_summary(calls, element_bytes: dict[int, int] | None = None) -> dict[str, dict]:

@@ -101,24 +101,12 @@ def test_tensor_parallel_core_matches_unsharded_adamw(case, tmp_path):
 
 
 def zsim_calls(sched, stage: int) -> list[tuple]:
-    """A stage's tensor-parallel collectives and point-to-point sends in zsim's schedule, in
-    order, as the core logs them: (pass, call, numel, bytes)."""
-    from zsim.schedule import ir
-    from zsim.schedule.payloads import PipeTransfer
+    """A stage's tensor-parallel collectives, data-parallel gradient all-reduces and
+    point-to-point sends in zsim's schedule, in order, as the core logs them: (pass, call,
+    numel, bytes) (the comparison `zsim validate` makes)."""
+    from calibration.validation import stage_calls
 
-    pipe = {ir.OpKind.SEND_ACTIVATION: "send", ir.OpKind.SEND_GRAD: "send", ir.OpKind.RECV_ACTIVATION: "recv",
-            ir.OpKind.RECV_GRAD: "recv"}
-    out = []
-    for op in sched.ops:
-        if op.stage != stage:
-            continue
-        if isinstance(op.payload, PipeTransfer):
-            size = int(op.payload.size_bytes)   # fp32 activations, an int64 PartitionedTensor meta
-            out.append((ir.MEASURED_PASS[op.phase], pipe[op.kind], size // (8 if op.payload.meta else 4), size))
-        elif op.comm is not None and op.comm.group is not None and op.comm.group.kind == ir.Group.TENSOR:
-            out.append((ir.MEASURED_PASS[op.phase], op.comm.collective.value, int(op.comm.numel),
-                        int(op.comm.size_bytes)))
-    return out
+    return [tuple(c) for c in stage_calls(sched, stage, 4, tensor_and_pipe=True)]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -127,8 +115,10 @@ def test_tensor_parallel_calls_are_zsims(case, tmp_path):
     scenario: the f/g collectives, the SP column-parallel backward's re-gather, the embedding's
     all-reduce before the learned positions, the cross-entropy's fp32 all-reduces, the one
     flattened all-reduce of the sequence-parallel gradients, the 1F1B sends of sequence shards,
-    without SP DeepSpeed's partitioned sends and their all-gathers."""
+    without SP DeepSpeed's partitioned sends and their all-gathers; with data parallelism
+    ZeRO-0's gradient all-reduce over each TP rank's data-parallel group."""
     pytest.importorskip("torch")
+    from calibration.validation import tensor_and_pipe_calls
     from zsim.config.scenario import scenario_from_mapping
     from zsim.schedule.build import build_schedule
 
@@ -140,10 +130,14 @@ def test_tensor_parallel_calls_are_zsims(case, tmp_path):
     dp = world // (tp * pp)
     for stage in range(pp):
         calls = measured["collectives_per_rank"][stage * dp * tp]
-        logged = [tuple(c[:4]) for c in calls if c[4] in ("tensor", "pipe")]
+        logged = [tuple(c) for c in tensor_and_pipe_calls(calls)]
         assert logged == zsim_calls(sched, stage), f"stage {stage}"
+        # ZeRO-0: one flattened all-reduce of the rank's gradients per step (a small model: one
+        # chunk) on its data-parallel group, a one-rank group included (DeepSpeed issues it too)
+        assert sum(c[4] == "data" for c in calls) == 1
     if sp:   # the sequence-parallel gradients: one call per stage, norms and row-parallel biases
-        assert sum(c[:2] == ("backward", "all_reduce") for c in zsim_calls(sched, 0)) == 1
+        first = measured["collectives_per_rank"][0]
+        assert sum(c[:2] == ["backward", "all_reduce"] and c[4] == "tensor" for c in first) == 1
 
 
 def test_validate_runs_tensor_parallelism_on_the_core(tmp_path, capsys):
@@ -166,3 +160,34 @@ def test_validate_runs_tensor_parallelism_on_the_core(tmp_path, capsys):
     assert m["collectives"] == p["collectives"] and len(m["collectives"]) > 0
     assert {c[1] for c in m["collectives"]} == {"all_reduce"}      # TP2 without SP: f/g all-reduces only
     assert len(m["losses"]) == 3 * GAS    # two timed steps and the one under the memory tracker
+
+
+def test_validate_runs_tensor_with_data_parallelism(tmp_path):
+    """TP2 x DP2 (4 ranks): ZeRO-0's data-parallel all-reduce is compared with zsim's too."""
+    pytest.importorskip("torch")
+    import yaml
+
+    from zsim.cli import main as cli_main
+
+    path = tmp_path / "tp2xdp2.yaml"
+    path.write_text(yaml.safe_dump({**raw("tp2xdp2", 4), "parallelism": {"tensor": 2}}))
+    report = tmp_path / "r.json"
+    assert cli_main(["validate", str(path), "--steps", "1", "--warmup", "0", "--json", str(report)]) == 0
+    r = json.loads(report.read_text())
+    assert r["collectives_equal"], r["collectives_first_difference"]
+    data = [c for c in r["measured"]["collectives"] if c[0] == "backward" and c[2] > MICRO * SEQ * MODEL["hidden"]]
+    assert len(data) == 1 and data == [c for c in r["predicted"]["collectives"] if c in data]
+
+
+def test_validate_refuses_zero_above_0_with_tensor_parallelism(tmp_path, capsys):
+    import yaml
+
+    from zsim.cli import main as cli_main
+
+    doc = {**raw("tp2", 2), "parallelism": {"tensor": 2}}
+    doc["deepspeed"] = {"zero_optimization": {"stage": 1}}
+    path = tmp_path / "tp2z1.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert cli_main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "deepspeed.zero_optimization.stage" in err[0] and "1" in err[0]

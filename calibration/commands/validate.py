@@ -137,15 +137,10 @@ def main(args) -> int:
     tensor = sc0.tensor_parallel_size > 1
     if tensor:
         # the core's tensor-parallel runner (calibration/core/tensor_run.py) trains Megatron's TP
-        # with DeepSpeed's 1F1B, plain AdamW and plain DDP: a grid without data parallelism at
-        # ZeRO-0 is what it shares with zsim's schedule
+        # with DeepSpeed's 1F1B, plain AdamW and ZeRO-0's data-parallel all-reduce: ZeRO-0 is
+        # what it shares with zsim's schedule
         if args.engine != "own":
             raise ZsimInputError("--engine", args.engine, "tensor parallelism runs on the own core only; use --engine own")
-        dp = sc0.cluster.world_size // (sc0.tensor_parallel_size * sc0.pipeline_stages)
-        if dp != 1:
-            raise ZsimInputError("hardware.gpus_per_node", sc0.cluster.world_size,
-                                 f"the core's tensor-parallel runner has no DeepSpeed data parallelism (DP {dp}); "
-                                 "use tensor x pipeline GPUs")
         if sc0.zero.stage != 0:
             raise ZsimInputError("deepspeed.zero_optimization.stage", sc0.zero.stage,
                                  "the core's tensor-parallel runner steps plain AdamW; set it to 0")

@@ -13,9 +13,10 @@ same tp_rank of neighbouring stages; the blocks split uniformly, the embedding o
 stage and the head on the last. Without SP, as DeepSpeed's PipelineEngine does on a
 model-parallel grid (ds_config pipeline.pipe_partitioned / grad_partitioned, on by default;
 `PipeWire`), each tp_rank sends a PartitionedTensor's meta and its 1/t part, and the TP group
-all-gathers it where it is used (see [Note: partitioned pipeline sends]). After the step's micro-batches (finalize_model_grads): the
-gradients all-reduced over the data-parallel group (summed, then divided by dp: plain DDP, no
-ZeRO), with SP the sequence-parallel parameters' over the TP group in one flattened call, the norm's squares over the
+all-gathers it where it is used (see [Note: partitioned pipeline sends]). After the step's
+micro-batches: the gradients all-reduced over the data-parallel group as DeepSpeed's ZeRO-0
+engine does it (`_allreduce_gradients`: flattened chunks, averaged), with SP the
+sequence-parallel parameters' over the TP group in one flattened call, the norm's squares over the
 model-parallel group (TP x PP; a duplicate counted on tp_rank 0 only, as Megatron's
 param_is_not_tensor_parallel_duplicate), clipping, AdamW.
 """
@@ -214,15 +215,16 @@ def train(args, sc, lay: Layout, record: dict):
     return train_step
 
 
+# runtime/engine.py allreduce_no_retain's numel_per_bucket (MEMORY_OPT_ALLREDUCE_SIZE)
+ALLREDUCE_CHUNK_NUMEL = 500_000_000
+
+
 def _finalize_grads(model, names, lay: Layout, clip: float, log: _Log):
     comm = model.comm
     comm.phase = "backward"
-    for n in names:
-        g = model.params[n].grad
-        if lay.dp > 1:
-            log.call("all_reduce", g, "data")
-            dist.all_reduce(g, group=lay.dp_group)
-            g.div_(lay.dp)
+    # issued on a one-rank data-parallel group too, as DeepSpeed does (engine.allreduce_gradients
+    # runs whenever enable_backward_allreduce; the PipelineEngine's ReduceGrads likewise)
+    _allreduce_gradients([model.params[n].grad for n in names], lay, log)
     # _allreduce_non_tensor_model_parallel_grads (finalize_model_grads.py): the partial gradients
     # of the sequence-parallel params, flattened into one all-reduce over the TP group
     partial = [model.params[n].grad for n in names if model.partial_grad[n]]
@@ -244,6 +246,33 @@ def _finalize_grads(model, names, lay: Layout, clip: float, log: _Log):
     if coef < 1.0:
         for n in names:
             model.params[n].grad.mul_(coef)
+
+
+def _allreduce_gradients(grads, lay: Layout, log: _Log):
+    """DeepSpeed ZeRO-0's data-parallel reduction at the boundary (engine.allreduce_gradients ->
+    buffered_allreduce_fallback -> allreduce_no_retain): the gradients in chunks closed once
+    they pass ALLREDUCE_CHUNK_NUMEL elements, each flattened into a new buffer, averaged
+    (postscale: all-reduce, then 1 / dp) over the rank's data-parallel group and copied back
+    (allreduce_and_copy). The runner is fp32, the communication dtype too (no cast copy)."""
+    chunk, numel = [], 0
+    for g in grads:
+        chunk.append(g)
+        numel += g.numel()
+        if numel > ALLREDUCE_CHUNK_NUMEL:
+            _allreduce_and_copy(chunk, lay, log)
+            chunk, numel = [], 0
+    if chunk:
+        _allreduce_and_copy(chunk, lay, log)
+
+
+def _allreduce_and_copy(chunk, lay: Layout, log: _Log):
+    flat = torch.cat([g.reshape(-1) for g in chunk])
+    log.call("all_reduce", flat, "data")
+    dist.all_reduce(flat, group=lay.dp_group)
+    if lay.dp > 1:
+        flat.mul_(1.0 / lay.dp)
+    for g, synced in zip(chunk, flat.split([g.numel() for g in chunk])):
+        g.copy_(synced.view_as(g))
 
 
 def write_tensor_measurement(path: str, engine: str, sc, args, step_times, phase_times, peak_bytes: int,
