@@ -64,6 +64,11 @@ class ZeroCore(OptimizerStep):
         self.total = self.offsets[-1]
         self.gas = sc.gradient_accumulation_steps
         self.clip = sc.deepspeed.gradient_clipping
+        # modules after whose backward a trainable gradient is ready: DeepSpeed's first gradient
+        # hook of each backward allocates the ZeRO-1/2 IPG buffer (see [Note: IPG buffer
+        # lifetime]) whether or not the hook reduces anything then (ZeRO-1 reduces at the boundary)
+        from zsim.schedule.partition import grads_ready_at
+        self.grad_modules = {name for name, pids in grads_ready_at(self.wl).items() if pids}
         self.ep = sc.expert_parallel_size
         self.ep_group, self.edp_group = expert_groups(rank, world, self.ep)
         self.group_of: dict[int, int] = {}
@@ -134,8 +139,11 @@ class ZeroCore(OptimizerStep):
             self.flat16[self.span(pid)].copy_(t.flatten())
             self.params[pid].data = self.flat16[self.span(pid)].view(self.shapes[pid])
         if self.stage > 0:
+            # DeepSpeedZeroOptimizer clones its fp32 master partition whatever the model dtype
+            # (stage_1_and_2.py:560-561, see [Note: one-rank stage ordering]): in fp32 too, the
+            # master is memory of its own, not a view of the 16-bit (here fp32) flat buffer
             if len(self.layout) == 1:
-                return self.flat16[self.layout[0][1]].float()
+                return self.flat16[self.layout[0][1]].to(torch.float32, copy=True)
             return torch.cat([self.flat16[own] for _, own, _, _ in self.layout]).float()
         self.flatgrad = torch.zeros(self.plan.flat_padded, dtype=self.dtype)
         for pid in range(len(self.numels)):
@@ -160,8 +168,8 @@ class ZeroCore(OptimizerStep):
             self.shard16[self.soff[pid]:self.soff[pid + 1]].copy_(flat[rank * self.c[pid]:(rank + 1) * self.c[pid]])
         for pid in self.plan.persistent:
             self.params[pid].data = init[pid].to(self.dtype)
-        if all(self.trainable):
-            return self.shard16.float()
+        if all(self.trainable):   # cloned in fp32 too (stage3.py _create_fp32_partitions), as at stages 1-2
+            return self.shard16.to(torch.float32, copy=True)
         return torch.cat([self.shard16[self.soff[p]:self.soff[p + 1]] for p in self._trained()]).float()
 
     def initial_values(self) -> list[torch.Tensor]:
@@ -264,7 +272,7 @@ class ZeroCore(OptimizerStep):
         for n, box in boxes:
             for g in box:
                 self.act_grads[n] = self.act_grads[n] + g if n in self.act_grads else g
-        if op.payload.bucketed:
+        if op.payload.bucketed or module in self.grad_modules:
             self.grads.grads_ready(op.micro_step, op.payload.bucketed)
 
     def _gather_persistent(self, op: Op):
