@@ -178,16 +178,3 @@ def test_validate_runs_tensor_with_data_parallelism(tmp_path):
     data = [c for c in r["measured"]["collectives"] if c[0] == "backward" and c[2] > MICRO * SEQ * MODEL["hidden"]]
     assert len(data) == 1 and data == [c for c in r["predicted"]["collectives"] if c in data]
 
-
-def test_validate_refuses_zero_above_0_with_tensor_parallelism(tmp_path, capsys):
-    import yaml
-
-    from zsim.cli import main as cli_main
-
-    doc = {**raw("tp2", 2), "parallelism": {"tensor": 2}}
-    doc["deepspeed"] = {"zero_optimization": {"stage": 1}}
-    path = tmp_path / "tp2z1.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    assert cli_main(["validate", str(path)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "deepspeed.zero_optimization.stage" in err[0] and "1" in err[0]

@@ -223,8 +223,9 @@ def test_bad_tensor_size_exits_2_in_one_line(tmp_path):
 
 @pytest.mark.parametrize("changes, key", [
     ({"deepspeed.zero_optimization.stage": 0, "hardware.gpus_per_node": 2}, "--engine"),   # no DeepSpeed TP runner
-    ({"deepspeed.zero_optimization.stage": 0, "hardware.gpus_per_node": 4}, "hardware.gpus_per_node"),  # DP 2
-    ({"deepspeed.zero_optimization.stage": 1, "hardware.gpus_per_node": 2}, "deepspeed.zero_optimization.stage"),
+    ({"deepspeed.zero_optimization.stage": 1, "hardware.gpus_per_node": 2, "training.precision": "fp32"},
+     "deepspeed.zero_optimization.stage"),
+    ({"deepspeed.zero_optimization.stage": 0, "hardware.gpus_per_node": 2}, "training.precision"),   # bf16
 ])
 def test_validate_refuses_what_the_tensor_core_does_not_run_in_one_line(tmp_path, capsys, changes, key):
     from tests.helpers import mapping

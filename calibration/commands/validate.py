@@ -141,6 +141,10 @@ def main(args) -> int:
         # what it shares with zsim's schedule
         if args.engine != "own":
             raise ZsimInputError("--engine", args.engine, "tensor parallelism runs on the own core only; use --engine own")
+        if sc0.precision != "fp32":
+            raise ZsimInputError("training.precision", sc0.precision,
+                                 "the core's tensor-parallel runner keeps AdamW states in the model dtype where "
+                                 "DeepSpeed keeps fp32 masters; validate tensor parallelism in fp32")
         if sc0.zero.stage != 0:
             raise ZsimInputError("deepspeed.zero_optimization.stage", sc0.zero.stage,
                                  "the core's tensor-parallel runner steps plain AdamW; set it to 0")
