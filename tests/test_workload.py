@@ -149,3 +149,21 @@ def test_mla_projections_and_core_widths():
     assert m["layers.0.attn.core"].model_fwd_flops == 2 * s * s * (4 * 24 + 4 * 12)
     with pytest.raises(Exception, match="MLA"):
         build(ModelSpec, dict(SMALL, mla=mla, kv_heads=2), "model")
+
+
+def test_workloads_are_memoised_on_every_input_they_read():
+    """zsim/schedule/build.py workload_for: equal inputs share one frozen workload (a search's
+    variants), any input that changes the model's modules gives another."""
+    from tests.helpers import ROOT, mapping
+    from zsim.config.scenario import scenario_from_mapping
+    from zsim.schedule.build import workload_for
+
+    base = mapping(**{"training.micro_batch_size": 2})
+    same = workload_for(scenario_from_mapping(base, ROOT))
+    assert workload_for(scenario_from_mapping(mapping(**{"training.micro_batch_size": 2,
+                                                         "deepspeed.zero_optimization.stage": 2}), ROOT)) is same
+    for change in ({"training.micro_batch_size": 4}, {"training.activation_checkpointing": "full",
+                                                      "training.lora": {"r": 4}},
+                   {"parallelism.tensor": 2}, {"training.precision": "fp32"}):
+        other = workload_for(scenario_from_mapping(mapping(**{"training.micro_batch_size": 2, **change}), ROOT))
+        assert other is not same and other != same

@@ -19,9 +19,13 @@ from zsim.workload.transformer import build_workload
 def workload_for(sc: Scenario) -> Workload:
     """The scenario's workload: the model, then its frozen parameters and LoRA adapters."""
     z = sc.zero   # see [Note: ZeRO-3 linear saves its input]
-    return _workload(sc.model, sc.micro_batch_size, sc.seq_len, sc.precision, sc.training, sc.expert_parallel_size,
-                     sc.tensor_parallel_size, sc.parallelism.sequence_parallel,
-                     z.stage == 3 and z.memory_efficient_linear)
+    inputs = (sc.model, sc.micro_batch_size, sc.seq_len, sc.precision, sc.training, sc.expert_parallel_size,
+              sc.tensor_parallel_size, sc.parallelism.sequence_parallel, z.stage == 3 and z.memory_efficient_linear)
+    try:
+        hash(inputs)
+    except TypeError:   # a spec holding an unhashable value: built, not memoised
+        return _workload.__wrapped__(*inputs)
+    return _workload(*inputs)
 
 
 @lru_cache(maxsize=16)
