@@ -84,3 +84,19 @@ def test_a_worker_that_dies_costs_time_not_the_answer(monkeypatch):
         base.close()
     plain = Base(raw, ROOT, "tiny")
     assert got == [plain.run(v).result for v in variants_]
+
+
+def test_two_bases_with_workers_each_simulate_their_own_scenario():
+    """Each pool's workers start with their own Base, whenever the pool forks them."""
+    raws = [mapping(**{"training.micro_batch_size": mb}) for mb in (2, 4)]
+    stage3 = Variant("stage 3", ("deepspeed.zero_optimization.stage=3",))
+    bases = [Base(raw, ROOT, f"mb{i}", workers=2) for i, raw in enumerate(raws)]
+    try:
+        for base in bases:
+            base.prefetch([stage3])
+        got = [base.run(stage3).result for base in bases]
+    finally:
+        for base in bases:
+            base.close()
+    assert got == [Base(raw, ROOT, "plain").run(stage3).result for raw in raws]
+    assert got[0] != got[1]

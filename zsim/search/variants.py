@@ -142,9 +142,10 @@ class Base:
             if key in self._results or key in ahead.pending:
                 continue
             if ahead.pool is None:
-                global _WORKER_BASE
-                _WORKER_BASE = self   # inherited by the forked workers, never pickled
-                ahead.pool = ProcessPoolExecutor(self.workers, mp_context=mp.get_context("fork"))
+                # each forked worker starts with this Base (fork passes it without pickling),
+                # whenever the pool forks it
+                ahead.pool = ProcessPoolExecutor(self.workers, mp_context=mp.get_context("fork"),
+                                                 initializer=_set_worker_base, initargs=(self,))
             try:
                 ahead.pending[key] = ahead.pool.submit(_simulate_variant, variant.assignments)
             except RuntimeError:   # a worker died (BrokenProcessPool): simulate here from now on
@@ -189,6 +190,11 @@ class _Prefetch:
 
 
 _WORKER_BASE: Base | None = None
+
+
+def _set_worker_base(base: Base):
+    global _WORKER_BASE
+    _WORKER_BASE = base
 
 
 def _simulate_variant(assignments: tuple[str, ...]) -> Result | None:
