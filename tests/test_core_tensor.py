@@ -140,21 +140,28 @@ def test_tensor_parallel_calls_are_zsims(case, tmp_path):
         assert sum(c[:2] == ["backward", "all_reduce"] and c[4] == "tensor" for c in first) == 1
 
 
+def validate_tensor(tmp_path, name: str, world: int, steps: int) -> dict:
+    """`zsim validate` of case `name` as TP2 on `world` ranks (the rest data parallel): its
+    report, once its call list has been checked equal to zsim's."""
+    import yaml
+
+    from zsim.cli import main as cli_main
+
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({**raw(name, world), "parallelism": {"tensor": 2}}))
+    report = tmp_path / "r.json"
+    assert cli_main(["validate", str(path), "--steps", str(steps), "--warmup", "0", "--json", str(report)]) == 0
+    r = json.loads(report.read_text())
+    assert r["collectives_equal"], r["collectives_first_difference"]
+    return r
+
+
 def test_validate_runs_tensor_parallelism_on_the_core(tmp_path, capsys):
     """`zsim validate` of a TP2 scenario (no data parallelism, ZeRO-0) launches the core's
     tensor-parallel runner, times its steps, tracks its peak and compares its tensor-group calls
     with zsim's schedule of the same scenario."""
     pytest.importorskip("torch")
-    import yaml
-
-    from zsim.cli import main as cli_main
-
-    path = tmp_path / "tp.yaml"
-    path.write_text(yaml.safe_dump({**raw("tp2", 2), "parallelism": {"tensor": 2}}))
-    report = tmp_path / "r.json"
-    assert cli_main(["validate", str(path), "--steps", "2", "--warmup", "0", "--json", str(report)]) == 0
-    r = json.loads(report.read_text())
-    assert r["collectives_equal"], r["collectives_first_difference"]
+    r = validate_tensor(tmp_path, "tp2", 2, steps=2)
     m, p = r["measured"], r["predicted"]
     assert m["step_time_s"] > 0 and len(m["step_times_s"]) == 2 and m["peak_bytes"] > 0
     assert m["collectives"] == p["collectives"] and len(m["collectives"]) > 0
@@ -165,16 +172,7 @@ def test_validate_runs_tensor_parallelism_on_the_core(tmp_path, capsys):
 def test_validate_runs_tensor_with_data_parallelism(tmp_path):
     """TP2 x DP2 (4 ranks): ZeRO-0's data-parallel all-reduce is compared with zsim's too."""
     pytest.importorskip("torch")
-    import yaml
-
-    from zsim.cli import main as cli_main
-
-    path = tmp_path / "tp2xdp2.yaml"
-    path.write_text(yaml.safe_dump({**raw("tp2xdp2", 4), "parallelism": {"tensor": 2}}))
-    report = tmp_path / "r.json"
-    assert cli_main(["validate", str(path), "--steps", "1", "--warmup", "0", "--json", str(report)]) == 0
-    r = json.loads(report.read_text())
-    assert r["collectives_equal"], r["collectives_first_difference"]
+    r = validate_tensor(tmp_path, "tp2xdp2", 4, steps=1)
     data = [c for c in r["measured"]["collectives"] if c[0] == "backward" and c[2] > MICRO * SEQ * MODEL["hidden"]]
     assert len(data) == 1 and data == [c for c in r["predicted"]["collectives"] if c in data]
 

@@ -215,10 +215,6 @@ def train(args, sc, lay: Layout, record: dict):
     return train_step
 
 
-# runtime/engine.py allreduce_no_retain's numel_per_bucket (MEMORY_OPT_ALLREDUCE_SIZE)
-ALLREDUCE_CHUNK_NUMEL = 500_000_000
-
-
 def _finalize_grads(model, names, lay: Layout, clip: float, log: _Log):
     comm = model.comm
     comm.phase = "backward"
@@ -251,14 +247,16 @@ def _finalize_grads(model, names, lay: Layout, clip: float, log: _Log):
 def _allreduce_gradients(grads, lay: Layout, log: _Log):
     """DeepSpeed ZeRO-0's data-parallel reduction at the boundary (engine.allreduce_gradients ->
     buffered_allreduce_fallback -> allreduce_no_retain): the gradients in chunks closed once
-    they pass ALLREDUCE_CHUNK_NUMEL elements, each flattened into a new buffer, averaged
+    they pass MEMORY_OPT_ALLREDUCE_SIZE elements (zsim's constant for engine.py's), each flattened into a new buffer, averaged
     (postscale: all-reduce, then 1 / dp) over the rank's data-parallel group and copied back
     (allreduce_and_copy). The runner is fp32, the communication dtype too (no cast copy)."""
+    from zsim.schedule.stage012 import MEMORY_OPT_ALLREDUCE_SIZE
+
     chunk, numel = [], 0
     for g in grads:
         chunk.append(g)
         numel += g.numel()
-        if numel > ALLREDUCE_CHUNK_NUMEL:
+        if numel > MEMORY_OPT_ALLREDUCE_SIZE:
             _allreduce_and_copy(chunk, lay, log)
             chunk, numel = [], 0
     if chunk:

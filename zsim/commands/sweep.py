@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import itertools
-import os
 import sys
 
 from zsim.commands.common import add_scenario_args, add_workers_arg, scenario_overrides, workers_count

@@ -156,7 +156,7 @@ class Fluid:
             sharing = self.sharing
             for link in links:
                 sharing.setdefault(link, {})[job.seq] = job
-            job.rate = 1.0 / (count[links[0]] if len(links) == 1 else max(map(count.__getitem__, links)))
+            job.rate = _share(count, links)
         heappush(self.heap, (job.end_s(), job.seq, 0, job))
         self._rerate(now, () if job.compute else links, toggled, job)
         self._schedule()
@@ -171,8 +171,7 @@ class Fluid:
                 if job is not skip:
                     changed[seq] = job
         for seq, job in changed.items():
-            links_j = job.links
-            rate = 1.0 / (count[links_j[0]] if len(links_j) == 1 else max(map(count.__getitem__, links_j)))
+            rate = _share(count, job.links)
             if rate != job.rate:
                 self._set_rate(job, rate, now)
         for rank in toggled:
@@ -266,6 +265,11 @@ class Fluid:
             if links or toggled:
                 self._rerate(now, links, toggled)
         self._schedule()
+
+
+def _share(count: dict[str, int], links: tuple[str, ...]) -> float:
+    """A transfer's rate: the smallest share it gets on any link it crosses (1 / its jobs)."""
+    return 1.0 / (count[links[0]] if len(links) == 1 else max(map(count.__getitem__, links)))
 
 
 def _by_seq(job: _Job) -> int:

@@ -172,9 +172,10 @@ def ds_config_change(overrides) -> dict:
 
 
 def doctor(base: Base, max_pairs: int = 40) -> dict:
-    singles = playbook(base.raw, base.scenario(()))
+    sc = base.scenario(())
+    singles = playbook(base.raw, sc)
     base.prefetch(singles)    # simulated on the workers while the baseline runs here
-    sc, baseline, trace = base.simulate()
+    _, baseline, trace = base.simulate(scenario=sc)
     report = {"scenario": sc.name, "baseline": {"fits": baseline.fits, "step_time_s": baseline.step_time_s,
                                                 "tokens_per_s": baseline.tokens_per_s},
               "diagnosis": diagnose(baseline, trace)}

@@ -22,6 +22,7 @@ assignments) through the shared runner, so every result is re-runnable.
 """
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -378,21 +379,26 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60) -
         if covered(layout, fitted):
             continue
         tries = queue[:max(1, budget // 4) if layout == own else 3]
-        for i, c in enumerate(tries):
+        for c in tries:
             if spent():
                 break
             # what comes next if this try fits: the first try of each later layout it leaves uncovered
-            lookahead([c] + [q[0] for later, q in order[j + 1:] if not covered(later, fitted + [layout])])
+            lookahead(itertools.chain([c], (q[0] for later, q in order[j + 1:]
+                                            if not covered(later, fitted + [layout]))))
             r = evaluate(c)
             if r is not None and r.fits:
                 fitted.append(layout)
                 break
     best = {c.layout for c, _ in ranked()[:2]}
+
+    def wanted(c: TunePoint) -> bool:
+        return c.layout in best or not fitted or exhaustive
+
     for i, c in enumerate(survivors):
         if spent():
             break
-        if c.layout in best or not fitted or exhaustive:
-            lookahead(x for x in survivors[i:] if x.layout in best or not fitted or exhaustive)
+        if wanted(c):
+            lookahead(x for x in survivors[i:] if wanted(x))
             evaluate(c)
             if c.key() in seen and seen[c.key()][1].fits and c.layout not in fitted:
                 fitted.append(c.layout)
@@ -403,7 +409,7 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60) -
         if c.stage == 3:
             knobs.update(KNOBS_STAGE3)
         for name, values in knobs.items():
-            for i, v in enumerate(values):
+            for i in range(len(values)):
                 if len(seen) >= budget:
                     break
                 trials = [TunePoint(best_c.stage, best_c.offload, best_c.micro_batch, best_c.gas, best_c.checkpointing,

@@ -118,7 +118,8 @@ class Base:
         note = ""
         try:
             if scenario is None:
-                scenario, note = self.resolve(variant)
+                resolved = self._ahead.resolved.pop(variant.assignments, None)   # prefetch's, if any
+                scenario, note = resolved if resolved is not None else self.resolve(variant)
             key = repr(scenario)
             shared = key in self._results
             if not shared:
@@ -133,12 +134,14 @@ class Base:
         simulated or started yet; invalid ones are left to `run` to report."""
         if self.workers <= 1 or self._ahead.broken:
             return
+        ahead = self._ahead
         for variant in variants:
             try:
-                key = repr(self.resolve(variant)[0])
+                resolved = self.resolve(variant)
             except ZsimInputError:
                 continue
-            ahead = self._ahead
+            ahead.resolved[variant.assignments] = resolved
+            key = repr(resolved[0])
             if key in self._results or key in ahead.pending:
                 continue
             if ahead.pool is None:
@@ -177,15 +180,18 @@ class Base:
                 proc.join()
             ahead.pool = None
         ahead.pending.clear()
+        ahead.resolved.clear()
 
 
 class _Prefetch:
-    """A Base's worker pool, once started, and the prefetched simulations `run` has not taken
-    yet (the resolved scenario's repr -> Future)."""
+    """A Base's worker pool, once started, the prefetched simulations `run` has not taken yet
+    (the resolved scenario's repr -> Future), and the scenarios prefetch resolved (a variant's
+    assignments -> (scenario, note)) for `run` to take instead of resolving them again."""
 
     def __init__(self):
         self.pool = None
         self.pending: dict = {}
+        self.resolved: dict = {}
         self.broken = False
 
 
