@@ -55,16 +55,22 @@ def test_in_partition_grads_live_to_the_step_and_others_to_their_reduction(overl
     assert not [t for t in alloc if t.buffer == Buffer.GRAD_PARTITION]
 
 
-def test_second_micro_step_copies_the_kept_grads_until_the_boundary_epilogue():
-    """all_grad_tensors keeps the first micro-step's .grad: autograd adds out of place."""
-    for gas, expect in ((1, False), (3, True)):
+def test_fresh_grads_beside_the_accumulator_live_to_each_epilogue():
+    """The epilogue keeps the in-partition .grads as all_grad_tensors and leaves .grad None, so
+    every later backward makes fresh ones until its own epilogue adds them in."""
+    for gas in (1, 3):
         s = _schedule(False, gas=gas)
         alloc, free = _where(s)
+        kept = {t.key for t in alloc if t.buffer == Buffer.GRAD_KEPT}
         copies = [t for t in alloc if t.buffer == Buffer.GRAD_ACCUM_COPY]
-        assert bool(copies) == expect
+        # one fresh copy of every kept grad in each micro-step after the first
+        assert sorted((t.micro, t.key) for t in copies) == sorted((m, k) for m in range(1, gas) for k in kept)
         for t in copies:
-            assert s.ops[alloc[t][0]].micro_step == 1
-            assert len(free[t]) == 1 and s.ops[free[t][0]].micro_step == gas - 1
+            (a,), (f,) = alloc[t], free[t]
+            assert s.ops[a].micro_step == s.ops[f].micro_step == t.micro
+            # freed with the micro-step's last reduction (its epilogue), before the next forward
+            last = max(i for i, op in enumerate(s.ops) if op.kind == OpKind.BUCKET_REDUCE and op.micro_step == t.micro)
+            assert f == last
 
 
 def test_kept_grads_count_as_gradients():

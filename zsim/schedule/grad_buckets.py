@@ -25,17 +25,32 @@ With the optimizer offloaded, this rank's reduced slice goes to the host after e
 [Note: ZeRO-2 gradients without contiguous_gradients] Without contiguous_gradients a
 reduced bucket is not copied into a partition buffer (copy_grads_in_partition is the
 contiguous path): reduce_ipg_grads (stage_1_and_2.py) all-reduces a flat copy of the bucket's
-grads (allreduce_bucket's flatten, freed once copied back), clears the .grad of every param
-outside this rank's partition (with overlap_comm at the next reduction: previous_reduced_grads)
-and keeps the .grad of every param that touches it, whole, through the window; the step
-flattens them and frees them (free_grad_in_param_list). The epilogue also keeps references to
-them (all_grad_tensors), so in the second micro-step autograd's AccumulateGrad, seeing the
-.grad shared, adds out of place: a second copy of each, until the boundary's epilogue drops
-all_grad_tensors (measured on DeepSpeed at the epilogue's peak: the in-partition grads twice). Measured
-(DeepSpeed, CPU/gloo, seed 975049619): small ZeRO-2 bf16 at world 4 with overlap_comm was 9.1%
-under, now exact; small ZeRO-2 fp32 GAS 3 at world 2 was 13.6% under, now 1.2% (70.9 MiB against
-71.8, and 70.95 in a rerun that traced the peak to the epilogue's flatten). The own core has
-no all_grad_tensors and holds one copy (63.8 MiB there).
+grads (allreduce_bucket's flatten, freed once copied back) and clears the .grad of every param
+outside this rank's partition (with overlap_comm at the next reduction: previous_reduced_grads).
+The .grads of the params touching it stay until the backward's epilogue, which takes them as
+its accumulator (all_grad_tensors) and leaves their .grad None: from the second micro-step on,
+each backward makes fresh .grads of them beside the accumulator, which the epilogue adds in and
+drops. The accumulator lives to the step, which flattens and frees it (free_grad_in_param_list).
+Traced on DeepSpeed 0.19.8 (CPU/gloo, fp32, world 2, GAS 3): at every epilogue's end all 25
+in-partition .grads are None and all_grad_tensors holds 25 other tensors; with one 5e8 bucket
+the fresh grads are alive at the epilogue's reduction (the peak: the in-partition grads twice),
+with small buckets they appear only as the backward reaches the first layers (rank 0's
+partition). Measured peaks (DeepSpeed, seeds 975049619, 1014857976, 636046235): small ZeRO-2
+bf16 world 4 with overlap_comm, 9.1% under before the flat copy, now exact; small fp32 GAS 3
+one bucket, 13.6% under before the second copy, now -1.2%; medium fp32 GAS 4 rb 1e7 and small
+fp32 GAS 4 rb auto, +11.7% and +7.1% over while the second copy was held for the whole window,
+now within 1.3%. The own core has no all_grad_tensors and holds one copy.
+
+[Note: ZeRO-1 gradients without contiguous_gradients] Stage 1 (no partition_gradients) never
+clears a .grad in reduce_ipg_grads (stage_1_and_2.py:2272-2274 copies into the partition only
+with contiguous_gradients), so every .grad lives from its first backward to the step, which
+frees the flat group's .grads outside this rank's partition before flattening its partition
+and the rest once flattened (step, :3103 and :3128). Each reduction flattens its bucket as
+stage 2's does (buffered_reduce_fallback -> allreduce_and_copy). Measured (DeepSpeed 0.19.8
+and the own core, CPU/gloo, random seed 636046235 case 10: small GPT, world 4, fp32, GAS 1,
+default 5e8 bucket): 55.75 MB at the boundary's reduction, params + Adam partition + every
+.grad + the flat copy; zsim freed the .grads at the reduction and held no flat copy (46.48 MB,
+-16.6%).
 """
 from __future__ import annotations
 
@@ -117,9 +132,13 @@ class Zero12Buckets(_Buckets):
         self.walk_at_boundary = walk_at_boundary     # ZeRO-1 without overlap_comm: reduce_gradients
         self.partition_live = False
         z = ctx.sc.zero
-        self.nocg = z.stage == 2 and not z.contiguous_gradients
-        self.kept: set[int] = set()    # in-partition .grads held to the step (nocg)
-        self.accumulated: list[Tag] = []   # their second copies from the second micro-step on (nocg)
+        # stage_1_and_2.py:300: `contiguous_gradients or self.cpu_offload`
+        self.contiguous = z.contiguous_gradients or ctx.optimizer_offloaded
+        self.nocg = not self.contiguous
+        # see [Note: ZeRO-1 gradients without contiguous_gradients]: every .grad kept to the step
+        self.keeps_all_grads = self.nocg and z.stage == 1 and lazy_grads
+        self.kept: set[int] = set()    # in-partition .grads held to the step (ZeRO-2 nocg)
+        self.accumulated: list[Tag] = []   # their fresh .grads of this backward, from the second micro-step on
         self.overlap_held: list[Tag] = []   # out-of-partition .grads cleared at the next reduction
         self.micro_flush: tuple[int, int] | None = None   # (micro-step, its last reduction op)
         self.fills: dict[int, list[int]] = {}   # micro-step -> elements each flush copied into the IPG buffer
@@ -137,22 +156,22 @@ class Zero12Buckets(_Buckets):
 
     def _on_add(self, pid: int, micro: int, after: int):
         z = self.ctx.sc.zero
-        if self.nocg:
+        if self.nocg and z.stage == 2:
             # see [Note: ZeRO-2 gradients without contiguous_gradients]
             if not self.ctx.optimizer_offloaded and self._in_partition(pid):
                 size = self.numels[pid] * self.ctx.param_bytes
                 if pid not in self.kept:
                     self.kept.add(pid)
                     self.ctx.b.add_alloc(after, Alloc(Tag(Buffer.GRAD_KEPT, key=pid), Category.GRADIENTS, size))
-                elif micro == 1:
-                    # all_grad_tensors still references the first micro-step's .grad, so autograd
-                    # accumulates out of place: a second copy, until the boundary's epilogue
-                    tag = Tag(Buffer.GRAD_ACCUM_COPY, key=pid)
+                else:
+                    # the epilogue left the .grad None and keeps the accumulator: a fresh .grad
+                    # until this backward's epilogue
+                    tag = Tag(Buffer.GRAD_ACCUM_COPY, micro, pid)
                     self.ctx.b.add_alloc(after, Alloc(tag, Category.GRADIENTS, size))
                     self.accumulated.append(tag)
             else:
                 self._hold_until_reduced(pid, micro, after)
-        if self.lazy_grads and z.stage == 1 and not self.walk_at_boundary:
+        if self.lazy_grads and z.stage == 1 and not self.walk_at_boundary and not self.nocg:
             # the boundary micro-step's hook copies the accumulated gradient into the IPG buffer
             self.ctx.b.add_free(after, Tag(Buffer.GRAD16, key=pid))
 
@@ -163,7 +182,7 @@ class Zero12Buckets(_Buckets):
         if not z.reduce_scatter:
             # gradient_reduction_w_predivide: the whole bucket in one all-reduce over the dp group
             return [(Collective.ALL_REDUCE, -1, self.bucket_numel, 0)]
-        if not z.contiguous_gradients:
+        if not self.contiguous:
             # reduce_ipg_grads without contiguous_gradients (stage_1_and_2.py:2230-2237):
             # buffered_reduce_fallback -> allreduce_no_retain(numel_per_bucket=bucket.elements), i.e.
             # the bucket's grads flattened into one all-reduce whatever partitions they straddle
@@ -203,7 +222,7 @@ class Zero12Buckets(_Buckets):
             last = self._reduce_op(micro, after, call, comm, dst, alloc, g)
             if self.nocg:
                 ctx.b.add_free(last, *(a.tag for a in alloc))
-        if self.lazy_grads and ctx.sc.zero.stage == 1 and self.walk_at_boundary:
+        if self.lazy_grads and ctx.sc.zero.stage == 1 and self.walk_at_boundary and not self.nocg:
             ctx.b.add_free(before, *[Tag(Buffer.GRAD16, key=pid) for pid in self.bucket])
         self.micro_flush = (micro, last)
         if ctx.optimizer_offloaded:
@@ -225,8 +244,15 @@ class Zero12Buckets(_Buckets):
         """is_param_in_current_partition for rank 0 (ranks are symmetric): any slice is its."""
         return any(r == 0 for _, r, _ in bucket_slices((pid,), self.groups, self.group_of, self.numels))
 
+    def release_stage1_grads(self, group: int, before_step: int, after_step: int):
+        """[Note: ZeRO-1 gradients without contiguous_gradients] step() frees a flat group's .grads
+        outside this rank's partition before flattening its partition, the others once flattened."""
+        pids = self.groups[group].pids
+        self.ctx.b.add_free(before_step, *(Tag(Buffer.GRAD16, key=p) for p in pids if not self._in_partition(p)))
+        self.ctx.b.add_free(after_step, *(Tag(Buffer.GRAD16, key=p) for p in pids if self._in_partition(p)))
+
     def release_accumulated(self, op: int):
-        """The boundary epilogue sets all_grad_tensors to None: the first copies go."""
+        """The backward's epilogue adds the fresh .grads into all_grad_tensors and drops them."""
         if self.accumulated:
             self.ctx.b.add_free(op, *self.accumulated)
             self.accumulated = []

@@ -57,7 +57,7 @@ class Zero012Hooks(StageHooks):
         # _release_ipg_buffers drops it in the backward epilogue
         self.ipg_buffers = 2 if z.overlap else 1
         self.ipg_bytes = (self.ipg_buffers * z.reduce_bucket_size * ctx.param_bytes
-                          if self.stage >= 1 and z.contiguous_gradients and not self.bf16_optimizer else 0.0)
+                          if self.stage >= 1 and self.buckets.contiguous and not self.bf16_optimizer else 0.0)
         self.ipg_micro = self.ipg_op = -1
         self.last_reduce: int | None = None
 
@@ -96,7 +96,7 @@ class Zero012Hooks(StageHooks):
         flushed = self.buckets.flushed_in(micro)
         if flushed is not None and (self.stage == 2 or boundary):
             self.last_reduce = flushed
-        if boundary and self.buckets.nocg:
+        if self.buckets.nocg:
             self.buckets.release_accumulated(last_op if flushed is None else flushed)
         if self.ipg_micro == micro:
             # the epilogue after this micro-step's last reduction
@@ -196,7 +196,10 @@ def optimizer_boundary(ctx: StepContext, hooks: Zero012Hooks, last: int) -> int:
         # one allocation for all groups, freed after the last
         last = step_deps
         for g, group in enumerate(buckets.groups):
+            before = last[0]
             last = [optimizer_step(ctx, group.partition, last, sub_group=g)]
+            if buckets.keeps_all_grads:
+                buckets.release_stage1_grads(g, before, last[0])
         last = last[0]
         if buckets.partition_live:
             ctx.b.add_free(last, Tag(Buffer.GRAD_PARTITION))
