@@ -23,7 +23,8 @@ def test_layer_gemms_match_zsim_layouts():
 def test_plan_items_and_roundtrip():
     plan = default_plan("quick")
     names = items(plan, 2, 1)
-    assert names[0] == "overhead" and names[-3:] == ["io", "interference", "rank_views"]
+    assert names[0] == "overhead" and names[-4:] == ["io", "interference", "rank_views", "collective_memory"]
+    assert "collective_memory" not in items(plan, 1, 1)   # one rank: no collective to measure
     assert sum(n.startswith("collective/") for n in names) == 7 * 6   # 7 ops x 6 sizes, fp32
     assert plan.from_json(plan.to_json()) == plan
     assert any(n.startswith("collective/all_reduce/inter_node") for n in items(plan, 16, 2))

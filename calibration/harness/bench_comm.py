@@ -179,3 +179,44 @@ def bench_interference(ctx: Ctx) -> dict:
             "collective": "all_reduce", "size_bytes": buf.numel() * 4,
             "gemm_alone_s": vals[0], "gemm_during_comm_s": vals[1],
             "comm_alone_s": vals[2], "comm_during_gemm_s": vals[3]}
+
+
+def bench_collective_memory(ctx: Ctx) -> list[dict]:
+    """The tensor memory a collective allocates while it runs, beyond its input and output, as
+    the peak trackers of a training run see it: on a CPU the core's TensorMemoryTracker (storages
+    allocated through torch ops), on a GPU the CUDA caching allocator's max_memory_allocated.
+    See [Note: gloo reduce-scatter copy] (zsim/schedule/grad_buckets.py)."""
+    n = ctx.world
+    out = []
+    numel = max(n, (1 << 22) // n * n)     # 16 MiB of fp32: far above any allocator granularity
+    for op in ("reduce_scatter", "all_gather", "all_reduce"):
+        full = torch.ones(numel, device=ctx.device)
+        part = torch.ones(numel // n, device=ctx.device)
+        if op == "reduce_scatter":
+            f = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            fn, input_bytes = (lambda: f(part, full)), full.numel() * 4
+        elif op == "all_gather":
+            f = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            fn, input_bytes = (lambda: f(full, part)), part.numel() * 4
+        else:
+            fn, input_bytes = (lambda: dist.all_reduce(full)), full.numel() * 4
+        fn()   # warm-up: the backend's lazily made buffers are not per-call memory
+        ctx.sync()
+        dist.barrier()
+        if ctx.cuda:
+            torch.cuda.reset_peak_memory_stats(ctx.device)
+            before = torch.cuda.memory_allocated(ctx.device)
+            fn()
+            ctx.sync()
+            temp = torch.cuda.max_memory_allocated(ctx.device) - before
+        else:
+            from calibration.core.memory import TensorMemoryTracker
+            tracker = TensorMemoryTracker().start()
+            before = tracker.current
+            with tracker:
+                fn()
+            temp = tracker.peak - before
+        temp = ctx.gather_max([float(temp)])[0]
+        out.append({"kind": "collective_memory", "op": op, "ranks": n, "input_bytes": input_bytes,
+                    "temp_bytes": temp, "backend": dist.get_backend()})
+    return out

@@ -87,6 +87,17 @@ def fit_fresh_alloc(records: list[dict]) -> dict:
     return {"fresh_alloc_threshold_bytes": float(lim), "fresh_alloc_GBps": rates[len(rates) // 2] / 1e9}
 
 
+def fit_collective_memory(records: list[dict]) -> dict:
+    """gpu.reduce_scatter_temp_fraction: what a reduce_scatter_tensor call allocated beyond its
+    input and output, over its input's bytes (see [Note: gloo reduce-scatter copy]); the largest
+    rank's figure, rounded to 1/64 (the measurement is whole tensors). Not measured: {}."""
+    rs = [r for r in records if r.get("kind") == "collective_memory" and "error" not in r
+          and r["op"] == "reduce_scatter" and r["input_bytes"] > 0]
+    if not rs:
+        return {}
+    return {"reduce_scatter_temp_fraction": round(max(r["temp_bytes"] / r["input_bytes"] for r in rs) * 64) / 64}
+
+
 def _optimizer_passes_s(rec: dict, overhead_s: float) -> float:
     """The optimizer benchmark's time without its kernels' launch overhead, which zsim charges
     apart from optimizer_bytes (kernel_overhead_us per kernel)."""
@@ -113,7 +124,8 @@ def fit_compute(records: list[dict], dtypes: tuple[str, ...]) -> tuple[dict, dic
     rates = ([fit_rate(mc[0], "GBps")] if mc else []) + [o["bytes"] / _optimizer_passes_s(o, overhead_s) / 1e9
                                                       for o in opt]
     dev = {"overhead_s": overhead_s, "autograd_s": autograd_s, "hbm_GBps": max(rates) if rates else 1.0,
-           "gemm": fit_gemm([r for r in records if r.get("kind") == "gemm"]), "fresh_alloc": fit_fresh_alloc(records)}
+           "gemm": fit_gemm([r for r in records if r.get("kind") == "gemm"]), "fresh_alloc": fit_fresh_alloc(records),
+           "collective_memory": fit_collective_memory(records)}
     report = {"kernel_overhead_measured_us": overhead_s * 1e6, "autograd_call_us": autograd_s * 1e6,
               "hbm_bw_GBps": dev["hbm_GBps"], "gemm": dev["gemm"]}
     fitted = {d: _fit_dtype(records, d, dev) for d in dtypes}
@@ -154,7 +166,8 @@ def _fit_dtype(records: list[dict], dtype: str, dev: dict) -> tuple[dict, dict]:
               "flash_attention_bwd_efficiency": eff.get("bwd", 0.4),
               "flash_attention_fwd_overhead_us": att_over_us.get("fwd", 0.0),
               "flash_attention_bwd_overhead_us": att_over_us.get("bwd", 0.0),
-              "memory_bound_efficiency": mem_eff, "kernel_overhead_us": overhead_s * 1e6, **dev["fresh_alloc"]}
+              "memory_bound_efficiency": mem_eff, "kernel_overhead_us": overhead_s * 1e6, **dev["fresh_alloc"],
+              **dev["collective_memory"]}
     if opt:   # bytes as zsim charges them (step_bytes_per_param), over the device bandwidth above
         fields["optimizer_efficiency"] = min(1.0, opt[0]["bytes"] / max(_optimizer_passes_s(opt[0], overhead_s), 1e-9)
                                              / (hbm_GBps * 1e9))

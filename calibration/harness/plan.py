@@ -175,6 +175,8 @@ def items(plan: Plan, world_size: int, nodes: int) -> list[str]:
             names.append(f"membound/{dt}/{L.label}")
             names.append(f"layer/{dt}/{L.label}")
     names += ["adam", "optimizer_step", "io", "interference", "rank_views"]
+    if world_size >= 2:
+        names.append("collective_memory")
     if plan.mode == "full":
         names.append("zero3_hooks")
     return names

@@ -51,6 +51,18 @@ and the own core, CPU/gloo, random seed 636046235 case 10: small GPT, world 4, f
 default 5e8 bucket): 55.75 MB at the boundary's reduction, params + Adam partition + every
 .grad + the flat copy; zsim freed the .grads at the reduction and held no flat copy (46.48 MB,
 -16.6%).
+
+[Note: gloo reduce-scatter copy] gloo has no native reduce-scatter: ProcessGroupGloo's
+reduce_scatter_tensor works on a copy of its whole input, alive for the call (measured on torch
+2.13 CPU/gloo by calibration/harness/bench_comm.py bench_collective_memory: one input's bytes in
+fp32 and bf16, whether the output aliases the input or not; all_gather_into_tensor and
+all_reduce allocate nothing); NCCL's allocates nothing through the CUDA allocator. A profile
+carries it as gpu.reduce_scatter_temp_fraction (zsim calibrate measures it) and ZeRO-3's
+gradient reduce-scatter holds it beside its bucket. Traced on DeepSpeed (seed 422533424 case 01,
+small ZeRO-3 fp32 without contiguous_gradients on 2 ranks): its peak is inside the call with the
+interleaved bucket and gloo's copy, 7.37 MB each. The 28 ZeRO-3 peaks DeepSpeed measured in
+the random validations: MAPE 2.1% -> 0.4% (the 2-rank non-contiguous cases -6.2..-13.9% ->
+-1.0..-3.4%; every other case unchanged).
 """
 from __future__ import annotations
 
@@ -312,9 +324,13 @@ class Zero3Buckets(_Buckets):
             ctx.b.add_host_views(after, scatter_views(ctx.world, len(self.bucket), interleaved))
             comm = Comm(Collective.REDUCE_SCATTER, numel, size_bytes,
                         buffer_bytes=self._scatter_traffic_bytes(numel, micro, interleaved))
-            # reduce_scatter_coalesced's interleaved copy lives for the call
+            # reduce_scatter_coalesced's interleaved copy lives for the call, and so does the
+            # backend's own copy of the input where it makes one (see [Note: gloo reduce-scatter copy])
             allocs = ((Alloc(Tag(Buffer.SCATTER_COPY, micro, self.flushes), Category.BUCKETS, size_bytes),)
                       if interleaved else ())
+            backend_copy = ctx.sc.cluster.profile.gpu.reduce_scatter_temp_fraction * size_bytes
+            if backend_copy > 0:
+                allocs += (Alloc(Tag(Buffer.COLLECTIVE_TEMP, micro, self.flushes), Category.BUCKETS, backend_copy),)
         self.last_reduce = self._reduce_op(micro, after, 0, comm, alloc=allocs)
         ctx.b.add_free(self.last_reduce, *(a.tag for a in allocs), *self.pending)
         self.pending = []

@@ -154,6 +154,7 @@ class Buffer(Enum):
     GRAD_PENDING = "grad"            # a ZeRO-2/3 .grad waiting for its bucket (contiguous_gradients false)
     GRAD_KEPT = "grad/kept"          # a ZeRO-2 .grad of the rank's partition, held to the step (same)
     GRAD_ACCUM_COPY = "grad/acc"     # its fresh .grad beside the accumulator, from the second micro-step (same)
+    COLLECTIVE_TEMP = "colltmp"      # the communication backend's own copy of a call's input (gloo)
     GRAD_PARTITION = "grads"         # ZeRO-1/2 16-bit gradient partition (grads_in_partition)
     EXPERT_BUFFER = "moe"            # an MoE layer's capacity buffer around one all-to-all
     IPG = "ipg"                      # ZeRO-1/2 IPG bucket buffer of one backward
