@@ -257,7 +257,7 @@ class Zero12Buckets(_Buckets):
         return any(r == 0 for _, r, _ in bucket_slices((pid,), self.groups, self.group_of, self.numels))
 
     def release_stage1_grads(self, group: int, before_step: int, after_step: int):
-        """[Note: ZeRO-1 gradients without contiguous_gradients] step() frees a flat group's .grads
+        """See [Note: ZeRO-1 gradients without contiguous_gradients]: step() frees a flat group's .grads
         outside this rank's partition before flattening its partition, the others once flattened."""
         pids = self.groups[group].pids
         self.ctx.b.add_free(before_step, *(Tag(Buffer.GRAD16, key=p) for p in pids if not self._in_partition(p)))

@@ -50,8 +50,7 @@ class GpuProfile:
     fresh_alloc_GBps: Optional[float] = spec(None, gt=0, doc="first-touch (page-fault) rate of such a tensor")
     reduce_scatter_temp_fraction: float = spec(
         0.0, ge=0, le=4, doc="tensor memory a reduce_scatter_tensor call allocates while it runs, as a fraction of "
-                             "its input (zsim calibrate measures it; NCCL: 0, gloo: 1, see [Note: gloo "
-                             "reduce-scatter copy])")
+                             "its input (zsim calibrate measures it; NCCL: 0, gloo: 1)")   # see [Note: gloo reduce-scatter copy]
     concurrent_streams: bool = spec(True, doc="side streams run beside compute (CUDA); false: one stream in "
                                               "program order, as DeepSpeed's and torch's CPU backends run")
     by_dtype: dict[str, DtypeCompute] = spec(
