@@ -55,7 +55,9 @@ def test_quick_calibration_end_to_end(tmp_path):
     assert doc["status"] == "complete" and doc["provenance"]["backend"] == "gloo"
     kinds = {x["kind"] for x in doc["records"]}
     assert {"collective", "gemm", "attention", "membound", "layer", "adam", "file_io", "memcpy",
-            "interference", "kernel_overhead"} <= kinds
+            "interference", "kernel_overhead", "collective_memory"} <= kinds
+    # gloo's reduce_scatter_tensor copies its input (see [Note: gloo reduce-scatter copy])
+    assert hp.gpu.reduce_scatter_temp_fraction == 1.0
     assert not list((tmp_path / "calibration" / "runs").glob(".*scratch*"))
     # and zsim run loads it like a hand-written profile
     sc = tmp_path / "s.yaml"

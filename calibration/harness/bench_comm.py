@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from calibration.core.memory import TensorMemoryTracker
 from calibration.core.model import DTYPES
 from calibration.harness.context import Ctx, local_times
 from calibration.harness.plan import stats, tier_of_group
@@ -188,18 +189,10 @@ def bench_collective_memory(ctx: Ctx) -> list[dict]:
     See [Note: gloo reduce-scatter copy] (zsim/schedule/grad_buckets.py)."""
     n = ctx.world
     out = []
-    numel = max(n, (1 << 22) // n * n)     # 16 MiB of fp32: far above any allocator granularity
     for op in ("reduce_scatter", "all_gather", "all_reduce"):
-        full = torch.ones(numel, device=ctx.device)
-        part = torch.ones(numel // n, device=ctx.device)
-        if op == "reduce_scatter":
-            f = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-            fn, input_bytes = (lambda: f(part, full)), full.numel() * 4
-        elif op == "all_gather":
-            f = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-            fn, input_bytes = (lambda: f(full, part)), part.numel() * 4
-        else:
-            fn, input_bytes = (lambda: dist.all_reduce(full)), full.numel() * 4
+        # 16 MiB of fp32 (far above any allocator granularity), built as the timed benchmark builds it
+        fn, full_bytes = _collective_fn(op, 16 << 20, torch.float32, n, None, ctx.device)
+        input_bytes = full_bytes // n if op == "all_gather" else full_bytes
         fn()   # warm-up: the backend's lazily made buffers are not per-call memory
         ctx.sync()
         dist.barrier()
@@ -210,7 +203,6 @@ def bench_collective_memory(ctx: Ctx) -> list[dict]:
             ctx.sync()
             temp = torch.cuda.max_memory_allocated(ctx.device) - before
         else:
-            from calibration.core.memory import TensorMemoryTracker
             tracker = TensorMemoryTracker().start()
             before = tracker.current
             with tracker:

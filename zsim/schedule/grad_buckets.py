@@ -146,7 +146,6 @@ class Zero12Buckets(_Buckets):
         z = ctx.sc.zero
         # stage_1_and_2.py:300: `contiguous_gradients or self.cpu_offload`
         self.contiguous = z.contiguous_gradients or ctx.optimizer_offloaded
-        self.nocg = not self.contiguous
         # see [Note: ZeRO-1 gradients without contiguous_gradients]: every .grad kept to the step
         self.keeps_all_grads = self.nocg and z.stage == 1 and lazy_grads
         self.kept: set[int] = set()    # in-partition .grads held to the step (ZeRO-2 nocg)
@@ -154,6 +153,10 @@ class Zero12Buckets(_Buckets):
         self.overlap_held: list[Tag] = []   # out-of-partition .grads cleared at the next reduction
         self.micro_flush: tuple[int, int] | None = None   # (micro-step, its last reduction op)
         self.fills: dict[int, list[int]] = {}   # micro-step -> elements each flush copied into the IPG buffer
+
+    @property
+    def nocg(self) -> bool:
+        return not self.contiguous
 
     def ipg_touched_numel(self, micro: int, buffers: int) -> int:
         """[Note: IPG buffer first touch] Elements of the IPG buffers that micro-step `micro`
@@ -170,7 +173,7 @@ class Zero12Buckets(_Buckets):
         z = self.ctx.sc.zero
         if self.nocg and z.stage == 2:
             # see [Note: ZeRO-2 gradients without contiguous_gradients]
-            if not self.ctx.optimizer_offloaded and self._in_partition(pid):
+            if self._in_partition(pid):   # (an offloaded optimizer makes gradients contiguous)
                 size = self.numels[pid] * self.ctx.param_bytes
                 if pid not in self.kept:
                     self.kept.add(pid)
@@ -259,9 +262,9 @@ class Zero12Buckets(_Buckets):
     def release_stage1_grads(self, group: int, before_step: int, after_step: int):
         """See [Note: ZeRO-1 gradients without contiguous_gradients]: step() frees a flat group's .grads
         outside this rank's partition before flattening its partition, the others once flattened."""
-        pids = self.groups[group].pids
-        self.ctx.b.add_free(before_step, *(Tag(Buffer.GRAD16, key=p) for p in pids if not self._in_partition(p)))
-        self.ctx.b.add_free(after_step, *(Tag(Buffer.GRAD16, key=p) for p in pids if self._in_partition(p)))
+        mine = {p: self._in_partition(p) for p in self.groups[group].pids}
+        self.ctx.b.add_free(before_step, *(Tag(Buffer.GRAD16, key=p) for p, m in mine.items() if not m))
+        self.ctx.b.add_free(after_step, *(Tag(Buffer.GRAD16, key=p) for p, m in mine.items() if m))
 
     def release_accumulated(self, op: int):
         """The backward's epilogue adds the fresh .grads into all_grad_tensors and drops them."""
