@@ -46,6 +46,11 @@ def test_knobs_change_the_sequence():
     assert seqs["stage3_prefetch_0"] != seqs["stage3_default"]
     assert seqs["stage3_max_live_1e6"] != seqs["stage3_default"]
     assert seqs["stage3_prefetch_0_reuse_0"] != seqs["stage3_prefetch_0"]
+    # see [Note: release sets frozen at the first complete trace]: with accumulation lm_head is released
+    # after its forward and gathered again for its backward, one gather more per micro-step
+    g1 = [c for c in seqs["stage3_max_live_3e6_reuse_0"] if c[:2] == ("backward", "all_gather")]
+    g2 = [c for c in seqs["stage3_gas2_max_live_3e6_reuse_0"] if c[:2] == ("backward", "all_gather")]
+    assert len(g2) == 2 * (len(g1) + 1)
     # stage 1 reduces once per optimizer step, stage 2 every micro-step
     s1 = [c for c in seqs["stage1_gas2"] if c[1] == "all_reduce" and c[2] > 1]
     s2 = [c for c in seqs["stage2_gas2"] if c[1] == "all_reduce" and c[2] > 1]

@@ -80,6 +80,16 @@ def build_cases():
                                              stage3_max_reuse_distance=0)
     c["stage3_max_live_1e6_reuse_0"] = _base(3, stage3_max_live_parameters=1000000,
                                              stage3_max_reuse_distance=0)
+    # the release sets frozen in the first complete-trace micro-step (see [Note: release sets
+    # frozen at the first complete trace], zsim/schedule/param_fetch.py): with gradient
+    # accumulation the persistent params count against max live there, the prefetcher stops
+    # short of lm_head's backward use, and lm_head is released after its forward in every later
+    # micro-step; without, an optimizer step gathers the persistent params in between and the
+    # sets are the steady state's
+    c["stage3_max_live_3e6_reuse_0"] = _base(3, stage3_max_live_parameters=3000000,
+                                             stage3_max_reuse_distance=0)
+    c["stage3_gas2_max_live_3e6_reuse_0"] = _with(_base(3, stage3_max_live_parameters=3000000,
+                                                        stage3_max_reuse_distance=0), gradient_accumulation_steps=2)
     # ---- communication_data_type fp32 under bf16 weights: every gradient reduction in fp32
     # (engine.py:1719-1730, 3800; stage_1_and_2.py:2376; stage3.py:780-784, 1919)
     c["stage0_comm_fp32"] = _with(_base(0), communication_data_type="fp32")

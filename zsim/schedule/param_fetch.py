@@ -7,9 +7,25 @@
   n_available, prefetch_bucket_size), gathering those NOT_AVAILABLE in one more call and
   marking every popped use (most_recent_step_id_param_fetched_for).
 - [Note: parameter release] After a visit, its non-persistent params are released unless a
-  later use was already passed by the prefetcher (most_recent_step_id_param_fetched_for) or a
-  use occurs within max_reuse_distance numel of the trace (__params_to_release); so a small
-  max_reuse_distance or prefetch re-gathers a tied or recomputed weight.
+  later use was already passed by the prefetcher (most_recent_step_id_param_fetched_for beyond
+  the step the release runs at, the visit's index + 1) or a use occurs within
+  max_reuse_distance numel of the trace (__params_to_release); so a small max_reuse_distance
+  or prefetch re-gathers a tied or recomputed weight.
+- [Note: release sets frozen at the first complete trace] __params_to_release is an
+  functools.lru_cache on (module, step id) (partitioned_param_coordinator.py:633), never
+  cleared: what it decides in the first micro-step with a complete trace holds for the rest of
+  training. That is training's second micro-step (the first, reset_step's RECORD pass,
+  releases every param after its module, persistent ones included, having no trace). With
+  gradient accumulation it follows the record pass inside the same optimizer step, so the
+  persistent params are not gathered yet: they are fetched and prefetched like the others and
+  count against max_live_parameters and the prefetch bucket, the prefetcher stops earlier in
+  the trace, marks fewer later uses, and more params are released than the steady state's own
+  state would say. Without accumulation an optimizer step comes between (stage3.py _post_step
+  gathers the persistent params again), and the sets are the steady state's. Traced on
+  DeepSpeed 0.19.8 (small GPT, ZeRO-3, GAS 2, max_reuse_distance 0, 4 ranks): lm_head's weight
+  is released after its forward and gathered again for its backward in every micro-step,
+  though from the second complete micro-step on the prefetcher has passed its backward use;
+  at GAS 1 it is kept (tests/fixtures/deepspeed/stage3_max_live_3e6_reuse_0.json).
 - At the end of each backward everything non-persistent is released (release_and_reset_all),
   so every micro-step gathers again.
 - Params with numel <= param_persistence_threshold stay gathered (partition.persistent_params).
@@ -131,7 +147,60 @@ class ParamCoordinator:
         # a fetched param holds memory of its own unless it is a view of its one-rank partition
         # (see [Note: one-rank ZeRO-3 fetch])
         self.allocates = ctx.world > 1 or ctx.params_offloaded
+        self.dry = False
+        # see [Note: release sets frozen at the first complete trace]: without accumulation or
+        # persistent params that micro-step starts as every micro-step does, and each set is
+        # decided at its first release here (as DeepSpeed's cache does)
+        self.release_sets: dict[int, tuple[int, ...]] = (
+            self._first_complete_releases() if ctx.gas > 1 and self.persistent else {})
         self.reset()
+
+    def _first_complete_releases(self) -> dict[int, tuple[int, ...]]:
+        """Per visit index, the params its release frees in every micro-step, decided in the
+        first micro-step with a complete trace under gradient accumulation, where no param is
+        gathered at the start, the persistent ones neither (see
+        [Note: release sets frozen at the first complete trace]). A dry run of the coordinator:
+        nothing is added to the schedule."""
+        self.reset()
+        # the record pass released every param after its module, but its pre-backward hooks
+        # fetched the params of the modules that compute a weight gradient, and the post-backward
+        # hook of one whose inputs carry no gradient never fires (PostBackwardFunctionModule wraps
+        # only inputs that require grad, parameter_offload.py:507): release_backward_leftovers
+        # releases what it holds except the persistent params (coordinator:565), which stay
+        no_post_hook = {p for m in self.ctx.wl.modules if m.weight_grad and not m.input_grad for p in m.params}
+        for p in self.persistent - no_post_hook:
+            self.status[p] = NOT_AVAILABLE
+        self.dry = True
+        sets = {}
+        for k, v in enumerate(self.visits):
+            self.visit(v, 0, v.phase)
+            if v.params:
+                sets[k] = self._to_release(k)
+                for p in sets[k]:
+                    if self.status[p] == AVAILABLE:
+                        self._drop(p)
+        self.dry = False
+        return sets
+
+    def _to_release(self, visit_index: int) -> tuple[int, ...]:
+        """__params_to_release at the release of visit `visit_index` (step id visit_index + 1):
+        see [Note: parameter release]."""
+        z = self.ctx.sc.zero
+        params = self.visits[visit_index].params
+        step_id = visit_index + 1
+        candidates = [p for p in params if p not in self.persistent and self.most_recent[p] <= step_id]
+        if z.max_reuse_distance > 0 and candidates:
+            # walking the trace from the next visit, a param reused at visit j is kept if the
+            # numel traversed before j is still under the distance
+            start = self.visit_prefix[step_id]
+            kept = set()
+            for p in candidates:
+                uses = self.uses[p]
+                j = bisect.bisect_right(uses, visit_index)
+                if j < len(uses) and self.visit_prefix[uses[j]] - start < z.max_reuse_distance:
+                    kept.add(p)
+            candidates = [p for p in candidates if p not in kept]
+        return tuple(candidates)
 
     def reset(self):
         """reset_step: every non-persistent param back in its partition, the trace rewound."""
@@ -154,6 +223,11 @@ class ParamCoordinator:
     def _gather(self, pids, micro: int, phase: Phase, visit: str, prefetch: bool) -> int | None:
         pids = [p for p in pids if self.status[p] == NOT_AVAILABLE]
         if not pids:
+            return None
+        if self.dry:
+            for p in pids:
+                self.status[p] = AVAILABLE
+                self.n_available += self.numels[p]
             return None
         ctx = self.ctx
         numel = sum(padded(self.numels[p], ctx.world) for p in pids)
@@ -244,22 +318,12 @@ class ParamCoordinator:
             self.waited = []
 
     def release(self, visit_index: int, micro: int, op: int):
-        """release_sub_module after the visit's module ran (op); see [Note: parameter release]."""
-        z = self.ctx.sc.zero
-        params = self.visits[visit_index].params
-        candidates = [p for p in params if p not in self.persistent and self.most_recent[p] <= visit_index]
-        if z.max_reuse_distance > 0 and candidates:
-            # __params_to_release: walking the trace from the next visit, a param reused at
-            # visit j is kept if the numel traversed before j is still under the distance
-            start = self.visit_prefix[visit_index + 1]
-            kept = set()
-            for p in candidates:
-                uses = self.uses[p]
-                j = bisect.bisect_right(uses, visit_index)
-                if j < len(uses) and self.visit_prefix[uses[j]] - start < z.max_reuse_distance:
-                    kept.add(p)
-            candidates = [p for p in candidates if p not in kept]
-        for p in candidates:
+        """release_sub_module after the visit's module ran (op): the params frozen for it (see
+        [Note: release sets frozen at the first complete trace]) that are gathered."""
+        frozen = self.release_sets.get(visit_index)
+        if frozen is None:
+            frozen = self.release_sets[visit_index] = self._to_release(visit_index)
+        for p in frozen:
             if self.status[p] == AVAILABLE:
                 self._drop(p)
                 if self.allocates:
