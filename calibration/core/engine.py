@@ -8,7 +8,8 @@ Model states, as DeepSpeed 0.19.8 keeps them:
   over micro-steps); at a bucket's reduction they are copied into the IPG bucket buffer
   (contiguous_gradients; stage 2 from the hooks, stage 1 at the boundary) and dropped, and
   only this rank's partition is kept (16-bit, allocated by the step's first reduction, freed
-  after the step). The IPG buffer lives from a backward's first gradient to its end.
+  after the step). The IPG buffer lives from a backward's first gradient to the epilogue that
+  drops it: its backward's end at stage 2, the accumulation boundary's at stage 1.
 - stages 1-3: fp32 master weights and AdamW moments of the local partition only; after the
   step the updated 16-bit partitions are all-gathered (stage 1/2, one call) or the persistent
   params are re-gathered one call each (stage 3), all launched async before any is waited.
@@ -336,7 +337,7 @@ class ZeroCore(OptimizerStep):
             t0 = time.perf_counter()
             self.comm.phase = "backward" if op.phase == Phase.RECOMPUTE else op.phase.value
             if op.phase not in (Phase.BACKWARD, Phase.RECOMPUTE):
-                self.grads.end_backward()
+                self.grads.end_backward(boundary=op.phase == Phase.STEP)
             self._drop_flat(op.free_before)
             self.dispatch[op.kind](op)
             for n in self.last_reads.get(op.id, ()):

@@ -49,8 +49,9 @@ class GradBuckets:
                 need = max(min(b.numel, min(size, core.total) + self.world * len(b.pids)) for b in plan.buckets.values())
                 self.ipg = torch.empty(int(max(size, need)), dtype=self.dtype)
             else:
-                # see [Note: IPG buffer lifetime]: allocated at the first gradient of each backward and
-                # dropped at its end (setup_buckets, _release_ipg_buffers), as zsim's ledger charges it
+                # see [Note: IPG buffer lifetime]: allocated at the first gradient hook when none is
+                # ready and dropped by the epilogue (setup_buckets, _release_ipg_buffers), which runs
+                # after every backward at stage 2 and at the accumulation boundary alone at stage 1
                 self.ipg_numel = int(size)
         # overlap_comm's second buffer (stage_1_and_2.py:3271-3277, "double buffers"): allocated
         # with the first; the core reduces synchronously and never writes it
@@ -80,9 +81,10 @@ class GradBuckets:
             self.pending.extend(pids)
             self._fill()
 
-    def end_backward(self):
-        if self.ipg is not None and self.ipg_numel:
-            self.ipg = self.ipg_spare = None   # the backward epilogue
+    def end_backward(self, boundary: bool):
+        """After a backward, before the next forward or the step (`boundary`)."""
+        if self.ipg is not None and self.ipg_numel and (boundary or not self.boundary_copy):
+            self.ipg = self.ipg_spare = None   # the epilogue
 
     def _uses_ipg(self, b) -> bool:
         return self.ipg is not None and b.numel <= self.ipg.numel()

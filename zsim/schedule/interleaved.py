@@ -177,7 +177,7 @@ def programs(stages: int, chunks: int, micro_batches: int) -> list[list[Step | E
 class _Rank:
     def __init__(self, ctx: StepContext, chunk_ctxs: list[StepContext], index: int, program):
         self.ctx, self.chunks, self.index, self.program = ctx, chunk_ctxs, index, program
-        self.hooks = DeferredHooks(stage012.Zero012Hooks(ctx, pipelined=True))
+        self.hooks = DeferredHooks(stage012.Zero012Hooks(ctx, pipelined=True, ipg_per_backward=True))
         self.pos = 0
         self.last: int | None = None
         self.posted = False        # inside an Exchange: its receives are posted
