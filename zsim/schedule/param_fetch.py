@@ -148,17 +148,17 @@ class ParamCoordinator:
         # (see [Note: one-rank ZeRO-3 fetch])
         self.allocates = ctx.world > 1 or ctx.params_offloaded
         self.dry = False
-        # see [Note: release sets frozen at the first complete trace]: without accumulation or
-        # persistent params that micro-step starts as every micro-step does, and each set is
-        # decided at its first release here (as DeepSpeed's cache does)
-        self.release_sets: dict[int, tuple[int, ...]] = (
-            self._first_complete_releases() if ctx.gas > 1 and self.persistent else {})
+        # per visit index, the params its release frees in every micro-step, decided at its first
+        # release (see [Note: release sets frozen at the first complete trace]); without
+        # accumulation or persistent params that first micro-step starts as every micro-step does
+        self.release_sets: dict[int, tuple[int, ...]] = {}
+        if ctx.gas > 1 and self.persistent:
+            self._first_complete_releases()
         self.reset()
 
-    def _first_complete_releases(self) -> dict[int, tuple[int, ...]]:
-        """Per visit index, the params its release frees in every micro-step, decided in the
-        first micro-step with a complete trace under gradient accumulation, where no param is
-        gathered at the start, the persistent ones neither (see
+    def _first_complete_releases(self):
+        """Decide every release set in the first micro-step with a complete trace under gradient
+        accumulation, where no param is gathered at the start, the persistent ones neither (see
         [Note: release sets frozen at the first complete trace]). A dry run of the coordinator:
         nothing is added to the schedule."""
         self.reset()
@@ -171,16 +171,11 @@ class ParamCoordinator:
         for p in self.persistent - no_post_hook:
             self.status[p] = NOT_AVAILABLE
         self.dry = True
-        sets = {}
         for k, v in enumerate(self.visits):
             self.visit(v, 0, v.phase)
             if v.params:
-                sets[k] = self._to_release(k)
-                for p in sets[k]:
-                    if self.status[p] == AVAILABLE:
-                        self._drop(p)
+                self.release(k, 0, None)
         self.dry = False
-        return sets
 
     def _to_release(self, visit_index: int) -> tuple[int, ...]:
         """__params_to_release at the release of visit `visit_index` (step id visit_index + 1):
@@ -317,7 +312,7 @@ class ParamCoordinator:
             self.ctx.b.add_free_before(op, *self.waited)
             self.waited = []
 
-    def release(self, visit_index: int, micro: int, op: int):
+    def release(self, visit_index: int, micro: int, op: int | None):
         """release_sub_module after the visit's module ran (op): the params frozen for it (see
         [Note: release sets frozen at the first complete trace]) that are gathered."""
         frozen = self.release_sets.get(visit_index)
@@ -326,7 +321,7 @@ class ParamCoordinator:
         for p in frozen:
             if self.status[p] == AVAILABLE:
                 self._drop(p)
-                if self.allocates:
+                if self.allocates and not self.dry:
                     self.ctx.b.add_free(op, Tag(Buffer.GATHERED, micro, p))
 
     def release_all(self, micro: int, op: int):
