@@ -77,3 +77,25 @@ def build(b, stage: int = 3):
     from zsim.schedule.ir import HostSettings
     return b.build(stage, 8, HostSettings(pin_memory=True, cpu_cores_fraction=1.0, aio_block_size=1 << 20,
                                           aio_queue_depth=8, aio_thread_count=1, host_load_bytes_per_gpu=0.0))
+
+
+# -- measured peaks (tests/fixtures/measured) ---------------------------------------------------
+# what `zsim validate` predicts with: the run's one node, no CUDA context or allocator reserve
+VALIDATE_SETS = ("hardware.nodes=1", "hardware.override.gpu.cuda_context_GiB=0",
+                 "hardware.override.gpu.allocator_fragmentation_fraction=0")
+
+
+def measured_cases(name: str) -> list[dict]:
+    import json
+    return json.loads((ROOT / "tests" / "fixtures" / "measured" / name).read_text())["cases"]
+
+
+def peak_error(case: dict) -> float:
+    """zsim's peak for a measured case ({"scenario", "set", "peak_bytes"}) relative to the measurement."""
+    from zsim.api import run_scenario
+    from zsim.config.scenario import load_scenario
+
+    sc = load_scenario(str(ROOT / "benchmarks" / "validate_scenarios" / f"{case['scenario']}.yaml"),
+                       (*case["set"], *VALIDATE_SETS))
+    return run_scenario(sc)[0].memory.peak_bytes / case["peak_bytes"] - 1
+

@@ -1,18 +1,22 @@
 """Model-state memory from the ledger equals the ZeRO paper's closed forms (Rajbhandari et al.
 2020, fig. 1): 16P; 4P + 12P/N; 2P + 14P/N; 16P/N, with buffers (buckets, gathered and
-persistent params) counted separately."""
+persistent params) counted separately; stage 2's gradient partition holds whole params (see
+[Note: a grads_in_partition per backward])."""
 import pytest
 
 from tests.helpers import model_states_held, scenario
 from zsim.api import run_scenario
 from zsim.engine.ledger import timeline
 from zsim.schedule.build import build_schedule
+from zsim.schedule.partition import flat_group, params_in_partition_numel
 
 
 @pytest.mark.parametrize("stage,formula", [
     (0, lambda P, N: 16 * P),
     (1, lambda P, N: 4 * P + 12 * P / N),
-    (2, lambda P, N: 2 * P + 14 * P / N),
+    # stage 2's gradient partition is DeepSpeed's grads_in_partition: every param with elements
+    # in the rank's partition, whole (2P/N plus the params straddling its edges; the largest rank's)
+    (2, lambda P, N, gip: 2 * P + 12 * P / N + 2 * gip),
     (3, lambda P, N: 16 * P / N),
 ])
 def test_closed_forms(stage, formula):
@@ -23,6 +27,12 @@ def test_closed_forms(stage, formula):
     wl, _ = build_schedule(sc)
     P, N = wl.n_params, sc.cluster.world_size
     assert P % (2 * N) == 0, "pick a model whose flat buffer needs no padding"
+    if stage == 2:
+        numels = [p.numel for p in wl.params]
+        gip = max(params_in_partition_numel(flat_group(range(len(numels)), numels, N), numels))
+        assert P / N < gip < 2 * P / N      # the test model has params straddling the edges
+        assert model_states_held(sc) == pytest.approx(formula(P, N, gip), rel=1e-12)
+        return
     assert model_states_held(sc) == pytest.approx(formula(P, N), rel=1e-12)
 
 

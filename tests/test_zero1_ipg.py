@@ -3,33 +3,22 @@ backward, stage 1 (which DeepSpeed's engine reduces at the accumulation boundary
 from the first gradient hook of the step's first micro-step to the boundary's epilogue. The
 peaks of every ZeRO-1 case with contiguous gradients and accumulation that DeepSpeed ran in the
 random validations are checked (tests/fixtures/measured/zero1_ipg_peaks.json)."""
-import json
 import statistics
 
 import pytest
 
-from tests.helpers import ROOT, scenario
-from zsim.api import run_scenario
-from zsim.config.scenario import load_scenario
+from tests.helpers import measured_cases, peak_error, scenario
 from zsim.schedule.build import build_schedule
 from zsim.schedule.ir import Buffer
 
-FIXTURE = json.loads((ROOT / "tests" / "fixtures" / "measured" / "zero1_ipg_peaks.json").read_text())
-VALIDATE = ("hardware.nodes=1", "hardware.override.gpu.cuda_context_GiB=0",
-            "hardware.override.gpu.allocator_fragmentation_fraction=0")
 Z = "deepspeed.zero_optimization."
-
-
-def _error(c) -> float:
-    sc = load_scenario(str(ROOT / "benchmarks" / "validate_scenarios" / f"{c['scenario']}.yaml"), (*c["set"], *VALIDATE))
-    return run_scenario(sc)[0].memory.peak_bytes / c["peak_bytes"] - 1
 
 
 def test_zero1_peaks_against_deepspeed():
     """With a buffer per backward (the previous rule) s590797542-06 (medium, bf16, GAS 2,
     overlap_comm, 1e7-element buckets: the peak at the second micro-step's loss backward) was
     7.1% under and four more 1.7-3.2% under; s63308492-14 stays 2.9% under (another mechanism)."""
-    errors = {c["case"]: _error(c) for c in FIXTURE["cases"]}
+    errors = {c["case"]: peak_error(c) for c in measured_cases("zero1_ipg_peaks.json")}
     assert len(errors) == 16
     assert all(abs(e) < 0.03 for e in errors.values()), errors
     assert statistics.median(abs(e) for e in errors.values()) < 0.001, errors

@@ -10,13 +10,15 @@ hook order], see [Note: bucket reduction calls], see [Note: ZeRO-1/2 gradient li
   at the reduction, pre-divided by the world size (reduce_scatter_coalesced); with
   reduce_scatter false it is filled rank-major and all-reduced.
 - ZeRO-1/2 keep only this rank's 16-bit partition of the reduced gradients (grads_in_partition,
-  allocated by the step's first reduction, freed after the step).
+  allocated by the step's first reduction, freed after the step; ZeRO-2 allocates a new one in
+  every backward, see [Note: a grads_in_partition per backward]).
 """
 from __future__ import annotations
 
 import torch
 
 from zsim.schedule.ir import Collective
+from zsim.schedule.partition import in_rank_partition, params_in_partition_numel
 from zsim.schedule.payloads import GradReduce
 
 
@@ -58,6 +60,16 @@ class GradBuckets:
         self.ipg_spare = None
         self.double_ipg = bool(self.ipg_numel) and z.overlap
         self.gpart = torch.zeros(core.goff[-1], dtype=self.dtype) if self.sharded else None
+        if not self.sharded:
+            # DeepSpeed's grads_in_partition holds this rank's params whole (see [Note: a
+            # grads_in_partition per backward]); the core indexes it by the partition's layout
+            whole = sum(params_in_partition_numel(g, self.numels, [self._group_rank(i)])[0]
+                        for i, g in enumerate(plan.groups))
+            self.gpart_numel = max(plan.partition, whole)
+            self.mine = {pid for i, g in enumerate(plan.groups) for pid in g.pids
+                         if in_rank_partition(g, self.numels, pid, self._group_rank(i))}
+        self.per_backward = plan.stage == 2 and self.contiguous
+        self.gpart_micro, self.to_move, self.held_gpart = -1, set(), None
         self.begin_step()
 
     def begin_step(self):
@@ -221,7 +233,13 @@ class GradBuckets:
 
     def partition_grads(self):
         if self.gpart is None:
-            self.gpart = torch.zeros(self.core.plan.partition, dtype=self.dtype)
+            self.gpart = torch.zeros(self.gpart_numel, dtype=self.dtype)
+            self.gpart_micro = self.micro
+        elif self.per_backward and self.micro != self.gpart_micro:
+            # see [Note: a grads_in_partition per backward]: a new buffer takes the gradients as
+            # they are copied in; the previous one lives until the last of them has moved
+            self.held_gpart, self.gpart = self.gpart, self.gpart.clone()
+            self.gpart_micro, self.to_move = self.micro, set(self.mine)
         return self.gpart
 
     def _group_rank(self, g: int) -> int:
@@ -235,6 +253,10 @@ class GradBuckets:
         _, own, local, _ = core.layout[core.group_of[pid]]
         i = core.offsets[pid] + start - own.start + local
         dst = self.partition_grads()[i: i + values.numel()]
+        if self.held_gpart is not None:
+            self.to_move.discard(pid)
+            if not self.to_move:
+                self.held_gpart = None
         if self.boundary_copy:   # reduced once per step, at the boundary
             dst.copy_(values)
         else:

@@ -52,6 +52,33 @@ default 5e8 bucket): 55.75 MB at the boundary's reduction, params + Adam partiti
 .grad + the flat copy; zsim freed the .grads at the reduction and held no flat copy (46.48 MB,
 -16.6%).
 
+[Note: autograd's gradient before the hook] With contiguous_gradients, ZeRO-2's hook copies
+each gradient into the IPG buffer and points the .grad at the copy
+(reduce_independent_p_g_buckets_and_remove_grads, stage_1_and_2.py:1440-1455): the tensor
+autograd made is memory of its own from the module's backward to that hook, beside the
+module's input gradient. A gradient larger than reduce_bucket_size bypasses the buffer and
+waits for the next reduction (extra_large_param_to_reduce). Traced on DeepSpeed 0.19.8
+(CPU/gloo, small GPT fp32, 2 ranks): at the peak, inside the last layer's fc_out backward, its
+1 MiB weight gradient is alive with its 1 MiB input gradient.
+
+[Note: a grads_in_partition per backward] copy_grads_in_partition allocates grads_in_partition
+as the sum of `numel()` of the params with elements in the rank's partition, each whole
+(stage_1_and_2.py:2184-2194): a param straddling the partition's edge counts on both ranks, so
+ranks differ, by up to two params. The backward's epilogue (_release_ipg_buffers, :924-931)
+forgets it, at stage 2 after every backward (see [Note: IPG buffer lifetime]), while the
+params' .grads still view it: the next backward's first copy allocates a new one, and the old
+one is freed once the last of the rank's gradients has been copied out of it. zsim models the
+last rank, whose gradients come first in backward (its new buffer appears at the first
+reduction, with the activations all alive), and sizes the buffer by the largest rank. Traced on
+DeepSpeed 0.19.8 (small GPT fp32, 2 ranks, GAS 2 and 4, 5e5-element buckets): rank 1 peaks at
+its first copy of the second micro-step with two 8,418,304-byte buffers (2,104,576 elements;
+the partition is 1,858,304); rank 0's are 1,874,176 elements. The 23 ZeRO-2 cases with
+contiguous gradients DeepSpeed ran in the eight random seeds
+(tests/fixtures/measured/zero2_cg_peaks.json): -0.1% to -12.7% before both notes, -1.8% to
++2.2% after. What is left: a reduction triggered by a hook runs while the module's backward
+tensors (its input and weight gradients, the incoming gradient) are alive, and zsim's reduction
+op starts after the module's backward ends.
+
 [Note: gloo reduce-scatter copy] gloo has no native reduce-scatter: ProcessGroupGloo's
 reduce_scatter_tensor works on a copy of its whole input, alive for the call (measured on torch
 2.13 CPU/gloo by calibration/harness/bench_comm.py bench_collective_memory: one input's bytes in
@@ -71,7 +98,8 @@ from zsim.schedule.context import StepContext
 from zsim.schedule.ir import Alloc, Buffer, Category, Collective, OpKind, Phase, Tag
 from zsim.schedule.payloads import Comm, GradReduce
 from zsim.schedule.moe import flat_group_process_group, moe_param_groups
-from zsim.schedule.partition import bucket_slices, call_sizes, padded, scatter_views
+from zsim.schedule.partition import (bucket_slices, call_sizes, grads_in_partition_numel, in_rank_partition, padded,
+                                     scatter_views)
 
 
 class _Buckets:
@@ -143,6 +171,13 @@ class Zero12Buckets(_Buckets):
         self.lazy_grads = lazy_grads
         self.walk_at_boundary = walk_at_boundary     # ZeRO-1 without overlap_comm: reduce_gradients
         self.partition_live = False
+        self.partition_tag = Tag(Buffer.GRAD_PARTITION)   # the live grads_in_partition
+        # see [Note: a grads_in_partition per backward]: the last rank's partition, whose gradients come first
+        self.last_rank_pids = frozenset(p for g in self.groups for p in g.pids
+                                        if in_rank_partition(g, self.numels, p, g.ranks - 1))
+        self.moved: dict[int, int] = {}   # micro-step -> its last rank's gradients copied so far
+        self.held_partition: Tag | None = None   # the previous one, until the last rank's gradients have moved
+        self.partition_micro = -1
         z = ctx.sc.zero
         # stage_1_and_2.py:300: `contiguous_gradients or self.cpu_offload`
         self.contiguous = z.contiguous_gradients or ctx.optimizer_offloaded
@@ -186,6 +221,14 @@ class Zero12Buckets(_Buckets):
                     self.accumulated.append(tag)
             else:
                 self._hold_until_reduced(pid, micro, after)
+        if self.contiguous and z.stage == 2:
+            # see [Note: autograd's gradient before the hook]
+            if self.numels[pid] > z.reduce_bucket_size:
+                self._hold_until_reduced(pid, micro, after)
+            else:
+                tag = Tag(Buffer.GRAD_FRESH, micro, pid)
+                self.ctx.b.add_alloc(after, Alloc(tag, Category.GRADIENTS, self.numels[pid] * self.ctx.param_bytes))
+                self.ctx.b.add_free(after, tag)
         if self.lazy_grads and z.stage == 1 and not self.walk_at_boundary and not self.nocg:
             # the boundary micro-step's hook copies the accumulated gradient into the IPG buffer
             self.ctx.b.add_free(after, Tag(Buffer.GRAD16, key=pid))
@@ -229,9 +272,9 @@ class Zero12Buckets(_Buckets):
                 # (stage_1_and_2.py allreduce_and_copy), freed once copied back
                 flat = Tag(Buffer.ALLREDUCE_FLAT, micro, f"{self.flushes}/{call}")
                 alloc = (Alloc(flat, Category.BUCKETS, numel * width),)
-            elif self.lazy_grads and not self.partition_live:
-                alloc = (Alloc(Tag(Buffer.GRAD_PARTITION), Category.GRADIENTS, self.partition * width),)
-                self.partition_live = True
+            elif self.lazy_grads and call == 0 and self._new_partition(micro):
+                held = grads_in_partition_numel(self.groups, self.numels)   # whole params, largest rank
+                alloc = (Alloc(self.partition_tag, Category.GRADIENTS, held * width),)
             # allreduce_bucket casts the flat bucket to communication_data_type (stage_1_and_2.py:2376)
             comm = Comm(collective, numel, numel * ctx.reduce_bytes, group=flat_group_process_group(ctx, self.groups[g]))
             last = self._reduce_op(micro, after, call, comm, dst, alloc, g)
@@ -240,6 +283,11 @@ class Zero12Buckets(_Buckets):
         if self.lazy_grads and ctx.sc.zero.stage == 1 and self.walk_at_boundary and not self.nocg:
             ctx.b.add_free(before, *[Tag(Buffer.GRAD16, key=pid) for pid in self.bucket])
         self.micro_flush = (micro, last)
+        if self.contiguous and self.lazy_grads:
+            self.moved[micro] = self.moved.get(micro, 0) + self._last_rank_count()
+            if self.held_partition is not None and self.moved[micro] == len(self.last_rank_pids):
+                ctx.b.add_free(last, self.held_partition)   # its last gradient has moved
+                self.held_partition = None
         if ctx.optimizer_offloaded:
             mine = [n for _, r, n in bucket_slices(self.bucket, self.groups, self.group_of, self.numels)
                     if r == 0]   # rank 0's slices (ranks are symmetric)
@@ -254,6 +302,23 @@ class Zero12Buckets(_Buckets):
             ctx.b.add_free(last, *self.pending)
             self.pending = []
         self.last_reduce = last
+
+    def _new_partition(self, micro: int) -> bool:
+        """Whether this flush's copies allocate a grads_in_partition: the step's first, or at
+        stage 2 a later micro-step's first flush holding the last rank's gradients, which then
+        holds the previous one until they have all moved (see [Note: a grads_in_partition per
+        backward])."""
+        if not self.partition_live:
+            self.partition_live, self.partition_micro = True, micro
+            return True
+        if self.ctx.sc.zero.stage != 2 or micro == self.partition_micro or not self._last_rank_count():
+            return False
+        self.held_partition = self.partition_tag
+        self.partition_tag, self.partition_micro = Tag(Buffer.GRAD_PARTITION, micro), micro
+        return True
+
+    def _last_rank_count(self) -> int:
+        return sum(1 for p in self.bucket if p in self.last_rank_pids)
 
     def _in_partition(self, pid: int) -> bool:
         """is_param_in_current_partition for rank 0 (ranks are symmetric): any slice is its."""

@@ -152,6 +152,7 @@ class Buffer(Enum):
     GATHER_FLAT = "agflat"           # a coalesced all-gather's flat output buffer (key: the gather op)
     GRAD16 = "grad16"                # a ZeRO-1 accumulated 16-bit .grad
     GRAD_PENDING = "grad"            # a ZeRO-2/3 .grad waiting for its bucket (contiguous_gradients false)
+    GRAD_FRESH = "grad/fresh"        # autograd's .grad until its hook copies it into the IPG buffer (contiguous_gradients)
     GRAD_KEPT = "grad/kept"          # a ZeRO-2 .grad of the rank's partition, held to the step (same)
     GRAD_ACCUM_COPY = "grad/acc"     # its fresh .grad beside the accumulator, from the second micro-step (same)
     COLLECTIVE_TEMP = "colltmp"      # the communication backend's own copy of a call's input (gloo)

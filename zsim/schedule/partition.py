@@ -3,6 +3,7 @@ simulator and for the training core that executes its schedule (calibration/core
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from dataclasses import dataclass
 
 # [Note: frozen parameters under ZeRO] A parameter with requires_grad=False is not an optimized
@@ -192,6 +193,39 @@ def pieces_in_partition(group: FlatGroup, numels: list[int], rank: int) -> int:
     averaged_gradients pieces)."""
     lo, hi = rank * group.partition, (rank + 1) * group.partition
     return sum(1 for p in group.pids if group.starts[p] < hi and group.starts[p] + numels[p] > lo)
+
+
+def in_rank_partition(group: FlatGroup, numels: list[int], pid: int, rank: int) -> bool:
+    """is_param_in_current_partition of `rank`: some element of `pid` is in its partition."""
+    lo, hi = rank * group.partition, (rank + 1) * group.partition
+    return group.starts[pid] < hi and group.starts[pid] + numels[pid] > lo
+
+
+def params_in_partition_numel(group: FlatGroup, numels: list[int], ranks=None) -> list[int]:
+    """ZeRO-1/2: per rank (all of the group's, or `ranks`), the elements of the params with
+    elements in its partition of a flat group, each param whole (a param straddling the
+    partition's edge counts in full on both ranks): the size of that rank's grads_in_partition,
+    which copy_grads_in_partition allocates as the sum of `param.numel()` over
+    params_in_partition (stage_1_and_2.py:2184-2194)."""
+    starts = [group.starts[p] for p in group.pids]     # registration order: increasing
+    ends = [s + numels[p] for s, p in zip(starts, group.pids)]
+    end = ends[-1] if ends else 0
+    out = []
+    for rank in range(group.ranks) if ranks is None else ranks:
+        lo, hi = rank * group.partition, min((rank + 1) * group.partition, end)
+        if lo >= hi:
+            out.append(0)    # the partition holds only the alignment padding
+            continue
+        # the params holding its first and its last element, and every one between
+        out.append(ends[bisect_right(starts, hi - 1) - 1] - starts[bisect_right(starts, lo) - 1])
+    return out
+
+
+def grads_in_partition_numel(groups: list[FlatGroup], numels: list[int]) -> int:
+    """Elements of the largest rank's grads_in_partition over every flat group (per group, its
+    largest rank's; one group without MoE). Ranks differ by the params straddling their edges,
+    and whether a run fits is decided by the rank that holds the most."""
+    return sum(max(params_in_partition_numel(g, numels), default=0) for g in groups)
 
 
 def grads_ready_at(wl) -> dict[str, tuple[int, ...]]:

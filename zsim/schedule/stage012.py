@@ -211,7 +211,7 @@ def optimizer_boundary(ctx: StepContext, hooks: Zero012Hooks, last: int) -> int:
                 buckets.release_stage1_grads(g, before, last[0])
         last = last[0]
         if buckets.partition_live:
-            ctx.b.add_free(last, Tag(Buffer.GRAD_PARTITION))
+            ctx.b.add_free(last, buckets.partition_tag, *((buckets.held_partition,) if buckets.held_partition else ()))
         if buckets.nocg:
             buckets.release_kept(last)
     # all_gather_dp_groups: one all-gather of each whole flat 16-bit group over its own group
