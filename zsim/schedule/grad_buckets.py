@@ -221,17 +221,23 @@ class Zero12Buckets(_Buckets):
                     self.accumulated.append(tag)
             else:
                 self._hold_until_reduced(pid, micro, after)
-        if self.contiguous and z.stage == 2:
-            # see [Note: autograd's gradient before the hook]
-            if self.numels[pid] > z.reduce_bucket_size:
-                self._hold_until_reduced(pid, micro, after)
-            else:
-                tag = Tag(Buffer.GRAD_FRESH, micro, pid)
-                self.ctx.b.add_alloc(after, Alloc(tag, Category.GRADIENTS, self.numels[pid] * self.ctx.param_bytes))
-                self.ctx.b.add_free(after, tag)
+        if self.contiguous and z.stage == 2 and self.numels[pid] > z.reduce_bucket_size:
+            # see [Note: autograd's gradient before the hook]: it bypasses the IPG buffer
+            self._hold_until_reduced(pid, micro, after)
         if self.lazy_grads and z.stage == 1 and not self.walk_at_boundary and not self.nocg:
             # the boundary micro-step's hook copies the accumulated gradient into the IPG buffer
             self.ctx.b.add_free(after, Tag(Buffer.GRAD16, key=pid))
+
+    def fresh_grads(self, module: str, pids, micro: int, op: int):
+        """See [Note: autograd's gradient before the hook]: the .grads of `pids` that op `op`
+        (`module`'s backward) makes, alive for the op, one allocation (those over
+        reduce_bucket_size wait for their reduction instead, _on_add)."""
+        rbs = self.ctx.sc.zero.reduce_bucket_size
+        numel = sum(self.numels[p] for p in pids if self.numels[p] <= rbs)
+        if numel:
+            tag = Tag(Buffer.GRAD_FRESH, micro, module)
+            self.ctx.b.add_alloc(op, Alloc(tag, Category.GRADIENTS, numel * self.ctx.param_bytes))
+            self.ctx.b.add_free(op, tag)
 
     def _calls(self) -> list[tuple[Collective, int, int, int]]:
         """(collective, destination rank in the group or -1, elements, flat group) of the current

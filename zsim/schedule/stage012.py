@@ -85,6 +85,8 @@ class Zero012Hooks(StageHooks):
             ctx.b.add_grad_hooks(op, len(ready))
         if not self.reduce_in_hooks or (self.stage == 1 and micro != ctx.last_micro):
             return
+        if self.stage == 2 and self.buckets.contiguous:
+            self.buckets.fresh_grads(module.name, ready, micro, op)
         # see [Note: gradient hook order]
         for pid in reversed(ready):
             self.buckets.add(pid, micro, op)
