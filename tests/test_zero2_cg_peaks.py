@@ -6,7 +6,7 @@ import statistics
 
 from tests.helpers import measured_cases, peak_error, scenario
 from zsim.schedule.build import build_schedule
-from zsim.schedule.ir import Buffer
+from zsim.schedule.ir import Buffer, OpKind
 from zsim.schedule.partition import flat_group, in_rank_partition, params_in_partition_numel
 
 Z = "deepspeed.zero_optimization."
@@ -62,8 +62,12 @@ def test_fresh_gradient_lives_for_its_backward_op():
     wl, sched = build_schedule(sc)
     fresh = [(op, a) for op in sched.ops for a in op.alloc if a.tag.buffer == Buffer.GRAD_FRESH]
     assert fresh
+    freed_by = {t: op for op in sched.ops for t in op.free}
     for op, a in fresh:
-        assert a.tag in op.free                      # freed when the op ends (the hook copied it)
+        # freed when the op ends (its hook copied it), or when the reduction its hook ran ends
+        # (see [Note: a reduction inside the hook])
+        end = freed_by[a.tag]
+        assert end is op or (end.kind == OpKind.BUCKET_REDUCE and op.id in end.deps)
         module = next(m for m in wl.modules if m.name == op.payload.module)
         assert a.tag.key == module.name
         assert a.size_bytes == sum(wl.params[p].numel for p in module.params) * 2   # bf16 .grads
@@ -78,3 +82,16 @@ def test_gradient_over_the_bucket_waits_for_its_reduction():
     held = [a.tag.key for op in sched.ops for a in op.alloc if a.tag.buffer == Buffer.GRAD_PENDING]
     fresh = [a.tag.key for op in sched.ops for a in op.alloc if a.tag.buffer == Buffer.GRAD_FRESH]
     assert set(held) == large and not large & set(fresh)
+
+
+def test_a_reduction_run_by_a_hook_holds_the_module_backward_tensors():
+    """See [Note: a reduction inside the hook]: without overlap_comm the reduction a gradient
+    hook runs ends before the module's input gradient and fresh .grads are freed; with it (a GPU's
+    reduction stream) they are freed when the module's backward ends."""
+    def held(overlap):
+        _, sched = build_schedule(scenario(**{f"{Z}stage": 2, f"{Z}reduce_bucket_size": 5e5,
+                                              f"{Z}overlap_comm": overlap}))
+        return [t.buffer for op in sched.ops if op.kind == OpKind.BUCKET_REDUCE for t in op.free
+                if t.buffer in (Buffer.WORKSPACE, Buffer.GRAD_FRESH)]
+    assert Buffer.WORKSPACE in held(False) and Buffer.GRAD_FRESH in held(False)
+    assert held(True) == []

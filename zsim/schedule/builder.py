@@ -54,6 +54,14 @@ class Builder:
             d.free = []
         d.free.extend(tags)
 
+    def move_frees(self, src: int, dst: int, buffers):
+        """The frees of op `src` whose tag is one of `buffers` happen when op `dst` ends instead."""
+        d = self._ops[src]
+        moved = [t for t in d.free if t.buffer in buffers]
+        if moved:
+            d.free = [t for t in d.free if t.buffer not in buffers]
+            self.add_free(dst, *moved)
+
     def add_free_before(self, op_id: int, *tags: Tag):
         """`tags` are freed when the op starts, before it allocates (a pre-forward hook's wait)."""
         d = self._ops[op_id]

@@ -75,9 +75,17 @@ its first copy of the second micro-step with two 8,418,304-byte buffers (2,104,5
 the partition is 1,858,304); rank 0's are 1,874,176 elements. The 23 ZeRO-2 cases with
 contiguous gradients DeepSpeed ran in the eight random seeds
 (tests/fixtures/measured/zero2_cg_peaks.json): -0.1% to -12.7% before both notes, -1.8% to
-+2.2% after. What is left: a reduction triggered by a hook runs while the module's backward
-tensors (its input and weight gradients, the incoming gradient) are alive, and zsim's reduction
-op starts after the module's backward ends.
++2.2% after (see [Note: a reduction inside the hook] for the next step).
+
+[Note: a reduction inside the hook] A bucket is reduced inside the gradient hook of the param
+that overflows it (reduce_independent_p_g_buckets_and_remove_grads -> reduce_ipg_grads), while
+the module whose backward made that gradient still holds its input gradient and its fresh
+.grads: what the reduction allocates (a new grads_in_partition, a flat copy) comes on top of
+them. When the host waits for the reduction (reductions on the compute stream, or a device with
+one stream, as a CPU rank) they are freed when its first call ends; with a GPU's reduction stream
+the hook returns once the call is queued, and they go when the module's backward ends, as before.
+The 23 ZeRO-2 cases of zero2_cg_peaks.json: the four with 5e5-element buckets -1.1..-1.8% ->
+-0.4..+1.0%; 21 of 23 within 0.4%.
 
 [Note: gloo reduce-scatter copy] gloo has no native reduce-scatter: ProcessGroupGloo's
 reduce_scatter_tensor works on a copy of its whole input, alive for the call (measured on torch
@@ -95,7 +103,7 @@ from __future__ import annotations
 
 from zsim.schedule import offload
 from zsim.schedule.context import StepContext
-from zsim.schedule.ir import Alloc, Buffer, Category, Collective, OpKind, Phase, Tag
+from zsim.schedule.ir import Alloc, Buffer, Category, Collective, OpKind, Phase, Stream, Tag
 from zsim.schedule.payloads import Comm, GradReduce
 from zsim.schedule.moe import flat_group_process_group, moe_param_groups
 from zsim.schedule.partition import (bucket_slices, call_sizes, grads_in_partition_numel, in_rank_partition, padded,
@@ -114,6 +122,7 @@ class _Buckets:
         self.last_reduce: int | None = None
         self.last_d2h: int | None = None
         self.pending: list[Tag] = []   # .grads held until the current bucket's reduction
+        self.holds_triggering_tensors = False
 
     def _hold_until_reduced(self, pid: int, micro: int, after: int):
         """Without contiguous_gradients autograd's .grad is memory of its own until its bucket
@@ -126,7 +135,11 @@ class _Buckets:
         """A gradient hook after op `after` puts `pid` into the bucket."""
         numel = self.numels[pid]
         if self.bucket_numel + numel > self.ctx.sc.zero.reduce_bucket_size:
+            first = self.ctx.b.next_id
             self.flush(micro, after)
+            if self.holds_triggering_tensors and self.ctx.b.next_id > first:
+                # see [Note: a reduction inside the hook]
+                self.ctx.b.move_frees(after, first, (Buffer.WORKSPACE, Buffer.GRAD_FRESH))
         self._on_add(pid, micro, after)
         self.ctx.b.add_bucketed(after, pid)
         self.bucket.append(pid)
@@ -171,6 +184,9 @@ class Zero12Buckets(_Buckets):
         self.lazy_grads = lazy_grads
         self.walk_at_boundary = walk_at_boundary     # ZeRO-1 without overlap_comm: reduce_gradients
         self.partition_live = False
+        # a reduction the host waits for: on the compute stream, or a device with one stream
+        self.holds_triggering_tensors = (ctx.grad_stream == Stream.COMPUTE
+                                         or not ctx.sc.cluster.profile.gpu.concurrent_streams)
         self.partition_tag = Tag(Buffer.GRAD_PARTITION)   # the live grads_in_partition
         # see [Note: a grads_in_partition per backward]: the last rank's partition, whose gradients come first
         self.last_rank_pids = frozenset(p for g in self.groups for p in g.pids
