@@ -191,7 +191,7 @@ class Zero12Buckets(_Buckets):
         # see [Note: a grads_in_partition per backward]: the last rank's partition, whose gradients come first
         self.last_rank_pids = frozenset(p for g in self.groups for p in g.pids
                                         if in_rank_partition(g, self.numels, p, g.ranks - 1))
-        self.moved: dict[int, int] = {}   # micro-step -> its last rank's gradients copied so far
+        self.moved = 0   # the last rank's gradients copied since the held one was replaced
         self.held_partition: Tag | None = None   # the previous one, until the last rank's gradients have moved
         self.partition_micro = -1
         z = ctx.sc.zero
@@ -282,6 +282,7 @@ class Zero12Buckets(_Buckets):
     def _flush(self, micro: int, after: int):
         ctx, width = self.ctx, self.ctx.param_bytes
         rbs = ctx.sc.zero.reduce_bucket_size
+        last_rank = sum(1 for p in self.bucket if p in self.last_rank_pids)   # its gradients in this bucket
         self.fills.setdefault(micro, []).append(sum(n for n in map(self.numels.__getitem__, self.bucket) if n <= rbs))
         # the boundary walk's previous reduction (or the op the walk starts after): the bucket's
         # gradients were copied into the IPG buffer before this one starts
@@ -294,7 +295,7 @@ class Zero12Buckets(_Buckets):
                 # (stage_1_and_2.py allreduce_and_copy), freed once copied back
                 flat = Tag(Buffer.ALLREDUCE_FLAT, micro, f"{self.flushes}/{call}")
                 alloc = (Alloc(flat, Category.BUCKETS, numel * width),)
-            elif self.lazy_grads and call == 0 and self._new_partition(micro):
+            elif self.lazy_grads and call == 0 and self._new_partition(micro, last_rank):
                 held = grads_in_partition_numel(self.groups, self.numels)   # whole params, largest rank
                 alloc = (Alloc(self.partition_tag, Category.GRADIENTS, held * width),)
             # allreduce_bucket casts the flat bucket to communication_data_type (stage_1_and_2.py:2376)
@@ -305,9 +306,9 @@ class Zero12Buckets(_Buckets):
         if self.lazy_grads and ctx.sc.zero.stage == 1 and self.walk_at_boundary and not self.nocg:
             ctx.b.add_free(before, *[Tag(Buffer.GRAD16, key=pid) for pid in self.bucket])
         self.micro_flush = (micro, last)
-        if self.contiguous and self.lazy_grads:
-            self.moved[micro] = self.moved.get(micro, 0) + self._last_rank_count()
-            if self.held_partition is not None and self.moved[micro] == len(self.last_rank_pids):
+        if self.held_partition is not None:
+            self.moved += last_rank
+            if self.moved == len(self.last_rank_pids):
                 ctx.b.add_free(last, self.held_partition)   # its last gradient has moved
                 self.held_partition = None
         if ctx.optimizer_offloaded:
@@ -325,7 +326,7 @@ class Zero12Buckets(_Buckets):
             self.pending = []
         self.last_reduce = last
 
-    def _new_partition(self, micro: int) -> bool:
+    def _new_partition(self, micro: int, last_rank: int) -> bool:
         """Whether this flush's copies allocate a grads_in_partition: the step's first, or at
         stage 2 a later micro-step's first flush holding the last rank's gradients, which then
         holds the previous one until they have all moved (see [Note: a grads_in_partition per
@@ -333,14 +334,11 @@ class Zero12Buckets(_Buckets):
         if not self.partition_live:
             self.partition_live, self.partition_micro = True, micro
             return True
-        if self.ctx.sc.zero.stage != 2 or micro == self.partition_micro or not self._last_rank_count():
+        if self.ctx.sc.zero.stage != 2 or micro == self.partition_micro or not last_rank:
             return False
-        self.held_partition = self.partition_tag
+        self.held_partition, self.moved = self.partition_tag, 0
         self.partition_tag, self.partition_micro = Tag(Buffer.GRAD_PARTITION, micro), micro
         return True
-
-    def _last_rank_count(self) -> int:
-        return sum(1 for p in self.bucket if p in self.last_rank_pids)
 
     def _in_partition(self, pid: int) -> bool:
         """is_param_in_current_partition for rank 0 (ranks are symmetric): any slice is its."""

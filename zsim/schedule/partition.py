@@ -188,17 +188,16 @@ def call_sizes(sizes: list[int], bucket_size: float) -> list[int]:
     return calls
 
 
-def pieces_in_partition(group: FlatGroup, numels: list[int], rank: int) -> int:
-    """ZeRO-1/2: params with elements in `rank`'s partition of a flat group (its
-    averaged_gradients pieces)."""
-    lo, hi = rank * group.partition, (rank + 1) * group.partition
-    return sum(1 for p in group.pids if group.starts[p] < hi and group.starts[p] + numels[p] > lo)
-
-
 def in_rank_partition(group: FlatGroup, numels: list[int], pid: int, rank: int) -> bool:
     """is_param_in_current_partition of `rank`: some element of `pid` is in its partition."""
     lo, hi = rank * group.partition, (rank + 1) * group.partition
     return group.starts[pid] < hi and group.starts[pid] + numels[pid] > lo
+
+
+def pieces_in_partition(group: FlatGroup, numels: list[int], rank: int) -> int:
+    """ZeRO-1/2: params with elements in `rank`'s partition of a flat group (its
+    averaged_gradients pieces)."""
+    return sum(1 for p in group.pids if in_rank_partition(group, numels, p, rank))
 
 
 def params_in_partition_numel(group: FlatGroup, numels: list[int], ranks=None) -> list[int]:
