@@ -8,6 +8,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.helpers import ROOT, mapping, scenario
 from zsim.api import run_scenario
@@ -43,6 +45,43 @@ def test_partition_rules_are_deepspeeds():
         assert partition_balanced(weights, parts) == expected
     for items, parts, expected in FIXTURE["partition_uniform"]:
         assert partition_uniform(items, parts) == expected
+
+
+def _deepspeed_partition_balanced(weights, num_parts):
+    """runtime/utils.py partition_balanced, loop for loop (the reference zsim's array form must equal)."""
+    n, m = len(weights), num_parts
+    if n <= m:
+        return partition_uniform(n, m)
+    inf = float("inf")
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    dp_max = [[inf] * (m + 1) for _ in range(n + 1)]
+    dp_min = [[inf] * (m + 1) for _ in range(n + 1)]
+    dp_cost = [[inf] * (m + 1) for _ in range(n + 1)]
+    position = [[0] * (m + 1) for _ in range(n + 1)]
+    dp_max[0][0] = dp_cost[0][0] = 0.0
+    for i in range(1, n + 1):
+        for j in range(1, min(i, m) + 1):
+            for k in range(i):
+                part = prefix[i] - prefix[k]
+                max_sum = max(dp_max[k][j - 1], part)
+                min_sum = min(dp_min[k][j - 1], part)
+                cost = max_sum - min_sum
+                if dp_cost[i][j] >= cost:
+                    dp_cost[i][j], dp_max[i][j], dp_min[i][j], position[i][j] = cost, max_sum, min_sum, k
+    parts = [n]
+    for j in reversed(range(1, m + 1)):
+        parts.append(position[parts[-1]][j])
+    return parts[::-1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.sampled_from([0, 1, 5, 12, 100, 12582912, 1.8e9]),
+                          st.floats(0, 1e10, allow_nan=False)), min_size=1, max_size=40),
+       st.integers(1, 18))
+def test_partition_balanced_equals_deepspeeds_loops(weights, parts):
+    assert partition_balanced(weights, parts) == _deepspeed_partition_balanced(weights, parts)
 
 
 def test_1f1b_micro_batches_in_order():

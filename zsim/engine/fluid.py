@@ -74,18 +74,20 @@ class Clock:
             return
 
 
-def _link_facts(links: tuple[str, ...]) -> tuple[bool, int, tuple[int, ...]]:
-    """(compute job?, its rank, the ranks whose SMs an NCCL kernel of it occupies)."""
+def _link_facts(links: tuple[str, ...]) -> tuple[bool, int, tuple[int, ...], tuple[int, ...]]:
+    """(compute job?, its rank, the ranks whose SMs an NCCL kernel of it occupies, every rank
+    whose links it crosses)."""
     compute = len(links) == 1 and base_link(links[0]) == "compute"
-    return compute, link_rank(links[0]), tuple(sorted({link_rank(x) for x in links if base_link(x) in COMM_LINKS}))
+    return (compute, link_rank(links[0]), tuple(sorted({link_rank(x) for x in links if base_link(x) in COMM_LINKS})),
+            tuple(sorted({link_rank(x) for x in links})))
 
 
 class _Job:
-    __slots__ = ("resume", "links", "compute", "nccl", "rank", "seq", "rate", "left_s", "since_s", "version")
+    __slots__ = ("resume", "links", "compute", "nccl", "rank", "ranks", "seq", "rate", "left_s", "since_s", "version")
 
     def __init__(self, resume, links: tuple[str, ...], facts, seq: int, work_s: float, now: float):
         self.resume, self.links = resume, links
-        self.compute, self.rank, self.nccl = facts
+        self.compute, self.rank, self.nccl, self.ranks = facts
         self.seq, self.left_s, self.since_s = seq, work_s, now
         self.rate, self.version = 1.0, 0
 
@@ -116,6 +118,7 @@ class Fluid:
         self.heap: list = []                     # (end_s, seq, version, job); stale entries skipped
         self.timer: Event | None = None          # the live timer, not yet due; earlier ones are stale
         self.facts: dict[tuple[str, ...], tuple] = {}
+        self.touching: dict[int, int] = {}       # per rank (pipeline stage): jobs crossing its links
 
     def is_compute(self, links: tuple[str, ...]) -> bool:
         facts = self.facts.get(links)
@@ -139,6 +142,9 @@ class Fluid:
         self.seq += 1
         job = _Job(resume, links, facts, self.seq, work_s, now + delay_s)
         toggled = []
+        touching = self.touching
+        for rank in job.ranks:
+            touching[rank] = touching.get(rank, 0) + 1
         nccl = self.nccl_jobs
         for rank in job.nccl:
             n = nccl.get(rank, 0)
@@ -247,8 +253,11 @@ class Fluid:
             count, nccl, soon = self.count, self.nccl_jobs, self.clock.soon
             toggled: list[int] = []
             links: dict[str, None] = {}
+            touching = self.touching
             for job in done:
                 job.left_s = None     # gone: its heap entries are stale
+                for rank in job.ranks:
+                    touching[rank] -= 1
                 for link in job.links:
                     count[link] -= 1
                 if job.compute:

@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from zsim.engine.fluid import Clock, Fluid
 from zsim.engine.ledger import Ledger, peak_and_breakdown, timeline
+from zsim.engine.pass_replay import Block, Recording, ReplayConflict, Template, find_blocks, finish
 from zsim.hardware.cost_model import COMPUTE, CostModel
+from zsim.hardware.placement import link_rank
 from zsim.schedule.ir import Op, Schedule, Stream, STREAMS, Tag
 
 if TYPE_CHECKING:   # layer_repeat.py builds on this module
@@ -152,11 +154,12 @@ class _StreamRun:
     """One stream of one stage: its ops in FIFO order, each waiting for its deps, then its
     fixed time, then its work. A state machine driven by callbacks (rather than a simpy process:
     the same instants in the same order, without a generator and its events)."""
-    __slots__ = ("ops", "i", "waited", "start_s", "cost", "ledger", "engine")
+    __slots__ = ("ops", "i", "waited", "start_s", "cost", "ledger", "engine", "replaying")
 
     def __init__(self, ops: list[Op], ledger: Ledger, engine: "_Engine"):
         self.ops, self.ledger, self.engine = ops, ledger, engine
         self.i, self.waited, self.start_s, self.cost = 0, 0, 0.0, None
+        self.replaying: Recording | None = None
 
     def run(self, _event=None):
         """Run ops until one has to wait; `waited` says how far the current op got (0: its deps,
@@ -165,20 +168,28 @@ class _StreamRun:
         ops, done, clock = self.ops, eng.done, eng.clock
         env = clock.env
         ledger = self.ledger
+        replayed, firsts = eng.replayed, eng.firsts
         while self.i < len(ops):
             op = ops[self.i]
             if self.waited == 0:
+                if replayed[op.id]:     # its pass was replayed (see [Note: pipeline pass replay])
+                    self.i += 1
+                    continue
                 for d in op.deps:
                     waiters = done[d].waiters
                     if waiters is not None:     # not signalled yet
                         waiters.append(self.run)
                         return
+                if firsts and op.id in firsts and eng.begin(firsts[op.id], self):
+                    return                      # a timer stands for the pass
                 self.start_s = start = env.now
                 for tag in op.free_before:
                     ledger.free(start, tag)
                 for a in op.alloc:
                     ledger.alloc(start, a)
                 self.cost = c = eng.op_cost(op)
+                if eng.active:
+                    eng.watch_start(op, c.links, start)
                 self.waited = 1
                 if c.fixed_s > 0:
                     if c.work_s > 0 and eng.fluid.is_compute(c.links):
@@ -198,18 +209,58 @@ class _StreamRun:
             for tag in op.free:
                 ledger.free(end, tag)
             eng.timings[op.id] = OpTiming(op.id, self.start_s, end)
+            if eng.active:
+                eng.watch_end(op, end)
             d = done[op.id]
             if d is not None:
                 clock.soon(d.signal)
             self.waited = 0
             self.i += 1
 
+    def replayed(self, _event):
+        """The end of a replayed pass: its ops' times and memory effects as recorded, from its
+        start; the stage's streams past its ops; its ends signalled in the recorded order."""
+        rec, self.replaying = self.replaying, None
+        eng, ledger = self.engine, self.ledger
+        block, tpl, t0 = rec.block, rec.template, rec.t0
+        del eng.active[block.stage]
+        ops = block.ops
+        for is_end, j, off in tpl.effects:
+            op = ops[j]
+            if is_end:
+                for tag in op.free:
+                    ledger.free(t0 + off, tag)
+            else:
+                for tag in op.free_before:
+                    ledger.free(t0 + off, tag)
+                for a in op.alloc:
+                    ledger.alloc(t0 + off, a)
+        timings = eng.timings
+        for op, s, e in zip(ops, tpl.starts, tpl.ends):
+            timings[op.id] = OpTiming(op.id, t0 + s, t0 + e)
+        replayed = eng.replayed
+        for other in eng.stage_runs[block.stage]:
+            while other.i < len(other.ops) and replayed[other.ops[other.i].id]:
+                other.i += 1
+        done, soon, outside = eng.done, eng.clock.soon, block.awaited_ids
+        for j in tpl.signals:
+            x = ops[j].id
+            d = done[x]
+            if d is not None:
+                if d.waiters or x in outside:
+                    soon(d.signal)
+                else:       # awaited only inside the pass, by nobody now: no callback needed
+                    d.waiters = None
+        self.waited = 0
+        self.run()
+
 
 class _Engine:
     """What the streams share: the clock, the processor-sharing model, the cost model, the
-    ends of the ops others wait for and every op's timing."""
+    ends of the ops others wait for and every op's timing; and the passes recorded and replayed
+    (see [Note: pipeline pass replay])."""
 
-    def __init__(self, schedule: Schedule, cluster, precision: str):
+    def __init__(self, schedule: Schedule, cluster, precision: str, replay: bool):
         cost = CostModel(cluster, precision, schedule.stage, schedule.host, schedule.pipeline, schedule.tensor)
         self.clock = Clock()
         self.fluid = Fluid(self.clock, cost.compute_slowdown)
@@ -220,12 +271,100 @@ class _Engine:
         # only be another pass of the loop)
         awaited = {d for op in schedule.ops for d in op.deps}
         self.done = [_Done() if i in awaited else None for i in range(n)]
+        self.replayed = [False] * n
+        self.firsts: dict[int, Block] = {}
+        self.active: dict[int, Recording] = {}          # stage -> its pass being recorded or replayed
+        self.templates: dict[tuple, Template] = {}
+        self.stage_runs: dict[int, list[_StreamRun]] = {}
+        self.touched: dict[tuple, tuple[int, ...]] = {}
+        self.block_of: list[int] = []
+        if replay:
+            serial = not cluster.profile.gpu.concurrent_streams
+            blocks, self.block_of = find_blocks(schedule, serial)
+            self.firsts = {b.first_id: b for b in blocks}
+
+    def begin(self, block: Block, run: _StreamRun) -> bool:
+        """At the first op of `block`: replay it (True) when a pass of its shape was recorded,
+        else record it; neither unless it starts isolated (see [Note: pipeline pass replay])."""
+        s = block.stage
+        if s in self.active or self.fluid.touching.get(s):
+            return False
+        for other in self.stage_runs[s]:
+            if other is not run and other.i < len(other.ops) and (other.waited or other.ops[other.i].id < block.first_id):
+                return False
+        timings = self.timings
+        if any(timings[d] is None for d in block.external):
+            return False
+        now = self.clock.env.now
+        tpl = self.templates.get(block.key)
+        if tpl is None:
+            self.active[s] = Recording(block, False, now)
+            return False
+        self.active[s] = run.replaying = Recording(block, True, now, tpl)
+        replayed = self.replayed
+        for op in block.ops:
+            replayed[op.id] = True
+        self.clock.after(tpl.duration_s, run.replayed)
+        return True
+
+    def _ranks(self, links: tuple[str, ...], stage: int) -> tuple[int, ...]:
+        key = (links, stage)
+        ranks = self.touched.get(key)
+        if ranks is None:
+            ranks = self.touched[key] = tuple(sorted({stage} | {link_rank(x) for x in links}))
+        return ranks
+
+    def watch_start(self, op: Op, links: tuple[str, ...], start_s: float):
+        """An op starts while passes are recorded or replayed: one from outside a pass that
+        touches its stage spoils the recording or ends the replay (ReplayConflict)."""
+        bi = self.block_of[op.id]
+        active = self.active
+        ranks = self._ranks(links, op.stage)
+        for r in ranks:
+            rec = active.get(r)
+            if rec is not None and rec.block.index != bi:
+                if rec.replay:
+                    raise ReplayConflict(f"stage {r}: op {op.id} touched it during a replayed pass")
+                rec.spoiled = True
+        rec = active.get(op.stage)
+        if rec is not None and rec.block.index == bi:
+            if ranks != (op.stage,):
+                rec.spoiled = True      # the pass itself reaches another stage's rank
+            j = rec.block.pos[op.id]
+            rec.starts[j] = start_s
+            rec.effects.append((False, j, start_s))
+
+    def watch_end(self, op: Op, end_s: float):
+        rec = self.active.get(op.stage)
+        if rec is None or rec.replay or rec.block.index != self.block_of[op.id]:
+            return
+        j = rec.block.pos[op.id]
+        rec.ends[j] = end_s
+        rec.effects.append((True, j, end_s))
+        rec.ended += 1
+        if rec.ended == len(rec.block.ops):
+            del self.active[op.stage]
+            tpl = finish(rec, end_s)
+            if tpl is not None:
+                self.templates[rec.block.key] = tpl
 
 
 def run_ops(schedule: Schedule, cluster, precision: str) -> tuple[list[OpTiming], list[Ledger]]:
     """Simulate every op of `schedule`: their timings and, per pipeline stage, the ledger of
-    their memory effects."""
-    eng = _Engine(schedule, cluster, precision)
+    their memory effects. A 1F1B pipeline's passes are replayed once recorded (see [Note:
+    pipeline pass replay]); should a replayed pass turn out not to be isolated, the step is
+    simulated again without replay."""
+    replay = schedule.pipeline is not None and schedule.pipeline.virtual_stages == 1
+    if replay:
+        try:
+            return _run_ops(schedule, cluster, precision, True)
+        except ReplayConflict:
+            pass
+    return _run_ops(schedule, cluster, precision, False)
+
+
+def _run_ops(schedule: Schedule, cluster, precision: str, replay: bool) -> tuple[list[OpTiming], list[Ledger]]:
+    eng = _Engine(schedule, cluster, precision, replay)
     ledgers = [Ledger() for _ in range(schedule.stages)]
     for stage, ledger in enumerate(ledgers):
         for a in schedule.static_of(stage):
@@ -239,7 +378,10 @@ def run_ops(schedule: Schedule, cluster, precision: str) -> tuple[list[OpTiming]
     for stage in range(schedule.stages):
         for stream in STREAMS:
             if by_stream.get((stage, stream)):
-                _StreamRun(by_stream[(stage, stream)], ledgers[stage], eng).run()
+                eng.stage_runs.setdefault(stage, []).append(_StreamRun(by_stream[(stage, stream)], ledgers[stage], eng))
+    for stage in range(schedule.stages):
+        for run in eng.stage_runs.get(stage, ()):
+            run.run()
     eng.clock.run()
     timings = eng.timings
     missing = [op.name for op, t in zip(schedule.ops, timings) if t is None]

@@ -9,8 +9,7 @@ from zsim.schedule import interleaved, offload, pipeline, stage3, stage012
 from zsim.schedule.builder import Builder
 from zsim.schedule.context import StepContext
 from zsim.schedule.ir import Schedule
-from zsim.schedule.moe import TokenExchanges
-from zsim.schedule.tensor import TensorCollectives
+from zsim.schedule.passes import exchanges
 from zsim.workload.lora import apply_training
 from zsim.workload.module import DTYPE_BYTES, Workload
 from zsim.workload.transformer import build_workload
@@ -50,17 +49,19 @@ def with_micro_steps(sc: Scenario, micro_steps: int) -> Scenario:
     return replace(sc, deepspeed=ds)
 
 
-def build_schedule(sc: Scenario, wl: Workload | None = None,
-                   micro_steps: int | None = None) -> tuple[Workload, Schedule]:
+def build_schedule(sc: Scenario, wl: Workload | None = None, micro_steps: int | None = None,
+                   templates: bool = True) -> tuple[Workload, Schedule]:
     """The step's schedule; `micro_steps` builds it with that many micro-steps instead of
-    the scenario's gradient accumulation steps (the steady-state engine's shortened step)."""
+    the scenario's gradient accumulation steps (the steady-state engine's shortened step);
+    `templates=False` builds every pass instead of copying stationary ones (see [Note: pass
+    templates]; the same ops either way)."""
     wl = wl or workload_for(sc)
     if micro_steps is not None:
         sc = with_micro_steps(sc, micro_steps)
     # every ZeRO collective of a stage runs over its data-parallel group (of its tensor-parallel rank)
     ctx = StepContext(sc=sc, wl=wl, b=Builder(), param_bytes=DTYPE_BYTES[sc.precision], world=sc.data_parallel_size,
-                      reduce_bytes=DTYPE_BYTES[sc.deepspeed.reduction_dtype])
-    ctx.exchanges = (TokenExchanges(ctx), TensorCollectives(ctx))
+                      reduce_bytes=DTYPE_BYTES[sc.deepspeed.reduction_dtype], pass_templates={} if templates else None)
+    ctx.exchanges = exchanges(ctx)
     tp = sc.tensor_parallel_size
     if sc.pipeline_stages > 1:
         chunks = sc.parallelism.virtual_stages

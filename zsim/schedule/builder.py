@@ -1,6 +1,7 @@
 """Builds a Schedule in program order. Ops stay mutable drafts until `build` freezes them, so
 hooks can attach frees, allocations and host-side effects to an op added earlier without
-copying it."""
+copying it. A pass whose hooks are stationary is added once and copied for the other
+micro-steps (see [Note: pass templates])."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,6 +22,16 @@ class _Draft:
         self.deps, self.alloc, self.free, self.free_before = deps, alloc, (), ()
         self.hook_visits = self.grad_hooks = self.host_views = 0
         self.bucketed = ()
+
+
+class PassTemplate:
+    """The ops one pass added, relative to its first op and micro-step: per op its fields, its
+    deps as positions in the pass (-1: the op the pass ran after) and its tags as indices into
+    `tags`, each (buffer, key, phase) of the pass's micro-step or a tag of no micro-step."""
+    __slots__ = ("ops", "last", "tags")
+
+    def __init__(self, ops: list[tuple], last: int, tags: list):
+        self.ops, self.last, self.tags = ops, last, tags
 
 
 class Builder:
@@ -104,6 +115,61 @@ class Builder:
     def host_alloc(self, category: str, size_bytes: float):
         if size_bytes > 0:
             self._host_static.setdefault(self.stage, []).append(Alloc(Tag(Buffer.STATE, key=category), category, float(size_bytes)))
+
+    def pass_template(self, first: int, micro: int, after: int | None, last: int) -> PassTemplate | None:
+        """The ops added since `first` by a pass at `micro` that ran after op `after` and ended
+        with op `last`, as a template; None when they cannot be copied to another micro-step (an
+        op of another stage, a wait on an op before the pass other than `after`, a tag of
+        another micro-step)."""
+        drafts = self._ops[first:]
+        if not drafts or not first <= last < len(self._ops):
+            return None
+        index: dict = {}
+        tags: list = []
+
+        def ref(tag: Tag) -> int | None:
+            if tag.micro == micro:
+                k = (id(tag.buffer), tag.key, tag.phase)   # an Enum hashes in Python
+                spec = (tag.buffer, tag.key, tag.phase)
+            elif tag.micro == -1:
+                k = spec = tag
+            else:
+                return None
+            i = index.get(k)
+            if i is None:
+                i = index[k] = len(tags)
+                tags.append(spec)
+            return i
+
+        ops = []
+        for d in drafts:
+            if d.stage != self.stage or d.micro != micro or any(x < first and x != after for x in d.deps):
+                return None
+            refs = [tuple(ref(t) for t in tags_) for tags_ in ([a.tag for a in d.alloc], d.free, d.free_before)]
+            if any(None in r for r in refs):
+                return None
+            alloc = tuple((i, a.category, a.size_bytes, a.touched_bytes) for i, a in zip(refs[0], d.alloc))
+            ops.append((d.kind, d.stream, d.phase, d.payload, tuple(x - first if x >= first else -1 for x in d.deps),
+                        alloc, refs[1], refs[2], d.hook_visits, d.grad_hooks, d.host_views, tuple(d.bucketed)))
+        return PassTemplate(ops, last - first, tags)
+
+    def replay_pass(self, tpl: PassTemplate, micro: int, after: int | None) -> int:
+        """Add `tpl`'s ops at `micro`, after op `after`; returns its last op's id."""
+        base, stage, out = len(self._ops), self.stage, self._ops
+        tags = [spec if type(spec) is Tag else Tag(spec[0], micro, spec[1], spec[2]) for spec in tpl.tags]
+        for kind, stream, phase, payload, rel, alloc, free, free_before, visits, hooks, views, bucketed in tpl.ops:
+            deps = tuple([after if x < 0 else base + x for x in rel]) if rel else ()
+            allocs = tuple([Alloc(tags[i], category, size, touched) for i, category, size, touched in alloc]) if alloc else ()
+            d = _Draft(kind, stream, phase, micro, payload, deps, allocs, stage)
+            if free:
+                d.free = [tags[i] for i in free]
+            if free_before:
+                d.free_before = [tags[i] for i in free_before]
+            d.hook_visits, d.grad_hooks, d.host_views = visits, hooks, views
+            if bucketed:
+                d.bucketed = list(bucketed)
+            out.append(d)
+        return base + tpl.last
 
     def build(self, stage: int, world_size: int, host: HostSettings,
               stage_layers: tuple[tuple[int, int], ...] = (), tensor: int = 1, virtual_stages: int = 1) -> Schedule:

@@ -24,12 +24,14 @@ class StepContext:
     exchanges: tuple = ()
     # (id of a module, backward?) -> its pass's payload (passes.py), made once per step
     passes: dict = field(default_factory=dict)
+    # (phase, runs first?) -> the pass copied to other micro-steps (see [Note: pass templates]); None: none
+    pass_templates: dict | None = field(default_factory=dict)
 
     def for_slice(self, wl: Workload) -> StepContext:
         """A pipeline stage's (or model chunk's) context: this step's settings over its slice of
         the model, with its own checkpoint ops and no exchanges yet (the caller sets them)."""
         return StepContext(sc=self.sc, wl=wl, b=self.b, param_bytes=self.param_bytes, world=self.world,
-                           reduce_bytes=self.reduce_bytes)
+                           reduce_bytes=self.reduce_bytes, pass_templates=None if self.pass_templates is None else {})
 
     @property
     def gas(self) -> int:
@@ -74,3 +76,9 @@ class StageHooks:
 
     def end_backward(self, ctx: StepContext, micro: int, last_op: int):
         pass
+
+    def stationary(self, ctx: StepContext, phase: Phase, micro: int) -> bool:
+        """Whether a pass of `phase` at `micro` adds the same ops, but for its micro-step, as
+        any other pass these hooks call stationary (see [Note: pass templates]). Hooks that
+        keep state across modules or micro-steps say no."""
+        return False

@@ -29,13 +29,11 @@ from typing import NamedTuple
 from zsim.schedule import stage012
 from zsim.schedule.context import StepContext
 from zsim.schedule.ir import Alloc, Buffer, Category, HostSettings, OpKind, Phase, Stream, Tag
-from zsim.schedule.moe import TokenExchanges
-from zsim.schedule.passes import backward, forward
+from zsim.schedule.passes import backward, exchanges, forward
 from zsim.schedule.payloads import PipeTransfer, TensorComm
 from zsim.schedule.pipe_partition import chunk_slices
 from zsim.schedule.pipe_wire import Wire, wire
 from zsim.schedule.pipeline import DeferredHooks, finish, tied_params
-from zsim.schedule.tensor import TensorCollectives
 
 
 def schedule_table(micro_batches: int, chunks: int, group: int) -> list[tuple[int, int]]:
@@ -198,7 +196,7 @@ def build(ctx0: StepContext) -> tuple[tuple[tuple[int, int], ...], HostSettings]
         b.stage = r
         ctx = ctx0.for_slice(rank_wl)
         # no token exchanges: an MoE model under a pipeline is refused (config/parallel.py)
-        ctx.exchanges = (TokenExchanges(ctx), TensorCollectives(ctx))
+        ctx.exchanges = exchanges(ctx)
         chunk_ctxs = []
         for wl, _ in chunks:
             chunk_ctx = ctx0.for_slice(wl)

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 from zsim.schedule.context import StageHooks, StepContext
 from zsim.schedule.ir import Alloc, Buffer, Category, OpKind, Phase, Stream, Tag, Transfer
+from zsim.schedule.moe import TokenExchanges
 from zsim.schedule.payloads import ComputeWork, Copy, ModulePass
 from zsim.schedule.tensor import TensorCollectives
 from zsim.workload.module import Module, Workload
+
+
+def exchanges(ctx: StepContext) -> tuple:
+    """The communication the passes add around the modules (MoE all-to-alls, tensor-parallel
+    collectives): only the kinds the run has, so a module visit asks nothing of the others."""
+    return tuple(x for x in (TokenExchanges(ctx), TensorCollectives(ctx)) if x.active)
 
 
 def _before(ctx: StepContext, module: Module, micro: int, phase: Phase, last: int | None) -> int | None:
@@ -102,7 +109,39 @@ def _backward_pass(ctx: StepContext, module: Module) -> ModulePass:
     return mp
 
 
+def _templated(ctx: StepContext, hooks: StageHooks, phase: Phase, micro: int, after: int | None, build) -> int:
+    """`build(ctx, hooks, micro, after)`, or the copy of the same pass built at another
+    micro-step when the hooks say it adds the same ops.
+
+    [Note: pass templates]
+    A forward (or a backward's module walk) adds ops that differ between micro-steps only in
+    their micro-step, their ids and the op they follow, unless the stage's hooks act on state
+    that changes between micro-steps (ZeRO-3's fetches and releases, gradient buckets that fill
+    across passes, a first micro-step's allocations, the boundary's reductions). Hooks that know
+    a pass is free of that say so (StageHooks.stationary); the first such pass is built and kept
+    (Builder.pass_template), the later ones copied from it (Builder.replay_pass): the same ops a
+    build would add, tested op for op (tests/test_pass_templates.py). CPU checkpointing keeps
+    per-micro-step state in the context (ckpt_offload_ops), so its passes are built."""
+    templates = ctx.pass_templates
+    if templates is None or ctx.cpu_checkpointing or not hooks.stationary(ctx, phase, micro):
+        return build(ctx, hooks, micro, after)
+    key = (phase, after is None)
+    tpl = templates.get(key)
+    if tpl is None:
+        first = ctx.b.next_id
+        last = build(ctx, hooks, micro, after)
+        templates[key] = ctx.b.pass_template(first, micro, after, last) or False
+        return last
+    if tpl is False:
+        return build(ctx, hooks, micro, after)
+    return ctx.b.replay_pass(tpl, micro, after)
+
+
 def forward(ctx: StepContext, hooks: StageHooks, micro: int, after: int | None) -> int:
+    return _templated(ctx, hooks, Phase.FORWARD, micro, after, _forward)
+
+
+def _forward(ctx: StepContext, hooks: StageHooks, micro: int, after: int | None) -> int:
     full = ctx.checkpointing == "full"
     last = after
     block_temps: list[Tag] = []
@@ -163,6 +202,12 @@ def _recompute_block(ctx: StepContext, hooks: StageHooks, layer: int, micro: int
 
 
 def backward(ctx: StepContext, hooks: StageHooks, micro: int, after: int) -> int:
+    last = _templated(ctx, hooks, Phase.BACKWARD, micro, after, _backward_modules)
+    hooks.end_backward(ctx, micro, last)
+    return last
+
+
+def _backward_modules(ctx: StepContext, hooks: StageHooks, micro: int, after: int) -> int:
     full = ctx.checkpointing == "full"
     last = after
     recomputed: set[int] = set()
@@ -189,5 +234,4 @@ def backward(ctx: StepContext, hooks: StageHooks, micro: int, after: int) -> int
             ctx.b.add_free(op, *((workspace,) if allocs else ()), *frees)
         hooks.post_module(ctx, module, micro, Phase.BACKWARD, op)
         last = _after(ctx, module, micro, Phase.BACKWARD, done)
-    hooks.end_backward(ctx, micro, last)
     return last

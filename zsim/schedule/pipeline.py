@@ -21,11 +21,9 @@ from zsim.schedule.context import StageHooks, StepContext
 from zsim.schedule.ir import (Alloc, Buffer, Category, Collective, Group, HostSettings, OpKind, Phase, ProcessGroup,
                               Stream, Tag)
 from zsim.schedule.payloads import Comm, GradReduce, PipeTransfer, ScalarAllReduce, TensorComm
-from zsim.schedule.moe import TokenExchanges
-from zsim.schedule.passes import backward, forward
+from zsim.schedule.passes import backward, exchanges, forward
 from zsim.schedule.pipe_partition import stage_slices
 from zsim.schedule.pipe_wire import Wire, deepspeed_wires
-from zsim.schedule.tensor import TensorCollectives
 from zsim.workload.module import Workload
 
 
@@ -95,6 +93,9 @@ class DeferredHooks(StageHooks):
     def post_module(self, ctx, module, micro, phase, op):
         self.inner.post_module(ctx, module, micro, phase, op)
 
+    def stationary(self, ctx, phase, micro):
+        return self.inner.stationary(ctx, phase, micro)
+
     def end_backward(self, ctx, micro, last_op):
         if micro == ctx.last_micro:
             self.boundary_last = last_op
@@ -109,6 +110,7 @@ class _Stage:
         self.program = train_schedule(stages, index, ctx.gas)
         self.pos = 0
         self.last: int | None = None
+        self.gathers: dict[str, TensorComm] = {}    # what it gathers -> its payload
 
     @property
     def next_cmd(self) -> tuple[Cmd, int] | None:
@@ -126,7 +128,7 @@ def build(ctx0: StepContext) -> tuple[tuple[tuple[int, int], ...], HostSettings]
         b.stage = s
         ctx = ctx0.for_slice(wl)
         # no token exchanges: an MoE model under a pipeline is refused (config/parallel.py)
-        ctx.exchanges = (TokenExchanges(ctx), TensorCollectives(ctx))
+        ctx.exchanges = exchanges(ctx)
         rank = _Stage(ctx, s, stages)
         stage012.allocate_states(ctx, rank.hooks.inner)
         ranks.append(rank)
@@ -205,7 +207,10 @@ def _run_programs(ranks: list[_Stage], wires: tuple[Wire, Wire]):
 def _gather(b, rank: _Stage, w: Wire, micro: int, phase: Phase, what: str):
     """PartitionedTensor.full(): the all-gather over the tensor-parallel group, when partitioned."""
     if w.gather is not None:
-        rank.last = b.add(OpKind.TP_ALL_GATHER, Stream.COMPUTE, phase, micro, TensorComm(w.gather, what), [rank.last])
+        payload = rank.gathers.get(what)     # the same payload every micro-step, made once
+        if payload is None:
+            payload = rank.gathers[what] = TensorComm(w.gather, what)
+        rank.last = b.add(OpKind.TP_ALL_GATHER, Stream.COMPUTE, phase, micro, payload, [rank.last])
 
 
 def _send(b, rank: _Stage, ranks: list[_Stage], kind: Cmd, micro: int, wires: tuple[Wire, Wire]) -> bool:

@@ -69,6 +69,16 @@ class Zero012Hooks(StageHooks):
         self.ipg_micro = self.ipg_op = -1
         self.last_reduce: int | None = None
 
+    def stationary(self, ctx, phase, micro) -> bool:
+        """No pre-module hook, and post_module acts in backward only: every forward and
+        recompute. A backward between the first micro-step (its allocations) and the boundary
+        (its gradient walk), once the IPG buffer lives for the window, at stages 0 and 1 (whose
+        hooks reduce nothing before the boundary); see [Note: pass templates]."""
+        if phase != Phase.BACKWARD:
+            return True
+        return (0 < micro < ctx.last_micro and self.stage != 2 and (not self.ipg_bytes or self.ipg_micro >= 0)
+                and not self.ipg_per_backward and (not self.reduce_in_hooks or self.stage == 1))
+
     def post_module(self, ctx, module: Module, micro, phase, op):
         ready = self.ready[module.name]
         if phase != Phase.BACKWARD or not ready:

@@ -99,6 +99,7 @@ class TensorCollectives:
         self.group = tensor_parallel_group(par.tensor)
         self.a = ctx.wl.act_dtype_bytes
         self.tokens = ctx.wl.tokens
+        self._payloads: dict[tuple, TensorComm] = {}
 
     def overlaps_backward(self, module: Module) -> bool:
         """Whether `module`'s backward runs its collectives asynchronously beside its GEMMs (see
@@ -114,6 +115,14 @@ class TensorCollectives:
         return _PLAN.get((self.sp, module.tensor_role, phase != Phase.BACKWARD, before), ())
 
     def _payload(self, module: Module, collective: Collective) -> TensorComm:
+        """The same payload every micro-step, made once (like a module's pass, passes.py)."""
+        key = (module.name, collective)
+        payload = self._payloads.get(key)
+        if payload is None:
+            payload = self._payloads[key] = self._make_payload(module, collective)
+        return payload
+
+    def _make_payload(self, module: Module, collective: Collective) -> TensorComm:
         if module.tensor_role == TensorRole.VOCAB_LOSS:
             numel = self.tokens
             size = float(numel * FP32_BYTES)
@@ -136,24 +145,34 @@ class TensorCollectives:
         start with the dgrad and end with the collective that reduces it; `frees` (the saved
         input) end with the wgrad. Returns (the wgrad op: the module's gradients are ready, the
         op the next module waits for: its input gradient's collective)."""
-        dgrad_gemm, wgrad_gemm = work.gemms
-        half = work.model_flops / 2
-        # the bias gradient (grad_output.sum) and any memory-bound pass run with the wgrad
-        dgrad = replace(work, gemms=(dgrad_gemm,), mem_bytes=0.0, kernels=1, model_flops=half)
-        wgrad = replace(work, gemms=(wgrad_gemm,), kernels=work.kernels - 1, model_flops=half)
+        dgrad, wgrad = self._split(ctx, module, work)
         b, phase = ctx.b, Phase.BACKWARD
         gather = None
         if self.sp:   # the saved input shard re-gathered for the wgrad, beside the dgrad
             gather = b.add(OpKind.TP_ALL_GATHER, Stream.TENSOR, phase, micro, self._payload(module, AG), deps)
-        dgrad_op = b.add(OpKind.BACKWARD, Stream.COMPUTE, phase, micro, ModulePass(module.name, dgrad, part="dgrad"),
-                         deps, allocs)
+        dgrad_op = b.add(OpKind.BACKWARD, Stream.COMPUTE, phase, micro, dgrad, deps, allocs)
         reduce = RS if self.sp else AR
         comm = b.add(_KINDS[reduce], Stream.TENSOR, phase, micro, self._payload(module, reduce), [dgrad_op, gather])
-        wgrad_op = b.add(OpKind.BACKWARD, Stream.COMPUTE, phase, micro, ModulePass(module.name, wgrad, part="wgrad"),
-                         [dgrad_op, gather])
+        wgrad_op = b.add(OpKind.BACKWARD, Stream.COMPUTE, phase, micro, wgrad, [dgrad_op, gather])
         b.add_free(wgrad_op, *frees)
         b.add_free(comm, *workspace)
         return wgrad_op, comm
+
+    @staticmethod
+    def _split(ctx, module: Module, work: ComputeWork) -> tuple[ModulePass, ModulePass]:
+        """The dgrad's and the wgrad's payloads, made once per step (ctx.passes) like a module's
+        whole pass (passes.py): the bias gradient (grad_output.sum) and any memory-bound pass
+        run with the wgrad."""
+        key = (id(module), "split", id(work))
+        split = ctx.passes.get(key)
+        if split is None:
+            dgrad_gemm, wgrad_gemm = work.gemms
+            half = work.model_flops / 2
+            dgrad = replace(work, gemms=(dgrad_gemm,), mem_bytes=0.0, kernels=1, model_flops=half)
+            wgrad = replace(work, gemms=(wgrad_gemm,), kernels=work.kernels - 1, model_flops=half)
+            split = ctx.passes[key] = (work, ModulePass(module.name, dgrad, part="dgrad"),
+                                       ModulePass(module.name, wgrad, part="wgrad"))
+        return split[1], split[2]
 
     def before(self, ctx, module: Module, micro: int, phase: Phase, last: int | None) -> int | None:
         return self._add(ctx, module, micro, phase, self._plan(module, phase, True), last)

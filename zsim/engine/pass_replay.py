@@ -1,0 +1,162 @@
+"""A pipeline stage's passes, simulated once per shape and replayed (sim.py uses it).
+
+[Note: pipeline pass replay]
+Under DeepSpeed's 1F1B TrainSchedule a stage's forward (or recompute + backward) of one
+micro-batch meets the rest of the pipeline only at its ends: it starts after its recv, its
+sends wait for it, and no other stage's transfer touches its rank while it runs (a send is a
+rendezvous that waits for both ranks to reach it). Each stage has its own copy of every link
+(placement.stage_links), so what happens inside a pass depends on its ops alone. A stage runs
+some 2 x (stages + 3) passes of the shortened step, nearly all of a few shapes: the first pass
+of each shape is simulated and recorded (every op's start and end, every memory effect, in the
+order they happened, relative to the pass's start); a later pass of the same shape on the same
+stage is one timer of the recorded length, after which its ops get the recorded times and its
+memory effects (its own tags, in the recorded order) go to the ledger.
+
+That is exact only while the pass is isolated, so it is checked, not assumed: a pass is
+recorded or replayed only when every op of its stage before it has ended, none of its stage's
+other streams is inside an op, nothing in flight touches its rank, and every op it waits on
+outside itself has ended; an op from outside that touches the stage's rank while a pass is
+recorded spoils the recording, and while one is replayed it raises `ReplayConflict`, and
+run_ops simulates the whole step again without replay. Ops outside a pass that wait on one of
+its ops must wait on one that ends last (they are signalled at the replay's end).
+"""
+from __future__ import annotations
+
+from zsim.schedule.ir import Op, OpKind, Phase, Schedule, Stream
+
+# fewer ops than this are simulated as they are (the key and the bookkeeping cost more)
+MIN_OPS = 8
+
+_NOT_IN_PASS = frozenset({OpKind.SEND_ACTIVATION, OpKind.RECV_ACTIVATION, OpKind.SEND_GRAD, OpKind.RECV_GRAD})
+
+
+class ReplayConflict(Exception):
+    """An op from outside touched a stage while one of its passes was being replayed."""
+
+
+class Block:
+    """One pass of one stage: ops contiguous in the stage's program order."""
+    __slots__ = ("index", "stage", "ops", "first_id", "external", "outside_awaited", "key", "pos", "awaited_ids")
+
+    def __init__(self, index: int, stage: int, ops: list[Op]):
+        self.index, self.stage, self.ops = index, stage, ops
+        self.first_id = ops[0].id
+        self.pos = {op.id: j for j, op in enumerate(ops)}
+        self.external: tuple[int, ...] = ()        # ops outside it that its ops wait on
+        self.outside_awaited: tuple[int, ...] = ()  # its ops (positions) that ops outside it wait on
+        self.awaited_ids: frozenset[int] = frozenset()   # the same, as op ids
+        self.key = None
+
+
+class Template:
+    """A recorded pass: its length, each op's start and end after the pass's start, every op's
+    start and end in the order they happened, (is_end, op position, offset), whose memory
+    effects replay in that order, and the order its ops ended in (`signals`)."""
+    __slots__ = ("duration_s", "starts", "ends", "effects", "signals")
+
+    def __init__(self, duration_s, starts, ends, effects, signals):
+        self.duration_s, self.starts, self.ends, self.effects, self.signals = duration_s, starts, ends, effects, signals
+
+
+class Recording:
+    """A pass being simulated (`replay` False) or replayed (True) on its stage."""
+    __slots__ = ("block", "replay", "t0", "spoiled", "starts", "ends", "effects", "ended", "template")
+
+    def __init__(self, block: Block, replay: bool, t0: float, template: Template | None = None):
+        self.block, self.replay, self.t0, self.template = block, replay, t0, template
+        self.spoiled = False
+        n = len(block.ops)
+        self.starts: list = [None] * n
+        self.ends: list = [None] * n
+        self.effects: list = []
+        self.ended = 0
+
+
+def find_blocks(schedule: Schedule, serial: bool) -> tuple[list[Block], list[int]]:
+    """The passes of every stage worth replaying, and per op the index of its block (-1: none).
+    A pass is a run of a stage's ops (in its program order) of one micro-step's forward, or of
+    its recompute and backward, without the point-to-point ops. A block's first op runs on the
+    compute stream and every op of it on another stream waits on one of it, so the block
+    starts with its first op."""
+    ops = schedule.ops
+    forward, step, compute = Phase.FORWARD, Phase.STEP, Stream.COMPUTE
+    runs: dict[int, tuple] = {}      # stage -> (pass, ops) of the run being grown
+    found: list[list[Op]] = []
+    for op in ops:
+        phase = op.phase
+        p = None if op.kind in _NOT_IN_PASS or phase is step else (op.micro_step, phase is forward)
+        cur = runs.get(op.stage)
+        if cur is not None and cur[0] == p:
+            cur[1].append(op)
+            continue
+        if cur is not None and cur[0] is not None:
+            found.append(cur[1])
+        runs[op.stage] = (p, [op])
+    found += [run for p, run in runs.values() if p is not None]
+    found.sort(key=lambda run: run[0].id)
+    block_of = [-1] * len(ops)
+    blocks: list[Block] = []
+    for run in found:
+        if len(run) < MIN_OPS or (not serial and run[0].stream is not compute):
+            continue
+        b = len(blocks)
+        if not serial and any(op.stream is not compute for op in run):
+            ids = {op.id for op in run}
+            if any(op.stream is not compute and ids.isdisjoint(op.deps) for op in run):
+                continue
+        for op in run:
+            block_of[op.id] = b
+        blocks.append(Block(b, run[0].stage, run))
+    external: list[set] = [set() for _ in blocks]
+    awaited: list[set] = [set() for _ in blocks]
+    for op in ops:
+        if not op.deps:
+            continue
+        bi = block_of[op.id]
+        for d in op.deps:
+            bd = block_of[d]
+            if bd != bi:
+                if bi >= 0:
+                    external[bi].add(d)
+                if bd >= 0:
+                    awaited[bd].add(d)
+    for b in blocks:
+        b.external = tuple(sorted(external[b.index]))
+        ds = awaited[b.index]
+        b.outside_awaited = tuple(sorted(b.pos[d] for d in ds))
+        b.awaited_ids = frozenset(ds)
+        b.key = _key(b)
+    return blocks, block_of
+
+
+def _key(b: Block) -> tuple:
+    """What decides a pass's evolution and the shape of its memory effects: per op what
+    CostModel.op_cost keys its cost on (the payload, the hooks, the sizes it allocates; the
+    stage), its kind, stream and phase, where its waits inside the pass point (None: outside),
+    how many tags it frees. Objects by identity (an Enum hashes in Python, a payload by its
+    fields): equal identities are equal fields, and unequal ones only cost a recording. A
+    module pass's work and a tensor-parallel call's payload are made once per step (passes.py,
+    tensor.py); any other payload only matches itself."""
+    where = b.pos.get
+    out: list = [b.stage]
+    add = out.append
+    for op in b.ops:
+        allocs = op.alloc
+        add((id(op.kind), id(op.stream), id(op.phase), id(getattr(op.payload, "work", op.payload)), op.hook_visits,
+             op.grad_hooks, op.host_views,
+             tuple([(id(a.category), a.size_bytes, a.touched_bytes) for a in allocs]) if allocs else (),
+             len(op.free_before), len(op.free), tuple(map(where, op.deps))))
+    return tuple(out)
+
+
+def finish(rec: Recording, end_s: float) -> Template | None:
+    """The template of a recording whose last op has ended at `end_s`, or None when it cannot
+    stand for later passes (spoiled, or an op awaited from outside ended before the last)."""
+    if rec.spoiled:
+        return None
+    t0 = rec.t0
+    if any(rec.ends[j] != end_s for j in rec.block.outside_awaited):
+        return None
+    return Template(end_s - t0, tuple(s - t0 for s in rec.starts), tuple(e - t0 for e in rec.ends),
+                    tuple((is_end, j, t - t0) for is_end, j, t in rec.effects),
+                    tuple(j for is_end, j, _ in rec.effects if is_end))
