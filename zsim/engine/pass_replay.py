@@ -8,8 +8,9 @@ rendezvous that waits for both ranks to reach it). Each stage has its own copy o
 (placement.stage_links), so what happens inside a pass depends on its ops alone. A stage runs
 some 2 x (stages + 3) passes of the shortened step, nearly all of a few shapes: the first pass
 of each shape is simulated and recorded (every op's start and end, every memory effect, in the
-order they happened, relative to the pass's start); a later pass of the same shape on the same
-stage is one timer of the recorded length, after which its ops get the recorded times and its
+order they happened, relative to the pass's start, and every op's cost); a later pass of the
+same shape, on a stage where its ops cost what they did (its own, or one placed alike), is one
+timer of the recorded length, after which its ops get the recorded times and its
 memory effects (its own tags, in the recorded order) go to the ledger.
 
 That is exact only while the pass is isolated, so it is checked, not assumed: a pass is
@@ -22,6 +23,7 @@ its ops must wait on one that ends last (they are signalled at the replay's end)
 """
 from __future__ import annotations
 
+from zsim.hardware.placement import base_link
 from zsim.schedule.ir import Op, OpKind, Phase, Schedule, Stream
 
 # fewer ops than this are simulated as they are (the key and the bookkeeping cost more)
@@ -51,16 +53,19 @@ class Block:
 class Template:
     """A recorded pass: its length, each op's start and end after the pass's start, every op's
     start and end in the order they happened, (is_end, op position, offset), whose memory
-    effects replay in that order, and the order its ops ended in (`signals`)."""
-    __slots__ = ("duration_s", "starts", "ends", "effects", "signals")
+    effects replay in that order, the order its ops ended in (`signals`), and each op's cost
+    as (fixed_s, work_s, its links' base names): a pass of the same shape on another stage
+    replays it when its ops cost the same there."""
+    __slots__ = ("duration_s", "starts", "ends", "effects", "signals", "costs")
 
-    def __init__(self, duration_s, starts, ends, effects, signals):
+    def __init__(self, duration_s, starts, ends, effects, signals, costs):
         self.duration_s, self.starts, self.ends, self.effects, self.signals = duration_s, starts, ends, effects, signals
+        self.costs = costs
 
 
 class Recording:
     """A pass being simulated (`replay` False) or replayed (True) on its stage."""
-    __slots__ = ("block", "replay", "t0", "spoiled", "starts", "ends", "effects", "ended", "template")
+    __slots__ = ("block", "replay", "t0", "spoiled", "starts", "ends", "effects", "ended", "template", "costs")
 
     def __init__(self, block: Block, replay: bool, t0: float, template: Template | None = None):
         self.block, self.replay, self.t0, self.template = block, replay, t0, template
@@ -70,6 +75,7 @@ class Recording:
         self.ends: list = [None] * n
         self.effects: list = []
         self.ended = 0
+        self.costs: list = [None] * n
 
 
 def find_blocks(schedule: Schedule, serial: bool) -> tuple[list[Block], list[int]]:
@@ -120,33 +126,43 @@ def find_blocks(schedule: Schedule, serial: bool) -> tuple[list[Block], list[int
                     external[bi].add(d)
                 if bd >= 0:
                     awaited[bd].add(d)
+    shapes: dict = {}
     for b in blocks:
         b.external = tuple(sorted(external[b.index]))
         ds = awaited[b.index]
         b.outside_awaited = tuple(sorted(b.pos[d] for d in ds))
         b.awaited_ids = frozenset(ds)
-        b.key = _key(b)
+        b.key = _key(b, shapes)
     return blocks, block_of
 
 
-def _key(b: Block) -> tuple:
-    """What decides a pass's evolution and the shape of its memory effects: per op what
-    CostModel.op_cost keys its cost on (the payload, the hooks, the sizes it allocates; the
-    stage), its kind, stream and phase, where its waits inside the pass point (None: outside),
-    how many tags it frees. Objects by identity (an Enum hashes in Python, a payload by its
-    fields): equal identities are equal fields, and unequal ones only cost a recording. A
-    module pass's work and a tensor-parallel call's payload are made once per step (passes.py,
-    tensor.py); any other payload only matches itself."""
+def _key(b: Block, shapes: dict) -> tuple:
+    """What decides a pass's evolution and the shape of its memory effects, but for its stage
+    (whose costs Template.costs says): per op what CostModel.op_cost keys its cost on (the
+    payload's work or call, the hooks, the sizes it allocates), its kind, stream and phase,
+    where its waits inside the pass point (None: outside), how many tags it frees. Enum members
+    by identity (an Enum hashes in Python); a payload by a number per distinct shape (`shapes`:
+    payload id -> number, filled by `_shape`), each shape hashed once per payload object."""
     where = b.pos.get
-    out: list = [b.stage]
+    out: list = []
     add = out.append
     for op in b.ops:
         allocs = op.alloc
-        add((id(op.kind), id(op.stream), id(op.phase), id(getattr(op.payload, "work", op.payload)), op.hook_visits,
-             op.grad_hooks, op.host_views,
+        p = op.payload
+        shape = shapes.get(id(p))
+        if shape is None:
+            shape = _shape(shapes, p)
+        add((id(op.kind), id(op.stream), id(op.phase), shape, op.hook_visits, op.grad_hooks, op.host_views,
              tuple([(id(a.category), a.size_bytes, a.touched_bytes) for a in allocs]) if allocs else (),
              len(op.free_before), len(op.free), tuple(map(where, op.deps))))
     return tuple(out)
+
+
+def _shape(shapes: dict, payload) -> int:
+    """The number of `payload`'s shape (CostModel.op_cost's: its call, its work, or itself)."""
+    value = getattr(payload, "comm", None) or getattr(payload, "work", None) or payload
+    number = shapes[id(payload)] = shapes.setdefault(("shape", type(value), value), len(shapes))
+    return number
 
 
 def finish(rec: Recording, end_s: float) -> Template | None:
@@ -157,6 +173,13 @@ def finish(rec: Recording, end_s: float) -> Template | None:
     t0 = rec.t0
     if any(rec.ends[j] != end_s for j in rec.block.outside_awaited):
         return None
-    return Template(end_s - t0, tuple(s - t0 for s in rec.starts), tuple(e - t0 for e in rec.ends),
-                    tuple((is_end, j, t - t0) for is_end, j, t in rec.effects),
-                    tuple(j for is_end, j, _ in rec.effects if is_end))
+    ops = rec.block.ops   # the effects of ops that allocate or free (a later pass's ops do alike: its key)
+    effects = tuple((is_end, j, t - t0) for is_end, j, t in rec.effects
+                    if (ops[j].free if is_end else ops[j].free_before or ops[j].alloc))
+    return Template(end_s - t0, tuple(s - t0 for s in rec.starts), tuple(e - t0 for e in rec.ends), effects,
+                    tuple(j for is_end, j, _ in rec.effects if is_end), tuple(rec.costs))
+
+
+def cost_shape(cost) -> tuple:
+    """An op's cost with its links by their base names: the same on every stage that places it alike."""
+    return cost.fixed_s, cost.work_s, tuple(map(base_link, cost.links))

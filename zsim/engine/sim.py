@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from zsim.engine.fluid import Clock, Fluid
 from zsim.engine.ledger import Ledger, peak_and_breakdown, timeline
-from zsim.engine.pass_replay import Block, Recording, ReplayConflict, Template, find_blocks, finish
+from zsim.engine.pass_replay import Block, Recording, ReplayConflict, Template, cost_shape, find_blocks, finish
 from zsim.hardware.cost_model import COMPUTE, CostModel
 from zsim.hardware.placement import link_rank
 from zsim.schedule.ir import Op, Schedule, Stream, STREAMS, Tag
@@ -114,6 +114,7 @@ class Trace:
     # a pipeline: each stage's ledger events; ledger_events is the stage with the highest peak
     stage_ledger_events: tuple[tuple[tuple[float, float, str, Tag], ...], ...] = ()
     worst_stage: int = 0
+    stage_peaks_bytes: tuple[float, ...] = ()     # a pipeline: each stage's peak (of its ledger_events)
 
 
 @contextmanager
@@ -189,7 +190,7 @@ class _StreamRun:
                     ledger.alloc(start, a)
                 self.cost = c = eng.op_cost(op)
                 if eng.active:
-                    eng.watch_start(op, c.links, start)
+                    eng.watch_start(op, c, start)
                 self.waited = 1
                 if c.fixed_s > 0:
                     if c.work_s > 0 and eng.fluid.is_compute(c.links):
@@ -225,19 +226,21 @@ class _StreamRun:
         block, tpl, t0 = rec.block, rec.template, rec.t0
         del eng.active[block.stage]
         ops = block.ops
+        alloc, free = ledger.alloc, ledger.free
         for is_end, j, off in tpl.effects:
             op = ops[j]
             if is_end:
                 for tag in op.free:
-                    ledger.free(t0 + off, tag)
+                    free(t0 + off, tag)
             else:
                 for tag in op.free_before:
-                    ledger.free(t0 + off, tag)
+                    free(t0 + off, tag)
                 for a in op.alloc:
-                    ledger.alloc(t0 + off, a)
-        timings = eng.timings
+                    alloc(t0 + off, a)
+        timings, new = eng.timings, tuple.__new__   # OpTiming's own __new__ is a Python call
         for op, s, e in zip(ops, tpl.starts, tpl.ends):
-            timings[op.id] = OpTiming(op.id, t0 + s, t0 + e)
+            x = op.id
+            timings[x] = new(OpTiming, (x, t0 + s, t0 + e))
         replayed = eng.replayed
         for other in eng.stage_runs[block.stage]:
             while other.i < len(other.ops) and replayed[other.ops[other.i].id]:
@@ -274,7 +277,8 @@ class _Engine:
         self.replayed = [False] * n
         self.firsts: dict[int, Block] = {}
         self.active: dict[int, Recording] = {}          # stage -> its pass being recorded or replayed
-        self.templates: dict[tuple, Template] = {}
+        self.templates: dict[tuple, list[Template]] = {}   # a pass's shape -> its recordings
+        self.placed: dict[tuple, Template] = {}            # (shape, stage) -> the recording it replays
         self.stage_runs: dict[int, list[_StreamRun]] = {}
         self.touched: dict[tuple, tuple[int, ...]] = {}
         self.block_of: list[int] = []
@@ -296,7 +300,9 @@ class _Engine:
         if any(timings[d] is None for d in block.external):
             return False
         now = self.clock.env.now
-        tpl = self.templates.get(block.key)
+        tpl = self.placed.get((block.key, s))
+        if tpl is None:
+            tpl = self._recorded_alike(block)
         if tpl is None:
             self.active[s] = Recording(block, False, now)
             return False
@@ -307,6 +313,14 @@ class _Engine:
         self.clock.after(tpl.duration_s, run.replayed)
         return True
 
+    def _recorded_alike(self, block: Block) -> Template | None:
+        """A recording of `block`'s shape whose ops cost what `block`'s cost on its stage."""
+        for tpl in self.templates.get(block.key, ()):
+            if all(cost_shape(self.op_cost(op)) == cost for op, cost in zip(block.ops, tpl.costs)):
+                self.placed[(block.key, block.stage)] = tpl
+                return tpl
+        return None
+
     def _ranks(self, links: tuple[str, ...], stage: int) -> tuple[int, ...]:
         key = (links, stage)
         ranks = self.touched.get(key)
@@ -314,12 +328,12 @@ class _Engine:
             ranks = self.touched[key] = tuple(sorted({stage} | {link_rank(x) for x in links}))
         return ranks
 
-    def watch_start(self, op: Op, links: tuple[str, ...], start_s: float):
+    def watch_start(self, op: Op, cost, start_s: float):
         """An op starts while passes are recorded or replayed: one from outside a pass that
         touches its stage spoils the recording or ends the replay (ReplayConflict)."""
         bi = self.block_of[op.id]
         active = self.active
-        ranks = self._ranks(links, op.stage)
+        ranks = self._ranks(cost.links, op.stage)
         for r in ranks:
             rec = active.get(r)
             if rec is not None and rec.block.index != bi:
@@ -332,6 +346,7 @@ class _Engine:
                 rec.spoiled = True      # the pass itself reaches another stage's rank
             j = rec.block.pos[op.id]
             rec.starts[j] = start_s
+            rec.costs[j] = cost_shape(cost)
             rec.effects.append((False, j, start_s))
 
     def watch_end(self, op: Op, end_s: float):
@@ -346,7 +361,8 @@ class _Engine:
             del self.active[op.stage]
             tpl = finish(rec, end_s)
             if tpl is not None:
-                self.templates[rec.block.key] = tpl
+                self.templates.setdefault(rec.block.key, []).append(tpl)
+                self.placed[(rec.block.key, rec.block.stage)] = tpl
 
 
 def run_ops(schedule: Schedule, cluster, precision: str) -> tuple[list[OpTiming], list[Ledger]]:
@@ -392,9 +408,10 @@ def _run_ops(schedule: Schedule, cluster, precision: str, replay: bool) -> tuple
     return timings, ledgers
 
 
-def worst_stage(per_stage) -> int:
-    """The pipeline stage with the highest peak: it decides whether the run fits."""
-    return max(range(len(per_stage)), key=lambda s: peak_and_breakdown(per_stage[s])[0])
+def stage_peaks(per_stage) -> tuple[tuple[float, ...], int]:
+    """Each pipeline stage's peak and the stage with the highest: it decides whether the run fits."""
+    peaks = tuple(peak_and_breakdown(events)[0] for events in per_stage)
+    return peaks, max(range(len(peaks)), key=peaks.__getitem__)
 
 
 def simulate(schedule: Schedule, cluster, precision: str) -> Trace:
@@ -403,6 +420,6 @@ def simulate(schedule: Schedule, cluster, precision: str) -> Trace:
     if schedule.pipeline is None:
         return Trace(schedule, tuple(timings), ledgers[0].events(), step, len(schedule.ops))
     per_stage = tuple(ledger.events() for ledger in ledgers)
-    worst = worst_stage(per_stage)
+    peaks, worst = stage_peaks(per_stage)
     return Trace(schedule, tuple(timings), per_stage[worst], step, len(schedule.ops),
-                 stage_ledger_events=per_stage, worst_stage=worst)
+                 stage_ledger_events=per_stage, worst_stage=worst, stage_peaks_bytes=peaks)

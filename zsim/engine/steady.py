@@ -26,7 +26,7 @@ variant, and for pipelines, interleaved ones included.
 from __future__ import annotations
 
 from zsim.engine.layer_repeat import nest, run_layers, simulate_layers
-from zsim.engine.sim import Repeat, Trace, collector_paused, run_ops, simulate, worst_stage
+from zsim.engine.sim import Repeat, Trace, collector_paused, run_ops, simulate, stage_peaks
 from zsim.schedule.build import build_schedule
 from zsim.schedule.ir import OpKind, Schedule
 from zsim.specs.scenario import Scenario
@@ -74,9 +74,9 @@ def _simulate(sc: Scenario, steady: bool) -> tuple[Workload, Trace]:
             ops = repeat.step_ops(len(reduced.ops))
             if not pipeline:
                 return wl, Trace(simulated, tuple(timings), events[0], end, ops, repeat)
-            worst = worst_stage(events)
+            peaks, worst = stage_peaks(events)
             return wl, Trace(reduced, tuple(timings), events[worst], end, ops, repeat,
-                             stage_ledger_events=events, worst_stage=worst)
+                             stage_ledger_events=events, worst_stage=worst, stage_peaks_bytes=peaks)
     wl, schedule = build_schedule(sc, wl)
     if steady and not pipeline:   # the step's identical layers, simulated once (layer_repeat.py)
         return wl, simulate_layers(schedule, wl, sc.cluster, sc.precision)

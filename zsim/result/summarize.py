@@ -118,6 +118,7 @@ def _op_totals(trace: Trace, cl) -> _OpTotals:
     # a call's figures depend on its collective, size, group and stage only (a send's on its
     # stages and size): worked out once each
     facts: dict[tuple, tuple] = {}
+    by_payload: dict[tuple, tuple] = {}     # (payload id, stage) -> its facts (the schedule holds every payload)
     compute = Stream.COMPUTE
     view_us = cl.profile.cpu.zero3_rank_view_us
     for op, t in zip(sched.ops, trace.timings):
@@ -132,15 +133,18 @@ def _op_totals(trace: Trace, cl) -> _OpTotals:
                                            + n * rank_views_time_s(op.host_views, view_us))
         comm = getattr(p, "comm", None)
         if comm is not None or cls is PipeTransfer:
-            if cls is PipeTransfer:
-                if op.stage != p.src_stage:
-                    continue            # the recv's side of a send counted once, at the send
-                fkey = (cls, p.src_stage, p.dst_stage, p.size_bytes)
-            else:
-                fkey = (cls is TensorComm, comm.collective, comm.size_bytes, comm.coalesced, comm.group, op.stage)
-            f = facts.get(fkey)
+            if cls is PipeTransfer and op.stage != p.src_stage:
+                continue            # the recv's side of a send counted once, at the send
+            f = by_payload.get((id(p), op.stage))    # a payload is often one object for the step
             if f is None:
-                f = facts[fkey] = _comm_facts(op, sched, cl)
+                if cls is PipeTransfer:
+                    fkey = (cls, p.src_stage, p.dst_stage, p.size_bytes)
+                else:
+                    fkey = (cls is TensorComm, comm.collective, comm.size_bytes, comm.coalesced, comm.group, op.stage)
+                f = facts.get(fkey)
+                if f is None:
+                    f = facts[fkey] = _comm_facts(op, sched, cl)
+                by_payload[(id(p), op.stage)] = f
             kind, sent, call, peak = f
             if call is not None:
                 comm_calls[call] = comm_calls.get(call, 0) + n
@@ -240,7 +244,7 @@ def _pipeline(sc: Scenario, trace: Trace, clipped) -> Pipeline | None:
     return Pipeline(stages=layout.stages, data_parallel=layout.data_parallel,
                     partition_method=sc.parallelism.partition_method,
                     layers=[list(r) for r in layout.layers],
-                    peak_bytes=[peak_and_breakdown(ev)[0] + reserved for ev in trace.stage_ledger_events],
+                    peak_bytes=[peak + reserved for peak in trace.stage_peaks_bytes],
                     worst_stage=trace.worst_stage,
                     bubble_fraction=1.0 - sum(busy) / (len(busy) * step) if step > 0 else 0.0,
                     **({} if layout.virtual_stages == 1 else
