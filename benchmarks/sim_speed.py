@@ -6,7 +6,8 @@ trees (medians over repetitions; ratios against the first tree given):
   step on an idle machine; steadier than wall time on a machine shared with other work) (target: GAS 1 <= 0.05 s, GAS 16 <= 1.5x GAS 1,
   GAS 10,000 <= 2x GAS 1; a tree without the steady-state engine skips GAS 10,000);
 - the same model as PP16 x DP64, ZeRO-1, GAS 128, and as TP8 x PP16 x DP8 (issue 15's target:
-  <= 1 s; a pipeline's steady 1F1B period is reused, zsim/engine/steady.py);
+  <= 1 s; a pipeline's steady 1F1B period is reused, zsim/engine/steady.py, and each stage's
+  passes are replayed once recorded, zsim/engine/pass_replay.py);
 - `zsim run` of the default scenario, process start to table (target <= 0.3 s);
 - `zsim tune scenarios/gpt3-175b-zero3.yaml` (target: >= 1,000 configurations in <= 10 s);
 - `zsim doctor` on a 70B model, 8 GPUs, DeepSpeed-Chat-like ZeRO-3 config (target <= 5 s);
@@ -118,6 +119,10 @@ def _interleaved(trees: list[Path], repeat: int, fn) -> list:
 
 
 def measure(trees: list[Path], repeat: int, tmp: Path) -> dict:
+    # every tree's modules compiled first, as an install leaves them (a tree whose bytecode is
+    # not written, e.g. under PYTHONDONTWRITEBYTECODE, would pay the compiler at each start-up)
+    for tree in trees:
+        subprocess.run([sys.executable, "-m", "compileall", "-q", str(tree / "zsim")], check=True)
     figures: dict = {}
     slow = max(1, repeat // 2)   # repetitions of the commands that take seconds to minutes
     for gas in (1, 16, 10_000):

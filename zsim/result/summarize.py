@@ -158,7 +158,7 @@ def _op_totals(trace: Trace, cl) -> _OpTotals:
             # a copy issued on the compute stream (ZeRO-Offload without overlap_comm) holds
             # the stream but is host traffic, counted above
             compute_iv[op.stage].append((t.start_s, t.end_s))
-            hw_flops += n * op.work.model_flops
+            hw_flops += n * p.work.model_flops   # op.work, without the property call
     return _OpTotals(compute_iv, comm_iv, hw_flops, comm_bytes, comm_count, comm_time, comm_calls, host_time, peak_s)
 
 

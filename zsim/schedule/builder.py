@@ -23,6 +23,14 @@ class _Draft:
         self.hook_visits = self.grad_hooks = self.host_views = 0
         self.bucketed = ()
 
+    @classmethod
+    def of(cls, op: Op) -> _Draft:
+        """The draft of a frozen op (without bucketed params: a copied op has none)."""
+        d = cls(op.kind, op.stream, op.phase, op.micro_step, op.payload, op.deps, op.alloc, op.stage)
+        d.free, d.free_before = list(op.free), list(op.free_before)
+        d.hook_visits, d.grad_hooks, d.host_views = op.hook_visits, op.grad_hooks, op.host_views
+        return d
+
 
 class PassTemplate:
     """The ops one pass added, relative to its first op and micro-step: per op its fields, its
@@ -54,20 +62,28 @@ class Builder:
     def next_id(self) -> int:
         return len(self._ops)
 
+    def _draft(self, op_id: int) -> _Draft:
+        """Op `op_id`'s draft, to change it: an op copied from a pass template is kept frozen
+        (replay_pass) until something changes it."""
+        d = self._ops[op_id]
+        if type(d) is Op:
+            d = self._ops[op_id] = _Draft.of(d)
+        return d
+
     def add_deps(self, op_id: int, *deps: int):
         """`op_id` also waits for `deps` (added before it)."""
-        d = self._ops[op_id]
+        d = self._draft(op_id)
         d.deps = tuple(sorted(set(d.deps) | {x for x in deps if x is not None and x < op_id}))
 
     def add_free(self, op_id: int, *tags: Tag):
-        d = self._ops[op_id]
+        d = self._draft(op_id)
         if not d.free:
             d.free = []
         d.free.extend(tags)
 
     def move_frees(self, src: int, dst: int, buffers):
         """The frees of op `src` whose tag is one of `buffers` happen when op `dst` ends instead."""
-        d = self._ops[src]
+        d = self._draft(src)
         moved = [t for t in d.free if t.buffer in buffers]
         if moved:
             d.free = [t for t in d.free if t.buffer not in buffers]
@@ -75,35 +91,35 @@ class Builder:
 
     def add_free_before(self, op_id: int, *tags: Tag):
         """`tags` are freed when the op starts, before it allocates (a pre-forward hook's wait)."""
-        d = self._ops[op_id]
+        d = self._draft(op_id)
         if not d.free_before:
             d.free_before = []
         d.free_before.extend(tags)
 
     def add_alloc(self, op_id: int, *allocs: Alloc):
-        d = self._ops[op_id]
+        d = self._draft(op_id)
         if isinstance(d.alloc, tuple):
             d.alloc = list(d.alloc)
         d.alloc.extend(allocs)
 
     def set_touched(self, op_id: int, tag: Tag, touched_bytes: float):
         """The buffer `tag` that op `op_id` allocates has `touched_bytes` written while it lives."""
-        d = self._ops[op_id]
+        d = self._draft(op_id)
         d.alloc = [dataclasses.replace(a, touched_bytes=float(touched_bytes)) if a.tag == tag else a for a in d.alloc]
 
     def add_hook_visits(self, op_id: int, visits: int):
-        self._ops[op_id].hook_visits += visits
+        self._draft(op_id).hook_visits += visits
 
     def add_grad_hooks(self, op_id: int, params: int):
-        self._ops[op_id].grad_hooks += params
+        self._draft(op_id).grad_hooks += params
 
     def add_host_views(self, op_id: int, views: int):
         """The host makes `views` per-rank tensor views before the op (see [Note: per-rank host loops])."""
-        self._ops[op_id].host_views += views
+        self._draft(op_id).host_views += views
 
     def add_bucketed(self, op_id: int, pid: int):
         """A gradient hook after this (backward) op puts `pid` into the IPG bucket."""
-        d = self._ops[op_id]
+        d = self._draft(op_id)
         if not d.bucketed:
             d.bucketed = []
         d.bucketed.append(pid)
@@ -122,7 +138,7 @@ class Builder:
         op of another stage, a wait on an op before the pass other than `after`, a tag of
         another micro-step)."""
         drafts = self._ops[first:]
-        if not drafts or not first <= last < len(self._ops):
+        if not drafts or not first <= last < len(self._ops) or any(type(d) is Op for d in drafts):
             return None
         index: dict = {}
         tags: list = []
@@ -154,21 +170,22 @@ class Builder:
         return PassTemplate(ops, last - first, tags)
 
     def replay_pass(self, tpl: PassTemplate, micro: int, after: int | None) -> int:
-        """Add `tpl`'s ops at `micro`, after op `after`; returns its last op's id."""
+        """Add `tpl`'s ops at `micro`, after op `after`, frozen (a later change makes one a
+        draft again); returns its last op's id."""
         base, stage, out = len(self._ops), self.stage, self._ops
         tags = [spec if type(spec) is Tag else Tag(spec[0], micro, spec[1], spec[2]) for spec in tpl.tags]
         for kind, stream, phase, payload, rel, alloc, free, free_before, visits, hooks, views, bucketed in tpl.ops:
             deps = tuple([after if x < 0 else base + x for x in rel]) if rel else ()
             allocs = tuple([Alloc(tags[i], category, size, touched) for i, category, size, touched in alloc]) if alloc else ()
-            d = _Draft(kind, stream, phase, micro, payload, deps, allocs, stage)
-            if free:
-                d.free = [tags[i] for i in free]
-            if free_before:
-                d.free_before = [tags[i] for i in free_before]
-            d.hook_visits, d.grad_hooks, d.host_views = visits, hooks, views
-            if bucketed:
-                d.bucketed = list(bucketed)
-            out.append(d)
+            if bucketed:    # build() makes its payload: a draft
+                d = _Draft(kind, stream, phase, micro, payload, deps, allocs, stage)
+                d.free, d.free_before = [tags[i] for i in free], [tags[i] for i in free_before]
+                d.hook_visits, d.grad_hooks, d.host_views, d.bucketed = visits, hooks, views, list(bucketed)
+                out.append(d)
+                continue
+            out.append(Op(len(out), kind, stream, phase, micro, payload, deps, allocs,
+                          tuple([tags[i] for i in free]) if free else (), visits, hooks, stage,
+                          tuple([tags[i] for i in free_before]) if free_before else (), views))
         return base + tpl.last
 
     def build(self, stage: int, world_size: int, host: HostSettings,
@@ -178,6 +195,9 @@ class Builder:
         pipeline's schedule."""
         ops = []
         for i, d in enumerate(self._ops):
+            if type(d) is Op:       # copied and never changed: frozen already
+                ops.append(d)
+                continue
             payload = d.payload
             if d.bucketed:
                 assert isinstance(payload, ModulePass)
