@@ -14,7 +14,7 @@ trees (medians over repetitions; ratios against the first tree given):
 - `zsim sweep` points/s on 2 local workers over 175B-class points (target >= 100).
 Every figure runs in a subprocess with PYTHONPATH set to the tree, from the tree's root, the
 trees taking turns repetition by repetition.
-Usage: python benchmarks/sim_speed.py [--tree DIR ...] [--repeat N]
+Usage: python benchmarks/sim_speed.py [--tree DIR ...] [--repeat N] [--only TEXT]
   e.g. python benchmarks/sim_speed.py --tree /work/ref --tree .   (before, after)
 """
 from __future__ import annotations
@@ -118,35 +118,46 @@ def _interleaved(trees: list[Path], repeat: int, fn) -> list:
     return [None if None in w else statistics.median(w) for w in walls]
 
 
-def measure(trees: list[Path], repeat: int, tmp: Path) -> dict:
+def measure(trees: list[Path], repeat: int, tmp: Path, only: str = "") -> dict:
+    """Every figure whose name contains `only` (all by default)."""
     # every tree's modules compiled first, as an install leaves them (a tree whose bytecode is
     # not written, e.g. under PYTHONDONTWRITEBYTECODE, would pay the compiler at each start-up)
     for tree in trees:
         subprocess.run([sys.executable, "-m", "compileall", "-q", str(tree / "zsim")], check=True)
     figures: dict = {}
     slow = max(1, repeat // 2)   # repetitions of the commands that take seconds to minutes
+
+    def want(name: str) -> bool:
+        return only.lower() in name.lower()
+
     for gas in (1, 16, 10_000):
-        figures[f"175B ZeRO-3 1024 GPUs GAS {gas} (CPU s)"] = _interleaved(
-            trees, repeat if gas == 1 else slow, lambda t: _in_process(t, gas, 3 if gas == 1 else 1))
-    figures["175B PP16 x DP64 ZeRO-1 GAS 128 (CPU s)"] = _interleaved(trees, slow, lambda t: _in_process(t, 128, 1, PIPE))
-    figures["175B TP8 x PP16 x DP8 ZeRO-1 GAS 128 (CPU s)"] = _interleaved(
-        trees, slow, lambda t: _in_process(t, 128, 1, PIPE_TP))
-    figures["zsim run default (s)"] = _interleaved(trees, repeat, lambda t: _cli(t, ["run", "--quiet"]))
-    tune_json = {t: tmp / f"tune-{i}.json" for i, t in enumerate(trees)}
-    figures["zsim tune gpt3-175b-zero3 (s)"] = _interleaved(
-        trees, slow, lambda t: _cli(t, ["tune", "scenarios/gpt3-175b-zero3.yaml", "--json", str(tune_json[t])]))
-    figures["  configurations simulated"] = [_tune_configurations(tune_json[t]) for t in trees]
-    chat = tmp / "chat70b.yaml"
-    chat.write_text(yaml.safe_dump(CHAT_70B))
-    figures["zsim doctor 70B 8 GPUs ZeRO-3 (s)"] = _interleaved(trees, slow, lambda t: _cli(t, ["doctor", str(chat)]))
-    base = tmp / "gpt3.yaml"
-    base.write_text(yaml.safe_dump({"name": "gpt3-sweep", **GPT3}))
-    vary = [a for v in SWEEP_VARY for a in ("--vary", v)]
-    points = 1
-    for v in SWEEP_VARY:
-        points *= len(v.split("=", 1)[1].split(","))
-    walls = _interleaved(trees, slow, lambda t: _cli(t, ["sweep", str(base), *vary, "--workers", "2", "--quiet"]))
-    figures["zsim sweep 175B points/s (2 workers)"] = [points / w for w in walls]
+        name = f"175B ZeRO-3 1024 GPUs GAS {gas} (CPU s)"
+        if want(name):
+            figures[name] = _interleaved(trees, repeat if gas == 1 else slow,
+                                         lambda t: _in_process(t, gas, 3 if gas == 1 else 1))
+    for name, raw in (("175B PP16 x DP64 ZeRO-1 GAS 128 (CPU s)", PIPE), ("175B TP8 x PP16 x DP8 ZeRO-1 GAS 128 (CPU s)", PIPE_TP)):
+        if want(name):
+            figures[name] = _interleaved(trees, slow, lambda t: _in_process(t, 128, 1, raw))
+    if want("zsim run default (s)"):
+        figures["zsim run default (s)"] = _interleaved(trees, repeat, lambda t: _cli(t, ["run", "--quiet"]))
+    if want("zsim tune gpt3-175b-zero3 (s)"):
+        tune_json = {t: tmp / f"tune-{i}.json" for i, t in enumerate(trees)}
+        figures["zsim tune gpt3-175b-zero3 (s)"] = _interleaved(
+            trees, slow, lambda t: _cli(t, ["tune", "scenarios/gpt3-175b-zero3.yaml", "--json", str(tune_json[t])]))
+        figures["  configurations simulated"] = [_tune_configurations(tune_json[t]) for t in trees]
+    if want("zsim doctor 70B 8 GPUs ZeRO-3 (s)"):
+        chat = tmp / "chat70b.yaml"
+        chat.write_text(yaml.safe_dump(CHAT_70B))
+        figures["zsim doctor 70B 8 GPUs ZeRO-3 (s)"] = _interleaved(trees, slow, lambda t: _cli(t, ["doctor", str(chat)]))
+    if want("zsim sweep 175B points/s (2 workers)"):
+        base = tmp / "gpt3.yaml"
+        base.write_text(yaml.safe_dump({"name": "gpt3-sweep", **GPT3}))
+        vary = [a for v in SWEEP_VARY for a in ("--vary", v)]
+        points = 1
+        for v in SWEEP_VARY:
+            points *= len(v.split("=", 1)[1].split(","))
+        walls = _interleaved(trees, slow, lambda t: _cli(t, ["sweep", str(base), *vary, "--workers", "2", "--quiet"]))
+        figures["zsim sweep 175B points/s (2 workers)"] = [points / w for w in walls]
     return figures
 
 
@@ -154,11 +165,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tree", action="append", type=Path, help="source tree to measure (repeatable; default: this one)")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--only", default="", help="measure only the figures whose name contains this, e.g. 'PP16'")
     args = ap.parse_args(argv)
     trees = [t.resolve() for t in (args.tree or [ROOT])]
     print(f"load average before: {os.getloadavg()[0]:.2f}")
     with tempfile.TemporaryDirectory() as d:
-        figures = measure(trees, args.repeat, Path(d))
+        figures = measure(trees, args.repeat, Path(d), args.only)
     results = [{k: v[i] for k, v in figures.items()} for i in range(len(trees))]
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     names = [str(t) for t in trees]
@@ -170,6 +182,8 @@ def main(argv=None) -> int:
         ratios = "".join(f"{(v / vals[0]) if v and vals[0] else float('nan'):>12.3f}" for v in vals[1:])
         print(f"{key:<42}{cells}{ratios}")
     for name, r in zip(names, results):
+        if not all(f"175B ZeRO-3 1024 GPUs GAS {g} (CPU s)" in r for g in (1, 16, 10_000)):
+            continue
         g1, g16, g10k = (r[f"175B ZeRO-3 1024 GPUs GAS {g} (CPU s)"] for g in (1, 16, 10_000))
         print(f"{name}: GAS 16 / GAS 1 = {g16 / g1:.2f}x"
               + (f", GAS 10,000 / GAS 1 = {g10k / g1:.2f}x" if g10k else ", GAS 10,000 not measured"))

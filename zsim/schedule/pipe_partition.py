@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from itertools import accumulate
 
 from zsim.errors import ZsimInputError
@@ -54,38 +55,42 @@ def partition_uniform(num_items: int, num_parts: int) -> list[int]:
 def partition_balanced(weights: list[float], num_parts: int) -> list[int]:
     """runtime/utils.py partition_balanced: the linear partition that minimises the spread
     (max - min) of the parts' sums, ties broken toward the later split as DeepSpeed's >=.
-    DeepSpeed's dynamic programme over (items i, parts j, last split k), with the k loop of
-    each j done for every i at once: the same float operations, so the same choice."""
+    Memoised: a search's pipeline variants share their model's partition."""
+    return list(_partition_balanced(tuple(weights), num_parts))
+
+
+@lru_cache(maxsize=64)
+def _partition_balanced(weights: tuple[float, ...], num_parts: int) -> tuple[int, ...]:
+    """DeepSpeed's dynamic programme over (items i, parts j, last split k), its tables stored
+    by column (j) and each (i, j) cell kept in locals while k runs: the same comparisons in
+    the same order (max/min as Python's: the first argument unless the second is larger/smaller)."""
     n, m = len(weights), num_parts
     if n <= m:
-        return partition_uniform(n, m)
-    import numpy as np   # here, not at import: only a pipeline needs it, and it costs a run's start-up 0.1 s
+        return tuple(partition_uniform(n, m))
     inf = float("inf")
-    p = np.array(list(accumulate(weights, initial=0.0)))   # DeepSpeed's prefix sums, added in its order
-    part = p[:, None] - p[None, :]                    # [i, k]: the sum of items k..i-1
-    valid = np.tril(np.ones((n + 1, n + 1), dtype=bool), -1)   # k < i
-    dp_max = np.full((n + 1, m + 1), inf)
-    dp_min = np.full((n + 1, m + 1), inf)
-    dp_cost = np.full((n + 1, m + 1), inf)
-    position = np.zeros((n + 1, m + 1), dtype=np.int64)
-    dp_max[0, 0] = dp_cost[0, 0] = 0.0
-    rows = np.arange(n + 1)
-    for j in range(1, m + 1):
-        max_sum = np.maximum(dp_max[None, :, j - 1], part)
-        min_sum = np.minimum(dp_min[None, :, j - 1], part)
-        cost = np.where(valid, max_sum - min_sum, np.nan)
-        best = np.nanmin(cost[1:], axis=1)            # every i >= 1 has a k < i
-        # the last k reaching the minimum (DeepSpeed updates on >=); inf == inf counts
-        hit = cost[1:] == best[:, None]
-        k = n - np.argmax(hit[:, ::-1], axis=1)
-        i = rows[1:]
-        done = i >= j                                 # DeepSpeed fills j <= i only
-        i, k, best = i[done], k[done], best[done]
-        dp_cost[i, j], dp_max[i, j], dp_min[i, j], position[i, j] = best, max_sum[i, k], min_sum[i, k], k
+    prefix = list(accumulate(weights, initial=0.0))   # DeepSpeed's prefix sums, added in its order
+    dp_max = [[inf] * (n + 1) for _ in range(m + 1)]    # dp_max[j][i]: DeepSpeed's dp_max[i][j]
+    dp_min = [[inf] * (n + 1) for _ in range(m + 1)]
+    position = [[0] * (n + 1) for _ in range(m + 1)]
+    dp_max[0][0] = 0.0
+    for i in range(1, n + 1):
+        top = prefix[i]
+        for j in range(1, min(i, m) + 1):
+            prev_max, prev_min = dp_max[j - 1], dp_min[j - 1]
+            best, best_max, best_min, best_k = inf, inf, inf, 0
+            for k in range(i):
+                part = top - prefix[k]
+                a, b = prev_max[k], prev_min[k]
+                max_sum = part if part > a else a
+                min_sum = part if part < b else b
+                cost = max_sum - min_sum
+                if best >= cost:
+                    best, best_max, best_min, best_k = cost, max_sum, min_sum, k
+            dp_max[j][i], dp_min[j][i], position[j][i] = best_max, best_min, best_k
     parts = [n]
     for j in reversed(range(1, m + 1)):
-        parts.append(int(position[parts[-1], j]))
-    return parts[::-1]
+        parts.append(position[j][parts[-1]])
+    return tuple(parts[::-1])
 
 
 def partition(specs: list[LayerSpec], stages: int, method: str) -> list[int]:
