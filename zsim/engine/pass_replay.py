@@ -78,7 +78,7 @@ class Recording:
         self.costs: list = [None] * n
 
 
-def find_blocks(schedule: Schedule, serial: bool) -> tuple[list[Block], list[int]]:
+def find_blocks(schedule: Schedule, serial: bool, sized: bool) -> tuple[list[Block], list[int]]:
     """The passes of every stage worth replaying, and per op the index of its block (-1: none).
     A pass is a run of a stage's ops (in its program order) of one micro-step's forward, or of
     its recompute and backward, without the point-to-point ops. A block's first op runs on the
@@ -88,9 +88,10 @@ def find_blocks(schedule: Schedule, serial: bool) -> tuple[list[Block], list[int
     forward, step, compute = Phase.FORWARD, Phase.STEP, Stream.COMPUTE
     runs: dict[int, tuple] = {}      # stage -> (pass, ops) of the run being grown
     found: list[list[Op]] = []
+    outside = {id(k) for k in _NOT_IN_PASS}   # an Enum hashes in Python: members by identity
     for op in ops:
         phase = op.phase
-        p = None if op.kind in _NOT_IN_PASS or phase is step else (op.micro_step, phase is forward)
+        p = None if id(op.kind) in outside or phase is step else (op.micro_step, phase is forward)
         cur = runs.get(op.stage)
         if cur is not None and cur[0] == p:
             cur[1].append(op)
@@ -132,28 +133,29 @@ def find_blocks(schedule: Schedule, serial: bool) -> tuple[list[Block], list[int
         ds = awaited[b.index]
         b.outside_awaited = tuple(sorted(b.pos[d] for d in ds))
         b.awaited_ids = frozenset(ds)
-        b.key = _key(b, shapes)
+        b.key = _key(b, shapes, sized)
     return blocks, block_of
 
 
-def _key(b: Block, shapes: dict) -> tuple:
-    """What decides a pass's evolution and the shape of its memory effects, but for its stage
-    (whose costs Template.costs says): per op what CostModel.op_cost keys its cost on (the
-    payload's work or call, the hooks, the sizes it allocates), its kind, stream and phase,
-    where its waits inside the pass point (None: outside), how many tags it frees. Enum members
-    by identity (an Enum hashes in Python); a payload by a number per distinct shape (`shapes`:
-    payload id -> number, filled by `_shape`), each shape hashed once per payload object."""
+def _key(b: Block, shapes: dict, sized: bool) -> tuple:
+    """What decides a pass's evolution, but for its stage (whose costs Template.costs says):
+    per op what CostModel.op_cost keys its cost on (the payload's work or call, the hooks, and
+    when `sized` (the profile prices fresh allocations) the sizes it allocates), its kind,
+    stream and phase, where its waits inside the pass point (None: outside), and how many
+    allocations and frees it makes (its memory effects replay from its own lists). Enum
+    members by identity (an Enum hashes in Python); a payload by a number per distinct shape
+    (`shapes`: payload id -> number, filled by `_shape`), each shape hashed once per payload."""
     where = b.pos.get
     out: list = []
     add = out.append
     for op in b.ops:
-        allocs = op.alloc
         p = op.payload
         shape = shapes.get(id(p))
         if shape is None:
             shape = _shape(shapes, p)
+        allocs = op.alloc
         add((id(op.kind), id(op.stream), id(op.phase), shape, op.hook_visits, op.grad_hooks, op.host_views,
-             tuple([(id(a.category), a.size_bytes, a.touched_bytes) for a in allocs]) if allocs else (),
+             tuple([(a.size_bytes, a.touched_bytes) for a in allocs]) if sized and allocs else len(allocs),
              len(op.free_before), len(op.free), tuple(map(where, op.deps))))
     return tuple(out)
 

@@ -283,8 +283,8 @@ class _Engine:
         self.touched: dict[tuple, tuple[int, ...]] = {}
         self.block_of: list[int] = []
         if replay:
-            serial = not cluster.profile.gpu.concurrent_streams
-            blocks, self.block_of = find_blocks(schedule, serial)
+            gpu = cluster.profile.gpu
+            blocks, self.block_of = find_blocks(schedule, not gpu.concurrent_streams, bool(gpu.fresh_alloc_GBps))
             self.firsts = {b.first_id: b for b in blocks}
 
     def begin(self, block: Block, run: _StreamRun) -> bool:
