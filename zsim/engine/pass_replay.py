@@ -13,13 +13,17 @@ same shape, on a stage where its ops cost what they did (its own, or one placed 
 timer of the recorded length, after which its ops get the recorded times and its
 memory effects (its own tags, in the recorded order) go to the ledger.
 
-That is exact only while the pass is isolated, so it is checked, not assumed: a pass is
+That holds only while the pass is isolated, so it is checked, not assumed: a pass is
 recorded or replayed only when every op of its stage before it has ended, none of its stage's
-other streams is inside an op, nothing in flight touches its rank, and every op it waits on
+other streams is inside an op, no job in flight crosses its rank, and every op it waits on
 outside itself has ended; an op from outside that touches the stage's rank while a pass is
-recorded spoils the recording, and while one is replayed it raises `ReplayConflict`, and
-run_ops simulates the whole step again without replay. Ops outside a pass that wait on one of
-its ops must wait on one that ends last (they are signalled at the replay's end).
+recorded (when it starts, or when its work starts after its fixed time) spoils the recording,
+and while one is replayed raises `ReplayConflict`, and run_ops simulates the whole step again
+without replay. Ops outside a pass that wait on one of its ops must wait on one that ends last
+(they are signalled at the replay's end): which ops those are is part of a pass's shape, and a
+recording where one ended earlier is not kept. A stage's ledger gets the same events in the same
+order; times are the recorded offsets added to the replayed pass's start, so they match a full
+simulation to float rounding (about 1e-14 of the step), not to the bit.
 """
 from __future__ import annotations
 
@@ -133,7 +137,8 @@ def find_blocks(schedule: Schedule, serial: bool, sized: bool) -> tuple[list[Blo
         ds = awaited[b.index]
         b.outside_awaited = tuple(sorted(b.pos[d] for d in ds))
         b.awaited_ids = frozenset(ds)
-        b.key = _key(b, shapes, sized)
+        # which of its ops others wait on is part of its shape: they must end last (finish)
+        b.key = (b.outside_awaited, _key(b, shapes, sized))
     return blocks, block_of
 
 

@@ -203,6 +203,8 @@ class _StreamRun:
             if self.waited == 1:
                 c = self.cost
                 if c.work_s > 0 or c.links != COMPUTE:
+                    if eng.active:
+                        eng.watch_work(op, c.links)
                     self.waited = 2
                     eng.fluid.submit(c.links, c.work_s, self.run)
                     return
@@ -334,12 +336,7 @@ class _Engine:
         bi = self.block_of[op.id]
         active = self.active
         ranks = self._ranks(cost.links, op.stage)
-        for r in ranks:
-            rec = active.get(r)
-            if rec is not None and rec.block.index != bi:
-                if rec.replay:
-                    raise ReplayConflict(f"stage {r}: op {op.id} touched it during a replayed pass")
-                rec.spoiled = True
+        self._guard(op, ranks, bi)
         rec = active.get(op.stage)
         if rec is not None and rec.block.index == bi:
             if ranks != (op.stage,):
@@ -348,6 +345,20 @@ class _Engine:
             rec.starts[j] = start_s
             rec.costs[j] = cost_shape(cost)
             rec.effects.append((False, j, start_s))
+
+    def _guard(self, op: Op, ranks: tuple[int, ...], bi: int):
+        active = self.active
+        for r in ranks:
+            rec = active.get(r)
+            if rec is not None and rec.block.index != bi:
+                if rec.replay:
+                    raise ReplayConflict(f"stage {r}: op {op.id} touched it during a replayed pass")
+                rec.spoiled = True
+
+    def watch_work(self, op: Op, links: tuple[str, ...]):
+        """An op's work starts after its fixed time while passes are recorded or replayed: the
+        same check as at its start (it may have started before the pass did)."""
+        self._guard(op, self._ranks(links, op.stage), self.block_of[op.id])
 
     def watch_end(self, op: Op, end_s: float):
         rec = self.active.get(op.stage)

@@ -79,6 +79,8 @@ class StageHooks:
 
     def stationary(self, ctx: StepContext, phase: Phase, micro: int) -> bool:
         """Whether a pass of `phase` at `micro` adds the same ops, but for its micro-step, as
-        any other pass these hooks call stationary (see [Note: pass templates]). Hooks that
-        keep state across modules or micro-steps say no."""
+        any other pass these hooks call stationary, and changes nothing else: no op added
+        before it, no state of the hooks or the context (see [Note: pass templates]; a copy
+        repeats only the pass's own ops). Hooks that keep state across modules or micro-steps
+        say no."""
         return False
