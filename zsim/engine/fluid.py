@@ -120,11 +120,18 @@ class Fluid:
         self.facts: dict[tuple[str, ...], tuple] = {}
         self.touching: dict[int, int] = {}       # per rank (pipeline stage): jobs crossing its links
 
-    def is_compute(self, links: tuple[str, ...]) -> bool:
+    def _facts(self, links: tuple[str, ...]) -> tuple:
         facts = self.facts.get(links)
         if facts is None:
             facts = self.facts[links] = _link_facts(links)
-        return facts[0]
+        return facts
+
+    def is_compute(self, links: tuple[str, ...]) -> bool:
+        return self._facts(links)[0]
+
+    def ranks(self, links: tuple[str, ...]) -> tuple[int, ...]:
+        """The ranks (pipeline stages) whose links a job over `links` crosses."""
+        return self._facts(links)[3]
 
     def submit(self, links: tuple[str, ...], work_s: float, resume, delay_s: float = 0.0):
         """Serve `work_s` over `links`, then call `resume(None)`. A compute job may start
@@ -135,9 +142,7 @@ class Fluid:
             self.clock.soon(resume)
             return
         now = self.clock.env.now
-        facts = self.facts.get(links)
-        if facts is None:
-            facts = self.facts[links] = _link_facts(links)
+        facts = self.facts.get(links) or self._facts(links)
         assert delay_s == 0.0 or facts[0], "only a compute job starts later"
         self.seq += 1
         job = _Job(resume, links, facts, self.seq, work_s, now + delay_s)

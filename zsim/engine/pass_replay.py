@@ -68,18 +68,23 @@ class Template:
 
 
 class Recording:
-    """A pass being simulated (`replay` False) or replayed (True) on its stage."""
-    __slots__ = ("block", "replay", "t0", "spoiled", "starts", "ends", "effects", "ended", "template", "costs")
+    """A pass on its stage, being simulated and recorded, or replayed from `template`."""
+    __slots__ = ("block", "t0", "spoiled", "starts", "ends", "effects", "ended", "template", "costs")
 
-    def __init__(self, block: Block, replay: bool, t0: float, template: Template | None = None):
-        self.block, self.replay, self.t0, self.template = block, replay, t0, template
+    def __init__(self, block: Block, t0: float, template: Template | None = None):
+        self.block, self.t0, self.template = block, t0, template
         self.spoiled = False
-        n = len(block.ops)
-        self.starts: list = [None] * n
-        self.ends: list = [None] * n
-        self.effects: list = []
         self.ended = 0
-        self.costs: list = [None] * n
+        if template is None:    # what a replay has in its template
+            n = len(block.ops)
+            self.starts: list = [None] * n
+            self.ends: list = [None] * n
+            self.costs: list = [None] * n
+            self.effects: list = []
+
+    @property
+    def replay(self) -> bool:
+        return self.template is not None
 
 
 def find_blocks(schedule: Schedule, serial: bool, sized: bool) -> tuple[list[Block], list[int]]:

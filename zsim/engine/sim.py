@@ -27,7 +27,6 @@ from zsim.engine.fluid import Clock, Fluid
 from zsim.engine.ledger import Ledger, peak_and_breakdown, timeline
 from zsim.engine.pass_replay import Block, Recording, ReplayConflict, Template, cost_shape, find_blocks, finish
 from zsim.hardware.cost_model import COMPUTE, CostModel
-from zsim.hardware.placement import link_rank
 from zsim.schedule.ir import Op, Schedule, Stream, STREAMS, Tag
 
 if TYPE_CHECKING:   # layer_repeat.py builds on this module
@@ -155,12 +154,11 @@ class _StreamRun:
     """One stream of one stage: its ops in FIFO order, each waiting for its deps, then its
     fixed time, then its work. A state machine driven by callbacks (rather than a simpy process:
     the same instants in the same order, without a generator and its events)."""
-    __slots__ = ("ops", "i", "waited", "start_s", "cost", "ledger", "engine", "replaying")
+    __slots__ = ("ops", "i", "waited", "start_s", "cost", "ledger", "engine")
 
     def __init__(self, ops: list[Op], ledger: Ledger, engine: "_Engine"):
         self.ops, self.ledger, self.engine = ops, ledger, engine
         self.i, self.waited, self.start_s, self.cost = 0, 0, 0.0, None
-        self.replaying: Recording | None = None
 
     def run(self, _event=None):
         """Run ops until one has to wait; `waited` says how far the current op got (0: its deps,
@@ -223,10 +221,9 @@ class _StreamRun:
     def replayed(self, _event):
         """The end of a replayed pass: its ops' times and memory effects as recorded, from its
         start; the stage's streams past its ops; its ends signalled in the recorded order."""
-        rec, self.replaying = self.replaying, None
         eng, ledger = self.engine, self.ledger
+        rec = eng.active.pop(self.ops[self.i].stage)    # this stream waits at the pass's first op
         block, tpl, t0 = rec.block, rec.template, rec.t0
-        del eng.active[block.stage]
         ops = block.ops
         alloc, free = ledger.alloc, ledger.free
         for is_end, j, off in tpl.effects:
@@ -306,9 +303,9 @@ class _Engine:
         if tpl is None:
             tpl = self._recorded_alike(block)
         if tpl is None:
-            self.active[s] = Recording(block, False, now)
+            self.active[s] = Recording(block, now)
             return False
-        self.active[s] = run.replaying = Recording(block, True, now, tpl)
+        self.active[s] = Recording(block, now, tpl)
         replayed = self.replayed
         for op in block.ops:
             replayed[op.id] = True
@@ -324,10 +321,11 @@ class _Engine:
         return None
 
     def _ranks(self, links: tuple[str, ...], stage: int) -> tuple[int, ...]:
+        """The ranks an op of `stage` over `links` touches: its own and those its links cross."""
         key = (links, stage)
         ranks = self.touched.get(key)
         if ranks is None:
-            ranks = self.touched[key] = tuple(sorted({stage} | {link_rank(x) for x in links}))
+            ranks = self.touched[key] = tuple(sorted({stage, *self.fluid.ranks(links)}))
         return ranks
 
     def watch_start(self, op: Op, cost, start_s: float):

@@ -76,8 +76,9 @@ class Zero012Hooks(StageHooks):
         hooks reduce nothing before the boundary); see [Note: pass templates]."""
         if phase != Phase.BACKWARD:
             return True
+        # (below stage 2, the hooks reduce only at stage 1, and then only at the boundary)
         return (0 < micro < ctx.last_micro and self.stage != 2 and (not self.ipg_bytes or self.ipg_micro >= 0)
-                and not self.ipg_per_backward and (not self.reduce_in_hooks or self.stage == 1))
+                and not self.ipg_per_backward)
 
     def post_module(self, ctx, module: Module, micro, phase, op):
         ready = self.ready[module.name]
