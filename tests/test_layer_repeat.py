@@ -146,3 +146,26 @@ def test_tensor_parallel_layers_reused(name):
         full, _ = run_scenario(sc, steady=False)
         _equal_results(reused, full)
         assert isinstance(trace.repeat, LayerRepeat if gas == 1 else LayeredRepeat)
+
+
+@pytest.mark.parametrize("name", ("stage3", "stage3-full"))
+def test_prefetch_several_layers_ahead_still_reused(name):
+    """Under tensor parallelism a rank's share of a layer is small, so ZeRO-3 prefetches several
+    layers ahead: a block waits on a gather issued more blocks back than the settling blocks
+    cover. The blocks kept before each gap grow to that reach, and the layers are still reused."""
+    from zsim.engine import layer_blocks
+    from zsim.schedule.build import build_schedule, workload_for
+    model = {**MODELS["gpt-32"], "model.layers": 48}
+    for gas in (1, 3):
+        sc = scenario(**VARIANTS[name], **model, **{"parallelism.tensor": 2, "parallelism.sequence_parallel": True,
+                                                    "training.gradient_accumulation_steps": gas})
+        wl, schedule = build_schedule(sc, workload_for(sc))
+        sites = layer_blocks._alloc_sites(schedule.ops)
+        passes, _, places = layer_blocks._passes(schedule, wl, sites)
+        reach = max(layer_blocks._reach(schedule.ops, sites, places, passes).values())
+        assert reach > layer_blocks.SETTLING_BLOCKS + 1
+        reused, trace = run_scenario(sc)
+        full, full_trace = run_scenario(sc, steady=False)
+        _equal_results(reused, full)
+        windows = [w for w in trace.repeat.windows if w.name.startswith("forward")]
+        assert windows and len(trace.schedule.ops) < len(full_trace.schedule.ops)

@@ -16,7 +16,8 @@ from zsim.schedule.payloads import Copy, ModulePass
 from zsim.workload.module import Workload
 
 # periodic blocks simulated before a window: the three periods compared (layer_repeat._window)
-# end with it, and one more that may still be settling from the blocks before the run
+# end with it, and one more that may still be settling from the blocks before the run; more when
+# a block waits on (or frees a buffer of) a block further back (`_reach`)
 SETTLING_BLOCKS = 3
 
 
@@ -155,6 +156,7 @@ class Gap:
     length: int
     window: tuple[int, int]
     layers: int = 1             # layers per copy (the period of their IPG buckets)
+    settle: int = SETTLING_BLOCKS   # kept periodic blocks before the window (see `_reach`)
 
 
 def _chunks(blocks, p: int, phase: int, descending: bool) -> list[tuple[int, int, int]]:
@@ -197,20 +199,55 @@ def _passes(schedule: Schedule, wl: Workload, sites):
     return passes, canon, places
 
 
+def _reach(ops, sites, places: _Places, passes) -> dict[tuple[int, str], int]:
+    """Per pass, the most layers between a layer block's op and an op of the same pass it waits
+    on or frees an allocation of (ZeRO-3 prefetches several layers ahead when each rank's share
+    of a layer is small, e.g. under tensor parallelism). A kept block after a gap refers that far
+    back into the dropped blocks, so that many periodic blocks must be kept before the gap for
+    each reference to stand in for (`_stands_in`)."""
+    before, after = sites
+    key = places.key
+    out: dict[tuple[int, str], int] = {}
+    for region, blocks in passes.items():
+        reach = 0
+        for layer, a, end in blocks:
+            for x in range(a, end):
+                for r in [*ops[x].deps, *(q[0] for q in before[x]), *(q[0] for q in after[x])]:
+                    k = key[r]
+                    if k is not None and k[2] >= 0 and k[0] == region[0] and k[1] == region[1]:
+                        reach = max(reach, abs(layer - k[2]))
+        out[region] = reach
+    return out
+
+
+def _least_copies(reach: int, p: int) -> int:
+    """Chunks of `p` layers a gap must drop so that what a kept block after it refers to in the
+    gap stands in for a kept op no kept block after the gap refers to itself (fewer, and two
+    references would name one op: its buffer freed twice)."""
+    return max(1, -(-reach // p))
+
+
+def _settle(reach: int, p: int) -> int:
+    """Periodic chunks of `p` layers kept before a window: SETTLING_BLOCKS, or enough that a
+    block `reach` layers on refers back to kept ones only (the window is one more)."""
+    return max(SETTLING_BLOCKS, -(-reach // p) - 1)
+
+
 # the longest period, in layers, tried: IPG buckets that span a few layers repeat every few layers
 MAX_PERIOD_LAYERS = 8
 
 
-def _layer_gaps(passes, canon) -> list[Gap]:
+def _layer_gaps(passes, canon, reach) -> list[Gap]:
     """Layers [g0, g1) dropped from every micro-step's forward and backward (the same layers, so
     activations stay paired), `p` at a time, for the shortest period p that drops any. Forward: the
-    window is the chunk before g0 after SETTLING_BLOCKS periodic chunks, and the chunk after the gap
+    window is the chunk before g0 after `_settle` periodic chunks, and the chunk after the gap
     is periodic too; backward (layers descending): the window is the chunk from g1, likewise."""
     micros = sorted({m for m, d in passes if d in "fb"})
     if not micros or any((m, d) not in passes for m in micros for d in "fb"):
         return []
-    s = SETTLING_BLOCKS
+    far = max(reach[(m, d)] for m in micros for d in "fb")
     for p in range(1, MAX_PERIOD_LAYERS + 1):
+        s = _settle(far, p)
         for phase in range(p):
             lo, hi = -1 << 30, 1 << 30
             chunks = {}
@@ -230,32 +267,33 @@ def _layer_gaps(passes, canon) -> list[Gap]:
             else:
                 g0 = lo + (phase - lo) % p
                 g1 = hi - (hi - phase) % p
-                if g1 - g0 >= p:
-                    return [_gap(chunks[(m, d)], m, d, g0, g1, p) for m in micros for d in "fb"]
+                if g1 - g0 >= p * _least_copies(far, p):
+                    return [_gap(chunks[(m, d)], m, d, g0, g1, p, s) for m in micros for d in "fb"]
     return []
 
 
-def _gap(chunks, m: int, d: str, g0: int, g1: int, p: int) -> Gap:
+def _gap(chunks, m: int, d: str, g0: int, g1: int, p: int, settle: int) -> Gap:
     at = {low: (a, end) for low, a, end in chunks}
     window, first = (at[g0 - p], at[g0][0]) if d == "f" else (at[g1], at[g1 - p][0])
     what = "forward" if d == "f" else "backward"
     name = f"{what} of layers {g0 - p}-{g0 - 1}" if d == "f" else f"{what} of layers {g1 + p - 1}-{g1}"
-    return Gap(f"{name}, micro-step {m}", (m, d), first, (g1 - g0) // p, window[1] - window[0], window, p)
+    return Gap(f"{name}, micro-step {m}", (m, d), first, (g1 - g0) // p, window[1] - window[0], window, p, settle)
 
 
 def _gaps(schedule: Schedule, wl: Workload, sites) -> tuple[list[Gap], _Places]:
     """The blocks to drop: the layers of every micro-step's forward and backward, and of the
     post-step gathers (one layer at a time)."""
     passes, canon, places = _passes(schedule, wl, sites)
-    gaps = _layer_gaps(passes, canon)
-    s = SETTLING_BLOCKS
+    reach = _reach(schedule.ops, sites, places, passes)
+    gaps = _layer_gaps(passes, canon, reach)
     for (m, d), blocks in passes.items():
+        s = _settle(reach[(m, d)], 1)
         run = _run(blocks, canon, 1, False) if d == "s" else None
-        if run is not None and run[1] - run[0] + 1 > s + 2:
+        if run is not None and run[1] - run[0] - s - 1 >= _least_copies(reach[(m, d)], 1):
             at = {layer: (a, end) for layer, a, end in blocks}
             window = at[run[0] + s]
             gaps.append(Gap(f"post-step gathers of layer {run[0] + s}", (m, d), window[1], run[1] - run[0] - s - 1,
-                            window[1] - window[0], window))
+                            window[1] - window[0], window, settle=s))
     return sorted(gaps, key=lambda g: g.first), places
 
 
@@ -311,6 +349,6 @@ def _stands_in(gap: Gap, r: int, region: tuple[int, str]) -> bool:
     gap's own pass (a kept op of another pass, e.g. the backward below the gap referring to a
     forward block in it, would have to name a different copy)."""
     end = gap.first + gap.count * gap.length
-    return gap.region == region and r >= end - (SETTLING_BLOCKS + 1) * gap.length
+    return gap.region == region and r >= end - (gap.settle + 1) * gap.length
 
 
