@@ -238,38 +238,46 @@ MAX_PERIOD_LAYERS = 8
 
 
 def _layer_gaps(passes, canon, reach) -> list[Gap]:
-    """Layers [g0, g1) dropped from every micro-step's forward and backward (the same layers, so
-    activations stay paired), `p` at a time, for the shortest period p that drops any. Forward: the
-    window is the chunk before g0 after `_settle` periodic chunks, and the chunk after the gap
-    is periodic too; backward (layers descending): the window is the chunk from g1, likewise."""
+    """Layers [g0, g1) dropped from a micro-step's forward and backward (the same layers, so
+    activations stay paired), `p` at a time, for the shortest period p that drops any, in every
+    micro-step whose forward and backward both repeat over them (a boundary backward whose
+    reductions have no short period keeps its micro-step whole). Forward: the window is the
+    chunk before g0 after `_settle` periodic chunks, and the chunk after the gap is periodic
+    too; backward (layers descending): the window is the chunk from g1, likewise."""
     micros = sorted({m for m, d in passes if d in "fb"})
     if not micros or any((m, d) not in passes for m in micros for d in "fb"):
         return []
     far = max(reach[(m, d)] for m in micros for d in "fb")
     for p in range(1, MAX_PERIOD_LAYERS + 1):
         s = _settle(far, p)
+        least = p * _least_copies(far, p)
         for phase in range(p):
             lo, hi = -1 << 30, 1 << 30
-            chunks = {}
+            chunks, joined = {}, []
             for m in micros:
+                m_lo, m_hi = lo, hi
                 for d in "fb":
                     chunks[(m, d)] = _chunks(passes[(m, d)], p, phase, d == "b")
                     run = _run(chunks[(m, d)], canon, p, d == "b")
                     if run is None:
                         break
                     if d == "f":
-                        lo, hi = max(lo, run[0] + (s + 1) * p), min(hi, run[1] - p + 1)
+                        m_lo, m_hi = max(m_lo, run[0] + (s + 1) * p), min(m_hi, run[1] - p + 1)
                     else:
-                        lo, hi = max(lo, run[0] + p), min(hi, run[1] - (s + 1) * p + 1)
+                        m_lo, m_hi = max(m_lo, run[0] + p), min(m_hi, run[1] - (s + 1) * p + 1)
                 else:
-                    continue
-                break
-            else:
-                g0 = lo + (phase - lo) % p
-                g1 = hi - (hi - phase) % p
-                if g1 - g0 >= p * _least_copies(far, p):
-                    return [_gap(chunks[(m, d)], m, d, g0, g1, p, s) for m in micros for d in "fb"]
+                    if _span(m_lo, m_hi, phase, p) >= least:
+                        lo, hi = m_lo, m_hi
+                        joined.append(m)
+            if joined:
+                g0, g1 = lo + (phase - lo) % p, hi - (hi - phase) % p
+                return [_gap(chunks[(m, d)], m, d, g0, g1, p, s) for m in joined for d in "fb"]
     return []
+
+
+def _span(lo: int, hi: int, phase: int, p: int) -> int:
+    """Layers of [lo, hi] in whole chunks of `p` starting at `phase` mod p."""
+    return (hi - (hi - phase) % p) - (lo + (phase - lo) % p)
 
 
 def _gap(chunks, m: int, d: str, g0: int, g1: int, p: int, settle: int) -> Gap:
