@@ -306,3 +306,16 @@ def test_tune_budget_all_evaluates_every_candidate_the_bound_leaves(tmp_path):
     p.write_text(yaml.safe_dump(raw))
     assert main(["tune", str(p), "--budget", "all", "--top", "1"]) == 0
     assert main(["tune", str(p), "--budget", "some"]) == 2
+
+
+@pytest.mark.parametrize("stage", (1, 2, 3))
+def test_the_pruning_bound_stays_below_the_peak_with_checkpoints_on_the_host(stage):
+    """cpu_checkpointing moves every block input to host memory: the bound counts none of them on
+    the GPU (it counted all, above the simulated peak at stage 1)."""
+    from tests.helpers import scenario
+    from tests.test_layer_repeat import MODELS
+    from tests.test_steady import VARIANTS
+    from zsim.api import run_scenario
+    sc = scenario(**{**VARIANTS["stage2-full-cpu-checkpointing"], "deepspeed.zero_optimization.stage": stage},
+                  **MODELS["gpt-32"])
+    assert memory_lower_bound(sc) <= run_scenario(sc)[0].memory.peak_bytes

@@ -161,7 +161,8 @@ def memory_lower_bound(sc, wl=None) -> float:
     """Bytes the simulated peak cannot go below (see module doc); `wl`: the scenario's workload
     when already built."""
     z = sc.zero
-    return _bound(workload_terms(wl or workload_for(sc), sc.training.activation_checkpointing), sc.pipeline_stages,
+    return _bound(workload_terms(wl or workload_for(sc), sc.training.activation_checkpointing,
+                                 sc.deepspeed.activation_checkpointing.cpu_checkpointing), sc.pipeline_stages,
                   sc.data_parallel_size, z.stage, z.optimizer_offload_device, z.param_offload_device, sc.precision,
                   sc.cluster.reserved_bytes)
 
@@ -173,7 +174,8 @@ def point_lower_bound(sc, c: "TunePoint", wl, terms: tuple | None = None) -> flo
     simulating the survivors). `terms`: `workload_terms(wl, c.checkpointing)` when already known
     (candidates sharing a workload and a checkpointing mode share them)."""
     off = OFFLOADS[c.offload]
-    return _bound(terms or workload_terms(wl, c.checkpointing), c.layout.pipeline,
+    return _bound(terms or workload_terms(wl, c.checkpointing, sc.deepspeed.activation_checkpointing.cpu_checkpointing),
+                  c.layout.pipeline,
                   sc.cluster.world_size // c.layout.model_parallel, c.stage,
                   "none" if "device: none" in off[0] else "offloaded",
                   "none" if "device: none" in off[1] else "offloaded", sc.precision,
@@ -192,10 +194,14 @@ def point_workload(sc, c: "TunePoint"):
     return apply_training(wl, training, zero3_linear=c.stage == 3 and sc.zero.memory_efficient_linear)
 
 
-def workload_terms(wl, mode: str) -> tuple[float, float, float]:
+def workload_terms(wl, mode: str, cpu_checkpointing: bool = False) -> tuple[float, float, float]:
     """(parameters, trained parameters, activation bytes one micro-batch holds at the end of its
-    forward under checkpointing `mode`): the parts of the bound that depend on the workload only."""
-    if mode == "full":
+    forward under checkpointing `mode`): the parts of the bound that depend on the workload only.
+    With deepspeed.activation_checkpointing.cpu_checkpointing the block inputs go to host memory
+    (passes.py _checkpoint_block_input): none need stay on the GPU."""
+    if mode == "full" and cpu_checkpointing:
+        acts = 0.0
+    elif mode == "full":
         acts = wl.layers * wl.layer_input_bytes
     elif mode == "selective":
         acts = sum(m.act_bytes - m.act_bytes_s2 for m in wl.modules)
@@ -348,10 +354,11 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60) -
         return workloads[key]
 
     terms: dict = {}    # (workload, checkpointing) -> workload_terms, computed once for the candidates sharing them
+    cpu_checkpointing = base_sc.deepspeed.activation_checkpointing.cpu_checkpointing
     for c in structural_candidates(base_sc):
         wl = workload(c)
         if (id(wl), c.checkpointing) not in terms:
-            terms[id(wl), c.checkpointing] = workload_terms(wl, c.checkpointing)
+            terms[id(wl), c.checkpointing] = workload_terms(wl, c.checkpointing, cpu_checkpointing)
         if point_lower_bound(base_sc, c, wl, terms[id(wl), c.checkpointing]) > capacity:
             pruned.append(c)
         else:
