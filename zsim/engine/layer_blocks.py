@@ -200,22 +200,24 @@ def _passes(schedule: Schedule, wl: Workload, sites):
 
 
 def _reach(ops, sites, places: _Places, passes) -> dict[tuple[int, str], int]:
-    """Per pass, the most layers between a layer block's op and an op of the same pass it waits
-    on or frees an allocation of (ZeRO-3 prefetches several layers ahead when each rank's share
-    of a layer is small, e.g. under tensor parallelism). A kept block after a gap refers that far
-    back into the dropped blocks, so that many periodic blocks must be kept before the gap for
-    each reference to stand in for (`_stands_in`)."""
+    """Per pass, the most layers between an op of its middle layer block and an op of the same
+    pass it waits on or frees an allocation of (ZeRO-3 prefetches several layers ahead when each
+    rank's share of a layer is small, e.g. under tensor parallelism). A kept block after a gap
+    refers that far back into the dropped blocks, so that many periodic blocks must be kept
+    before the gap for each reference to stand in for (`_stands_in`). Every block of a run of
+    identical blocks refers as far (`_canon` compares the references); one outside the runs
+    that refers further into a gap is caught by `_stands_in` (every op is then simulated)."""
     before, after = sites
     key = places.key
     out: dict[tuple[int, str], int] = {}
     for region, blocks in passes.items():
+        layer, a, end = blocks[len(blocks) // 2]
         reach = 0
-        for layer, a, end in blocks:
-            for x in range(a, end):
-                for r in [*ops[x].deps, *(q[0] for q in before[x]), *(q[0] for q in after[x])]:
-                    k = key[r]
-                    if k is not None and k[2] >= 0 and k[0] == region[0] and k[1] == region[1]:
-                        reach = max(reach, abs(layer - k[2]))
+        for x in range(a, end):
+            for r in [*ops[x].deps, *(q[0] for q in before[x]), *(q[0] for q in after[x])]:
+                k = key[r]
+                if k is not None and k[2] >= 0 and k[0] == region[0] and k[1] == region[1]:
+                    reach = max(reach, abs(layer - k[2]))
         out[region] = reach
     return out
 
