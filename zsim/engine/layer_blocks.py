@@ -207,19 +207,24 @@ def _reach(ops, sites, places: _Places, passes) -> dict[tuple[int, str], int]:
     before the gap for each reference to stand in for (`_stands_in`). Every block of a run of
     identical blocks refers as far (`_canon` compares the references); one outside the runs
     that refers further into a gap is caught by `_stands_in` (every op is then simulated)."""
-    before, after = sites
     key = places.key
     out: dict[tuple[int, str], int] = {}
     for region, blocks in passes.items():
         layer, a, end = blocks[len(blocks) // 2]
         reach = 0
         for x in range(a, end):
-            for r in [*ops[x].deps, *(q[0] for q in before[x]), *(q[0] for q in after[x])]:
+            for r in _refs(ops[x], sites):
                 k = key[r]
                 if k is not None and k[2] >= 0 and k[0] == region[0] and k[1] == region[1]:
                     reach = max(reach, abs(layer - k[2]))
         out[region] = reach
     return out
+
+
+def _refs(op: Op, sites) -> list[int]:
+    """The ops `op` waits on or frees an allocation of (before it runs or after)."""
+    before, after = sites
+    return [*op.deps, *(r for r, _ in before[op.id]), *(r for r, _ in after[op.id])]
 
 
 def _least_copies(reach: int, p: int) -> int:
@@ -232,7 +237,7 @@ def _least_copies(reach: int, p: int) -> int:
 def _settle(reach: int, p: int) -> int:
     """Periodic chunks of `p` layers kept before a window: SETTLING_BLOCKS, or enough that a
     block `reach` layers on refers back to kept ones only (the window is one more)."""
-    return max(SETTLING_BLOCKS, -(-reach // p) - 1)
+    return max(SETTLING_BLOCKS, _least_copies(reach, p) - 1)
 
 
 # the longest period, in layers, tried: IPG buckets that span a few layers repeat every few layers
@@ -340,8 +345,7 @@ def compress(schedule: Schedule, wl: Workload) -> tuple[Schedule, list[Gap], lis
         op = ops[x]
         # a dropped op stands for its copy only within its own pass: a kept op of another pass
         # that refers to it (the backward below the gap to a forward block in it) would not fit
-        refs = list(op.deps) + [s[0] for s in before[x]] + [s[0] for s in after[x]]
-        if any(gap_of[r] >= 0 and not _stands_in(gaps[gap_of[r]], r, places.key[x][:2]) for r in refs):
+        if any(gap_of[r] >= 0 and not _stands_in(gaps[gap_of[r]], r, places.key[x][:2]) for r in _refs(op, sites)):
             return None
         deps = tuple(sorted({new_id[target[d]] for d in op.deps}))
         if any(d < 0 for d in deps):
