@@ -51,6 +51,9 @@ def main(argv=None) -> int:
     parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
     args = parser.parse_args(argv)
     try:
+        if args.command in COMMANDS:
+            from zsim.commands.common import check_output_paths
+            check_output_paths(args)
         return args.func(args)
     except BrokenPipeError:
         # the reader (e.g. `| head`) closed the pipe: stop quietly (Python docs, "Note on SIGPIPE")

@@ -25,7 +25,11 @@ MAX_NESTING = 64
 def read_text(path: Path, field: str, what: str) -> str:
     """The file's text; `field` names the argument or key it came from, `what` the kind of file."""
     if not path.is_file():
-        raise ZsimInputError(field, str(path), f"file not found; give the path of {what}")
+        try:
+            kind = ("is a directory" if path.is_dir() else "is not a regular file" if path.exists() else "file not found")
+        except (OSError, ValueError):
+            kind = "file not found"
+        raise ZsimInputError(field, str(path), f"{kind}; give the path of {what}")
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
@@ -62,6 +66,9 @@ def parse_yaml(text: str, field: str, value: object):
     per process (_safe_load); every call returns a fresh copy."""
     try:
         data = _safe_load(text)
+    except DuplicateKey as exc:
+        raise ZsimInputError(field, value, f"has the key '{exc.key}' twice (lines {exc.lines[0]} and {exc.lines[1]}); "
+                             "keep one (DeepSpeed refuses duplicate keys too)") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
@@ -77,15 +84,47 @@ def parse_yaml(text: str, field: str, value: object):
 # one scenario and its profile, and the pure-Python parser takes about 10 ms for a 4 KB profile.
 @functools.lru_cache(maxsize=32)
 def _safe_load(text: str):
-    return yaml.safe_load(text)
+    return yaml.load(text, Loader=_UniqueKeyLoader)
+
+
+class DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: str, lines: tuple[int, int]):
+        super().__init__(f"duplicate key {key!r}")
+        self.key, self.lines = key, lines
+
+
+class _UniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+    """yaml.safe_load (libyaml's parser where installed, several times faster than the pure-Python
+    one) that refuses a mapping with a key twice, where PyYAML keeps the last silently: a user's
+    second `zero_optimization:` block would otherwise replace the first without a word.
+    DeepSpeed loads its config with object_pairs_hook=dict_raise_error_on_duplicate_keys
+    (runtime/config.py, config_utils.py). Merge keys (<<) may still be overridden, as YAML says."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                key = (key_node.tag, key_node.value)
+                if key in seen:
+                    raise DuplicateKey(key_node.value, (seen[key], key_node.start_mark.line + 1))
+                seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
 
 
 def parse_json(text: str, field: str, value: object):
     def non_finite(word: str):
         # Python's json reads NaN/Infinity, which JSON does not have and no zsim number may be
         raise ZsimInputError(field, value, f"holds {word}, which is not JSON; give finite numbers")
+    def unique(pairs):
+        out = {}
+        for k, v in pairs:
+            if k in out:
+                # DeepSpeed's own loader refuses it (runtime/config_utils.py dict_raise_error_on_duplicate_keys)
+                raise ZsimInputError(field, value, f"has the key '{k}' twice in one object; keep one")
+            out[k] = v
+        return out
     try:
-        data = json.loads(text, parse_constant=non_finite)
+        data = json.loads(text, parse_constant=non_finite, object_pairs_hook=unique)
     except json.JSONDecodeError as exc:
         raise ZsimInputError(field, value, f"not valid JSON (line {exc.lineno}: {exc.msg}); fix the file") from None
     except RecursionError:

@@ -48,7 +48,8 @@ def _number(value, path: str, want_int: bool):
     if abs(value) > MAX_MAGNITUDE:
         raise ZsimInputError(path, value, "too large: zsim reads numbers up to 2**63 (DeepSpeed's int64 sizes)")
     if value and abs(value) < MIN_NONZERO_MAGNITUDE:
-        raise ZsimInputError(path, value, "too small: give 0 or a magnitude of at least 1e-9")
+        raise ZsimInputError(path, value, "too small: zsim reads magnitudes of at least 1e-9 (or exactly 0, where the key "
+                             "allows it)")
     if want_int:
         if isinstance(value, float):
             if not value.is_integer():

@@ -123,6 +123,8 @@ def main(args) -> int:
     from calibration.validation import (collective_summary, compare, prediction_overrides, render_text,
                                         tensor_and_pipe_calls)
 
+    from zsim.commands.common import check_output_paths
+    check_output_paths(args)   # before the run: an output must not replace the scenario or the other output
     python = args.python or sys.executable
     if args.engine not in ENGINES:
         raise ZsimInputError("--engine", args.engine, "use one of: " + ", ".join(ENGINES))

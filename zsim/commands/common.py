@@ -2,6 +2,7 @@
 flags that fill in what a ds_config lacks (zsim.config.source)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from zsim.errors import ZsimInputError
@@ -41,11 +42,15 @@ def scenario_overrides(args) -> tuple[str, ...]:
     from zsim.config.scenario import source_is_ds_config
     from zsim.config.source import cluster_overrides
 
-    gpus = _count("--gpus", getattr(args, "gpus", None) or getattr(args, "gpus_per_node", None))
+    gpus = getattr(args, "gpus", None)
+    gpus = _count("--gpus", gpus if gpus is not None else getattr(args, "gpus_per_node", None))
     nodes = _count("--nodes", args.nodes)
-    overrides = cluster_overrides(source_is_ds_config(args.scenario), args.scenario, args.model, gpus, nodes,
-                                  args.profile) + tuple(args.set or ())
-    derived, note = rederive_batch(args.scenario, overrides)
+    ds_config = source_is_ds_config(args.scenario)
+    flags = cluster_overrides(ds_config, args.scenario, args.model, gpus, nodes, args.profile)
+    overrides = flags + tuple(args.set or ())
+    # a ds_config's cluster comes from the flags alone: they complete it, they move nothing
+    derived, note = (rederive_batch(args.scenario, tuple(args.set or ()), base=flags) if ds_config
+                     else rederive_batch(args.scenario, overrides))
     if note:
         print(f"zsim: note: {note}", file=sys.stderr)
     return overrides + derived
@@ -70,6 +75,16 @@ def headroom_fraction(text: str) -> float:
     return value
 
 
+def add_width_arg(p):
+    p.add_argument("--width", type=int, metavar="COLS", help="table width (default: the terminal's; 400 when piped)")
+
+
+def table_width(value: int | None) -> int | None:
+    if value is not None and not 20 <= value <= 10_000:
+        raise ZsimInputError("--width", value, "give 20 to 10000 columns")
+    return value
+
+
 def add_workers_arg(p, what: str):
     import os
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
@@ -84,3 +99,61 @@ def workers_count(value: int) -> int:
     if not 1 <= value <= max_workers:
         raise ZsimInputError("--workers", value, f"use 1 to {max_workers} worker processes (4 per CPU core)")
     return value
+
+
+# the attributes commands keep their file arguments in, with the flag a user typed
+OUTPUT_FLAGS = (("json", "--json"), ("csv", "--csv"), ("trace", "--trace"), ("plot", "--plot"), ("out", "--out"),
+                ("scenario_out", "--scenario-out"))
+INPUT_FLAGS = (("scenario", "SCENARIO"), ("results", "RESULTS"), ("model", "--model"), ("profile", "--profile"))
+
+
+def _is_file(path: str) -> bool:
+    try:
+        return Path(path).is_file()
+    except (OSError, ValueError):   # a name too long for the OS, a NUL byte: not a file of ours
+        return False
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name one file (hard links and symlinks included); a path that does not
+    exist yet is compared by where it would be created."""
+    try:
+        if a.exists() and b.exists():
+            return os.path.samefile(a, b)
+        return a.resolve() == b.resolve()
+    except (OSError, ValueError, RuntimeError):
+        return False
+
+
+def check_output_paths(args):
+    """Refuse, before anything runs, an output that would replace one of the command's inputs
+    (`zsim run --json scenarios/default.yaml`), an output named twice (`--json x --trace x`: one
+    would be lost) and an output that is a directory. Replacing an earlier output is allowed and
+    said on stderr (writers.save)."""
+    inputs = [(flag, v) for attr, flag in INPUT_FLAGS
+              if isinstance(v := getattr(args, attr, None), str) and _is_file(v)]
+    for item in getattr(args, "set", None) or ():   # --set model.hf_config=PATH and the like
+        key, _, value = item.partition("=")
+        if value and _is_file(value):
+            inputs.append((f"--set {key}", value))
+    outputs: list[tuple[str, str]] = []
+    for attr, flag in OUTPUT_FLAGS:
+        path = getattr(args, attr, None)
+        if not isinstance(path, str) or not path or path == "-":
+            continue
+        p = Path(path)
+        try:
+            is_dir = p.is_dir()
+        except (OSError, ValueError):
+            is_dir = False   # the write itself will name what is wrong with it
+        if is_dir:
+            raise ZsimInputError(flag, path, "is a directory; give a file path (e.g. one inside it)")
+        for other_flag, other in inputs:
+            if _same_file(p, Path(other)):
+                raise ZsimInputError(flag, path, f"is the {other_flag} input, which the output would replace; "
+                                     "give the output its own path")
+        for other_flag, other in outputs:
+            if _same_file(p, Path(other)):
+                raise ZsimInputError(flag, path, f"is also the {other_flag} output, and one would be lost; give "
+                                     "each output its own path")
+        outputs.append((flag, path))

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 
-from zsim.commands.common import add_scenario_args, scenario_overrides
+from zsim.commands.common import add_scenario_args, add_width_arg, scenario_overrides, table_width
 
 NONE = ("deepspeed.zero_optimization.offload_optimizer={device: none}",
         "deepspeed.zero_optimization.offload_param={device: none}")
@@ -64,7 +64,8 @@ def add_parser(sub):
     p.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     p.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
     p.add_argument("--plot", metavar="PATH", help="PNG/SVG: throughput bars and memory breakdown vs capacity")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no table on the terminal")
+    add_width_arg(p)
     p.set_defaults(func=main)
 
 
@@ -73,13 +74,15 @@ def main(args) -> int:
     from zsim.report.table import compare_table
     from zsim.report.writers import dumps, rows_csv, save
 
+    width = table_width(args.width)
     base = Base.load(args.scenario, scenario_overrides(args))
     if args.plot:
         from zsim.report.plots import check_image_path
         check_image_path(args.plot, "--plot")
     rows = compare_rows(base)
     if not args.quiet:
-        compare_table(base.name, rows)
+        from zsim.report.table import make_console
+        compare_table(base.name, rows, make_console(width))
     if args.json:
         save(args.json, dumps(rows))
     if args.csv:

@@ -21,13 +21,26 @@ def add_parser(sub):
     p.add_argument("--like-deepspeed", action="store_true",
                    help="print exactly what DeepSpeed's estimate_zero{2,3}_model_states_mem_needs_all_* print")
     p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="estimator stage (default: the scenario's)")
-    p.add_argument("--total-params", type=int, help="cold mode: total parameters (no scenario model needed)")
-    p.add_argument("--largest-layer-params", type=int, default=0, help="cold mode: largest layer's parameters")
+    p.add_argument("--total-params", type=_count, help="cold mode: total parameters, e.g. 7e9 (no scenario model needed)")
+    p.add_argument("--largest-layer-params", type=_count,
+                   help="cold mode: largest layer's parameters (DeepSpeed's ZeRO-3 estimator needs it)")
     p.add_argument("--gpus-per-node", type=int, help="default: the scenario's")
     p.add_argument("--nodes", type=int, help="default: the scenario's")
     p.add_argument("--buffer-factor", type=float, default=1.5, help="additional_buffer_factor (DeepSpeed default 1.5)")
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     p.set_defaults(func=main)
+
+
+def _count(text: str) -> int:
+    """A parameter count as DeepSpeed users write it: 7000000000, 7e9 or 7_000_000_000."""
+    import argparse
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (e.g. 7e9)") from None
+    if not value.is_integer():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of parameters")
+    return int(value)
 
 
 def _positive(name: str, value):
@@ -44,14 +57,22 @@ def estimator_report(args) -> dict:
 
     for name in ("total_params", "gpus_per_node", "nodes", "buffer_factor"):
         _positive("--" + name.replace("_", "-"), getattr(args, name))
-    _number(args.largest_layer_params, "--largest-layer-params", want_int=True)
-    if args.largest_layer_params < 0:
-        raise ZsimInputError("--largest-layer-params", args.largest_layer_params, "must be 0 or more")
+    if args.largest_layer_params is not None:
+        _number(args.largest_layer_params, "--largest-layer-params", want_int=True)
+        if args.largest_layer_params < 0:
+            raise ZsimInputError("--largest-layer-params", args.largest_layer_params, "must be 0 or more")
     sc = None
     if args.total_params is None or args.gpus_per_node is None or args.nodes is None or args.stage is None:
         sc = load_scenario(args.scenario, scenario_overrides(args))
     if args.total_params is not None:
         total, largest, mode = args.total_params, args.largest_layer_params, "cold"
+        stage_now = args.stage if args.stage is not None else sc.zero.stage
+        if largest is None and stage_now == 3:
+            # estimate_zero3_model_states_mem_needs_all_cold(total_params, largest_layer_params, ...):
+            # the largest layer's gathered 16-bit copy is part of the ZeRO-3 row
+            raise ZsimInputError("--largest-layer-params", None, "DeepSpeed's ZeRO-3 estimator needs the largest "
+                                 "layer's parameter count; give --largest-layer-params N")
+        largest = largest or 0
     else:
         total, largest = params_like_deepspeed(workload_for(sc))
         mode = "live"
@@ -180,9 +201,9 @@ def _state_notes(sc, row, zsim_states) -> list[str]:
 
 
 def main(args) -> int:
-    from zsim.report.writers import dumps, write_atomic
+    from zsim.report.writers import dumps, save
 
-    cold = (("--total-params", args.total_params, None), ("--largest-layer-params", args.largest_layer_params, 0))
+    cold = (("--total-params", args.total_params, None), ("--largest-layer-params", args.largest_layer_params, None))
     for flag, value, unset in cold:
         if not args.like_deepspeed and value != unset:
             raise ZsimInputError(flag, value, "is read only with --like-deepspeed (DeepSpeed's estimator for a "
@@ -194,7 +215,7 @@ def main(args) -> int:
         rep = compare_report(args)
         _print_compare(rep)
     if args.json:
-        write_atomic(args.json, dumps(rep))
+        save(args.json, dumps(rep))
     return 0
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from zsim.commands.common import add_headroom_arg, add_scenario_args, headroom_fraction, scenario_overrides
+from zsim.commands.common import (add_headroom_arg, add_scenario_args, add_width_arg, headroom_fraction,
+                                  scenario_overrides, table_width)
 
 # `--check`: the exit code a script can gate on when the step is predicted not to fit
 EXIT_OOM = 3
@@ -19,7 +20,7 @@ def add_parser(sub):
     p.add_argument("--check", action="store_true",
                    help=f"exit {EXIT_OOM} when the step does not fit (GPU or host memory, with --headroom)")
     add_headroom_arg(p)
-    p.add_argument("--width", type=int, metavar="COLS", help="table width (default: the terminal's; 400 when piped)")
+    add_width_arg(p)
     # hidden: simulate every micro-step instead of reusing the steady state (zsim/engine/steady.py)
     p.add_argument("--full-simulation", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=main)
@@ -28,12 +29,10 @@ def add_parser(sub):
 def main(args) -> int:
     from zsim.api import run_scenario
     from zsim.config.scenario import load_scenario
-    from zsim.errors import ZsimInputError
     from zsim.units import GiB
 
     headroom = headroom_fraction(args.headroom)
-    if args.width is not None and not 20 <= args.width <= 10_000:
-        raise ZsimInputError("--width", args.width, "give 20 to 10000 columns")
+    table_width(args.width)
     sc = load_scenario(args.scenario, scenario_overrides(args))
     result, trace = run_scenario(sc, steady=not args.full_simulation)
     if not args.quiet:

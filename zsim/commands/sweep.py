@@ -4,7 +4,8 @@ from __future__ import annotations
 import itertools
 import sys
 
-from zsim.commands.common import add_scenario_args, add_workers_arg, scenario_overrides, workers_count
+from zsim.commands.common import (add_scenario_args, add_width_arg, add_workers_arg, scenario_overrides, table_width,
+                                  workers_count)
 from zsim.errors import ZsimInputError
 
 
@@ -118,6 +119,18 @@ def run_sweep(path: str, overrides: tuple[str, ...], axes, workers: int, progres
     return sorted(rows, key=lambda r: r["point"])
 
 
+def _check_axis_keys(path: str, overrides: tuple[str, ...], axes):
+    """A misspelt --vary key is bad input (exit 2), not a sweep of failed points: no value can
+    make an unknown key valid. A value that fails only in some points stays in its row."""
+    from zsim.config.scenario import load_scenario
+    for key, values in axes:
+        try:
+            load_scenario(path, overrides + (f"{key}={values[0]}",))
+        except ZsimInputError as err:
+            if err.fix.startswith("unknown key"):
+                raise ZsimInputError(f"--vary {err.field}", err.value, err.fix) from None
+
+
 def add_parser(sub):
     p = sub.add_parser("sweep", help="simulate the cartesian product of varied scenario keys")
     add_scenario_args(p, optional=False)
@@ -130,7 +143,8 @@ def add_parser(sub):
                    help="local: a process pool on this machine (default); dask: the workers of a Dask "
                         "distributed cluster (pip install -e '.[distributed]')")
     p.add_argument("--scheduler", metavar="ADDRESS", help="the Dask scheduler, e.g. tcp://HOST:8786 (--executor dask)")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bar and no table on the terminal")
+    add_width_arg(p)
     p.set_defaults(func=main)
 
 
@@ -138,6 +152,7 @@ def main(args) -> int:
     from zsim.report.writers import dumps, rows_csv, save
 
     workers_count(args.workers)
+    width = table_width(args.width)
     if (args.executor == "dask") != (args.scheduler is not None):
         raise ZsimInputError("--scheduler", args.scheduler,
                              "give --scheduler tcp://HOST:8786 with --executor dask, and only with it")
@@ -145,6 +160,7 @@ def main(args) -> int:
     from zsim.search.variants import Base
     overrides = scenario_overrides(args)
     Base.load(args.scenario, overrides)   # bad base input fails once, here
+    _check_axis_keys(args.scenario, overrides, axes)
     import time
     t0 = time.perf_counter()
     rows = run_sweep(args.scenario, overrides, axes, args.workers, progress=not args.quiet,
@@ -154,8 +170,8 @@ def main(args) -> int:
     for note in dict.fromkeys(r["note"] for r in rows if "note" in r):
         print(f"zsim: note: {note}", file=sys.stderr)
     if not args.quiet:
-        from zsim.report.table import sweep_table
-        sweep_table(rows, [k for k, _ in axes])
+        from zsim.report.table import make_console, sweep_table
+        sweep_table(rows, [k for k, _ in axes], make_console(width))
     print(f"{len(rows)} points ({failed} failed) in {wall:.1f} s, {len(rows) / wall:.1f} points/s", file=sys.stderr)
     if args.csv:
         save(args.csv, rows_csv(rows))

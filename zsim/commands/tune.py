@@ -5,8 +5,8 @@ import json
 import sys
 from pathlib import Path
 
-from zsim.commands.common import (add_headroom_arg, add_scenario_args, add_workers_arg, headroom_fraction,
-                                  scenario_overrides, workers_count)
+from zsim.commands.common import (add_headroom_arg, add_scenario_args, add_width_arg, add_workers_arg,
+                                  headroom_fraction, scenario_overrides, table_width, workers_count)
 from zsim.errors import ZsimInputError
 
 
@@ -25,6 +25,7 @@ def add_parser(sub):
                         "(the --out file when given, else inline)")
     p.add_argument("--json", metavar="PATH", help="write the ranked candidates as JSON")
     p.add_argument("--force", action="store_true", help="overwrite an existing --out or --scenario-out file")
+    add_width_arg(p)
     add_headroom_arg(p)
     add_workers_arg(p, "simulate the configurations the search is about to try")
     p.set_defaults(func=main)
@@ -78,7 +79,7 @@ def main(args) -> int:
 
     import yaml
 
-    from zsim.report.table import tune_table
+    from zsim.report.table import make_console, tune_table
     from zsim.report.writers import dumps, save
     from zsim.config.ds_writer import tuned_ds_config
     from zsim.search.tune import KNOBS, KNOBS_STAGE3, tune
@@ -90,6 +91,7 @@ def main(args) -> int:
     if args.top < 0:
         raise ZsimInputError("--top", args.top, "give 0 or more")
     headroom = headroom_fraction(args.headroom)
+    width = table_width(args.width)
     for flag, path in (("--out", args.out), ("--scenario-out", args.scenario_out)):
         if path and Path(path).exists() and not args.force:
             raise ZsimInputError(flag, path, "the file exists; pass --force to overwrite it or choose another path")
@@ -101,7 +103,7 @@ def main(args) -> int:
     finally:
         base.close()
     res.ranked = distinct(r for r in res.ranked if r[1].fits_with(headroom))
-    tune_table(res, args.top)
+    tune_table(res, args.top, make_console(width))
     print(f"simulated {res.simulated} configurations ({res.shared} of them sharing another's simulation, "
           f"{len(res.pruned)} pruned by the memory lower bound, "
           f"{res.rejected} rejected as invalid) in {res.wall_s:.1f} s", file=sys.stderr)

@@ -56,13 +56,19 @@ def _pinned(raw: dict, training_key: str, ds_key: str) -> bool:
             or (isinstance(ds, dict) and ds.get(ds_key) not in (None, "auto")))
 
 
-def rederive_batch(path: str | Path, overrides: tuple[str, ...]) -> tuple[tuple[str, ...], str | None]:
-    """`rederive_raw` on a scenario file (read only when the overrides move a batch key)."""
+def rederive_batch(path: str | Path, overrides: tuple[str, ...],
+                   base: tuple[str, ...] = ()) -> tuple[tuple[str, ...], str | None]:
+    """`rederive_raw` on a scenario file (read only when the overrides move a batch key). `base`
+    completes the file without moving anything: a ds_config names no cluster, so the --gpus /
+    --nodes / --profile flags define its world rather than change it, and a train_batch_size
+    that disagrees with that world is DeepSpeed's batch assertion to refuse, not to rewrite."""
     if _batch_keys_moved(overrides) is None:
         return (), None
     path = Path(path)
     try:
         raw = load_raw(path)
+        for a in base:
+            raw = apply_set(raw, a)
     except ZsimInputError:
         return (), None
     return rederive_raw(raw, overrides, path.parent, path.stem)

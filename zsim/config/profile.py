@@ -31,6 +31,9 @@ def read_profile_mapping(ref: str, base_dir: Path | None = None) -> tuple[dict, 
         if c.is_file():
             return _parsed(c), str(c)
     names = available_profiles()
+    if p.suffix not in (".yaml", ".yml") and ("/" in ref or p.exists()):
+        raise ZsimInputError("hardware.profile", ref, "a profile is a name or the path of a .yaml/.yml file; give one "
+                             f"of {', '.join(names)} or a profile YAML")
     raise ZsimInputError("hardware.profile", ref,
                          f"no such profile{did_you_mean(ref, names)}; available: {', '.join(names)} or a path to a .yaml file")
 

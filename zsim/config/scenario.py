@@ -122,6 +122,17 @@ def _resolve_model(raw: dict, base_dir: Path) -> ModelSpec:
     return build(ModelSpec, merged, "model")
 
 
+# the training key (the HF Trainer argument) each resolvable ds_config "auto" follows
+AUTO_FOLLOWS = {
+    ("train_micro_batch_size_per_gpu",): ("micro_batch_size",),
+    ("gradient_accumulation_steps",): ("gradient_accumulation_steps",),
+    ("train_batch_size",): ("micro_batch_size", "gradient_accumulation_steps"),
+    ("gradient_clipping",): ("max_grad_norm",),
+    ("fp16", "enabled"): ("precision",),
+    ("bf16", "enabled"): ("precision",),
+}
+
+
 def _resolve_auto(ds: dict, model: ModelSpec, training: TrainingSpec, world_size: int) -> dict:
     """Replace "auto" the way transformers' HfTrainerDeepSpeedConfig does (trainer_config_process
     and trainer_config_finalize in transformers/integrations/deepspeed.py)."""
@@ -141,6 +152,8 @@ def _resolve_auto(ds: dict, model: ModelSpec, training: TrainingSpec, world_size
     mb, gas = training.micro_batch_size, training.gradient_accumulation_steps
     fills[("train_batch_size",)] = mb * gas * world_size if mb and gas else None
 
+    unresolved: list[tuple[str, ...]] = []
+
     def walk(node, path):
         if isinstance(node, dict):
             for k, v in node.items():
@@ -150,13 +163,23 @@ def _resolve_auto(ds: dict, model: ModelSpec, training: TrainingSpec, world_size
                         node[k] = None  # lr, betas, warmup: no effect on time or memory
                         continue
                     if fills.get(key) is None:
-                        dotted = "deepspeed." + ".".join(key)
-                        raise ZsimInputError(dotted, "auto", "zsim cannot resolve this 'auto' from the scenario; "
-                                             "set the value or the training key it follows")
+                        unresolved.append(key)
+                        continue
                     node[k] = fills[key]
                 else:
                     walk(v, path + (k,))
     walk(ds, ())
+    if unresolved:
+        # every 'auto' the scenario cannot fill, in one line, each with the training key
+        # (the HF Trainer argument) it follows, so one edit settles them all
+        wanted = list(dict.fromkeys(
+            w for key in unresolved
+            for w in ([f"training.{t}" for t in AUTO_FOLLOWS[key] if getattr(training, t) is None]
+                      if key in AUTO_FOLLOWS else [f"deepspeed.{'.'.join(key)} to a value"])))
+        autos = ", ".join("deepspeed." + ".".join(key) for key in unresolved)
+        hf = " (the HF Trainer fills it from its arguments)" if any(k in AUTO_FOLLOWS for k in unresolved) else ""
+        raise ZsimInputError(autos, "auto", f"zsim cannot resolve {'these' if len(unresolved) > 1 else 'this'} "
+                             f"'auto'{hf}; set {', '.join(wanted)}")
     for block in ("optimizer", "scheduler"):
         params = ds.get(block, {}).get("params") if isinstance(ds.get(block), dict) else None
         if isinstance(params, dict):
@@ -166,10 +189,17 @@ def _resolve_auto(ds: dict, model: ModelSpec, training: TrainingSpec, world_size
 
 
 def _check_top_level_ds(ds: dict):
-    known = set(accepted_keys(DeepSpeedConfig)) | IGNORED_TOP_LEVEL
+    known = set(accepted_keys(DeepSpeedConfig)) | IGNORED_TOP_LEVEL | {"sequence_parallel_size"}
     for key in ds:
         if key not in known:
             raise unknown_key("deepspeed", str(key), known)
+    sp = ds.get("sequence_parallel_size")
+    if sp not in (None, 1):
+        # DeepSpeed-Ulysses (runtime/config.py get_sequence_parallel_size): its all-to-alls and the
+        # data-parallel group it divides are not simulated; 1, DeepSpeed's default, changes nothing
+        raise ZsimInputError("deepspeed.sequence_parallel_size", sp, "DeepSpeed-Ulysses sequence parallelism is not "
+                             "modelled by zsim yet; remove it or set 1 (Megatron's sequence parallelism is "
+                             "parallelism.sequence_parallel)")
     # DeepSpeed refuses a bad value at start-up (runtime/config.py get_communication_data_type:
     # fp16, bf16 or fp32, any case); the sequence-parallel one is accepted and ignored
     for key in ("communication_data_type", "seq_parallel_communication_data_type"):

@@ -22,9 +22,10 @@ DEFAULT_PROFILE = "dgx-a100-80g"
 
 
 def is_ds_config(data: dict) -> bool:
-    """A mapping with no scenario block and at least one of DeepSpeed's top-level keys."""
+    """A mapping with no scenario block and at least one of DeepSpeed's top-level keys, or an
+    empty one (`{}`: a ds_config of DeepSpeed's defaults, whose cluster the flags give)."""
     ds_keys = set(accepted_keys(DeepSpeedConfig)) | IGNORED_TOP_LEVEL | {"bfloat16"}
-    return not any(k in SCENARIO_KEYS for k in data) and any(k in ds_keys for k in data)
+    return not any(k in SCENARIO_KEYS for k in data) and (not data or any(k in ds_keys for k in data))
 
 
 def as_scenario(data: dict, path: Path) -> dict:
@@ -33,7 +34,14 @@ def as_scenario(data: dict, path: Path) -> dict:
 
 
 def _model_assignment(model: str) -> str:
-    """--model NAME (a preset) or --model path/to/config.json (a Hugging Face config)."""
+    """--model NAME (a preset), --model path/to/config.json (a Hugging Face config) or the
+    model's folder holding its config.json (what from_pretrained is given)."""
+    if Path(model).is_dir():
+        config = Path(model) / "config.json"
+        if not config.is_file():
+            raise ZsimInputError("--model", model, "is a folder without a config.json; give a preset, a Hugging Face "
+                                 "config.json or the model folder that holds it")
+        model = str(config)
     if model.endswith(".json") or Path(model).is_file():
         return f"model={{hf_config: {json.dumps(model)}}}"
     names = preset_names()

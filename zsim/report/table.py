@@ -51,7 +51,7 @@ def _span(values: list[int]) -> str:
 
 def render(r: Result, console: Console | None = None):
     console = console or make_console()
-    head = (f"[bold]{r.scenario}[/bold]: ZeRO stage {r.stage}, {r.world_size} GPUs "
+    head = (f"[bold]{r.scenario}[/bold]: ZeRO stage {r.stage}, {r.world_size} GPU{'s' if r.world_size != 1 else ''} "
             f"({r.nodes} x {r.gpus_per_node} {r.hardware_profile}), {r.precision}, "
             f"{r.n_params / 1e9:.2f} B params{_trainable(r)}, micro-batch {r.micro_batch_size} x GAS "
             f"{r.gradient_accumulation_steps} -> global batch {r.global_batch_size} x {r.seq_len} tokens")

@@ -295,7 +295,8 @@ class Zero12Buckets(_Buckets):
                 # (stage_1_and_2.py allreduce_and_copy), freed once copied back
                 flat = Tag(Buffer.ALLREDUCE_FLAT, micro, f"{self.flushes}/{call}")
                 alloc = (Alloc(flat, Category.BUCKETS, numel * width),)
-            elif self.lazy_grads and call == 0 and self._new_partition(micro, last_rank):
+            elif self.lazy_grads and not ctx.optimizer_offloaded and call == 0 and self._new_partition(micro, last_rank):
+                # (offloaded, copy_grads_in_partition sends the slice to the host's fp32 gradients)
                 held = grads_in_partition_numel(self.groups, self.numels)   # whole params, largest rank
                 alloc = (Alloc(self.partition_tag, Category.GRADIENTS, held * width),)
             # allreduce_bucket casts the flat bucket to communication_data_type (stage_1_and_2.py:2376)

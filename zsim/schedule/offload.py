@@ -85,6 +85,13 @@ def place_states(ctx: StepContext, states: dict[str, float], shard: float) -> di
                 ctx.b.host_alloc("gradient accumulation buffer (16-bit)", ctx.param_bytes * shard)
         if ctx.sc.zero.stage >= 2:
             states[Category.GRADIENTS] = 0.0
+        if z.stage in (1, 2):
+            # stage_1_and_2.py:646-660: the offloaded optimizer's staging buffers for one gradient
+            # of the largest trained param, one on the GPU (temp_grad_buffer_for_gpu_offload) and
+            # one on the host (temp_grad_buffer_for_cpu_offload), both in the 16-bit dtype
+            staging = max((p.numel for p in ctx.wl.params if p.trainable), default=0) * ctx.param_bytes
+            states[Category.GRADIENTS] = states.get(Category.GRADIENTS, 0.0) + staging
+            ctx.b.host_alloc("gradient staging buffer (16-bit)", staging)
     if param_device(ctx) != "none":
         moved = states[Category.PARAMETERS]
         states[Category.PARAMETERS] = 0.0

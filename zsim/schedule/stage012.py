@@ -48,8 +48,13 @@ class Zero012Hooks(StageHooks):
         # see [Note: pipeline gradient reduction]: a pipeline reduces at ReduceGrads only
         self.reduce_in_hooks = not pipelined and not self.boundary_allreduce and (
             self.stage == 2 or (self.stage == 1 and z.overlap))
-        # see [Note: ZeRO-1/2 gradient lifetime]; see [Note: ZeRO-0 gradient lifetime]
-        lazy_grads = self.stage in (0, 1, 2) and not self.bf16_optimizer and not ctx.optimizer_offloaded
+        # see [Note: ZeRO-1/2 gradient lifetime]; see [Note: ZeRO-0 gradient lifetime]. ZeRO-1 with
+        # an offloaded optimizer reduces at the boundary as without it (the hooks that
+        # contiguous_gradients forces on only set up the IPG buffer before then: process_gradients,
+        # stage_1_and_2.py:2284-2291), so its .grads are autograd's until that walk; stage 2's
+        # hooks send each reduced slice to the host (GRADIENTS 0, offload.place_states)
+        lazy_grads = (self.stage in (0, 1, 2) and not self.bf16_optimizer
+                      and (not ctx.optimizer_offloaded or self.stage == 1))
         self.buckets = Zero12Buckets(ctx, lazy_grads, walk_at_boundary=self.stage == 1 and not self.reduce_in_hooks)
         # [Note: IPG buffer lifetime] setup_buckets (stage_1_and_2.py:3256-3279), called by every
         # gradient hook (process_gradients, :2285), allocates the IPG buffer when none is ready

@@ -125,6 +125,14 @@ class ZeroConfig:
                              "partial offloading is only supported for ZeRO stage 3 (DeepSpeed's rule)")
         if not self.compute_grad_norm and self.stage not in (1, 2):
             raise ValueError("compute_grad_norm", False, "compute_grad_norm=false is supported only with ZeRO stage 1 or 2")
+        if self.optimizer_offload_device != "none" and self.stage == 0:
+            # engine.py _configure_basic_optimizer builds DeepSpeedCPUAdam whenever offload_optimizer
+            # names cpu/nvme, but without a ZeRO optimizer nothing moves the fp32 states or the
+            # gradients to the host: its step asserts "CPUAdam param is on cuda:0 and must be 'cpu'"
+            # (ops/adam/cpu_adam.py)
+            raise ValueError("offload_optimizer.device", self.optimizer_offload_device,
+                             "optimizer offload needs ZeRO stage 1, 2 or 3 (at stage 0 DeepSpeed's CPU Adam "
+                             "fails on GPU parameters); set stage >= 1 or offload_optimizer.device: none")
         if self.param_offload_device != "none" and self.stage != 3:
             raise ValueError("offload_param.device", self.param_offload_device,
                              "parameter offload needs ZeRO stage 3; set stage: 3 or remove offload_param")
@@ -257,8 +265,9 @@ class DeepSpeedConfig:
         accum = self.data_types.grad_accum_dtype
         if accum not in (None, model) and not self.uses_bf16_optimizer:
             raise ValueError("data_types.grad_accum_dtype", accum,
-                             f"zsim models grad_accum_dtype {accum} with {model} weights only for ZeRO stage 1 "
-                             "with bf16 (DeepSpeed's BF16_Optimizer); remove it or set it to the model dtype")
+                             f"a grad_accum_dtype other than the weights' ({model}) is modelled only as "
+                             "DeepSpeed's BF16_Optimizer (bf16 weights, fp32 accumulation, ZeRO stage 1 without "
+                             "optimizer offload); remove it or set it to the model dtype")
 
     def not_modelled(self, raw_keys) -> tuple[str, ...]:
         return tuple(f"deepspeed.{k}: {msg}" for k, msg in NOT_MODELLED_TOP_LEVEL.items() if k in raw_keys)
