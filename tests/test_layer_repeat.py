@@ -171,16 +171,16 @@ def test_prefetch_several_layers_ahead_still_reused(name):
         assert windows and len(trace.schedule.ops) < len(full_trace.schedule.ops)
 
 
-def test_a_boundary_backward_without_a_short_period_keeps_only_its_micro_step_whole():
+def test_a_boundary_backward_without_a_short_period_is_simulated_exactly():
     """ZeRO-1 reduces at the boundary only: with buckets of a fractional number of layers its
-    boundary backward has no period of a few layers, while the micro-steps before it repeat layer
-    by layer. Those drop their middle layers; the boundary micro-step is simulated whole."""
+    boundary backward has no period of a few layers. Its walk frees the .grads that the first
+    micro-step's backward allocated layer by layer (see [Note: ZeRO-1/2 gradient lifetime]; with
+    the optimizer offloaded too), so no layer of that first backward can be dropped either: the
+    reuse gives way and the step is the full simulation's."""
     model = {**MODELS["gpt-32"], "model.layers": 48, f"{ZERO}.reduce_bucket_size": 30_000_000,
              f"{ZERO}.offload_optimizer": {"device": "cpu"}, "training.gradient_accumulation_steps": 3}
     sc = scenario(**VARIANTS["stage1-overlap"], **model)
     reused, trace = run_scenario(sc)
     full, full_trace = run_scenario(sc, steady=False)
     _equal_results(reused, full)
-    assert isinstance(trace.repeat, LayerRepeat)
-    assert {w.name.rsplit(" ", 1)[1] for w in trace.repeat.windows} == {"0", "1"}
-    assert len(trace.schedule.ops) < len(full_trace.schedule.ops)
+    assert trace.repeat is None or not any(w.name.startswith(("forward", "backward")) for w in trace.repeat.windows)

@@ -139,3 +139,49 @@ def test_optimizer_offload_lowers_the_gpu_peak(stage):
     host = off.to_dict()["memory"]["host"]["breakdown"]
     assert host["gradient staging buffer (16-bit)"] == pytest.approx(8 * largest)   # per node: 8 ranks
     assert off.memory.peak_bytes < 40 * GiB
+
+
+def _optimizer_states(optimizer: dict, stage: int = 1, **more) -> float:
+    sc = scenario(**{"deepspeed.optimizer": optimizer, "deepspeed.zero_optimization.stage": stage, **more})
+    result, _ = run_scenario(sc)
+    return result.memory.breakdown.get("optimizer states", 0.0)
+
+
+def test_the_optimizer_type_sets_its_states():
+    """See [Note: optimizer states by type]: fp32 master + Adam's two moments (12 bytes a param),
+    Lion's and Adagrad's one state (8), SGD's momentum buffer only with momentum."""
+    adam = _optimizer_states({"type": "AdamW"})
+    assert _optimizer_states({"type": "Lion"}) == pytest.approx(adam * 8 / 12)
+    assert _optimizer_states({"type": "adagrad"}) == pytest.approx(adam * 8 / 12)
+    allow = {"deepspeed.zero_allow_untested_optimizer": True}
+    assert _optimizer_states({"type": "SGD", "params": {"momentum": 0.9}}, **allow) == pytest.approx(adam * 8 / 12)
+    assert _optimizer_states({"type": "SGD", "params": {"lr": 0.1}}, **allow) == pytest.approx(adam * 4 / 12)
+    assert _optimizer_states({"type": "RMSprop", "params": {"momentum": 0.9, "centered": True}},
+                             **allow) == pytest.approx(adam * 16 / 12)
+
+
+@pytest.mark.parametrize("optimizer, stage, more, words", [
+    # engine.py _do_optimizer_sanity_check: ZeRO asserts on an untested optimizer
+    ({"type": "SGD"}, 2, {}, "zero_allow_untested_optimizer"),
+    ({"type": "Lamb"}, 3, {}, "zero_allow_untested_optimizer"),
+    # torch.optim is looked up as written
+    ({"type": "sgd"}, 0, {}, "write SGD"),
+    ({"type": "Adadelta"}, 0, {}, "zsim models Adam"),
+    # no CPU kernel for Lamb: DeepSpeed's FusedLamb cannot step host tensors
+    ({"type": "Lamb"}, 2, {"deepspeed.zero_allow_untested_optimizer": True,
+                           "deepspeed.zero_optimization.offload_optimizer": {"device": "cpu"}}, "CPU optimizers"),
+])
+def test_optimizers_deepspeed_refuses_are_refused(optimizer, stage, more, words):
+    with pytest.raises(Exception) as exc:
+        scenario(**{"deepspeed.optimizer": optimizer, "deepspeed.zero_optimization.stage": stage, **more})
+    assert "deepspeed.optimizer.type" in str(exc.value) and words in str(exc.value)
+
+
+def test_a_lighter_cpu_optimizer_steps_faster_on_the_host():
+    off = {"deepspeed.zero_optimization.offload_optimizer": {"device": "cpu"}, "deepspeed.zero_optimization.stage": 2,
+           "model": {"preset": "gpt2-xl"}}
+    adam, _ = run_scenario(scenario(**off))
+    lion, _ = run_scenario(scenario(**off, **{"deepspeed.optimizer": {"type": "Lion"}}))
+    assert lion.step_time_s < adam.step_time_s
+    host = lambda r: r.to_dict()["memory"]["host"]["breakdown"]["optimizer states"]   # noqa: E731
+    assert host(lion) == pytest.approx(host(adam) * 8 / 12)

@@ -13,8 +13,8 @@ from zsim.schedule.record import record
 from zsim.hardware.collectives import collective_cost, nccl_topo_for, ring_cost, tiers_for
 from zsim.hardware.compute import (attention_time_s, fresh_alloc_time_s, gemm_time_s, kernel_overhead_s,
                                    memory_bound_time_s, optimizer_time_s)
-from zsim.hardware.host import (aio_efficiency, cpu_adam_time_s, host_link_Bps, host_pass_time_s, nvme_time_s, pcie_time_s,
-                                rank_views_time_s)
+from zsim.hardware.host import (CPU_ADAM_BYTES_PER_PARAM, aio_efficiency, cpu_adam_time_s, host_link_Bps,
+                                host_pass_time_s, nvme_time_s, pcie_time_s, rank_views_time_s)
 from zsim.hardware.placement import group_shape, rank_of, same_node, stage_links
 from zsim.schedule.ir import Collective, HostSettings, Op, Phase, PipelineLayout, Transfer
 from zsim.schedule.payloads import ComputeWork, Copy, CpuAdam, ModulePass, PipeTransfer
@@ -196,7 +196,10 @@ class CostModel:
             return OpCost(fixed + 0.0, t, self._links(_PATHS[p.transfer]))
         if isinstance(p, CpuAdam):
             memory_Bps = self.cpu.memory_bw_GBps * 1e9
-            t = cpu_adam_time_s(p.params, self.cpu.adam_params_per_s_per_core, self.cpu.cores_per_node,
+            # a lighter optimizer (Adagrad, Lion: one state) streams less per parameter than the
+            # Adam the profile's rate was measured on; its time scales with its traffic
+            scaled = p.params * p.update_bytes_per_param / CPU_ADAM_BYTES_PER_PARAM
+            t = cpu_adam_time_s(scaled, self.cpu.adam_params_per_s_per_core, self.cpu.cores_per_node,
                                 cl.gpus_per_node, self.host.cpu_cores_fraction, memory_Bps)
             t += host_pass_time_s(p.pass_bytes, memory_Bps, cl.gpus_per_node)
             return OpCost(fixed + t, 0.0, CPU)

@@ -18,10 +18,10 @@ import math
 from zsim.schedule.context import StepContext
 from zsim.schedule.ir import Category, HostSettings, OpKind, Phase, Stream, Transfer
 from zsim.schedule.payloads import ComputeWork, Copy, CpuAdam, StepCompute
-from zsim.schedule.optimizer import (ADAM_STATE_BYTES, FP32_BYTES, NORM_KERNELS_PER_TENSOR, OVERFLOW_KERNELS_PER_TENSOR,
-                                     norm_bytes_per_param, optimizer_step, overflow_bytes_per_param)
+from zsim.schedule.optimizer import (FP32_BYTES, NORM_KERNELS_PER_TENSOR, OVERFLOW_KERNELS_PER_TENSOR,
+                                     norm_bytes_per_param, optimizer_state_bytes, optimizer_step,
+                                     overflow_bytes_per_param)
 
-OPT_STATE_BYTES = FP32_BYTES + ADAM_STATE_BYTES   # fp32 master + exp_avg + exp_avg_sq
 H2D, D2H = Transfer.H2D, Transfer.D2H
 
 
@@ -210,6 +210,9 @@ def offloaded_step(ctx: StepContext, shard: float, deps, sub_group_size: int | N
     prev_write = None
     b = ctx.b
     pass_bytes = step_host_pass_bytes(ctx) * per
+    # the fp32 master and the optimizer's states swapped per group (Adam: exp_avg, exp_avg_sq)
+    swapped = FP32_BYTES + optimizer_state_bytes(ctx.sc.deepspeed)
+    update_bytes = ctx.sc.deepspeed.optimizer.step_bytes_per_param
     # ZeRO-3's copy converts into a fresh pageable CPU tensor, then copies that (stage3.py:2858);
     # ZeRO-1/2 copy the bit16 buffer, pinned when pin_memory (stage_1_and_2.py:569-575)
     pinned = False if z.stage == 3 and ctx.param_bytes < FP32_BYTES else None
@@ -218,11 +221,12 @@ def offloaded_step(ctx: StepContext, shard: float, deps, sub_group_size: int | N
         if nvme:
             read_deps = deps if pipelined or prev_write is None else deps + [prev_write]
             read = b.add(OpKind.OPTIMIZER_SWAP, Stream.NVME, Phase.STEP, step,
-                         Copy(Transfer.NVME_READ, per * OPT_STATE_BYTES, what=f"optimizer group {g}"), read_deps)
-        adam = b.add(OpKind.CPU_ADAM, Stream.CPU, Phase.STEP, step, CpuAdam(per, g, pass_bytes), deps + [read])
+                         Copy(Transfer.NVME_READ, per * swapped, what=f"optimizer group {g}"), read_deps)
+        adam = b.add(OpKind.CPU_ADAM, Stream.CPU, Phase.STEP, step, CpuAdam(per, g, pass_bytes, update_bytes),
+                     deps + [read])
         if nvme:
             prev_write = b.add(OpKind.OPTIMIZER_SWAP, Stream.NVME, Phase.STEP, step,
-                               Copy(Transfer.NVME_WRITE, per * OPT_STATE_BYTES, what=f"optimizer group {g}"), [adam])
+                               Copy(Transfer.NVME_WRITE, per * swapped, what=f"optimizer group {g}"), [adam])
         if param_device(ctx) == "none":
             last_h2d = b.add(OpKind.PARAM_UPLOAD, Stream.H2D, Phase.STEP, step,
                              Copy(Transfer.H2D, per * ctx.param_bytes, pinned, what=f"updated params group {g}"),

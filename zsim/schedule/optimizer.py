@@ -20,19 +20,21 @@ OVERFLOW_KERNELS_PER_TENSOR = 7
 NORM_KERNELS_PER_TENSOR = 2
 
 
-def step_bytes_per_param(param_bytes: int, clipping: bool, flatten: bool = True) -> float:
+def step_bytes_per_param(param_bytes: int, clipping: bool, flatten: bool = True,
+                         update_bytes: float = ADAM_STEP_BYTES_PER_PARAM) -> float:
     """HBM traffic per local parameter of one optimizer step, counting the passes DeepSpeed
     makes (stage_1_and_2.py / stage3.py step): the partition's gradient pieces flattened into one
     buffer (read, write; `self.flatten(self.averaged_gradients[i])`), converted to fp32 (read 2,
     write 4), unscale/clip (read+write 8), fused Adam (28), the updated fp32 master copied back
     into the 16-bit params (read 4, write 2) and the gradient buffers zeroed (write 2). fp32
     training skips the conversion but still copies the master back. The stage-0 optimizer
-    converts each gradient on its own and does not flatten (fp16/unfused_optimizer.py)."""
+    converts each gradient on its own and does not flatten (fp16/unfused_optimizer.py).
+    `update_bytes`: the optimizer's own update (see [Note: optimizer states by type])."""
     flat = 2.0 * param_bytes if flatten else 0.0
     convert = param_bytes + FP32_BYTES if param_bytes < FP32_BYTES else 0.0
     clip = 2 * FP32_BYTES if clipping else 0.0
     copy_back = FP32_BYTES + param_bytes
-    return flat + convert + clip + ADAM_STEP_BYTES_PER_PARAM + copy_back + param_bytes
+    return flat + convert + clip + update_bytes + copy_back + param_bytes
 
 
 def norm_bytes_per_param(param_bytes: int) -> float:
@@ -49,9 +51,11 @@ def overflow_bytes_per_param(param_bytes: int) -> float:
 
 
 def model_state_bytes(n_params: int, shard_params: float, stage: int, param_bytes: int,
-                      trainable: tuple[int, float] | None = None) -> dict[str, float]:
+                      trainable: tuple[int, float] | None = None,
+                      state_bytes: float = ADAM_STATE_BYTES) -> dict[str, float]:
     """Model states per GPU (Rajbhandari et al. 2020, ZeRO, sec. 5): 16-bit params and grads,
-    fp32 master weights and Adam moments; sharded by stage. `trainable` (count, this rank's
+    fp32 master weights and the optimizer's states (`state_bytes` a parameter: Adam's two
+    moments by default, see [Note: optimizer states by type]); sharded by stage. `trainable` (count, this rank's
     shard of them) when some params are frozen: gradients and optimizer states cover only
     those (see [Note: frozen parameters under ZeRO]).
 
@@ -71,8 +75,14 @@ def model_state_bytes(n_params: int, shard_params: float, stage: int, param_byte
     return {
         Category.PARAMETERS: param_bytes * (shard_params if stage >= 3 else n_params),
         Category.GRADIENTS: param_bytes * (train_shard if stage >= 2 else n_train),
-        Category.OPTIMIZER_STATES: (master + ADAM_STATE_BYTES) * opt_params,
+        Category.OPTIMIZER_STATES: (master + state_bytes) * opt_params,
     }
+
+
+def optimizer_state_bytes(ds) -> float:
+    """fp32 optimizer-state bytes per parameter of the ds_config's optimizer (see [Note: optimizer
+    states by type]; Adam: 8)."""
+    return FP32_BYTES * ds.optimizer.state_tensors
 
 
 def optimizer_step(ctx: StepContext, shard_params: float, deps, flatten: bool = True, sub_group: int = 0) -> int:
@@ -85,7 +95,8 @@ def optimizer_step(ctx: StepContext, shard_params: float, deps, flatten: bool = 
         # converted (stage_1_and_2.py step, stage3.py _prepare_fp32_grad_for_sub_group)
         allocs.append(Alloc(Tag(Buffer.OPT_FLAT16, key=sub_group), Category.OPTIMIZER_TEMPORARIES,
                             ctx.param_bytes * shard_params))
-    per_param = step_bytes_per_param(ctx.param_bytes, ctx.sc.deepspeed.gradient_clipping > 0, flatten)
+    per_param = step_bytes_per_param(ctx.param_bytes, ctx.sc.deepspeed.gradient_clipping > 0, flatten,
+                                     ctx.sc.deepspeed.optimizer.step_bytes_per_param)
     op = ctx.b.add(OpKind.OPTIMIZER_STEP, Stream.COMPUTE, Phase.STEP, ctx.last_micro,
                    StepCompute(ComputeWork(optimizer_bytes=per_param * shard_params, kernels=6), shard_params,
                                sub_group),

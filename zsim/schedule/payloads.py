@@ -97,9 +97,12 @@ class Copy:
 
 @record
 class CpuAdam:
+    """DeepSpeed's CPU optimizer step over one group (DeepSpeedCPUAdam, or its Adagrad and Lion
+    kernels, priced by their traffic relative to Adam's: see [Note: optimizer states by type])."""
     params: float
     group: int
     pass_bytes: float = 0.0     # host traffic of the step's other passes on this group (unscale/clip, 16-bit copy)
+    update_bytes_per_param: float = 28.0   # the optimizer's own update traffic (Adam: 28)
 
 
 @record

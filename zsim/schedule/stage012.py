@@ -27,7 +27,8 @@ from zsim.schedule.grad_buckets import Zero12Buckets
 from zsim.schedule.ir import Alloc, Buffer, Category, Collective, OpKind, Phase, Stream, Tag
 from zsim.schedule.payloads import Comm, GradReduce, ParamGather
 from zsim.schedule.moe import expert_data_parallel_group, flat_group_process_group, gathered_groups
-from zsim.schedule.optimizer import FP32_BYTES, clip_fp32_norm_ops, grad_norm_ops, model_state_bytes, optimizer_step
+from zsim.schedule.optimizer import (FP32_BYTES, clip_fp32_norm_ops, grad_norm_ops, model_state_bytes,
+                                     optimizer_state_bytes, optimizer_step)
 from zsim.schedule.partition import grads_ready_at, pieces_in_partition
 from zsim.schedule.passes import backward, forward
 from zsim.schedule.tensor import sequence_parallel_grads
@@ -171,7 +172,8 @@ def allocate_states(ctx: StepContext, hooks: Zero012Hooks):
     # the flat groups (and their partitions) hold the trainable params only; the frozen ones stay
     # whole on every rank (see [Note: frozen parameters under ZeRO])
     shard = buckets.optimized_numel(z.stage)
-    states = model_state_bytes(n_params, shard, z.stage, ctx.param_bytes, trainable=(n_trainable, shard))
+    states = model_state_bytes(n_params, shard, z.stage, ctx.param_bytes, trainable=(n_trainable, shard),
+                               state_bytes=optimizer_state_bytes(ctx.sc.deepspeed))
     if hooks.bf16_optimizer:
         states[Category.GRADIENTS] = FP32_BYTES * n_trainable   # fp32 accumulation buffers for every trained param
     if buckets.lazy_grads:

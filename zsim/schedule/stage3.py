@@ -9,7 +9,8 @@ from zsim.schedule.context import StageHooks, StepContext
 from zsim.schedule.grad_buckets import Zero3Buckets
 from zsim.schedule.ir import Category, Collective, OpKind, Phase, Stream
 from zsim.schedule.payloads import Comm, ParamGather
-from zsim.schedule.optimizer import FP32_BYTES, NORM_DTYPE_BYTES, grad_norm_ops, model_state_bytes, optimizer_step
+from zsim.schedule.optimizer import (FP32_BYTES, NORM_DTYPE_BYTES, grad_norm_ops, model_state_bytes,
+                                     optimizer_state_bytes, optimizer_step)
 from zsim.schedule.param_fetch import ParamCoordinator, leaf_of
 from zsim.schedule.partition import (grads_ready_at, padded, persistent_params, shard_numel, sub_group_sizes,
                                      trainable_numels)
@@ -95,7 +96,9 @@ def build(ctx: StepContext):
     trained = trainable_numels(ctx.wl)
     train_shard = shard_numel(trained, ctx.world)
     states = offload.place_states(ctx, model_state_bytes(ctx.wl.n_params, shard, 3, ctx.param_bytes,
-                                                         trainable=(sum(trained), train_shard)), train_shard)
+                                                         trainable=(sum(trained), train_shard),
+                                                         state_bytes=optimizer_state_bytes(ctx.sc.deepspeed)),
+                                  train_shard)
     for cat, size in states.items():
         ctx.b.static_alloc(cat, size)
     # persistent params hold a gathered copy, except one rank's views of its partitions

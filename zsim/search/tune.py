@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from zsim.report.format import fmt_setting
 from zsim.result import Result
 from zsim.schedule.build import workload_for
-from zsim.schedule.optimizer import model_state_bytes
+from zsim.schedule.optimizer import ADAM_STATE_BYTES, model_state_bytes, optimizer_state_bytes
 from zsim.schedule.partition import persistent_params
 from zsim.workload.lora import apply_training, trainable_params
 from zsim.workload.transformer import build_workload
@@ -164,7 +164,7 @@ def memory_lower_bound(sc, wl=None) -> float:
     return _bound(workload_terms(wl or workload_for(sc), sc.training.activation_checkpointing,
                                  sc.deepspeed.activation_checkpointing.cpu_checkpointing), sc.pipeline_stages,
                   sc.data_parallel_size, z.stage, z.optimizer_offload_device, z.param_offload_device, sc.precision,
-                  sc.cluster.reserved_bytes)
+                  sc.cluster.reserved_bytes, state_bytes=optimizer_state_bytes(sc.deepspeed))
 
 
 def point_lower_bound(sc, c: "TunePoint", wl, terms: tuple | None = None) -> float:
@@ -179,7 +179,7 @@ def point_lower_bound(sc, c: "TunePoint", wl, terms: tuple | None = None) -> flo
                   sc.cluster.world_size // c.layout.model_parallel, c.stage,
                   "none" if "device: none" in off[0] else "offloaded",
                   "none" if "device: none" in off[1] else "offloaded", sc.precision,
-                  sc.cluster.reserved_bytes, c.micro_batch)
+                  sc.cluster.reserved_bytes, c.micro_batch, optimizer_state_bytes(sc.deepspeed))
 
 
 def point_workload(sc, c: "TunePoint"):
@@ -211,13 +211,14 @@ def workload_terms(wl, mode: str, cpu_checkpointing: bool = False) -> tuple[floa
 
 
 def _bound(terms, pp: int, dp: int, stage: int, optimizer_offload: str, param_offload: str, precision: str,
-           reserved_bytes: float, act_scale: int = 1) -> float:
+           reserved_bytes: float, act_scale: int = 1, state_bytes: float = ADAM_STATE_BYTES) -> float:
     # a pipeline: the worst stage holds at least the average stage's share of the model (states
     # and one micro-batch's activations of its layers)
     n_params, trained_params, acts = terms
     n = n_params / pp
     trained = trained_params / pp   # frozen weights have no gradients or optimizer states
-    states = model_state_bytes(n, n / dp, stage, DTYPE_BYTES[precision], trainable=(trained, trained / dp))
+    states = model_state_bytes(n, n / dp, stage, DTYPE_BYTES[precision], trainable=(trained, trained / dp),
+                               state_bytes=state_bytes)
     if optimizer_offload != "none":
         states["optimizer states"] = 0.0
         if stage >= 2:

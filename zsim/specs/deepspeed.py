@@ -186,10 +186,74 @@ class DataTypesConfig:
     grad_accum_dtype: Optional[Literal["fp32", "fp16", "bf16"]] = spec(None)
 
 
+# [Note: optimizer states by type] The fp32 state tensors per parameter of each optimizer a
+# ds_config's "optimizer" block builds (engine.py _configure_basic_optimizer): a name in
+# DeepSpeed's list (runtime/config.py DEEPSPEED_OPTIMIZERS, matched in any case) is DeepSpeed's
+# (Adam/AdamW: FusedAdam or DeepSpeedCPUAdam, exp_avg and exp_avg_sq; Lamb: FusedLamb, the same
+# two; Lion: exp_avg; Adagrad: its sum; MuAdam/MuAdamW: Adam's; MuSGD: SGD's), any other name is
+# looked up in torch.optim as written (SGD: a momentum buffer when momentum > 0; RMSprop:
+# square_avg, plus momentum_buffer and grad_avg when momentum > 0 and centered). Each state is
+# read and written by the step, beside the fp32 master (read, write) and the gradient (read).
+DEEPSPEED_OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "lamb": 2, "lion": 1, "adagrad": 1, "muadam": 2, "muadamw": 2}
+# stage_1_and_2.py / stage3.py need an optimizer of runtime/zero/utils.py ZERO_SUPPORTED_OPTIMIZERS
+# (torch Adam/AdamW, FusedAdam, DeepSpeedCPUAdam, Adagrad, DeepSpeedCPUAdagrad, the Lions) unless
+# zero_allow_untested_optimizer; with offload_optimizer DeepSpeed builds CPU kernels for these
+ZERO_SUPPORTED_OPTIMIZERS = frozenset({"adam", "adamw", "adagrad", "lion"})
+CPU_OPTIMIZERS = ZERO_SUPPORTED_OPTIMIZERS
+
+
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
     type: str = spec("AdamW")
     params: dict[str, Any] = spec(factory=dict)
+
+    @property
+    def name(self) -> str:
+        """The optimizer as DeepSpeed resolves the type: its own (lower case) or torch.optim's."""
+        lower = str(self.type).lower()
+        return lower if lower in DEEPSPEED_OPTIMIZER_STATES or lower in ("musgd", "muon") else str(self.type)
+
+    def _param(self, key: str, default):
+        value = self.params.get(key, default)
+        return default if value is None else value
+
+    @property
+    def state_tensors(self) -> int:
+        """fp32 state tensors per parameter (see [Note: optimizer states by type])."""
+        name = self.name
+        if name in DEEPSPEED_OPTIMIZER_STATES:
+            return DEEPSPEED_OPTIMIZER_STATES[name]
+        momentum = self._param("momentum", 0)
+        moving = 1 if isinstance(momentum, (int, float)) and momentum > 0 else 0
+        if name in ("SGD", "musgd"):
+            return moving
+        if name == "RMSprop":
+            return 1 + moving + (1 if self._param("centered", False) is True else 0)
+        raise ValueError("type", self.type, _UNMODELLED_OPTIMIZER)
+
+    @property
+    def step_bytes_per_param(self) -> float:
+        """Traffic per parameter of the optimizer's fused update: fp32 master read and written,
+        the fp32 gradient read, each state read and written (Adam: 28, FusedAdam's
+        multi_tensor_apply)."""
+        return 12.0 + 8.0 * self.state_tensors
+
+    def __post_init__(self):
+        if not isinstance(self.type, str) or not self.type:
+            raise ValueError("type", self.type, "give the optimizer's name, e.g. AdamW")
+        lower = self.type.lower()
+        if lower == "muon":
+            raise ValueError("type", self.type, "Muon (MuonWithAuxAdam) is not modelled by zsim yet; "
+                             + _UNMODELLED_OPTIMIZER)
+        if lower in ("sgd", "rmsprop") and self.type not in ("SGD", "RMSprop"):
+            # DeepSpeed looks any name outside its own list up in torch.optim, as written
+            raise ValueError("type", self.type, f"DeepSpeed looks it up as torch.optim.{self.type}, which "
+                             f"does not exist; write {'SGD' if lower == 'sgd' else 'RMSprop'}")
+        self.state_tensors   # an optimizer zsim cannot size is refused here  # noqa: B018
+
+
+_UNMODELLED_OPTIMIZER = ("zsim models Adam, AdamW, Lamb, Lion, Adagrad, MuAdam, MuAdamW, MuSGD and torch's SGD and "
+                         "RMSprop; use one of those")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -214,7 +278,7 @@ IGNORED_TOP_LEVEL = frozenset({
     "scheduler", "steps_per_print", "wall_clock_breakdown", "dump_state", "tensorboard", "wandb",
     "csv_monitor", "comet", "flops_profiler", "comms_logger", "checkpoint", "elasticity", "autotuning",
     "compression_training", "data_efficiency", "curriculum_learning", "sparse_attention",
-    "memory_breakdown", "seed", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+    "memory_breakdown", "seed", "zero_force_ds_cpu_optimizer",
     "disable_allgather", "dataloader_drop_last", "sparse_gradients", "eigenvalue", "quantize_training",
     "progressive_layer_drop", "gradient_predivide_factor", "prescale_gradients",
     # sequence parallelism (Ulysses) is not modelled: its reduction dtype has no step to act on
@@ -253,6 +317,7 @@ class DeepSpeedConfig:
     activation_checkpointing: ActivationCheckpointingConfig = spec(factory=ActivationCheckpointingConfig)
     aio: AioConfig = spec(factory=AioConfig)
     optimizer: OptimizerConfig = spec(factory=OptimizerConfig)
+    zero_allow_untested_optimizer: bool = spec(False, doc="run ZeRO with an optimizer DeepSpeed has not tested with it")
     data_types: DataTypesConfig = spec(factory=DataTypesConfig)
     pipeline: PipelineConfig = spec(factory=PipelineConfig)
     communication_data_type: Optional[str] = spec(
@@ -261,6 +326,14 @@ class DeepSpeedConfig:
     def __post_init__(self):
         if self.fp16.enabled and self.bf16.enabled:
             raise ValueError("bf16.enabled", True, "fp16 and bf16 cannot both be enabled; keep one")
+        name, z = self.optimizer.name, self.zero_optimization
+        if z.stage >= 1 and name not in ZERO_SUPPORTED_OPTIMIZERS and not self.zero_allow_untested_optimizer:
+            # engine.py _do_optimizer_sanity_check asserts it
+            raise ValueError("optimizer.type", self.optimizer.type, "DeepSpeed runs ZeRO with Adam, AdamW, Adagrad "
+                             "or Lion only, unless the config sets zero_allow_untested_optimizer: true")
+        if z.optimizer_offload_device != "none" and name not in CPU_OPTIMIZERS:
+            raise ValueError("optimizer.type", self.optimizer.type, "with offload_optimizer zsim models DeepSpeed's "
+                             "CPU optimizers only (Adam, AdamW, Adagrad, Lion); change the type or the offload")
         model = "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
         accum = self.data_types.grad_accum_dtype
         if accum not in (None, model) and not self.uses_bf16_optimizer:
