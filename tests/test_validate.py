@@ -217,3 +217,24 @@ def test_overlap_comm_double_ipg_buffer(tmp_path):
         peaks[overlap] = (measured, run_scenario(load_scenario(path))[0].memory.peak_bytes)
     assert peaks[True][0] - peaks[False][0] == bucket * 4
     assert peaks[True][1] - peaks[False][1] == bucket * 4
+
+
+def test_a_failed_run_is_reported_by_the_ranks_own_line():
+    """torchrun wraps a rank's failure in its own report; the line zsim validate prints is the
+    rank's message (here the peers' refusal of offload on a CPU device), not the report's banner."""
+    from calibration.commands.validate import failure_line
+    stderr = "\n".join([
+        "W1127 05:06:31.389000 30391 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 30396",
+        "ZeRO-Offload needs a GPU: on a CPU device there is no host/device split to measure",
+        "Traceback (most recent call last):",
+        '  File "<frozen runpy>", line 198, in _run_module_as_main',
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+        "============================================================",
+        "calibration.core.run FAILED",
+        "------------------------------------------------------------",
+        "Failures:",
+        "  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html",
+        "============================================================",
+    ])
+    assert failure_line(stderr) == "ZeRO-Offload needs a GPU: on a CPU device there is no host/device split to measure"
+    assert failure_line("") == "no output"

@@ -78,6 +78,16 @@ def check_engine(engine: str, python: str) -> None:
                                                  f"run `{INSTALL[engine]}` (or pass --python of a venv that has it)")
 
 
+def failure_line(stderr: str) -> str:
+    """The line of a failed torchrun that says why: the ranks' last own line (an exception's
+    message, a SystemExit text), not torchrun's report around it (its W/E/I log lines, the
+    ChildFailedError banner, traceback frames)."""
+    lines = [ln for ln in stderr.splitlines() if ln.strip() and not ln.startswith(("W1", "E1", "I1"))]
+    said = [ln for ln in lines if not ln.startswith((" ", "=", "-", "[", "Traceback", "torch.distributed"))
+            and "ChildFailedError" not in ln and "FAILED" not in ln and not ln.rstrip().endswith(":")]
+    return (said or lines or ["no output"])[-1]
+
+
 def has_cuda(python: str) -> bool:
     """Whether the ranks' python sees a CUDA GPU (the peers then run on it: calibration/core/peers.py).
     Without an NVIDIA driver on the machine it cannot, and no torch is imported to find out."""
@@ -177,6 +187,14 @@ def main(args) -> int:
         for o in overrides:
             cmd += ["--set", o]
         cuda = args.engine != "own" and not tensor and has_cuda(python)
+        offloaded = [(f"deepspeed.zero_optimization.offload_{what}.device", device) for what, device in
+                     (("optimizer", sc.zero.optimizer_offload_device), ("param", sc.zero.param_offload_device))
+                     if device != "none"]
+        if args.engine != "own" and not cuda and offloaded:
+            # calibration/core/peers.py refuses it too, from inside the ranks
+            raise ZsimInputError(*offloaded[0],
+                                 f"--engine {args.engine} measures ZeRO-Offload on a GPU only (on a CPU device there "
+                                 "is no host/device split to measure); run it where CUDA is, or set device: none")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
         if not cuda:   # CPU ranks share the cores; on a GPU DeepSpeedCPUAdam uses them all
             env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
@@ -192,7 +210,7 @@ def main(args) -> int:
             print(f"zsim: error: the {args.engine} run did not finish within {timeout} s", file=sys.stderr)
             return 1
         if proc.returncode != 0 or not out.exists():
-            tail = [ln for ln in (proc.stderr or "").splitlines() if ln.strip() and not ln.startswith("W")][-1:]
+            tail = [failure_line(proc.stderr or "")]
             print(f"zsim: error: the {args.engine} run failed (exit {proc.returncode}): "
                   f"{tail[0] if tail else 'no output'}", file=sys.stderr)
             return 1
