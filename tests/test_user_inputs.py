@@ -185,3 +185,95 @@ def test_a_lighter_cpu_optimizer_steps_faster_on_the_host():
     assert lion.step_time_s < adam.step_time_s
     host = lambda r: r.to_dict()["memory"]["host"]["breakdown"]["optimizer states"]   # noqa: E731
     assert host(lion) == pytest.approx(host(adam) * 8 / 12)
+
+
+def test_the_tensor_parallel_block_takes_deepspeeds_training_keys_only(tmp_path, capsys):
+    # TPTrainingConfig forbids other keys: the seeds' inference-style tp_size would not split the model
+    for block, words in (({"tp_size": 4, "mpu": None, "tp_grain_size": 64}, "init_inference's key"),
+                         ({"autotp_szie": 4}, "did you mean 'autotp_size'")):
+        ds = tmp_path / "tp.json"
+        ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "tensor_parallel": block}))
+        assert main(["run", str(ds), "--model", "llama2-7b", "--gpus", "8", "--quiet"]) == 2
+        assert words in _error(capsys)
+
+
+def test_lora_hfu_counts_the_gemms_that_run():
+    """A frozen base linear runs its dgrad only (its wgrad is skipped), so with no recompute the
+    hardware FLOPs fall below the 3x-forward model FLOPs, while a full fine-tune's are equal."""
+    base = {"model": {"preset": "llama2-7b"}, "training.micro_batch_size": 1, "deepspeed.zero_optimization.stage": 0}
+    lora, _ = run_scenario(scenario(**base, **{"training.lora": {"r": 8}}))
+    full, _ = run_scenario(scenario(**base))
+    assert full.hfu == pytest.approx(full.mfu, rel=1e-12)
+    assert lora.hfu < 0.75 * lora.mfu
+
+
+def test_tune_simulates_the_scenarios_own_configuration_and_spends_no_budget_on_invalid_ones(tmp_path, capsys):
+    out = tmp_path / "t.json"
+    src = "scenarios/deepspeed-moe-ep8-zero2-32xh100.yaml"
+    from tests.helpers import ROOT
+    assert main(["tune", str(ROOT / src), "--budget", "4", "--workers", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    own = [c for c in rows["candidates"] if (c["stage"], c["micro_batch_size"], c["gradient_accumulation_steps"],
+                                              c["pipeline_stages"], c["tensor_parallel_size"]) == (2, 4, 2, 1, 1)]
+    assert own and own[0]["knobs"] == {}
+    assert rows["simulated"] >= 4
+
+
+def test_tune_json_is_written_when_nothing_fits(tmp_path, capsys):
+    out = tmp_path / "t.json"
+    src = tmp_path / "huge.yaml"
+    src.write_text(yaml.safe_dump(mapping(**{"model": {"preset": "gpt3-175b"}, "hardware.nodes": 1,
+                                             "hardware.gpus_per_node": 1})))
+    assert main(["tune", str(src), "--budget", "2", "--workers", "1", "--json", str(out)]) == 1
+    assert json.loads(out.read_text())["candidates"] == []
+
+
+def test_tune_scenario_out_reproduces_the_winner_where_the_ds_config_keeps_auto(tmp_path, capsys):
+    from tests.helpers import ROOT
+    ds = tmp_path / "user.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                              "bf16": {"enabled": True},
+                              "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}))
+    src = tmp_path / "s.yaml"
+    raw = mapping(**{"deepspeed": str(ds)})
+    src.write_text(yaml.safe_dump(raw))
+    out, scen, tj = tmp_path / "ds.json", tmp_path / "best.yaml", tmp_path / "t.json"
+    assert main(["tune", str(src), "--budget", "6", "--workers", "1", "--out", str(out), "--scenario-out", str(scen),
+                 "--json", str(tj)]) == 0
+    best = json.loads(tj.read_text())["candidates"][0]
+    rerun = tmp_path / "r.json"
+    assert main(["run", str(scen), "--quiet", "--json", str(rerun)]) == 0
+    r = json.loads(rerun.read_text())
+    assert r["step_time_s"] == pytest.approx(best["step_time_s"], rel=1e-12)
+    assert r["memory"]["peak_bytes"] == pytest.approx(best["peak_bytes"], rel=1e-12)
+    written = json.loads(out.read_text())
+    assert "optimizer" not in written   # the user's config had none and nothing is offloaded
+    del ROOT
+
+
+def test_doctor_writes_bucket_sizes_as_integers():
+    from zsim.search.doctor import ds_config_change
+    change = ds_config_change(("deepspeed.zero_optimization.reduce_bucket_size=5e7", "training.micro_batch_size=2"))
+    assert change == {"deepspeed": {"zero_optimization": {"reduce_bucket_size": 50_000_000}},
+                      "training": {"micro_batch_size": 2}}
+
+
+def test_the_tuned_ds_config_keeps_auto_and_the_scenario_pins_the_tuned_value():
+    """tune --out keeps an "auto" for the HF Trainer (with a note), while --scenario-out carries the
+    tuned value inline so `zsim run` reproduces the winner (resolve_auto)."""
+    from zsim.config.ds_writer import tuned_ds_config
+    user = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}
+    base = scenario(**{"deepspeed": user})
+    tuned = scenario(**{"deepspeed": {**user, "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e7}}})
+    kept, notes = tuned_ds_config(user, base, tuned, ["reduce_bucket_size"])
+    assert kept["zero_optimization"]["reduce_bucket_size"] == "auto"
+    assert any("write it in place of \"auto\"" in n for n in notes)
+    pinned, _ = tuned_ds_config(user, base, tuned, ["reduce_bucket_size"], resolve_auto=True)
+    assert pinned["zero_optimization"]["reduce_bucket_size"] == 50_000_000
+    assert "optimizer" not in kept
+    off = scenario(**{"deepspeed": {**user, "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto",
+                                                                   "offload_optimizer": {"device": "cpu"}}}})
+    with_offload, notes = tuned_ds_config(user, base, off, ["reduce_bucket_size"])
+    assert with_offload["optimizer"] == {"type": "AdamW", "params": {}}
+    assert any("ZeRO-Offload needs DeepSpeed's own CPU optimizer" in n for n in notes)

@@ -107,7 +107,19 @@ def main(args) -> int:
     print(f"simulated {res.simulated} configurations ({res.shared} of them sharing another's simulation, "
           f"{len(res.pruned)} pruned by the memory lower bound, "
           f"{res.rejected} rejected as invalid) in {res.wall_s:.1f} s", file=sys.stderr)
-    if not res.ranked:
+    if args.json:
+        rows = [{"rank": i + 1, "set": list(c.assignments()), "stage": c.stage,
+                 "tensor_parallel_size": c.layout.tensor, "sequence_parallel": c.layout.sequence_parallel,
+                 "pipeline_stages": c.layout.pipeline, "data_parallel_size": r.world_size // c.layout.model_parallel,
+                 "offload": c.offload,
+                 "micro_batch_size": c.micro_batch, "gradient_accumulation_steps": c.gas,
+                 "activation_checkpointing": c.checkpointing, "knobs": c.knobs,
+                 "tokens_per_s_per_gpu": r.tokens_per_s_per_gpu, "mfu": r.mfu, "step_time_s": r.step_time_s,
+                 "peak_bytes": r.memory.peak_bytes} for i, (c, r) in enumerate(res.ranked)]
+        save(args.json, dumps({"objective": res.objective, "simulated": res.simulated, "shared": res.shared,
+                               "pruned": len(res.pruned),
+                               "rejected": res.rejected, "candidates": rows}))
+    if not res.ranked:   # the JSON (an empty ranking, the counts) is written all the same
         margin = f" with {headroom:.0%} headroom" if headroom else ""
         print(f"zsim: no configuration fits{margin}; see zsim doctor for offload/NVMe options", file=sys.stderr)
         return 1
@@ -122,7 +134,13 @@ def main(args) -> int:
             save(args.out, json.dumps(cfg, indent=2) + "\n")
         if args.scenario_out:
             where = Path(args.scenario_out).resolve().parent
-            ds = os.path.relpath(Path(args.out).resolve(), where) if args.out else cfg
+            # where the ds_config keeps an "auto" the tuned value differs from (for the HF Trainer to
+            # fill), the scenario carries the tuned values inline, so zsim run reproduces the winner
+            pinned, _ = tuned_ds_config(base.raw.get("deepspeed"), base.scenario(()), base.scenario(best.assignments()),
+                                        [*KNOBS, *KNOBS_STAGE3], resolve_auto=True)
+            ds = os.path.relpath(Path(args.out).resolve(), where) if args.out and pinned == cfg else pinned
+            if args.out and pinned != cfg:
+                notes.append(f"{args.scenario_out} carries the tuned values inline where {args.out} keeps \"auto\"")
             raw = tuned_scenario(base, best.assignments(), ds)
             save(args.scenario_out, f"# zsim tune's best configuration ({res.objective}): {best.variant.name}\n"
                  + yaml.safe_dump(raw, sort_keys=False))
@@ -131,16 +149,4 @@ def main(args) -> int:
                          "--scenario-out writes a scenario that zsim run takes with the whole layout")
         for note in notes:
             print(f"note: {note}", file=sys.stderr)
-    if args.json:
-        rows = [{"rank": i + 1, "set": list(c.assignments()), "stage": c.stage,
-                 "tensor_parallel_size": c.layout.tensor, "sequence_parallel": c.layout.sequence_parallel,
-                 "pipeline_stages": c.layout.pipeline, "data_parallel_size": r.world_size // c.layout.model_parallel,
-                 "offload": c.offload,
-                 "micro_batch_size": c.micro_batch, "gradient_accumulation_steps": c.gas,
-                 "activation_checkpointing": c.checkpointing, "knobs": c.knobs,
-                 "tokens_per_s_per_gpu": r.tokens_per_s_per_gpu, "mfu": r.mfu, "step_time_s": r.step_time_s,
-                 "peak_bytes": r.memory.peak_bytes} for i, (c, r) in enumerate(res.ranked)]
-        save(args.json, dumps({"objective": res.objective, "simulated": res.simulated, "shared": res.shared,
-                               "pruned": len(res.pruned),
-                               "rejected": res.rejected, "candidates": rows}))
     return 0

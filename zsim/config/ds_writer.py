@@ -1,6 +1,7 @@
 """The ds_config `zsim tune --out` writes: the user's own ds_config with only the keys the search
 changed rewritten, so HF-Trainer "auto" values, the optimizer and scheduler blocks, the fp16 loss
-scaling and every block zsim ignores stay exactly as written.
+scaling and every block zsim ignores stay exactly as written (an optimizer block is added only
+where the tuned config newly offloads the optimizer, which a trainer's own optimizer cannot do).
 
 A searched key is rewritten only when the winner's resolved value differs from the base
 scenario's; it is written under the spelling the user used (stage3_prefetch_bucket_size or
@@ -46,16 +47,23 @@ def _numbers(node):
     return node
 
 
-def tuned_ds_config(user_ds: dict, base: Scenario, tuned: Scenario, knobs) -> tuple[dict, list[str]]:
+def tuned_ds_config(user_ds: dict, base: Scenario, tuned: Scenario, knobs,
+                    resolve_auto: bool = False) -> tuple[dict, list[str]]:
     """(ds_config, notes): `user_ds` as written (None/absent: {}), changed where `tuned` differs
-    from `base` in the batch, the stage, the offload devices or the ZeRO `knobs` searched."""
+    from `base` in the batch, the stage, the offload devices or the ZeRO `knobs` searched.
+    `resolve_auto` writes the tuned value over an "auto" too (the scenario zsim runs, which has
+    no trainer to fill it)."""
     cfg = _numbers(copy.deepcopy(user_ds)) if isinstance(user_ds, dict) else {}
     notes: list[str] = []
 
     def put(node: dict, key: str, value, label: str, hf_arg: str | None = None):
-        if node.get(key) == "auto":
-            where = f"the trainer's {hf_arg}" if hf_arg else "the value your trainer resolves 'auto' from"
-            notes.append(f"{label} stays \"auto\" as written; the tuned value is {value}: set {where} to it")
+        if node.get(key) == "auto" and not resolve_auto:
+            if hf_arg:
+                notes.append(f"{label} stays \"auto\" as written; the tuned value is {value}: set the trainer's "
+                             f"{hf_arg} to it")
+            else:   # the HF Trainer fills these from the model (hidden_size), not from an argument
+                notes.append(f"{label} stays \"auto\" as written; the tuned value is {value}: write it in place "
+                             "of \"auto\" to use it (the HF Trainer fills this one from the model's hidden size)")
         else:
             node[key] = value
 
@@ -104,7 +112,12 @@ def tuned_ds_config(user_ds: dict, base: Scenario, tuned: Scenario, knobs) -> tu
         cfg[tuned.precision] = {"enabled": True}
     if "gradient_clipping" not in cfg and tuned.deepspeed.gradient_clipping:
         cfg["gradient_clipping"] = tuned.deepspeed.gradient_clipping
-    if "optimizer" not in cfg:
+    if "optimizer" not in cfg and tuned.zero.optimizer_offload_device != "none":
+        # without an optimizer block the trainer passes its own, which ZeRO-Offload refuses
+        # (engine.py _configure_optimizer, zero_force_ds_cpu_optimizer): DeepSpeed must build its
+        # CPU optimizer, so the block is added; otherwise the user's choice (none) stands
         opt = tuned.deepspeed.optimizer
-        cfg["optimizer"] = {"type": opt.type, "params": dict(opt.params) or {"lr": 1e-4, "weight_decay": 0.0}}
+        cfg["optimizer"] = {"type": opt.type, "params": dict(opt.params)}
+        notes.append(f"an optimizer block ({opt.type}, DeepSpeed's default parameters) was added: ZeRO-Offload needs "
+                     "DeepSpeed's own CPU optimizer; set its lr and weight_decay (or \"auto\" for the HF Trainer)")
     return cfg, notes

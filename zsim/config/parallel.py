@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from zsim.errors import ZsimInputError
+from zsim.errors import ZsimInputError, unknown_key
 from zsim.schema import _number, build
 from zsim.specs.deepspeed import DeepSpeedConfig
 from zsim.specs.parallelism import ParallelismSpec
@@ -86,9 +86,28 @@ def _resolve_interleaving(par: ParallelismSpec, layers: int) -> ParallelismSpec:
     return par
 
 
+# runtime/tensor_parallel/config.py TPTrainingConfig's fields and aliases: the model forbids any
+# other key (DeepSpeedConfigModel extra="forbid"); `size` and `enabled` are the seeds' own
+TP_BLOCK_KEYS = frozenset({"dtype", "autotp_size", "tp_overlap_comm", "vocab_parallel_lm_head",
+                           "vocab_parallel_ce_backend", "tensor_parallel", "tp", "injection_policy_tuple",
+                           "partition_config", "preset_model", "keep_module_on_host", "replace_with_kernel_inject",
+                           "kernel_inject", "size", "enabled"})
+
+
 def _tensor_from_ds(raw: dict, ds_tensor) -> None:
     """The ds_config's tensor_parallel block onto raw['tensor']: autotp_size (DeepSpeed's key;
     0 disables AutoTP) or size (the seeds'); `enabled: false` turns the block off."""
+    if isinstance(ds_tensor, dict):
+        for key in ds_tensor:
+            if key == "tp_size":
+                # inference's key (init_inference's tensor_parallel: {tp_size}); the training
+                # config refuses it, so a block meant to split the model would not
+                raise ZsimInputError("deepspeed.tensor_parallel.tp_size", ds_tensor[key],
+                                     "DeepSpeed's training config refuses tp_size here (it is init_inference's key); "
+                                     "give autotp_size (AutoTP) or parallelism.tensor (Megatron's "
+                                     "--tensor-model-parallel-size)")
+            if key not in TP_BLOCK_KEYS:
+                raise unknown_key("deepspeed.tensor_parallel", str(key), TP_BLOCK_KEYS)
     if not isinstance(ds_tensor, dict) or ds_tensor.get("enabled", True) is False:
         return
     for ds_key in ("autotp_size", "size"):

@@ -104,9 +104,18 @@ def _backward_pass(ctx: StepContext, module: Module) -> ModulePass:
                            attention_flops=(module.bwd_flops + extra_attn) if module.kind == "attention" else 0.0,
                            attention_backward=True, mem_bytes=module.bwd_mem_bytes + extra_mem,
                            kernels=module.kernels_bwd + extra_kernels,
-                           model_flops=(3 if extra_attn else 2) * module.model_fwd_flops)
+                           model_flops=(_backward_passes(module) + (1 if extra_attn else 0)) * module.model_fwd_flops)
         mp = ctx.passes[key] = ModulePass(module.name, work)
     return mp
+
+
+def _backward_passes(module: Module) -> int:
+    """The backward's work in forwards of the module: a linear runs the GEMMs autograd needs (dgrad
+    where its input wants a gradient, wgrad where its weight is trained: a frozen LoRA base runs
+    one or none), anything else twice its forward. HFU counts what runs."""
+    if module.gemm is None:
+        return 2
+    return int(module.input_grad) + int(module.weight_grad)
 
 
 def _templated(ctx: StepContext, hooks: StageHooks, phase: Phase, micro: int, after: int | None, build) -> int:

@@ -167,8 +167,19 @@ def ds_config_change(overrides) -> dict:
         parts = key.split(".")
         for k in parts[:-1]:
             node = node.setdefault(k, {})
-        node[parts[-1]] = parse_value(value)
+        node[parts[-1]] = _plain_number(parse_value(value))
     return out
+
+
+def _plain_number(value):
+    """5e7 as the number DeepSpeed's config takes (YAML 1.1 reads it as a string), whole numbers
+    as integers (DeepSpeed's bucket and threshold keys are ints)."""
+    from zsim.schema import SCIENTIFIC
+    if isinstance(value, str) and SCIENTIFIC.match(value.strip()):
+        value = float(value)
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2 ** 63:
+        return int(value)
+    return value
 
 
 def doctor(base: Base, max_pairs: int = 40) -> dict:

@@ -12,7 +12,9 @@ Search (deterministic):
 2. The survivors are simulated, cheapest-looking first (no offload, no recompute, larger
    micro-batches; a pipeline's with GAS >= 4 x PP first), until half the budget is spent,
    round-robin over the layouts (the scenario's own first) so that each gets a fitting try
-   before any gets a second; with `budget=None` (`zsim tune --budget all`) every survivor.
+   before any gets a second; with `budget=None` (`zsim tune --budget all`) every survivor. The
+   scenario's own configuration is simulated before them, and a configuration refused as invalid
+   (a rule of DeepSpeed's or a layout zsim does not model) costs no part of the budget.
 3. Knob refinement: for the best fitting structures, coordinate descent over bucket sizes,
    prefetch, persistence threshold, max live parameters and overlap_comm.
 Points whose `structural_key` is equal (ZeRO-3 persistence thresholds that keep the same
@@ -102,6 +104,15 @@ def own_layout(sc) -> Layout:
     return Layout(sc.pipeline_stages, sc.tensor_parallel_size, sc.parallelism.sequence_parallel)
 
 
+def own_point(sc) -> "TunePoint":
+    """The scenario's own structure as a point of the search (its knobs stay the scenario's)."""
+    z = sc.zero
+    offload = ("none" if z.optimizer_offload_device == "none" else
+               f"optimizer+params {z.param_offload_device}" if z.param_offload_device != "none" else "optimizer cpu")
+    return TunePoint(z.stage, offload, sc.micro_batch_size, sc.gradient_accumulation_steps,
+                     sc.training.activation_checkpointing, {}, own_layout(sc))
+
+
 def layouts(sc) -> list[Layout]:
     """Every layout of the scenario's world: tensor sizes from `_tensor_sizes` x pipeline sizes
     dividing the rest, with a transformer layer per stage at least and a data-parallel size that
@@ -116,7 +127,8 @@ def layouts(sc) -> list[Layout]:
     # Megatron-LM's practice (Narayanan et al. 2021, takeaway #1): tensor parallel up to the GPUs
     # of a node, then the fewest pipeline stages that fit: tried in that order
     for tp in sorted(_tensor_sizes(sc), reverse=True):
-        for pp in _divisors(world // tp):
+        # an MoE model runs without a pipeline (zsim/config/parallel.py _check_expert)
+        for pp in (_divisors(world // tp) if sc.model.moe is None else [1]):
             if pp > sc.model.layers or batch % (world // (tp * pp)):
                 continue
             for sp in ((True, False) if tp > 1 else (False,)):
@@ -331,7 +343,7 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60) -
     def lookahead(points):
         """Prefetch (Base.prefetch) the next points this search may simulate, one per worker."""
         todo = []
-        room = base.workers if exhaustive else min(base.workers, budget - len(seen))
+        room = base.workers if exhaustive else min(base.workers, budget - used())
         for c in points:
             if len(todo) >= room:
                 break
@@ -372,10 +384,22 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60) -
     queues: dict[Layout, list] = {}
     for c in survivors:
         queues.setdefault(c.layout, []).append(c)
+    # the scenario's own configuration is simulated first, whatever the budget: the ranking always
+    # has what the user runs to compare with (it does not end its layout's tries: those go
+    # cheapest-looking first as below)
+    mine = own_point(base_sc)
+    for c in survivors:
+        if c.key() == mine.key():
+            evaluate(c)
+            break
     fitted: list[Layout] = []
 
+    def used() -> int:
+        """Points of the budget spent: a configuration refused as invalid costs no simulation."""
+        return len(seen) - rejected
+
     def spent() -> bool:
-        return not exhaustive and (len(seen) >= budget or (len(seen) >= max(1, budget // 2) and bool(fitted)))
+        return not exhaustive and (used() >= budget or (used() >= max(1, budget // 2) and bool(fitted)))
 
     own = own_layout(base_sc)
 
@@ -418,7 +442,7 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60) -
             knobs.update(KNOBS_STAGE3)
         for name, values in knobs.items():
             for i in range(len(values)):
-                if len(seen) >= budget:
+                if used() >= budget:
                     break
                 trials = [TunePoint(best_c.stage, best_c.offload, best_c.micro_batch, best_c.gas, best_c.checkpointing,
                                     {**best_c.knobs, name: x}, best_c.layout) for x in values[i:]]
