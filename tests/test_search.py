@@ -319,3 +319,23 @@ def test_the_pruning_bound_stays_below_the_peak_with_checkpoints_on_the_host(sta
     sc = scenario(**{**VARIANTS["stage2-full-cpu-checkpointing"], "deepspeed.zero_optimization.stage": stage},
                   **MODELS["gpt-32"])
     assert memory_lower_bound(sc) <= run_scenario(sc)[0].memory.peak_bytes
+
+
+def test_a_pipeline_trace_plots_each_stage_on_its_own(tmp_path):
+    """A pipeline's trace has one process per stage: the Gantt gets each stage's lanes and the
+    memory timeline one line per stage, the peak named with its stage."""
+    from tests.helpers import mapping
+    scen = tmp_path / "pp.yaml"
+    scen.write_text(yaml.safe_dump(mapping(**{"parallelism.pipeline": 2, "deepspeed.zero_optimization.stage": 1,
+                                              "training.gradient_accumulation_steps": 4})))
+    run_json, trace = tmp_path / "r.json", tmp_path / "t.json"
+    assert main(["run", str(scen), "--quiet", "--json", str(run_json), "--trace", str(trace)]) == 0
+    _, tr = plots.load_results(str(trace))
+    lanes = plots.timeline_data(tr)["lanes"]
+    assert {"pipeline stage 0: compute stream", "pipeline stage 1: compute stream"} <= set(lanes)
+    mt = plots.memory_timeline_data(tr)
+    assert set(mt["series"]) == {"pipeline stage 0", "pipeline stage 1"}
+    assert mt["peak_GiB"] == max(g for pts in mt["series"].values() for _, g in pts)
+    assert mt["peak_GiB"] in [g for _, g in mt["series"][mt["peak_of"]]]
+    for k in ("timeline", "memory-timeline"):
+        assert main(["plot", str(trace), "--kind", k, "--out", str(tmp_path / f"{k}.png")]) == 0

@@ -317,13 +317,35 @@ def memory_plot(data: list[dict], title: str, path: str):
 
 # ---- timeline / memory-timeline (from a trace) -------------------------------------------
 
+def _process_labels(trace: dict) -> dict:
+    """pid -> a short label for a trace with several processes (a pipeline's stages: "pipeline
+    stage 1"), {} for one; from the process names zsim writes ("zsim: NAME (pipeline stage 1, rank 8)")."""
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
+    pids = {e.get("pid", 1) for e in trace["traceEvents"] if e["ph"] in ("X", "C")}
+    if len(pids) < 2:
+        return {}
+    out = {}
+    for pid in sorted(pids):
+        name = names.get(pid, f"process {pid}")
+        inner = name[name.find("(") + 1:].split(",")[0].rstrip(")") if "(" in name else name
+        out[pid] = inner
+    return out
+
+
 def timeline_data(trace: dict) -> dict:
-    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+    """One lane per stream; a trace of several processes (a pipeline's stages) gets each stage's
+    lanes, labelled with the stage, in stage order."""
+    procs = _process_labels(trace)
+    names = {(e.get("pid", 1), e["tid"]): e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+
+    def label(pid, tid) -> str:
+        lane = names.get((pid, tid), str(tid))
+        return f"{procs[pid]}: {lane}" if pid in procs else lane
     lanes: dict[str, list[tuple[float, float, str]]] = {}
     for e in trace["traceEvents"]:
         if e["ph"] == "X":
-            lanes.setdefault(names.get(e["tid"], str(e["tid"])), []).append((e["ts"] / 1e6, e["dur"] / 1e6, e["cat"]))
-    order = [names[t] for t in sorted(names) if names[t] in lanes]
+            lanes.setdefault(label(e.get("pid", 1), e["tid"]), []).append((e["ts"] / 1e6, e["dur"] / 1e6, e["cat"]))
+    order = [label(*key) for key in sorted(names) if label(*key) in lanes]
     return {"lanes": {k: lanes[k] for k in order}}
 
 
@@ -348,23 +370,36 @@ def timeline_plot(data: dict, title: str, path: str):
 
 
 def memory_timeline_data(trace: dict) -> dict:
-    pts = [(e["ts"] / 1e6, e["args"]["GiB"]) for e in trace["traceEvents"]
-           if e["ph"] == "C" and e["name"] == "memory allocated"]
-    if not pts:
+    """The memory counter, one series per process (a pipeline's stages), and the peak: its time,
+    size and, with several series, whose it is."""
+    procs = _process_labels(trace)
+    series: dict[str, list[tuple[float, float]]] = {}
+    for e in trace["traceEvents"]:
+        if e["ph"] == "C" and e["name"] == "memory allocated":
+            key = procs.get(e.get("pid", 1), "")
+            series.setdefault(key, []).append((e["ts"] / 1e6, e["args"]["GiB"]))
+    if not series:
         raise ZsimInputError("RESULTS", "trace", "the trace has no memory counter track")
-    peak = max(pts, key=lambda p: p[1])
-    return {"points": pts, "peak_time_s": peak[0], "peak_GiB": peak[1]}
+    who, peak = max(((k, p) for k, pts in series.items() for p in pts), key=lambda kp: kp[1][1])
+    return {"series": series, "peak_time_s": peak[0], "peak_GiB": peak[1], "peak_of": who}
 
 
 def memory_timeline_plot(data: dict, title: str, path: str):
     fig, ax = plt.subplots(figsize=(12, 4.5))
-    ts = [t for t, _ in data["points"]]
-    gb = [g for _, g in data["points"]]
-    ax.step(ts, gb, where="post", color=PALETTE[0])
-    ax.fill_between(ts, gb, step="post", alpha=0.2, color=PALETTE[0])
-    ax.annotate(f"peak {data['peak_GiB']:.2f} GiB at {data['peak_time_s'] * 1e3:.1f} ms",
+    several = len(data["series"]) > 1
+    for i, (label, pts) in enumerate(data["series"].items()):
+        ts = [t for t, _ in pts]
+        gb = [g for _, g in pts]
+        color = PALETTE[(2 * i) % len(PALETTE)]
+        ax.step(ts, gb, where="post", color=color, label=label or None)
+        if not several:
+            ax.fill_between(ts, gb, step="post", alpha=0.2, color=color)
+    of = f" ({data['peak_of']})" if several else ""
+    ax.annotate(f"peak {data['peak_GiB']:.2f} GiB at {data['peak_time_s'] * 1e3:.1f} ms{of}",
                 (data["peak_time_s"], data["peak_GiB"]), xytext=(10, -20), textcoords="offset points",
                 arrowprops={"arrowstyle": "->"}, fontsize=9)
+    if several:
+        ax.legend(fontsize=8)
     ax.set_xlabel("time in the step (s)")
     ax.set_ylabel("GiB allocated (excl. CUDA context)")
     ax.grid(alpha=0.3)
