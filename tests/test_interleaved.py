@@ -90,12 +90,15 @@ def test_refusal_exits_2_in_one_line(tmp_path):
 
 
 def test_one_chunk_is_plain_1f1b_as_in_megatron():
-    # arguments.py: a virtual pipeline size of 1 becomes None, i.e. the non-interleaved schedule
+    # arguments.py: a virtual pipeline size of 1 becomes None, i.e. the non-interleaved schedule,
+    # over Megatron's equal split of the transformer layers (DeepSpeed's type:transformer)
     one = run_scenario(interleaved(chunks=1, gas=4))[0]
     plain = run_scenario(scenario(**{"model.layers": 8, "parallelism.pipeline": 4, "hardware.gpus_per_node": 8,
                                      "deepspeed.zero_optimization.stage": 1,
+                                     "parallelism.partition_method": "type:transformer",
                                      "training.gradient_accumulation_steps": 4}))[0]
     assert one.to_dict() == plain.to_dict() and "schedule" not in one.to_dict()["pipeline"]
+    assert one.to_dict()["pipeline"]["layers"] == [[0, 2], [2, 4], [4, 6], [6, 8]]
 
 
 @pytest.mark.parametrize("stages, chunks, gas", [(4, 2, 8), (4, 4, 8), (4, 2, 16), (3, 2, 6)])

@@ -72,8 +72,11 @@ def _resolve_interleaving(par: ParallelismSpec, layers: int) -> ParallelismSpec:
                                  "or use virtual_stages 1")
         return par
     if v == 1:
-        # arguments.py: a virtual pipeline size of 1 becomes None, i.e. the plain 1F1B schedule
-        return replace(par, pipeline_schedule="1f1b")
+        # arguments.py: a virtual pipeline size of 1 becomes None, i.e. the plain 1F1B schedule,
+        # still over Megatron's placement (get_num_layers_to_build: equal blocks of transformer
+        # layers, the embedding on the first stage, the head on the last), which is DeepSpeed's
+        # partition_method type:transformer; so V = 1 is the baseline a V sweep compares with
+        return replace(par, pipeline_schedule="1f1b", partition_method="type:transformer")
     if pp <= 2:
         # arguments.py: "When interleaved schedule is used and p2p communication overlap is
         # disabled, pipeline-model-parallel size should be greater than 2" (zsim's sends block)
