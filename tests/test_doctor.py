@@ -110,3 +110,20 @@ def test_host_oom_is_an_oom(tmp_path):
     tried = [t for t in rep["tried"] if t["valid"]]
     assert tried and all(t["gpu_fits"] and not t["host_fits"] and not t["fits"] for t in tried)
     assert rep["fixes"] == []
+
+
+def test_a_pair_that_adds_nothing_to_one_of_its_changes_is_not_simulated(tmp_path):
+    """GPT-3 13B, ZeRO-1, micro-batch 8 on 2 GPUs: too few single changes fit, so doctor pairs
+    them; 'full checkpointing, checkpoints in CPU memory' + 'full checkpointing' is the first
+    again, and is not simulated twice."""
+    from tests.helpers import mapping
+    from zsim.search.doctor import doctor
+    from zsim.search.variants import Base
+    path = tmp_path / "d13.yaml"
+    path.write_text(yaml.safe_dump(mapping(**{"model": {"preset": "gpt3-13b"}, "hardware.gpus_per_node": 2,
+                                              "deepspeed.zero_optimization.stage": 1,
+                                              "training.micro_batch_size": 8})))
+    tried = doctor(Base.load(path, (), workers=1))["tried"]
+    assert any(" + " in t["name"] for t in tried)   # pairs were tried
+    sets = [frozenset(t["overrides"]) for t in tried]
+    assert len(set(sets)) == len(sets)

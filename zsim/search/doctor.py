@@ -200,7 +200,11 @@ def doctor(base: Base, max_pairs: int = 40) -> dict:
         helpful = sorted((e for e in evaluated if e["valid"] and not e["fits"]), key=lambda e: e["peak_bytes"])
         names = [e["name"] for e in helpful]
         pairs = [by_name[a] + by_name[b] for a, b in itertools.combinations(names, 2)
-                 if not (a.startswith("micro-batch") and b.startswith("micro-batch"))][:max_pairs]
+                 if not (a.startswith("micro-batch") and b.startswith("micro-batch"))]
+        # a pair whose second change sets only keys the first already sets is the first again
+        # (offload to CPU at ZeRO-1 + ZeRO stage 1): not simulated twice
+        singles_of = {frozenset(c.assignments) for c in singles}
+        pairs = [p for p in pairs if frozenset(p.assignments) not in singles_of][:max_pairs]
         base.prefetch(pairs)
         evaluated += [evaluate(base, cand, baseline) for cand in pairs]
         evaluated = _prune_batches(evaluated)
