@@ -141,3 +141,24 @@ def test_tune_scenario_out_refuses_an_existing_file_or_the_out_path(tmp_path):
     same = tmp_path / "same.json"
     out = run_cli(["tune", _tp_sp(tmp_path, "y"), "--budget", "1", "--out", str(same), "--scenario-out", str(same)])
     assert out.code == 2 and "its own path" in out.stderr
+
+
+def test_an_moe_oom_gets_larger_expert_parallel_sizes_from_doctor_and_tune(tmp_path):
+    """DeepSpeed-MoE's ep_size splits each MoE layer's experts over more ranks: the playbook and
+    tune's layouts offer the sizes dividing the data-parallel size and the experts, and tune finds
+    a fitting one for the shipped MoE scenario run without expert parallelism (no pipeline for an
+    MoE model, which zsim refuses)."""
+    from tests.helpers import ROOT
+    from zsim.search.doctor import playbook
+    from zsim.search.tune import layouts, tune
+    from zsim.search.variants import Base
+    path = ROOT / "scenarios" / "deepspeed-moe-ep8-zero2-32xh100.yaml"
+    base = Base.load(path, ("parallelism.expert=1",), workers=1)
+    sc = base.scenario(())
+    offered = [v.assignments for v in playbook(base.raw, sc) if v.name.startswith("expert parallel size")]
+    assert offered == [("parallelism.expert=2",), ("parallelism.expert=4",), ("parallelism.expert=8",)]
+    found = layouts(sc)
+    assert all(lay.pipeline == 1 for lay in found)
+    assert {lay.expert for lay in found} == {1, 2, 4, 8, 16, 32}   # the divisors of DP 32 dividing 64 experts
+    res = tune(base, budget=12)
+    assert res.ranked and res.ranked[0][0].layout.expert > 1

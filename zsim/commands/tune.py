@@ -110,6 +110,7 @@ def main(args) -> int:
     if args.json:
         rows = [{"rank": i + 1, "set": list(c.assignments()), "stage": c.stage,
                  "tensor_parallel_size": c.layout.tensor, "sequence_parallel": c.layout.sequence_parallel,
+                 "expert_parallel_size": c.layout.expert,
                  "pipeline_stages": c.layout.pipeline, "data_parallel_size": r.world_size // c.layout.model_parallel,
                  "offload": c.offload,
                  "micro_batch_size": c.micro_batch, "gradient_accumulation_steps": c.gas,

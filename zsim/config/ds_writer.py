@@ -78,6 +78,10 @@ def tuned_ds_config(user_ds: dict, base: Scenario, tuned: Scenario, knobs,
         pipe = cfg.get("pipeline") if isinstance(cfg.get("pipeline"), dict) else {}
         cfg["pipeline"] = {**pipe, "stages": tuned.pipeline_stages}
         notes.append(f"build the model as a PipelineModule with num_stages={tuned.pipeline_stages}")
+    if tuned.expert_parallel_size != base.expert_parallel_size:
+        # ep_size is an argument of the model's MoE layers (deepspeed.moe.layer.MoE), not a ds_config key
+        notes.append(f"build the MoE layers with ep_size={tuned.expert_parallel_size} "
+                     "(deepspeed.moe.layer.MoE(..., ep_size=...))")
     if tuned.tensor_parallel_size != base.tensor_parallel_size:
         # DeepSpeed's AutoTP training key (runtime/tensor_parallel/config.py TPTrainingConfig);
         # the seeds' tensor_parallel.size, if written, is replaced by it

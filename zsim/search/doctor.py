@@ -5,7 +5,8 @@
 assignments `zsim run` takes, so every fix is printable and re-applicable):
   smaller micro-batch with more accumulation (same global batch); activation checkpointing
   (selective, full, full + cpu_checkpointing); a higher ZeRO stage; optimizer offload; parameter
-  offload; smaller buckets / prefetch / max_live_parameters; 16-bit precision; when fewer than
+  offload; a larger expert-parallel size (DeepSpeed-MoE); smaller buckets / prefetch /
+  max_live_parameters; 16-bit precision; when fewer than
   MIN_FITTING of those fit, other tensor x pipeline x data-parallel layouts that zsim tune's
   search finds fitting (`layout_fixes`).
 `doctor` simulates every candidate (and pairs of them when too few fit alone) and returns those
@@ -106,6 +107,15 @@ def playbook(raw: dict, sc: Scenario) -> list[Variant]:
         out.append(Variant(f"ZeRO stage {stage}", (f"deepspeed.zero_optimization.stage={stage}",)))
     if pp > 1 and sc.cluster.world_size % (2 * pp) == 0 and 2 * pp <= sc.model.layers:
         out.append(Variant(f"{2 * pp} pipeline stages", (f"parallelism.pipeline={2 * pp}",)))
+    moe = sc.model.moe
+    if moe is not None and moe.dispatch == "capacity":
+        # DeepSpeed-MoE: a larger ep_size splits each MoE layer's experts over more ranks, each
+        # holding fewer (ep_size divides the data-parallel size and the experts: _check_expert)
+        dp = sc.data_parallel_size
+        for ep in [e for e in range(sc.expert_parallel_size + 1, dp + 1)
+                   if dp % e == 0 and moe.experts % e == 0][:3]:
+            out.append(Variant(f"expert parallel size {ep} (DeepSpeed-MoE ep_size, {moe.experts // ep} experts a rank)",
+                               (f"parallelism.expert={ep}",)))
     if z.optimizer_offload_device == "none":
         sets = ("deepspeed.zero_optimization.offload_optimizer.device=cpu",
                 "deepspeed.zero_optimization.offload_optimizer.pin_memory=true")
@@ -236,7 +246,8 @@ def layout_fixes(base: Base, sc: Scenario) -> list[Variant]:
 
 def _layout_name(sc: Scenario, layout) -> str:
     sp = " (sequence parallel)" if layout.sequence_parallel else ""
-    return (f"layout TP {layout.tensor}{sp} x PP {layout.pipeline} x DP "
+    ep = f" (EP {layout.expert})" if layout.expert > 1 else ""
+    return (f"layout TP {layout.tensor}{sp} x PP {layout.pipeline}{ep} x DP "
             f"{sc.cluster.world_size // layout.model_parallel}")
 
 

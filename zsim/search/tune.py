@@ -69,6 +69,7 @@ class Layout:
     pipeline: int = 1
     tensor: int = 1
     sequence_parallel: bool = False
+    expert: int = 1     # DeepSpeed-MoE's ep_size: experts split inside the data-parallel group
 
     @property
     def model_parallel(self) -> int:
@@ -82,11 +83,13 @@ class Layout:
 
     def assignments(self) -> tuple[str, ...]:
         return (f"parallelism.pipeline={self.pipeline}", f"parallelism.tensor={self.tensor}",
-                f"parallelism.sequence_parallel={str(self.sequence_parallel).lower()}")
+                f"parallelism.sequence_parallel={str(self.sequence_parallel).lower()}",
+                *((f"parallelism.expert={self.expert}",) if self.expert > 1 else ()))
 
     def label(self) -> str:
         sp = " SP" if self.sequence_parallel else ""
-        return (f", TP {self.tensor}{sp}" if self.tensor > 1 else "") + (f", PP {self.pipeline}" if self.pipeline > 1 else "")
+        return ((f", TP {self.tensor}{sp}" if self.tensor > 1 else "") + (f", PP {self.pipeline}" if self.pipeline > 1 else "")
+                + (f", EP {self.expert}" if self.expert > 1 else ""))
 
 
 def _tensor_sizes(sc) -> list[int]:
@@ -101,7 +104,16 @@ def _tensor_sizes(sc) -> list[int]:
 
 
 def own_layout(sc) -> Layout:
-    return Layout(sc.pipeline_stages, sc.tensor_parallel_size, sc.parallelism.sequence_parallel)
+    return Layout(sc.pipeline_stages, sc.tensor_parallel_size, sc.parallelism.sequence_parallel, sc.expert_parallel_size)
+
+
+def _expert_sizes(sc, data_parallel: int) -> list[int]:
+    """DeepSpeed-MoE ep_size values: divisors of the data-parallel size that divide the experts
+    (zsim/config/parallel.py _check_expert); 1 for a dense model or Hugging Face's dropless MoE."""
+    moe = sc.model.moe
+    if moe is None or moe.dispatch != "capacity":
+        return [1]
+    return [e for e in _divisors(data_parallel) if moe.experts % e == 0]
 
 
 def own_point(sc) -> "TunePoint":
@@ -132,9 +144,11 @@ def layouts(sc) -> list[Layout]:
             if pp > sc.model.layers or batch % (world // (tp * pp)):
                 continue
             for sp in ((True, False) if tp > 1 else (False,)):
-                layout = Layout(pp, tp, sp)
-                if layout != own and not (sp and seq % tp):
-                    out.append(layout)
+                # largest expert-parallel size first: fewer experts a rank, the memory an MoE needs
+                for ep in sorted(_expert_sizes(sc, world // (tp * pp)), reverse=True):
+                    layout = Layout(pp, tp, sp, ep)
+                    if layout != own and not (sp and seq % tp):
+                        out.append(layout)
     return out
 
 
@@ -201,7 +215,7 @@ def point_workload(sc, c: "TunePoint"):
     wl = build_workload(sc.model, micro_batch_size=1, seq_len=sc.seq_len, precision=sc.precision,
                         flash_attention=training.flash_attention, dropout=training.dropout,
                         fused_cross_entropy=training.fused_cross_entropy,
-                        expert_parallel_size=sc.expert_parallel_size, tensor=c.layout.tensor,
+                        expert_parallel_size=c.layout.expert, tensor=c.layout.tensor,
                         sequence_parallel=c.layout.sequence_parallel)
     return apply_training(wl, training, zero3_linear=c.stage == 3 and sc.zero.memory_efficient_linear)
 
