@@ -128,3 +128,12 @@ def test_choice_is_the_minimum_of_ncclTopoGetAlgoTime():
         for proto in NCCL_PROTOS:
             forced = choose("all_reduce", 1e6, 4, 8, nccl_topo_for(_cluster(nodes=4, algo=algo, proto=proto)))
             assert best.latency_us + 1e6 / (1000 * best.bw_GBps) <= forced.latency_us + 1e6 / (1000 * forced.bw_GBps)
+
+
+@pytest.mark.parametrize("setting", ["hardware.override.nccl.algo=tree", "hardware.override.nccl.algo=PAT",
+                                     "hardware.override.nccl.proto=^LL,LL128,Simple"])
+def test_an_nccl_setting_that_leaves_a_collective_no_algorithm_is_refused_in_one_line(setting, capsys):
+    from zsim.cli import main
+    assert main(["run", "--quiet", "--set", setting]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no algorithm NCCL can run" in err[0]

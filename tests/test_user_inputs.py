@@ -277,3 +277,38 @@ def test_the_tuned_ds_config_keeps_auto_and_the_scenario_pins_the_tuned_value():
     with_offload, notes = tuned_ds_config(user, base, off, ["reduce_bucket_size"])
     assert with_offload["optimizer"] == {"type": "AdamW", "params": {}}
     assert any("ZeRO-Offload needs DeepSpeed's own CPU optimizer" in n for n in notes)
+
+
+def test_outputs_get_the_umask_mode_and_a_replaced_file_keeps_its_own(tmp_path):
+    import os
+    import stat
+    old = os.umask(0o022)
+    try:
+        fresh, kept = tmp_path / "a.json", tmp_path / "b.json"
+        kept.write_text("x")
+        os.chmod(kept, 0o664)
+        src = str(_scenario_file(tmp_path))
+        assert main(["run", src, "--quiet", "--json", str(fresh)]) == 0
+        assert main(["run", src, "--quiet", "--json", str(kept)]) == 0
+        assert stat.S_IMODE(fresh.stat().st_mode) == 0o644
+        assert stat.S_IMODE(kept.stat().st_mode) == 0o664
+    finally:
+        os.umask(old)
+
+
+def test_json_keeps_whole_numbers_exact_and_rounds_the_rest():
+    from zsim.report.writers import dumps
+    out = json.loads(dumps({"capacity_bytes": 2199023255552.0, "step_time_s": 0.12345678901234567}))
+    assert out["capacity_bytes"] == 2199023255552.0          # 2 TiB, not 2199023255550
+    assert out["step_time_s"] == 0.123456789012
+
+
+def test_the_python_api_returns_result_and_trace_and_names_a_wrong_argument():
+    from zsim.api import run_file
+    from tests.helpers import ROOT
+    result, trace = run_file(ROOT / "scenarios" / "default.yaml", ("training.micro_batch_size=4",))
+    assert result.fits and result.micro_batch_size == 4 and trace.schedule.ops
+    with pytest.raises(TypeError, match="run_scenario takes a Scenario"):
+        run_scenario({"model": {}})
+    with pytest.raises(TypeError, match="sequence of 'KEY=VALUE' strings"):
+        run_file(ROOT / "scenarios" / "default.yaml", "training.micro_batch_size=4")

@@ -14,9 +14,18 @@ from zsim.specs.scenario import Scenario
 def run_scenario(sc: Scenario, steady: bool = True) -> tuple[Result, Trace]:
     """Simulate and summarize one step; `steady=False` simulates every micro-step instead of
     reusing the repeating ones (the result is the same; see zsim/engine/steady.py)."""
+    if not isinstance(sc, Scenario):
+        raise TypeError(f"run_scenario takes a Scenario (zsim.config.scenario.load_scenario), not "
+                        f"{type(sc).__name__}; for a file use zsim.api.run_file(path)")
     wl, trace = simulate_scenario(sc, steady)
     return summarize(sc, wl, trace), trace
 
 
 def run_file(path: str | Path, overrides: tuple[str, ...] = (), steady: bool = True) -> tuple[Result, Trace]:
-    return run_scenario(load_scenario(path, overrides), steady)
+    """(result, trace) of the scenario file (or ds_config with `hardware.*` and `model.*`
+    overrides: `("model.preset=gpt2", "hardware.gpus_per_node=8")`), `overrides` as `--set` takes them."""
+    if not isinstance(path, (str, Path)):
+        raise TypeError(f"run_file takes the path of a scenario YAML or ds_config.json, not {type(path).__name__}")
+    if isinstance(overrides, str) or not all(isinstance(o, str) for o in overrides):
+        raise TypeError("overrides is a sequence of 'KEY=VALUE' strings, e.g. ('training.micro_batch_size=4',)")
+    return run_scenario(load_scenario(path, tuple(overrides)), steady)

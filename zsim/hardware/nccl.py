@@ -24,6 +24,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+from zsim.errors import ZsimInputError
 from zsim.specs.nccl import NCCL_PROTOS
 
 FUNC = {"broadcast": "Broadcast", "reduce": "Reduce", "all_gather": "AllGather",
@@ -174,7 +175,13 @@ def choose(kind: str, size_bytes: float, n_nodes: int, gpus_per_node: int, topo:
         if t_us < best_us:
             best_us, best = t_us, NcclChoice(algo, NCCL_PROTOS[p], lat, bw)
     if best is None:
-        raise ValueError(f"NCCL_ALGO/NCCL_PROTO leave no algorithm for {FUNC[kind]}")
+        # NCCL fails the job the same way ("no algorithm/protocol available for function ...")
+        algos = sorted(dict(topo.algos).get(func, ()))
+        protos = sorted(dict(topo.protos).get(func, ()))
+        raise ZsimInputError("hardware nccl.algo / nccl.proto", f"{'/'.join(algos) or 'none'} x {'/'.join(protos) or 'none'}",
+                             f"leaves {func} no algorithm NCCL can run on {n_nodes} node(s) x {gpus_per_node} GPU(s) "
+                             "(NCCL refuses the job too); leave it Ring and Simple, which every collective can run "
+                             "(e.g. nccl.algo: ring, nccl.proto: ^LL128)")
     return best
 
 

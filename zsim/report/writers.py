@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -15,8 +16,12 @@ from zsim.units import GiB
 
 
 def _round(obj):
-    """12 significant digits: stable across platforms' last-bit float differences."""
+    """12 significant digits: stable across platforms' last-bit float differences. A whole
+    number (a byte count, a capacity) stays exact: rounding 2 TiB to 12 digits would write a
+    size no one allocated."""
     if isinstance(obj, float):
+        if obj.is_integer() and abs(obj) < 2.0 ** 53:
+            return obj
         return float(f"{obj:.12g}")
     if isinstance(obj, dict):
         return {k: _round(v) for k, v in obj.items()}
@@ -69,11 +74,20 @@ def write_atomic(path: str | Path, text: str):
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        # mkstemp makes the file 0600: give it the mode a plain open() would (the umask's), or the
+        # replaced file's, so results stay readable where the user's files are
+        os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode) if path.exists() else 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)   # the only way to read it is to set it: put it back at once
+    os.umask(mask)
+    return mask
 
 
 def save(path: str | Path, text: str):
