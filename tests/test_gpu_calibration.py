@@ -128,3 +128,19 @@ def test_validate_gpu_measure_refuses_without_a_gpu(tmp_path):
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and "CUDA" in out.stderr
     assert not (tmp_path / "m").exists()
+
+
+def test_a_dtype_the_run_did_not_measure_keeps_the_datasheets_ratio(run):
+    """Only bf16 was measured on the H200: fp32 (no tensor cores) must not get bf16's fitted peak.
+    The unmeasured dtypes keep NVIDIA's datasheet ratio to it, and MFU divides by the datasheet's
+    dense peak, not by the fitted law's asymptote."""
+    records, prov = run
+    profile, _ = build_profile("h200-1gpu", records, {**prov, "interconnect_from": "dgx-h100"}, ("bf16",),
+                               base_interconnect("dgx-h100"))
+    gpu = profile["gpu"]
+    assert gpu["peak_tflops_fp32"] == pytest.approx(gpu["peak_tflops_bf16"] * 67.0 / 989.4, rel=1e-5)   # 6 digits
+    assert gpu["peak_tflops_tf32"] == pytest.approx(gpu["peak_tflops_bf16"] / 2, rel=1e-5)
+    assert gpu["datasheet_tflops"]["bf16"] == 989.4
+    loaded = load_profile("h200-1gpu")
+    assert loaded.gpu.peak_tflops_fp32 == pytest.approx(gpu["peak_tflops_fp32"], rel=1e-4)
+    assert loaded.gpu.datasheet_tflops == gpu["datasheet_tflops"]

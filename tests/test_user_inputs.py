@@ -312,3 +312,24 @@ def test_the_python_api_returns_result_and_trace_and_names_a_wrong_argument():
         run_scenario({"model": {}})
     with pytest.raises(TypeError, match="sequence of 'KEY=VALUE' strings"):
         run_file(ROOT / "scenarios" / "default.yaml", "training.micro_batch_size=4")
+
+
+def test_tf32_runs_fp32_matmuls_on_tensor_cores_and_mfu_uses_the_datasheet_peak():
+    base = {"training.precision": "fp32", "model": {"preset": "gpt2-xl"}, "training.micro_batch_size": 4}
+    plain, _ = run_scenario(scenario(**base))
+    tf32, _ = run_scenario(scenario(**base, **{"training.tf32": True}))
+    assert tf32.step_time_s < plain.step_time_s / 2      # A100: 156 vs 19.5 TFLOP/s dense
+    # MFU's denominator is the matmul dtype's peak: tf32's for a tf32 run
+    assert tf32.mfu == pytest.approx(tf32.tflops_per_gpu / 156.0, rel=1e-9)
+    h200 = {"hardware.profile": "h200-1gpu", "hardware.gpus_per_node": 1, "training.precision": "bf16",
+            "model": {"preset": "gpt2-xl"}, "training.micro_batch_size": 4}
+    r, _ = run_scenario(scenario(**h200))
+    assert r.mfu == pytest.approx(r.tflops_per_gpu / 989.4, rel=1e-9)   # the datasheet, not the fitted 1752.4
+
+
+def test_hardware_settings_the_simulation_does_not_read_are_said():
+    sc = scenario(**{"hardware.override": {"inter_node": {"latency_us": 500}}, "hardware.gpus_per_node": 16})
+    said = " ".join(sc.warnings)
+    assert "inter_node.latency_us is not read" in said and "nccl=null" in said
+    assert "exceeds the 8 GPUs of a dgx-a100-80g node" in said
+    assert not scenario().warnings

@@ -34,6 +34,21 @@ from zsim.errors import ZsimInputError
 from zsim.hardware.host import CPU_ADAM_BYTES_PER_PARAM
 
 
+# Vendor dense peaks (TFLOP/s, no sparsity) of the GPUs calibration has met, by a substring of the
+# device name: NVIDIA's H100/H200 SXM and A100 SXM datasheets. They are MFU's denominator
+# (gpu.datasheet_tflops) and, for a dtype the run did not measure, the ratio its peak keeps to the
+# measured one's (fp32 without tensor cores, tf32 and 16-bit on them).
+DATASHEET_TFLOPS = {
+    "H200": {"fp32": 67.0, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4},
+    "H100": {"fp32": 67.0, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4},
+    "A100": {"fp32": 19.5, "tf32": 156.0, "fp16": 312.0, "bf16": 312.0},
+}
+
+
+def datasheet_of(gpu_name: str) -> dict[str, float]:
+    return next((peaks for key, peaks in DATASHEET_TFLOPS.items() if key in gpu_name), {})
+
+
 def build_profile(name: str, records: list[dict], prov: dict, dtypes: tuple[str, ...],
                   interconnect: tuple[str, dict] | None = None) -> tuple[dict, dict]:
     """The profile mapping (same keys as hardware_profiles/*.yaml) and the fit report. The
@@ -110,15 +125,25 @@ def build_profile(name: str, records: list[dict], prov: dict, dtypes: tuple[str,
             pageable_fraction = min(1.0, min(fit_rate(r, "GBps") for r in pageable) / pcie_GBps)
     else:   # no device: an "offload copy" is a host memcpy of one direction
         pcie_GBps = fit_rate(memcpy[0], "GBps") / 2 if memcpy else 1.0
+    sheet = datasheet_of(prov.get("gpu", ""))
+
+    def unmeasured(d: str, fallback: float) -> float:
+        # a known GPU keeps the datasheet's ratio to the measured dtype (fp32 runs at 1/15 of bf16
+        # on an H100, not at its rate); otherwise the fallback (a CPU rank measures its dtypes)
+        return v * sheet[d] / sheet[dtype] if sheet and dtype in sheet else fallback
     gpu = {"model": prov.get("gpu", "unknown"),
-           "peak_tflops_fp32": peak.get("fp32", v), "peak_tflops_tf32": peak.get("tf32", peak.get("fp32", v)),
-           "peak_tflops_fp16": peak.get("fp16", v), "peak_tflops_bf16": peak.get("bf16", v),
+           "peak_tflops_fp32": peak.get("fp32", unmeasured("fp32", v)),
+           "peak_tflops_tf32": peak.get("tf32", unmeasured("tf32", peak.get("fp32", v))),
+           "peak_tflops_fp16": peak.get("fp16", unmeasured("fp16", v)),
+           "peak_tflops_bf16": peak.get("bf16", unmeasured("bf16", v)),
            "hbm_capacity_GiB": float(prov.get("gpu_memory_GiB", host_GiB / max(per_node, 1))),
            "hbm_bw_GBps": comp["hbm_bw_GBps"],
            "cuda_context_GiB": 0.75 if cuda else 0.3,
            "allocator_fragmentation_fraction": 0.02,
            # torch's and DeepSpeed's CPU backends run collectives and copies in program order
            "concurrent_streams": bool(cuda), **fields}
+    if sheet:
+        gpu["datasheet_tflops"] = dict(sheet)
     if by_dtype:
         gpu["by_dtype"] = by_dtype
     profile = {

@@ -313,7 +313,29 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
         raise ZsimInputError("name", name, "expected a string")
     return Scenario(name=name, model=model, cluster=cluster, training=training, deepspeed=ds, parallelism=par,
                     description=str(raw.get("description", "")),
-                    warnings=ds.not_modelled(ds_raw.keys()) + ds.checkpointing_warnings(training.activation_checkpointing))
+                    warnings=(ds.not_modelled(ds_raw.keys()) + ds.checkpointing_warnings(training.activation_checkpointing)
+                              + _hardware_warnings(hw, profile)))
+
+
+def _hardware_warnings(hw: HardwareSpec, profile) -> tuple[str, ...]:
+    """What the hardware block sets that the simulation will not read as the user may expect: a
+    tier's latency or efficiency table under a profile priced by NCCL's cost model, and a node
+    larger than the profile's."""
+    out = []
+    override = hw.override or {}
+    for tier in ("intra_node", "inter_node"):
+        block = override.get(tier)
+        spec = getattr(profile, tier)
+        if isinstance(block, dict) and profile.nccl is not None and not spec.efficiency_by_collective:
+            for key in ("latency_us", "efficiency_by_size"):
+                if key in block:
+                    out.append(f"hardware.override.{tier}.{key} is not read: the profile's nccl: section prices "
+                               f"collectives with NCCL's cost model (docs/model.md); add "
+                               f"hardware.override.nccl=null to use the tier tables")
+    if hw.gpus_per_node and hw.gpus_per_node > profile.gpus_per_node:
+        out.append(f"hardware.gpus_per_node {hw.gpus_per_node} exceeds the {profile.gpus_per_node} GPUs of a "
+                   f"{profile.name} node: simulated as one node of {hw.gpus_per_node} on its intra-node fabric")
+    return tuple(out)
 
 
 def load_raw(path: Path) -> dict:

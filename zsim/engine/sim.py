@@ -263,7 +263,8 @@ class _Engine:
     (see [Note: pipeline pass replay])."""
 
     def __init__(self, schedule: Schedule, cluster, precision: str, replay: bool):
-        cost = CostModel(cluster, precision, schedule.stage, schedule.host, schedule.pipeline, schedule.tensor)
+        cost = CostModel(cluster, precision, schedule.stage, schedule.host, schedule.pipeline, schedule.tensor,
+                         schedule.tf32)
         self.clock = Clock()
         self.fluid = Fluid(self.clock, cost.compute_slowdown)
         self.op_cost = cost.op_cost

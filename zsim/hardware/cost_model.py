@@ -42,13 +42,14 @@ class OpCost:
 
 class CostModel:
     def __init__(self, cluster, precision: str, stage: int, host: HostSettings,
-                 pipeline: PipelineLayout | None = None, tensor: int = 1):
+                 pipeline: PipelineLayout | None = None, tensor: int = 1, tf32: bool = False):
         prof = cluster.profile
         self.pipeline, self.tensor = pipeline, tensor
         self.cluster, self.stage, self.host = cluster, stage, host
         self.gpu = prof.gpu.for_dtype(precision)   # the run's dtype's compute figures (gpu.by_dtype)
         self.cpu = prof.cpu
-        self.peak_flops = cluster.peak_flops(precision)
+        # fp32 matmuls with allow_tf32 run on tensor cores (schedule.tf32)
+        self.peak_flops = cluster.peak_flops("tf32" if tf32 and precision == "fp32" else precision)
         self.dtype_bytes = DTYPE_BYTES[precision]
         self.compute_slowdown = prof.interference.compute_slowdown_during_comm
         self.intra, self.inter = tiers_for(cluster)

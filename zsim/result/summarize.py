@@ -268,7 +268,7 @@ def _summarize(sc: Scenario, wl: Workload, trace: Trace) -> Result:
     model_flops_gpu = wl.model_flops * sc.gradient_accumulation_steps / stages
     ops = _op_totals(trace, cl)
     clipped = _clipped(ops, trace)
-    peak_flops = cl.peak_flops(sc.precision)
+    peak_flops = cl.datasheet_flops(sc.matmul_dtype)   # MFU's convention: the vendor's dense peak
     tflops = model_flops_gpu / step / TFLOP if step > 0 else 0.0
     trained = trainable_params(wl)
     compute_s = sum(sum(n * _union_length(c) for c, _, n in stage) for stage in clipped)

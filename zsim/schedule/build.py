@@ -66,9 +66,11 @@ def build_schedule(sc: Scenario, wl: Workload | None = None, micro_steps: int | 
     if sc.pipeline_stages > 1:
         chunks = sc.parallelism.virtual_stages
         layers, host = (interleaved if chunks > 1 else pipeline).build(ctx)
-        return wl, ctx.b.build(sc.zero.stage, sc.cluster.world_size, host, layers, tp, chunks)
-    if sc.zero.stage == 3:
-        stage3.build(ctx)
+        schedule = ctx.b.build(sc.zero.stage, sc.cluster.world_size, host, layers, tp, chunks)
     else:
-        stage012.build(ctx)
-    return wl, ctx.b.build(sc.zero.stage, sc.cluster.world_size, offload.host_settings(ctx), tensor=tp)
+        if sc.zero.stage == 3:
+            stage3.build(ctx)
+        else:
+            stage012.build(ctx)
+        schedule = ctx.b.build(sc.zero.stage, sc.cluster.world_size, offload.host_settings(ctx), tensor=tp)
+    return wl, replace(schedule, tf32=True) if sc.matmul_dtype == "tf32" else schedule

@@ -333,6 +333,7 @@ class Schedule:
     host_static: tuple[Alloc, ...] = ()  # host (CPU) memory per GPU: offloaded states, pinned buffers
     pipeline: PipelineLayout | None = None   # None: one stage (static, host_static are its rank's)
     tensor: int = 1                 # tensor-parallel size: each simulated rank is one rank of a TP group
+    tf32: bool = False              # fp32 matmuls on tensor cores (training.tf32): priced at the tf32 peak
 
     @property
     def data_parallel(self) -> int:

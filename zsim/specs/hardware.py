@@ -53,12 +53,21 @@ class GpuProfile:
                              "its input (zsim calibrate measures it; NCCL: 0, gloo: 1)")   # see [Note: gloo reduce-scatter copy]
     concurrent_streams: bool = spec(True, doc="side streams run beside compute (CUDA); false: one stream in "
                                               "program order, as DeepSpeed's and torch's CPU backends run")
+    datasheet_tflops: dict[str, float] = spec(
+        factory=dict, doc="the vendor's dense peak per dtype (fp32, tf32, fp16, bf16), MFU's and HFU's denominator "
+                          "where a calibrated profile's peak_tflops_* is its fitted GEMM law's asymptote instead; "
+                          "a dtype not listed uses its peak_tflops_*")
     by_dtype: dict[str, DtypeCompute] = spec(
         factory=dict, doc="per training precision (fp32, fp16, bf16): compute figures that replace the fields "
                           "above for a run in that dtype (zsim calibrate --dtype fp32,bf16 writes them); a dtype "
                           "not listed, or a field not set, uses the fields above")
 
     def __post_init__(self):
+        for dtype, value in self.datasheet_tflops.items():
+            if dtype not in ("fp32", "tf32", "fp16", "bf16"):
+                raise ValueError(f"datasheet_tflops.{dtype}", dtype, "use fp32, tf32, fp16 or bf16")
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"datasheet_tflops.{dtype}", value, "give the dense peak in TFLOP/s (> 0)")
         for dtype in self.by_dtype:
             if dtype not in TRAINING_DTYPES:
                 raise ValueError(f"by_dtype.{dtype}", dtype, f"not a training precision"
@@ -237,7 +246,13 @@ class Cluster:
         return self.nodes * self.gpus_per_node
 
     def peak_flops(self, dtype: str) -> float:
+        """The GEMM law's peak a run in `dtype` ("tf32": fp32 matmuls on tensor cores) is priced at."""
         return getattr(self.profile.gpu, f"peak_tflops_{dtype}") * 1e12
+
+    def datasheet_flops(self, dtype: str) -> float:
+        """MFU's denominator: the vendor's dense peak where the profile gives it."""
+        gpu = self.profile.gpu
+        return gpu.datasheet_tflops.get(dtype, getattr(gpu, f"peak_tflops_{dtype}")) * 1e12
 
     @property
     def hbm_capacity_bytes(self) -> float:

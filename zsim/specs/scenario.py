@@ -67,6 +67,8 @@ class TrainingSpec:
     precision: Optional[Literal["fp32", "fp16", "bf16"]] = spec(None, doc="default: from the ds_config fp16/bf16 blocks")
     activation_checkpointing: Literal["none", "full", "selective"] = spec("none")
     flash_attention: bool = spec(True)
+    tf32: bool = spec(False, doc="fp32 matmuls on tensor cores (torch.backends.cuda.matmul.allow_tf32, HF --tf32); "
+                                 "PyTorch's default since 1.12 is off")
     dropout: bool = spec(False, doc="dropout layers present (stores masks, Korthikanti 2022)")
     fused_cross_entropy: bool = spec(False, doc="fused loss kernel (no fp32 logits copies)")
     max_grad_norm: float = spec(1.0, ge=0, doc="HF Trainer's max_grad_norm, used for gradient_clipping: auto")
@@ -109,6 +111,11 @@ class Scenario:
     @property
     def precision(self) -> str:
         return self.training.precision
+
+    @property
+    def matmul_dtype(self) -> str:
+        """The dtype matmuls run in: the precision's, or tf32 for fp32 with training.tf32."""
+        return "tf32" if self.training.precision == "fp32" and self.training.tf32 else self.training.precision
 
     @property
     def expert_parallel_size(self) -> int:
