@@ -86,7 +86,6 @@ def table_width(value: int | None) -> int | None:
 
 
 def add_workers_arg(p, what: str):
-    import os
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                    help=f"worker processes that {what} (default: CPU count; 1: none)")
 
@@ -94,7 +93,6 @@ def add_workers_arg(p, what: str):
 def workers_count(value: int) -> int:
     """--workers checked: each worker is a forked process holding a copy of the scenario, so
     more than a few per core only costs memory."""
-    import os
     max_workers = 4 * (os.cpu_count() or 1)
     if not 1 <= value <= max_workers:
         raise ZsimInputError("--workers", value, f"use 1 to {max_workers} worker processes (4 per CPU core)")
