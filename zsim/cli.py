@@ -63,6 +63,9 @@ def main(argv=None) -> int:
     except ZsimInputError as err:
         print(f"zsim: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:   # Ctrl-C: one line, the shell's code for SIGINT, no traceback
+        print("zsim: interrupted", file=sys.stderr)
+        return 130
     except OSError as err:
         print(one_line(f"zsim: error: {err.filename or ''}: {err.strerror or err}"), file=sys.stderr)
         return 2

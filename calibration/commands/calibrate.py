@@ -93,6 +93,9 @@ def resolve(args):
     if not _NAME.match(args.out or ""):
         raise ZsimInputError("--out", args.out, "use a plain name of letters, digits, '.', '_' or '-' "
                                                 "(e.g. cpu-gloo-localhost)")
+    if args.out.endswith((".yaml", ".yml")):
+        raise ZsimInputError("--out", args.out, f"give the profile's name, without the suffix (it writes "
+                                                f"hardware_profiles/{args.out.rsplit('.', 1)[0]}.yaml)")
     mode = "quick" if args.quick else "full"
     nproc = _positive(args.nproc_per_node, "--nproc-per-node", int, _MAX_NPROC_PER_NODE) if args.nproc_per_node is not None else None
     if args.backend not in (None, "nccl", "gloo"):
@@ -121,7 +124,7 @@ def resolve(args):
     io_path = ""
     if args.io_path:
         p = Path(args.io_path)
-        if not (p.is_dir() or p.parent.is_dir()):
+        if not (p.is_dir() or p.parent.is_dir()) or (p.exists() and not p.is_dir()):
             raise ZsimInputError("--io-path", args.io_path, "give an existing directory (the NVMe offload target)")
         io_path = str(p.resolve())
     root = Path(args.root).resolve() if args.root else Path(__file__).resolve().parents[2]
@@ -140,7 +143,10 @@ def base_interconnect(name: str | None) -> tuple[str, dict] | None:
         return None
     from zsim.config.profile import read_profile_mapping
 
-    data, _ = read_profile_mapping(name)
+    try:
+        data, _ = read_profile_mapping(name)
+    except ZsimInputError as err:
+        raise ZsimInputError("--base", name, err.fix) from None
     missing = [k for k in ("intra_node", "inter_node") if not isinstance((data or {}).get(k), dict)]
     if missing:
         raise ZsimInputError("--base", name, f"the profile has no {missing[0]} section; choose a full profile "
@@ -164,20 +170,29 @@ def _fit_existing(args, dtypes, profile_path: Path, run_dir: Path, fit_and_write
     """Fit a run measured elsewhere: a calibration/runs/NAME directory (records.json) or a
     worker's run directory from a torchrun/srun launch (records.partial.jsonl + status/)."""
     import json
+    import shutil
     from calibration.harness.launch import read_records, write_atomic
-    from calibration.harness.pool import add_sources, pooled, read_pool, write_pool
+    from calibration.harness.pool import add_sources, pooled, read_json, read_pool, write_pool
 
     src = Path(args.from_run)
     if profile_path.exists() and not args.force:
         raise ZsimInputError("--out", args.out, f"{profile_path} exists; pass --force to overwrite it")
+    here = run_dir / "records.json"
+    if src.resolve() != run_dir.resolve() and here.is_file() and not args.force:
+        raise ZsimInputError("--out", args.out, f"{here} holds another run; pass --force to replace it")
+
+    def load(path: Path) -> dict:
+        return read_json(path, "--from-run", args.from_run)
     if (src / "records.json").is_file():
-        doc = json.loads((src / "records.json").read_text())
+        doc = load(src / "records.json")
     elif (src / "records.partial.jsonl").is_file():
-        states = [json.loads(p.read_text()).get("state") for p in (src / "status").glob("rank*.json")]
+        if not (src / "provenance.json").is_file():
+            raise ZsimInputError("--from-run", args.from_run, "the worker directory has no provenance.json (which "
+                                 "machine, backend and ranks measured it); copy the whole run directory")
+        states = [load(p).get("state") for p in (src / "status").glob("rank*.json")]
         doc = {"format": 1, "status": "complete" if states and all(x == "done" for x in states) else "failed",
-               "error": "", "records": read_records(src),
-               "provenance": json.loads((src / "provenance.json").read_text()) if (src / "provenance.json").exists() else {},
-               "plan": json.loads((src / "plan.json").read_text()) if (src / "plan.json").exists() else {}}
+               "error": "", "records": read_records(src), "provenance": load(src / "provenance.json"),
+               "plan": load(src / "plan.json") if (src / "plan.json").exists() else {}}
     else:
         raise ZsimInputError("--from-run", args.from_run, "expected a run directory with records.json "
                              "or records.partial.jsonl")
@@ -186,13 +201,29 @@ def _fit_existing(args, dtypes, profile_path: Path, run_dir: Path, fit_and_write
                              "(a rank did not finish); measure again")
     prov = doc.get("provenance", {})
     pool = add_sources(read_pool(src), args.pool_collectives, prov)
-    if src.resolve() != run_dir.resolve():
-        write_atomic(run_dir / "records.json", json.dumps(doc, indent=1, sort_keys=True) + "\n")
-    write_pool(run_dir, pool, write_atomic)
+    if base is not None and int(prov.get("world_size", 1)) > 1:
+        # as when measuring: ranks that measured their own interconnect take none from --base
+        print(f"zsim calibrate: --base {base[0]} unused: the run's {prov.get('world_size')} ranks measured their "
+              "own interconnect", file=sys.stderr)
+        base = None
     base = base or base_interconnect(prov.get("interconnect_from"))   # a one-rank run names its own
     if base is not None:
         prov = {**prov, "interconnect_from": base[0]}
-    _, report = fit_and_write(args.out, *pooled(doc["records"], prov, pool), dtypes, profile_path, run_dir, base)
+    created = not run_dir.exists()
+    try:
+        if src.resolve() != run_dir.resolve():
+            write_atomic(run_dir / "records.json", json.dumps(doc, indent=1, sort_keys=True) + "\n")
+            (run_dir / "torchrun.log").unlink(missing_ok=True)   # the replaced run's, not this one's
+        write_pool(run_dir, pool, write_atomic)
+        _, report = fit_and_write(args.out, *pooled(doc["records"], prov, pool), dtypes, profile_path, run_dir, base)
+    except ValueError as err:   # records that cannot be fitted (no GEMM, no layer of the dtype)
+        if created:
+            shutil.rmtree(run_dir, ignore_errors=True)   # nothing of a failed fit is left behind
+        raise ZsimInputError("--from-run", args.from_run, f"cannot be fitted: {err}") from None
+    except ZsimInputError:
+        if created:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     _print_layers(report)
     print(f"wrote {profile_path} and {run_dir}/" + (f" (collectives pooled with {len(pool)} more runs)" if pool else ""),
           file=sys.stderr)
@@ -210,8 +241,17 @@ def _print_layers(report: dict) -> None:
               f"zsim {r['predicted_s'] * 1e3:.3f} ms ({100 * r['error']:+.1f}%)", file=sys.stderr)
 
 
+def _complete(path: Path) -> bool:
+    import json
+    try:
+        return json.loads(path.read_text()).get("status") == "complete"
+    except (ValueError, OSError, AttributeError):
+        return False
+
+
 def main(args) -> int:
     import json
+    import shutil
 
     plan, nproc, dtypes, root = resolve(args)
     base = base_interconnect(args.base)
@@ -222,7 +262,7 @@ def main(args) -> int:
             raise ZsimInputError("--out", args.out, f"{profile_path} exists; pass --force to overwrite it "
                                                     "or choose another name")
         rec = run_dir / "records.json"
-        if rec.exists() and json.loads(rec.read_text()).get("status") == "complete":
+        if rec.exists() and _complete(rec):
             raise ZsimInputError("--out", args.out, f"{rec} holds a complete run; pass --force to overwrite it")
     try:
         import torch
@@ -231,8 +271,6 @@ def main(args) -> int:
                              "`pip install torch==2.13.0` then `pip install -e '.[calibration]'`") from None
     from calibration.harness.launch import CalibrationFailed, calibrate, fit_and_write
     from calibration.harness.pool import precheck
-    if args.pool_collectives and not args.from_run:
-        precheck(args.pool_collectives, run_dir)
     if args.from_run:
         return _fit_existing(args, dtypes, profile_path, run_dir, fit_and_write, base)
     if nproc is None:
@@ -242,17 +280,36 @@ def main(args) -> int:
     if args.backend == "nccl":
         if not torch.cuda.is_available():
             raise ZsimInputError("--backend", "nccl", "NCCL needs CUDA GPUs; use gloo on this machine")
+    if args.pool_collectives:   # the pooled runs must have measured the cluster this run will
+        backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        precheck(args.pool_collectives, run_dir, {"world_size": nproc, "backend": backend})
     if base is not None and nproc > 1:
         print(f"zsim calibrate: --base {base[0]} unused: {nproc} ranks measure their own interconnect",
               file=sys.stderr)
         base = None
     print(f"zsim calibrate: {plan.mode} mode, {nproc} ranks, results in {run_dir}", file=sys.stderr)
+    # a --force re-measure replaces the complete run the profile came from only once it succeeds
+    previous = run_dir.with_name(run_dir.name + ".previous")
+    rec = run_dir / "records.json"
+    kept = args.force and rec.is_file() and _complete(rec)
+    if kept:
+        shutil.rmtree(previous, ignore_errors=True)
+        shutil.copytree(run_dir, previous)
     try:
         out = calibrate(args.out, plan, root=root, nproc=nproc, backend=args.backend, force=args.force, dtypes=dtypes,
                         interconnect=base)
     except CalibrationFailed as err:
         print(f"zsim: error: {err}", file=sys.stderr)
+        if kept:
+            failed = run_dir.with_name(run_dir.name + ".failed")
+            shutil.rmtree(failed, ignore_errors=True)
+            run_dir.rename(failed)
+            previous.rename(run_dir)
+            print(f"zsim calibrate: the previous complete run is back in {run_dir} (this attempt's records: "
+                  f"{failed})", file=sys.stderr)
         return 1
+    if kept:
+        shutil.rmtree(previous, ignore_errors=True)
     _print_layers(out["report"])
     print(f"wrote {out['profile_path']} and {out['run_dir']}/ ({out['records']} records, {out['wall_s']:.1f} s)",
           file=sys.stderr)

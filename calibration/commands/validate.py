@@ -35,7 +35,7 @@ def add_parser(sub):
     p.add_argument("scenario", help="scenario YAML")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a scenario key (repeatable)")
     p.add_argument("--engine", default="own", help="own | deepspeed | fsdp (default: own)")
-    p.add_argument("--profile", default=DEFAULT_PROFILE,
+    p.add_argument("--profile", default=None,
                    help=f"hardware profile of the prediction (default: {DEFAULT_PROFILE}, written by zsim calibrate)")
     p.add_argument("--nproc-per-node", default=None, metavar="N",
                    help="ranks to launch (default: the scenario's world size; one node)")
@@ -76,6 +76,34 @@ def check_engine(engine: str, python: str) -> None:
     if missing:
         raise ZsimInputError("--engine", engine, f"{' and '.join(missing)} not installed in {python}: "
                                                  f"run `{INSTALL[engine]}` (or pass --python of a venv that has it)")
+
+
+def _stop(proc) -> None:
+    """SIGTERM to the run's process group, SIGKILL if it has not gone within 10 s."""
+    import signal
+    for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def peer_unsupported(sc) -> str | None:
+    """Why the DeepSpeed/FSDP peers (calibration/core/peers.py) would not run what zsim predicts
+    for `sc` (None when they would): they build a bf16 or fp32 ds_config without activation
+    checkpointing and step AdamW."""
+    if sc.precision == "fp16":
+        return "training.precision fp16 (the peers train bf16 or fp32); set bf16 or fp32"
+    if sc.training.activation_checkpointing != "none":
+        return "training.activation_checkpointing (the peers run without it); set none"
+    if sc.deepspeed.optimizer.name not in ("adam", "adamw"):
+        return f"optimizer {sc.deepspeed.optimizer.type} (the peers step AdamW)"
+    return None
 
 
 def failure_line(stderr: str) -> str:
@@ -142,6 +170,12 @@ def main(args) -> int:
     warmup = _int(args.warmup, "--warmup", 0)
     timeout = _int(args.timeout, "--timeout")
     overrides = list(args.set or ())
+    # the prediction's profile is --profile's; `--set hardware.profile=P`, as zsim run takes it, says the same
+    set_profiles = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].strip() == "hardware.profile"]
+    if set_profiles and args.profile is not None and set_profiles[-1] != args.profile:
+        raise ZsimInputError("--set hardware.profile", set_profiles[-1], f"disagrees with --profile {args.profile}; "
+                             "give the prediction's profile once (--profile)")
+    args.profile = args.profile or (set_profiles[-1] if set_profiles else DEFAULT_PROFILE)
     sc0 = load_scenario(args.scenario, tuple(overrides))
     if sc0.pipeline_stages > 1 and args.engine == "fsdp":
         raise ZsimInputError("parallelism.pipeline", sc0.pipeline_stages,
@@ -173,7 +207,13 @@ def main(args) -> int:
         why = pipe_unsupported(sc)
         if why:
             raise ZsimInputError("scenario", args.scenario, f"--engine deepspeed with a pipeline does not run {why}")
+    if args.engine != "own" and not tensor:
+        why = peer_unsupported(sc)
+        if why:
+            raise ZsimInputError("scenario", args.scenario, f"--engine {args.engine} does not run {why}")
     check_engine(args.engine, python)
+    for warning in sc.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     predicted, trace = predict(sc)
 
     with tempfile.TemporaryDirectory(prefix="zsim-validate-") as tmp:
@@ -204,13 +244,20 @@ def main(args) -> int:
             env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
         print(f"zsim validate: running {sc.name} on {nproc} ranks ({args.engine}), {warmup}+{steps} steps ...",
               file=sys.stderr)
-        try:
-            proc = subprocess.run(cmd, env=env, cwd=str(REPO_ROOT), capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            print(f"zsim: error: the {args.engine} run did not finish within {timeout} s", file=sys.stderr)
-            return 1
+        # the ranks in a session of their own: a timeout or Ctrl-C stops torchrun and every rank
+        # (subprocess.run's kill would reach torchrun alone and leave its ranks running)
+        with subprocess.Popen(cmd, env=env, cwd=str(REPO_ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True) as proc:
+            try:
+                _, stderr = proc.communicate(timeout=timeout)
+            except (subprocess.TimeoutExpired, KeyboardInterrupt) as exc:
+                _stop(proc)
+                what = (f"did not finish within {timeout} s" if isinstance(exc, subprocess.TimeoutExpired)
+                        else "was interrupted")
+                print(f"zsim: error: the {args.engine} run {what}; its ranks were stopped", file=sys.stderr)
+                return 1 if isinstance(exc, subprocess.TimeoutExpired) else 130
         if proc.returncode != 0 or not out.exists():
-            tail = [failure_line(proc.stderr or "")]
+            tail = [failure_line(stderr or "")]
             print(f"zsim: error: the {args.engine} run failed (exit {proc.returncode}): "
                   f"{tail[0] if tail else 'no output'}", file=sys.stderr)
             return 1

@@ -58,8 +58,11 @@ def build_profile(name: str, records: list[dict], prov: dict, dtypes: tuple[str,
     (no collective has a peer): its intra_node, inter_node and nccl sections are copied, and the
     provenance says so."""
     dtype = dtypes[0]
-    missing = [d for d in dtypes if len(dtypes) > 1 and not any(r["dtype"] == d for r in usable(records, "layer"))]
-    if missing:   # a by_dtype entry without its own measurements would only repeat another dtype's
+    measured = {r["dtype"] for r in usable(records, "layer")}
+    # a dtype the run did not measure would only repeat another dtype's fit (its peak, its
+    # efficiencies' placeholders): refused, one dtype or a list
+    missing = [d for d in dtypes if (len(dtypes) > 1 or measured) and d not in measured]
+    if missing:
         raise ZsimInputError("--dtype", ",".join(dtypes), f"the run measured no {missing[0]} layer (it measured "
                              f"{', '.join(sorted({r['dtype'] for r in usable(records, 'layer')})) or 'none'}); "
                              "list only measured dtypes or measure again with this --dtype")

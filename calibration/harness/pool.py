@@ -22,11 +22,22 @@ POOL_FILE = "pooled_collectives.json"
 SAME_CLUSTER = ("backend", "world_size", "nodes", "ranks_per_node", "hosts")
 
 
+def read_json(path: Path, field: str, value: str) -> dict:
+    """A run's JSON file, or one line naming it when it is not JSON (a copy cut short)."""
+    try:
+        doc = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ZsimInputError(field, value, f"{path.name} is not valid JSON ({exc}); measure the run again") from None
+    if not isinstance(doc, dict):
+        raise ZsimInputError(field, value, f"{path.name} is not a calibration record (a JSON object)")
+    return doc
+
+
 def read_pool(run_dir: Path) -> list[dict]:
     path = run_dir / POOL_FILE
     if not path.is_file():
         return []
-    return json.loads(path.read_text())["runs"]
+    return read_json(path, "--from-run", str(run_dir)).get("runs", [])
 
 
 def _identity(prov: dict) -> tuple:
@@ -39,7 +50,7 @@ def load_source(src: str) -> dict:
     if not path.is_file():
         raise ZsimInputError("--pool-collectives", src, "expected a calibration/runs/NAME directory with "
                                                         "records.json from `zsim calibrate`")
-    doc = json.loads(path.read_text())
+    doc = read_json(path, "--pool-collectives", src)
     if doc.get("status") != "complete":
         raise ZsimInputError("--pool-collectives", src, f"the run is {doc.get('status')!r}, not complete; "
                                                         "pool complete runs only")
@@ -51,14 +62,19 @@ def load_source(src: str) -> dict:
     return doc
 
 
-def precheck(sources: list[str], run_dir: Path) -> None:
-    """Before minutes of measuring: every source is a complete run and none is the run that the
-    new measurement overwrites."""
+def precheck(sources: list[str], run_dir: Path, expected: dict | None = None) -> None:
+    """Before minutes of measuring: every source is a complete run, none is the run that the
+    new measurement overwrites, and each measured the cluster the new run will (`expected`: the
+    provenance keys known before the launch, e.g. world_size and backend)."""
     for src in sources:
         if Path(src).resolve() == run_dir.resolve():
             raise ZsimInputError("--pool-collectives", src, "that is the run this calibration overwrites; "
                                                             "copy it under another name and pool the copy")
-        load_source(src)
+        sprov = load_source(src).get("provenance", {})
+        for k, v in (expected or {}).items():
+            if str(sprov.get(k)) != str(v):
+                raise ZsimInputError("--pool-collectives", src, f"it measured {k}={sprov.get(k)!r}, this run will "
+                                                                f"have {k}={v!r}; pool runs of the same cluster")
 
 
 def add_sources(pool: list[dict], sources: list[str], prov: dict) -> list[dict]:
