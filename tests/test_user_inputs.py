@@ -333,3 +333,9 @@ def test_hardware_settings_the_simulation_does_not_read_are_said():
     assert "inter_node.latency_us is not read" in said and "nccl=null" in said
     assert "exceeds the 8 GPUs of a dgx-a100-80g node" in said
     assert not scenario().warnings
+
+
+def test_a_scenario_given_as_the_profile_is_named_as_such(capsys):
+    from tests.helpers import ROOT
+    assert main(["run", "--quiet", "--set", f"hardware.profile={ROOT / 'scenarios' / 'default.yaml'}"]) == 2
+    assert "is a scenario, not a hardware profile" in _error(capsys)

@@ -44,6 +44,9 @@ def _parsed(path: Path) -> dict | None:
     data = parse_yaml(read_text(path, "hardware.profile", "a hardware profile YAML"), "hardware.profile", str(path))
     if data is not None and not isinstance(data, dict):
         raise ZsimInputError("hardware.profile", str(path), "a profile must be a mapping of keys to values")
+    if data and "gpu" not in data and ("model" in data or "training" in data or "deepspeed" in data):
+        raise ZsimInputError("hardware.profile", str(path), "is a scenario, not a hardware profile; give a profile "
+                             "name or a profile YAML (hardware_profiles/)")
     return data
 
 
