@@ -190,7 +190,8 @@ def memory_lower_bound(sc, wl=None) -> float:
     return _bound(workload_terms(wl or workload_for(sc), sc.training.activation_checkpointing,
                                  sc.deepspeed.activation_checkpointing.cpu_checkpointing), sc.pipeline_stages,
                   sc.data_parallel_size, z.stage, z.optimizer_offload_device, z.param_offload_device, sc.precision,
-                  sc.cluster.reserved_bytes, state_bytes=optimizer_state_bytes(sc.deepspeed))
+                  sc.cluster.reserved_bytes, state_bytes=optimizer_state_bytes(sc.deepspeed),
+                  gas=sc.gradient_accumulation_steps)
 
 
 def point_lower_bound(sc, c: "TunePoint", wl, terms: tuple | None = None) -> float:
@@ -205,7 +206,7 @@ def point_lower_bound(sc, c: "TunePoint", wl, terms: tuple | None = None) -> flo
                   sc.cluster.world_size // c.layout.model_parallel, c.stage,
                   "none" if "device: none" in off[0] else "offloaded",
                   "none" if "device: none" in off[1] else "offloaded", sc.precision,
-                  sc.cluster.reserved_bytes, c.micro_batch, optimizer_state_bytes(sc.deepspeed))
+                  sc.cluster.reserved_bytes, c.micro_batch, optimizer_state_bytes(sc.deepspeed), c.gas)
 
 
 def point_workload(sc, c: "TunePoint"):
@@ -237,7 +238,7 @@ def workload_terms(wl, mode: str, cpu_checkpointing: bool = False) -> tuple[floa
 
 
 def _bound(terms, pp: int, dp: int, stage: int, optimizer_offload: str, param_offload: str, precision: str,
-           reserved_bytes: float, act_scale: int = 1, state_bytes: float = ADAM_STATE_BYTES) -> float:
+           reserved_bytes: float, act_scale: int = 1, state_bytes: float = ADAM_STATE_BYTES, gas: int = 1) -> float:
     # a pipeline: the worst stage holds at least the average stage's share of the model (states
     # and one micro-batch's activations of its layers)
     n_params, trained_params, acts = terms
@@ -251,7 +252,15 @@ def _bound(terms, pp: int, dp: int, stage: int, optimizer_offload: str, param_of
             states["gradients"] = 0.0
     if param_offload != "none":
         states["parameters"] = 0.0
-    return sum(states.values()) + act_scale * acts / pp + reserved_bytes
+    acts = act_scale * acts / pp
+    if stage <= 1 and gas == 1:
+        # ZeRO-0/1's 16-bit gradients are autograd's, made in the backward as it frees the
+        # activations (see [Note: ZeRO-1/2 gradient lifetime], [Note: ZeRO-0 gradient lifetime]):
+        # with one micro-step the two need not be alive together; from the second micro-step on the
+        # first one's gradients are there through the next forward
+        grads = states.pop("gradients", 0.0)
+        return sum(states.values()) + max(grads, acts) + reserved_bytes
+    return sum(states.values()) + acts + reserved_bytes
 
 
 def structural_key(sc, c: TunePoint, wl) -> tuple:
