@@ -339,3 +339,35 @@ def test_a_scenario_given_as_the_profile_is_named_as_such(capsys):
     from tests.helpers import ROOT
     assert main(["run", "--quiet", "--set", f"hardware.profile={ROOT / 'scenarios' / 'default.yaml'}"]) == 2
     assert "is a scenario, not a hardware profile" in _error(capsys)
+
+
+def test_files_a_scenario_names_are_inputs_too_and_relative_hf_configs_resolve_once(tmp_path, capsys):
+    from tests.helpers import ROOT
+    sub = tmp_path / "a" / "b"
+    sub.mkdir(parents=True)
+    (sub / "config.json").write_bytes((ROOT / "scenarios" / "models" / "qwen2-7b.json").read_bytes())
+    (tmp_path / "a" / "s.yaml").write_text("model: {hf_config: b/config.json}\nhardware: {profile: dgx-a100-80g, "
+                                           "nodes: 1}\ntraining: {micro_batch_size: 1}\n")
+    import os
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert main(["run", "a/s.yaml", "--quiet"]) == 0          # a/b/config.json, not a/a/b/config.json
+        before = (sub / "config.json").read_bytes()
+        assert main(["run", "a/s.yaml", "--quiet", "--json", "a/b/config.json"]) == 2
+        assert "scenario's model.hf_config input" in _error(capsys)
+        assert (sub / "config.json").read_bytes() == before
+    finally:
+        os.chdir(cwd)
+
+
+def test_doctor_prints_fixes_a_shell_takes_as_printed(tmp_path, capsys):
+    import shlex
+    src = _scenario_file(tmp_path, **{"model": {"preset": "gpt3-2.7b"}, "training.micro_batch_size": 16,
+                                      "hardware.gpus_per_node": 1})
+    main(["doctor", str(src), "--workers", "1"])
+    lines = [ln.strip() for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("--set")]
+    assert lines
+    for ln in lines:
+        words = shlex.split(ln)
+        assert all(w == "--set" for w in words[::2]) and all("=" in w for w in words[1::2])

@@ -22,8 +22,9 @@ def run_scenario(sc: Scenario, steady: bool = True) -> tuple[Result, Trace]:
 
 
 def run_file(path: str | Path, overrides: tuple[str, ...] = (), steady: bool = True) -> tuple[Result, Trace]:
-    """(result, trace) of the scenario file (or ds_config with `hardware.*` and `model.*`
-    overrides: `("model.preset=gpt2", "hardware.gpus_per_node=8")`), `overrides` as `--set` takes them."""
+    """(result, trace) of the scenario file (or of a ds_config with the model and hardware as
+    overrides: `("model.preset=gpt2", "hardware.profile=dgx-a100-80g", "hardware.nodes=1",
+    "hardware.gpus_per_node=8")`), `overrides` as `--set` takes them."""
     if not isinstance(path, (str, Path)):
         raise TypeError(f"run_file takes the path of a scenario YAML or ds_config.json, not {type(path).__name__}")
     if isinstance(overrides, str) or not all(isinstance(o, str) for o in overrides):

@@ -123,6 +123,30 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
+def _referenced(scenario) -> list[tuple[str, str]]:
+    """The files a scenario file names (its ds_config, profile YAML, Hugging Face config.json),
+    as (where, path); none when it cannot be read (its loader says why)."""
+    if not isinstance(scenario, str) or not _is_file(scenario):
+        return []
+    from zsim.config.scenario import _read_yaml
+    try:
+        raw = _read_yaml(Path(scenario))
+    except ZsimInputError:
+        return []
+    here = Path(scenario).parent
+    out = []
+    for where, value in (("deepspeed", raw.get("deepspeed")),
+                         ("hardware.profile", (raw.get("hardware") or {}).get("profile")
+                          if isinstance(raw.get("hardware"), dict) else None),
+                         ("model.hf_config", (raw.get("model") or {}).get("hf_config")
+                          if isinstance(raw.get("model"), dict) else None)):
+        if isinstance(value, str) and value:
+            path = Path(value) if Path(value).is_absolute() else here / value
+            if _is_file(str(path)):
+                out.append((f"scenario's {where}", str(path)))
+    return out
+
+
 def check_output_paths(args):
     """Refuse, before anything runs, an output that would replace one of the command's inputs
     (`zsim run --json scenarios/default.yaml`), an output named twice (`--json x --trace x`: one
@@ -134,6 +158,10 @@ def check_output_paths(args):
         key, _, value = item.partition("=")
         if value and _is_file(value):
             inputs.append((f"--set {key}", value))
+    model = getattr(args, "model", None)
+    if isinstance(model, str) and _is_file(str(Path(model) / "config.json")):   # --model FOLDER
+        inputs.append(("--model", str(Path(model) / "config.json")))
+    inputs += _referenced(getattr(args, "scenario", None))
     outputs: list[tuple[str, str]] = []
     for attr, flag in OUTPUT_FLAGS:
         path = getattr(args, attr, None)

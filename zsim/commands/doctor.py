@@ -1,6 +1,7 @@
 """zsim doctor: why a scenario runs out of memory (GPU or host), and the fixes that fit, fastest first."""
 from __future__ import annotations
 
+import shlex
 
 from zsim.commands.common import (add_headroom_arg, add_scenario_args, add_workers_arg, headroom_fraction,
                                   scenario_overrides, workers_count)
@@ -43,7 +44,7 @@ def render(rep: dict, top: int = 10):
         print(f"{i}. {f['name']}: step {f['step_time_s']:.3f} s, {f['tokens_per_s']:,.0f} tokens/s "
               f"({100 * f['throughput_change']:+.1f}%), peak {f['peak_bytes'] / GiB:.2f} GiB, "
               f"host {f['host_bytes_per_node'] / GiB:.1f} GiB/node")
-        print("   " + " ".join(f"--set {o}" for o in f["overrides"]))
+        print("   " + " ".join(f"--set {shlex.quote(o)}" for o in f["overrides"]))   # pasteable into a shell
     if not fixes:
         print("no single change or pair of changes fits; try more GPUs or a smaller model")
 

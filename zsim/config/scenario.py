@@ -294,8 +294,10 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
     _check_top_level_ds(ds_raw)
     par = resolve_parallelism(raw.get("parallelism"), ds_raw.get("pipeline"), cluster.world_size, model.layers,
                               ds_raw.get("tensor_parallel"), cluster.gpus_per_node)
-    if isinstance(ds_raw.get("pipeline"), dict) and ds_raw["pipeline"].get("stages") == "auto":
-        ds_raw["pipeline"] = {k: v for k, v in ds_raw["pipeline"].items() if k != "stages"}
+    if isinstance(ds_raw.get("pipeline"), dict):
+        # DeepSpeed's "auto" stages / partition: the PipelineModule's arguments decide (resolve_parallelism read them)
+        ds_raw["pipeline"] = {k: v for k, v in ds_raw["pipeline"].items()
+                              if not (k in ("stages", "partition") and v == "auto")}
     # batch sizes divide by the data-parallel size only (pipe/engine.py:104; Megatron's
     # get_data_parallel_world_size excludes the tensor- and pipeline-parallel ranks)
     data_parallel = cluster.world_size // (par.pipeline * par.tensor)
@@ -346,7 +348,7 @@ def load_raw(path: Path) -> dict:
         return as_scenario(raw, path)
     if isinstance(raw.get("deepspeed"), str):
         raw["deepspeed"] = _read_ds_config(raw["deepspeed"], path.parent)
-    return anchor_hf_config(raw, path.parent)
+    return anchor_hf_config(raw, path.parent.resolve())   # absolute: later joins keep it
 
 
 def source_is_ds_config(path: str | Path) -> bool:
