@@ -371,3 +371,13 @@ def test_doctor_prints_fixes_a_shell_takes_as_printed(tmp_path, capsys):
     for ln in lines:
         words = shlex.split(ln)
         assert all(w == "--set" for w in words[::2]) and all("=" in w for w in words[1::2])
+
+
+def test_a_moved_layout_refused_for_another_reason_names_that_reason(capsys):
+    """A layout override re-derives the pinned batch; when the moved scenario is refused for
+    another reason, that reason is the error, not the batch mismatch the re-derivation repairs."""
+    from tests.helpers import ROOT
+    src = str(ROOT / "scenarios" / "llama3-8b-zero3-8xh100.yaml")
+    assert main(["run", src, "--quiet", "--set", "parallelism.tensor=2", "--set", "parallelism.sequence_parallel=true",
+                 "--set", "training.seq_len=4095"]) == 2
+    assert "the sequence length must divide by tensor=2" in _error(capsys)

@@ -84,6 +84,11 @@ def _batch_keys_moved(overrides: tuple[str, ...]) -> tuple[list[str], list[str]]
     return keys, changed
 
 
+_BATCH_FIELDS = frozenset({"deepspeed.train_batch_size", "deepspeed.gradient_accumulation_steps",
+                           "deepspeed.train_micro_batch_size_per_gpu", "training.micro_batch_size",
+                           "training.gradient_accumulation_steps"})
+
+
 def rederive_raw(raw: dict, overrides: tuple[str, ...], base_dir: Path,
                  name: str) -> tuple[tuple[str, ...], str | None]:
     """(extra assignments, one-line note) when the overrides move a batch key that the mapping pins
@@ -107,8 +112,12 @@ def rederive_raw(raw: dict, overrides: tuple[str, ...], base_dir: Path,
             derived: tuple[str, ...] = ()
         else:
             derived = _rederived(raw, base_dir, name, layout_only)
-    except ZsimInputError:
-        return (), None
+    except ZsimInputError as err:
+        if err.field in _BATCH_FIELDS:
+            return (), None      # the loader names the batch rule the keys break
+        # the moved scenario is refused for another reason (a sequence TP does not divide, LoRA
+        # with TP): that reason, not the batch mismatch re-derivation would have repaired
+        raise
     extra = tuple(mirrored) + derived
     if not extra:
         return (), None
