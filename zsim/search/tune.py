@@ -255,7 +255,7 @@ def _bound(terms, pp: int, dp: int, stage: int, optimizer_offload: str, param_of
     acts = act_scale * acts / pp
     if stage <= 1 and gas == 1:
         # ZeRO-0/1's 16-bit gradients are autograd's, made in the backward as it frees the
-        # activations (see [Note: ZeRO-1/2 gradient lifetime], [Note: ZeRO-0 gradient lifetime]):
+        # activations (see [Note: ZeRO-1/2 gradient lifetime], see [Note: ZeRO-0 gradient lifetime]):
         # with one micro-step the two need not be alive together; from the second micro-step on the
         # first one's gradients are there through the next forward
         grads = states.pop("gradients", 0.0)
