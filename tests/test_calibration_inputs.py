@@ -69,11 +69,13 @@ def test_from_run_does_not_replace_another_run_without_force(root, capsys):
 
 
 def test_validate_refuses_what_the_deepspeed_peer_would_not_run(capsys):
-    from calibration.commands.validate import peer_unsupported
+    from calibration.core.peers import unsupported
     from tests.helpers import scenario
-    assert "fp16" in peer_unsupported(scenario(**{"training.precision": "fp16", "deepspeed.fp16": {"enabled": True}}))
-    assert "activation_checkpointing" in peer_unsupported(scenario(**{"training.activation_checkpointing": "full"}))
-    assert peer_unsupported(scenario()) is None
+    assert "fp16" in unsupported(scenario(**{"training.precision": "fp16", "deepspeed.fp16": {"enabled": True}}), False)
+    assert "activation_checkpointing" in unsupported(scenario(**{"training.activation_checkpointing": "full"}), False)
+    offloaded = scenario(**{"deepspeed.zero_optimization.offload_optimizer": {"device": "cpu"}})
+    assert "ZeRO-Offload on a CPU device" in unsupported(offloaded, False)
+    assert unsupported(offloaded, True) is None and unsupported(scenario(), False) is None
 
 
 def test_validate_takes_the_profile_once(capsys):

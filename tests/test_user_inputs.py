@@ -381,3 +381,16 @@ def test_a_moved_layout_refused_for_another_reason_names_that_reason(capsys):
     assert main(["run", src, "--quiet", "--set", "parallelism.tensor=2", "--set", "parallelism.sequence_parallel=true",
                  "--set", "training.seq_len=4095"]) == 2
     assert "the sequence length must divide by tensor=2" in _error(capsys)
+
+
+def test_a_misspelt_sweep_key_is_bad_input_and_a_bad_value_stays_in_its_row(tmp_path, capsys):
+    from zsim.errors import UnknownKeyError, unknown_key
+    assert isinstance(unknown_key("deepspeed", "stagee", {"stage"}), UnknownKeyError)
+    src = str(_scenario_file(tmp_path))
+    assert main(["sweep", src, "--vary", "deepspeed.zero_optimization.stagee=1,2", "--workers", "1", "--quiet"]) == 2
+    assert "--vary deepspeed.zero_optimization.stagee" in _error(capsys)
+    out = tmp_path / "rows.json"
+    assert main(["sweep", src, "--vary", "deepspeed.zero_optimization.stage=2,7", "--workers", "1", "--quiet",
+                 "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["ok"] for r in rows] == [True, False] and "stage" in rows[1]["error"]

@@ -18,6 +18,11 @@ class ZsimInputError(Exception):
         super().__init__(one_line(f"{field}: {value!r} is invalid; {fix}"))
 
 
+class UnknownKeyError(ZsimInputError):
+    """A key the schema does not have (no value can make it valid): its own type, so a caller
+    can tell it from a bad value without reading the message."""
+
+
 def did_you_mean(name: str, choices) -> str:
     import difflib   # here: only bad input needs it, and every zsim command imports this module
     close = difflib.get_close_matches(name, sorted(choices), n=1, cutoff=0.6)
@@ -28,8 +33,8 @@ def unknown_key(path: str, key: str, choices) -> ZsimInputError:
     where = f"{path}.{key}" if path else key
     hint = did_you_mean(key, choices)
     if hint:
-        return ZsimInputError(where, key, f"unknown key{hint}; remove it or fix the spelling")
+        return UnknownKeyError(where, key, f"unknown key{hint}; remove it or fix the spelling")
     if len(choices) <= 12:
-        return ZsimInputError(where, key, f"unknown key; allowed keys: {', '.join(sorted(choices))}")
-    return ZsimInputError(where, key, f"unknown key under '{path or 'the top level'}'; see docs/scenario.md "
-                          "for the accepted keys")
+        return UnknownKeyError(where, key, f"unknown key; allowed keys: {', '.join(sorted(choices))}")
+    return UnknownKeyError(where, key, f"unknown key under '{path or 'the top level'}'; see docs/scenario.md "
+                           "for the accepted keys")

@@ -216,14 +216,13 @@ def _fit_existing(args, dtypes, profile_path: Path, run_dir: Path, fit_and_write
             (run_dir / "torchrun.log").unlink(missing_ok=True)   # the replaced run's, not this one's
         write_pool(run_dir, pool, write_atomic)
         _, report = fit_and_write(args.out, *pooled(doc["records"], prov, pool), dtypes, profile_path, run_dir, base)
-    except ValueError as err:   # records that cannot be fitted (no GEMM, no layer of the dtype)
+    except (ValueError, ZsimInputError) as err:
         if created:
             shutil.rmtree(run_dir, ignore_errors=True)   # nothing of a failed fit is left behind
+        if isinstance(err, ZsimInputError):
+            raise
+        # records that cannot be fitted (no GEMM, no layer of the dtype)
         raise ZsimInputError("--from-run", args.from_run, f"cannot be fitted: {err}") from None
-    except ZsimInputError:
-        if created:
-            shutil.rmtree(run_dir, ignore_errors=True)
-        raise
     _print_layers(report)
     print(f"wrote {profile_path} and {run_dir}/" + (f" (collectives pooled with {len(pool)} more runs)" if pool else ""),
           file=sys.stderr)

@@ -93,19 +93,6 @@ def _stop(proc) -> None:
             continue
 
 
-def peer_unsupported(sc) -> str | None:
-    """Why the DeepSpeed/FSDP peers (calibration/core/peers.py) would not run what zsim predicts
-    for `sc` (None when they would): they build a bf16 or fp32 ds_config without activation
-    checkpointing and step AdamW."""
-    if sc.precision == "fp16":
-        return "training.precision fp16 (the peers train bf16 or fp32); set bf16 or fp32"
-    if sc.training.activation_checkpointing != "none":
-        return "training.activation_checkpointing (the peers run without it); set none"
-    if sc.deepspeed.optimizer.name not in ("adam", "adamw"):
-        return f"optimizer {sc.deepspeed.optimizer.type} (the peers step AdamW)"
-    return None
-
-
 def failure_line(stderr: str) -> str:
     """The line of a failed torchrun that says why: the ranks' last own line (an exception's
     message, a SystemExit text), not torchrun's report around it (its W/E/I log lines, the
@@ -207,10 +194,6 @@ def main(args) -> int:
         why = pipe_unsupported(sc)
         if why:
             raise ZsimInputError("scenario", args.scenario, f"--engine deepspeed with a pipeline does not run {why}")
-    if args.engine != "own" and not tensor:
-        why = peer_unsupported(sc)
-        if why:
-            raise ZsimInputError("scenario", args.scenario, f"--engine {args.engine} does not run {why}")
     check_engine(args.engine, python)
     for warning in sc.warnings:
         print(f"warning: {warning}", file=sys.stderr)
@@ -227,14 +210,11 @@ def main(args) -> int:
         for o in overrides:
             cmd += ["--set", o]
         cuda = args.engine != "own" and not tensor and has_cuda(python)
-        offloaded = [(f"deepspeed.zero_optimization.offload_{what}.device", device) for what, device in
-                     (("optimizer", sc.zero.optimizer_offload_device), ("param", sc.zero.param_offload_device))
-                     if device != "none"]
-        if args.engine != "own" and not cuda and offloaded:
-            # calibration/core/peers.py refuses it too, from inside the ranks
-            raise ZsimInputError(*offloaded[0],
-                                 f"--engine {args.engine} measures ZeRO-Offload on a GPU only (on a CPU device there "
-                                 "is no host/device split to measure); run it where CUDA is, or set device: none")
+        if args.engine != "own" and not tensor:
+            from calibration.core.peers import unsupported as peer_unsupported   # no torch at import
+            why = peer_unsupported(sc, cuda)
+            if why:
+                raise ZsimInputError("scenario", args.scenario, f"--engine {args.engine} does not run {why}")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
         if not cuda:   # CPU ranks share the cores; on a GPU DeepSpeedCPUAdam uses them all
             env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
@@ -257,9 +237,8 @@ def main(args) -> int:
                 print(f"zsim: error: the {args.engine} run {what}; its ranks were stopped", file=sys.stderr)
                 return 1 if isinstance(exc, subprocess.TimeoutExpired) else 130
         if proc.returncode != 0 or not out.exists():
-            tail = [failure_line(stderr or "")]
-            print(f"zsim: error: the {args.engine} run failed (exit {proc.returncode}): "
-                  f"{tail[0] if tail else 'no output'}", file=sys.stderr)
+            print(f"zsim: error: the {args.engine} run failed (exit {proc.returncode}): {failure_line(stderr or '')}",
+                  file=sys.stderr)
             return 1
         measured = json.loads(out.read_text())
         measured_trace = json.loads(mtrace.read_text()) if mtrace.exists() else None

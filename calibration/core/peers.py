@@ -88,6 +88,27 @@ def ds_config(sc) -> dict:
     return cfg
 
 
+def offload_needs_gpu(sc, cuda: bool) -> bool:
+    """ZeRO-Offload on a CPU device: no host/device split to measure."""
+    return not cuda and (sc.zero.optimizer_offload_device != "none" or sc.zero.param_offload_device != "none")
+
+
+def unsupported(sc, cuda: bool) -> str | None:
+    """Why the DeepSpeed/FSDP peers would not run what zsim predicts for `sc` (None when they
+    would): `ds_config` writes a bf16 or fp32 config without activation checkpointing, `_optimizer`
+    steps AdamW, and offload needs a GPU (`cuda`: the ranks run on one)."""
+    if sc.precision == "fp16":
+        return "training.precision fp16 (the peers train bf16 or fp32); set bf16 or fp32"
+    if sc.training.activation_checkpointing != "none":
+        return "training.activation_checkpointing (the peers run without it); set none"
+    if sc.deepspeed.optimizer.name not in ("adam", "adamw"):
+        return f"optimizer {sc.deepspeed.optimizer.type} (the peers step AdamW)"
+    if offload_needs_gpu(sc, cuda):
+        return ("ZeRO-Offload on a CPU device (there is no host/device split to measure); run it where CUDA is, "
+                "or set the offload device to none")
+    return None
+
+
 def on_cuda() -> bool:
     """The peer runs on this rank's GPU: CUDA is there and DS_ACCELERATOR does not ask for the CPU."""
     import torch
@@ -157,8 +178,7 @@ def main(args, sc) -> int:
     if cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-    offloaded = sc.zero.optimizer_offload_device != "none" or sc.zero.param_offload_device != "none"
-    if offloaded and not cuda:
+    if offload_needs_gpu(sc, cuda):
         raise SystemExit("ZeRO-Offload needs a GPU: on a CPU device there is no host/device split to measure")
     if args.engine == "deepspeed":
         import deepspeed

@@ -64,7 +64,7 @@ def build_profile(name: str, records: list[dict], prov: dict, dtypes: tuple[str,
     missing = [d for d in dtypes if (len(dtypes) > 1 or measured) and d not in measured]
     if missing:
         raise ZsimInputError("--dtype", ",".join(dtypes), f"the run measured no {missing[0]} layer (it measured "
-                             f"{', '.join(sorted({r['dtype'] for r in usable(records, 'layer')})) or 'none'}); "
+                             f"{', '.join(sorted(measured)) or 'none'}); "
                              "list only measured dtypes or measure again with this --dtype")
     world = int(prov.get("world_size", 1))
     per_node = int(prov.get("ranks_per_node", world))

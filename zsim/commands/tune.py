@@ -129,16 +129,15 @@ def main(args) -> int:
         print(f"note: the best configuration uses {best.checkpointing} activation checkpointing; enable it in the "
               "model (e.g. model.gradient_checkpointing_enable() or deepspeed.checkpointing)", file=sys.stderr)
     if args.out or args.scenario_out:
-        cfg, notes = tuned_ds_config(base.raw.get("deepspeed"), base.scenario(()), base.scenario(best.assignments()),
-                                     [*KNOBS, *KNOBS_STAGE3])
+        ds_args = (base.raw.get("deepspeed"), base.scenario(()), base.scenario(best.assignments()), [*KNOBS, *KNOBS_STAGE3])
+        cfg, notes = tuned_ds_config(*ds_args)
         if args.out:
             save(args.out, json.dumps(cfg, indent=2) + "\n")
         if args.scenario_out:
             where = Path(args.scenario_out).resolve().parent
             # where the ds_config keeps an "auto" the tuned value differs from (for the HF Trainer to
             # fill), the scenario carries the tuned values inline, so zsim run reproduces the winner
-            pinned, _ = tuned_ds_config(base.raw.get("deepspeed"), base.scenario(()), base.scenario(best.assignments()),
-                                        [*KNOBS, *KNOBS_STAGE3], resolve_auto=True)
+            pinned, _ = tuned_ds_config(*ds_args, resolve_auto=True)
             ds = os.path.relpath(Path(args.out).resolve(), where) if args.out and pinned == cfg else pinned
             if args.out and pinned != cfg:
                 notes.append(f"{args.scenario_out} carries the tuned values inline where {args.out} keeps \"auto\"")
