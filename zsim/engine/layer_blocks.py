@@ -312,17 +312,51 @@ def _gaps(schedule: Schedule, wl: Workload, sites) -> tuple[list[Gap], _Places]:
     return sorted(gaps, key=lambda g: g.first), places
 
 
-def compress(schedule: Schedule, wl: Workload) -> tuple[Schedule, list[Gap], list[int]] | None:
-    """The schedule without its gaps' blocks, each kept op renumbered, or None when nothing
-    repeats. Also the gaps and, per kept op, its id in the full schedule."""
+class Refused(Exception):
+    """Some gaps cannot be dropped: kept ops of their micro-steps refer into them in a way no
+    kept copy stands in for. `regions` are the passes ((micro-step, direction)) to keep whole."""
+
+    def __init__(self, regions: frozenset):
+        super().__init__(regions)
+        self.regions = regions
+
+
+def whole_regions(gap: Gap) -> frozenset:
+    """The passes kept whole when `gap` cannot be dropped: its micro-step's forward and backward
+    (they drop the same layers, so activations stay paired), or its post-step gathers."""
+    m, d = gap.region
+    return frozenset({(m, "f"), (m, "b")}) if d in "fb" else frozenset({gap.region})
+
+
+@dataclass(frozen=True)
+class GapPlan:
+    """The blocks a schedule can drop (`gaps`), with what `compress` needs to drop them."""
+    gaps: tuple[Gap, ...]
+    sites: tuple
+    places: _Places
+
+
+def plan_gaps(schedule: Schedule, wl: Workload) -> GapPlan | None:
+    """The schedule's gaps, or None when nothing repeats."""
     if schedule.pipeline is not None:
         return None
     sites = _alloc_sites(schedule.ops)
     if sites is None:
         return None
     gaps, places = _gaps(schedule, wl, sites)
+    return GapPlan(tuple(gaps), sites, places) if gaps else None
+
+
+def compress(schedule: Schedule, plan: GapPlan,
+             whole: frozenset = frozenset()) -> tuple[Schedule, list[Gap], list[int]] | None:
+    """The schedule without the blocks of `plan`'s gaps, each kept op renumbered, or None when
+    no gap is left; the passes in `whole` ((micro-step, direction)) drop nothing. Also the gaps
+    and, per kept op, its id in the full schedule. Raises Refused naming the passes to keep
+    whole when a kept op refers into a gap where no kept copy stands in for the dropped op."""
+    gaps = [g for g in plan.gaps if g.region not in whole]
     if not gaps:
         return None
+    sites, places = plan.sites, plan.places
     ops = schedule.ops
     n = len(ops)
     target = list(range(n))      # a dropped op stands for its copy in the last kept blocks
@@ -341,19 +375,26 @@ def compress(schedule: Schedule, wl: Workload) -> tuple[Schedule, list[Gap], lis
         new_id[x] = i
     before, after = sites
     out = []
+    refused: set = set()
     for i, x in enumerate(kept):
         op = ops[x]
         # a dropped op stands for its copy only within its own pass: a kept op of another pass
         # that refers to it (the backward below the gap to a forward block in it) would not fit
-        if any(gap_of[r] >= 0 and not _stands_in(gaps[gap_of[r]], r, places.key[x][:2]) for r in _refs(op, sites)):
-            return None
+        for r in _refs(op, sites):
+            if gap_of[r] >= 0 and not _stands_in(gaps[gap_of[r]], r, places.key[x][:2]):
+                refused |= whole_regions(gaps[gap_of[r]])
+        for d in op.deps:
+            if new_id[target[d]] < 0:   # its stand-in was dropped by another gap
+                refused.update(*(whole_regions(gaps[gap_of[y]]) for y in (d, target[d]) if gap_of[y] >= 0))
+        if refused:
+            continue
         deps = tuple(sorted({new_id[target[d]] for d in op.deps}))
-        if any(d < 0 for d in deps):
-            return None
         free = tuple(ops[target[s[0]]].alloc[s[1]].tag for s in after[x])
         free_before = tuple(ops[target[s[0]]].alloc[s[1]].tag for s in before[x])
         out.append(Op(i, op.kind, op.stream, op.phase, op.micro_step, op.payload, deps, op.alloc, free,
                       op.hook_visits, op.grad_hooks, op.stage, free_before, op.host_views))
+    if refused:
+        raise Refused(frozenset(refused))
     return replace(schedule, ops=tuple(out)), gaps, kept
 
 

@@ -14,7 +14,9 @@ run every dropped copy the same way: the trace stands for the full step through 
 one `LayerWindow` per gap. A window need not leave memory as it found it (each forward block
 keeps its activations): every copy adds the same bytes per category, and the full step's peak is
 found from the simulated events. Byte counts must be whole numbers, so their sums are exact in
-any order. Anything else simulates every op. Under steady.py's micro-step repeat the two nest
+any order. A pass whose window does not run alike, or whose dropped blocks a kept op refers to
+where no kept copy stands in, is kept whole (with its micro-step's other pass) and the shortened
+step simulated again, every window checked anew; after a few tries, every op is simulated. Under steady.py's micro-step repeat the two nest
 (`LayeredRepeat`). tests/test_layer_repeat.py compares both with simulating every op.
 """
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from dataclasses import dataclass
 
-from zsim.engine.layer_blocks import Gap, compress, op_shape
+from zsim.engine.layer_blocks import Gap, Refused, compress, op_shape, plan_gaps, whole_regions
 from zsim.engine.ledger import LedgerError
 from zsim.engine.sim import Repeat, Trace, run_ops
 from zsim.schedule.ir import Op, Schedule
@@ -220,40 +222,61 @@ def _window(gap: Gap, schedule: Schedule, new_id: dict[int, int], timings, event
 
 
 def _layer_repeat(short: Schedule, gaps: list[Gap], kept: list[int], timings, events,
-                  full_ops: int) -> LayerRepeat | None:
+                  full_ops: int) -> tuple[LayerRepeat | None, frozenset]:
+    """The LayerRepeat of the shortened step, or (None, the passes whose gaps did not run alike:
+    kept whole, the others may still repeat; empty when nothing would)."""
     if any(not float(d).is_integer() for _, d, _, _ in events):
-        return None
+        return None, frozenset()
     new_id = {x: i for i, x in enumerate(kept)}
     tol = _REL_TOL * max(max(t.end_s for t in timings), 1.0)
     windows = []
+    failed: set = set()
     clock = _Clock(timings, events)
     for gap in gaps:
         w = _window(gap, short, new_id, timings, events, tol, clock)
         if w is None:
-            return None
+            failed |= whole_regions(gap)
         windows.append(w)
+    if failed:
+        return None, frozenset(failed)
     windows.sort(key=lambda w: w.start_s)
     if any(a.end_s > b.start_s for a, b in zip(windows, windows[1:])):
-        return None
+        return None, frozenset()
     if len(short.ops) + sum((w.copies - 1) * len(w.ops) for w in windows) != full_ops:
-        return None
-    return LayerRepeat(tuple(windows))
+        return None, frozenset()
+    return LayerRepeat(tuple(windows)), frozenset()
+
+
+# shortened steps simulated before every op is: a pass whose gap did not run alike (a copy stream
+# falling further behind every layer, a boundary's extra copies) is kept whole in the next try,
+# the others still dropped
+_TRIES = 3
 
 
 def run_layers(schedule: Schedule, wl: Workload, cluster, precision: str):
     """run_ops(schedule) with its identical layers simulated once per window: (the schedule
     simulated, its timings and ledgers, the LayerRepeat; None where every op was simulated)."""
-    compressed = compress(schedule, wl)
-    if compressed is not None:
+    plan = plan_gaps(schedule, wl)
+    whole: frozenset = frozenset()
+    for _ in range(_TRIES if plan is not None else 0):
+        try:
+            compressed = compress(schedule, plan, whole)
+        except Refused as refused:
+            whole |= refused.regions
+            continue
+        if compressed is None:
+            break
         short, gaps, kept = compressed
         try:
             timings, ledgers = run_ops(short, cluster, precision)
         except LedgerError:     # the dropped blocks' buffers do not pair up: simulate them all
-            timings = None
-        if timings is not None:
-            repeat = _layer_repeat(short, gaps, kept, timings, ledgers[0].events(), len(schedule.ops))
-            if repeat is not None:
-                return short, timings, ledgers, repeat
+            break
+        repeat, failed = _layer_repeat(short, gaps, kept, timings, ledgers[0].events(), len(schedule.ops))
+        if repeat is not None:
+            return short, timings, ledgers, repeat
+        if not failed:
+            break
+        whole |= failed
     timings, ledgers = run_ops(schedule, cluster, precision)
     return schedule, timings, ledgers, None
 
