@@ -90,6 +90,19 @@ def test_doctor_suggests_other_layouts_that_tune_finds_fitting():
         assert sc.global_batch_size == 16
 
 
+def test_the_doctors_layout_search_spends_nothing_on_the_scenarios_own_layout():
+    """Its own layout is what the doctor's other fixes change: tune's search for other layouts
+    neither simulates the own configuration first nor tries the own layout."""
+    from tests.helpers import ROOT
+    from zsim.search.tune import own_layout, tune
+    from zsim.search.variants import Base
+    base = Base(mapping(), ROOT, "tiny")
+    own = own_layout(base.scenario(()))
+    res = tune(base, budget=6, other_layouts=True)
+    assert res.evaluated and all(c.layout != own for c, _ in res.evaluated)
+    assert any(c.layout == own for c, _ in tune(base, budget=6).evaluated)
+
+
 def _tp_sp(tmp_path, folder: str = "sub") -> str:
     raw = mapping(**{"parallelism.tensor": 2, "parallelism.sequence_parallel": True,
                      "deepspeed.zero_optimization.stage": 1})

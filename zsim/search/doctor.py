@@ -25,7 +25,7 @@ from zsim.search.variants import Base, Variant
 from zsim.specs.scenario import Scenario
 
 MIN_FITTING = 3
-LAYOUT_BUDGET = 12     # simulations of zsim tune's search spent on other TP x PP layouts
+LAYOUT_BUDGET = 11     # simulations of zsim tune's search spent on other TP x PP layouts
 LAYOUT_FIXES = 3
 
 
@@ -232,11 +232,10 @@ def layout_fixes(base: Base, sc: Scenario) -> list[Variant]:
     """Other tensor x pipeline x data-parallel layouts that fit, found by zsim tune's search
     (its layouts, memory bound and evaluator) within LAYOUT_BUDGET simulations, best first: each
     with the stage, micro-batch x GAS at the same global batch and checkpointing tune chose."""
-    from zsim.search.tune import own_layout, tune
-    own = own_layout(sc)
+    from zsim.search.tune import tune
     out: list[Variant] = []
-    for c, _ in tune(base, budget=LAYOUT_BUDGET).ranked:
-        if c.layout == own or any(v.name.startswith(_layout_name(sc, c.layout)) for v in out):
+    for c, _ in tune(base, budget=LAYOUT_BUDGET, other_layouts=True).ranked:
+        if any(v.name.startswith(_layout_name(sc, c.layout)) for v in out):
             continue
         out.append(Variant(f"{_layout_name(sc, c.layout)}: {c.variant.name}", c.assignments()))
         if len(out) == LAYOUT_FIXES:

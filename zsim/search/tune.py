@@ -338,9 +338,12 @@ def score(result: Result, objective: str) -> float:
     return v if OBJECTIVES[objective] else -v
 
 
-def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60) -> TuneResult:
+def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60,
+         other_layouts: bool = False) -> TuneResult:
     """`budget`: the most configurations to evaluate; None evaluates every candidate the bound
-    leaves, then refines the knobs of the best three as always."""
+    leaves, then refines the knobs of the best three as always. `other_layouts` searches only
+    the tensor x pipeline layouts other than the scenario's own (the doctor's layout fixes:
+    its own layout is what its other fixes change), its own configuration not simulated first."""
     t0 = time.perf_counter()
     exhaustive = budget is None
     budget = sys.maxsize if budget is None else budget
@@ -391,7 +394,10 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60) -
 
     terms: dict = {}    # (workload, checkpointing) -> workload_terms, computed once for the candidates sharing them
     cpu_checkpointing = base_sc.deepspeed.activation_checkpointing.cpu_checkpointing
+    own = own_layout(base_sc)
     for c in structural_candidates(base_sc):
+        if other_layouts and c.layout == own:
+            continue
         wl = workload(c)
         if (id(wl), c.checkpointing) not in terms:
             terms[id(wl), c.checkpointing] = workload_terms(wl, c.checkpointing, cpu_checkpointing)
@@ -411,7 +417,7 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60) -
     # has what the user runs to compare with (it does not end its layout's tries: those go
     # cheapest-looking first as below)
     mine = own_point(base_sc)
-    for c in survivors:
+    for c in survivors:   # none of its layout with other_layouts
         if c.key() == mine.key():
             evaluate(c)
             break
@@ -423,8 +429,6 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60) -
 
     def spent() -> bool:
         return not exhaustive and (used() >= budget or (used() >= max(1, budget // 2) and bool(fitted)))
-
-    own = own_layout(base_sc)
 
     def covered(layout, fits) -> bool:
         return any(f.tensor == layout.tensor and f.pipeline < layout.pipeline for f in fits)
