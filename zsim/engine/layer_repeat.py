@@ -249,8 +249,10 @@ def _layer_repeat(short: Schedule, gaps: list[Gap], kept: list[int], timings, ev
 
 # shortened steps simulated before every op is: a pass whose gap did not run alike (a copy stream
 # falling further behind every layer, a boundary's extra copies) is kept whole in the next try,
-# the others still dropped
+# the others still dropped. A later try is made only while it drops at least a quarter of the
+# step's ops (else a failed try would cost about as much as simulating every op)
 _TRIES = 3
+_RETRY_DROPS = 0.25
 
 
 def run_layers(schedule: Schedule, wl: Workload, cluster, precision: str):
@@ -267,6 +269,8 @@ def run_layers(schedule: Schedule, wl: Workload, cluster, precision: str):
         if compressed is None:
             break
         short, gaps, kept = compressed
+        if whole and len(short.ops) > (1 - _RETRY_DROPS) * len(schedule.ops):
+            break
         try:
             timings, ledgers = run_ops(short, cluster, precision)
         except LedgerError:     # the dropped blocks' buffers do not pair up: simulate them all
