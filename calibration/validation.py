@@ -25,6 +25,50 @@ def prediction_overrides(profile: str, nproc: int) -> tuple[str, ...]:
             *TENSOR_ONLY_OVERRIDES)
 
 
+# [Note: compute speed probe]
+# A VM's compute speed drifts between the calibration and a run, and within minutes (this
+# project's CPU VM: the same bf16 layer 10-18 ms in one day, fp32 about 15%; docs/validation.md),
+# by more than the model's own error. Every measured run therefore times one GEMM in its compute
+# dtype on every rank at once, as its steps run (probe_gemm: the model's largest forward GEMM,
+# PROBE_REPEATS times, the median), and `zsim validate` prices the same GEMM on the profile
+# (probe_predicted_s). Their ratio is the machine's GEMM speed now against the calibration's; the
+# report gives a second prediction with the profile's compute in that dtype scaled by it
+# (probe_overrides),
+# beside the plain one, which stays the figure of record. The probe measures the machine, never
+# a case: nothing is fitted to the cases.
+PROBE_REPEATS = 9
+
+
+def probe_gemm(sc) -> tuple[int, int, int]:
+    """(m, n, k) of the scenario's largest forward GEMM (by FLOPs) on one rank."""
+    from zsim.schedule.build import workload_for
+    from zsim.schedule.passes import linear_gemms
+    gemms = [g for m in workload_for(sc).modules for g in linear_gemms(m, False)]
+    return max(gemms, key=lambda g: (g[0] * g[1] * g[2], g))
+
+
+def probe_predicted_s(sc, gemm: tuple[int, int, int]) -> float:
+    """The profile's time for the probe GEMM (the cost model's GEMM law in the run's dtype)."""
+    from zsim.hardware.compute import gemm_time_s
+    from zsim.workload.module import DTYPE_BYTES
+    return gemm_time_s(*gemm, DTYPE_BYTES[sc.precision], sc.cluster.profile.gpu.for_dtype(sc.precision),
+                       sc.cluster.peak_flops(sc.precision))
+
+
+def probe_overrides(sc, measured_s: float, gemm: tuple[int, int, int]) -> tuple[tuple[str, ...], float]:
+    """(the overrides that make the profile's compute in the run's dtype faster by the probe's
+    speed ratio, that ratio: predicted over measured probe time; > 1 when the machine runs faster
+    now than when it was calibrated). Both terms of the GEMM law scale, so the probe GEMM is priced
+    at its measured time whichever bounds it: the GEMM peak and the dtype's memory-bound
+    efficiency (its elementwise kernels with it). See [Note: compute speed probe]."""
+    ratio = probe_predicted_s(sc, gemm) / measured_s
+    dtype = sc.precision
+    peak_tflops = sc.cluster.peak_flops(dtype) / 1e12
+    memory_eff = sc.cluster.profile.gpu.for_dtype(dtype).memory_bound_efficiency
+    return (f"hardware.override.gpu.peak_tflops_{dtype}={peak_tflops * ratio!r}",
+            f"hardware.override.gpu.by_dtype.{dtype}.memory_bound_efficiency={memory_eff * ratio!r}"), ratio
+
+
 def rel_error(predicted: float, measured: float) -> float | None:
     if not measured:
         return None
@@ -190,4 +234,11 @@ def render_text(report: dict) -> str:
     w = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = ["  ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(r)) for r in rows]
     lines.insert(1, "-" * len(lines[0]))
+    probe = report.get("probe")
+    if probe:
+        m, n, k = probe["gemm"]
+        lines.append(f"speed probe ({m}x{n}x{k} GEMM): measured {_fmt_s(probe['measured_s'])}, profile "
+                     f"{_fmt_s(probe['predicted_s'])}: the machine runs GEMMs x{probe['speed_ratio']:.2f} the "
+                     f"calibration's speed; at that speed the step is predicted {_fmt_s(probe['step_time_s'])} "
+                     f"({_pct(probe['step_time_error'])})")
     return "\n".join(lines)

@@ -142,6 +142,21 @@ def predict(sc) -> tuple[dict, object]:
     return out, trace
 
 
+def probe_prediction(scenario: str, overrides, sc, measured: dict) -> dict:
+    """The prediction again with the profile's GEMM speed scaled to the speed probe's (see
+    [Note: compute speed probe]), and its step-time error."""
+    from zsim.config.scenario import load_scenario
+    from calibration.validation import probe_overrides, probe_predicted_s, rel_error
+
+    probe = measured["probe"]
+    gemm = tuple(probe["gemm"])
+    extra, ratio = probe_overrides(sc, probe["time_s"], gemm)
+    scaled, _ = predict(load_scenario(scenario, (*overrides, *extra)))
+    return {"gemm": list(gemm), "measured_s": probe["time_s"], "predicted_s": probe_predicted_s(sc, gemm),
+            "speed_ratio": ratio, "step_time_s": scaled["step_time_s"], "phases_s": scaled["phases_s"],
+            "step_time_error": rel_error(scaled["step_time_s"], measured["step_time_s"])}
+
+
 def main(args) -> int:
     from zsim.config.scenario import load_scenario
     from zsim.report.writers import chrome_trace, write_atomic
@@ -248,6 +263,8 @@ def main(args) -> int:
     measured["collectives_summary"] = collective_summary(measured.get("collectives", []))
     report = compare(measured, predicted)
     report.update(scenario=sc.name, engine=args.engine, profile=args.profile, world_size=nproc)
+    if measured.get("probe"):
+        report["probe"] = probe_prediction(args.scenario, overrides, sc, measured)
     print(f"{sc.name}: {args.engine} engine, {nproc} ranks, profile {args.profile}")
     print(render_text(report))
     if args.json:

@@ -20,12 +20,44 @@ def summarize_times(step_times, phase_times) -> dict:
     }
 
 
-def write_measurement(path: str, engine: str, sc, args, step_times, phase_times, peak_bytes: int,
-                      collectives, losses: list[float], model_states: dict[str, int] | None = None) -> None:
-    """Gather every rank's peak memory and losses; rank 0 writes the JSON `zsim validate` reads
-    (all ranks call)."""
+def speed_probe(sc) -> dict:
+    """The run's compute speed now: the probe GEMM timed on every rank at once (see [Note: compute
+    speed probe]); every rank calls. The median over ranks of each rank's median time."""
+    import time
+
+    import torch
     import torch.distributed as dist
 
+    from calibration.validation import PROBE_REPEATS, probe_gemm
+
+    m, n, k = probe_gemm(sc)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[sc.precision]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    a = torch.randn(m, k, dtype=dtype, device=device)
+    b = torch.randn(k, n, dtype=dtype, device=device)
+    times = []
+    dist.barrier()
+    for _ in range(PROBE_REPEATS + 1):   # the first call sets the kernel up: not counted
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        torch.matmul(a, b)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    mine = statistics.median(times[1:])
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {"gemm": [m, n, k], "dtype": sc.precision, "time_s": statistics.median(every), "time_s_per_rank": every}
+
+
+def write_measurement(path: str, engine: str, sc, args, step_times, phase_times, peak_bytes: int,
+                      collectives, losses: list[float], model_states: dict[str, int] | None = None) -> None:
+    """Gather every rank's peak memory and losses, time the speed probe; rank 0 writes the JSON
+    `zsim validate` reads (all ranks call)."""
+    import torch.distributed as dist
+
+    probe = speed_probe(sc)
     world = dist.get_world_size()
     peaks = [None] * world
     dist.all_gather_object(peaks, peak_bytes)
@@ -39,7 +71,7 @@ def write_measurement(path: str, engine: str, sc, args, step_times, phase_times,
                "warmup": args.warmup, **summarize_times(step_times, phase_times),
                "peak_bytes": max(peaks), "peak_bytes_per_rank": peaks,
                "collectives": [list(c) for c in collectives],
-               "losses": [sum(v) / world for v in zip(*all_losses)]}
+               "losses": [sum(v) / world for v in zip(*all_losses)], "probe": probe}
         if sc.pipeline_stages > 1:
             out["collectives_per_rank"] = per_rank
         if model_states is not None:   # rank 0's (the ranks hold equal shares, up to padding)
