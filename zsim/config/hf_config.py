@@ -3,9 +3,14 @@
 No network and no transformers import: each supported `model_type` reads the fields its
 transformers modeling file builds the modules from, with the defaults of its configuration
 class where released config.json files leave them out (tie_word_embeddings, num_key_value_heads,
-head_dim, attention_bias). Fields that change no parameter shape (rope_theta, rope_scaling,
-hidden_act, dropout, eps) are not needed; shape-changing options zsim does not model are refused
-by name. The files in scenarios/models/ are presets named by their stem (docs/model.md).
+head_dim, attention_bias, ...; a key left out takes the class default, an explicit null what
+the class's __post_init__ makes of None), under either name its attribute_map allows
+(num_experts / num_local_experts, n_head / num_attention_heads, ...). Keys a modeling file does
+not read (Mistral's attention_bias, GPT-NeoX's head_dim) change nothing, as in transformers.
+Fields that change no parameter shape (rope_theta, rope_scaling, hidden_act, dropout, eps) are
+not needed; shape-changing options zsim does not model are refused by name. Reference:
+transformers 5.23.0 (AutoModelForCausalLM.from_config; tests/test_hf_param_counts.py holds the
+counts it gives). The files in scenarios/models/ are presets named by their stem (docs/model.md).
 """
 from __future__ import annotations
 
@@ -27,14 +32,44 @@ def model_files() -> dict[str, Path]:
     return {p.stem: p for p in sorted(models_dir().glob("*.json"))}
 
 
+# Other names a config.json may give a field: the configuration classes' attribute_map (alias ->
+# the field zsim reads). transformers 5 writes Qwen3-MoE's num_experts as num_local_experts and
+# reads either; GPT-2 and BLOOM take the common names for their n_* fields.
+ALIASES: dict[str, dict[str, str]] = {
+    "mixtral": {"num_experts": "num_local_experts"},
+    "qwen3_moe": {"num_local_experts": "num_experts"},
+    "gpt2": {"hidden_size": "n_embd", "max_position_embeddings": "n_positions", "num_attention_heads": "n_head",
+             "num_hidden_layers": "n_layer"},
+    "bloom": {"num_hidden_layers": "n_layer", "num_attention_heads": "n_head"},
+    "deepseek_v2": {"num_experts": "n_routed_experts"},
+    "deepseek_v3": {"num_local_experts": "n_routed_experts"},
+}
+# num_key_value_heads when a config.json leaves it out: the class default (MistralConfig 8,
+# Qwen2Config 32, ...); LlamaConfig and Phi3Config default to None, i.e. num_attention_heads,
+# as does an explicit null in every class (their __post_init__)
+KV_HEADS_DEFAULT = {"mistral": 8, "mixtral": 8, "qwen2": 32, "qwen2_moe": 16, "qwen3": 32, "qwen3_moe": 4,
+                    "gemma": 16, "gemma2": 4}
+
+
 class _Config:
     """The parsed config with one-line errors that name the file and the key."""
 
     def __init__(self, data: dict, name: str):
-        self.data, self.name = data, name
+        self.data, self.name = dict(data), name
+        self.model_type = model_type = data.get("model_type")
+        self.spelled: dict[str, str] = {}     # field -> the alias the config gave it under
+        for alias, field in (ALIASES.get(model_type, {}) if isinstance(model_type, str) else {}).items():
+            if self.data.get(field) is None and self.data.get(alias) is not None:
+                self.data[field], self.spelled[field] = self.data[alias], alias
 
     def error(self, key: str, value, fix: str) -> ZsimInputError:
-        return ZsimInputError(f"{self.name}: {key}", value, fix)
+        return ZsimInputError(f"{self.name}: {self.spelled.get(key, key)}", value, fix)
+
+    def flag(self, key: str, default: bool) -> bool:
+        """A boolean the modeling file tests for truth: left out, the class default; null, false."""
+        if key not in self.data:
+            return default
+        return self.data[key] is not None and self.get(key, default, bool)
 
     def get(self, key: str, default=MISSING, kind=int):
         value = self.data.get(key)
@@ -55,10 +90,16 @@ class _Config:
             raise self.error(key, value, f"{why}, which zsim does not model; use a config without it")
 
     def heads(self, hidden_key: str = "hidden_size", heads_key: str = "num_attention_heads",
-              default_head_dim: int | None = None) -> dict:
+              default_head_dim: int | None = None, reads_head_dim: bool = True) -> dict:
         """hidden and heads, and head_dim where it is not hidden / heads (absent from the config:
-        the class's default, or hidden / heads, which the heads must then divide)."""
+        the class's default, or hidden / heads, which the heads must then divide). Without
+        `reads_head_dim` (GPT-2, GPT-NeoX, Falcon, OPT: head_dim = hidden // heads in the
+        modeling file) a head_dim key changes nothing."""
         hidden, heads = self.get(hidden_key), self.get(heads_key)
+        if not reads_head_dim:
+            if hidden % heads:
+                raise self.error(heads_key, heads, f"does not divide {hidden_key} {hidden}")
+            return dict(hidden=hidden, heads=heads)
         head_dim = self.get("head_dim", default_head_dim)
         if head_dim is None and hidden % heads:
             raise self.error(heads_key, heads, f"does not divide {hidden_key} {hidden}; give head_dim in the config")
@@ -68,15 +109,35 @@ class _Config:
         return out
 
 
+# the model_types whose modeling file reads attention_bias (q/k/v/o_proj) and mlp_bias
+# (gate/up/down_proj); the others hard-code bias=False (Mistral, Mixtral, Phi-3, the Qwen2s,
+# whose q/k/v biases are their own) and ignore the keys
+READS_ATTENTION_BIAS = {"llama", "qwen3", "qwen3_moe", "gemma", "gemma2"}
+READS_MLP_BIAS = {"llama"}
+
+
+def _kv_heads(c: _Config) -> int:
+    heads = c.get("num_attention_heads")
+    default = KV_HEADS_DEFAULT.get(c.model_type)
+    if "num_key_value_heads" in c.data or default is None:
+        return c.get("num_key_value_heads", heads)
+    if heads % default:
+        raise c.error("num_key_value_heads", None, f"missing; transformers' {c.model_type} default is {default}, "
+                      f"which does not divide num_attention_heads ({heads}); give it")
+    return default
+
+
 def _llama_like(c: _Config, tied: bool, default_head_dim: int | None = None) -> dict:
     """LlamaForCausalLM and the models built like it (Mistral, Mixtral, Qwen2, Gemma, Phi-3):
     RMSNorm, RoPE, q/k/v_proj and o_proj, gate/up/down_proj (SwiGLU, GeGLU for Gemma)."""
+    reads_attn, reads_mlp = c.model_type in READS_ATTENTION_BIAS, c.model_type in READS_MLP_BIAS
     out = dict(c.heads(default_head_dim=default_head_dim), layers=c.get("num_hidden_layers"),
                vocab=c.get("vocab_size"), seq_len=c.get("max_position_embeddings"), ffn_hidden=c.get("intermediate_size"),
-               kv_heads=c.get("num_key_value_heads", c.get("num_attention_heads")),
+               kv_heads=_kv_heads(c),
                tied_embeddings=c.get("tie_word_embeddings", tied, bool), position="rope", norm="rmsnorm",
                glu=True, fused_qkv=False, bias=False,
-               attention_bias=c.get("attention_bias", False, bool), mlp_bias=c.get("mlp_bias", False, bool))
+               attention_bias=reads_attn and c.get("attention_bias", False, bool),
+               mlp_bias=reads_mlp and c.get("mlp_bias", False, bool))
     for key in ("kv_heads", "attention_bias", "mlp_bias"):   # only what differs from the defaults
         if out[key] == {"kv_heads": out["heads"], "attention_bias": False, "mlp_bias": False}[key]:
             del out[key]
@@ -104,9 +165,9 @@ def _llama(c: _Config) -> dict:
     return _window(c, _llama_like(c, tied=False))
 
 
-def _qwen2(c: _Config) -> dict:
-    # Qwen2Attention: q/k/v_proj with bias, o_proj without
-    out = dict(_llama_like(c, tied=False), qkv_bias=True)
+def _qwen2(c: _Config, qkv_bias: bool = True) -> dict:
+    # Qwen2Attention: q/k/v_proj with bias, o_proj without (attention_bias is not read)
+    out = dict(_llama_like(c, tied=False), qkv_bias=qkv_bias)
     c.refuse("use_sliding_window", bool, "a sliding window from layer max_window_layers on")
     return out
 
@@ -115,7 +176,8 @@ def _moe_fields(c: _Config, experts_key: str, width_key: str | None) -> dict:
     """Routed experts of a Hugging Face MoE block (dropless); width_key None: intermediate_size."""
     experts, top_k = c.get(experts_key), c.get("num_experts_per_tok")
     if top_k > experts:
-        raise c.error("num_experts_per_tok", top_k, f"must not exceed {experts_key} ({experts})")
+        named = c.spelled.get(experts_key, experts_key)
+        raise c.error("num_experts_per_tok", top_k, f"must not exceed {named} ({experts})")
     out = dict(experts=experts, top_k=top_k, dispatch="dropless")
     if width_key is not None:
         out["expert_ffn_hidden"] = c.get(width_key)
@@ -128,7 +190,8 @@ def _mixtral(c: _Config) -> dict:
 
 
 def _qwen2_moe(c: _Config) -> dict:
-    out = _qwen2(c)
+    # Qwen2MoeAttention: q/k/v_proj biases from qkv_bias (default true), o_proj without
+    out = _qwen2(c, qkv_bias=c.get("qkv_bias", True, bool))
     c.refuse("mlp_only_layers", bool, "dense MLPs on listed layers")
     c.refuse("decoder_sparse_step", lambda v: v != 1, "MoE on every decoder_sparse_step-th layer")
     # Qwen2MoeSparseMoeBlock: gate, experts, one shared_expert with its sigmoid shared_expert_gate
@@ -137,18 +200,19 @@ def _qwen2_moe(c: _Config) -> dict:
     return dict(out, moe=moe)
 
 
-def _qwen3(c: _Config) -> dict:
+def _qwen3(c: _Config, default_head_dim: int | None = 128) -> dict:
     # Qwen3Attention: q_norm and k_norm (RMSNorm of head_dim) on every head; attention_bias
-    # (default false) on q/k/v/o; head_dim given in the config (Qwen3-0.6B: 16 x 128, hidden 1024)
+    # (default false) on q/k/v/o; head_dim given in the config (Qwen3-0.6B: 16 x 128, hidden
+    # 1024), Qwen3Config's default 128 where it is not (Qwen3MoeConfig has none: hidden / heads)
     c.refuse("use_sliding_window", bool, "a sliding window from layer max_window_layers on")
-    return dict(_llama_like(c, tied=False), qk_norm=True)
+    return dict(_llama_like(c, tied=False, default_head_dim=default_head_dim), qk_norm=True)
 
 
 def _qwen3_moe(c: _Config) -> dict:
     # Qwen3MoeSparseMoeBlock: gate + experts, no shared expert
     c.refuse("mlp_only_layers", bool, "dense MLPs on listed layers")
     c.refuse("decoder_sparse_step", lambda v: v != 1, "MoE on every decoder_sparse_step-th layer")
-    return dict(_qwen3(c), moe=_moe_fields(c, "num_experts", "moe_intermediate_size"))
+    return dict(_qwen3(c, default_head_dim=None), moe=_moe_fields(c, "num_experts", "moe_intermediate_size"))
 
 
 def _gemma(c: _Config) -> dict:
@@ -169,7 +233,7 @@ def _phi3(c: _Config) -> dict:
 
 def _gpt2(c: _Config) -> dict:
     c.refuse("add_cross_attention", bool, "cross-attention blocks")
-    out = dict(c.heads("n_embd", "n_head"), layers=c.get("n_layer"), vocab=c.get("vocab_size"),
+    out = dict(c.heads("n_embd", "n_head", reads_head_dim=False), layers=c.get("n_layer"), vocab=c.get("vocab_size"),
                seq_len=c.get("n_positions"), tied_embeddings=c.get("tie_word_embeddings", True, bool),
                position="learned", norm="layernorm", bias=True, glu=False, fused_qkv=True)
     if c.data.get("n_inner") is not None:       # null: 4 x n_embd, zsim's default too
@@ -179,7 +243,7 @@ def _gpt2(c: _Config) -> dict:
 
 def _gpt_neox(c: _Config) -> dict:
     # GPTNeoXLayer: query_key_value, dense; dense_h_to_4h, dense_4h_to_h; two LayerNorms; embed_out untied
-    return dict(c.heads(), layers=c.get("num_hidden_layers"), vocab=c.get("vocab_size"),
+    return dict(c.heads(reads_head_dim=False), layers=c.get("num_hidden_layers"), vocab=c.get("vocab_size"),
                 seq_len=c.get("max_position_embeddings"), ffn_hidden=c.get("intermediate_size"),
                 tied_embeddings=c.get("tie_word_embeddings", False, bool), position="rope", norm="layernorm",
                 bias=True, attention_bias=c.get("attention_bias", True, bool), glu=False, fused_qkv=True,
@@ -190,19 +254,25 @@ def _falcon(c: _Config) -> dict:
     # FalconAttention.query_key_value: (heads + 2 kv heads) x head_dim; kv heads: num_kv_heads with
     # new_decoder_architecture, else 1 with multi_query, else heads. Parallel blocks have two
     # norms (ln_attn, ln_mlp) with new_decoder_architecture or num_ln_in_parallel_attn 2, else one.
-    out = dict(c.heads(), layers=c.get("num_hidden_layers"), vocab=c.get("vocab_size"),
+    # FalconConfig's booleans are `bool | None` and FalconDecoderLayer tests them for truth: a
+    # null multi_query or parallel_attn is false. The legacy n_embed, when given, is hidden_size
+    # (FalconConfig.__post_init__ pops it over hidden_size).
+    hidden_key = "n_embed" if c.data.get("n_embed") is not None else "hidden_size"
+    out = dict(c.heads(hidden_key, reads_head_dim=False), layers=c.get("num_hidden_layers"), vocab=c.get("vocab_size"),
                seq_len=c.get("max_position_embeddings", 2048), tied_embeddings=c.get("tie_word_embeddings", True, bool),
-               norm="layernorm", bias=c.get("bias", False, bool), glu=False, fused_qkv=True,
-               position="alibi" if c.get("alibi", False, bool) else "rope")
+               norm="layernorm", bias=c.flag("bias", False), glu=False, fused_qkv=True,
+               position="alibi" if c.flag("alibi", False) else "rope")
     if c.data.get("ffn_hidden_size") is not None:   # null: 4 x hidden_size, zsim's default too
         out["ffn_hidden"] = c.get("ffn_hidden_size")
-    new_arch = c.get("new_decoder_architecture", False, bool)
+    new_arch = c.flag("new_decoder_architecture", False)
     if new_arch:
         out["kv_heads"] = c.get("num_kv_heads", out["heads"])
-    elif c.get("multi_query", True, bool):
+    elif c.flag("multi_query", True):
         out["kv_heads"] = 1
-    if c.get("parallel_attn", True, bool):
+    if c.flag("parallel_attn", True):
         norms = c.get("num_ln_in_parallel_attn", 2 if new_arch else 1)
+        if norms not in (1, 2):
+            raise c.error("num_ln_in_parallel_attn", norms, "expected 1 or 2 (norms before a parallel block)")
         out.update(parallel_residual=True, shared_norm=norms == 1)
     if out.get("kv_heads") == out["heads"]:
         del out["kv_heads"]
@@ -212,7 +282,8 @@ def _falcon(c: _Config) -> dict:
 def _bloom(c: _Config) -> dict:
     # BloomModel: word_embeddings_layernorm, ALiBi, fused query_key_value, tied; no position table,
     # so no max_position_embeddings: seq_length when present, else give model.seq_len beside
-    hidden = c.get("hidden_size") if "hidden_size" in c.data else c.get("n_embed")
+    # BloomConfig.__post_init__: n_embed, when given, over hidden_size
+    hidden = c.get("n_embed") if c.data.get("n_embed") is not None else c.get("hidden_size")
     heads = c.get("n_head")
     if hidden % heads:
         raise c.error("n_head", heads, f"does not divide hidden_size {hidden}")
@@ -231,7 +302,7 @@ def _opt(c: _Config) -> dict:
     # embedding and lm_head at that width, with project_in/project_out (OPTDecoder)
     c.refuse("_remove_final_layer_norm", bool, "no final LayerNorm")
     c.refuse("layer_norm_elementwise_affine", lambda v: v is False, "LayerNorms without weights")
-    out = dict(c.heads(), layers=c.get("num_hidden_layers"), vocab=c.get("vocab_size"),
+    out = dict(c.heads(reads_head_dim=False), layers=c.get("num_hidden_layers"), vocab=c.get("vocab_size"),
                seq_len=c.get("max_position_embeddings"), ffn_hidden=c.get("ffn_dim"), position_offset=2,
                tied_embeddings=c.get("tie_word_embeddings", True, bool), position="learned", norm="layernorm",
                bias=c.get("enable_bias", True, bool), glu=False, fused_qkv=False)
@@ -243,11 +314,29 @@ def _opt(c: _Config) -> dict:
     return out
 
 
+# DeepseekV2Config / DeepseekV3Config defaults for the keys zsim does not require
+DEEPSEEK_DEFAULTS = {
+    "deepseek_v2": dict(q_lora_rank=1536, n_routed_experts=64, n_shared_experts=2, first_k_dense_replace=0),
+    "deepseek_v3": dict(q_lora_rank=1536, n_routed_experts=256, n_shared_experts=1, first_k_dense_replace=3,
+                        num_experts_per_tok=8),
+}
+
+
 def _deepseek(c: _Config) -> dict:
     # DeepseekV2/V3: MLA attention; DeepseekV2MoE (gate, experts, shared_experts of
     # moe_intermediate_size x n_shared_experts) on layers >= first_k_dense_replace with
-    # layer % moe_layer_freq == 0. num_nextn_predict_layers (V3's multi-token prediction) is not
-    # part of transformers' DeepseekV3ForCausalLM, so zsim does not count it either.
+    # layer % moe_layer_freq == 0 (DeepSeek's own modeling code; transformers' ignores
+    # moe_layer_freq, which every released config sets to 1). num_nextn_predict_layers (V3's
+    # multi-token prediction) is not part of transformers' DeepseekV3ForCausalLM, so zsim does
+    # not count it either. Keys left out take the configuration class's defaults
+    # (DEEPSEEK_DEFAULTS: a config without q_lora_rank has q_a_proj/q_b_proj of 1536, one
+    # without n_routed_experts 64 or 256 routed experts); an explicit null q_lora_rank is one
+    # q_proj, a null n_routed_experts a dense MLP in every block (DeepSeek's own code).
+    c.data = {**DEEPSEEK_DEFAULTS[c.model_type], **c.data}     # what a config leaves out (null stays null)
+    # DeepseekV2MLP's mlp_bias puts biases on the dense and shared-expert MLPs but not on the
+    # routed experts (one fused tensor each), which zsim's model cannot say
+    if c.model_type == "deepseek_v2":
+        c.refuse("mlp_bias", bool, "biases on the dense and shared-expert MLPs only")
     out = dict(layers=c.get("num_hidden_layers"), hidden=c.get("hidden_size"), heads=c.get("num_attention_heads"),
                vocab=c.get("vocab_size"), seq_len=c.get("max_position_embeddings"),
                ffn_hidden=c.get("intermediate_size"), tied_embeddings=c.get("tie_word_embeddings", False, bool),
@@ -261,8 +350,8 @@ def _deepseek(c: _Config) -> dict:
     out["mla"] = mla
     if c.data.get("n_routed_experts") is not None:
         moe = _moe_fields(c, "n_routed_experts", "moe_intermediate_size")
-        moe.update(first_dense_layers=c.data.get("first_k_dense_replace") or 0,
-                   layer_freq=c.get("moe_layer_freq", 1))
+        first = c.get("first_k_dense_replace") if c.data.get("first_k_dense_replace") else 0
+        moe.update(first_dense_layers=first, layer_freq=c.get("moe_layer_freq", 1))
         if c.data.get("n_shared_experts"):
             moe["shared_experts"] = c.get("n_shared_experts")
         out["moe"] = moe

@@ -49,7 +49,10 @@ PEFT_NAMES: dict[str, tuple[str, ...]] = {
     "attn.c_proj": ("attn.o_proj",), "mlp.c_proj": ("mlp.fc_out",),
     "dense": ("attn.o_proj",), "out_proj": ("attn.o_proj",),
     "c_fc": ("mlp.fc_in",), "fc1": ("mlp.fc_in",), "dense_h_to_4h": ("mlp.fc_in",),
-    "fc2": ("mlp.fc_out",), "dense_4h_to_h": ("mlp.fc_out",), "down_proj": ("mlp.fc_out",),
+    "fc2": ("mlp.fc_out",), "dense_4h_to_h": ("mlp.fc_out",),
+    # a gated MLP's down projection wherever gate_proj and up_proj are: the dense MLP, a MoE
+    # block's shared experts (Qwen-MoE's shared_expert, DeepSeek's shared_experts) and routed experts
+    "down_proj": ("fc_out",),
     "embed_tokens": ("wte",), "word_embeddings": ("wte",), "embed_in": ("wte",), "embed_out": ("lm_head",),
 }
 ALL_LINEAR = "all-linear"
