@@ -6,6 +6,10 @@ zsim.api.run_scenario on the same scenario. Errors are signed, relative to the m
 """
 from __future__ import annotations
 
+import json
+import statistics
+from pathlib import Path
+
 from zsim.schedule.ir import MEASURED_PASS, Group, OpKind, Schedule
 
 PHASES = ("forward", "backward", "step")
@@ -28,45 +32,43 @@ def prediction_overrides(profile: str, nproc: int) -> tuple[str, ...]:
 # [Note: compute speed probe]
 # A VM's compute speed drifts between the calibration and a run, and within minutes (this
 # project's CPU VM: the same bf16 layer 10-18 ms in one day, fp32 about 15%; docs/validation.md),
-# by more than the model's own error. Every measured run therefore times one GEMM in its compute
-# dtype on every rank at once, as its steps run (probe_gemm: the model's largest forward GEMM,
-# PROBE_REPEATS times, the median), and `zsim validate` prices the same GEMM on the profile
-# (probe_predicted_s). Their ratio is the machine's GEMM speed now against the calibration's; the
-# report gives a second prediction with the profile's compute in that dtype scaled by it
-# (probe_overrides),
-# beside the plain one, which stays the figure of record. The probe measures the machine, never
-# a case: nothing is fitted to the cases.
+# by more than the model's own error. The calibration times a square GEMM in every dtype it
+# measures, on every rank at once (bench_compute.bench_gemms' "square" record: per repetition
+# the slowest rank, the median over repetitions). Every measured run times the same GEMM the same
+# way as its steps run (calibration/core/measured.speed_probe), and `zsim validate` divides the
+# two: the machine's speed now against the calibration's. The report gives a second prediction
+# with the profile's compute in the run's dtype that much faster (probe_overrides) beside the
+# plain one, which stays the figure of record. The probe measures the machine, never a case:
+# nothing is fitted to the cases.
 PROBE_REPEATS = 9
+PROBE_SIZE_ENV = "ZSIM_SPEED_PROBE_SIZE"
 
 
-def probe_gemm(sc) -> tuple[int, int, int]:
-    """(m, n, k) of the scenario's largest forward GEMM (by FLOPs) on one rank."""
-    from zsim.schedule.build import workload_for
-    from zsim.schedule.passes import linear_gemms
-    gemms = [g for m in workload_for(sc).modules for g in linear_gemms(m, False)]
-    return max(gemms, key=lambda g: (g[0] * g[1] * g[2], g))
+def calibration_probe(profile_name: str, dtype: str, runs_dir: Path | None = None) -> tuple[int, float] | None:
+    """(size, time_s) of the square GEMM the calibration behind `profile_name` timed in `dtype`
+    (calibration/runs/NAME/records.json; the median of its records), or None where the run is
+    not there or did not measure that dtype."""
+    path = (runs_dir or Path(__file__).parent / "runs") / profile_name / "records.json"
+    try:
+        records = json.loads(path.read_text()).get("records", [])
+    except (OSError, ValueError):
+        return None
+    square = [r for r in records if r.get("kind") == "gemm" and r.get("module") == "square" and r.get("dtype") == dtype]
+    if not square:
+        return None
+    return int(square[0]["m"]), statistics.median(r["time_s"] for r in square)
 
 
-def probe_predicted_s(sc, gemm: tuple[int, int, int]) -> float:
-    """The profile's time for the probe GEMM (the cost model's GEMM law in the run's dtype)."""
-    from zsim.hardware.compute import gemm_time_s
-    from zsim.workload.module import DTYPE_BYTES
-    return gemm_time_s(*gemm, DTYPE_BYTES[sc.precision], sc.cluster.profile.gpu.for_dtype(sc.precision),
-                       sc.cluster.peak_flops(sc.precision))
-
-
-def probe_overrides(sc, measured_s: float, gemm: tuple[int, int, int]) -> tuple[tuple[str, ...], float]:
-    """(the overrides that make the profile's compute in the run's dtype faster by the probe's
-    speed ratio, that ratio: predicted over measured probe time; > 1 when the machine runs faster
-    now than when it was calibrated). Both terms of the GEMM law scale, so the probe GEMM is priced
-    at its measured time whichever bounds it: the GEMM peak and the dtype's memory-bound
-    efficiency (its elementwise kernels with it). See [Note: compute speed probe]."""
-    ratio = probe_predicted_s(sc, gemm) / measured_s
+def probe_overrides(sc, ratio: float) -> tuple[str, ...]:
+    """The overrides that make the profile's compute in the run's dtype `ratio` times faster (the
+    probe's speed against the calibration's): the GEMM peak and the dtype's memory-bound
+    efficiency (both terms of the GEMM law, its elementwise kernels with it). See [Note: compute
+    speed probe]."""
     dtype = sc.precision
     peak_tflops = sc.cluster.peak_flops(dtype) / 1e12
     memory_eff = sc.cluster.profile.gpu.for_dtype(dtype).memory_bound_efficiency
     return (f"hardware.override.gpu.peak_tflops_{dtype}={peak_tflops * ratio!r}",
-            f"hardware.override.gpu.by_dtype.{dtype}.memory_bound_efficiency={memory_eff * ratio!r}"), ratio
+            f"hardware.override.gpu.by_dtype.{dtype}.memory_bound_efficiency={memory_eff * ratio!r}")
 
 
 def rel_error(predicted: float, measured: float) -> float | None:
@@ -236,9 +238,9 @@ def render_text(report: dict) -> str:
     lines.insert(1, "-" * len(lines[0]))
     probe = report.get("probe")
     if probe:
-        m, n, k = probe["gemm"]
-        lines.append(f"speed probe ({m}x{n}x{k} GEMM): measured {_fmt_s(probe['measured_s'])}, profile "
-                     f"{_fmt_s(probe['predicted_s'])}: the machine runs GEMMs x{probe['speed_ratio']:.2f} the "
-                     f"calibration's speed; at that speed the step is predicted {_fmt_s(probe['step_time_s'])} "
-                     f"({_pct(probe['step_time_error'])})")
+        n = probe["size"]
+        lines.append(f"speed probe ({n}x{n}x{n} GEMM): {_fmt_s(probe['measured_s'])} now, "
+                     f"{_fmt_s(probe['calibration_s'])} at the calibration: the machine computes "
+                     f"x{probe['speed_ratio']:.2f} the calibration's speed; at that speed the step is predicted "
+                     f"{_fmt_s(probe['step_time_s'])} ({_pct(probe['step_time_error'])})")
     return "\n".join(lines)

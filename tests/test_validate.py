@@ -240,44 +240,48 @@ def test_a_failed_run_is_reported_by_the_ranks_own_line():
     assert failure_line("") == "no output"
 
 
-def test_the_speed_probe_prices_the_models_largest_gemm_and_scales_the_dtypes_compute():
-    """See [Note: compute speed probe]: the probe is the model's largest forward GEMM, priced by
-    the profile's GEMM law; a machine twice as fast as the probe's price gets the dtype's GEMM peak
-    and memory-bound efficiency doubled, and the probe GEMM is priced at half the time (here
-    memory-bound on the CPU profile: both terms scale)."""
+def test_the_speed_probe_compares_with_the_calibrations_square_gemm_and_scales_the_dtypes_compute(tmp_path):
+    """See [Note: compute speed probe]: the reference is the calibration run's square GEMM of the
+    run's dtype (the median of its records); a machine twice as fast gets the dtype's GEMM peak and
+    memory-bound efficiency doubled, so a GEMM costs half, whichever term bounds it."""
     from tests.helpers import mapping
-    from calibration.validation import probe_gemm, probe_overrides, probe_predicted_s
+    from calibration.validation import calibration_probe, probe_overrides
     from zsim.config.scenario import apply_set, scenario_from_mapping
-    from zsim.schedule.build import workload_for
-    from zsim.schedule.passes import linear_gemms
+    from zsim.hardware.compute import gemm_time_s
 
-    raw = mapping(**{"deepspeed.zero_optimization.stage": 0, "hardware.profile": "cpu-xeon-vm-2ranks",
-                     "hardware.gpus_per_node": 2})
+    run = tmp_path / "p" / "records.json"
+    run.parent.mkdir()
+    square = {"kind": "gemm", "module": "square", "m": 1024, "n": 1024, "k": 1024}
+    run.write_text(json.dumps({"records": [{**square, "dtype": "bf16", "time_s": t} for t in (0.006, 0.007, 0.005)]
+                               + [{**square, "dtype": "fp32", "time_s": 0.02}, {"kind": "gemm", "module": "qkv",
+                                                                                 "dtype": "bf16", "time_s": 1.0}]}))
+    assert calibration_probe("p", "bf16", tmp_path) == (1024, pytest.approx(0.006))
+    assert calibration_probe("p", "fp16", tmp_path) is None and calibration_probe("q", "bf16", tmp_path) is None
+    raw = mapping(**{"hardware.profile": "cpu-xeon-vm-2ranks", "hardware.gpus_per_node": 2})
     sc = scenario_from_mapping(raw, ROOT)
-    gemm = probe_gemm(sc)
-    flops = [a * b * c for mod in workload_for(sc).modules for a, b, c in linear_gemms(mod, False)]
-    assert gemm[0] * gemm[1] * gemm[2] == max(flops)
-    priced = probe_predicted_s(sc, gemm)
-    extra, ratio = probe_overrides(sc, priced / 2, gemm)
-    assert ratio == pytest.approx(2.0)
-    for a in extra:
+    for a in probe_overrides(sc, 2.0):
         raw = apply_set(raw, a)
     fast = scenario_from_mapping(raw, ROOT)
     assert fast.cluster.peak_flops(sc.precision) == pytest.approx(2 * sc.cluster.peak_flops(sc.precision))
-    assert probe_predicted_s(fast, gemm) == pytest.approx(priced / 2)
+    for m, n, k in ((256, 1024, 256), (2048, 2048, 2048)):    # memory-bound, compute-bound on this profile
+        price = [gemm_time_s(m, n, k, 2, x.cluster.profile.gpu.for_dtype(x.precision), x.cluster.peak_flops(x.precision))
+                 for x in (sc, fast)]
+        assert price[1] == pytest.approx(price[0] / 2)
 
 
 def test_validate_reports_the_speed_probe_and_the_prediction_at_its_speed(tmp_path):
-    """A measured run times the probe on every rank; zsim validate reports it beside the plain
-    prediction and predicts the step again at the probe's speed."""
+    """A measured run times the calibration's square GEMM on every rank; zsim validate reports it
+    beside the plain prediction and predicts the step again at the probe's speed."""
     pytest.importorskip("torch")
+    from calibration.validation import calibration_probe
     report = tmp_path / "r.json"
     assert cli_main(["validate", str(ROOT / "benchmarks" / "validate_scenarios" / "small.yaml"), "--steps", "1",
                      "--warmup", "0", "--set", "hardware.gpus_per_node=2", "--json", str(report)]) == 0
     r = json.loads(report.read_text())
     probe = r["probe"]
-    assert probe["measured_s"] > 0 and len(r["measured"]["probe"]["time_s_per_rank"]) == 2
-    assert probe["speed_ratio"] == pytest.approx(probe["predicted_s"] / probe["measured_s"])
+    size, reference = calibration_probe("cpu-gloo-localhost", "bf16")
+    assert r["measured"]["probe"]["size"] == probe["size"] == size and probe["calibration_s"] == reference
+    assert probe["speed_ratio"] == pytest.approx(reference / probe["measured_s"])
     assert probe["step_time_error"] == pytest.approx(rel_error(probe["step_time_s"], r["measured"]["step_time_s"]))
     # faster GEMMs, a shorter step (and the other way round)
     assert (probe["step_time_s"] < r["predicted"]["step_time_s"]) == (probe["speed_ratio"] > 1)

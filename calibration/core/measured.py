@@ -21,34 +21,38 @@ def summarize_times(step_times, phase_times) -> dict:
 
 
 def speed_probe(sc) -> dict:
-    """The run's compute speed now: the probe GEMM timed on every rank at once (see [Note: compute
-    speed probe]); every rank calls. The median over ranks of each rank's median time."""
+    """The run's compute speed now: the calibration's square GEMM (F.linear of two size x size
+    tensors in the run's dtype; the size from PROBE_SIZE_ENV, set by zsim validate) timed on every
+    rank at once, as the calibration times it: per repetition the slowest rank, the median over
+    PROBE_REPEATS (see [Note: compute speed probe]). Every rank calls."""
     import time
 
     import torch
     import torch.distributed as dist
+    import torch.nn.functional as F
 
-    from calibration.validation import PROBE_REPEATS, probe_gemm
+    from calibration.validation import PROBE_REPEATS, PROBE_SIZE_ENV
 
-    m, n, k = probe_gemm(sc)
+    size = int(os.environ.get(PROBE_SIZE_ENV, "1024"))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[sc.precision]
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    a = torch.randn(m, k, dtype=dtype, device=device)
-    b = torch.randn(k, n, dtype=dtype, device=device)
-    times = []
+    cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
+    mine = []
     dist.barrier()
-    for _ in range(PROBE_REPEATS + 1):   # the first call sets the kernel up: not counted
-        if device == "cuda":
+    for i in range(PROBE_REPEATS + 1):   # the first call sets the kernel up: not counted
+        if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        torch.matmul(a, b)
-        if device == "cuda":
+        F.linear(a, b)
+        if cuda:
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    mine = statistics.median(times[1:])
+        if i:
+            mine.append(time.perf_counter() - t0)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
-    return {"gemm": [m, n, k], "dtype": sc.precision, "time_s": statistics.median(every), "time_s_per_rank": every}
+    return {"size": size, "dtype": sc.precision, "time_s": statistics.median(max(r) for r in zip(*every))}
 
 
 def write_measurement(path: str, engine: str, sc, args, step_times, phase_times, peak_bytes: int,

@@ -180,6 +180,7 @@ def main(args, sc) -> int:
         torch.cuda.set_device(device)
     if offload_needs_gpu(sc, cuda):
         raise SystemExit("ZeRO-Offload needs a GPU: on a CPU device there is no host/device split to measure")
+    offloaded = sc.zero.optimizer_offload_device != "none" or sc.zero.param_offload_device != "none"
     if args.engine == "deepspeed":
         import deepspeed
 
