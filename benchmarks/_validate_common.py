@@ -71,9 +71,4 @@ def combine(runs: list[dict]) -> dict:
                     "peak_bytes": rel_error(out["predicted"]["peak_bytes"], out["measured"]["peak_bytes"])}
     out["collectives_equal"] = all(r["collectives_equal"] for r in ok)
     out["runs"] = len(ok)
-    probes = [r["probe"] for r in ok if r.get("probe")]
-    if len(probes) == len(ok):   # see [Note: compute speed probe]: each run's prediction at its own speed
-        at_speed = statistics.median(p["step_time_s"] for p in probes)
-        out["probe"] = {**probes[0], "step_time_s": at_speed, "step_time_error": rel_error(at_speed, med),
-                        "speed_ratios": [p["speed_ratio"] for p in probes]}
     return out

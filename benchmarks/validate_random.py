@@ -111,22 +111,13 @@ def repredict(case, profile: str | None, launches: list[dict]) -> list[dict]:
     """The launches' measured figures against the current tree's prediction of the case, made as
     `zsim validate` makes it (its overrides, the profile, one node of the case's ranks): what a
     model change does to cases already measured. A seed used this way is tuned on."""
-    from calibration.commands.validate import DEFAULT_PROFILE, predict, probe_prediction
+    from calibration.commands.validate import DEFAULT_PROFILE, predict
     from calibration.validation import compare, prediction_overrides
     from zsim.config.scenario import load_scenario
 
     ov = (*case.overrides, *prediction_overrides(profile or DEFAULT_PROFILE, case.world_size))
-    path = str(SCEN / f"{case.scenario}.yaml")
-    sc = load_scenario(path, ov)
-    predicted, _ = predict(sc)
-    out = []
-    for r in launches:
-        if "failed" not in r:
-            r = {**{k: v for k, v in r.items() if k != "probe"}, **compare(r["measured"], predicted)}
-            if r["measured"].get("probe"):   # the launch's speed, the current tree's prediction at it
-                r["probe"] = probe_prediction(path, ov, sc, r["measured"])
-        out.append(r)
-    return out
+    predicted, _ = predict(load_scenario(str(SCEN / f"{case.scenario}.yaml"), ov))
+    return [r if "failed" in r else {**r, **compare(r["measured"], predicted)} for r in launches]
 
 
 def _pct(e) -> str:
@@ -136,8 +127,8 @@ def _pct(e) -> str:
 def report(engine: str, cases, results: dict) -> dict:
     print(f"\n== engine {engine} ==")
     print(f"{'case':8s} {'meas ms':>8s} {'run spr':>7s} {'step spr':>8s} {'pred ms':>8s} {'err':>7s}  "
-          f"{'speed':>5s} {'at spd':>7s}  {'meas MiB':>8s} {'pred MiB':>8s} {'err':>7s}  colls  config")
-    st, pk, equal, at_speed = [], [], 0, []
+          f"{'meas MiB':>8s} {'pred MiB':>8s} {'err':>7s}  colls  config")
+    st, pk, equal = [], [], 0
     for case in cases:
         r = results.get(f"{engine}/{case.name}")
         if r is None and not case.offloaded:
@@ -150,9 +141,6 @@ def report(engine: str, cases, results: dict) -> dict:
             print(f"{case.name:8s} FAILED: {r['failed']}  {describe(case)}")
             continue
         m, p, e = r["measured"], r["predicted"], r["error"]
-        probe = r.get("probe")   # the prediction at the speed probe's speed (see [Note: compute speed probe])
-        at_speed.append(probe["step_time_error"] if probe else None)
-        speed = f"x{probe['speed_ratio']:.2f}" if probe else "-"
         st.append(e["step_time"])
         pk.append(e["peak_bytes"])
         equal += bool(r["collectives_equal"])
@@ -162,23 +150,14 @@ def report(engine: str, cases, results: dict) -> dict:
         run_spr = f"{100 * m['run_spread']:6.1f}%" if r.get("runs", 1) > 1 else "      -"
         print(f"{case.name:8s} {m['step_time_s'] * 1e3:8.1f} {run_spr} "
               f"{100 * m.get('step_time_spread', 0.0):7.1f}% {p['step_time_s'] * 1e3:8.1f} {_pct(e['step_time'])}  "
-              f"{speed:>5s} {_pct(at_speed[-1])}  "
               f"{m['peak_bytes'] / 2**20:8.1f} {p['peak_bytes'] / 2**20:8.1f} {_pct(e['peak_bytes'])}  "
               f"{'equal' if r['collectives_equal'] else 'DIFFER'}  {describe(case)}{flag}", flush=True)
     summary = {"cases": len(st), "step_time_mape": mape(st), "peak_mape": mape(pk),
                "step_time_max": max((abs(x) for x in st if x is not None), default=None),
                "collectives_equal": equal}
-    probed = [x for x in at_speed if x is not None]
-    if probed:
-        summary.update(at_speed_cases=len(probed), at_speed_step_time_mape=mape(probed),
-                       at_speed_step_time_max=max(abs(x) for x in probed))
     if st:
         print(f"{engine}: step-time MAPE {100 * summary['step_time_mape']:.1f}% (max {100 * summary['step_time_max']:.1f}%), "
               f"peak-memory MAPE {100 * summary['peak_mape']:.1f}%, collective lists equal {equal}/{len(st)}")
-        if probed:
-            print(f"{engine}: at the speed probe's speed (see [Note: compute speed probe]), step-time MAPE "
-                  f"{100 * summary['at_speed_step_time_mape']:.1f}% (max {100 * summary['at_speed_step_time_max']:.1f}%) "
-                  f"over {len(probed)} cases")
     else:
         print(f"{engine}: no successful case")
     return summary

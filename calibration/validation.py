@@ -6,10 +6,6 @@ zsim.api.run_scenario on the same scenario. Errors are signed, relative to the m
 """
 from __future__ import annotations
 
-import json
-import statistics
-from pathlib import Path
-
 from zsim.schedule.ir import MEASURED_PASS, Group, OpKind, Schedule
 
 PHASES = ("forward", "backward", "step")
@@ -27,48 +23,6 @@ def prediction_overrides(profile: str, nproc: int) -> tuple[str, ...]:
     allocator reserve)."""
     return (f"hardware.profile={profile}", "hardware.nodes=1", f"hardware.gpus_per_node={nproc}",
             *TENSOR_ONLY_OVERRIDES)
-
-
-# [Note: compute speed probe]
-# A VM's compute speed drifts between the calibration and a run, and within minutes (this
-# project's CPU VM: the same bf16 layer 10-18 ms in one day, fp32 about 15%; docs/validation.md),
-# by more than the model's own error. The calibration times a square GEMM in every dtype it
-# measures, on every rank at once (bench_compute.bench_gemms' "square" record: per repetition
-# the slowest rank, the median over repetitions). Every measured run times the same GEMM the same
-# way as its steps run (calibration/core/measured.speed_probe), and `zsim validate` divides the
-# two: the machine's speed now against the calibration's. The report gives a second prediction
-# with the profile's compute in the run's dtype that much faster (probe_overrides) beside the
-# plain one, which stays the figure of record. The probe measures the machine, never a case:
-# nothing is fitted to the cases.
-PROBE_REPEATS = 9
-PROBE_SIZE_ENV = "ZSIM_SPEED_PROBE_SIZE"
-
-
-def calibration_probe(profile_name: str, dtype: str, runs_dir: Path | None = None) -> tuple[int, float] | None:
-    """(size, time_s) of the square GEMM the calibration behind `profile_name` timed in `dtype`
-    (calibration/runs/NAME/records.json; the median of its records), or None where the run is
-    not there or did not measure that dtype."""
-    path = (runs_dir or Path(__file__).parent / "runs") / profile_name / "records.json"
-    try:
-        records = json.loads(path.read_text()).get("records", [])
-    except (OSError, ValueError):
-        return None
-    square = [r for r in records if r.get("kind") == "gemm" and r.get("module") == "square" and r.get("dtype") == dtype]
-    if not square:
-        return None
-    return int(square[0]["m"]), statistics.median(r["time_s"] for r in square)
-
-
-def probe_overrides(sc, ratio: float) -> tuple[str, ...]:
-    """The overrides that make the profile's compute in the run's dtype `ratio` times faster (the
-    probe's speed against the calibration's): the GEMM peak and the dtype's memory-bound
-    efficiency (both terms of the GEMM law, its elementwise kernels with it). See [Note: compute
-    speed probe]."""
-    dtype = sc.precision
-    peak_tflops = sc.cluster.peak_flops(dtype) / 1e12
-    memory_eff = sc.cluster.profile.gpu.for_dtype(dtype).memory_bound_efficiency
-    return (f"hardware.override.gpu.peak_tflops_{dtype}={peak_tflops * ratio!r}",
-            f"hardware.override.gpu.by_dtype.{dtype}.memory_bound_efficiency={memory_eff * ratio!r}")
 
 
 def rel_error(predicted: float, measured: float) -> float | None:
@@ -236,11 +190,4 @@ def render_text(report: dict) -> str:
     w = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = ["  ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(r)) for r in rows]
     lines.insert(1, "-" * len(lines[0]))
-    probe = report.get("probe")
-    if probe:
-        n = probe["size"]
-        lines.append(f"speed probe ({n}x{n}x{n} GEMM): {_fmt_s(probe['measured_s'])} now, "
-                     f"{_fmt_s(probe['calibration_s'])} at the calibration: the machine computes "
-                     f"x{probe['speed_ratio']:.2f} the calibration's speed; at that speed the step is predicted "
-                     f"{_fmt_s(probe['step_time_s'])} ({_pct(probe['step_time_error'])})")
     return "\n".join(lines)

@@ -142,25 +142,6 @@ def predict(sc) -> tuple[dict, object]:
     return out, trace
 
 
-def probe_prediction(scenario: str, overrides, sc, measured: dict) -> dict | None:
-    """The prediction again with the profile's compute in the run's dtype as much faster as the
-    speed probe says the machine is now than at the calibration (see [Note: compute speed probe]),
-    and its step-time error; None where the profile's calibration run has no square GEMM of that
-    dtype and size."""
-    from zsim.config.scenario import load_scenario
-    from calibration.validation import calibration_probe, probe_overrides, rel_error
-
-    probe = measured["probe"]
-    ref = calibration_probe(sc.cluster.profile.name, sc.precision)
-    if ref is None or ref[0] != probe["size"]:
-        return None
-    ratio = ref[1] / probe["time_s"]
-    scaled, _ = predict(load_scenario(scenario, (*overrides, *probe_overrides(sc, ratio))))
-    return {"size": probe["size"], "measured_s": probe["time_s"], "calibration_s": ref[1], "speed_ratio": ratio,
-            "step_time_s": scaled["step_time_s"], "phases_s": scaled["phases_s"],
-            "step_time_error": rel_error(scaled["step_time_s"], measured["step_time_s"])}
-
-
 def main(args) -> int:
     from zsim.config.scenario import load_scenario
     from zsim.report.writers import chrome_trace, write_atomic
@@ -235,10 +216,6 @@ def main(args) -> int:
             if why:
                 raise ZsimInputError("scenario", args.scenario, f"--engine {args.engine} does not run {why}")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-        from calibration.validation import PROBE_SIZE_ENV, calibration_probe
-        ref = calibration_probe(sc.cluster.profile.name, sc.precision)
-        if ref is not None:   # the ranks time the calibration's square GEMM (see [Note: compute speed probe])
-            env[PROBE_SIZE_ENV] = str(ref[0])
         if not cuda:   # CPU ranks share the cores; on a GPU DeepSpeedCPUAdam uses them all
             env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
         if args.engine == "deepspeed":
@@ -271,9 +248,6 @@ def main(args) -> int:
     measured["collectives_summary"] = collective_summary(measured.get("collectives", []))
     report = compare(measured, predicted)
     report.update(scenario=sc.name, engine=args.engine, profile=args.profile, world_size=nproc)
-    probe = probe_prediction(args.scenario, overrides, sc, measured) if measured.get("probe") else None
-    if probe is not None:
-        report["probe"] = probe
     print(f"{sc.name}: {args.engine} engine, {nproc} ranks, profile {args.profile}")
     print(render_text(report))
     if args.json:

@@ -20,48 +20,12 @@ def summarize_times(step_times, phase_times) -> dict:
     }
 
 
-def speed_probe(sc) -> dict:
-    """The run's compute speed now: the calibration's square GEMM (F.linear of two size x size
-    tensors in the run's dtype; the size from PROBE_SIZE_ENV, set by zsim validate) timed on every
-    rank at once, as the calibration times it: per repetition the slowest rank, the median over
-    PROBE_REPEATS (see [Note: compute speed probe]). Every rank calls."""
-    import time
-
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
-    from calibration.validation import PROBE_REPEATS, PROBE_SIZE_ENV
-
-    size = int(os.environ.get(PROBE_SIZE_ENV, "1024"))
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[sc.precision]
-    cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    a = torch.randn(size, size, dtype=dtype, device=device)
-    b = torch.randn(size, size, dtype=dtype, device=device)
-    mine = []
-    dist.barrier()
-    for i in range(PROBE_REPEATS + 1):   # the first call sets the kernel up: not counted
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        F.linear(a, b)
-        if cuda:
-            torch.cuda.synchronize()
-        if i:
-            mine.append(time.perf_counter() - t0)
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    return {"size": size, "dtype": sc.precision, "time_s": statistics.median(max(r) for r in zip(*every))}
-
-
 def write_measurement(path: str, engine: str, sc, args, step_times, phase_times, peak_bytes: int,
                       collectives, losses: list[float], model_states: dict[str, int] | None = None) -> None:
-    """Gather every rank's peak memory and losses, time the speed probe; rank 0 writes the JSON
-    `zsim validate` reads (all ranks call)."""
+    """Gather every rank's peak memory and losses; rank 0 writes the JSON `zsim validate` reads
+    (all ranks call)."""
     import torch.distributed as dist
 
-    probe = speed_probe(sc)
     world = dist.get_world_size()
     peaks = [None] * world
     dist.all_gather_object(peaks, peak_bytes)
@@ -75,7 +39,7 @@ def write_measurement(path: str, engine: str, sc, args, step_times, phase_times,
                "warmup": args.warmup, **summarize_times(step_times, phase_times),
                "peak_bytes": max(peaks), "peak_bytes_per_rank": peaks,
                "collectives": [list(c) for c in collectives],
-               "losses": [sum(v) / world for v in zip(*all_losses)], "probe": probe}
+               "losses": [sum(v) / world for v in zip(*all_losses)]}
         if sc.pipeline_stages > 1:
             out["collectives_per_rank"] = per_rank
         if model_states is not None:   # rank 0's (the ranks hold equal shares, up to padding)
