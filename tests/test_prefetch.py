@@ -9,7 +9,6 @@ from tests.test_doctor import over_by
 from tests.test_search import tight_gpu
 from zsim.cli import main as cli_main
 from zsim.search import variants
-from zsim.search.doctor import doctor
 from zsim.search.tune import tune
 from zsim.search.variants import Base, Variant
 

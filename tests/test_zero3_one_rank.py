@@ -2,7 +2,6 @@
 there is no all-gather, no flat buffer and no gathered copy, unless the partition is offloaded
 and its `.to(device)` copies it to the GPU (see [Note: one-rank ZeRO-3 fetch]). On two ranks
 the gathers are there as before."""
-import pytest
 
 from tests.helpers import scenario
 from zsim.api import run_scenario

@@ -249,7 +249,6 @@ def _complete(path: Path) -> bool:
 
 
 def main(args) -> int:
-    import json
     import shutil
 
     plan, nproc, dtypes, root = resolve(args)
