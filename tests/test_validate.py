@@ -238,3 +238,13 @@ def test_a_failed_run_is_reported_by_the_ranks_own_line():
     ])
     assert failure_line(stderr) == "ZeRO-Offload needs a GPU: on a CPU device there is no host/device split to measure"
     assert failure_line("") == "no output"
+    # an uncaught exception in the ranks: torchrun prefixes its lines with the rank
+    raised = "\n".join([
+        "[rank1]: Traceback (most recent call last):",
+        '[rank1]:   File "/work/main/calibration/core/peers.py", line 198, in main',
+        "[rank1]: NameError: name 'offloaded' is not defined",
+        "E1127 08:24:44.582000 23029 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1)",
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+        "============================================================",
+    ])
+    assert failure_line(raised) == "NameError: name 'offloaded' is not defined"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -97,7 +98,9 @@ def failure_line(stderr: str) -> str:
     """The line of a failed torchrun that says why: the ranks' last own line (an exception's
     message, a SystemExit text), not torchrun's report around it (its W/E/I log lines, the
     ChildFailedError banner, traceback frames)."""
-    lines = [ln for ln in stderr.splitlines() if ln.strip() and not ln.startswith(("W1", "E1", "I1"))]
+    # an uncaught exception's lines come prefixed by the rank ("[rank1]: NameError: ...")
+    lines = [re.sub(r"^\[rank\d+\]: ", "", ln) for ln in stderr.splitlines()
+             if ln.strip() and not ln.startswith(("W1", "E1", "I1"))]
     said = [ln for ln in lines if not ln.startswith((" ", "=", "-", "[", "Traceback", "torch.distributed"))
             and "ChildFailedError" not in ln and "FAILED" not in ln and not ln.rstrip().endswith(":")]
     return (said or lines or ["no output"])[-1]
