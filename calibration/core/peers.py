@@ -90,7 +90,7 @@ def ds_config(sc) -> dict:
 
 def offload_needs_gpu(sc, cuda: bool) -> bool:
     """ZeRO-Offload on a CPU device: no host/device split to measure."""
-    return not cuda and (sc.zero.optimizer_offload_device != "none" or sc.zero.param_offload_device != "none")
+    return not cuda and sc.zero.offloaded
 
 
 def unsupported(sc, cuda: bool) -> str | None:
@@ -180,7 +180,7 @@ def main(args, sc) -> int:
         torch.cuda.set_device(device)
     if offload_needs_gpu(sc, cuda):
         raise SystemExit("ZeRO-Offload needs a GPU: on a CPU device there is no host/device split to measure")
-    offloaded = sc.zero.optimizer_offload_device != "none" or sc.zero.param_offload_device != "none"
+    offloaded = sc.zero.offloaded
     if args.engine == "deepspeed":
         import deepspeed
 

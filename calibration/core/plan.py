@@ -66,7 +66,7 @@ def unsupported(sc) -> str | None:
         return "training.precision fp16 (no fp16 on CPU; use bf16 or fp32)"
     if sc.model.position not in ("learned",):
         return f"model.position {sc.model.position} (the core implements learned positions)"
-    if sc.zero.optimizer_offload_device != "none" or sc.zero.param_offload_device != "none":
+    if sc.zero.offloaded:
         return "deepspeed.zero_optimization offload (no device/host split on CPU)"
     if sc.deepspeed.reduction_dtype != sc.precision:
         return "deepspeed.communication_data_type other than the model dtype (the core reduces in the model dtype)"

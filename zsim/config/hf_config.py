@@ -65,6 +65,11 @@ class _Config:
     def error(self, key: str, value, fix: str) -> ZsimInputError:
         return ZsimInputError(f"{self.name}: {self.spelled.get(key, key)}", value, fix)
 
+    def hidden_key(self) -> str:
+        """Falcon's and BLOOM's width key: the legacy n_embed, when given, over hidden_size (their
+        configuration classes' __post_init__ pops it over hidden_size)."""
+        return "n_embed" if self.data.get("n_embed") is not None else "hidden_size"
+
     def flag(self, key: str, default: bool) -> bool:
         """A boolean the modeling file tests for truth: left out, the class default; null, false."""
         if key not in self.data:
@@ -255,10 +260,8 @@ def _falcon(c: _Config) -> dict:
     # new_decoder_architecture, else 1 with multi_query, else heads. Parallel blocks have two
     # norms (ln_attn, ln_mlp) with new_decoder_architecture or num_ln_in_parallel_attn 2, else one.
     # FalconConfig's booleans are `bool | None` and FalconDecoderLayer tests them for truth: a
-    # null multi_query or parallel_attn is false. The legacy n_embed, when given, is hidden_size
-    # (FalconConfig.__post_init__ pops it over hidden_size).
-    hidden_key = "n_embed" if c.data.get("n_embed") is not None else "hidden_size"
-    out = dict(c.heads(hidden_key, reads_head_dim=False), layers=c.get("num_hidden_layers"), vocab=c.get("vocab_size"),
+    # null multi_query or parallel_attn is false.
+    out = dict(c.heads(c.hidden_key(), reads_head_dim=False), layers=c.get("num_hidden_layers"), vocab=c.get("vocab_size"),
                seq_len=c.get("max_position_embeddings", 2048), tied_embeddings=c.get("tie_word_embeddings", True, bool),
                norm="layernorm", bias=c.flag("bias", False), glu=False, fused_qkv=True,
                position="alibi" if c.flag("alibi", False) else "rope")
@@ -282,8 +285,7 @@ def _falcon(c: _Config) -> dict:
 def _bloom(c: _Config) -> dict:
     # BloomModel: word_embeddings_layernorm, ALiBi, fused query_key_value, tied; no position table,
     # so no max_position_embeddings: seq_length when present, else give model.seq_len beside
-    # BloomConfig.__post_init__: n_embed, when given, over hidden_size
-    hidden = c.get("n_embed") if c.data.get("n_embed") is not None else c.get("hidden_size")
+    hidden = c.get(c.hidden_key())
     heads = c.get("n_head")
     if hidden % heads:
         raise c.error("n_head", heads, f"does not divide hidden_size {hidden}")

@@ -110,6 +110,11 @@ class ZeroConfig:
             return self.offload_param.device
         return "cpu" if self.cpu_offload_param else "none"
 
+    @property
+    def offloaded(self) -> bool:
+        """ZeRO-Offload of the optimizer or the parameters (to CPU or NVMe)."""
+        return self.optimizer_offload_device != "none" or self.param_offload_device != "none"
+
     def __post_init__(self):
         unmodelled = {
             "zero_hpz_partition_size": (self.zero_hpz_partition_size, 1),
