@@ -115,13 +115,16 @@ _SPAN = 1 << 20
 
 
 def _canon(ops, sites, places: _Places) -> list:
-    """Per op of a layer block, what must be equal for it to be the same op one layer on: its
-    shape, and each op it waits on or frees an allocation of, as the same op of a block as many
-    layers away in the same pass (pos minus the layer's), or the very same op outside the
-    layers (its id). None elsewhere."""
+    """Per op of a layer block, a number standing for what must be equal for it to be the same op
+    one layer on: its shape, and each op it waits on or frees an allocation of, as the same op of
+    a block as many layers away in the same pass (pos minus the layer's), or the very same op
+    outside the layers (its id). None elsewhere. Equal numbers, equal ops: each distinct
+    description is numbered once (so blocks compare as lists of ints, not of payloads)."""
     before, after = sites
     key, pos = places.key, places.pos
     out: list = [None] * len(ops)
+    numbers: dict = {}
+    shapes: dict = {}
     for op in ops:
         x = op.id
         k = key[x]
@@ -139,9 +142,11 @@ def _canon(ops, sites, places: _Places) -> list:
             refs.append(i)
         p = op.payload
         shape = getattr(p, "comm", None) or getattr(p, "work", None) or op_shape(op)
-        out[x] = (op.kind, op.stream, op.phase, op.micro_step, op.stage, op.hook_visits, op.grad_hooks, op.host_views,
-                  shape,
-                  [(a.category, a.size_bytes, a.touched_bytes) for a in op.alloc] if op.alloc else None, refs)
+        shape_no = shapes.setdefault(shape, len(shapes))
+        c = (op.kind, op.stream, op.phase, op.micro_step, op.stage, op.hook_visits, op.grad_hooks, op.host_views,
+             shape_no, tuple([(a.category, a.size_bytes, a.touched_bytes) for a in op.alloc]) if op.alloc else None,
+             tuple(refs))
+        out[x] = numbers.setdefault(c, len(numbers))
     return out
 
 
