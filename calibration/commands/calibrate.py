@@ -229,6 +229,11 @@ def _fit_existing(args, dtypes, profile_path: Path, run_dir: Path, fit_and_write
     return 0
 
 
+# p10-p90 over the median of a layer's repetitions above which its timing is called noisy: the
+# 2-rank VM profile's layers spread 2-12%, 4 ranks on the VM's 2 cores 10-61% (2026-11-26/27)
+NOISY_LAYER_SPREAD = 0.25
+
+
 def _print_layers(report: dict) -> None:
     """Each measured layer (every fitted dtype's) against the fitted profile's prediction."""
     host = report.get("host_streaming_GBps", {})
@@ -237,7 +242,13 @@ def _print_layers(report: dict) -> None:
               f"{host['cpu_adam']:.1f} GB/s (cpu.memory_bw_GBps: the better)", file=sys.stderr)
     for r in report["compute"].get("layers", []):
         print(f"  layer {r['layer']} {r['dtype']} {r['pass']}: measured {r['measured_s'] * 1e3:.3f} ms, "
-              f"zsim {r['predicted_s'] * 1e3:.3f} ms ({100 * r['error']:+.1f}%)", file=sys.stderr)
+              f"zsim {r['predicted_s'] * 1e3:.3f} ms ({100 * r['error']:+.1f}%), run-to-run spread "
+              f"{100 * r.get('spread', 0.0):.0f}%", file=sys.stderr)
+    noisy = [r for r in report["compute"].get("layers", []) if r.get("spread", 0.0) > NOISY_LAYER_SPREAD]
+    if noisy:
+        print(f"zsim calibrate: {len(noisy)} layer timings spread more than {100 * NOISY_LAYER_SPREAD:.0f}% between "
+              "repetitions (a busy or oversubscribed machine): their fit is no better than that; calibrate again "
+              "when the machine is quiet, or with fewer ranks per core", file=sys.stderr)
 
 
 def _complete(path: Path) -> bool:

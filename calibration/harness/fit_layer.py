@@ -81,11 +81,14 @@ def fit_layer_closure(layers: list[dict], fields: dict, peak_tflops: float, hbm_
     y, X = np.array(y), np.array(rows)
     # an efficiency cannot exceed 1: a scale s turns efficiency e into e/s, so s >= e
     lower = np.array([0.0, fields["flash_attention_fwd_efficiency"], fields["flash_attention_bwd_efficiency"]])
-    if len({r["layer"] for r in layers}) > 1:
-        b = nnls_relative(X, y - np.array(fixed), lower, y)
-    else:   # one shape's forward and backward cannot identify three scales: the two attention
+    b = nnls_relative(X, y - np.array(fixed), lower, y) if len({r["layer"] for r in layers}) > 1 else None
+    if b is None or b[0] == 0.0:
+        # one shape's forward and backward cannot identify three scales: the two attention
         # scales alone then fit both passes exactly with the GEMM scale at 0 (GEMMs free, the
-        # measured GEMM rate discarded); keep the GEMMs as their own benchmark timed them
+        # measured GEMM rate discarded), and so can noisy layers of several shapes (4 ranks on 2
+        # cores, spreads of 10-60%: the profile cannot make GEMMs free, so it would keep the
+        # GEMMs and take attention scales fitted without them); keep the GEMMs as their own
+        # benchmark timed them
         b = np.concatenate([[1.0], nnls_relative(X[:, 1:], y - np.array(fixed) - X[:, 0], lower[1:], y)])
     sg, saf, sab = (float(v) for v in b)
     out = dict(fields)
