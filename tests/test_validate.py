@@ -248,3 +248,18 @@ def test_a_failed_run_is_reported_by_the_ranks_own_line():
         "============================================================",
     ])
     assert failure_line(raised) == "NameError: name 'offloaded' is not defined"
+
+
+def test_validate_says_what_fsdp_runs_for_zero_1_and_2():
+    """FSDP2 has no ZeRO-1 or ZeRO-2 of DeepSpeed's kind: the peer runs reshard_after_forward=False
+    (calibration/core/peers.py), and validate says so instead of comparing silently."""
+    from pathlib import Path
+    from calibration.commands.validate import peer_note
+    from zsim.config.scenario import load_scenario
+    path = str(Path(__file__).parents[1] / "benchmarks/validate_scenarios/small.yaml")
+    notes = {stage: peer_note("fsdp", load_scenario(path, (f"deepspeed.zero_optimization.stage={stage}",)))
+             for stage in (0, 1, 2, 3)}
+    assert notes[0] == notes[3] == ""
+    assert "reshard_after_forward=False" in notes[1] and "at the accumulation boundary only" in notes[1]
+    assert "reshard_after_forward=False" in notes[2] and "boundary" not in notes[2]
+    assert peer_note("deepspeed", load_scenario(path, ("deepspeed.zero_optimization.stage=1",))) == ""

@@ -60,6 +60,19 @@ def _int(text, field, lo=1):
     return v
 
 
+def peer_note(engine: str, sc) -> str:
+    """What the peer runs in place of a ZeRO stage it has no counterpart of ("" when it runs the
+    stage itself): calibration/core/peers.py shards FSDP2 with reshard_after_forward=False for
+    stages 1 and 2 (its SHARD_GRAD_OP)."""
+    if engine != "fsdp" or sc.zero.stage not in (1, 2):
+        return ""
+    return (f"--engine fsdp runs ZeRO stage {sc.zero.stage} as FSDP2 fully_shard with reshard_after_forward=False: "
+            "each module's gradients reduce-scattered in every backward, parameters kept gathered after forward; "
+            f"DeepSpeed's stage {sc.zero.stage} reduces its gradients in buckets"
+            + (" at the accumulation boundary only" if sc.zero.stage == 1 else "")
+            + ", so the collective lists differ")
+
+
 def check_engine(engine: str, python: str) -> None:
     """One-line error naming the install command when the engine's packages are missing."""
     if engine not in ENGINES:
@@ -200,6 +213,9 @@ def main(args) -> int:
     check_engine(args.engine, python)
     for warning in sc.warnings:
         print(f"warning: {warning}", file=sys.stderr)
+    note = peer_note(args.engine, sc)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
     predicted, trace = predict(sc)
 
     with tempfile.TemporaryDirectory(prefix="zsim-validate-") as tmp:
