@@ -85,10 +85,11 @@ def fit_layer_closure(layers: list[dict], fields: dict, peak_tflops: float, hbm_
     if b is None or b[0] == 0.0:
         # one shape's forward and backward cannot identify three scales: the two attention
         # scales alone then fit both passes exactly with the GEMM scale at 0 (GEMMs free, the
-        # measured GEMM rate discarded), and so can noisy layers of several shapes (4 ranks on 2
-        # cores, spreads of 10-60%: the profile cannot make GEMMs free, so it would keep the
-        # GEMMs and take attention scales fitted without them); keep the GEMMs as their own
-        # benchmark timed them
+        # measured GEMM rate discarded), and so can layers of several shapes whose GEMMs ran
+        # faster than their own benchmark (VM calibrations of 2026-11-27: 4 ranks on 2 cores with
+        # spreads of 10-60%, and a quiet 2-rank fp32 run, spreads 2-5%). The profile cannot make
+        # GEMMs free: it would keep them and take attention scales fitted without them (that
+        # quiet run's fp32 layers closed at +46..+82%). Keep the GEMMs as their benchmark timed them
         b = np.concatenate([[1.0], nnls_relative(X[:, 1:], y - np.array(fixed) - X[:, 0], lower[1:], y)])
     sg, saf, sab = (float(v) for v in b)
     out = dict(fields)
