@@ -266,31 +266,26 @@ class ParamCoordinator:
         the gathers the module's compute waits for."""
         z = self.ctx.sc.zero
         k = self.step_id
-        own = visit.params      # distinct (visit_sequence)
-        status, most_recent, queue = self.status, self.most_recent, self.queue
-        if any(status[p] == NOT_AVAILABLE for p in own):
-            self._gather(sorted(own), micro, phase, visit.module, prefetch=False)
-        gather_op = self.gather_op
-        deps = [gather_op[p] for p in own if p in gather_op]
-        if self.inflight:
-            for p in own:
-                self._wait(p, micro)
-        # the trace is popped once per param not yet marked by an earlier prefetch
-        for _ in range(min(len(queue), sum(1 for p in own if most_recent[p] < k))):
-            pid, used_at = queue.popleft()
-            most_recent[pid] = used_at
-        if z.prefetch_bucket_size > 0 and queue:
+        own = list(visit.params)
+        self._gather(sorted(own), micro, phase, visit.module, prefetch=False)
+        deps = [self.gather_op[p] for p in own if p in self.gather_op]
+        for p in own:
+            self._wait(p, micro)
+        not_fetched = [p for p in own if self.most_recent[p] < k]
+        popped = 0
+        while self.queue and popped < len(set(not_fetched)):
+            pid, used_at = self.queue.popleft()
+            self.most_recent[pid] = used_at
+            popped += 1
+        if z.prefetch_bucket_size > 0:
             limit = min(z.max_live_parameters - self.n_available, z.prefetch_bucket_size)
-            numels = self.numels
-            chosen, numel = {}, 0      # insertion-ordered set
-            popleft = queue.popleft
-            while queue and numel < limit:
-                pid, used_at = popleft()
-                if status[pid] == NOT_AVAILABLE and pid not in chosen:
-                    chosen[pid] = None
-                    numel += numels[pid]
-                if used_at > most_recent[pid]:
-                    most_recent[pid] = used_at
+            chosen, numel = [], 0
+            while self.queue and numel < limit:
+                pid, used_at = self.queue.popleft()
+                if self.status[pid] == NOT_AVAILABLE and pid not in chosen:
+                    chosen.append(pid)
+                    numel += self.numels[pid]
+                self.most_recent[pid] = max(self.most_recent[pid], used_at)
             if chosen:
                 self._gather(sorted(chosen), micro, phase, visit.module, prefetch=True)
         self.step_id += 1
