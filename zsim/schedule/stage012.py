@@ -125,6 +125,8 @@ class Zero012Hooks(StageHooks):
             self.last_reduce = flushed
         if self.buckets.nocg:
             self.buckets.release_accumulated(last_op if flushed is None else flushed)
+            if self.stage == 2:   # the epilogue after every backward (see [Note: IPG buffer lifetime])
+                self.buckets.clear_previous_reduced(last_op if flushed is None else flushed)
         if self.ipg_micro >= 0 and (self.ipg_per_backward or boundary):
             # the epilogue after this micro-step's last reduction
             ctx.b.add_free(last_op if flushed is None else flushed, Tag(Buffer.IPG, self.ipg_micro))
