@@ -371,9 +371,9 @@ class Zero12Buckets(_Buckets):
             self.overlap_held = []
 
     def release_kept(self, op: int):
-        """The step's free_grad_in_param_list (and the overlap-held grads left of the last bucket)."""
-        self.ctx.b.add_free(op, *(Tag(Buffer.GRAD_KEPT, key=pid) for pid in sorted(self.kept)), *self.overlap_held)
-        self.kept, self.overlap_held = set(), []
+        """The step's free_grad_in_param_list (the overlap-held grads went at the epilogue)."""
+        self.ctx.b.add_free(op, *(Tag(Buffer.GRAD_KEPT, key=pid) for pid in sorted(self.kept)))
+        self.kept = set()
 
     def optimized_numel(self, stage: int) -> int:
         """What this rank's optimizer steps: its partition of the flat groups under ZeRO-1/2,

@@ -123,13 +123,13 @@ class Zero012Hooks(StageHooks):
         flushed = self.buckets.flushed_in(micro)
         if flushed is not None and (self.stage == 2 or boundary):
             self.last_reduce = flushed
+        epilogue = last_op if flushed is None else flushed   # after this micro-step's last reduction
         if self.buckets.nocg:
-            self.buckets.release_accumulated(last_op if flushed is None else flushed)
-            if self.stage == 2:   # the epilogue after every backward (see [Note: IPG buffer lifetime])
-                self.buckets.clear_previous_reduced(last_op if flushed is None else flushed)
+            self.buckets.release_accumulated(epilogue)
+            if self.stage == 2:   # the epilogue runs after every backward (see [Note: IPG buffer lifetime])
+                self.buckets.clear_previous_reduced(epilogue)
         if self.ipg_micro >= 0 and (self.ipg_per_backward or boundary):
-            # the epilogue after this micro-step's last reduction
-            ctx.b.add_free(last_op if flushed is None else flushed, Tag(Buffer.IPG, self.ipg_micro))
+            ctx.b.add_free(epilogue, Tag(Buffer.IPG, self.ipg_micro))
             # see [Note: IPG buffer first touch]: only the epilogue's micro-step writes it
             ctx.b.set_touched(self.ipg_op, Tag(Buffer.IPG, self.ipg_micro),
                               self.buckets.ipg_touched_numel(micro, self.ipg_buffers) * ctx.param_bytes)
