@@ -206,7 +206,7 @@ class Zero12Buckets(_Buckets):
         self.keeps_all_grads = self.nocg and z.stage == 1 and lazy_grads
         self.kept: set[int] = set()    # in-partition .grads held to the step (ZeRO-2 nocg)
         self.accumulated: list[Tag] = []   # their fresh .grads of this backward, from the second micro-step on
-        self.overlap_held: list[Tag] = []   # out-of-partition .grads cleared at the next reduction
+        self.overlap_held: list[Tag] = []   # out-of-partition .grads cleared at the next reduction or the epilogue
         self.micro_flush: tuple[int, int] | None = None   # (micro-step, its last reduction op)
         self.fills: dict[int, list[int]] = {}   # micro-step -> elements each flush copied into the IPG buffer
 
@@ -357,18 +357,14 @@ class Zero12Buckets(_Buckets):
         self.ctx.b.add_free(before_step, *(Tag(Buffer.GRAD16, key=p) for p, m in mine.items() if not m))
         self.ctx.b.add_free(after_step, *(Tag(Buffer.GRAD16, key=p) for p, m in mine.items() if m))
 
-    def release_accumulated(self, op: int):
-        """The backward's epilogue adds the fresh .grads into all_grad_tensors and drops them."""
-        if self.accumulated:
-            self.ctx.b.add_free(op, *self.accumulated)
-            self.accumulated = []
-
-    def clear_previous_reduced(self, op: int):
-        """The backward's epilogue (stage 2) clears the out-of-partition .grads overlap_comm held
-        since the last reduction (see [Note: ZeRO-2 gradients without contiguous_gradients])."""
-        if self.overlap_held:
-            self.ctx.b.add_free(op, *self.overlap_held)
-            self.overlap_held = []
+    def epilogue(self, op: int):
+        """The backward's epilogue (ZeRO-2 without contiguous gradients, see [Note: ZeRO-2
+        gradients without contiguous_gradients]): it adds the fresh .grads into all_grad_tensors
+        and drops them, and clears the out-of-partition .grads overlap_comm held since the last
+        reduction (_clear_previous_reduced_grads). Both lists fill at stage 2 only."""
+        if self.accumulated or self.overlap_held:
+            self.ctx.b.add_free(op, *self.accumulated, *self.overlap_held)
+            self.accumulated, self.overlap_held = [], []
 
     def release_kept(self, op: int):
         """The step's free_grad_in_param_list (the overlap-held grads went at the epilogue)."""

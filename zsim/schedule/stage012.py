@@ -125,9 +125,7 @@ class Zero012Hooks(StageHooks):
             self.last_reduce = flushed
         epilogue = last_op if flushed is None else flushed   # after this micro-step's last reduction
         if self.buckets.nocg:
-            self.buckets.release_accumulated(epilogue)
-            if self.stage == 2:   # the epilogue runs after every backward (see [Note: IPG buffer lifetime])
-                self.buckets.clear_previous_reduced(epilogue)
+            self.buckets.epilogue(epilogue)
         if self.ipg_micro >= 0 and (self.ipg_per_backward or boundary):
             ctx.b.add_free(epilogue, Tag(Buffer.IPG, self.ipg_micro))
             # see [Note: IPG buffer first touch]: only the epilogue's micro-step writes it
