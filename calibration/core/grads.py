@@ -12,6 +12,12 @@ hook order], see [Note: bucket reduction calls], see [Note: ZeRO-1/2 gradient li
 - ZeRO-1/2 keep only this rank's 16-bit partition of the reduced gradients (grads_in_partition,
   allocated by the step's first reduction, freed after the step; ZeRO-2 allocates a new one in
   every backward, see [Note: a grads_in_partition per backward]).
+- ZeRO-2 without contiguous_gradients has no grads_in_partition: the reduced values are copied
+  back into the .grads, the ones of params outside this rank's partition dropped (overlap_comm:
+  at the next reduction or the epilogue), the others kept; each backward's epilogue takes them as
+  the accumulator (all_grad_tensors) or adds them into it, and the step flattens each group's
+  partition from it and drops it before AdamW (see [Note: ZeRO-2 gradients without
+  contiguous_gradients]).
 """
 from __future__ import annotations
 
@@ -69,6 +75,9 @@ class GradBuckets:
             self.mine = {pid for i, g in enumerate(plan.groups) for pid in g.pids
                          if in_rank_partition(g, self.numels, pid, self._group_rank(i))}
         self.per_backward = plan.stage == 2 and self.contiguous
+        # see [Note: ZeRO-2 gradients without contiguous_gradients]: the .grads are the partition
+        self.grads_kept = plan.stage == 2 and not self.contiguous
+        self.overlap_clears = self.grads_kept and z.overlap
         self.gpart_micro, self.to_move, self.held_gpart = -1, set(), None
         self.begin_step()
 
@@ -77,6 +86,9 @@ class GradBuckets:
         self.open_bucket = 0   # bucket ids count up from the step's first
         self.filled: dict[int, torch.Tensor] = {}
         self.held: dict[int, torch.Tensor] = {}
+        self.kept: dict[int, torch.Tensor] = {}         # reduced in-partition .grads of this backward
+        self.accumulated: dict[int, torch.Tensor] = {}  # all_grad_tensors, to the step
+        self.previous_reduced: list[torch.Tensor] = []  # out-of-partition .grads overlap_comm holds
         self.buf = None
         self.cur = 0
         self.micro = 0
@@ -97,6 +109,24 @@ class GradBuckets:
         """After a backward, before the next forward or the step (`boundary`)."""
         if self.ipg is not None and self.ipg_numel and (boundary or not self.boundary_copy):
             self.ipg = self.ipg_spare = None   # the epilogue
+        if self.grads_kept:
+            self.previous_reduced = []
+            for pid, g in self.kept.items():
+                acc = self.accumulated.get(pid)
+                if acc is None:
+                    self.accumulated[pid] = g
+                else:
+                    acc.add_(g)
+            self.kept = {}
+
+    def accumulated_piece(self, pid: int, start: int, stop: int):
+        """Elements [start, stop) of `pid`'s accumulated gradient (grads_kept)."""
+        return self.accumulated[pid][start:stop]
+
+    def drop_accumulated(self, pids):
+        """The step's free_grad_in_param_list of a flat group, once its partition is flattened."""
+        for pid in pids:
+            self.accumulated.pop(pid, None)
 
     def _uses_ipg(self, b) -> bool:
         return self.ipg is not None and b.numel <= self.ipg.numel()
@@ -161,6 +191,7 @@ class GradBuckets:
         b = self.core.plan.buckets[p.bucket]
         call = p.call
         if call == 0:
+            self.previous_reduced = []   # _clear_previous_reduced_grads at the reduction's start
             self.buf, self.cur = self._bucket_buffer(b), 0
         comm, W = self.core.comm, self.world
         kind = p.comm.collective
@@ -216,6 +247,14 @@ class GradBuckets:
             return
         core = self.core
         pos = self._positions(b)
+        if self.grads_kept:   # allreduce_no_retain copies back; the flat copy goes with self.buf
+            for pid in b.pids:
+                g = self.held.pop(pid)
+                if pid in self.mine:
+                    self.kept[pid] = g.copy_(self.buf[pos[pid]: pos[pid] + self.numels[pid]])
+                elif self.overlap_clears:
+                    self.previous_reduced.append(g)
+            return
         for pid in b.pids:
             own = core.layout[core.group_of[pid]][1]
             lo = max(core.offsets[pid], own.start)

@@ -49,18 +49,24 @@ class OptimizerStep:
 
     def _group_grad_pieces(self):
         """(pieces, padding) of the local gradient partition, per flat group."""
-        gpart = self.grads.partition_grads()
+        kept = self.grads.grads_kept   # the .grads themselves (see [Note: ZeRO-2 gradients without contiguous_gradients])
+        gpart = None if kept else self.grads.partition_grads()
         out = []
         for (base, own, local, _), group in zip(self.layout, self.plan.groups):
             lo, hi = own.start, own.stop
-            part = gpart[local: local + hi - lo]
+            part = None if kept else gpart[local: local + hi - lo]
             pieces = []
             for p in group.pids:
                 a, b = max(lo, self.offsets[p]), min(hi, self.offsets[p] + self.numels[p])
                 if a < b:
-                    pieces.append(part[a - lo:b - lo])
+                    pieces.append(self.grads.accumulated_piece(p, a - self.offsets[p], b - self.offsets[p]) if kept
+                                  else part[a - lo:b - lo])
             covered = min(hi, base + sum(self.numels[p] for p in group.pids)) - lo
-            out.append((pieces, [part[covered:]] if covered < hi - lo else []))
+            if covered < hi - lo:   # the group's alignment padding
+                pad = torch.zeros(hi - lo - covered, dtype=self.dtype) if kept else part[covered:]
+                out.append((pieces, [pad]))
+            else:
+                out.append((pieces, []))
         return out
 
     def _fp32_grads(self, group: int):
@@ -102,6 +108,8 @@ class OptimizerStep:
         its fp32 copy dropped after AdamW, its 16-bit partition updated."""
         master, opt = self.opts[group]
         g = self._fp32_grads(group)
+        if self.grads.grads_kept and self.stage == 2:
+            self.grads.drop_accumulated(self.plan.groups[group].pids)
         if self.clip > 0:
             norm = self._norm if self._norm is not None else torch.dot(g, g).sqrt()
             coef = self.clip / (float(norm) + 1e-6)

@@ -44,7 +44,10 @@ partition). Measured peaks (DeepSpeed, seeds 975049619, 1014857976, 636046235): 
 bf16 world 4 with overlap_comm, 9.1% under before the flat copy, now exact; small fp32 GAS 3
 one bucket, 13.6% under before the second copy, now -1.2%; medium fp32 GAS 4 rb 1e7 and small
 fp32 GAS 4 rb auto, +11.7% and +7.1% over while the second copy was held for the whole window,
-now within 1.3%. The own core has no all_grad_tensors and holds one copy.
+now within 1.3%. The own core keeps the .grads the same way (calibration/core/grads.py grads_kept;
+it copied them into a grads_in_partition allocated at the first reduction, on top of the held
+gradients and the flat copy: +7.5% and +12.6% over DeepSpeed at GAS 1, s975049619-09 and
+s636046235-01, now exact).
 
 [Note: ZeRO-1 gradients without contiguous_gradients] Stage 1 (no partition_gradients) never
 clears a .grad in reduce_ipg_grads (stage_1_and_2.py:2272-2274 copies into the partition only
