@@ -27,6 +27,14 @@ benchmark skips the launches already there, so a long run that is stopped loses 
 prediction (made as `zsim validate` makes it, with --profile): what a model change does to cases
 already measured. Such figures are tuned on, not held-out.
 
+--probe times the calibration's layer benchmark (benchmarks/_layer_probe.py: the case's model
+layer, its precision, its ranks) before every launch and keeps it beside the launch. The report
+then adds, beside the step-time MAPE, the MAPE with each prediction scaled by the machine's speed
+at that case (the probe's forward + backward over the same layer's in the profile's calibration
+records): a diagnostic that separates the machine's drift since calibrating from the model's
+error. It is not a prediction (it reads the machine at the time of the run); the target is the
+unscaled figure.
+
 DeepSpeed runs in the python named by ZSIM_DS_PYTHON (e.g. /work/venv-ds/bin/python) with
 DS_ACCELERATOR=cpu. Timing-sensitive: run it on a quiet machine.
 """
@@ -34,9 +42,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import secrets
+import statistics
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _validate_common import SCEN, combine, run_case  # noqa: E402
@@ -120,6 +134,42 @@ def repredict(case, profile: str | None, launches: list[dict]) -> list[dict]:
     return [r if "failed" in r else {**r, **compare(r["measured"], predicted)} for r in launches]
 
 
+def probe(case, profile: str | None) -> dict:
+    """The layer probe before a launch of `case` (see --probe): the machine's layer time now and
+    in the profile's calibration records, and their ratio (None where the records have no such layer)."""
+    from zsim.config.scenario import load_scenario
+    sc = load_scenario(str(SCEN / f"{case.scenario}.yaml"), case.overrides)
+    layer = f"{sc.model.hidden},{sc.model.heads},{sc.seq_len},{sc.micro_batch_size}"
+    label = f"h{sc.model.hidden}-a{sc.model.heads}-s{sc.seq_len}-b{sc.micro_batch_size}"
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "p.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(case.world_size),
+               str(Path(__file__).parent / "_layer_probe.py"), "--layer", layer, "--dtype", sc.precision, "--out", str(out)]
+        proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)})
+        if proc.returncode != 0 or not out.exists():
+            return {"failed": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+        now = json.loads(out.read_text())
+    calibrated = None
+    if profile:
+        name = yaml.safe_load(Path(profile).read_text()).get("name", "")
+        records = root / "calibration" / "runs" / name / "records.json"
+        if records.exists():
+            times = {r["pass"]: r["time_s"] for r in json.loads(records.read_text())["records"]
+                     if r.get("kind") == "layer" and r.get("layer") == label and r.get("dtype") == sc.precision}
+            if {"fwd", "bwd"} <= set(times):
+                calibrated = times
+    ratio = (now["fwd"] + now["bwd"]) / (calibrated["fwd"] + calibrated["bwd"]) if calibrated else None
+    return {"layer": label, "dtype": sc.precision, "now_s": now, "calibrated_s": calibrated, "ratio": ratio}
+
+
+def probe_ratio(launches: list[dict]) -> float | None:
+    """The median probe ratio of a case's launches (None without probes)."""
+    ratios = [r["probe"]["ratio"] for r in launches if r.get("probe", {}).get("ratio")]
+    return statistics.median(ratios) if ratios else None
+
+
 def _pct(e) -> str:
     return "     -" if e is None else f"{100 * e:+6.1f}%"
 
@@ -155,9 +205,19 @@ def report(engine: str, cases, results: dict) -> dict:
     summary = {"cases": len(st), "step_time_mape": mape(st), "peak_mape": mape(pk),
                "step_time_max": max((abs(x) for x in st if x is not None), default=None),
                "collectives_equal": equal}
+    scaled = [r["predicted"]["step_time_s"] * r["probe_ratio"] / r["measured"]["step_time_s"] - 1
+              for case in cases for r in [results.get(f"{engine}/{case.name}")]
+              if r and "failed" not in r and r.get("probe_ratio")]
+    if scaled:
+        summary.update(probe_scaled_mape=mape(scaled), probe_scaled_max=max(abs(x) for x in scaled),
+                       probe_scaled_cases=len(scaled))
     if st:
         print(f"{engine}: step-time MAPE {100 * summary['step_time_mape']:.1f}% (max {100 * summary['step_time_max']:.1f}%), "
               f"peak-memory MAPE {100 * summary['peak_mape']:.1f}%, collective lists equal {equal}/{len(st)}")
+        if scaled:
+            print(f"{engine}: step-time MAPE {100 * summary['probe_scaled_mape']:.1f}% "
+                  f"(max {100 * summary['probe_scaled_max']:.1f}%, {len(scaled)} cases) with each prediction scaled by "
+                  "the machine's layer speed at the case over the calibration's (--probe; a diagnostic, not the target)")
     else:
         print(f"{engine}: no successful case")
     return summary
@@ -168,6 +228,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=None, help="default: a fresh one (printed)")
     ap.add_argument("--n", type=int, default=20)
     ap.add_argument("--engines", default="own,deepspeed")
+    ap.add_argument("--probe", action="store_true",
+                    help="time the calibration's layer benchmark before every launch (see the module's doc)")
     ap.add_argument("--profile", default=None,
                     help="hardware profile of the prediction (validate's default), or one per world size, "
                          "e.g. 2=cpu-2ranks.yaml,4=cpu-4ranks.yaml: each calibrated with that many ranks "
@@ -229,7 +291,10 @@ def main() -> int:
                 key = f"{engine}/{case.name}"
                 r = done.get((key, rep))
                 if r is None:
+                    probed = probe(case, profile_for(case.world_size)) if a.probe else None
                     r = run_case(case.scenario, case.overrides, engine, a.steps, a.warmup, profile_for(case.world_size))
+                    if probed is not None:
+                        r = {**r, "probe": probed}
                     if log:
                         log.write(json.dumps({"key": key, "pass": rep, "result": r}, default=str) + "\n")
                         log.flush()
@@ -241,7 +306,7 @@ def main() -> int:
         by_name = {c.name: c for c in cases}
         runs = {k: repredict(by_name[k.split("/", 1)[1]], profile_for(by_name[k.split("/", 1)[1]].world_size), v)
                 for k, v in runs.items()}
-    results = {k: combine(v) for k, v in runs.items()}
+    results = {k: {**combine(v), "probe_ratio": probe_ratio(v)} for k, v in runs.items()}
     summaries = {engine: report(engine, cases, results) for engine in engines}
     print(f"\nseed {seed}")
     if a.json:
