@@ -120,8 +120,10 @@ class GradBuckets:
             self.kept = {}
 
     def accumulated_piece(self, pid: int, start: int, stop: int):
-        """Elements [start, stop) of `pid`'s accumulated gradient (grads_kept)."""
-        return self.accumulated[pid][start:stop]
+        """Elements [start, stop) of `pid`'s accumulated gradient (grads_kept); zeros for a param
+        no backward gave a gradient (get_all_grad_tensors' zeros_like)."""
+        acc = self.accumulated.get(pid)
+        return acc[start:stop] if acc is not None else torch.zeros(stop - start, dtype=self.dtype)
 
     def drop_accumulated(self, pids):
         """The step's free_grad_in_param_list of a flat group, once its partition is flattened."""

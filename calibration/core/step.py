@@ -108,7 +108,7 @@ class OptimizerStep:
         its fp32 copy dropped after AdamW, its 16-bit partition updated."""
         master, opt = self.opts[group]
         g = self._fp32_grads(group)
-        if self.grads.grads_kept and self.stage == 2:
+        if self.grads.grads_kept:
             self.grads.drop_accumulated(self.plan.groups[group].pids)
         if self.clip > 0:
             norm = self._norm if self._norm is not None else torch.dot(g, g).sqrt()
