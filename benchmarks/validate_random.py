@@ -153,8 +153,8 @@ def probe(case, profile: str | None) -> dict:
         now = json.loads(out.read_text())
     calibrated = None
     if profile:
-        name = yaml.safe_load(Path(profile).read_text()).get("name", "")
-        records = root / "calibration" / "runs" / name / "records.json"
+        from calibration.harness.launch import output_paths
+        records = output_paths(root, yaml.safe_load(Path(profile).read_text()).get("name", ""))[1] / "records.json"
         if records.exists():
             times = {r["pass"]: r["time_s"] for r in json.loads(records.read_text())["records"]
                      if r.get("kind") == "layer" and r.get("layer") == label and r.get("dtype") == sc.precision}
