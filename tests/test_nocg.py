@@ -83,23 +83,20 @@ def test_contiguous_gradients_forced_by_cpu_offload():
 
 
 @pytest.mark.parametrize("name", ["s975049619-09", "s636046235-01"])
-def test_own_core_zero2_nocg_peak_against_deepspeed(name, tmp_path):
+def test_own_core_zero2_nocg_peak_against_deepspeed(name):
     """The own core keeps ZeRO-2's reduced in-partition .grads as DeepSpeed does (see [Note: ZeRO-2
     gradients without contiguous_gradients]) instead of copying them into a grads_in_partition
     buffer allocated at the first reduction: at GAS 1 that buffer came on top of the held
     gradients and the flat copy (own core +7.5% and +12.6% over DeepSpeed on these cases)."""
     pytest.importorskip("torch")
-    import subprocess
-    import sys
+    import importlib.util
 
+    # the validate launch the benchmarks use (benchmarks/_validate_common.py run_case)
+    spec = importlib.util.spec_from_file_location("validate_random", ROOT / "benchmarks" / "validate_random.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
     c = next(c for c in FIXTURE["cases"] if c["case"] == name)
-    out = tmp_path / "r.json"
-    cmd = [sys.executable, "-m", "zsim.cli", "validate",
-           str(ROOT / "benchmarks" / "validate_scenarios" / f"{c['scenario']}.yaml"),
-           "--engine", "own", "--steps", "1", "--warmup", "0", "--json", str(out)]
-    for s in c["set"]:
-        cmd += ["--set", s]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and out.exists(), proc.stderr[-2000:]
-    measured = json.loads(out.read_text())["measured"]["peak_bytes"]
+    r = bench.run_case(c["scenario"], c["set"], "own", steps=1, warmup=0)
+    assert "failed" not in r, r
+    measured = r["measured"]["peak_bytes"]
     assert abs(measured / c["peak_bytes"] - 1) < 0.005, (measured, c["peak_bytes"], c["what"])
