@@ -157,3 +157,25 @@ def test_repredict_without_report_only_is_refused_in_one_line():
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "validate_random.py"), "--seed", "7", "--n", "1",
                         "--repredict"], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 2 and "--repredict needs --report-only" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_probe_scales_each_prediction_by_the_machines_speed_at_its_case(capsys):
+    """--probe's diagnostic: a case's launches' median probe ratio multiplies its prediction before
+    the error is taken; launches without a usable probe leave the case out of it."""
+    spec = importlib.util.spec_from_file_location("validate_random", ROOT / "benchmarks" / "validate_random.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.probe_ratio([{"probe": {"ratio": 1.1}}, {"probe": {"ratio": 1.3}}, {"probe": {"failed": "x"}}]) == pytest.approx(1.2)
+    assert mod.probe_ratio([{}, {"probe": {"ratio": None}}]) is None
+    a, b = sample(7, 2, offload=False)
+
+    def result(pred, meas, ratio):
+        return {"measured": {"step_time_s": meas, "peak_bytes": 1.0, "run_spread": 0.0},
+                "predicted": {"step_time_s": pred, "peak_bytes": 1.0},
+                "error": {"step_time": pred / meas - 1, "peak_bytes": 0.0}, "collectives_equal": True,
+                "probe_ratio": ratio}
+    summary = mod.report("own", [a, b], {f"own/{a.name}": result(0.8, 1.0, 1.25),   # scaled: exact
+                                         f"own/{b.name}": result(0.5, 1.0, None)})   # no probe: left out
+    assert summary["step_time_mape"] == pytest.approx(0.35)
+    assert summary["probe_scaled_mape"] == pytest.approx(0.0) and summary["probe_scaled_cases"] == 1
+    assert "a diagnostic, not the target" in capsys.readouterr().out
