@@ -118,17 +118,17 @@ def test_pipeline_steady_state_equals_full_simulation(name):
     for gas in range(1, stages + 9):
         trace = _same_pipeline(scenario(**PIPELINES[name], **{"training.gradient_accumulation_steps": gas}))
         if trace.repeat is not None:
-            assert trace.repeat.pipeline and trace.repeat.copies == gas - stages - 2
+            assert trace.repeat.pipeline and trace.repeat.copies == gas - stages - 3
             reused.append(gas)
-    # longer than the shortened step (stages + 3 micro-steps): the period is reused
-    assert set(reused) == set(range(stages + 4, stages + 9))
+    # longer than the shortened step (stages + 4 micro-steps): the period is reused
+    assert set(reused) == set(range(stages + 5, stages + 9))
 
 
 def test_a_long_pipeline_simulates_a_few_periods_past_the_warm_up():
     sc = scenario(**PIPELINES["pp2-zero0"], **{"training.gradient_accumulation_steps": 10_000})
     result, trace = run_scenario(sc)
-    assert trace.repeat is not None and trace.repeat.copies == 10_000 - 2 - 2
-    assert {op.micro_step for op in trace.schedule.ops} == set(range(2 + 3))
+    assert trace.repeat is not None and trace.repeat.copies == 10_000 - 2 - 3
+    assert {op.micro_step for op in trace.schedule.ops} == set(range(2 + 4))
     assert result.events == len(trace.schedule.ops) + (trace.repeat.copies - 1) * len(trace.repeat.ops)
     # one period holds one forward and one backward of every layer of every stage
     forwards = [op for op in trace.schedule.ops if op.id in trace.repeat.ops and op.kind.name == "FORWARD"]

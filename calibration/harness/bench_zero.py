@@ -78,6 +78,34 @@ def _optimizer_step(ctx: Ctx, dtype_name: str) -> list[dict]:
              "bytes": per_param * n, "GBps": per_param * n / st["time_s"] / 1e9, "inner": inner, **st}]
 
 
+# the gradients an AccumulateGrad add streams on a CPU rank: a small model's (tens of MB), past
+# the caches, as a real step's are
+ACCUMULATE_PARAMS = 16 << 20
+ACCUMULATE_PIECE = 1 << 20
+
+
+def bench_grad_accumulate(ctx: Ctx) -> list[dict]:
+    """Autograd's add of a new gradient into an existing .grad (see [Note: gradient accumulation
+    add] in zsim/schedule/stage012.py), one add_ per parameter-sized piece, in each dtype the
+    profile fits: bytes as zsim charges them (read both, write one)."""
+    out = []
+    n = max(ACCUMULATE_PARAMS, CUDA_STEP_PARAMS if ctx.cuda else 0)
+    for dtype_name in ctx.plan.fitted_dtypes:
+        dt = DTYPES[dtype_name]
+        pairs = list(zip(torch.randn(n, dtype=dt, device=ctx.device).split(ACCUMULATE_PIECE),
+                         torch.randn(n, dtype=dt, device=ctx.device).split(ACCUMULATE_PIECE)))
+
+        def accumulate(pairs=pairs):
+            for grad, new in pairs:
+                grad.add_(new)
+
+        st, inner = timed_everywhere(ctx, accumulate, reps=max(5, ctx.plan.reps // 2))
+        nbytes = 3.0 * n * torch.tensor([], dtype=dt).element_size()
+        out.append({"kind": "grad_accumulate", "dtype": dtype_name, "params": n, "kernels": len(pairs),
+                    "bytes": nbytes, "GBps": nbytes / st["time_s"] / 1e9, "inner": inner, **st})
+    return out
+
+
 ZERO3_HOOK_MODULES = (8, 64)
 
 

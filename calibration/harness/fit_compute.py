@@ -99,8 +99,9 @@ def fit_collective_memory(records: list[dict]) -> dict:
 
 
 def _optimizer_passes_s(rec: dict, overhead_s: float) -> float:
-    """The optimizer benchmark's time without its kernels' launch overhead, which zsim charges
-    apart from optimizer_bytes (kernel_overhead_us per kernel)."""
+    """A streaming benchmark's time (the optimizer step, the gradient accumulation add) without
+    its kernels' launch overhead, which zsim charges apart from the bytes (kernel_overhead_us per
+    kernel)."""
     return fit_time_s(rec) - rec.get("kernels", 6) * overhead_s
 
 
@@ -168,6 +169,10 @@ def _fit_dtype(records: list[dict], dtype: str, dev: dict) -> tuple[dict, dict]:
               "flash_attention_bwd_overhead_us": att_over_us.get("bwd", 0.0),
               "memory_bound_efficiency": mem_eff, "kernel_overhead_us": overhead_s * 1e6, **dev["fresh_alloc"],
               **dev["collective_memory"]}
+    acc = [r for r in usable(records, "grad_accumulate") if r["dtype"] == dtype]
+    if acc:   # bytes as zsim charges them (see [Note: gradient accumulation add]), less the add_ launches
+        fields["grad_accumulate_efficiency"] = min(1.0, acc[0]["bytes"] / max(_optimizer_passes_s(acc[0], overhead_s),
+                                                                              1e-9) / (hbm_GBps * 1e9))
     if opt:   # bytes as zsim charges them (step_bytes_per_param), over the device bandwidth above
         fields["optimizer_efficiency"] = min(1.0, opt[0]["bytes"] / max(_optimizer_passes_s(opt[0], overhead_s), 1e-9)
                                              / (hbm_GBps * 1e9))

@@ -174,7 +174,7 @@ def items(plan: Plan, world_size: int, nodes: int) -> list[str]:
             names.append(f"attention/{dt}/{L.label}")
             names.append(f"membound/{dt}/{L.label}")
             names.append(f"layer/{dt}/{L.label}")
-    names += ["adam", "optimizer_step", "io", "interference", "rank_views"]
+    names += ["adam", "optimizer_step", "grad_accumulate", "io", "interference", "rank_views"]
     if world_size >= 2:
         names.append("collective_memory")
     if plan.mode == "full":

@@ -6,7 +6,7 @@ micro-batch meets the rest of the pipeline only at its ends: it starts after its
 sends wait for it, and no other stage's transfer touches its rank while it runs (a send is a
 rendezvous that waits for both ranks to reach it). Each stage has its own copy of every link
 (placement.stage_links), so what happens inside a pass depends on its ops alone. A stage runs
-some 2 x (stages + 3) passes of the shortened step, nearly all of a few shapes: the first pass
+some 2 x (stages + 4) passes of the shortened step, nearly all of a few shapes: the first pass
 of each shape is simulated and recorded (every op's start and end, every memory effect, in the
 order they happened, relative to the pass's start, and every op's cost); a later pass of the
 same shape, on a stage where its ops cost what they did (its own, or one placed alike), is one

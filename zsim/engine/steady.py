@@ -14,7 +14,7 @@ trace then stands for the full step through a `Repeat`; anything else falls back
 simulating every micro-step.
 A pipeline's micro-steps are not alike (warm-up, steady 1F1B, cool-down), but its steady
 phase is periodic in time: every stage runs one forward and one backward per period. Its step
-is built with stages + 3 micro-steps (then 2 x stages + 4), and the period opened by stage 0's
+is built with stages + 4 micro-steps (then 2 x stages + 4), and the period opened by stage 0's
 forward of the second-to-last micro-step stands for all the steady periods of the full step
 when the period before it ran the same ops one period earlier (find_pipeline_repeat).
 Megatron's interleaved schedule repeats a group of `pipeline` micro-steps (each through every
@@ -133,11 +133,14 @@ def find_repeat(schedule: Schedule, timings, stage_events, micro_steps: int, gas
 
 def _pipeline_micro_steps(stages: int, stride: int) -> tuple[int, ...]:
     """A pipeline of `stages` stages settles into its 1F1B period a micro-step after the last
-    stage's first backward (stage 0 then runs one forward and one backward per period): the
-    shortened step runs stages + 3 micro-steps, so that the window (stage 0's forward of
-    micro-step stages + 1 to that of stages + 2) and the period before it are both steady; it
-    held on every 1F1B variant tried (PP 2-8, checkpointing, ZeRO-0/1, TP, fp16/bf16, 144
-    cases), and a step that has not settled falls back to 2 x stages + 4. The interleaved schedule's
+    stage's first backward (stage 0 then runs one forward and one backward per period), one
+    later where the first micro-step's backwards are shorter than the others (ZeRO-0/1 create
+    the .grads there that later micro-steps add into: see [Note: gradient accumulation add]):
+    the shortened step runs stages + 4 micro-steps, so that the window (stage 0's forward of
+    micro-step stages + 2 to that of stages + 3) and the period before it are both steady
+    (stages + 3 held on every 1F1B variant tried before the add, PP 2-8, checkpointing,
+    ZeRO-0/1, TP, fp16/bf16, 144 cases; with it PP 2 and 4 need stages + 4), and a step that
+    has not settled falls back to 2 x stages + 4. The interleaved schedule's
     period is a group of `stride` (= stages) micro-steps: rank 0 warms up for
     2 (p - 1) + (v - 1) p of its p v forwards per group (get_pp_rank_microbatches) and runs its
     first backward of chunk 0 (the last chunk's to start its gradients) (v - 1) p backwards
@@ -145,7 +148,7 @@ def _pipeline_micro_steps(stages: int, stride: int) -> tuple[int, ...]:
     group, the window ends at the fifth's first forward (five groups), or two groups later."""
     if stride > 1:
         return (5 * stride, 7 * stride)
-    return (stages + 3, 2 * stages + 4)
+    return (stages + 4, 2 * stages + 4)
 
 
 def find_pipeline_repeat(schedule: Schedule, timings, stage_events, micro_steps: int, gas: int,

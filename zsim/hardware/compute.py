@@ -38,6 +38,15 @@ def optimizer_time_s(bytes_moved: float, gpu: GpuProfile) -> float:
     return bytes_moved / (gpu.hbm_bw_GBps * 1e9 * eff)
 
 
+def grad_accumulate_time_s(bytes_moved: float, gpu: GpuProfile) -> float:
+    """AccumulateGrad's in-place add into an existing .grad (read both, write one: see
+    [Note: gradient accumulation add]), a long stream per parameter whose rate differs from
+    activation-sized kernels (on a CPU without bf16 arithmetic a bf16 add converts each element
+    both ways); a profile without the calibrated figure uses memory_bound_efficiency."""
+    eff = gpu.grad_accumulate_efficiency or gpu.memory_bound_efficiency
+    return bytes_moved / (gpu.hbm_bw_GBps * 1e9 * eff)
+
+
 def fresh_alloc_time_s(buffers, gpu: GpuProfile) -> float:
     """First touch of the buffers an op allocates that the allocator maps fresh from the OS;
     `buffers` holds (size_bytes, touched_bytes) pairs.

@@ -11,8 +11,8 @@ from __future__ import annotations
 from zsim.schedule.record import record
 
 from zsim.hardware.collectives import collective_cost, nccl_topo_for, ring_cost, tiers_for
-from zsim.hardware.compute import (attention_time_s, fresh_alloc_time_s, gemm_time_s, kernel_overhead_s,
-                                   memory_bound_time_s, optimizer_time_s)
+from zsim.hardware.compute import (attention_time_s, fresh_alloc_time_s, gemm_time_s, grad_accumulate_time_s,
+                                   kernel_overhead_s, memory_bound_time_s, optimizer_time_s)
 from zsim.hardware.host import (CPU_ADAM_BYTES_PER_PARAM, aio_efficiency, cpu_adam_time_s, host_link_Bps,
                                 host_pass_time_s, nvme_time_s, pcie_time_s, rank_views_time_s)
 from zsim.hardware.placement import group_shape, rank_of, same_node, stage_links
@@ -101,6 +101,8 @@ class CostModel:
             t += memory_bound_time_s(work.mem_bytes, self.gpu)
         if work.optimizer_bytes:
             t += optimizer_time_s(work.optimizer_bytes, self.gpu)
+        if work.accumulate_bytes:
+            t += grad_accumulate_time_s(work.accumulate_bytes, self.gpu)
         return t
 
     def op_cost(self, op: Op) -> OpCost:

@@ -77,6 +77,11 @@ class StageHooks:
     def end_backward(self, ctx: StepContext, micro: int, last_op: int):
         pass
 
+    def accumulated_grads(self, ctx: StepContext, module: Module, micro: int) -> tuple[int, ...]:
+        """Params whose new gradient autograd adds into a .grad kept from an earlier micro-step,
+        at `module`'s backward (see [Note: gradient accumulation add]); none by default."""
+        return ()
+
     def stationary(self, ctx: StepContext, phase: Phase, micro: int) -> bool:
         """Whether a pass of `phase` at `micro` adds the same ops, but for its micro-step, as
         any other pass these hooks call stationary, and changes nothing else: no op added

@@ -88,9 +88,10 @@ def _forward_pass(ctx: StepContext, module: Module) -> ModulePass:
     return mp
 
 
-def _backward_pass(ctx: StepContext, module: Module) -> ModulePass:
-    """The module's backward, made once per step like _forward_pass."""
-    key = (id(module), True)
+def _backward_pass(ctx: StepContext, module: Module, accumulated: tuple[int, ...] = ()) -> ModulePass:
+    """The module's backward, made once per step like _forward_pass (once more where it adds
+    its gradients into .grads kept from an earlier micro-step: `accumulated`)."""
+    key = (id(module), True, bool(accumulated))
     mp = ctx.passes.get(key)
     if mp is None:
         selective_recompute = ctx.checkpointing == "selective" and module.act_bytes_s2 > 0
@@ -100,10 +101,12 @@ def _backward_pass(ctx: StepContext, module: Module) -> ModulePass:
         # bmm, so the recompute pays the core's forward memory passes and kernels, not only its FLOPs
         extra_attn = module.fwd_flops if selective_recompute else 0.0
         extra_mem, extra_kernels = (module.fwd_mem_bytes, module.kernels_fwd) if selective_recompute else (0.0, 0)
+        # see [Note: gradient accumulation add]: grad += new, one add_ per param (read both, write one)
+        accumulate = 3.0 * ctx.param_bytes * sum(ctx.wl.params[p].numel for p in accumulated)
         work = ComputeWork(gemms=linear_gemms(module, True),
                            attention_flops=(module.bwd_flops + extra_attn) if module.kind == "attention" else 0.0,
                            attention_backward=True, mem_bytes=module.bwd_mem_bytes + extra_mem,
-                           kernels=module.kernels_bwd + extra_kernels,
+                           accumulate_bytes=accumulate, kernels=module.kernels_bwd + extra_kernels + len(accumulated),
                            model_flops=(_backward_passes(module) + (1 if extra_attn else 0)) * module.model_fwd_flops)
         mp = ctx.passes[key] = ModulePass(module.name, work)
     return mp
@@ -231,7 +234,7 @@ def _backward_modules(ctx: StepContext, hooks: StageHooks, micro: int, after: in
         if checkpointed and ctx.wl.layer_modules(module.layer)[0].name == module.name:
             frees.append(Tag(Buffer.CHECKPOINT, micro, module.layer))
         workspace = Tag(Buffer.WORKSPACE, micro, module.name, Phase.BACKWARD)
-        mp = _backward_pass(ctx, module)
+        mp = _backward_pass(ctx, module, hooks.accumulated_grads(ctx, module, micro))
         allocs = ((Alloc(workspace, Category.ACTIVATION_GRADIENTS, module.bwd_workspace),)
                   if module.bwd_workspace > 0 else ())
         tensor = _overlapping_tensor(ctx, module)

@@ -18,6 +18,7 @@ class ComputeWork:
     attention_backward: bool = False
     mem_bytes: float = 0.0          # memory-bound kernel traffic
     optimizer_bytes: float = 0.0    # optimizer-step traffic (fp32 master, moments, grad conversion)
+    accumulate_bytes: float = 0.0   # AccumulateGrad's adds into existing .grads (see [Note: gradient accumulation add])
     kernels: int = 0
     model_flops: float = 0.0        # MFU convention (full attention); recompute included
 

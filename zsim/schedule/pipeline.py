@@ -96,6 +96,9 @@ class DeferredHooks(StageHooks):
     def stationary(self, ctx, phase, micro):
         return self.inner.stationary(ctx, phase, micro)
 
+    def accumulated_grads(self, ctx, module, micro):
+        return self.inner.accumulated_grads(ctx, module, micro)
+
     def end_backward(self, ctx, micro, last_op):
         if micro == ctx.last_micro:
             self.boundary_last = last_op

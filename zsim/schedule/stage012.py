@@ -86,6 +86,30 @@ class Zero012Hooks(StageHooks):
         return (0 < micro < ctx.last_micro and self.stage != 2 and (not self.ipg_bytes or self.ipg_micro >= 0)
                 and not self.ipg_per_backward)
 
+    def accumulated_grads(self, ctx, module: Module, micro):
+        """[Note: gradient accumulation add] Where DeepSpeed leaves a parameter's .grad alive from
+        one micro-step to the next, autograd's AccumulateGrad adds each later micro-step's new
+        gradient into it in place (torch/csrc/autograd/functions/accumulate_grad.h: `variable_grad
+        += new_grad` once a .grad exists; the new gradient is stolen only while it is None): one
+        add_ per parameter, reading both and writing one, in the parameter's dtype (the model's
+        16-bit or fp32 width: data_types.grad_accum_dtype defaults to it, engine.py
+        get_data_types). DeepSpeed 0.19.8 keeps the .grads through the window at stage 0 (the
+        engine all-reduces them at the boundary: allreduce_gradients) and at stage 1 (reduced at
+        the boundary, by the hooks or the reduce_gradients walk; the hooks are post-accumulate
+        hooks, so the boundary micro-step adds first), the gradients this schedule allocates at
+        the first micro-step (Buffer.GRAD16, lazy_grads). Stage 2 moves each reduced gradient out
+        of its .grad in the hooks, stage 3 has no persistent .grad, and the BF16_Optimizer
+        accumulates into its own fp32 buffers: no add here. The add runs where the gradient is
+        final (grads_ready_at: a tied weight's two uses are summed before its one AccumulateGrad)
+        and is priced at the profile's grad_accumulate_efficiency (zsim.hardware.compute
+        grad_accumulate_time_s; `zsim calibrate` measures it: calibration/harness/bench_zero.py
+        bench_grad_accumulate). Measured on DeepSpeed 0.19.8 (CPU/gloo, medium GPT, 2 ranks,
+        GAS 2): the second micro-step's backward ran 31 ms of add_ at ZeRO-1 bf16 and 13 ms at
+        ZeRO-0 fp32 (23.2 M parameters), the first none."""
+        if micro == 0 or not self.buckets.lazy_grads or self.stage not in (0, 1):
+            return ()
+        return self.ready[module.name]
+
     def post_module(self, ctx, module: Module, micro, phase, op):
         ready = self.ready[module.name]
         if phase != Phase.BACKWARD or not ready:

@@ -42,6 +42,10 @@ class GpuProfile:
     optimizer_efficiency: Optional[float] = spec(None, gt=0, le=1,
                                                  doc="fraction of HBM bandwidth reached by the optimizer step's passes "
                                                      "(long fp32 streams); unset: memory_bound_efficiency")
+    grad_accumulate_efficiency: Optional[float] = spec(None, gt=0, le=1,
+                                                       doc="fraction of HBM bandwidth reached by autograd's in-place "
+                                                           "add of a new gradient into an existing .grad "
+                                                           "(AccumulateGrad); unset: memory_bound_efficiency")
     kernel_overhead_us: float = spec(5.0, ge=0, doc="launch + framework time per kernel")
     fresh_alloc_threshold_bytes: Optional[float] = spec(None, gt=0,
                                                         doc="a tensor larger than this is mapped fresh from the OS "
@@ -90,7 +94,7 @@ TRAINING_DTYPES = ("fp32", "fp16", "bf16")
 DTYPE_COMPUTE_FIELDS = ("gemm_max_efficiency", "gemm_half_efficiency_dim", "flash_attention_fwd_efficiency",
                         "flash_attention_bwd_efficiency", "flash_attention_fwd_overhead_us",
                         "flash_attention_bwd_overhead_us", "memory_bound_efficiency", "optimizer_efficiency",
-                        "kernel_overhead_us")
+                        "grad_accumulate_efficiency", "kernel_overhead_us")
 
 
 def _dtype_field(name: str) -> tuple:
