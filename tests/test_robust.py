@@ -169,14 +169,17 @@ def test_tune_out_keeps_auto_values_scheduler_and_loss_scaling(tmp_path):
     hf = ROOT / "scenarios" / "seed004-hf-auto-zero2-7b.yaml"
     user = yaml.safe_load(hf.read_text())["deepspeed"]
     out = tmp_path / "ds.json"
-    p = zsim("tune", hf, "--budget", "6", "--out", out, "--headroom", "10%")
+    p = zsim("tune", hf, "--budget", "6", "--out", out, "--headroom", "10%", "--json", tmp_path / "t.json")
     assert p.returncode == 0, p.stderr
     cfg = json.loads(out.read_text())
     assert cfg["scheduler"] == user["scheduler"] and cfg["optimizer"]["params"]["lr"] == "auto"
     assert cfg["fp16"]["initial_scale_power"] == user["fp16"]["initial_scale_power"]
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         assert cfg[key] == "auto"
-    assert cfg["zero_optimization"]["reduce_bucket_size"] == 200_000_000     # YAML's "2e8" as a JSON number
+    # the winner's bucket, else YAML's "2e8", as a JSON number
+    best = json.loads((tmp_path / "t.json").read_text())["candidates"][0]
+    assert cfg["zero_optimization"]["reduce_bucket_size"] == int(best["knobs"].get("reduce_bucket_size", 2e8))
+    assert type(cfg["zero_optimization"]["reduce_bucket_size"]) is int
     # a tensor-parallel or pipelined winner adds DeepSpeed's layout blocks, and only those
     assert set(cfg) - {"tensor_parallel", "pipeline"} == set(user)
     assert "tensor_parallel" not in cfg or cfg["tensor_parallel"]["autotp_size"] > 1

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 
-from calibration.harness.fit_comm import fit_collectives
+from calibration.harness.fit_comm import fit_collectives, fit_reductions_16bit
 from calibration.harness.fit_common import fit_rate, usable
 from calibration.harness.fit_compute import fit_compute
 from calibration.harness.fit_host import fit_adam, fit_interference, fit_io, fit_rank_views, fit_zero3_hooks
@@ -68,9 +68,15 @@ def build_profile(name: str, records: list[dict], prov: dict, dtypes: tuple[str,
                              "list only measured dtypes or measure again with this --dtype")
     world = int(prov.get("world_size", 1))
     per_node = int(prov.get("ranks_per_node", world))
-    coll = fit_collectives(records, "fp32" if dtype not in {r.get("dtype") for r in usable(records, "collective")} else dtype)
+    # the copies are timed in fp32 (a plan's first collective dtype), the reducing collectives again
+    # in each 16-bit dtype (see [Note: 16-bit reductions on the host] in zsim/hardware/collectives.py)
+    coll_dtypes = {r.get("dtype") for r in usable(records, "collective")}
+    coll = fit_collectives(records, "fp32" if "fp32" in coll_dtypes or dtype not in coll_dtypes else dtype)
     if not coll:   # the profile dtype was not measured for collectives: fall back to fp32
         coll = fit_collectives(records, "fp32")
+    for d in ("bf16", "fp16"):
+        if d in coll_dtypes and "fp32" in coll_dtypes:
+            fit_reductions_16bit(records, coll, d)
     fields, by_dtype, comp = fit_compute(records, tuple(dtypes))
     peak = comp["gemm"]["peak_tflops"]
     v = peak.get(dtype, max(peak.values()))

@@ -148,3 +148,27 @@ def fit_collectives(records: list[dict], dtype: str) -> dict:
         out[tier] = {"ranks": n, "latency_us": latency_s * 1e6, "busbw_GBps": busbw_Bps / 1e9,
                      "efficiency_by_collective": tables, "alpha_beta": ab}
     return out
+
+
+def fit_reductions_16bit(records: list[dict], base: dict, dtype: str) -> None:
+    """Add to each tier of `base` (fit_collectives of another dtype) the tables of the reducing
+    collectives measured in the 16-bit `dtype`, "<op>_<dtype>", against the tier's own latency and
+    peak so that zsim's ring_cost reproduces each (size-smoothed) time (see [Note: 16-bit
+    reductions on the host] in zsim/hardware/collectives.py)."""
+    by_tier: dict[str, list[dict]] = defaultdict(list)
+    for r in usable(pool_passes(records), "collective"):
+        if r["dtype"] == dtype and r["ranks"] > 1 and r["op"] in ("reduce_scatter", "all_reduce", "reduce"):
+            by_tier[r["tier"]].append(r)
+    for tier, recs in sorted(by_tier.items()):
+        t = base.get(tier)
+        if t is None:
+            continue
+        n, latency_s, busbw_Bps = recs[0]["ranks"], t["latency_us"] * 1e-6, t["busbw_GBps"] * 1e9
+        sm = smoothed_times(recs)
+        for op in sorted({r["op"] for r in recs}):
+            kind = collective_kind(op)
+            table = []
+            for s in sorted(size for o, size in sm if o == op):
+                transfer_s = max(sm[(op, s)] - ring_steps(kind, n) * latency_s, 1e-12)
+                table.append([int(s), min(1.0, s * bus_factor(kind, n) / transfer_s / busbw_Bps)])
+            t["efficiency_by_collective"][f"{op}_{dtype}"] = table

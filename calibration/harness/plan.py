@@ -19,6 +19,9 @@ KB = 1024
 # ZeRO-3's persistent parameters after the step (zsim's Comm.coalesced)
 COLLECTIVE_OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "all_to_all",
                   "all_gather_coalesced")
+# the collectives that sum: timed again in each 16-bit dtype the profile fits (see [Note: 16-bit
+# reductions on the host] in zsim/hardware/collectives.py)
+REDUCING_OPS = ("reduce_scatter", "all_reduce", "reduce")
 
 
 @dataclass(frozen=True)
@@ -119,10 +122,11 @@ def default_plan(mode: str, *, max_size_bytes: int | None = None, io_path: str =
     profile_dtype, fit_dtypes = dtypes[0], (tuple(dtypes) if len(dtypes) > 1 else ())
     if mode == "quick":
         # About 1.5 minutes on two cores (98 s measured, 2 gloo ranks; 128 s with deepspeed installed
-        # and the machine busy): one small layer, sizes up to 1 MiB, fp32 collectives; the compute
-        # benchmarks once per dtype asked for.
+        # and the machine busy): one small layer, sizes up to 1 MiB, fp32 collectives (the reducing
+        # ones again in each 16-bit dtype asked for); the compute benchmarks once per dtype asked for.
         return Plan(mode=mode, max_size_bytes=max_size_bytes or 1 << 20, size_step=4,
-                    coll_dtypes=("fp32",), compute_dtypes=tuple(dtypes), profile_dtype=profile_dtype,
+                    coll_dtypes=tuple(dict.fromkeys(("fp32", *(d for d in dtypes if d in ("bf16", "fp16"))))),
+                    compute_dtypes=tuple(dtypes), profile_dtype=profile_dtype,
                     fit_dtypes=fit_dtypes,
                     layers=layers or (LayerShape(256, 4, 128, 1),), warmup=1, reps=5, min_rep_time_s=0.002,
                     coll_calls_per_rep=4, memcpy_bytes=16 << 20, io_path=io_path, io_bytes=8 << 20, adam_params=1 << 20,
@@ -166,6 +170,8 @@ def items(plan: Plan, world_size: int, nodes: int) -> list[str]:
         for grp in groups(world_size, nodes):
             for dt in plan.coll_dtypes:
                 for op in plan.ops:
+                    if dt != plan.coll_dtypes[0] and op not in REDUCING_OPS:
+                        continue   # a copy moves bytes alike in any dtype
                     for s in message_sizes(plan.max_size_bytes, plan.size_step):
                         names.append(f"collective/{op}/{grp}/{dt}/{s}" + (f"/pass{p + 1}" if plan.coll_passes > 1 else ""))
     for dt in plan.compute_dtypes:

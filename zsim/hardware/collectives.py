@@ -34,6 +34,17 @@ from zsim.hardware.nccl import FUNC, NcclTopo, choose, topo_for
 from zsim.specs.hardware import EffTable
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "all_to_all")
+# [Note: 16-bit reductions on the host] A reducing collective sums what it receives: gloo does it
+# on the CPU, element by element in the tensor's dtype: ProcessGroupGloo's sum of c10::BFloat16
+# or c10::Half elements uses their operator+, which converts both to float and the result back
+# (c10/util/BFloat16-inl.h, Half-inl.h), slower per byte than an fp32 sum. Measured on the dev VM (gloo, 2 ranks, torch 2.13): a 46 MiB all-reduce took
+# 61-63 ms in bf16 against 45-47 ms in fp32, 4 MiB 4.5-6.9 against 3.3-4.0. `zsim calibrate`
+# times the reducing collectives in each 16-bit dtype it fits and writes their tables as
+# "<collective>_<dtype>" (all_reduce_bf16, reduce_scatter_bf16) beside the fp32 ones; a call that
+# reduces in that dtype (Comm.dtype) is priced on them. NCCL sums in the GPU's copy kernels at
+# the link's rate whatever the dtype: profiles with NCCL's model carry no such tables.
+REDUCED_16BIT = ("bf16", "fp16")
+REDUCING = ("reduce_scatter", "all_reduce", "reduce")
 
 
 @functools.lru_cache(maxsize=256)
@@ -68,10 +79,13 @@ class Tier:
     # paid once per collective, not per ring step: waiting for the last rank to arrive
     sync_s: float = 0.0
 
-    def efficiency_for(self, kind: str, coalesced: bool = False) -> EffTable:
+    def efficiency_for(self, kind: str, coalesced: bool = False, dtype: str = "") -> EffTable:
         tables = dict(self.by_collective)
         if coalesced and f"{kind}_coalesced" in tables:
             return tables[f"{kind}_coalesced"]
+        # see [Note: 16-bit reductions on the host]
+        if kind in REDUCING and dtype in REDUCED_16BIT and f"{kind}_{dtype}" in tables:
+            return tables[f"{kind}_{dtype}"]
         return tables.get(kind, self.efficiency)
 
 
@@ -111,11 +125,11 @@ def ring_steps(kind: str, n: int) -> int:
 
 
 def ring_cost(kind: str, size_bytes: float, n: int, tier: Tier, tier_name: str,
-              coalesced: bool = False) -> CommCost:
+              coalesced: bool = False, dtype: str = "") -> CommCost:
     """One ring over `n` ranks on a single tier: alpha*steps + size*factor/(busbw*eff(size))."""
     if n <= 1 or size_bytes <= 0:
         return CommCost(0.0, 0.0, tier_name)
-    bw = tier.busbw_Bps * efficiency_at(tier.efficiency_for(kind, coalesced), size_bytes)
+    bw = tier.busbw_Bps * efficiency_at(tier.efficiency_for(kind, coalesced, dtype), size_bytes)
     return CommCost(ring_steps(kind, n) * tier.latency_s, size_bytes * bus_factor(kind, n) / bw, tier_name, "ring")
 
 
@@ -129,14 +143,14 @@ def tree_allreduce_cost(size_bytes: float, nodes: int, gpus_per_node: int, intra
 
 
 def hierarchical_cost(kind: str, size_bytes: float, nodes: int, gpus_per_node: int,
-                      intra: Tier, inter: Tier, coalesced: bool = False) -> CommCost:
+                      intra: Tier, inter: Tier, coalesced: bool = False, dtype: str = "") -> CommCost:
     """Intra-node ring on the full buffer plus one inter-node ring per rail on 1/g of it.
 
     `inter.busbw_Bps` is the bandwidth one rail gets: the node's NIC bandwidth / g.
     """
     g = gpus_per_node
-    intra_c = ring_cost(kind, size_bytes, g, intra, "intra_node", coalesced)
-    inter_c = ring_cost(kind, size_bytes / g, nodes, inter, "inter_node", coalesced)
+    intra_c = ring_cost(kind, size_bytes, g, intra, "intra_node", coalesced, dtype)
+    inter_c = ring_cost(kind, size_bytes / g, nodes, inter, "inter_node", coalesced, dtype)
     slower = inter_c if inter_c.transfer_s >= intra_c.transfer_s else intra_c
     return CommCost(intra_c.latency_s + inter_c.latency_s, slower.transfer_s, slower.tier, "hierarchical")
 
@@ -172,10 +186,12 @@ def all_to_all_cost(size_bytes: float, nodes: int, ranks_per_node: int, intra: T
 
 @functools.lru_cache(maxsize=4096)   # pure; schedules repeat the same sizes layer after layer
 def collective_cost(kind: str, size_bytes: float, nodes: int, gpus_per_node: int,
-                    intra: Tier, inter: Tier, coalesced: bool = False, nccl: NcclTopo | None = None) -> CommCost:
+                    intra: Tier, inter: Tier, coalesced: bool = False, nccl: NcclTopo | None = None,
+                    dtype: str = "") -> CommCost:
     """Cost of one collective over a group of nodes x gpus_per_node ranks (the data-parallel
     group, or another group as zsim.hardware.placement places it);
     `coalesced`: launched async with its neighbours before any is waited (Comm.coalesced);
+    `dtype`: the element type a reduction sums in (Comm.dtype);
     `nccl`: NCCL's tuner view of the cluster (nccl_topo_for), None for the tier model."""
     if kind not in COLLECTIVES:
         raise ValueError(f"unknown collective {kind!r}")
@@ -192,12 +208,12 @@ def collective_cost(kind: str, size_bytes: float, nodes: int, gpus_per_node: int
         sync = intra.sync_s if nodes == 1 else max(intra.sync_s, inter.sync_s)
         return CommCost(c.latency_s + sync, c.transfer_s, c.tier, c.algorithm, c.protocol)
     if nodes == 1:
-        c = ring_cost(kind, size_bytes, n, intra, "intra_node", coalesced)
+        c = ring_cost(kind, size_bytes, n, intra, "intra_node", coalesced, dtype)
         return CommCost(c.latency_s + intra.sync_s, c.transfer_s, c.tier, c.algorithm)
     if gpus_per_node == 1:
-        c = ring_cost(kind, size_bytes, n, inter, "inter_node", coalesced)
+        c = ring_cost(kind, size_bytes, n, inter, "inter_node", coalesced, dtype)
         return CommCost(c.latency_s + inter.sync_s, c.transfer_s, c.tier, c.algorithm)
-    best = hierarchical_cost(kind, size_bytes, nodes, gpus_per_node, intra, inter, coalesced)
+    best = hierarchical_cost(kind, size_bytes, nodes, gpus_per_node, intra, inter, coalesced, dtype)
     if kind == "all_reduce":
         tree = tree_allreduce_cost(size_bytes, nodes, gpus_per_node, intra, inter)
         if tree.time_s < best.time_s:

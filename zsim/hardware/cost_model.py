@@ -177,7 +177,7 @@ class CostModel:
         dp = cl.world_size // self.tensor if self.pipeline is None else self.pipeline.data_parallel
         nodes, per_node = group_shape(comm.group, op.stage, dp, cl.gpus_per_node, self.tensor)
         return collective_cost(comm.collective.value, comm.size_bytes, nodes, per_node, self.intra, self.inter,
-                               comm.coalesced, self.nccl)
+                               comm.coalesced, self.nccl, comm.dtype)
 
     def _rank_cost(self, op: Op) -> OpCost:
         """The cost on the op's own rank, its links named as stage 0's."""

@@ -34,6 +34,11 @@ class StepContext:
                            reduce_bytes=self.reduce_bytes, pass_templates=None if self.pass_templates is None else {})
 
     @property
+    def reduce_dtype(self) -> str:
+        """The dtype gradients are reduced in (DeepSpeedConfig.reduction_dtype; Comm.dtype)."""
+        return self.sc.deepspeed.reduction_dtype
+
+    @property
     def gas(self) -> int:
         return self.sc.gradient_accumulation_steps
 

@@ -308,7 +308,8 @@ class Zero12Buckets(_Buckets):
                 held = grads_in_partition_numel(self.groups, self.numels)   # whole params, largest rank
                 alloc = (Alloc(self.partition_tag, Category.GRADIENTS, held * width),)
             # allreduce_bucket casts the flat bucket to communication_data_type (stage_1_and_2.py:2376)
-            comm = Comm(collective, numel, numel * ctx.reduce_bytes, group=flat_group_process_group(ctx, self.groups[g]))
+            comm = Comm(collective, numel, numel * ctx.reduce_bytes, group=flat_group_process_group(ctx, self.groups[g]),
+                        dtype=ctx.reduce_dtype)
             last = self._reduce_op(micro, after, call, comm, dst, alloc, g)
             if self.nocg:
                 ctx.b.add_free(last, *(a.tag for a in alloc))
@@ -418,12 +419,12 @@ class Zero3Buckets(_Buckets):
         # bucket alone); anything else goes through __avg_scatter_grads' reduce_scatter_coalesced
         elements = sum(self.numels[p] for p in self.bucket)
         if not z.reduce_scatter and z.contiguous_gradients and elements <= z.reduce_bucket_size:
-            comm, allocs = Comm(Collective.ALL_REDUCE, numel, size_bytes), ()
+            comm, allocs = Comm(Collective.ALL_REDUCE, numel, size_bytes, dtype=ctx.reduce_dtype), ()
         else:
             interleaved = not (len(self.bucket) == 1 and self.numels[self.bucket[0]] % ctx.world == 0)
             ctx.b.add_host_views(after, scatter_views(ctx.world, len(self.bucket), interleaved))
             comm = Comm(Collective.REDUCE_SCATTER, numel, size_bytes,
-                        buffer_bytes=self._scatter_traffic_bytes(numel, micro, interleaved))
+                        buffer_bytes=self._scatter_traffic_bytes(numel, micro, interleaved), dtype=ctx.reduce_dtype)
             # reduce_scatter_coalesced's interleaved copy lives for the call, and so does the
             # backend's own copy of the input where it makes one (see [Note: gloo reduce-scatter copy])
             allocs = ((Alloc(Tag(Buffer.SCATTER_COPY, micro, self.flushes), Category.BUCKETS, size_bytes),)

@@ -51,6 +51,9 @@ class Comm:
     # "<collective>_coalesced" table (see [Note: coalesced post-step gathers])
     coalesced: bool = False
     group: ProcessGroup | None = None   # None: the op's stage's whole data-parallel group
+    # the element type a reducing collective sums in ("": a copy, or a scalar); a calibrated
+    # tier prices 16-bit sums on their own tables (see [Note: 16-bit reductions on the host])
+    dtype: str = ""
 
 
 @record

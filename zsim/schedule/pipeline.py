@@ -274,6 +274,7 @@ def _reduce_tied_grads(rank: _Stage, ranks: list[_Stage], numel: int) -> int:
     peer = ranks[-1] if rank.index == 0 else ranks[0]
     # the tie group: the same data-parallel rank of the first and the last stage
     tied = ProcessGroup(Group.TIED, 2, (len(ranks) - 1) * ctx.world)
-    comm = Comm(Collective.ALL_REDUCE, numel, numel * width, group=tied)
+    comm = Comm(Collective.ALL_REDUCE, numel, numel * width, group=tied,
+                dtype="fp32" if rank.hooks.inner.bf16_optimizer else ctx.sc.precision)
     return ctx.b.add(OpKind.TIED_ALLREDUCE, Stream.COMPUTE, Phase.BACKWARD, ctx.last_micro, GradReduce(comm),
                      [rank.hooks.boundary_last, peer.hooks.boundary_last])

@@ -169,7 +169,8 @@ class Zero012Hooks(StageHooks):
             for offset in range(0, total, MEMORY_OPT_ALLREDUCE_SIZE):
                 n = min(MEMORY_OPT_ALLREDUCE_SIZE, total - offset)
                 # engine.allreduce_bucket casts to communication_data_type (engine.py:3800)
-                comm = Comm(Collective.ALL_REDUCE, n, n * ctx.reduce_bytes, group=flat_group_process_group(ctx, group))
+                comm = Comm(Collective.ALL_REDUCE, n, n * ctx.reduce_bytes, group=flat_group_process_group(ctx, group),
+                            dtype=ctx.reduce_dtype)
                 # allreduce_and_copy (engine.py:3795-3826): allreduce_bucket flattens the .grad
                 # tensors into a new buffer (plus a cast copy when communication_data_type differs),
                 # reduces it and copies it back; both live for the call. The bf16 optimizer reduces

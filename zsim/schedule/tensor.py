@@ -98,6 +98,7 @@ class TensorCollectives:
         self.sp = par.sequence_parallel
         self.group = tensor_parallel_group(par.tensor)
         self.a = ctx.wl.act_dtype_bytes
+        self.precision = ctx.sc.precision     # the activations' dtype, which their all-reduces sum in
         self.tokens = ctx.wl.tokens
         self._payloads: dict[tuple, TensorComm] = {}
 
@@ -124,12 +125,12 @@ class TensorCollectives:
 
     def _make_payload(self, module: Module, collective: Collective) -> TensorComm:
         if module.tensor_role == TensorRole.VOCAB_LOSS:
-            numel = self.tokens
+            numel, dtype = self.tokens, "fp32"
             size = float(numel * FP32_BYTES)
         else:
-            numel = self.tokens * module.tensor_width
+            numel, dtype = self.tokens * module.tensor_width, self.precision
             size = float(numel * self.a)
-        return TensorComm(Comm(collective, numel, size, group=self.group), module.name)
+        return TensorComm(Comm(collective, numel, size, group=self.group, dtype=dtype), module.name)
 
     def _add(self, ctx, module: Module, micro: int, phase: Phase, collectives, last):
         for collective in collectives:
@@ -190,5 +191,6 @@ def sequence_parallel_grads(ctx, deps) -> int | None:
     if ctx.sc.parallelism.tensor == 1 or not numel:
         return None
     payload = TensorComm(Comm(Collective.ALL_REDUCE, numel, float(numel * ctx.reduce_bytes),
-                              group=tensor_parallel_group(ctx.sc.parallelism.tensor)), "tensor_partial_grads")
+                              group=tensor_parallel_group(ctx.sc.parallelism.tensor), dtype=ctx.reduce_dtype),
+                         "tensor_partial_grads")
     return ctx.b.add(OpKind.TP_ALL_REDUCE, Stream.COMPUTE, Phase.BACKWARD, ctx.last_micro, payload, deps)

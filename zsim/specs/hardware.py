@@ -114,7 +114,9 @@ DtypeCompute.__module__ = __name__   # where pickle (dask sweeps) finds the clas
 # "<collective>_coalesced": calls launched async back to back, then all waited (calibrated
 # profiles measure all_gather so, as DeepSpeed's _allgather_params_coalesced issues it)
 _COLLECTIVE_NAMES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "all_to_all",
-                     "all_gather_coalesced")
+                     "all_gather_coalesced",
+                     # a reduction summing in a 16-bit dtype (see [Note: 16-bit reductions on the host])
+                     *(f"{k}_{d}" for k in ("reduce_scatter", "all_reduce", "reduce") for d in ("bf16", "fp16")))
 
 
 def _check_table(key: str, table: EffTable) -> None:
