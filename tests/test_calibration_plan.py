@@ -25,7 +25,8 @@ def test_plan_items_and_roundtrip():
     names = items(plan, 2, 1)
     assert names[0] == "overhead" and names[-4:] == ["io", "interference", "rank_views", "collective_memory"]
     assert "collective_memory" not in items(plan, 1, 1)   # one rank: no collective to measure
-    assert sum(n.startswith("collective/") for n in names) == 7 * 6   # 7 ops x 6 sizes, fp32
+    # 7 ops x 6 sizes in fp32, the 3 reducing ones again in bf16 (the default --dtype)
+    assert sum(n.startswith("collective/") for n in names) == 7 * 6 + 3 * 6
     assert plan.from_json(plan.to_json()) == plan
     assert any(n.startswith("collective/all_reduce/inter_node") for n in items(plan, 16, 2))
 
@@ -37,10 +38,10 @@ def test_collective_passes_are_spread_and_pooled():
     from calibration.harness.fit_comm import mean_call_time_s, pool_passes
     plan = replace(default_plan("quick"), coll_passes=3)
     names = [n for n in items(plan, 2, 1) if n.startswith("collective/")]
-    assert len(names) == 3 * 7 * 6 and len(set(names)) == len(names)
+    assert len(names) == 3 * (7 + 3) * 6 and len(set(names)) == len(names)
     first = names.index("collective/all_reduce/world/fp32/1024/pass1")
     second = names.index("collective/all_reduce/world/fp32/1024/pass2")
-    assert second - first == 7 * 6            # a whole pass over the sizes in between
+    assert second - first == (7 + 3) * 6      # a whole pass over the sizes (and bf16 reductions) in between
     assert default_plan("full").coll_passes == 3
     base = {"kind": "collective", "op": "all_reduce", "group": "world", "tier": "intra_node", "dtype": "bf16",
             "size_bytes": 1024, "ranks": 2}

@@ -47,6 +47,7 @@ class CostModel:
         self.pipeline, self.tensor = pipeline, tensor
         self.cluster, self.stage, self.host = cluster, stage, host
         self.gpu = prof.gpu.for_dtype(precision)   # the run's dtype's compute figures (gpu.by_dtype)
+        self.gpu_fp32 = prof.gpu.for_dtype("fp32")   # kernels in fp32 whatever the precision (the loss's)
         self.cpu = prof.cpu
         # fp32 matmuls with allow_tf32 run on tensor cores (schedule.tf32)
         self.peak_flops = cluster.peak_flops("tf32" if tf32 and precision == "fp32" else precision)
@@ -99,6 +100,8 @@ class CostModel:
             t += attention_time_s(work.attention_flops, work.attention_backward, self.gpu, self.peak_flops)
         if work.mem_bytes:
             t += memory_bound_time_s(work.mem_bytes, self.gpu)
+        if work.fp32_mem_bytes:
+            t += memory_bound_time_s(work.fp32_mem_bytes, self.gpu_fp32)
         if work.optimizer_bytes:
             t += optimizer_time_s(work.optimizer_bytes, self.gpu)
         if work.accumulate_bytes:

@@ -83,7 +83,8 @@ def _forward_pass(ctx: StepContext, module: Module) -> ModulePass:
     if mp is None:
         work = ComputeWork(gemms=linear_gemms(module, False),
                            attention_flops=module.fwd_flops if module.kind == "attention" else 0.0,
-                           mem_bytes=module.fwd_mem_bytes, kernels=module.kernels_fwd, model_flops=module.model_fwd_flops)
+                           mem_bytes=module.fwd_mem_bytes, fp32_mem_bytes=module.fp32_fwd_mem_bytes,
+                           kernels=module.kernels_fwd, model_flops=module.model_fwd_flops)
         mp = ctx.passes[key] = ModulePass(module.name, work)
     return mp
 
@@ -101,11 +102,13 @@ def _backward_pass(ctx: StepContext, module: Module, accumulated: tuple[int, ...
         # bmm, so the recompute pays the core's forward memory passes and kernels, not only its FLOPs
         extra_attn = module.fwd_flops if selective_recompute else 0.0
         extra_mem, extra_kernels = (module.fwd_mem_bytes, module.kernels_fwd) if selective_recompute else (0.0, 0)
+        extra_fp32 = module.fp32_fwd_mem_bytes if selective_recompute else 0.0
         # see [Note: gradient accumulation add]: grad += new, one add_ per param (read both, write one)
         accumulate = 3.0 * ctx.param_bytes * sum(ctx.wl.params[p].numel for p in accumulated)
         work = ComputeWork(gemms=linear_gemms(module, True),
                            attention_flops=(module.bwd_flops + extra_attn) if module.kind == "attention" else 0.0,
                            attention_backward=True, mem_bytes=module.bwd_mem_bytes + extra_mem,
+                           fp32_mem_bytes=module.fp32_bwd_mem_bytes + extra_fp32,
                            accumulate_bytes=accumulate, kernels=module.kernels_bwd + extra_kernels + len(accumulated),
                            model_flops=(_backward_passes(module) + (1 if extra_attn else 0)) * module.model_fwd_flops)
         mp = ctx.passes[key] = ModulePass(module.name, work)

@@ -17,6 +17,7 @@ class ComputeWork:
     attention_flops: float = 0.0
     attention_backward: bool = False
     mem_bytes: float = 0.0          # memory-bound kernel traffic
+    fp32_mem_bytes: float = 0.0     # memory-bound traffic in fp32 whatever the precision (the loss after its upcast)
     optimizer_bytes: float = 0.0    # optimizer-step traffic (fp32 master, moments, grad conversion)
     accumulate_bytes: float = 0.0   # AccumulateGrad's adds into existing .grads (see [Note: gradient accumulation add])
     kernels: int = 0

@@ -74,6 +74,10 @@ class Module:
     model_fwd_flops: float     # MFU convention (full attention)
     fwd_mem_bytes: float       # HBM traffic of the memory-bound kernels
     bwd_mem_bytes: float
+    # the part of the memory-bound traffic that runs in fp32 whatever the precision (the loss
+    # after its upcast: see [Note: HF loss memory]), besides fwd/bwd_mem_bytes
+    fp32_fwd_mem_bytes: float = 0.0
+    fp32_bwd_mem_bytes: float = 0.0
     act_bytes: float           # activations this module keeps for backward
     act_bytes_s2: float = 0.0  # the s^2 part of act_bytes (dropped by selective checkpointing)
     kernels_fwd: int = 1

@@ -43,10 +43,11 @@ from zsim.workload.moe import moe_mlp
 # per micro-batch) were 2-3% over. A training loop that keeps `outputs` alive through
 # `engine.backward(outputs.loss)` holds the 16-bit logits too (2 B per logit more).
 def _loss(logits: float, fwd_mem: float, bwd_mem: float, act: float, kernels: int, fwd_workspace: float,
-          bwd_workspace: float) -> Module:
+          bwd_workspace: float, fp32_fwd_mem: float = 0.0, fp32_bwd_mem: float = 0.0) -> Module:
     """Cross-entropy over `logits` (tokens x the rank's vocab) elements."""
     return Module(name="loss", kind=ModuleKind.LOSS, layer=-2, params=(), gemm=None, fwd_flops=5.0 * logits,
                   bwd_flops=3.0 * logits, model_fwd_flops=0.0, fwd_mem_bytes=fwd_mem, bwd_mem_bytes=bwd_mem,
+                  fp32_fwd_mem_bytes=fp32_fwd_mem, fp32_bwd_mem_bytes=fp32_bwd_mem,
                   act_bytes=act, kernels_fwd=kernels, kernels_bwd=kernels, fwd_workspace_bytes=fwd_workspace,
                   bwd_workspace_bytes=bwd_workspace, tensor_role=TensorRole.VOCAB_LOSS, tensor_width=1)
 
@@ -147,8 +148,16 @@ def build_workload(m: ModelSpec, micro_batch_size: int, seq_len: int, precision:
         bld.modules.append(_loss(t * V, fwd_mem=t * V * a, bwd_mem=2 * t * V * a, act=t * V * a + 4 * t, kernels=1,
                                  fwd_workspace=0.0, bwd_workspace=0.0))
     else:
-        # see [Note: HF loss memory]
-        bld.modules.append(_loss(t * V, fwd_mem=t * V * (a + 12), bwd_mem=t * V * (24 + a), act=4 * t * V, kernels=3,
-                                 fwd_workspace=t * V * (a + 4), bwd_workspace=8 * t * V))
+        # see [Note: HF loss memory]. Its time: the upcast (read a, write 4 per logit) and, in
+        # backward, ToCopyBackward's cast back (read 4, write a) run in the precision's kernels;
+        # with fp32 logits `.float()` returns them as they are and neither runs. log_softmax
+        # (8 B per logit) and nll_loss / log_softmax backward (20 B) run in fp32 whatever the
+        # precision, at fp32's memory-bound rate (on a CPU without bf16 arithmetic 2-2.5x a bf16
+        # kernel's: a medium GPT's loss, bf16, 512 x 4096 logits, took 7.8 / 8.7 ms forward /
+        # backward under the training core, where the bf16 rate priced 11.7 / 19.9)
+        cast = t * V * (a + 4) if a != 4 else 0.0
+        bld.modules.append(_loss(t * V, fwd_mem=cast, bwd_mem=cast, act=4 * t * V, kernels=3 if cast else 2,
+                                 fwd_workspace=t * V * (a + 4), bwd_workspace=8 * t * V,
+                                 fp32_fwd_mem=8.0 * t * V, fp32_bwd_mem=20.0 * t * V))
     return Workload(params=tuple(bld.params), modules=tuple(bld.modules), layers=m.layers, tokens=t,
                     micro_batch_size=b, seq_len=s, layer_input_bytes=float(t * h * a / bld.seq), act_dtype_bytes=a)
