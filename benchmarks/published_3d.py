@@ -94,7 +94,9 @@ def scenario_mapping(row: dict, spec_fields: set[str]) -> tuple[dict, str]:
         "parallelism": par,
         "training": {"micro_batch_size": mb, "gradient_accumulation_steps": gas, "seq_len": int(row["seq"]),
                      "precision": precision, "flash_attention": False, "dropout": True,
-                     "activation_checkpointing": row["recompute"]},
+                     "activation_checkpointing": row["recompute"],
+                     # Megatron-LM's default: the wgrad GEMM accumulates into main_grad
+                     "gradient_accumulation_fusion": True},
         "deepspeed": {"zero_optimization": {"stage": int(row["zero_stage"] or 0)}},
     }, note
 

@@ -104,3 +104,19 @@ def test_calibration_fits_the_rate_from_its_benchmark():
     for d, t in (("fp32", 3e-4), ("bf16", 1.2e-3)):
         assert by_dtype[d]["grad_accumulate_efficiency"] == pytest.approx(3e6 / (t - 2 * over) / 20e9, rel=1e-6)
     assert fields["grad_accumulate_efficiency"] == by_dtype["fp32"]["grad_accumulate_efficiency"]
+
+
+def test_megatron_gradient_accumulation_fusion_adds_nothing():
+    """Megatron-LM's wgrad GEMM accumulates into main_grad itself (training.gradient_accumulation_fusion)."""
+    sc = scenario(**{f"{ZERO}.stage": 1, "training.gradient_accumulation_steps": 3,
+                     "training.gradient_accumulation_fusion": True})
+    assert set(_accumulated_per_micro(sc).values()) == {0.0}
+
+
+def test_the_engines_refuse_the_fusion_they_do_not_run():
+    from calibration.core.peers import unsupported as peers_unsupported
+    from calibration.core.plan import unsupported as core_unsupported
+
+    sc = scenario(**{"training.gradient_accumulation_fusion": True})
+    assert "gradient_accumulation_fusion" in core_unsupported(sc)
+    assert "gradient_accumulation_fusion" in peers_unsupported(sc, cuda=False)

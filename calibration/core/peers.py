@@ -103,6 +103,8 @@ def unsupported(sc, cuda: bool) -> str | None:
         return "training.activation_checkpointing (the peers run without it); set none"
     if sc.deepspeed.optimizer.name not in ("adam", "adamw"):
         return f"optimizer {sc.deepspeed.optimizer.type} (the peers step AdamW)"
+    if sc.training.gradient_accumulation_fusion:
+        return "training.gradient_accumulation_fusion (Megatron-LM's; DeepSpeed and FSDP add into .grad); set false"
     if offload_needs_gpu(sc, cuda):
         return ("ZeRO-Offload on a CPU device (there is no host/device split to measure); run it where CUDA is, "
                 "or set the offload device to none")

@@ -74,6 +74,8 @@ def unsupported(sc) -> str | None:
         return "data_types.grad_accum_dtype fp32 with stage 1 (BF16_Optimizer)"   # see [Note: BF16_Optimizer]
     if sc.training.dropout:
         return "training.dropout (the core is deterministic, no dropout)"
+    if sc.training.gradient_accumulation_fusion:
+        return "training.gradient_accumulation_fusion (Megatron-LM's fused wgrad accumulation; the core adds into .grad)"
     if sc.training.lora is not None and sc.training.lora.dropout > 0:
         return "training.lora.dropout (the core is deterministic, no dropout)"
     moe = sc.model.moe

@@ -105,8 +105,11 @@ class Zero012Hooks(StageHooks):
         grad_accumulate_time_s; `zsim calibrate` measures it: calibration/harness/bench_zero.py
         bench_grad_accumulate). Measured on DeepSpeed 0.19.8 (CPU/gloo, medium GPT, 2 ranks,
         GAS 2): the second micro-step's backward ran 31 ms of add_ at ZeRO-1 bf16 and 13 ms at
-        ZeRO-0 fp32 (23.2 M parameters), the first none."""
-        if micro == 0 or not self.buckets.lazy_grads or self.stage not in (0, 1):
+        ZeRO-0 fp32 (23.2 M parameters), the first none. Megatron-LM's gradient_accumulation_fusion
+        (training.gradient_accumulation_fusion) accumulates in the weight-gradient GEMM instead
+        (fused_weight_gradient_mlp_cuda, wgrad_gemm_accum_fp32 into main_grad): no add."""
+        if (micro == 0 or not self.buckets.lazy_grads or self.stage not in (0, 1)
+                or ctx.sc.training.gradient_accumulation_fusion):
             return ()
         return self.ready[module.name]
 

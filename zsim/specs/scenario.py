@@ -71,6 +71,10 @@ class TrainingSpec:
                                  "PyTorch's default since 1.12 is off")
     dropout: bool = spec(False, doc="dropout layers present (stores masks, Korthikanti 2022)")
     fused_cross_entropy: bool = spec(False, doc="fused loss kernel (no fp32 logits copies)")
+    gradient_accumulation_fusion: bool = spec(
+        False, doc="Megatron-LM's --gradient-accumulation-fusion (its default): each weight-gradient GEMM "
+                   "accumulates into the fp32 main_grad itself, so no micro-step adds into a kept .grad "
+                   "(see [Note: gradient accumulation add]); DeepSpeed and HF models have no such fusion")
     max_grad_norm: float = spec(1.0, ge=0, doc="HF Trainer's max_grad_norm, used for gradient_clipping: auto")
     lora: Optional[LoraSpec] = spec(None, doc="PEFT LoRA: frozen base model, trained adapters (zsim/workload/lora.py)")
     frozen: tuple[str, ...] = spec((), doc="module-name suffixes whose parameters are frozen (requires_grad=False)")
