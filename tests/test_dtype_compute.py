@@ -30,8 +30,9 @@ def _module_pass_times(precision: str, by_dtype: dict | None):
     return sc, ops
 
 
-def _formula_s(work, f: dict, peak_flops: float, hbm_Bps: float, dtype_bytes: int) -> float:
-    """zsim's roofline written out (zsim/hardware/compute.py) with the fields `f`."""
+def _formula_s(work, f: dict, peak_flops: float, hbm_Bps: float, dtype_bytes: int, f32: dict | None = None) -> float:
+    """zsim's roofline written out (zsim/hardware/compute.py) with the fields `f` (`f32`: fp32's,
+    for the kernels that run in fp32 whatever the precision: the loss after its upcast)."""
     t = work.kernels * f["kernel_overhead_us"] * 1e-6
     for m, n, k in work.gemms:
         eff = f["gemm_max_efficiency"]
@@ -42,6 +43,7 @@ def _formula_s(work, f: dict, peak_flops: float, hbm_Bps: float, dtype_bytes: in
     if work.attention_flops:
         eff = f["flash_attention_bwd_efficiency"] if work.attention_backward else f["flash_attention_fwd_efficiency"]
         t += work.attention_flops / (peak_flops * eff)
+    t += work.fp32_mem_bytes / (hbm_Bps * (f32 or f)["memory_bound_efficiency"])
     return t + work.mem_bytes / (hbm_Bps * f["memory_bound_efficiency"])
 
 
@@ -52,7 +54,8 @@ def test_each_dtype_is_priced_with_its_own_fields(precision, dtype_bytes):
     peak, hbm = sc.cluster.peak_flops(precision), sc.cluster.hbm_bw_Bps
     assert any(op.work.attention_flops for op, _ in ops) and any(op.work.gemms for op, _ in ops)
     for op, dur in ops:
-        assert dur == pytest.approx(_formula_s(op.work, fields, peak, hbm, dtype_bytes), rel=1e-9), op.name
+        assert dur == pytest.approx(_formula_s(op.work, fields, peak, hbm, dtype_bytes, {**TOP, **BY_DTYPE["fp32"]}),
+                                    rel=1e-9), op.name
     # and not with the top-level fields, which differ in every term
     op, dur = next((op, d) for op, d in ops if op.work.attention_flops)
     assert dur != pytest.approx(_formula_s(op.work, TOP, peak, hbm, dtype_bytes), rel=1e-3)
@@ -61,10 +64,14 @@ def test_each_dtype_is_priced_with_its_own_fields(precision, dtype_bytes):
 def test_a_dtype_without_an_entry_and_a_profile_without_by_dtype_use_the_top_level():
     sc, ops = _module_pass_times("bf16", {"fp32": BY_DTYPE["fp32"]})
     _, plain = _module_pass_times("bf16", None)
-    assert [d for _, d in ops] == [d for _, d in plain]
+    # only the loss's fp32 kernels (after its upcast) read the fp32 entry
+    assert ([d for op, d in ops if not op.work.fp32_mem_bytes]
+            == pytest.approx([d for op, d in plain if not op.work.fp32_mem_bytes], rel=1e-9))
     peak, hbm = sc.cluster.peak_flops("bf16"), sc.cluster.hbm_bw_Bps
     for op, dur in plain:
         assert dur == pytest.approx(_formula_s(op.work, TOP, peak, hbm, 2), rel=1e-9)
+    for op, dur in ops:
+        assert dur == pytest.approx(_formula_s(op.work, TOP, peak, hbm, 2, {**TOP, **BY_DTYPE["fp32"]}), rel=1e-9)
     gpu = sc.cluster.profile.gpu
     assert gpu.for_dtype("bf16") is gpu and scenario().cluster.profile.gpu.for_dtype("fp32").by_dtype == {}
 
