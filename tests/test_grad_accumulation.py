@@ -96,7 +96,8 @@ def test_calibration_fits_the_rate_from_its_benchmark():
     from tests.calibration_records import compute_records
 
     recs = compute_records("fp32") + compute_records("bf16", 10.0)
-    recs += [{"kind": "kernel_overhead", "time_s": 3e-6}, {"kind": "memcpy", "where": "host", "GBps": 20.0, "time_s": 1e-3}]
+    recs += [{"kind": "kernel_overhead", "time_s": 3e-6},
+             {"kind": "memcpy", "where": "host", "GBps": 20.0, "time_s": 1e-3}]
     recs += [{"kind": "grad_accumulate", "dtype": d, "bytes": 3e6, "kernels": 2, "time_s": t}
              for d, t in (("fp32", 3e-4), ("bf16", 1.2e-3))]
     fields, by_dtype, _ = fit_compute(recs, ("fp32", "bf16"))

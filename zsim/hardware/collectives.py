@@ -37,8 +37,9 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduc
 # [Note: 16-bit reductions on the host] A reducing collective sums what it receives: gloo does it
 # on the CPU, element by element in the tensor's dtype: ProcessGroupGloo's sum of c10::BFloat16
 # or c10::Half elements uses their operator+, which converts both to float and the result back
-# (c10/util/BFloat16-inl.h, Half-inl.h), slower per byte than an fp32 sum. Measured on the dev VM (gloo, 2 ranks, torch 2.13): a 46 MiB all-reduce took
-# 61-63 ms in bf16 against 45-47 ms in fp32, 4 MiB 4.5-6.9 against 3.3-4.0. `zsim calibrate`
+# (c10/util/BFloat16-inl.h, Half-inl.h), slower per byte than an fp32 sum. Measured on the dev
+# VM (gloo, 2 ranks, torch 2.13): a 46 MiB all-reduce took 61-63 ms in bf16 against 45-47 ms in
+# fp32, 4 MiB 4.5-6.9 against 3.3-4.0. `zsim calibrate`
 # times the reducing collectives in each 16-bit dtype it fits and writes their tables as
 # "<collective>_<dtype>" (all_reduce_bf16, reduce_scatter_bf16) beside the fp32 ones; a call that
 # reduces in that dtype (Comm.dtype) is priced on them. NCCL sums in the GPU's copy kernels at
