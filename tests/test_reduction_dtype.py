@@ -81,11 +81,12 @@ def test_calibration_fits_the_16bit_tables_against_the_fp32_tier():
 
 
 def test_quick_plan_times_the_reductions_again_in_each_16bit_dtype():
-    from calibration.harness.plan import REDUCING_OPS, default_plan, items
+    from calibration.harness.plan import default_plan, items
+    from zsim.specs.hardware import REDUCING_COLLECTIVES
 
     names = items(default_plan("quick", dtypes=("fp32", "bf16")), 2, 1)
     bf16 = {n.split("/")[1] for n in names if n.startswith("collective/") and n.split("/")[3] == "bf16"}
     fp32 = {n.split("/")[1] for n in names if n.startswith("collective/") and n.split("/")[3] == "fp32"}
-    assert bf16 == set(REDUCING_OPS) and set(REDUCING_OPS) < fp32
+    assert bf16 == set(REDUCING_COLLECTIVES) and set(REDUCING_COLLECTIVES) < fp32
     # an fp32-only calibration times fp32 alone
     assert not any("/bf16/" in n for n in items(default_plan("quick", dtypes=("fp32",)), 2, 1))

@@ -32,6 +32,7 @@ from calibration.harness.fit_compute import fit_compute
 from calibration.harness.fit_host import fit_adam, fit_interference, fit_io, fit_rank_views, fit_zero3_hooks
 from zsim.errors import ZsimInputError
 from zsim.hardware.host import CPU_ADAM_BYTES_PER_PARAM
+from zsim.specs.hardware import REDUCED_16BIT
 
 
 # Vendor dense peaks (TFLOP/s, no sparsity) of the GPUs calibration has met, by a substring of the
@@ -74,7 +75,7 @@ def build_profile(name: str, records: list[dict], prov: dict, dtypes: tuple[str,
     coll = fit_collectives(records, "fp32" if "fp32" in coll_dtypes or dtype not in coll_dtypes else dtype)
     if not coll:   # the profile dtype was not measured for collectives: fall back to fp32
         coll = fit_collectives(records, "fp32")
-    for d in ("bf16", "fp16"):
+    for d in REDUCED_16BIT:
         if d in coll_dtypes and "fp32" in coll_dtypes:
             fit_reductions_16bit(records, coll, d)
     fields, by_dtype, comp = fit_compute(records, tuple(dtypes))

@@ -10,6 +10,7 @@ import numpy as np
 from calibration.harness.fit_common import fit_time_s, relative_errors, usable
 from calibration.harness.plan import stats
 from zsim.hardware.collectives import bus_factor, ring_steps
+from zsim.specs.hardware import REDUCING_COLLECTIVES
 
 
 HUBER_K = 1.345   # 95% efficiency under Gaussian noise (Huber 1964)
@@ -157,7 +158,7 @@ def fit_reductions_16bit(records: list[dict], base: dict, dtype: str) -> None:
     reductions on the host] in zsim/hardware/collectives.py)."""
     by_tier: dict[str, list[dict]] = defaultdict(list)
     for r in usable(pool_passes(records), "collective"):
-        if r["dtype"] == dtype and r["ranks"] > 1 and r["op"] in ("reduce_scatter", "all_reduce", "reduce"):
+        if r["dtype"] == dtype and r["ranks"] > 1 and r["op"] in REDUCING_COLLECTIVES:
             by_tier[r["tier"]].append(r)
     for tier, recs in sorted(by_tier.items()):
         t = base.get(tier)

@@ -9,6 +9,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
+from zsim.specs.hardware import REDUCED_16BIT, REDUCING_COLLECTIVES
 from zsim.specs.model import ModelSpec
 from zsim.schedule.passes import linear_gemms
 from zsim.workload.module import Module
@@ -19,9 +20,6 @@ KB = 1024
 # ZeRO-3's persistent parameters after the step (zsim's Comm.coalesced)
 COLLECTIVE_OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "all_to_all",
                   "all_gather_coalesced")
-# the collectives that sum: timed again in each 16-bit dtype the profile fits (see [Note: 16-bit
-# reductions on the host] in zsim/hardware/collectives.py)
-REDUCING_OPS = ("reduce_scatter", "all_reduce", "reduce")
 
 
 @dataclass(frozen=True)
@@ -125,7 +123,7 @@ def default_plan(mode: str, *, max_size_bytes: int | None = None, io_path: str =
         # and the machine busy): one small layer, sizes up to 1 MiB, fp32 collectives (the reducing
         # ones again in each 16-bit dtype asked for); the compute benchmarks once per dtype asked for.
         return Plan(mode=mode, max_size_bytes=max_size_bytes or 1 << 20, size_step=4,
-                    coll_dtypes=tuple(dict.fromkeys(("fp32", *(d for d in dtypes if d in ("bf16", "fp16"))))),
+                    coll_dtypes=tuple(dict.fromkeys(("fp32", *(d for d in dtypes if d in REDUCED_16BIT)))),
                     compute_dtypes=tuple(dtypes), profile_dtype=profile_dtype,
                     fit_dtypes=fit_dtypes,
                     layers=layers or (LayerShape(256, 4, 128, 1),), warmup=1, reps=5, min_rep_time_s=0.002,
@@ -170,8 +168,8 @@ def items(plan: Plan, world_size: int, nodes: int) -> list[str]:
         for grp in groups(world_size, nodes):
             for dt in plan.coll_dtypes:
                 for op in plan.ops:
-                    if dt != plan.coll_dtypes[0] and op not in REDUCING_OPS:
-                        continue   # a copy moves bytes alike in any dtype
+                    if dt != plan.coll_dtypes[0] and op not in REDUCING_COLLECTIVES:
+                        continue   # a copy moves bytes alike in any dtype; the sums are timed again in 16-bit
                     for s in message_sizes(plan.max_size_bytes, plan.size_step):
                         names.append(f"collective/{op}/{grp}/{dt}/{s}" + (f"/pass{p + 1}" if plan.coll_passes > 1 else ""))
     for dt in plan.compute_dtypes:

@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass
 
 from zsim.hardware.nccl import FUNC, NcclTopo, choose, topo_for
-from zsim.specs.hardware import EffTable
+from zsim.specs.hardware import REDUCED_16BIT, REDUCING_COLLECTIVES, EffTable
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "all_to_all")
 # [Note: 16-bit reductions on the host] A reducing collective sums what it receives: gloo does it
@@ -44,8 +44,6 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduc
 # "<collective>_<dtype>" (all_reduce_bf16, reduce_scatter_bf16) beside the fp32 ones; a call that
 # reduces in that dtype (Comm.dtype) is priced on them. NCCL sums in the GPU's copy kernels at
 # the link's rate whatever the dtype: profiles with NCCL's model carry no such tables.
-REDUCED_16BIT = ("bf16", "fp16")
-REDUCING = ("reduce_scatter", "all_reduce", "reduce")
 
 
 @functools.lru_cache(maxsize=256)
@@ -85,7 +83,7 @@ class Tier:
         if coalesced and f"{kind}_coalesced" in tables:
             return tables[f"{kind}_coalesced"]
         # see [Note: 16-bit reductions on the host]
-        if kind in REDUCING and dtype in REDUCED_16BIT and f"{kind}_{dtype}" in tables:
+        if kind in REDUCING_COLLECTIVES and dtype in REDUCED_16BIT and f"{kind}_{dtype}" in tables:
             return tables[f"{kind}_{dtype}"]
         return tables.get(kind, self.efficiency)
 

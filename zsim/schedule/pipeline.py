@@ -24,7 +24,7 @@ from zsim.schedule.payloads import Comm, GradReduce, PipeTransfer, ScalarAllRedu
 from zsim.schedule.passes import backward, exchanges, forward
 from zsim.schedule.pipe_partition import stage_slices
 from zsim.schedule.pipe_wire import Wire, deepspeed_wires
-from zsim.workload.module import Workload
+from zsim.workload.module import DTYPE_BYTES, Workload
 
 
 class Cmd(Enum):
@@ -270,11 +270,10 @@ def _reduce_tied_grads(rank: _Stage, ranks: list[_Stage], numel: int) -> int:
     the tie group (the BF16_Optimizer's fp32 _hp_grad, else the 16-bit .grad); both ranks enter
     it together, each after its last backward."""
     ctx = rank.ctx
-    width = 4 if rank.hooks.inner.bf16_optimizer else ctx.param_bytes
+    dtype = "fp32" if rank.hooks.inner.bf16_optimizer else ctx.sc.precision
     peer = ranks[-1] if rank.index == 0 else ranks[0]
     # the tie group: the same data-parallel rank of the first and the last stage
     tied = ProcessGroup(Group.TIED, 2, (len(ranks) - 1) * ctx.world)
-    comm = Comm(Collective.ALL_REDUCE, numel, numel * width, group=tied,
-                dtype="fp32" if rank.hooks.inner.bf16_optimizer else ctx.sc.precision)
+    comm = Comm(Collective.ALL_REDUCE, numel, numel * DTYPE_BYTES[dtype], group=tied, dtype=dtype)
     return ctx.b.add(OpKind.TIED_ALLREDUCE, Stream.COMPUTE, Phase.BACKWARD, ctx.last_micro, GradReduce(comm),
                      [rank.hooks.boundary_last, peer.hooks.boundary_last])

@@ -113,10 +113,13 @@ DtypeCompute.__module__ = __name__   # where pickle (dask sweeps) finds the clas
 
 # "<collective>_coalesced": calls launched async back to back, then all waited (calibrated
 # profiles measure all_gather so, as DeepSpeed's _allgather_params_coalesced issues it)
+# the collectives that sum, and the 16-bit dtypes a calibrated tier may give them their own
+# table for (see [Note: 16-bit reductions on the host] in zsim/hardware/collectives.py)
+REDUCING_COLLECTIVES = ("reduce_scatter", "all_reduce", "reduce")
+REDUCED_16BIT = ("bf16", "fp16")
 _COLLECTIVE_NAMES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "all_to_all",
                      "all_gather_coalesced",
-                     # a reduction summing in a 16-bit dtype (see [Note: 16-bit reductions on the host])
-                     *(f"{k}_{d}" for k in ("reduce_scatter", "all_reduce", "reduce") for d in ("bf16", "fp16")))
+                     *(f"{k}_{d}" for k in REDUCING_COLLECTIVES for d in REDUCED_16BIT))
 
 
 def _check_table(key: str, table: EffTable) -> None:
