@@ -3,7 +3,7 @@
 micro-batch and GAS varied, and its step time and peak GPU memory
 (torch.cuda.max_memory_allocated over one step) are put beside zsim's prediction.
 
-    python benchmarks/validate_gpu.py --measure DIR [--cases z0,z2-off] [--steps 5]   # on the GPU
+    python benchmarks/validate_gpu.py --measure DIR [--cases z0,z2-off] [--steps 5] [--profile-step]  # GPU
     python benchmarks/validate_gpu.py --report DIR --profile P [--profile Q ...]      # anywhere
 
 --measure launches each case as `zsim validate --engine deepspeed` does (torchrun, one rank,
@@ -72,7 +72,7 @@ def provenance() -> dict:
     return out
 
 
-def measure(out_dir: Path, names: list[str], steps: int, warmup: int, timeout_s: int) -> int:
+def measure(out_dir: Path, names: list[str], steps: int, warmup: int, timeout_s: int, profile: bool = False) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "provenance.json").write_text(json.dumps(provenance(), indent=1, sort_keys=True) + "\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
@@ -86,6 +86,8 @@ def measure(out_dir: Path, names: list[str], steps: int, warmup: int, timeout_s:
                "--steps", str(steps), "--warmup", str(warmup), "--out", str(out)]
         for o in overrides:
             cmd += ["--set", o]
+        if profile:
+            cmd += ["--profile-step", str(out_dir / f"{name}.profile.txt")]
         t0 = time.time()
         try:
             p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
@@ -151,6 +153,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--timeout", type=int, default=300, help="seconds per case")
+    ap.add_argument("--profile-step", action="store_true",
+                    help="--measure: also profile two more steps' optimizer-step phase (DIR/CASE.profile.txt)")
     a = ap.parse_args()
     names = a.cases.split(",")
     unknown = [n for n in names if n not in dict(CASES)]
@@ -164,7 +168,7 @@ def main() -> int:
             print("validate_gpu: error: --measure needs a CUDA GPU (this machine has none); "
                   "--report DIR works anywhere", file=sys.stderr)
             return 2
-        return measure(Path(a.measure), names, a.steps, a.warmup, a.timeout)
+        return measure(Path(a.measure), names, a.steps, a.warmup, a.timeout, a.profile_step)
     if not a.profile:
         print("validate_gpu: error: --report needs --profile (e.g. dgx-h100)", file=sys.stderr)
         return 2

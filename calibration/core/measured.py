@@ -81,6 +81,8 @@ def measure_steps(args, sc, engine: str, train_step, record: dict, write=None, d
         s += 1
     collectives = record["log"] or []
     record["log"] = None
+    if getattr(args, "profile_step", None):
+        s = profile_step(args.profile_step, train_step, s, device)
     peak = 0
     if not args.no_memory and device is not None and device.type == "cuda":
         import torch
@@ -100,6 +102,48 @@ def measure_steps(args, sc, engine: str, train_step, record: dict, write=None, d
     (write or write_measurement)(args.out, engine, sc, args, step_times, phase_times, peak, collectives, losses)
     dist.barrier()
     exit_without_teardown()
+
+
+def profile_step(path: str, train_step, s: int, device) -> int:
+    """Where the optimizer-step phase's time goes: one step's step phase under torch.profiler
+    (aten ops and, on a GPU, kernels: what ran), the next one's under cProfile (DeepSpeed's Python
+    functions: who ran it, and where the host waited); rank 0 writes both tables to `path`.
+    Returns the next step number. `train_step` takes `around_step`, a context manager factory
+    wrapped around its step phase (peers.py)."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device is not None and device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    holder = {}
+
+    def torch_prof():
+        holder["prof"] = profile(activities=acts)
+        return holder["prof"]
+
+    phases_t, phases_c = {}, {}
+    dist.barrier()
+    train_step(s, phases_t, around_step=torch_prof)
+    cprof = cProfile.Profile()
+    dist.barrier()
+    train_step(s + 1, phases_c, around_step=lambda: cprof)
+    if dist.get_rank() == 0:
+        out = io.StringIO()
+        out.write(f"step phase: {phases_t.get('step', 0) * 1e3:.1f} ms under torch.profiler, "
+                  f"{phases_c.get('step', 0) * 1e3:.1f} ms under cProfile (phases {phases_c})\n\n")
+        ka = holder["prof"].key_averages()
+        for key in (("self_device_time_total",) if cuda else ()) + ("self_cpu_time_total",):
+            out.write(f"torch.profiler, by {key}\n{ka.table(sort_by=key, row_limit=35, max_name_column_width=60)}\n")
+        for key, n in (("cumulative", 60), ("tottime", 30)):
+            out.write(f"cProfile, by {key}\n")
+            pstats.Stats(cprof, stream=out).sort_stats(key).print_stats(n)
+        with open(path, "w") as f:
+            f.write(out.getvalue())
+    return s + 2
 
 
 def exit_without_teardown():

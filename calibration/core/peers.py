@@ -16,6 +16,7 @@ match what zsim schedules.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -255,7 +256,7 @@ def main(args, sc) -> int:
     # a phase ends when its GPU work has (the CPU path's calls block already)
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
 
-    def train_step(s, phases=None):
+    def train_step(s, phases=None, around_step=contextlib.nullcontext):
         losses = []
         for micro in range(gas):
             ids, labels = (t.to(device) for t in batch(sc, s, micro, rank, args.seed))
@@ -272,8 +273,9 @@ def main(args, sc) -> int:
                     phases[ph] = phases.get(ph, 0.0) + time.perf_counter() - t0
         RECORD["phase"] = "step"
         t0 = time.perf_counter()
-        step(True)
-        sync()
+        with around_step():
+            step(True)
+            sync()
         if phases is not None:
             phases["step"] = phases.get("step", 0.0) + time.perf_counter() - t0
         return losses

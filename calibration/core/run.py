@@ -24,6 +24,9 @@ def parse(argv=None):
     p.add_argument("--out", required=True)
     p.add_argument("--trace", default=None, help="Chrome trace of the last timed step (rank 0)")
     p.add_argument("--no-memory", action="store_true", help="skip the memory-tracked step")
+    p.add_argument("--profile-step", default=None, metavar="PATH",
+                   help="DeepSpeed / FSDP peers: profile the optimizer-step phase of two more steps "
+                        "(torch.profiler, then cProfile) and write the tables to PATH (rank 0)")
     return p.parse_args(argv)
 
 
@@ -43,16 +46,35 @@ def chrome_trace(times, name: str, rank: int) -> dict:
     return {"traceEvents": ev, "displayTimeUnit": "ms"}
 
 
+def rank_threads(engine: str, cuda: bool, env) -> int | None:
+    """The intra-op threads a rank sets, or None to keep what its launcher gave it. CPU ranks share
+    the machine's cores: one thread each unless OMP_NUM_THREADS says otherwise. A DeepSpeed/FSDP
+    rank on a GPU keeps its launcher's (torchrun: OMP_NUM_THREADS unset for one process per node,
+    1 for several; DeepSpeed's launcher: unset unless --bind_cores_to_rank), as a user's run does:
+    DeepSpeedCPUAdam's OpenMP loop and an offloaded step's host passes run on them. Forcing one
+    thread there made a one-GPU ZeRO-2 offload step 4.2 s instead of 0.90 s (docs/validation.md,
+    "One GPU")."""
+    if engine != "own" and cuda:
+        return None
+    return int(env.get("OMP_NUM_THREADS", "1"))
+
+
 def main(argv=None) -> int:
     args = parse(argv)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    from calibration.core.peers import on_cuda
+
+    threads = rank_threads(args.engine, on_cuda(), os.environ)
+    if threads is not None:
+        torch.set_num_threads(threads)
     from zsim.config.scenario import load_scenario
 
     sc = load_scenario(args.scenario, tuple(args.set))
+    if args.profile_step and (args.engine == "own" or sc.pipeline_stages > 1):
+        raise SystemExit("--profile-step: profiles a DeepSpeed or FSDP run without pipeline stages "
+                         "(give --engine deepspeed or fsdp)")
     if args.engine == "deepspeed" and sc.pipeline_stages > 1:
         from calibration.core import ds_pipe
         return ds_pipe.main(args, sc)
