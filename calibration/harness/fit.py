@@ -78,7 +78,7 @@ def build_profile(name: str, records: list[dict], prov: dict, dtypes: tuple[str,
     for d in REDUCED_16BIT:
         if d in coll_dtypes and "fp32" in coll_dtypes:
             fit_reductions_16bit(records, coll, d)
-    fields, by_dtype, comp = fit_compute(records, tuple(dtypes))
+    fields, by_dtype, comp = fit_compute(records, tuple(dtypes), concurrent=prov.get("backend") == "nccl")
     peak = comp["gemm"]["peak_tflops"]
     v = peak.get(dtype, max(peak.values()))
     adam_rate, adam_impl = fit_adam(records)

@@ -105,11 +105,42 @@ def _optimizer_passes_s(rec: dict, overhead_s: float) -> float:
     return fit_time_s(rec) - rec.get("kernels", 6) * overhead_s
 
 
-def fit_compute(records: list[dict], dtypes: tuple[str, ...]) -> tuple[dict, dict, dict]:
+def fit_step_passes(rec: dict, device_Bps: float, overhead_s: float) -> tuple[float | None, float | None]:
+    """A GPU's optimizer_step record read as zsim prices it there (see [Note: launch-bound step
+    passes]): its grad-norm op (the per-piece kernels, the norm and overflow bytes) then its step op
+    (6 kernels, the step's bytes), each the longer of its launches and its streaming at the
+    device's rate. Returns (optimizer_efficiency, step_kernel_overhead_s). When the launches at
+    kernel_overhead could not have kept the device waiting as long as the benchmark ran, the
+    benchmark was launch-bound: the per-kernel host time is solved for and the device's rate was
+    not observed (efficiency None: zsim uses memory_bound_efficiency). Otherwise the streaming
+    was the bound: efficiency = bytes / (rate x time), the launch cost stays kernel_overhead."""
+    from zsim.schedule.optimizer import norm_bytes_per_param, overflow_bytes_per_param
+
+    width = 4 if rec["dtype"] == "fp32" else 2
+    norm_bytes = rec["params"] * (norm_bytes_per_param(width) + (overflow_bytes_per_param(width) if width < 4 else 0.0))
+    k_step = 6
+    k_norm = rec["kernels"] - k_step
+    d_norm, d_step = norm_bytes / device_Bps, (rec["bytes"] - norm_bytes) / device_Bps
+    t = fit_time_s(rec)
+
+    def modelled(h: float) -> float:
+        return max(k_norm * h, d_norm) + max(k_step * h, d_step)
+
+    if t <= modelled(overhead_s):
+        return min(1.0, rec["bytes"] / (device_Bps * t)), None
+    lo, hi = overhead_s, t / max(k_norm, 1)
+    for _ in range(100):   # modelled() is nondecreasing in h: bisect to the measured time
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if modelled(mid) < t else (lo, mid)
+    return None, (lo + hi) / 2
+
+
+def fit_compute(records: list[dict], dtypes: tuple[str, ...], concurrent: bool = False) -> tuple[dict, dict, dict]:
     """GpuProfile fields for dtypes[0] (the top level), one by_dtype entry per dtype when several
     are fitted (DTYPE_COMPUTE_FIELDS, each from that dtype's own records and layer closure), and
     a report of residuals. Launch overhead, the device's bandwidth, the GEMM law's d_half and fresh
-    allocations are the device's: one fit over all dtypes."""
+    allocations are the device's: one fit over all dtypes. `concurrent`: a GPU's streams (the
+    host launches ahead of the device)."""
     over = usable(records, "kernel_overhead")
     overhead_s = fit_time_s(over[0]) if over else 0.0
     ag = usable(records, "autograd_overhead")
@@ -124,7 +155,7 @@ def fit_compute(records: list[dict], dtypes: tuple[str, ...]) -> tuple[dict, dic
     # copy and the optimizer's passes), so every efficiency against it stays <= 1
     rates = ([fit_rate(mc[0], "GBps")] if mc else []) + [o["bytes"] / _optimizer_passes_s(o, overhead_s) / 1e9
                                                       for o in opt]
-    dev = {"overhead_s": overhead_s, "autograd_s": autograd_s, "hbm_GBps": max(rates) if rates else 1.0,
+    dev = {"concurrent": concurrent, "overhead_s": overhead_s, "autograd_s": autograd_s, "hbm_GBps": max(rates) if rates else 1.0,
            "gemm": fit_gemm([r for r in records if r.get("kind") == "gemm"]), "fresh_alloc": fit_fresh_alloc(records),
            "collective_memory": fit_collective_memory(records)}
     report = {"kernel_overhead_measured_us": overhead_s * 1e6, "autograd_call_us": autograd_s * 1e6,
@@ -173,7 +204,13 @@ def _fit_dtype(records: list[dict], dtype: str, dev: dict) -> tuple[dict, dict]:
     if acc:   # bytes as zsim charges them (see [Note: gradient accumulation add]), less the add_ launches
         fields["grad_accumulate_efficiency"] = min(1.0, acc[0]["bytes"] / max(_optimizer_passes_s(acc[0], overhead_s),
                                                                               1e-9) / (hbm_GBps * 1e9))
-    if opt:   # bytes as zsim charges them (step_bytes_per_param), over the device bandwidth above
+    if opt and dev["concurrent"]:
+        eff_opt, step_kernel_s = fit_step_passes(opt[0], hbm_GBps * 1e9 * mem_eff, overhead_s)
+        if eff_opt is not None:
+            fields["optimizer_efficiency"] = eff_opt * mem_eff
+        if step_kernel_s is not None:
+            fields["step_kernel_overhead_us"] = step_kernel_s * 1e6
+    elif opt:   # bytes as zsim charges them (step_bytes_per_param), over the device bandwidth above
         fields["optimizer_efficiency"] = min(1.0, opt[0]["bytes"] / max(_optimizer_passes_s(opt[0], overhead_s), 1e-9)
                                              / (hbm_GBps * 1e9))
     report = {}

@@ -12,12 +12,12 @@ from zsim.schedule.record import record
 
 from zsim.hardware.collectives import collective_cost, nccl_topo_for, ring_cost, tiers_for
 from zsim.hardware.compute import (attention_time_s, fresh_alloc_time_s, gemm_time_s, grad_accumulate_time_s,
-                                   kernel_overhead_s, memory_bound_time_s, optimizer_time_s)
+                                   kernel_overhead_s, memory_bound_time_s, optimizer_time_s, step_passes_time_s)
 from zsim.hardware.host import (CPU_ADAM_BYTES_PER_PARAM, aio_efficiency, cpu_adam_time_s, host_link_Bps,
                                 host_pass_time_s, nvme_time_s, pcie_time_s, rank_views_time_s)
 from zsim.hardware.placement import group_shape, rank_of, same_node, stage_links
 from zsim.schedule.ir import Collective, HostSettings, Op, Phase, PipelineLayout, Transfer
-from zsim.schedule.payloads import ComputeWork, Copy, CpuAdam, ModulePass, PipeTransfer
+from zsim.schedule.payloads import ComputeWork, Copy, CpuAdam, ModulePass, PipeTransfer, StepCompute
 from zsim.workload.module import DTYPE_BYTES
 
 COMPUTE = ("compute",)
@@ -209,4 +209,7 @@ class CostModel:
                                 cl.gpus_per_node, self.host.cpu_cores_fraction, memory_Bps)
             t += host_pass_time_s(p.pass_bytes, memory_Bps, cl.gpus_per_node)
             return OpCost(fixed + t, 0.0, CPU)
+        if isinstance(p, StepCompute):   # see [Note: launch-bound step passes]
+            host_s, device_s = step_passes_time_s(p.work.kernels, self.compute_work_s(p.work), self.gpu)
+            return OpCost(fixed - kernel_overhead_s(p.work.kernels, self.gpu) + host_s, device_s, COMPUTE)
         return OpCost(fixed, self.compute_work_s(op.work), COMPUTE)

@@ -47,6 +47,10 @@ class GpuProfile:
                                                            "add of a new gradient into an existing .grad "
                                                            "(AccumulateGrad); unset: memory_bound_efficiency")
     kernel_overhead_us: float = spec(5.0, ge=0, doc="launch + framework time per kernel")
+    step_kernel_overhead_us: Optional[float] = spec(
+        None, ge=0, doc="host time per kernel of the optimizer step's per-gradient passes (DeepSpeed's "
+                        "has_inf_or_nan and norms: a few small torch calls each); unset: kernel_overhead_us. "
+                        "See [Note: launch-bound step passes]")
     fresh_alloc_threshold_bytes: Optional[float] = spec(None, gt=0,
                                                         doc="a tensor larger than this is mapped fresh from the OS "
                                                             "at every allocation (glibc's mmap threshold on a CPU "
@@ -94,7 +98,7 @@ TRAINING_DTYPES = ("fp32", "fp16", "bf16")
 DTYPE_COMPUTE_FIELDS = ("gemm_max_efficiency", "gemm_half_efficiency_dim", "flash_attention_fwd_efficiency",
                         "flash_attention_bwd_efficiency", "flash_attention_fwd_overhead_us",
                         "flash_attention_bwd_overhead_us", "memory_bound_efficiency", "optimizer_efficiency",
-                        "grad_accumulate_efficiency", "kernel_overhead_us")
+                        "grad_accumulate_efficiency", "kernel_overhead_us", "step_kernel_overhead_us")
 
 
 def _dtype_field(name: str) -> tuple:
