@@ -86,6 +86,10 @@ class OptimizerStep:
         amax/amin when the overflow flag is reduced (has_inf_or_nan), and its norm taken in fp64
         (get_grad_norm_direct, get_norm_dtype)."""
         if self.stage == 0:   # runtime/utils.py clip_grad_norm_: the averaged gradients' fp32 norm
+            if self.dtype != torch.float32:
+                # the 16-bit wrapper's has_inf_or_nan per gradient (see [Note: stage-0 16-bit step])
+                self._bad = overflow_count([self.flatgrad[self.offsets[p]: self.offsets[p] + self.numels[p]]
+                                            for p, t in enumerate(self.trainable) if t])
             # the norm of the sums divided by the world size, not the norm of a divided copy:
             # DeepSpeed averages in place after its all-reduce, and the copy (a fresh buffer the
             # size of the gradients) made this step twice DeepSpeed's at fp32 (medium GPT, 2 ranks:

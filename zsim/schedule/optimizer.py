@@ -18,6 +18,10 @@ NORM_DTYPE_BYTES = 8          # fp64
 # accumulation; the fp64 conversion and the norm
 OVERFLOW_KERNELS_PER_TENSOR = 7
 NORM_KERNELS_PER_TENSOR = 2
+# DeepSpeed's stage-0 16-bit wrapper per gradient (see [Note: stage-0 16-bit step]): the fp32
+# norm's cast, norm, pow and .item(); the step's cast to fp32, unscale and copy back
+STAGE0_NORM_KERNELS_PER_TENSOR = 4
+STAGE0_STEP_KERNELS_PER_TENSOR = 3
 
 
 def step_bytes_per_param(param_bytes: int, clipping: bool, flatten: bool = True,
@@ -85,9 +89,12 @@ def optimizer_state_bytes(ds) -> float:
     return FP32_BYTES * ds.optimizer.state_tensors
 
 
-def optimizer_step(ctx: StepContext, shard_params: float, deps, flatten: bool = True, sub_group: int = 0) -> int:
+def optimizer_step(ctx: StepContext, shard_params: float, deps, flatten: bool = True, sub_group: int = 0,
+                   per_tensor: int = 0) -> int:
     """Fused Adam over the local shard, or over one ZeRO-3 sub-group of it; the fp32 gradient
-    copy (the flattened partition, converted if 16-bit) lives during the step."""
+    copy (the flattened partition, converted if 16-bit) lives during the step. `per_tensor`:
+    the gradients DeepSpeed's stage-0 16-bit wrapper converts, unscales and copies back one at a
+    time (see [Note: stage-0 16-bit step])."""
     temp = FP32_BYTES * shard_params if (ctx.param_bytes < FP32_BYTES or flatten) else 0.0
     allocs = [Alloc(Tag(Buffer.OPT_FP32_GRADS, key=sub_group), Category.OPTIMIZER_TEMPORARIES, temp)] if temp else []
     if flatten and ctx.param_bytes < FP32_BYTES:
@@ -95,11 +102,14 @@ def optimizer_step(ctx: StepContext, shard_params: float, deps, flatten: bool = 
         # converted (stage_1_and_2.py step, stage3.py _prepare_fp32_grad_for_sub_group)
         allocs.append(Alloc(Tag(Buffer.OPT_FLAT16, key=sub_group), Category.OPTIMIZER_TEMPORARIES,
                             ctx.param_bytes * shard_params))
-    per_param = step_bytes_per_param(ctx.param_bytes, ctx.sc.deepspeed.gradient_clipping > 0, flatten,
-                                     ctx.sc.deepspeed.optimizer.step_bytes_per_param)
+    # the stage-0 wrapper unscales every gradient whether it clips or not (unscale_and_clip_grads,
+    # apply_scale=True)
+    per_param = step_bytes_per_param(ctx.param_bytes, ctx.sc.deepspeed.gradient_clipping > 0 or per_tensor > 0,
+                                     flatten, ctx.sc.deepspeed.optimizer.step_bytes_per_param)
     op = ctx.b.add(OpKind.OPTIMIZER_STEP, Stream.COMPUTE, Phase.STEP, ctx.last_micro,
-                   StepCompute(ComputeWork(optimizer_bytes=per_param * shard_params, kernels=6), shard_params,
-                               sub_group),
+                   StepCompute(ComputeWork(optimizer_bytes=per_param * shard_params,
+                                           kernels=6 + STAGE0_STEP_KERNELS_PER_TENSOR * per_tensor),
+                               shard_params, sub_group),
                    deps, tuple(allocs))
     ctx.b.add_free(op, *[a.tag for a in allocs])
     return op
@@ -142,6 +152,29 @@ def clip_fp32_norm_ops(ctx: StepContext, n_params: float, n_tensors: int, deps) 
         last = ctx.b.add(OpKind.NORM_ALLREDUCE, Stream.COMPUTE, Phase.STEP, ctx.last_micro,
                          ScalarAllReduce(Comm(Collective.ALL_REDUCE, 1, FP32_BYTES, group=group)), [last])
     return last
+
+
+def stage0_16bit_check_ops(ctx: StepContext, n_params: float, n_tensors: int, deps) -> int:
+    """[Note: stage-0 16-bit step] Without ZeRO, fp16 and bf16 (the FP16 and DDP_BFLOAT16
+    wrappers, engine.py _do_optimizer_sanity_check) step through fp16/unfused_optimizer.py (a
+    client optimizer) or fused_optimizer.py (DeepSpeed's FusedAdam). Both start with the overflow
+    check, one has_inf_or_nan per gradient (runtime/utils.py CheckOverflow.has_overflow_serial:
+    amax, amin and their tests), and take the gradients' norm: the unfused wrapper one gradient at
+    a time in fp32 (get_weight_norm: .float(), norm, pow, and an .item() each), then converts each
+    gradient to fp32, unscales it (unscale_and_clip_grads multiplies even without clipping),
+    steps, and copies each master back into its 16-bit param. Measured on one H200 (1.42B GPT,
+    293 gradients, torch AdamW client: tests/fixtures/measured/gpu/h200-deepspeed/z0.profile.txt)
+    881 copies, 293 mul_, 293 norms, 293 amax/amin, 296 .item(); on one CPU rank, amax 2.3 ms,
+    amin 1.0 ms and the norms 0.5 ms of a 21 ms small-GPT step. No collective: without an mpu
+    neither the flag nor the norm is all-reduced. zsim charges the unfused wrapper's calls (the
+    validation peers' and the HF Trainer's client optimizer); the fused one's norm over its flat
+    buffer would launch fewer. Its calls are host-bound on a GPU (see [Note: launch-bound step
+    passes])."""
+    w = ctx.param_bytes
+    per_param = overflow_bytes_per_param(w) + w + 2 * FP32_BYTES     # amax/amin; .float() and its norm
+    kernels = n_tensors * (OVERFLOW_KERNELS_PER_TENSOR + STAGE0_NORM_KERNELS_PER_TENSOR) + 3
+    return ctx.b.add(OpKind.GRAD_NORM, Stream.COMPUTE, Phase.STEP, ctx.last_micro,
+                     StepCompute(ComputeWork(optimizer_bytes=per_param * n_params, kernels=kernels), n_params), deps)
 
 
 def grad_norm_ops(ctx: StepContext, shard_params: float, n_tensors: int, deps, overflow_check: bool = True,

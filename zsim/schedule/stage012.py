@@ -28,6 +28,7 @@ from zsim.schedule.ir import Alloc, Buffer, Category, Collective, OpKind, Phase,
 from zsim.schedule.payloads import Comm, GradReduce, ParamGather
 from zsim.schedule.moe import expert_data_parallel_group, flat_group_process_group, gathered_groups
 from zsim.schedule.optimizer import (FP32_BYTES, clip_fp32_norm_ops, grad_norm_ops, model_state_bytes,
+                                     stage0_16bit_check_ops,
                                      optimizer_state_bytes, optimizer_step)
 from zsim.schedule.partition import grads_ready_at, pieces_in_partition
 from zsim.schedule.passes import backward, forward
@@ -224,9 +225,13 @@ def optimizer_boundary(ctx: StepContext, hooks: Zero012Hooks, last: int) -> int:
     if tp_grads is not None:
         step_deps = [tp_grads]
     if z.stage == 0:
+        wrapped = ctx.param_bytes < FP32_BYTES and not hooks.bf16_optimizer
         if ctx.sc.deepspeed.gradient_clipping > 0 and ctx.sc.precision == "fp32":
             step_deps = [clip_fp32_norm_ops(ctx, n_trainable, len(buckets.trainable), step_deps)]
-        last = optimizer_step(ctx, n_trainable, step_deps, flatten=False)
+        elif wrapped:
+            step_deps = [stage0_16bit_check_ops(ctx, n_trainable, len(buckets.trainable), step_deps)]
+        last = optimizer_step(ctx, n_trainable, step_deps, flatten=False,
+                              per_tensor=len(buckets.trainable) if wrapped else 0)
         if buckets.lazy_grads:
             # [Note: ZeRO-0 gradient lifetime] without a ZeRO optimizer, _take_model_step ends in
             # the engine's zero_grad (fp32: param.grad = None, engine.py:3495-3500) or
