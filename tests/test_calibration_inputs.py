@@ -91,3 +91,18 @@ def test_a_pool_json_that_is_not_json_is_one_line(tmp_path):
     p.write_text("[1, 2")
     with pytest.raises(ZsimInputError, match="records.json is not valid JSON"):
         read_json(p, "--pool-collectives", str(tmp_path))
+
+
+def test_hooks_need_deepspeed_and_a_measurement(root, capsys, monkeypatch):
+    """--hooks times DeepSpeed's hooks in DeepSpeed: refused in one line where the ranks' Python
+    cannot import it, and with --from-run, which measures nothing."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    assert main(["calibrate", "--out", "h", "--quick", "--hooks", "--root", str(root)]) == 2
+    assert "cannot import" in _error(capsys)
+    assert main(["calibrate", "--out", "h", "--hooks", "--root", str(root),
+                 "--from-run", str(RUNS / "cpu-xeon-vm-2ranks")]) == 2
+    assert "drop --hooks" in _error(capsys)
+    assert not (root / "hardware_profiles" / "h.yaml").exists()

@@ -74,3 +74,11 @@ def test_a_dtype_list_measures_each_dtype_and_its_optimizer_step():
     old = json.loads(one.to_json())
     del old["fit_dtypes"]
     assert Plan.from_json(json.dumps(old)) == one
+
+
+def test_quick_plan_times_deepspeeds_hooks_when_asked():
+    from dataclasses import replace
+
+    assert "zero3_hooks" not in items(default_plan("quick"), 2, 1)
+    assert "zero3_hooks" in items(replace(default_plan("quick"), hooks=True), 2, 1)
+    assert "zero3_hooks" in items(default_plan("full"), 2, 1)

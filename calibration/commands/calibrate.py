@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from zsim.errors import ZsimInputError
@@ -41,6 +42,9 @@ def add_parser(sub):
                    help="transformer layer to time: hidden,heads,seq_len,micro_batch (repeatable)")
     p.add_argument("--scenario", default=None, metavar="YAML",
                    help="take the layer shape (hidden/heads/seq/micro-batch) and precision from a scenario")
+    p.add_argument("--hooks", action="store_true",
+                   help="with --quick: also time DeepSpeed's ZeRO hooks per module visit and per gradient "
+                        "(cpu.zero3_hook_*_us, cpu.zero*_grad_hook_us; a full run always does; needs deepspeed)")
     p.add_argument("--dtype", default=None, metavar="DTYPE[,DTYPE...]",
                    help="training precision(s) the compute figures are fitted for (fp32, bf16, fp16; default bf16 "
                         "or the scenario's); a list such as fp32,bf16 fits each one into the profile's gpu.by_dtype, "
@@ -134,6 +138,15 @@ def resolve(args):
         raise ZsimInputError("--nproc-per-node", 1, _ONE_RANK_FIX)
     plan = default_plan(mode, max_size_bytes=max_size, io_path=io_path, layers=tuple(layers) or None,
                         timeout_s=timeout, dtypes=dtypes)
+    if args.hooks:
+        import importlib.util
+        if args.from_run:
+            raise ZsimInputError("--hooks", "set", "--from-run fits records already measured; drop --hooks")
+        if importlib.util.find_spec("deepspeed") is None:
+            raise ZsimInputError("--hooks", "set", f"DeepSpeed's hooks are timed in DeepSpeed itself, which "
+                                                   f"{sys.executable} cannot import: pip install deepspeed, or "
+                                                   f"run zsim from a Python that has it")
+        plan = replace(plan, hooks=True)
     return plan, nproc, dtypes, root
 
 

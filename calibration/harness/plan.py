@@ -81,6 +81,8 @@ class Plan:
     # `--dtype fp32,bf16`: each dtype gets its own compute fit and layer closure, written to the
     # profile's gpu.by_dtype (the first is profile_dtype). Empty: profile_dtype alone, no by_dtype
     fit_dtypes: tuple[str, ...] = ()
+    # `--hooks`: a quick run also times DeepSpeed's ZeRO hooks (zero3_hooks; a full run always does)
+    hooks: bool = False
     extra: dict = field(default_factory=dict)
 
     @property
@@ -181,7 +183,7 @@ def items(plan: Plan, world_size: int, nodes: int) -> list[str]:
     names += ["adam", "optimizer_step", "grad_accumulate", "io", "interference", "rank_views"]
     if world_size >= 2:
         names.append("collective_memory")
-    if plan.mode == "full":
+    if plan.mode == "full" or plan.hooks:
         names.append("zero3_hooks")
     return names
 
