@@ -82,3 +82,20 @@ def test_quick_plan_times_deepspeeds_hooks_when_asked():
     assert "zero3_hooks" not in items(default_plan("quick"), 2, 1)
     assert "zero3_hooks" in items(replace(default_plan("quick"), hooks=True), 2, 1)
     assert "zero3_hooks" in items(default_plan("full"), 2, 1)
+
+
+def test_oversubscribed_cpu_ranks_time_longer_repetitions(monkeypatch):
+    """More CPU ranks than cores: a quick run times each repetition as a full run does (10 ms), three
+    times as many; a run with a core per rank keeps the quick plan."""
+    import argparse
+
+    from calibration.commands.calibrate import add_parser, resolve
+
+    p = argparse.ArgumentParser()
+    add_parser(p.add_subparsers())
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    quick = default_plan("quick")
+    plan, *_ = resolve(p.parse_args(["calibrate", "--out", "x", "--quick", "--nproc-per-node", "4"]))
+    assert (plan.reps, plan.min_rep_time_s) == (3 * quick.reps, 0.01)
+    plan, *_ = resolve(p.parse_args(["calibrate", "--out", "x", "--quick", "--nproc-per-node", "2"]))
+    assert (plan.reps, plan.min_rep_time_s) == (quick.reps, quick.min_rep_time_s)
