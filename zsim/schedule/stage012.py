@@ -28,8 +28,7 @@ from zsim.schedule.ir import Alloc, Buffer, Category, Collective, OpKind, Phase,
 from zsim.schedule.payloads import Comm, GradReduce, ParamGather
 from zsim.schedule.moe import expert_data_parallel_group, flat_group_process_group, gathered_groups
 from zsim.schedule.optimizer import (FP32_BYTES, clip_fp32_norm_ops, grad_norm_ops, model_state_bytes,
-                                     stage0_16bit_check_ops,
-                                     optimizer_state_bytes, optimizer_step)
+                                     optimizer_state_bytes, optimizer_step, stage0_16bit_check_ops)
 from zsim.schedule.partition import grads_ready_at, pieces_in_partition
 from zsim.schedule.passes import backward, forward
 from zsim.schedule.tensor import sequence_parallel_grads
@@ -225,7 +224,10 @@ def optimizer_boundary(ctx: StepContext, hooks: Zero012Hooks, last: int) -> int:
     if tp_grads is not None:
         step_deps = [tp_grads]
     if z.stage == 0:
-        wrapped = ctx.param_bytes < FP32_BYTES and not hooks.bf16_optimizer
+        # the FP16 / DDP_BFLOAT16 wrapper; a bf16 pipeline runs BF16_Optimizer instead
+        # (engine.py _do_optimizer_sanity_check), which zsim does not model at stage 0
+        wrapped = (ctx.param_bytes < FP32_BYTES and not hooks.bf16_optimizer
+                   and not (ctx.sc.precision == "bf16" and ctx.sc.pipeline_stages > 1))
         if ctx.sc.deepspeed.gradient_clipping > 0 and ctx.sc.precision == "fp32":
             step_deps = [clip_fp32_norm_ops(ctx, n_trainable, len(buckets.trainable), step_deps)]
         elif wrapped:
