@@ -37,8 +37,9 @@ def _optimizer_step(ctx: Ctx, dtype_name: str) -> list[dict]:
     mmap ceiling: zsim charges the first touch of a fresh copy on its own (fresh_alloc), so the
     rate measured here must not include it."""
     from calibration.core.ds_passes import overflow_count, squared_norm
-    from zsim.schedule.optimizer import (NORM_KERNELS_PER_TENSOR, OVERFLOW_KERNELS_PER_TENSOR, norm_bytes_per_param,
-                                         overflow_bytes_per_param, step_bytes_per_param)
+    from zsim.schedule.optimizer import (NORM_KERNELS_PER_TENSOR, NORM_SCALAR_KERNELS, OVERFLOW_KERNELS_PER_TENSOR,
+                                         STEP_KERNELS, norm_bytes_per_param, overflow_bytes_per_param,
+                                         step_bytes_per_param)
 
     dt = DTYPES[dtype_name]
     n = ctx.plan.adam_params // 3
@@ -72,7 +73,8 @@ def _optimizer_step(ctx: Ctx, dtype_name: str) -> list[dict]:
     width = torch.tensor([], dtype=dt).element_size()
     per_param = (step_bytes_per_param(width, True) + norm_bytes_per_param(width)
                  + (overflow_bytes_per_param(width) if check else 0.0))
-    kernels = 6 + 3 + len(pieces) * (NORM_KERNELS_PER_TENSOR + (OVERFLOW_KERNELS_PER_TENSOR if check else 0))
+    kernels = (STEP_KERNELS + NORM_SCALAR_KERNELS
+               + len(pieces) * (NORM_KERNELS_PER_TENSOR + (OVERFLOW_KERNELS_PER_TENSOR if check else 0)))
     return [{"kind": "optimizer_step", "dtype": dtype_name, "impl": impl, "params": n, "pieces": len(pieces),
              "kernels": kernels,
              "bytes": per_param * n, "GBps": per_param * n / st["time_s"] / 1e9, "inner": inner, **st}]

@@ -114,11 +114,12 @@ def fit_step_passes(rec: dict, device_Bps: float, overhead_s: float) -> tuple[fl
     benchmark was launch-bound: the per-kernel host time is solved for and the device's rate was
     not observed (efficiency None: zsim uses memory_bound_efficiency). Otherwise the streaming
     was the bound: efficiency = bytes / (rate x time), the launch cost stays kernel_overhead."""
-    from zsim.schedule.optimizer import norm_bytes_per_param, overflow_bytes_per_param
+    from zsim.schedule.optimizer import STEP_KERNELS, norm_bytes_per_param, overflow_bytes_per_param
+    from zsim.workload.module import DTYPE_BYTES
 
-    width = 4 if rec["dtype"] == "fp32" else 2
+    width = DTYPE_BYTES[rec["dtype"]]
     norm_bytes = rec["params"] * (norm_bytes_per_param(width) + (overflow_bytes_per_param(width) if width < 4 else 0.0))
-    k_step = 6
+    k_step = STEP_KERNELS
     k_norm = rec["kernels"] - k_step
     d_norm, d_step = norm_bytes / device_Bps, (rec["bytes"] - norm_bytes) / device_Bps
     t = fit_time_s(rec)

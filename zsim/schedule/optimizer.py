@@ -18,6 +18,10 @@ NORM_DTYPE_BYTES = 8          # fp64
 # accumulation; the fp64 conversion and the norm
 OVERFLOW_KERNELS_PER_TENSOR = 7
 NORM_KERNELS_PER_TENSOR = 2
+# the fused update's own kernels (the flatten, conversion, clip, multi-tensor Adam, copy-back,
+# zeroing), and the norm's closing scalar ops (sum, sqrt, the coefficient)
+STEP_KERNELS = 6
+NORM_SCALAR_KERNELS = 3
 # DeepSpeed's stage-0 16-bit wrapper per gradient (see [Note: stage-0 16-bit step]): the fp32
 # norm's cast, norm, pow and .item(); the step's cast to fp32, unscale and copy back
 STAGE0_NORM_KERNELS_PER_TENSOR = 4
@@ -108,7 +112,7 @@ def optimizer_step(ctx: StepContext, shard_params: float, deps, flatten: bool = 
                                      flatten, ctx.sc.deepspeed.optimizer.step_bytes_per_param)
     op = ctx.b.add(OpKind.OPTIMIZER_STEP, Stream.COMPUTE, Phase.STEP, ctx.last_micro,
                    StepCompute(ComputeWork(optimizer_bytes=per_param * shard_params,
-                                           kernels=6 + STAGE0_STEP_KERNELS_PER_TENSOR * per_tensor),
+                                           kernels=STEP_KERNELS + STAGE0_STEP_KERNELS_PER_TENSOR * per_tensor),
                                shard_params, sub_group),
                    deps, tuple(allocs))
     ctx.b.add_free(op, *[a.tag for a in allocs])
@@ -141,7 +145,7 @@ def clip_fp32_norm_ops(ctx: StepContext, n_params: float, n_tensors: int, deps) 
     the pipe or tensor group), then divided by the data-parallel size and all-reduced over it
     (utils.py:418; recorded, tests/fixtures/deepspeed/stage0_fp32_clip.json: one float32 element).
     The clip's multiply is in the step's passes (step_bytes_per_param)."""
-    work = ComputeWork(optimizer_bytes=FP32_BYTES * n_params, kernels=n_tensors * NORM_KERNELS_PER_TENSOR + 3)
+    work = ComputeWork(optimizer_bytes=FP32_BYTES * n_params, kernels=n_tensors * NORM_KERNELS_PER_TENSOR + NORM_SCALAR_KERNELS)
     last = ctx.b.add(OpKind.GRAD_NORM, Stream.COMPUTE, Phase.STEP, ctx.last_micro, StepCompute(work, n_params), deps)
     model_parallel = None
     if ctx.sc.pipeline_stages > 1:
@@ -172,7 +176,7 @@ def stage0_16bit_check_ops(ctx: StepContext, n_params: float, n_tensors: int, de
     passes])."""
     w = ctx.param_bytes
     per_param = overflow_bytes_per_param(w) + w + 2 * FP32_BYTES     # amax/amin; .float() and its norm
-    kernels = n_tensors * (OVERFLOW_KERNELS_PER_TENSOR + STAGE0_NORM_KERNELS_PER_TENSOR) + 3
+    kernels = n_tensors * (OVERFLOW_KERNELS_PER_TENSOR + STAGE0_NORM_KERNELS_PER_TENSOR) + NORM_SCALAR_KERNELS
     return ctx.b.add(OpKind.GRAD_NORM, Stream.COMPUTE, Phase.STEP, ctx.last_micro,
                      StepCompute(ComputeWork(optimizer_bytes=per_param * n_params, kernels=kernels), n_params), deps)
 
@@ -194,7 +198,7 @@ def grad_norm_ops(ctx: StepContext, shard_params: float, n_tensors: int, deps, o
     check = overflow_check and ctx.param_bytes < FP32_BYTES
     if device_passes:
         per_param = norm_bytes_per_param(ctx.param_bytes) + (overflow_bytes_per_param(ctx.param_bytes) if check else 0.0)
-        kernels = n_tensors * (NORM_KERNELS_PER_TENSOR + (OVERFLOW_KERNELS_PER_TENSOR if check else 0)) + 3
+        kernels = n_tensors * (NORM_KERNELS_PER_TENSOR + (OVERFLOW_KERNELS_PER_TENSOR if check else 0)) + NORM_SCALAR_KERNELS
         work = ComputeWork(optimizer_bytes=per_param * shard_params, kernels=kernels)
     else:
         # the norms were taken per parameter in the backward (see [Note: ZeRO-Offload gradient
