@@ -192,16 +192,69 @@ def _run(chunks, canon, p: int, descending: bool) -> tuple[int, int] | None:
     return None if best is None else best[1:]
 
 
-def _passes(schedule: Schedule, wl: Workload, sites):
+def _passes(schedule: Schedule, wl: Workload, sites, blocks=None):
     """Each pass's (micro-step, direction) layer blocks in order, the canonical ops, where every op sits."""
-    blocks = _blocks(schedule, wl)
+    blocks = _blocks(schedule, wl) if blocks is None else blocks
     places = _Places(len(schedule.ops), blocks)
     canon = _canon(schedule.ops, sites, places)
+    return _layer_passes(blocks), canon, places
+
+
+def _layer_passes(blocks) -> dict[tuple[int, str], list]:
     passes: dict[tuple[int, str], list] = {}
     for (micro, direction, layer), a, end in blocks:
         if layer >= 0:
             passes.setdefault((micro, direction), []).append((layer, a, end))
-    return passes, canon, places
+    return passes
+
+
+def _runs(chunks, keys, p: int, descending: bool):
+    """Every maximal run of two or more consecutive chunks each the one before, p layers on,
+    by `keys` per op: (lowest, highest) layer, like `_run`'s longest."""
+    start = 0
+    for i in range(len(chunks) + 1):
+        same = (0 < i < len(chunks) and chunks[i][0] == chunks[i - 1][0] + (-p if descending else p)
+                and chunks[i][2] - chunks[i][1] == chunks[i - 1][2] - chunks[i - 1][1]
+                and keys[chunks[i][1]:chunks[i][2]] == keys[chunks[i - 1][1]:chunks[i - 1][2]])
+        if not same and i > 0:
+            if i - start > 1:
+                layers = [chunks[j][0] for j in range(start, i)]
+                yield min(layers), max(layers) + p - 1
+            start = i
+
+
+def _may_repeat(ops, blocks) -> bool:
+    """False when no micro-step's forward and backward can drop a layer (`_layer_gaps` would
+    find nothing), decided without `_canon`: two blocks `_canon` finds equal have the same
+    length and, op for op, the same kind, stream and collective size (the coarse key here), so
+    each run `_layer_gaps` could use lies in a run of coarse keys at least as long, whose range
+    of droppable layers holds its own; the fewest settling chunks and copies are assumed (more
+    only narrow the range). Schedules with post-step gather blocks are left to `_gaps`.
+    ZeRO-1/2 at scale is the case: each layer's reductions split at the partition boundaries,
+    which fall elsewhere in every layer (175B on 1,024 GPUs: no two backward blocks alike)."""
+    passes = _layer_passes(blocks)
+    if any(d == "s" for _, d in passes):
+        return True
+    micros = sorted({m for m, _ in passes})
+    if not micros or any((m, d) not in passes for m in micros for d in "fb"):
+        return False
+    numbers: dict = {}
+    keys = []
+    for op in ops:      # each distinct key numbered once: chunks compare as lists of ints
+        comm = getattr(op.payload, "comm", None)
+        keys.append(numbers.setdefault((op.kind, op.stream, None if comm is None else comm.numel), len(numbers)))
+    s = SETTLING_BLOCKS
+    for p in range(1, MAX_PERIOD_LAYERS + 1):
+        for phase in range(p):
+            for m in micros:
+                forward = list(_runs(_chunks(passes[(m, "f")], p, phase, False), keys, p, False))
+                backward = list(_runs(_chunks(passes[(m, "b")], p, phase, True), keys, p, True)) if forward else []
+                for f0, f1 in forward:
+                    for b0, b1 in backward:
+                        lo, hi = max(f0 + (s + 1) * p, b0 + p), min(f1 - p + 1, b1 - (s + 1) * p + 1)
+                        if _span(lo, hi, phase, p) >= p:
+                            return True
+    return False
 
 
 def _reach(ops, sites, places: _Places, passes) -> dict[tuple[int, str], int]:
@@ -300,10 +353,10 @@ def _gap(chunks, m: int, d: str, g0: int, g1: int, p: int, settle: int) -> Gap:
     return Gap(f"{name}, micro-step {m}", (m, d), first, (g1 - g0) // p, window[1] - window[0], window, p, settle)
 
 
-def _gaps(schedule: Schedule, wl: Workload, sites) -> tuple[list[Gap], _Places]:
+def _gaps(schedule: Schedule, wl: Workload, sites, blocks=None) -> tuple[list[Gap], _Places]:
     """The blocks to drop: the layers of every micro-step's forward and backward, and of the
     post-step gathers (one layer at a time)."""
-    passes, canon, places = _passes(schedule, wl, sites)
+    passes, canon, places = _passes(schedule, wl, sites, blocks)
     reach = _reach(schedule.ops, sites, places, passes)
     gaps = _layer_gaps(passes, canon, reach)
     for (m, d), blocks in passes.items():
@@ -345,10 +398,13 @@ def plan_gaps(schedule: Schedule, wl: Workload) -> GapPlan | None:
     """The schedule's gaps, or None when nothing repeats."""
     if schedule.pipeline is not None:
         return None
+    blocks = _blocks(schedule, wl)
+    if not _may_repeat(schedule.ops, blocks):
+        return None
     sites = _alloc_sites(schedule.ops)
     if sites is None:
         return None
-    gaps, places = _gaps(schedule, wl, sites)
+    gaps, places = _gaps(schedule, wl, sites, blocks)
     return GapPlan(tuple(gaps), sites, places) if gaps else None
 
 

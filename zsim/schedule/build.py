@@ -58,6 +58,9 @@ def build_schedule(sc: Scenario, wl: Workload | None = None, micro_steps: int | 
     wl = wl or workload_for(sc)
     if micro_steps is not None:
         sc = with_micro_steps(sc, micro_steps)
+    # a pass is copied from the third micro-step on (the first forward runs after nothing, the
+    # first backward allocates; see [Note: pass templates]): fewer would only pay for recording it
+    templates = templates and sc.gradient_accumulation_steps >= 3
     # every ZeRO collective of a stage runs over its data-parallel group (of its tensor-parallel rank)
     ctx = StepContext(sc=sc, wl=wl, b=Builder(), param_bytes=DTYPE_BYTES[sc.precision], world=sc.data_parallel_size,
                       reduce_bytes=DTYPE_BYTES[sc.deepspeed.reduction_dtype], pass_templates={} if templates else None)
