@@ -256,9 +256,36 @@ _TRIES = 3
 _RETRY_DROPS = 0.25
 
 
+def _skipped_gaps(schedule: Schedule) -> tuple[list[Gap], list[int]]:
+    """The layers the builder left out (Schedule.skipped) as `compress` gives its gaps: ids of
+    the full step, and per op built its id there."""
+    gaps, kept, dropped = [], [], 0
+    marks = iter(schedule.skipped)
+    mark = next(marks, None)
+    for i in range(len(schedule.ops)):
+        while mark is not None and mark.at == i:
+            first = i + dropped
+            gaps.append(Gap(mark.name, mark.region, first, mark.count, mark.length, (first - mark.length, first),
+                            settle=mark.settle))
+            dropped += mark.count * mark.length
+            mark = next(marks, None)
+        kept.append(i + dropped)
+    return gaps, kept
+
+
 def run_layers(schedule: Schedule, wl: Workload, cluster, precision: str):
     """run_ops(schedule) with its identical layers simulated once per window: (the schedule
-    simulated, its timings and ledgers, the LayerRepeat; None where every op was simulated)."""
+    simulated, its timings and ledgers, the LayerRepeat; None where every op was simulated).
+    A schedule whose builder left layers out (see [Note: layers the builder skips]) gives
+    None when they did not run alike: the caller builds it whole."""
+    if schedule.skipped:
+        gaps, kept = _skipped_gaps(schedule)
+        try:
+            timings, ledgers = run_ops(schedule, cluster, precision)
+        except LedgerError:
+            return None
+        repeat, _ = _layer_repeat(schedule, gaps, kept, timings, ledgers[0].events(), schedule.full_ops)
+        return None if repeat is None else (schedule, timings, ledgers, repeat)
     plan = plan_gaps(schedule, wl)
     whole: frozenset = frozenset()
     for _ in range(_TRIES if plan is not None else 0):
@@ -286,13 +313,17 @@ def run_layers(schedule: Schedule, wl: Workload, cluster, precision: str):
     return schedule, timings, ledgers, None
 
 
-def simulate_layers(schedule: Schedule, wl: Workload, cluster, precision: str) -> Trace:
-    """sim.simulate of a one-stage schedule, its identical layers reused where they repeat exactly."""
-    sim, timings, ledgers, repeat = run_layers(schedule, wl, cluster, precision)
+def simulate_layers(schedule: Schedule, wl: Workload, cluster, precision: str) -> Trace | None:
+    """sim.simulate of a one-stage schedule, its identical layers reused where they repeat
+    exactly; None where layers the builder left out did not run alike (run_layers)."""
+    out = run_layers(schedule, wl, cluster, precision)
+    if out is None:
+        return None
+    sim, timings, ledgers, repeat = out
     end = max((t.end_s for t in timings), default=0.0)
     if repeat is not None:
         end = repeat.shift_s(end)
-    return Trace(sim, tuple(timings), ledgers[0].events(), end, len(schedule.ops), repeat)
+    return Trace(sim, tuple(timings), ledgers[0].events(), end, schedule.full_ops, repeat)
 
 
 @dataclass(frozen=True)

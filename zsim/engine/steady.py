@@ -64,10 +64,14 @@ def _simulate(sc: Scenario, steady: bool) -> tuple[Workload, Trace]:
         spent += micro_steps
         if gas <= micro_steps or spent > gas:
             break
-        wl, reduced = build_schedule(sc, wl, micro_steps=micro_steps)
+        wl, reduced = build_schedule(sc, wl, micro_steps=micro_steps, skip_layers=not pipeline)
         # each micro-step's identical layers simulated once (layer_repeat.py)
-        simulated, timings, ledgers, layers = (run_layers(reduced, wl, sc.cluster, sc.precision) if not pipeline
-                                               else (reduced, *run_ops(reduced, sc.cluster, sc.precision), None))
+        out = (run_layers(reduced, wl, sc.cluster, sc.precision) if not pipeline
+               else (reduced, *run_ops(reduced, sc.cluster, sc.precision), None))
+        if out is None:     # layers the builder left out did not run alike: every layer built
+            wl, reduced = build_schedule(sc, wl, micro_steps=micro_steps)
+            out = run_layers(reduced, wl, sc.cluster, sc.precision)
+        simulated, timings, ledgers, layers = out
         events = tuple(ledger.events() for ledger in ledgers)
         if pipeline:
             repeat = find_pipeline_repeat(simulated, timings, events, micro_steps, gas, stride)
@@ -77,15 +81,19 @@ def _simulate(sc: Scenario, steady: bool) -> tuple[Workload, Trace]:
             repeat = nest(repeat, layers)
         if repeat is not None:
             end = repeat.shift_s(max(t.end_s for t in timings))
-            ops = repeat.step_ops(len(reduced.ops))
+            ops = repeat.step_ops(reduced.full_ops)
             if not pipeline:
                 return wl, Trace(simulated, tuple(timings), events[0], end, ops, repeat)
             peaks, worst = stage_peaks(events)
             return wl, Trace(reduced, tuple(timings), events[worst], end, ops, repeat,
                              stage_ledger_events=events, worst_stage=worst, stage_peaks_bytes=peaks)
-    wl, schedule = build_schedule(sc, wl)
+    wl, schedule = build_schedule(sc, wl, skip_layers=steady and not pipeline)
     if steady and not pipeline:   # the step's identical layers, simulated once (layer_repeat.py)
-        return wl, simulate_layers(schedule, wl, sc.cluster, sc.precision)
+        trace = simulate_layers(schedule, wl, sc.cluster, sc.precision)
+        if trace is None:   # layers the builder left out did not run alike: every layer built
+            wl, schedule = build_schedule(sc, wl)
+            trace = simulate_layers(schedule, wl, sc.cluster, sc.precision)
+        return wl, trace
     return wl, simulate(schedule, sc.cluster, sc.precision)
 
 

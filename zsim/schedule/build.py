@@ -9,6 +9,7 @@ from zsim.schedule import interleaved, offload, pipeline, stage3, stage012
 from zsim.schedule.builder import Builder
 from zsim.schedule.context import StepContext
 from zsim.schedule.ir import Schedule
+from zsim.schedule.layer_skip import Abort
 from zsim.schedule.passes import exchanges
 from zsim.workload.lora import apply_training
 from zsim.workload.module import DTYPE_BYTES, Workload
@@ -50,11 +51,23 @@ def with_micro_steps(sc: Scenario, micro_steps: int) -> Scenario:
 
 
 def build_schedule(sc: Scenario, wl: Workload | None = None, micro_steps: int | None = None,
-                   templates: bool = True) -> tuple[Workload, Schedule]:
+                   templates: bool = True, skip_layers: bool = False) -> tuple[Workload, Schedule]:
     """The step's schedule; `micro_steps` builds it with that many micro-steps instead of
     the scenario's gradient accumulation steps (the steady-state engine's shortened step);
     `templates=False` builds every pass instead of copying stationary ones (see [Note: pass
-    templates]; the same ops either way)."""
+    templates]; the same ops either way). `skip_layers`: ZeRO-3's passes leave out the layers
+    that repeat exactly, listed in Schedule.skipped (see [Note: layers the builder skips]); a
+    backward that cannot leave out its forward's layers gets the step built whole."""
+    if skip_layers:
+        try:
+            return _build(sc, wl, micro_steps, templates, True)
+        except Abort:
+            pass
+    return _build(sc, wl, micro_steps, templates, False)
+
+
+def _build(sc: Scenario, wl: Workload | None, micro_steps: int | None, templates: bool,
+           skip_layers: bool) -> tuple[Workload, Schedule]:
     wl = wl or workload_for(sc)
     if micro_steps is not None:
         sc = with_micro_steps(sc, micro_steps)
@@ -63,7 +76,8 @@ def build_schedule(sc: Scenario, wl: Workload | None = None, micro_steps: int | 
     templates = templates and sc.gradient_accumulation_steps >= 3
     # every ZeRO collective of a stage runs over its data-parallel group (of its tensor-parallel rank)
     ctx = StepContext(sc=sc, wl=wl, b=Builder(), param_bytes=DTYPE_BYTES[sc.precision], world=sc.data_parallel_size,
-                      reduce_bytes=DTYPE_BYTES[sc.deepspeed.reduction_dtype], pass_templates={} if templates else None)
+                      reduce_bytes=DTYPE_BYTES[sc.deepspeed.reduction_dtype], pass_templates={} if templates else None,
+                      skip_layers=skip_layers)
     ctx.exchanges = exchanges(ctx)
     tp = sc.tensor_parallel_size
     if sc.pipeline_stages > 1:
@@ -76,4 +90,6 @@ def build_schedule(sc: Scenario, wl: Workload | None = None, micro_steps: int | 
         else:
             stage012.build(ctx)
         schedule = ctx.b.build(sc.zero.stage, sc.cluster.world_size, offload.host_settings(ctx), tensor=tp)
+        if ctx.layer_skip is not None and ctx.layer_skip.skipped:
+            schedule = replace(schedule, skipped=tuple(sorted(ctx.layer_skip.skipped, key=lambda k: k.at)))
     return wl, replace(schedule, tf32=True) if sc.matmul_dtype == "tf32" else schedule

@@ -26,6 +26,10 @@ class StepContext:
     passes: dict = field(default_factory=dict)
     # (phase, runs first?) -> the pass copied to other micro-steps (see [Note: pass templates]); None: none
     pass_templates: dict | None = field(default_factory=dict)
+    # the passes may skip layers that repeat (see [Note: layers the builder skips]): asked by the
+    # caller, and where stage3.py supports it, its layer_skip.LayerSkip (None: build every layer)
+    skip_layers: bool = False
+    layer_skip: object = None
 
     def for_slice(self, wl: Workload) -> StepContext:
         """A pipeline stage's (or model chunk's) context: this step's settings over its slice of

@@ -324,6 +324,20 @@ class PipelineLayout:
 
 
 @dataclass(frozen=True)
+class SkippedLayers:
+    """Layers a pass did not build (see [Note: layers the builder skips]): `count` copies, each
+    `length` ops, of the `length` ops just before op `at` (the window), which stand in for them;
+    the ops from `at` on come after the skipped ones. `settle`: periodic copies built before the
+    window."""
+    name: str
+    region: tuple[int, str]     # (micro-step, "f" forward, "b" recompute and backward, "s" post-step gathers)
+    at: int
+    count: int
+    length: int
+    settle: int
+
+
+@dataclass(frozen=True)
 class Schedule:
     stage: int
     world_size: int
@@ -334,6 +348,12 @@ class Schedule:
     pipeline: PipelineLayout | None = None   # None: one stage (static, host_static are its rank's)
     tensor: int = 1                 # tensor-parallel size: each simulated rank is one rank of a TP group
     tf32: bool = False              # fp32 matmuls on tensor cores (training.tf32): priced at the tf32 peak
+    skipped: tuple[SkippedLayers, ...] = ()     # in `at` order; ops the full step has beyond `ops`
+
+    @property
+    def full_ops(self) -> int:
+        """Ops of the full step: those built and those the skipped layers would have added."""
+        return len(self.ops) + sum(k.count * k.length for k in self.skipped)
 
     @property
     def data_parallel(self) -> int:

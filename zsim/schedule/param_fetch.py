@@ -185,21 +185,31 @@ class ParamCoordinator:
         step_id = visit_index + 1
         candidates = [p for p in params if p not in self.persistent and self.most_recent[p] <= step_id]
         if z.max_reuse_distance > 0 and candidates:
-            # walking the trace from the next visit, a param reused at visit j is kept if the
-            # numel traversed before j is still under the distance
-            start = self.visit_prefix[step_id]
-            kept = set()
-            for p in candidates:
-                uses = self.uses[p]
-                j = bisect.bisect_right(uses, visit_index)
-                if j < len(uses) and self.visit_prefix[uses[j]] - start < z.max_reuse_distance:
-                    kept.add(p)
+            kept = self.reused_within(visit_index)
             candidates = [p for p in candidates if p not in kept]
         return tuple(candidates)
+
+    def reused_within(self, visit_index: int) -> set[int]:
+        """The params of visit `visit_index` reused within max_reuse_distance: walking the trace
+        from the next visit, a param reused at visit j is kept if the numel traversed before j
+        is still under the distance (see [Note: parameter release])."""
+        z = self.ctx.sc.zero
+        start = self.visit_prefix[visit_index + 1]
+        kept = set()
+        for p in self.visits[visit_index].params:
+            uses = self.uses[p]
+            j = bisect.bisect_right(uses, visit_index)
+            if j < len(uses) and self.visit_prefix[uses[j]] - start < z.max_reuse_distance:
+                kept.add(p)
+        return kept
 
     def reset(self):
         """reset_step: every non-persistent param back in its partition, the trace rewound."""
         self.status = {pid: (AVAILABLE if pid in self.persistent else NOT_AVAILABLE) for pid in range(len(self.numels))}
+        # the params gathered and not yet released (never the persistent ones), and the pid whose
+        # GATHERED tag a param's free names where a skipped layer gathered it (layer_skip.py)
+        self.gathered: set[int] = set()
+        self.tag_pid: dict[int, int] = {}
         self.gather_op: dict[int, int] = {}
         # see [Note: all-gather flat buffer]: the gather (op id) each in-flight param is waited from,
         # the params of each flat buffer not yet waited, and the buffers the next module frees
@@ -219,6 +229,7 @@ class ParamCoordinator:
         pids = [p for p in pids if self.status[p] == NOT_AVAILABLE]
         if not pids:
             return None
+        self.gathered.update(pids)
         if self.dry:
             for p in pids:
                 self.status[p] = AVAILABLE
@@ -321,14 +332,15 @@ class ParamCoordinator:
         for p in frozen:
             if self.status[p] == AVAILABLE:
                 self._drop(p)
+                tag_pid = self.tag_pid.pop(p, p)
                 if self.allocates and not self.dry:
-                    self.ctx.b.add_free(op, Tag(Buffer.GATHERED, micro, p))
+                    self.ctx.b.add_free(op, Tag(Buffer.GATHERED, micro, tag_pid))
 
     def release_all(self, micro: int, op: int):
         """release_and_reset_all at the end of backward."""
         for p, st in self.status.items():
             if st == AVAILABLE and p not in self.persistent and self.allocates:
-                self.ctx.b.add_free(op, Tag(Buffer.GATHERED, micro, p))
+                self.ctx.b.add_free(op, Tag(Buffer.GATHERED, micro, self.tag_pid.get(p, p)))
         # the registry's leftovers are waited here; their flat buffers go with them
         self.ctx.b.add_free(op, *(Tag(Buffer.GATHER_FLAT, micro, flat) for flat in self.unwaited), *self.waited)
         views = self.pending_views + sum(self.wait_views.values())
@@ -337,6 +349,7 @@ class ParamCoordinator:
         self.reset()
 
     def _drop(self, p: int):
+        self.gathered.discard(p)
         self.status[p] = NOT_AVAILABLE
         self.gather_op.pop(p, None)
         self.n_available -= self.numels[p]

@@ -160,7 +160,19 @@ def _forward(ctx: StepContext, hooks: StageHooks, micro: int, after: int | None)
     full = ctx.checkpointing == "full"
     last = after
     block_temps: list[Tag] = []
-    for module in ctx.wl.modules:
+    mods, skip = ctx.wl.modules, ctx.layer_skip
+    if skip is not None:
+        skip.start_pass()
+    i = 0
+    while i < len(mods):
+        module = mods[i]
+        i += 1
+        if skip is not None and module.layer >= 0 and skip.geo.first_module[module.layer] == i - 1:
+            # see [Note: layers the builder skips]
+            layer = skip.forward(micro, module.layer)
+            if layer != module.layer:
+                module = mods[skip.geo.first_module[layer]]
+                i = skip.geo.first_module[layer] + 1
         last = _before(ctx, module, micro, Phase.FORWARD, last)
         deps = hooks.pre_module(ctx, module, micro, Phase.FORWARD) + [last]
         checkpointed = full and _is_layer(module)
@@ -226,7 +238,19 @@ def _backward_modules(ctx: StepContext, hooks: StageHooks, micro: int, after: in
     full = ctx.checkpointing == "full"
     last = after
     recomputed: set[int] = set()
-    for module in reversed(ctx.wl.modules):
+    mods, skip = ctx.wl.modules, ctx.layer_skip
+    if skip is not None:
+        skip.start_pass()
+    i = len(mods)
+    while i > 0:
+        i -= 1
+        module = mods[i]
+        if skip is not None and module.layer >= 0 and skip.geo.last_module[module.layer] == i:
+            # see [Note: layers the builder skips]
+            layer = skip.backward(micro, module.layer)
+            if layer != module.layer:
+                i = skip.geo.last_module[layer]
+                module = mods[i]
         checkpointed = full and _is_layer(module)
         if checkpointed and module.layer not in recomputed:
             recomputed.add(module.layer)

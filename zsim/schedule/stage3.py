@@ -7,6 +7,7 @@ from __future__ import annotations
 from zsim.schedule import offload
 from zsim.schedule.context import StageHooks, StepContext
 from zsim.schedule.grad_buckets import Zero3Buckets
+from zsim.schedule.layer_skip import SETTLE, LayerSkip
 from zsim.schedule.ir import Category, Collective, OpKind, Phase, Stream
 from zsim.schedule.payloads import Comm, ParamGather
 from zsim.schedule.optimizer import (FP32_BYTES, NORM_DTYPE_BYTES, grad_norm_ops, model_state_bytes,
@@ -90,6 +91,12 @@ def build(ctx: StepContext):
     numels = [p.numel for p in ctx.wl.params]
     persistent = persistent_params(numels, z.param_persistence_threshold, z.model_persistence_threshold)
     hooks = Zero3Hooks(ctx, persistent)
+    # layers the builder skips: one dense stack on a data-parallel group, nothing per layer
+    # that the hooks' state does not hold (offloaded copies, exchanges, CPU checkpoints, leaves)
+    if (ctx.skip_layers and ctx.world > 1 and not ctx.params_offloaded and not ctx.optimizer_offloaded
+            and not ctx.exchanges and not ctx.cpu_checkpointing and not hooks.fetch.leaves):
+        skip = LayerSkip(ctx, hooks)
+        ctx.layer_skip = skip if skip.active else None
     shard = shard_numel(numels, ctx.world)
     # every param is partitioned; gradients and optimizer states cover the trainable ones
     # (see [Note: frozen parameters under ZeRO])
@@ -131,7 +138,17 @@ def build(ctx: StepContext):
     # [Note: coalesced post-step gathers] _post_step: persistent params re-gathered one call each,
     # in registration order, all launched async before any is waited
     # (partition_parameters.py _allgather_params_coalesced)
-    for p in persistent if ctx.world > 1 else ():   # one rank gathers nothing (see [Note: one-rank ZeRO-3 fetch])
+    gathered = persistent if ctx.world > 1 else ()   # one rank gathers nothing (see [Note: one-rank ZeRO-3 fetch])
+    # see [Note: layers the builder skips]: the middle layers' gathers repeat one layer on
+    skipped = ctx.layer_skip.post_step(gathered) if ctx.layer_skip is not None and gathered else None
+    i = 0
+    while i < len(gathered):
+        if skipped is not None and i == skipped[0]:
+            n_layer = (skipped[1] - skipped[0]) // (ctx.wl.layers - SETTLE - 2)
+            ctx.layer_skip.note_post_step(ctx.last_micro, ctx.b.next_id, ctx.wl.layers - SETTLE - 2, n_layer)
+            i = skipped[1]
+        p = gathered[i]
+        i += 1
         n = padded(numels[p], ctx.world)
         last = ctx.b.add(OpKind.PERSISTENT_GATHER, Stream.COMPUTE, Phase.STEP, ctx.last_micro,
                          ParamGather(Comm(Collective.ALL_GATHER, n, n * ctx.param_bytes,

@@ -1,0 +1,120 @@
+"""Layers the ZeRO-3 builder skips (zsim/schedule/layer_skip.py, see [Note: layers the builder
+skips]): the schedule it builds is, op for op, the full build with the same layers dropped by
+layer_blocks.compress, and the step it simulates is the step of every op."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from tests.helpers import ROOT, scenario
+from tests.test_layer_repeat import MODELS, _equal_results
+from tests.test_steady import VARIANTS
+from zsim.api import run_scenario
+from zsim.config.scenario import scenario_from_mapping
+from zsim.engine import layer_blocks
+from zsim.engine.layer_repeat import LayerRepeat, _skipped_gaps
+from zsim.schedule import layer_skip
+from zsim.schedule.build import build_schedule
+from zsim.schedule.ir import Buffer, Tag
+
+SKIPPED = ("stage3", "stage3-fp16", "stage3-selective", "stage3-full")
+
+
+def _as_compressed(short):
+    """`short` with its flat-buffer tags named by the full step's op ids, as compress keeps them
+    (the builder names them by the ids it gives the ops)."""
+    _, kept = _skipped_gaps(short)
+
+    def tag(t):
+        return Tag(t.buffer, t.micro, kept[t.key], t.phase) if t.buffer == Buffer.GATHER_FLAT else t
+    return [replace(op, alloc=tuple(replace(a, tag=tag(a.tag)) for a in op.alloc), free=tuple(map(tag, op.free)),
+                    free_before=tuple(map(tag, op.free_before))) for op in short.ops]
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("name", SKIPPED)
+def test_the_skipped_schedule_is_the_full_one_compressed(name, model):
+    for gas in (1, 2, 3):
+        sc = scenario(**VARIANTS[name], **MODELS[model], **{"training.gradient_accumulation_steps": gas})
+        wl, short = build_schedule(sc, skip_layers=True)
+        _, full = build_schedule(sc)
+        regions = {k.region for k in short.skipped}
+        assert regions == {(m, d) for m in range(gas) for d in "fb"} | {(gas - 1, "s")}, f"GAS {gas}"
+        assert short.full_ops == len(full.ops)
+        gaps, kept = _skipped_gaps(short)
+        plan = layer_blocks.GapPlan(tuple(gaps), layer_blocks._alloc_sites(full.ops),
+                                    layer_blocks._Places(len(full.ops), layer_blocks._blocks(full, wl)))
+        compressed, _, compress_kept = layer_blocks.compress(full, plan)
+        assert compress_kept == kept
+        assert _as_compressed(short) == list(compressed.ops), f"GAS {gas}"
+
+
+@pytest.mark.parametrize("name", SKIPPED)
+def test_the_step_simulated_from_skipped_layers_is_the_full_step(name):
+    for gas in (1, 3, 7):
+        sc = scenario(**VARIANTS[name], **MODELS["gpt-32"], **{"training.gradient_accumulation_steps": gas})
+        reused, trace = run_scenario(sc)
+        full, full_trace = run_scenario(sc, steady=False)
+        assert trace.schedule.skipped, f"GAS {gas}: the builder built every layer"
+        assert trace.events_processed == len(full_trace.schedule.ops)
+        _equal_results(reused, full)
+
+
+def test_gpt3_175b_builds_a_fraction_of_its_layers():
+    sc = scenario_from_mapping({
+        "name": "gpt3-175b-zero3-1024", "model": {"preset": "gpt3-175b"},
+        "hardware": {"profile": "dgx-a100-80g", "nodes": 128},
+        "training": {"micro_batch_size": 1, "seq_len": 2048, "precision": "bf16", "activation_checkpointing": "full"},
+        "deepspeed": {"zero_optimization": {"stage": 3, "overlap_comm": True}}}, ROOT)
+    _, short = build_schedule(sc, skip_layers=True)
+    assert {k.region for k in short.skipped} == {(0, "f"), (0, "b"), (0, "s")}
+    assert len(short.ops) < 0.2 * short.full_ops
+    reused, trace = run_scenario(sc)
+    full, _ = run_scenario(sc, steady=False)
+    assert isinstance(trace.repeat, LayerRepeat)
+    _equal_results(reused, full)
+
+
+def test_a_backward_that_does_not_repeat_gets_the_step_built_whole(monkeypatch):
+    """The backward must drop its forward's layers; where its state does not repeat over them
+    (forced here) the builder aborts and builds every layer, and the old detector takes over."""
+    sc = scenario(**VARIANTS["stage3"], **MODELS["gpt-32"])
+    periodic = layer_skip.LayerSkip._periodic
+
+    def forward_only(self):
+        return periodic(self) and self._history[-1][1][0] == "f"
+    monkeypatch.setattr(layer_skip.LayerSkip, "_periodic", forward_only)
+    _, built = build_schedule(sc, skip_layers=True)
+    _, full = build_schedule(sc)
+    assert not built.skipped and built == full
+    reused, trace = run_scenario(sc)
+    assert isinstance(trace.repeat, LayerRepeat) and not trace.schedule.skipped
+    _equal_results(reused, run_scenario(sc, steady=False)[0])
+
+
+def test_layers_that_do_not_run_alike_are_simulated_from_a_whole_build(monkeypatch):
+    """Where a window of the skipped schedule does not repeat in time (forced here), the step is
+    built whole and simulated as before."""
+    import zsim.engine.layer_repeat as layer_repeat
+    sc = scenario(**VARIANTS["stage3-full"], **MODELS["gpt-32"])
+    expected, _ = run_scenario(sc, steady=False)
+    window = layer_repeat._window
+    monkeypatch.setattr(layer_repeat, "_window",
+                        lambda gap, schedule, *a: None if schedule.skipped else window(gap, schedule, *a))
+    reused, trace = run_scenario(sc)
+    assert not trace.schedule.skipped and isinstance(trace.repeat, LayerRepeat)
+    _equal_results(reused, expected)
+
+
+@pytest.mark.parametrize("name", ["stage3-offload-cpu", "stage3-offload-nvme", "stage2"])
+def test_what_the_builder_does_not_skip(name):
+    """Offloaded ZeRO-3 (copies per layer outside the hooks' state) and the stages below 3 are
+    built whole; the engine's detector still drops their layers where they repeat."""
+    _, built = build_schedule(scenario(**VARIANTS[name], **MODELS["gpt-32"]), skip_layers=True)
+    assert not built.skipped
+
+
+def test_constants_follow_the_engine():
+    assert layer_skip.SETTLE == layer_blocks.SETTLING_BLOCKS
+    assert layer_skip.REACH == layer_blocks.MAX_PERIOD_LAYERS
