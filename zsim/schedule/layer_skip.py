@@ -34,6 +34,8 @@ from zsim.workload.module import Module, Param
 # periodic blocks kept before a window at least (zsim.engine.layer_blocks.SETTLING_BLOCKS, tested
 # equal), more when the state refers further back (layer_blocks._settle's rule)
 SETTLE = 3
+# backward blocks built before its state repeats, at most (more: the step is built whole)
+BACKWARD_START = 3
 # layers back (and ahead) an id of the state is compared as an offset from the boundary's
 # (layer_blocks.MAX_PERIOD_LAYERS: ZeRO-3 prefetches several layers ahead when a layer is small)
 REACH = 8
@@ -138,7 +140,8 @@ class LayerSkip:
         self.geo = _Geometry(ctx, hooks.fetch)
         self.skipped: list[SkippedLayers] = []
         self.gaps: dict[int, tuple[int, int]] = {}     # micro-step -> layers [a, b) its passes drop
-        self._history: list = []                        # this pass: (layer, fingerprint, op id, flushes)
+        self._history: list = []        # this pass: (layer, fingerprint, op id, flushes, reach) per boundary
+        self._pass_start = 0
 
     @property
     def active(self) -> bool:
@@ -146,6 +149,7 @@ class LayerSkip:
 
     def start_pass(self):
         self._history = []
+        self._pass_start = self.ctx.b.next_id    # ops before the pass are compared as they are
 
     # -- the boundaries --------------------------------------------------------------------
 
@@ -153,7 +157,9 @@ class LayerSkip:
         """Before layer `layer`'s first module in a forward: the first layer to build next."""
         if micro in self.gaps or not self._record(layer, "f"):
             return layer
-        b = self.geo.layers - 1 - 2 * (self._settle() + 2)
+        # the backward needs its own settle + 2 alike boundaries above the gap, after the blocks
+        # its start settles over (lm_head's and the last layers' gathers)
+        b = self.geo.layers - 1 - (self._settle() + 2) - BACKWARD_START
         # at least `reach` layers dropped, so that no two kept references name one stand-in
         # (layer_blocks._least_copies)
         if (b - layer < max(1, self._history[-1][4]) or not self._periodic()
@@ -201,7 +207,7 @@ class LayerSkip:
         if f.step_id != self.geo.visit_base[d][layer] or self.hooks.leaf is not None:
             self._history.append((layer, None, self.ctx.b.next_id, self.hooks.buckets.flushes, 0))
             return False
-        floor = self._history[-REACH][2] if len(self._history) >= REACH else 0
+        floor = self._history[-REACH][2] if len(self._history) >= REACH else self._pass_start
         fp, oldest = self._fingerprint(layer, d, floor)
         # layers back the oldest op the state refers to was added (reach, as layer_blocks._reach)
         reach = 1 + sum(1 for x in self._history if x[2] > oldest) if oldest is not None else 0
