@@ -71,7 +71,9 @@ def test_small_per_rank_shares_starve_the_bus_bandwidth():
 
 def test_tree_wins_small_all_reduce_across_nodes_and_ring_the_huge_one():
     assert _cost("all_reduce", 1 << 20, _cluster(nodes=16)).algorithm == "Tree"
-    assert _cost("all_reduce", 1 << 33, _cluster(nodes=2)).algorithm == "Ring"
+    # (two H100 nodes run NVLSTree; on A100, without NVLS, the huge one is Ring)
+    assert _cost("all_reduce", 1 << 33, _cluster(nodes=2, profile="dgx-a100-80g")).algorithm == "Ring"
+    assert _cost("all_reduce", 1 << 33, _cluster(nodes=16)).algorithm == "Ring"
     # Tree latency is logarithmic in nodes: 16 -> 512 nodes adds far less than the ring would
     t16, t512 = (_cost("all_reduce", 64.0, _cluster(nodes=n)) for n in (16, 512))
     assert t512.latency_s < 2 * t16.latency_s
@@ -86,11 +88,14 @@ def test_user_settings_restrict_the_choice():
     assert _cost("all_reduce", 1 << 20, _cluster(nodes=16, algo="ring")).algorithm == "Ring"
     assert _cost("all_gather", 4096, _cluster(proto="Simple")).protocol == "Simple"
     assert _cost("all_reduce", 1 << 20, _cluster(nodes=16, algo="ring;allreduce:tree")).algorithm == "Tree"
-    full = _cost("all_gather", 1 << 33, _cluster())
-    quarter = _cost("all_gather", 1 << 33, _cluster(max_nchannels=4))
+    full = _cost("all_gather", 1 << 33, _cluster(algo="ring"))
+    quarter = _cost("all_gather", 1 << 33, _cluster(max_nchannels=4, algo="ring"))
     assert quarter.transfer_s == pytest.approx(4 * full.transfer_s)
     # duplicated channels share the same links: no more than the link's bandwidth
     assert _cost("all_gather", 1 << 33, _cluster(min_nchannels=32)).transfer_s == pytest.approx(full.transfer_s)
+    # the channel limits are the ring graph's: NVLS keeps its graph (its CTAs are NCCL_NVLS_NCHANNELS'),
+    # so a ring of four channels loses a node's gather to NVLS
+    assert _cost("all_gather", 1 << 33, _cluster(max_nchannels=4)).algorithm == "NVLS"
 
 
 def test_bad_nccl_settings_are_one_line_errors():
@@ -137,3 +142,41 @@ def test_an_nccl_setting_that_leaves_a_collective_no_algorithm_is_refused_in_one
     assert main(["run", "--quiet", "--set", setting]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no algorithm NCCL can run" in err[0]
+
+
+def test_nvls_runs_a_nodes_all_reduce_and_nvls_tree_across_two_nodes():
+    """See [Note: NVLS in NCCL's tuner]: DGX H100's NVLS graph (8 channels, 40/48 GB/s): one
+    node's large AllReduce is NVLS at 8 x 40 x 5/6 GB/s after 25 us, two nodes' NVLSTree at the
+    same bandwidth after 25 + 2 x 14 us; from four nodes NVLSTree halves bwInter."""
+    size = 1 << 33
+    one = _cost("all_reduce", size, _cluster())
+    assert (one.algorithm, one.protocol) == ("NVLS", "Simple")
+    assert one.latency_s == pytest.approx(25e-6)
+    assert one.transfer_s == pytest.approx(size / (8 * 40 * 5 / 6 * 1e9))
+    assert _busbw_GBps("all_reduce", size, _cluster()) == pytest.approx(466.7, abs=1.0)
+    two = _cost("all_reduce", size, _cluster(nodes=2))
+    assert (two.algorithm, two.latency_s) == ("NVLSTree", pytest.approx(53e-6))
+    assert two.transfer_s == pytest.approx(size / (8 * 40 * 5 / 6 * 1e9))
+    four = choose("all_reduce", 64e6, 4, 8, nccl_topo_for(_cluster(nodes=4)))
+    assert four.algorithm == "NVLSTree" and four.bw_GBps == pytest.approx(8 * 24 * 5 / 6)
+    assert four.latency_us == pytest.approx(25 + 2 * 2 * 14)
+
+
+def test_nvls_leaves_gathers_on_ring_and_needs_a_node_of_more_than_two_gpus():
+    # AllGather/ReduceScatter over NVLS: 8 x min(40 x 7/8, 0.9 x 48) = 280 GB/s for the whole
+    # buffer, below Ring's 360 x 8/7; across nodes NVLS needs CollNet: Ring either way
+    topo = nccl_topo_for(_cluster())
+    assert choose("all_gather", 1 << 30, 1, 8, topo).algorithm == "Ring"
+    forced = choose("reduce_scatter", 1 << 30, 1, 8, nccl_topo_for(_cluster(algo="nvls")))
+    assert (forced.algorithm, forced.bw_GBps) == ("NVLS", pytest.approx(280.0))
+    assert _cost("all_gather", 1 << 30, _cluster(nodes=4)).algorithm == "Ring"
+    # two GPUs of a node (a TP2 group) or a group on part of a node: no NVLS graph (nvls.cc:160)
+    assert _cost("all_reduce", 1 << 30, _cluster(gpus=2)).algorithm == "Ring"
+    assert _cost("all_reduce", 1 << 30, _cluster(algo="^nvls,nvlstree")).algorithm == "Ring"
+    assert _cost("all_reduce", 1 << 30, _cluster(nvls_channels=0)).algorithm == "Ring"
+    # A100 has no NVLS graph, and a profile saying otherwise is refused
+    assert _cost("all_reduce", 1 << 30, _cluster(profile="dgx-a100-80g")).algorithm == "Ring"
+    with pytest.raises(ZsimInputError, match="nvls_channels"):
+        load_profile("dgx-a100-80g", {"nccl": {"nvls_channels": 8, "nvls_bw_intra_GBps": 40, "nvls_bw_inter_GBps": 48}})
+    with pytest.raises(ZsimInputError, match="nvls_bw_intra_GBps"):
+        load_profile("dgx-h100", {"nccl": {"nvls_bw_intra_GBps": 0}})

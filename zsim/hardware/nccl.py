@@ -14,9 +14,22 @@ lines with flags) halves the bandwidth for a small step latency, LL128 keeps 120
 Simple has the full bandwidth and the largest latency. Tree (all-reduce only) pays log2(nodes)
 network steps. PAT (all-gather/reduce-scatter) runs only with one GPU per node.
 
-Not modelled: NVLS and CollNet (NVLink SHARP / in-network reduction; NCCL disables them across
-nodes without a CollNet plugin, and zsim's profiles describe no such hardware), the tuner's
-per-call channel reduction (it does not change NCCL's time estimate), and tuner plugins.
+[Note: NVLS in NCCL's tuner]
+On an NVSwitch node with multicast (Hopper or later) NCCL also prices NVLS (the switch reduces
+and multicasts: AllReduce, AllGather, ReduceScatter) and NVLSTree (NVLS in the node, a tree
+across nodes: AllReduce only), Simple protocol only, for a communicator with more than two GPUs
+on a node (transport/nvls.cc:160). NVLS proper is off across nodes unless a CollNet plugin is
+enabled (tuning.cc:444-448), NVLSTree is off in one node (:443). Their bandwidth comes from the
+NVLS graph (search.cc pattern 5, a profile's nvls_* keys): NVLS AllReduce ch x min(bwIntra,
+bwInter) x 5/6, AllGather/ReduceScatter ch x min(bwIntra (ppn-1)/ppn, 0.9 bwInter) for the whole
+buffer (no conversion), NVLSTree ch x min(bwIntra, bwInter, halved beyond two nodes) x 5/6
+(tuning.cc:266-276, 321-327); latency a flat 25 us in the node, NVLSTree 2 log2(nodes) network
+steps of 14 us more (:137-155, 367-371). On a DGX H100 that makes a large one-node AllReduce
+467 GB/s bus bandwidth against Ring's 360, two nodes' 500; AllGather and ReduceScatter stay on
+Ring (NVLS gives them 245). The graph is searched for the job's GPUs per node; zsim has the
+profile's full-node graph, so a group on fewer GPUs of a node is priced without NVLS.
+Not modelled: CollNet (in-network reduction needs a CollNet plugin and NCCL_COLLNET_ENABLE),
+the tuner's per-call channel reduction (it does not change NCCL's time estimate), and tuner plugins.
 """
 from __future__ import annotations
 
@@ -31,13 +44,17 @@ FUNC = {"broadcast": "Broadcast", "reduce": "Reduce", "all_gather": "AllGather",
         "reduce_scatter": "ReduceScatter", "all_reduce": "AllReduce"}
 ARCHS = ("volta", "ampere", "hopper", "blackwell")   # tuning.cc compCapIndex order
 
-# tuning.cc baseLat [algo][proto], us: Tree, Ring (CollNet/NVLS zero, not modelled; PAT sets its own)
-BASE_LAT_US = {"Tree": (6.8, 14.0, 8.4), "Ring": (6.6, 14.0, 8.4), "PAT": (0.0, 0.0, 0.0)}
+# tuning.cc baseLat [algo][proto], us: Tree, Ring, NVLS, NVLSTree (CollNet zero, not modelled; PAT sets its own)
+BASE_LAT_US = {"Tree": (6.8, 14.0, 8.4), "Ring": (6.6, 14.0, 8.4), "PAT": (0.0, 0.0, 0.0),
+               "NVLS": (0.0, 0.0, 0.0), "NVLSTree": (0.0, 0.0, 0.0)}
 # tuning.cc hwLat [NVLINK|PCI|NET][algo][proto], us
 HW_LAT_US = {
-    "nvlink": {"Tree": (0.6, 1.25, 4.0), "Ring": (0.6, 1.9, 3.4), "PAT": (0.0, 0.0, 0.0)},
-    "pci": {"Tree": (1.0, 1.9, 4.0), "Ring": (1.0, 2.5, 5.7), "PAT": (0.0, 0.0, 0.0)},
-    "net": {"Tree": (5.0, 8.5, 14.0), "Ring": (2.7, 4.0, 14.0), "PAT": (0.0, 0.0, 0.0)},
+    "nvlink": {"Tree": (0.6, 1.25, 4.0), "Ring": (0.6, 1.9, 3.4), "PAT": (0.0, 0.0, 0.0),
+               "NVLS": (0.0, 0.0, 25.0), "NVLSTree": (0.0, 0.0, 25.0)},
+    "pci": {"Tree": (1.0, 1.9, 4.0), "Ring": (1.0, 2.5, 5.7), "PAT": (0.0, 0.0, 0.0),
+            "NVLS": (0.0, 0.0, 0.0), "NVLSTree": (0.0, 0.0, 0.0)},
+    "net": {"Tree": (5.0, 8.5, 14.0), "Ring": (2.7, 4.0, 14.0), "PAT": (0.0, 0.0, 0.0),
+            "NVLS": (0.0, 0.0, 18.0), "NVLSTree": (0.0, 0.0, 14.0)},
 }
 # tuning.cc llMaxBws [arch for 1 node | Intel, AMD across nodes][nodes 1, 2, >2], GB/s
 LL_MAX_BW_1NODE = {"volta": 39.0, "ampere": 87.7, "hopper": 141.0, "blackwell": 2 * 141.0}
@@ -72,6 +89,11 @@ class NcclTopo:
     latency_inter_us: float
     algos: tuple[tuple[str, frozenset[str]], ...]    # function -> enabled algorithms (NCCL_ALGO)
     protos: tuple[tuple[str, frozenset[str]], ...]   # function -> enabled protocols (NCCL_PROTO)
+    # the NVLS graph of a full node (see [Note: NVLS in NCCL's tuner]); 0 channels: no NVLS
+    nvls_channels: int = 0
+    nvls_bw_intra_GBps: float = 0.0
+    nvls_bw_inter_GBps: float = 0.0
+    node_gpus: int = 0                # the node the NVLS graph was searched on
 
 
 @dataclass(frozen=True)
@@ -82,8 +104,27 @@ class NcclChoice:
     bw_GBps: float                   # NCCL's algorithm bandwidth: time = latency + bytes / bw
 
 
+def _nvls_lat_bw(func: str, algo: str, ppn: float, n_nodes: int, topo: NcclTopo) -> tuple[float, float]:
+    """NVLS / NVLSTree's cell of ncclTopoTuneModel (Simple): see [Note: NVLS in NCCL's tuner]."""
+    intra, inter = topo.nvls_bw_intra_GBps, topo.nvls_bw_inter_GBps
+    if algo == "NVLS":
+        bw = min(intra, inter) if func == "AllReduce" else min(intra * (ppn - 1) / ppn, inter * 0.9)
+    else:
+        bw = min(intra, inter if n_nodes <= 2 else inter / 2)
+    bus = topo.nvls_channels * bw
+    if func == "AllReduce":     # AllGather/ReduceScatter: the whole buffer at busBw, no conversion
+        bus *= 5.0 / 6.0
+    intra_lat = HW_LAT_US["nvlink"][algo][2]
+    inter_lat = HW_LAT_US["net"][algo][2] + 2 * topo.latency_inter_us   # the flush's extra latency (Simple)
+    if algo == "NVLS":
+        return intra_lat + (inter_lat if n_nodes > 1 else 0.0), bus
+    return BASE_LAT_US[algo][2] + intra_lat + 2 * int(math.log2(n_nodes)) * inter_lat, bus
+
+
 def _lat_bw(func: str, algo: str, p: int, n_ranks: int, n_nodes: int, topo: NcclTopo) -> tuple[float, float] | None:
     """One cell of ncclTopoTuneModel: (latency us, algorithm bandwidth GB/s), None when unused."""
+    if algo in ("NVLS", "NVLSTree"):
+        return _nvls_lat_bw(func, algo, n_ranks / n_nodes, n_nodes, topo)
     nsteps = 2 * (n_ranks - 1) if func == "AllReduce" else n_ranks - 1 if func in ("AllGather", "ReduceScatter") \
         else n_ranks
     node_idx = min(n_nodes, 3) - 1
@@ -136,8 +177,19 @@ def _lat_bw(func: str, algo: str, p: int, n_ranks: int, n_nodes: int, topo: Nccl
 def _candidates(func: str, n_ranks: int, n_nodes: int, topo: NcclTopo):
     """The (algorithm, protocol index) pairs ncclTopoTuneModel prices for `func` and NCCL_ALGO/PROTO leave on."""
     algos, protos = dict(topo.algos)[func], dict(topo.protos)[func]
-    for algo in ("Tree", "Ring", "PAT"):
+    ppn = n_ranks // n_nodes
+    for algo in ("Tree", "Ring", "PAT", "NVLS", "NVLSTree"):
         if algo not in algos:
+            continue
+        if algo in ("NVLS", "NVLSTree"):
+            # nvls.cc:160 more than two GPUs of the node; the graph zsim has is the full node's;
+            # NVLS across nodes needs CollNet (tuning.cc:444-448), NVLSTree more than one node
+            # (:443) and runs AllReduce only (:256-258); Simple only (:262)
+            if (not topo.nvls_channels or ppn <= 2 or ppn != topo.node_gpus or "Simple" not in protos
+                    or (algo == "NVLS" and (n_nodes > 1 or func not in ("AllReduce", "AllGather", "ReduceScatter")))
+                    or (algo == "NVLSTree" and (n_nodes == 1 or func != "AllReduce"))):
+                continue
+            yield algo, 2
             continue
         if func in ("Broadcast", "Reduce") and algo != "Ring":
             continue
@@ -198,5 +250,7 @@ def topo_for(nccl, intra_busbw_GBps: float, node_net_GBps: float, gpus_per_node:
                     bw_intra_GBps=intra_busbw_GBps / nccl.ring_channels, bw_inter_GBps=inter_peak / nccl.ring_channels,
                     peak_intra_GBps=intra_busbw_GBps * ch / nccl.ring_channels,
                     peak_inter_GBps=inter_peak * ch / nccl.ring_channels, latency_inter_us=nccl.net_latency_us,
-                    algos=tuple(sorted(algos.items())), protos=tuple(sorted(protos.items())))
+                    algos=tuple(sorted(algos.items())), protos=tuple(sorted(protos.items())),
+                    nvls_channels=nccl.nvls_channels, nvls_bw_intra_GBps=nccl.nvls_bw_intra_GBps,
+                    nvls_bw_inter_GBps=nccl.nvls_bw_inter_GBps, node_gpus=gpus_per_node)
 

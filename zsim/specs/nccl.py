@@ -64,6 +64,15 @@ class NcclProfile:
     algo: Optional[str] = spec(None, doc="NCCL_ALGO as set for the job (e.g. 'ring', '^tree', "
                                          "'ring;allreduce:tree'); unset: NCCL's default")
     proto: Optional[str] = spec(None, doc="NCCL_PROTO as set for the job (e.g. '^LL128'); unset: NCCL's default")
+    # NCCL's NVLS graph (NVLink SHARP: an NVSwitch with multicast, Hopper or later): src/graph/search.cc
+    # pattern 5 on a node of the profile's GPUs; see [Note: NVLS in NCCL's tuner]
+    nvls_channels: int = spec(0, ge=0, le=32, doc="channels of NCCL's NVLS graph on a node of this profile's GPUs "
+                                                  "(NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=GRAPH prints 'Pattern 5, "
+                                                  "crossNic 0, nChannels N, bw X/Y'); 0: no NVLS (no NVSwitch "
+                                                  "multicast, before Hopper, or NCCL_NVLS_ENABLE=0)")
+    nvls_bw_intra_GBps: float = spec(0.0, ge=0, doc="that graph's per-channel bandwidth X in a node, GB/s")
+    nvls_bw_inter_GBps: float = spec(0.0, ge=0, doc="a multi-node job's NVLS graph's per-channel bandwidth Y "
+                                                    "across nodes, GB/s (its NIC path)")
     min_nchannels: Optional[int] = spec(None, ge=1, le=64, doc="NCCL_MIN_NCHANNELS")
     max_nchannels: Optional[int] = spec(None, ge=1, le=64, doc="NCCL_MAX_NCHANNELS")
 
@@ -74,6 +83,15 @@ class NcclProfile:
                     parse_nccl_list(text, elems)
                 except ValueError as err:
                     raise ValueError(key, text, str(err)) from None
+        if self.nvls_channels and self.intra_link != "nvlink":
+            raise ValueError("nvls_channels", self.nvls_channels, "NVLS runs on an NVSwitch (intra_link: nvlink); set 0")
+        if self.nvls_channels and (self.arch not in ("hopper", "blackwell")):
+            # search.cc: no NVLS graph below compute capability 9.0
+            raise ValueError("nvls_channels", self.nvls_channels, f"NCCL builds no NVLS graph on {self.arch} "
+                             "(Hopper or later only); set 0")
+        if self.nvls_channels and not (self.nvls_bw_intra_GBps > 0 and self.nvls_bw_inter_GBps > 0):
+            raise ValueError("nvls_bw_intra_GBps", self.nvls_bw_intra_GBps, "an NVLS graph needs both its "
+                             "bandwidths (nvls_bw_intra_GBps, nvls_bw_inter_GBps > 0), as NCCL_DEBUG prints them")
         if self.min_nchannels and self.max_nchannels and self.min_nchannels > self.max_nchannels:
             raise ValueError("min_nchannels", self.min_nchannels, "must not exceed max_nchannels")
 
