@@ -16,7 +16,7 @@ from zsim.schedule.param_fetch import ParamCoordinator, leaf_of
 from zsim.schedule.partition import (grads_ready_at, padded, persistent_params, shard_numel, sub_group_sizes,
                                      trainable_numels)
 from zsim.schedule.passes import backward, forward
-from zsim.schedule.tensor import sequence_parallel_grads
+from zsim.schedule.tensor import TensorCollectives, sequence_parallel_grads
 from zsim.workload.module import Module
 
 
@@ -92,9 +92,11 @@ def build(ctx: StepContext):
     persistent = persistent_params(numels, z.param_persistence_threshold, z.model_persistence_threshold)
     hooks = Zero3Hooks(ctx, persistent)
     # layers the builder skips: one dense stack on a data-parallel group, nothing per layer
-    # that the hooks' state does not hold (offloaded copies, exchanges, CPU checkpoints, leaves)
+    # that the hooks' state does not hold (offloaded copies, MoE's exchanges, CPU checkpoints,
+    # leaves); tensor parallelism's collectives hold none (TensorCollectives: per module only)
     if (ctx.skip_layers and ctx.world > 1 and not ctx.params_offloaded and not ctx.optimizer_offloaded
-            and not ctx.exchanges and not ctx.cpu_checkpointing and not hooks.fetch.leaves):
+            and all(isinstance(x, TensorCollectives) for x in ctx.exchanges)
+            and not ctx.cpu_checkpointing and not hooks.fetch.leaves):
         skip = LayerSkip(ctx, hooks)
         ctx.layer_skip = skip if skip.active else None
     shard = shard_numel(numels, ctx.world)
