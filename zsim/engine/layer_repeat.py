@@ -22,8 +22,9 @@ compares both with simulating every op.
 """
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
+from functools import cached_property
 
 from zsim.engine.layer_blocks import Gap, Refused, compress, op_shape, plan_gaps, whole_regions
 from zsim.engine.ledger import LedgerError
@@ -64,8 +65,19 @@ class LayerRepeat:
                 return w.copies
         return 1
 
+    @cached_property
+    def _skips(self) -> tuple[list[float], list]:
+        """The windows' ends (ascending: they are in time order and do not overlap) and the
+        time skipped before each, summed in order: shift_s in a bisection, the same sums."""
+        ends, skipped = [], [0]
+        for w in self.windows:
+            ends.append(w.end_s)
+            skipped.append(skipped[-1] + w.skipped_s)
+        return ends, skipped
+
     def shift_s(self, time_s: float) -> float:
-        return time_s + sum(w.skipped_s for w in self.windows if time_s >= w.end_s)
+        ends, skipped = self._skips
+        return time_s + skipped[bisect_right(ends, time_s)]
 
     def segments(self) -> tuple[tuple[float, float, int], ...]:
         """(start_s, end_s, copies): the simulated time split so that each piece stands for
@@ -337,7 +349,7 @@ class LayeredRepeat:
     def _inside(self, w: LayerWindow) -> bool:
         return self.micro.start_s <= w.start_s and w.end_s <= self.micro.end_s
 
-    @property
+    @cached_property
     def micro_period_s(self) -> float:
         """One micro-step on the full step's clock."""
         return self.micro.period_s + sum(w.skipped_s for w in self.layers.windows if self._inside(w))
