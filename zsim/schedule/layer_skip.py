@@ -176,7 +176,9 @@ class LayerSkip:
         if layer > gap[1] - 1:
             self._record(layer, "b")
             return layer
-        if not (self._record(layer, "b") and self._periodic() and self._skip(micro, "b", layer, gap[1] - gap[0], -1)):
+        count = gap[1] - gap[0]
+        if not (self._record(layer, "b") and count >= max(1, self._history[-1][4]) and self._periodic()
+                and self._skip(micro, "b", layer, count, -1)):
             raise Abort(f"micro-step {micro}: the backward does not repeat over layers {gap[0]}-{gap[1] - 1}")
         return gap[0] - 1
 
