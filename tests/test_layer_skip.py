@@ -81,6 +81,25 @@ def test_tensor_parallel_layers_are_skipped_too(sequence_parallel):
         _equal_results(reused, run_scenario(sc, steady=False)[0])
 
 
+@pytest.mark.parametrize("name", ("stage3", "stage3-full"))
+def test_a_backward_whose_bucket_spans_layers_skips_whole_periods(name):
+    """An IPG bucket of about 1.6 layers' gradients fills alike every 3 layers: the forward drops
+    a multiple of 3 layers and the backward drops them 3 at a time, op for op as compress does."""
+    model = {**MODELS["gpt-32"], "model.layers": 48, "deepspeed.zero_optimization.reduce_bucket_size": 20_000_000}
+    for gas in (1, 2):
+        sc = scenario(**VARIANTS[name], **model, **{"training.gradient_accumulation_steps": gas})
+        wl, short = build_schedule(sc, skip_layers=True)
+        _, full = build_schedule(sc)
+        assert {(k.region[1], k.layers) for k in short.skipped} == {("f", 1), ("b", 3), ("s", 1)}
+        gaps, kept = _skipped_gaps(short)
+        plan = layer_blocks.GapPlan(tuple(gaps), layer_blocks._alloc_sites(full.ops),
+                                    layer_blocks._Places(len(full.ops), layer_blocks._blocks(full, wl)))
+        assert _as_compressed(short) == list(layer_blocks.compress(full, plan)[0].ops)
+        reused, trace = run_scenario(sc)
+        assert trace.schedule.skipped
+        _equal_results(reused, run_scenario(sc, steady=False)[0])
+
+
 def test_gpt3_175b_builds_a_fraction_of_its_layers():
     sc = scenario_from_mapping({
         "name": "gpt3-175b-zero3-1024", "model": {"preset": "gpt3-175b"},
@@ -102,8 +121,8 @@ def test_a_backward_that_does_not_repeat_gets_the_step_built_whole(monkeypatch):
     sc = scenario(**VARIANTS["stage3"], **MODELS["gpt-32"])
     periodic = layer_skip.LayerSkip._periodic
 
-    def forward_only(self):
-        return periodic(self) and self._history[-1][1][0] == "f"
+    def forward_only(self, p):
+        return periodic(self, p) and self._history[-1][1][0] == "f"
     monkeypatch.setattr(layer_skip.LayerSkip, "_periodic", forward_only)
     _, built = build_schedule(sc, skip_layers=True)
     _, full = build_schedule(sc)

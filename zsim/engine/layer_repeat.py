@@ -278,7 +278,7 @@ def _skipped_gaps(schedule: Schedule) -> tuple[list[Gap], list[int]]:
         while mark is not None and mark.at == i:
             first = i + dropped
             gaps.append(Gap(mark.name, mark.region, first, mark.count, mark.length, (first - mark.length, first),
-                            settle=mark.settle))
+                            mark.layers, mark.settle))
             dropped += mark.count * mark.length
             mark = next(marks, None)
         kept.append(i + dropped)

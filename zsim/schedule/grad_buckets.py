@@ -118,6 +118,20 @@ from zsim.schedule.partition import (bucket_slices, call_sizes, grads_in_partiti
                                      scatter_views)
 
 
+def overflows(bucket_numel: int, numel: int, bucket_size: float) -> bool:
+    """reduce_independent_p_g_buckets_and_remove_grads: adding `numel` elements to a bucket of
+    `bucket_numel` reduces the bucket first when they would exceed reduce_bucket_size (an empty
+    bucket is not reduced: one param larger than the bucket fills it alone)."""
+    return bucket_numel + numel > bucket_size
+
+
+def bucket_fill(fill: int, numels, bucket_size: float) -> int:
+    """The bucket's elements after its gradient hooks add `numels` in order (see `overflows`)."""
+    for n in numels:
+        fill = (0 if fill and overflows(fill, n, bucket_size) else fill) + n
+    return fill
+
+
 class _Buckets:
     """Bucket filling shared by the stages; `_flush` turns a bucket into calls."""
 
@@ -142,7 +156,7 @@ class _Buckets:
     def add(self, pid: int, micro: int, after: int):
         """A gradient hook after op `after` puts `pid` into the bucket."""
         numel = self.numels[pid]
-        if self.bucket_numel + numel > self.ctx.sc.zero.reduce_bucket_size:
+        if overflows(self.bucket_numel, numel, self.ctx.sc.zero.reduce_bucket_size):
             first = self.ctx.b.next_id
             self.flush(micro, after)
             if self.holds_triggering_tensors and self.ctx.b.next_id > first:

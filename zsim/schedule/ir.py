@@ -326,15 +326,16 @@ class PipelineLayout:
 @dataclass(frozen=True)
 class SkippedLayers:
     """Layers a pass did not build (see [Note: layers the builder skips]): `count` copies, each
-    `length` ops, of the `length` ops just before op `at` (the window), which stand in for them;
-    the ops from `at` on come after the skipped ones. `settle`: periodic copies built before the
-    window."""
+    `length` ops over `layers` layers, of the `length` ops just before op `at` (the window),
+    which stand in for them; the ops from `at` on come after the skipped ones. `settle`:
+    periodic copies built before the window."""
     name: str
     region: tuple[int, str]     # (micro-step, "f" forward, "b" recompute and backward, "s" post-step gathers)
     at: int
     count: int
     length: int
     settle: int
+    layers: int = 1             # layers per copy (a backward whose gradient bucket repeats every few layers)
 
 
 @dataclass(frozen=True)

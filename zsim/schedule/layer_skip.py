@@ -15,8 +15,11 @@ the copy's (ParamCoordinator.tag_pid). The state is compared in a relative form
 (`_fingerprint`): ids within REACH layers of the boundary as offsets, older ones as they are;
 an older op or param that changes from layer to layer leaves the pass whole. A micro-step's
 backward drops the layers its forward dropped (their activations are never allocated); if its
-own state does not repeat over them, the step is built whole (`Abort`). The post-step gathers
-of the persistent params repeat layer by layer and drop the middle layers likewise.
+own state does not repeat over them, the step is built whole (`Abort`); its gradient bucket may
+fill alike only every few layers, so the forward drops a multiple of that period (read from
+the bucket's fill at each block: grad_buckets.bucket_fill) and the backward drops whole
+periods. The post-step gathers of the persistent params repeat layer by layer and drop the
+middle layers likewise.
 The kept blocks before each gap (SETTLE periodic ones and the window) are what the engine
 compares; the schedule carries the gaps (Schedule.skipped) and the engine simulates it like
 one layer_blocks.compress shortened. tests/test_layer_skip.py compares both with building
@@ -27,7 +30,9 @@ from __future__ import annotations
 from dataclasses import fields
 from operator import attrgetter
 
+from zsim.schedule.grad_buckets import bucket_fill
 from zsim.schedule.ir import Phase, SkippedLayers
+from zsim.schedule.partition import grads_ready_at
 from zsim.schedule.param_fetch import AVAILABLE, NOT_AVAILABLE
 from zsim.workload.module import Module, Param
 
@@ -75,6 +80,20 @@ class _Geometry:
                    and all(self._key(wl, mods, x) == self._key(wl, mods, 0) for x in range(1, n)))
         if self.ok:
             self.ok = self._visits(fetch)
+        if self.ok:
+            self._fills(ctx)
+
+    def _fills(self, ctx):
+        """The gradient bucket's elements at each backward block's boundary (layers descending),
+        its hooks adding each module's ready gradients (grad_buckets.bucket_fill)."""
+        ready, numels, size = grads_ready_at(ctx.wl), [q.numel for q in ctx.wl.params], ctx.sc.zero.reduce_bucket_size
+        self.fills = [0] * self.layers
+        fill = 0
+        for i in range(len(ctx.wl.modules) - 1, -1, -1):
+            m = ctx.wl.modules[i]
+            if m.layer >= 0 and self.last_module[m.layer] == i:
+                self.fills[m.layer] = fill
+            fill = bucket_fill(fill, [numels[q] for q in ready[m.name]], size)
 
     def _key(self, wl, mods, x):
         """Layer x's modules and params but for names, layer and ids (made relative to the layer)."""
@@ -131,6 +150,11 @@ class _Geometry:
                       tuple(p - base for p in fetch.visits[k].params if p in fetch.persistent)) for k in ks)
 
 
+def _least_copies(reach: int, p: int) -> int:
+    """Chunks of `p` layers a gap drops at least: layer_blocks._least_copies."""
+    return max(1, -(-reach // p))
+
+
 class LayerSkip:
     """Decides, at each layer boundary of a ZeRO-3 pass, whether to skip layers, and shifts the
     hooks' state over them (see [Note: layers the builder skips])."""
@@ -155,18 +179,22 @@ class LayerSkip:
 
     def forward(self, micro: int, layer: int) -> int:
         """Before layer `layer`'s first module in a forward: the first layer to build next."""
-        if micro in self.gaps or not self._record(layer, "f"):
+        if micro in self.gaps or not self._record(layer, "f") or not self._periodic(1):
             return layer
-        # the backward needs its own settle + 2 alike boundaries above the gap, after the blocks
-        # its start settles over (lm_head's and the last layers' gathers)
-        b = self.geo.layers - 1 - (self._settle() + 2) - BACKWARD_START
+        p = self._backward_period(layer)
+        if p is None:
+            return layer
+        # the backward needs its own settle + 2 alike boundaries above the gap (p layers apart),
+        # after the blocks its start settles over (lm_head's and the last layers' gathers); it
+        # drops the same layers, whole periods of its gradient bucket
+        b = self.geo.layers - 1 - (self._settle(p) + 2) * p - BACKWARD_START
+        count = (b - layer) // p * p
         # at least `reach` layers dropped, so that no two kept references name one stand-in
         # (layer_blocks._least_copies)
-        if (b - layer < max(1, self._history[-1][4]) or not self._periodic()
-                or not self._skip(micro, "f", layer, b - layer, +1)):
+        if count < max(1, self._history[-1][4]) or not self._skip(micro, "f", layer, count, +1, 1):
             return layer
-        self.gaps[micro] = (layer, b)
-        return b
+        self.gaps[micro] = (layer, layer + count, p)
+        return layer + count
 
     def backward(self, micro: int, layer: int) -> int:
         """Before layer `layer` of a backward (layers descending): the next layer to build."""
@@ -176,11 +204,21 @@ class LayerSkip:
         if layer > gap[1] - 1:
             self._record(layer, "b")
             return layer
-        count = gap[1] - gap[0]
-        if not (self._record(layer, "b") and count >= max(1, self._history[-1][4]) and self._periodic()
-                and self._skip(micro, "b", layer, count, -1)):
-            raise Abort(f"micro-step {micro}: the backward does not repeat over layers {gap[0]}-{gap[1] - 1}")
-        return gap[0] - 1
+        a, b, p = gap
+        if not (self._record(layer, "b") and (b - a) // p >= _least_copies(self._history[-1][4], p)
+                and self._periodic(p) and self._skip(micro, "b", layer, b - a, -1, p)):
+            raise Abort(f"micro-step {micro}: the backward does not repeat over layers {a}-{b - 1}")
+        return a - 1
+
+    def _backward_period(self, layer: int) -> int | None:
+        """The layers after which the backward's gradient bucket fills alike again (its fill at
+        each block's boundary, from the hooks' add rule), over the layers from `layer` - 1 up to
+        where the backward settles; None past REACH layers."""
+        fills, top = self.geo.fills, self.geo.layers - 1 - BACKWARD_START
+        for p in range(1, REACH + 1):
+            if all(fills[x] == fills[x + p] for x in range(layer - 1, top - p + 1)):
+                return p
+        return None
 
     def post_step(self, persistent: tuple[int, ...]) -> tuple[int, int] | None:
         """The persistent params' post-step gathers: the (first, end) positions in `persistent`
@@ -216,16 +254,18 @@ class LayerSkip:
         self._history.append((layer, fp, self.ctx.b.next_id, self.hooks.buckets.flushes, reach))
         return True
 
-    def _settle(self) -> int:
-        """Periodic blocks kept before the window: layer_blocks._settle(reach, 1)."""
-        return max(SETTLE, self._history[-1][4] - 1)
+    def _settle(self, p: int) -> int:
+        """Periodic chunks of `p` layers kept before the window: layer_blocks._settle(reach, p)."""
+        return max(SETTLE, _least_copies(self._history[-1][4], p) - 1)
 
-    def _periodic(self) -> bool:
-        """The last settle + 2 boundaries alike: settle + 1 blocks each the one before one layer
-        on, and the next too. Every such block adds as many ops and bucket flushes."""
-        n = self._settle() + 2
-        h = self._history[-n:]
-        if len(h) < n or h[0][1] is None or any(x[1] != h[0][1] for x in h):
+    def _periodic(self, p: int) -> bool:
+        """The last settle + 2 boundaries `p` layers apart alike: settle + 1 chunks each the one
+        before `p` layers on, and the next too. Every such chunk adds as many ops and bucket flushes."""
+        n = self._settle(p) + 2
+        if len(self._history) < 1 + (n - 1) * p:
+            return False
+        h = self._history[len(self._history) - 1 - (n - 1) * p::p]
+        if h[0][1] is None or any(x[1] != h[0][1] for x in h):
             return False
         steps = {(y[2] - x[2], y[3] - x[3]) for x, y in zip(h, h[1:])}
         return len(steps) == 1
@@ -267,14 +307,14 @@ class LayerSkip:
                 tuple(map(rp, bk.bucket)), bk.bucket_numel, tuple((t.buffer, rp(t.key)) for t in bk.pending),
                 ro(bk.last_reduce), ro(bk.last_d2h)), oldest[0]
 
-    def _skip(self, micro: int, d: str, layer: int, count: int, sign: int) -> bool:
-        """Shift the hooks' state `count` layers on (`sign` -1: layers descending) and note the
-        gap; False (nothing changed) when the prefetcher would read past the alike layers in
-        them, or has marked a use outside the ids the fingerprint compares as offsets."""
+    def _skip(self, micro: int, d: str, layer: int, count: int, sign: int, period: int) -> bool:
+        """Shift the hooks' state `count` layers on (`sign` -1: layers descending), chunks of
+        `period` layers, and note the gap; False (nothing changed) when the prefetcher would read past the
+        alike layers in them, or has marked a use outside the ids the fingerprint compares as offsets."""
         geo, h = self.geo, self.hooks
         f, bk = h.fetch, h.buckets
-        (_, _, at_prev, fl_prev, _), (_, _, at, fl, _) = self._history[-2:]
-        settle = self._settle()
+        (_, _, at_prev, fl_prev, _), (_, _, at, fl, _) = self._history[-1 - period], self._history[-1]
+        settle = self._settle(period)
         length, flushes = at - at_prev, fl - fl_prev
         base = geo.base0 + layer * geo.ppl
         lo, hi = base - REACH * geo.ppl, base + (REACH + 1) * geo.ppl
@@ -308,12 +348,12 @@ class LayerSkip:
         f.step_id += dk
         if h.current_visit is not None:
             h.current_visit += dk
-        bk.bucket = [sp(p) for p in bk.bucket]
-        bk.flushes += count * flushes
-        # named as layer_blocks names a gap: after its window, the last block built before it
-        window = layer - 1 if sign > 0 else layer + 1
+        bk.bucket = [sp(q) for q in bk.bucket]
+        bk.flushes += count // period * flushes
+        # named as layer_blocks names a gap: after its window, the last chunk built before it
+        first, last = (layer - period, layer - 1) if sign > 0 else (layer + period, layer + 1)
         what = "forward" if d == "f" else "backward"
-        self.skipped.append(SkippedLayers(f"{what} of layers {window}-{window}, micro-step {micro}", (micro, d),
-                                          self.ctx.b.next_id, count, length, settle))
+        self.skipped.append(SkippedLayers(f"{what} of layers {first}-{last}, micro-step {micro}", (micro, d),
+                                          self.ctx.b.next_id, count // period, length, settle, period))
         self._history = []
         return True
