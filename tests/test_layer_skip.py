@@ -169,8 +169,8 @@ def test_random_zero3_configurations_skip_layers_exactly():
     rng = random.Random(20261127)
     zero = "deepspeed.zero_optimization"
     used = 0
-    for _ in range(16):
-        changes = {"model.layers": rng.choice([14, 20, 32]), "model.hidden": 256, "model.heads": 4,
+    for _ in range(20):
+        changes = {"model.layers": rng.choice([24, 32, 48]), "model.hidden": 256, "model.heads": 4,
                    "training.micro_batch_size": rng.choice([1, 4]), "training.seq_len": 512, "model.seq_len": 512,
                    "training.gradient_accumulation_steps": rng.choice([1, 2, 3]),
                    "training.activation_checkpointing": rng.choice(["none", "full", "selective"]),

@@ -166,6 +166,7 @@ class LayerSkip:
         self.gaps: dict[int, tuple[int, int]] = {}     # micro-step -> layers [a, b) its passes drop
         self._history: list = []        # this pass: (layer, fingerprint, op id, flushes, reach) per boundary
         self._pass_start = 0
+        self.whole = False              # the first micro-step's forward did not repeat: build every layer
 
     @property
     def active(self) -> bool:
@@ -179,7 +180,7 @@ class LayerSkip:
 
     def forward(self, micro: int, layer: int) -> int:
         """Before layer `layer`'s first module in a forward: the first layer to build next."""
-        if micro in self.gaps or not self._record(layer, "f") or not self._periodic(1):
+        if self.whole or micro in self.gaps or not self._record(layer, "f") or not self._periodic(1):
             return layer
         p = self._backward_period(layer)
         if p is None:
@@ -199,6 +200,12 @@ class LayerSkip:
     def backward(self, micro: int, layer: int) -> int:
         """Before layer `layer` of a backward (layers descending): the next layer to build."""
         gap = self.gaps.get(micro)
+        if gap is None and not self.whole:
+            # a micro-step built whole leaves its layers to the engine's detector, which drops
+            # them only in a schedule whose builder dropped none (layer_repeat.run_layers)
+            if micro:
+                raise Abort(f"micro-step {micro}: the forward does not repeat")
+            self.whole = True
         if gap is None or layer < gap[1] - 1:
             return layer
         if layer > gap[1] - 1:
@@ -224,6 +231,8 @@ class LayerSkip:
         """The persistent params' post-step gathers: the (first, end) positions in `persistent`
         of the layers to skip, or None; layers [0, SETTLE] are built (the window: SETTLE)."""
         geo = self.geo
+        if self.whole:
+            return None
         per_layer: dict[int, list[int]] = {}
         for i, p in enumerate(persistent):
             per_layer.setdefault(geo.layer_of_pid(p), []).append(i)
