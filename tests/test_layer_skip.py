@@ -155,9 +155,6 @@ def test_what_the_builder_does_not_skip(name):
     assert not built.skipped
 
 
-def test_constants_follow_the_engine():
-    assert layer_skip.SETTLE == layer_blocks.SETTLING_BLOCKS
-    assert layer_skip.REACH == layer_blocks.MAX_PERIOD_LAYERS
 
 
 def test_random_zero3_configurations_skip_layers_exactly():

@@ -12,13 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from zsim.schedule.ir import Op, Phase, Schedule
+from zsim.schedule.gap_rules import MAX_PERIOD_LAYERS, SETTLING_BLOCKS, least_copies, settle_chunks
 from zsim.schedule.payloads import Copy, ModulePass
 from zsim.workload.module import Workload
 
-# periodic blocks simulated before a window: the three periods compared (layer_repeat._window)
-# end with it, and one more that may still be settling from the blocks before the run; more when
-# a block waits on (or frees a buffer of) a block further back (`_reach`)
-SETTLING_BLOCKS = 3
 
 
 def op_shape(op: Op):
@@ -285,37 +282,21 @@ def _refs(op: Op, sites) -> list[int]:
     return [*op.deps, *(r for r, _ in before[op.id]), *(r for r, _ in after[op.id])]
 
 
-def _least_copies(reach: int, p: int) -> int:
-    """Chunks of `p` layers a gap must drop so that what a kept block after it refers to in the
-    gap stands in for a kept op no kept block after the gap refers to itself (fewer, and two
-    references would name one op: its buffer freed twice)."""
-    return max(1, -(-reach // p))
-
-
-def _settle(reach: int, p: int) -> int:
-    """Periodic chunks of `p` layers kept before a window: SETTLING_BLOCKS, or enough that a
-    block `reach` layers on refers back to kept ones only (the window is one more)."""
-    return max(SETTLING_BLOCKS, _least_copies(reach, p) - 1)
-
-
-# the longest period, in layers, tried: IPG buckets that span a few layers repeat every few layers
-MAX_PERIOD_LAYERS = 8
-
 
 def _layer_gaps(passes, canon, reach) -> list[Gap]:
     """Layers [g0, g1) dropped from a micro-step's forward and backward (the same layers, so
     activations stay paired), `p` at a time, for the shortest period p that drops any, in every
     micro-step whose forward and backward both repeat over them (a boundary backward whose
     reductions have no short period keeps its micro-step whole). Forward: the window is the
-    chunk before g0 after `_settle` periodic chunks, and the chunk after the gap is periodic
+    chunk before g0 after `settle_chunks` periodic chunks, and the chunk after the gap is periodic
     too; backward (layers descending): the window is the chunk from g1, likewise."""
     micros = sorted({m for m, d in passes if d in "fb"})
     if not micros or any((m, d) not in passes for m in micros for d in "fb"):
         return []
     far = max(reach[(m, d)] for m in micros for d in "fb")
     for p in range(1, MAX_PERIOD_LAYERS + 1):
-        s = _settle(far, p)
-        least = p * _least_copies(far, p)
+        s = settle_chunks(far, p)
+        least = p * least_copies(far, p)
         for phase in range(p):
             lo, hi = -1 << 30, 1 << 30
             chunks, joined = {}, []
@@ -360,9 +341,9 @@ def _gaps(schedule: Schedule, wl: Workload, sites, blocks=None) -> tuple[list[Ga
     reach = _reach(schedule.ops, sites, places, passes)
     gaps = _layer_gaps(passes, canon, reach)
     for (m, d), blocks in passes.items():
-        s = _settle(reach[(m, d)], 1)
+        s = settle_chunks(reach[(m, d)], 1)
         run = _run(blocks, canon, 1, False) if d == "s" else None
-        if run is not None and run[1] - run[0] - s - 1 >= _least_copies(reach[(m, d)], 1):
+        if run is not None and run[1] - run[0] - s - 1 >= least_copies(reach[(m, d)], 1):
             at = {layer: (a, end) for layer, a, end in blocks}
             window = at[run[0] + s]
             gaps.append(Gap(f"post-step gathers of layer {run[0] + s}", (m, d), window[1], run[1] - run[0] - s - 1,

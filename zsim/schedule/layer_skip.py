@@ -15,7 +15,8 @@ the copy's (ParamCoordinator.tag_pid). The state is compared in a relative form
 (`_fingerprint`): ids within REACH layers of the boundary as offsets, older ones as they are;
 an older op or param that changes from layer to layer leaves the pass whole. A micro-step's
 backward drops the layers its forward dropped (their activations are never allocated); if its
-own state does not repeat over them, the step is built whole (`Abort`); its gradient bucket may
+own state does not repeat over them, the step is built whole (`Abort`; a first forward that
+does not repeat leaves the whole step to the engine's detector); its gradient bucket may
 fill alike only every few layers, so the forward drops a multiple of that period (read from
 the bucket's fill at each block: grad_buckets.bucket_fill) and the backward drops whole
 periods. The post-step gathers of the persistent params repeat layer by layer and drop the
@@ -30,20 +31,18 @@ from __future__ import annotations
 from dataclasses import fields
 from operator import attrgetter
 
+from zsim.schedule.gap_rules import MAX_PERIOD_LAYERS, SETTLING_BLOCKS, least_copies, settle_chunks
 from zsim.schedule.grad_buckets import bucket_fill
 from zsim.schedule.ir import Phase, SkippedLayers
 from zsim.schedule.partition import grads_ready_at
 from zsim.schedule.param_fetch import AVAILABLE, NOT_AVAILABLE
 from zsim.workload.module import Module, Param
 
-# periodic blocks kept before a window at least (zsim.engine.layer_blocks.SETTLING_BLOCKS, tested
-# equal), more when the state refers further back (layer_blocks._settle's rule)
-SETTLE = 3
+# periodic blocks kept before a window at least, and layers back (and ahead) an id of the state
+# is compared as an offset from the boundary's (gap_rules)
+SETTLE, REACH = SETTLING_BLOCKS, MAX_PERIOD_LAYERS
 # backward blocks built before its state repeats, at most (more: the step is built whole)
 BACKWARD_START = 3
-# layers back (and ahead) an id of the state is compared as an offset from the boundary's
-# (layer_blocks.MAX_PERIOD_LAYERS: ZeRO-3 prefetches several layers ahead when a layer is small)
-REACH = 8
 
 
 class Abort(Exception):
@@ -150,11 +149,6 @@ class _Geometry:
                       tuple(p - base for p in fetch.visits[k].params if p in fetch.persistent)) for k in ks)
 
 
-def _least_copies(reach: int, p: int) -> int:
-    """Chunks of `p` layers a gap drops at least: layer_blocks._least_copies."""
-    return max(1, -(-reach // p))
-
-
 class LayerSkip:
     """Decides, at each layer boundary of a ZeRO-3 pass, whether to skip layers, and shifts the
     hooks' state over them (see [Note: layers the builder skips])."""
@@ -191,7 +185,7 @@ class LayerSkip:
         b = self.geo.layers - 1 - (self._settle(p) + 2) * p - BACKWARD_START
         count = (b - layer) // p * p
         # at least `reach` layers dropped, so that no two kept references name one stand-in
-        # (layer_blocks._least_copies)
+        # (gap_rules.least_copies)
         if count < max(1, self._history[-1][4]) or not self._skip(micro, "f", layer, count, +1, 1):
             return layer
         self.gaps[micro] = (layer, layer + count, p)
@@ -212,7 +206,7 @@ class LayerSkip:
             self._record(layer, "b")
             return layer
         a, b, p = gap
-        if not (self._record(layer, "b") and (b - a) // p >= _least_copies(self._history[-1][4], p)
+        if not (self._record(layer, "b") and (b - a) // p >= least_copies(self._history[-1][4], p)
                 and self._periodic(p) and self._skip(micro, "b", layer, b - a, -1, p)):
             raise Abort(f"micro-step {micro}: the backward does not repeat over layers {a}-{b - 1}")
         return a - 1
@@ -264,8 +258,8 @@ class LayerSkip:
         return True
 
     def _settle(self, p: int) -> int:
-        """Periodic chunks of `p` layers kept before the window: layer_blocks._settle(reach, p)."""
-        return max(SETTLE, _least_copies(self._history[-1][4], p) - 1)
+        """Periodic chunks of `p` layers kept before the window (gap_rules.settle_chunks)."""
+        return settle_chunks(self._history[-1][4], p)
 
     def _periodic(self, p: int) -> bool:
         """The last settle + 2 boundaries `p` layers apart alike: settle + 1 chunks each the one
