@@ -34,7 +34,6 @@ from operator import attrgetter
 from zsim.schedule.gap_rules import MAX_PERIOD_LAYERS, SETTLING_BLOCKS, least_copies, settle_chunks
 from zsim.schedule.grad_buckets import bucket_fill
 from zsim.schedule.ir import Phase, SkippedLayers
-from zsim.schedule.partition import grads_ready_at
 from zsim.schedule.param_fetch import AVAILABLE, NOT_AVAILABLE
 from zsim.workload.module import Module, Param
 
@@ -58,7 +57,7 @@ class _Geometry:
     """The run of identical blocks: params per layer, and per direction visits and trace entries
     per layer, each layer's first visit and trace position."""
 
-    def __init__(self, ctx, fetch):
+    def __init__(self, ctx, fetch, ready):
         wl = ctx.wl
         self.layers = n = wl.layers
         mods = [wl.layer_modules(x) for x in range(n)]
@@ -76,16 +75,16 @@ class _Geometry:
         self.ok = (all(ps == list(range(self.base0 + x * self.ppl, self.base0 + (x + 1) * self.ppl))
                        for x, ps in enumerate(pids))
                    and not any(p in region for m in wl.modules if m.layer < 0 for p in m.params)
-                   and all(self._key(wl, mods, x) == self._key(wl, mods, 0) for x in range(1, n)))
+                   and self._alike(wl, mods))
         if self.ok:
             self.ok = self._visits(fetch)
         if self.ok:
-            self._fills(ctx)
+            self._fills(ctx, ready)
 
-    def _fills(self, ctx):
+    def _fills(self, ctx, ready):
         """The gradient bucket's elements at each backward block's boundary (layers descending),
-        its hooks adding each module's ready gradients (grad_buckets.bucket_fill)."""
-        ready, numels, size = grads_ready_at(ctx.wl), [q.numel for q in ctx.wl.params], ctx.sc.zero.reduce_bucket_size
+        its hooks adding each module's `ready` gradients (grad_buckets.bucket_fill)."""
+        numels, size = [q.numel for q in ctx.wl.params], ctx.sc.zero.reduce_bucket_size
         self.fills = [0] * self.layers
         fill = 0
         for i in range(len(ctx.wl.modules) - 1, -1, -1):
@@ -93,6 +92,10 @@ class _Geometry:
             if m.layer >= 0 and self.last_module[m.layer] == i:
                 self.fills[m.layer] = fill
             fill = bucket_fill(fill, [numels[q] for q in ready[m.name]], size)
+
+    def _alike(self, wl, mods) -> bool:
+        first = self._key(wl, mods, 0)
+        return all(self._key(wl, mods, x) == first for x in range(1, self.layers))
 
     def _key(self, wl, mods, x):
         """Layer x's modules and params but for names, layer and ids (made relative to the layer)."""
@@ -155,7 +158,7 @@ class LayerSkip:
 
     def __init__(self, ctx, hooks):
         self.ctx, self.hooks = ctx, hooks
-        self.geo = _Geometry(ctx, hooks.fetch)
+        self.geo = _Geometry(ctx, hooks.fetch, hooks.ready)
         self.skipped: list[SkippedLayers] = []
         self.gaps: dict[int, tuple[int, int]] = {}     # micro-step -> layers [a, b) its passes drop
         self._history: list = []        # this pass: (layer, fingerprint, op id, flushes, reach) per boundary

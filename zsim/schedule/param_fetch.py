@@ -74,6 +74,8 @@ class Visit:
 
 def leaf_of(module: Module, leaves) -> str | None:
     """The ZeRO-3 leaf container `module` sits in, if any."""
+    if not leaves:      # dense models: asked for every module of every pass
+        return None
     return next((c for c in module.containers if c in leaves), None)
 
 
