@@ -32,20 +32,27 @@ def _as_compressed(short):
                     free_before=tuple(map(tag, op.free_before))) for op in short.ops]
 
 
+def _builds(sc):
+    """(the schedule the builder skips layers of, the full one with the same layers dropped by
+    compress, and each one's ids of the full step)."""
+    wl, short = build_schedule(sc, skip_layers=True)
+    _, full = build_schedule(sc)
+    gaps, kept = _skipped_gaps(short)
+    plan = layer_blocks.GapPlan(tuple(gaps), layer_blocks._alloc_sites(full.ops),
+                                layer_blocks._Places(len(full.ops), layer_blocks._blocks(full, wl)))
+    compressed, _, compress_kept = layer_blocks.compress(full, plan)
+    return short, full, compressed, kept, compress_kept
+
+
 @pytest.mark.parametrize("model", sorted(MODELS))
 @pytest.mark.parametrize("name", SKIPPED)
 def test_the_skipped_schedule_is_the_full_one_compressed(name, model):
     for gas in (1, 2, 3):
         sc = scenario(**VARIANTS[name], **MODELS[model], **{"training.gradient_accumulation_steps": gas})
-        wl, short = build_schedule(sc, skip_layers=True)
-        _, full = build_schedule(sc)
+        short, full, compressed, kept, compress_kept = _builds(sc)
         regions = {k.region for k in short.skipped}
         assert regions == {(m, d) for m in range(gas) for d in "fb"} | {(gas - 1, "s")}, f"GAS {gas}"
         assert short.full_ops == len(full.ops)
-        gaps, kept = _skipped_gaps(short)
-        plan = layer_blocks.GapPlan(tuple(gaps), layer_blocks._alloc_sites(full.ops),
-                                    layer_blocks._Places(len(full.ops), layer_blocks._blocks(full, wl)))
-        compressed, _, compress_kept = layer_blocks.compress(full, plan)
         assert compress_kept == kept
         assert _as_compressed(short) == list(compressed.ops), f"GAS {gas}"
 
@@ -69,13 +76,9 @@ def test_tensor_parallel_layers_are_skipped_too(sequence_parallel):
         sc = scenario(**VARIANTS["stage3-full"], **MODELS["gpt-32"],
                       **{"parallelism.tensor": 2, "parallelism.sequence_parallel": sequence_parallel,
                          "training.gradient_accumulation_steps": gas})
-        wl, short = build_schedule(sc, skip_layers=True)
-        _, full = build_schedule(sc)
+        short, _, compressed, _, _ = _builds(sc)
         assert {d for _, d in (k.region for k in short.skipped)} == {"f", "b", "s"}
-        gaps, kept = _skipped_gaps(short)
-        plan = layer_blocks.GapPlan(tuple(gaps), layer_blocks._alloc_sites(full.ops),
-                                    layer_blocks._Places(len(full.ops), layer_blocks._blocks(full, wl)))
-        assert _as_compressed(short) == list(layer_blocks.compress(full, plan)[0].ops)
+        assert _as_compressed(short) == list(compressed.ops)
         reused, trace = run_scenario(sc)
         assert trace.schedule.skipped
         _equal_results(reused, run_scenario(sc, steady=False)[0])
@@ -88,13 +91,9 @@ def test_a_backward_whose_bucket_spans_layers_skips_whole_periods(name):
     model = {**MODELS["gpt-32"], "model.layers": 48, "deepspeed.zero_optimization.reduce_bucket_size": 20_000_000}
     for gas in (1, 2):
         sc = scenario(**VARIANTS[name], **model, **{"training.gradient_accumulation_steps": gas})
-        wl, short = build_schedule(sc, skip_layers=True)
-        _, full = build_schedule(sc)
+        short, _, compressed, _, _ = _builds(sc)
         assert {(k.region[1], k.layers) for k in short.skipped} == {("f", 1), ("b", 3), ("s", 1)}
-        gaps, kept = _skipped_gaps(short)
-        plan = layer_blocks.GapPlan(tuple(gaps), layer_blocks._alloc_sites(full.ops),
-                                    layer_blocks._Places(len(full.ops), layer_blocks._blocks(full, wl)))
-        assert _as_compressed(short) == list(layer_blocks.compress(full, plan)[0].ops)
+        assert _as_compressed(short) == list(compressed.ops)
         reused, trace = run_scenario(sc)
         assert trace.schedule.skipped
         _equal_results(reused, run_scenario(sc, steady=False)[0])

@@ -164,6 +164,7 @@ class LayerSkip:
         self._history: list = []        # this pass: (layer, fingerprint, op id, flushes, reach) per boundary
         self._pass_start = 0
         self.whole = False              # the first micro-step's forward did not repeat: build every layer
+        self._post_step = (0, 0)        # post_step's choice: layers skipped, gathers per layer
 
     @property
     def active(self) -> bool:
@@ -237,12 +238,14 @@ class LayerSkip:
         if len(counts) != 1 or not counts.pop():
             return None
         first, end = per_layer[SETTLE + 1][0], per_layer[geo.layers - 1][0]
-        n = len(per_layer[0])
-        if end - first != (geo.layers - SETTLE - 2) * n:
+        self._post_step = (geo.layers - SETTLE - 2, len(per_layer[0]))    # layers skipped, gathers per layer
+        if end - first != self._post_step[0] * self._post_step[1]:
             return None
         return first, end
 
-    def note_post_step(self, micro: int, at: int, count: int, length: int):
+    def note_post_step(self, micro: int, at: int):
+        """The gathers `post_step` chose were skipped; op `at` comes after them."""
+        count, length = self._post_step
         self.skipped.append(SkippedLayers(f"post-step gathers of layer {SETTLE}", (micro, "s"), at, count, length,
                                           SETTLE))
 

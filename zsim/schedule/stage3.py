@@ -7,7 +7,7 @@ from __future__ import annotations
 from zsim.schedule import offload
 from zsim.schedule.context import StageHooks, StepContext
 from zsim.schedule.grad_buckets import Zero3Buckets
-from zsim.schedule.layer_skip import SETTLE, LayerSkip
+from zsim.schedule.layer_skip import LayerSkip
 from zsim.schedule.ir import Category, Collective, OpKind, Phase, Stream
 from zsim.schedule.payloads import Comm, ParamGather
 from zsim.schedule.optimizer import (FP32_BYTES, NORM_DTYPE_BYTES, grad_norm_ops, model_state_bytes,
@@ -146,8 +146,7 @@ def build(ctx: StepContext):
     i = 0
     while i < len(gathered):
         if skipped is not None and i == skipped[0]:
-            n_layer = (skipped[1] - skipped[0]) // (ctx.wl.layers - SETTLE - 2)
-            ctx.layer_skip.note_post_step(ctx.last_micro, ctx.b.next_id, ctx.wl.layers - SETTLE - 2, n_layer)
+            ctx.layer_skip.note_post_step(ctx.last_micro, ctx.b.next_id)
             i = skipped[1]
         p = gathered[i]
         i += 1
