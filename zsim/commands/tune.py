@@ -16,7 +16,7 @@ def add_parser(sub):
     p.add_argument("--objective", default="tokens_per_s", choices=("tokens_per_s", "mfu", "step_time_s"))
     p.add_argument("--budget", default="60",
                    help="most configurations to simulate (default 60), or 'all': every candidate the memory "
-                        "lower bound leaves, then the knob refinement")
+                        "and step-time lower bounds leave, then the knob refinement")
     p.add_argument("--top", type=int, default=5, help="how many to print")
     p.add_argument("--out", metavar="DS_CONFIG.json", help="write the best configuration as a ds_config.json")
     p.add_argument("--scenario-out", metavar="SCENARIO.yaml",
@@ -99,13 +99,14 @@ def main(args) -> int:
         raise ZsimInputError("--scenario-out", args.scenario_out, "is the --out file; give the scenario its own path")
     base = Base.load(args.scenario, scenario_overrides(args), workers=workers_count(args.workers))
     try:
-        res = tune(base, args.objective, budget)
+        res = tune(base, args.objective, budget, keep=args.top, headroom=headroom)
     finally:
         base.close()
     res.ranked = distinct(r for r in res.ranked if r[1].fits_with(headroom))
     tune_table(res, args.top, make_console(width))
     print(f"simulated {res.simulated} configurations ({res.shared} of them sharing another's simulation, "
           f"{len(res.pruned)} pruned by the memory lower bound, "
+          f"{len(res.bounded)} skipped by the step-time lower bound, "
           f"{res.rejected} rejected as invalid) in {res.wall_s:.1f} s", file=sys.stderr)
     if args.json:
         rows = [{"rank": i + 1, "set": list(c.assignments()), "stage": c.stage,
@@ -118,7 +119,7 @@ def main(args) -> int:
                  "tokens_per_s_per_gpu": r.tokens_per_s_per_gpu, "mfu": r.mfu, "step_time_s": r.step_time_s,
                  "peak_bytes": r.memory.peak_bytes} for i, (c, r) in enumerate(res.ranked)]
         save(args.json, dumps({"objective": res.objective, "simulated": res.simulated, "shared": res.shared,
-                               "pruned": len(res.pruned),
+                               "pruned": len(res.pruned), "bounded": len(res.bounded),
                                "rejected": res.rejected, "candidates": rows}))
     if not res.ranked:   # the JSON (an empty ranking, the counts) is written all the same
         margin = f" with {headroom:.0%} headroom" if headroom else ""

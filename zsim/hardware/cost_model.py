@@ -33,6 +33,28 @@ _PATHS = {   # links each host transfer crosses
 }
 
 
+def matmul_peak_flops(cluster, precision: str, tf32: bool = False) -> float:
+    """The peak the GEMMs run at: fp32 matmuls with allow_tf32 run on tensor cores (schedule.tf32)."""
+    return cluster.peak_flops("tf32" if tf32 and precision == "fp32" else precision)
+
+
+def compute_work_s(work: ComputeWork, gpu, gpu_fp32, peak_flops: float, dtype_bytes: int) -> float:
+    """The compute link's work of `work` (the engine serves it at rate <= 1: zsim/engine/fluid.py).
+    `gpu`/`gpu_fp32`: the profile's figures for the run's dtype and for fp32 (gpu.for_dtype)."""
+    t = sum(gemm_time_s(m, n, k, dtype_bytes, gpu, peak_flops) for m, n, k in work.gemms)
+    if work.attention_flops:
+        t += attention_time_s(work.attention_flops, work.attention_backward, gpu, peak_flops)
+    if work.mem_bytes:
+        t += memory_bound_time_s(work.mem_bytes, gpu)
+    if work.fp32_mem_bytes:
+        t += memory_bound_time_s(work.fp32_mem_bytes, gpu_fp32)
+    if work.optimizer_bytes:
+        t += optimizer_time_s(work.optimizer_bytes, gpu)
+    if work.accumulate_bytes:
+        t += grad_accumulate_time_s(work.accumulate_bytes, gpu)
+    return t
+
+
 @record
 class OpCost:
     fixed_s: float
@@ -49,8 +71,7 @@ class CostModel:
         self.gpu = prof.gpu.for_dtype(precision)   # the run's dtype's compute figures (gpu.by_dtype)
         self.gpu_fp32 = prof.gpu.for_dtype("fp32")   # kernels in fp32 whatever the precision (the loss's)
         self.cpu = prof.cpu
-        # fp32 matmuls with allow_tf32 run on tensor cores (schedule.tf32)
-        self.peak_flops = cluster.peak_flops("tf32" if tf32 and precision == "fp32" else precision)
+        self.peak_flops = matmul_peak_flops(cluster, precision, tf32)
         self.dtype_bytes = DTYPE_BYTES[precision]
         self.compute_slowdown = prof.interference.compute_slowdown_during_comm
         self.intra, self.inter = tiers_for(cluster)
@@ -95,18 +116,7 @@ class CostModel:
         return fixed
 
     def compute_work_s(self, work: ComputeWork) -> float:
-        t = sum(gemm_time_s(m, n, k, self.dtype_bytes, self.gpu, self.peak_flops) for m, n, k in work.gemms)
-        if work.attention_flops:
-            t += attention_time_s(work.attention_flops, work.attention_backward, self.gpu, self.peak_flops)
-        if work.mem_bytes:
-            t += memory_bound_time_s(work.mem_bytes, self.gpu)
-        if work.fp32_mem_bytes:
-            t += memory_bound_time_s(work.fp32_mem_bytes, self.gpu_fp32)
-        if work.optimizer_bytes:
-            t += optimizer_time_s(work.optimizer_bytes, self.gpu)
-        if work.accumulate_bytes:
-            t += grad_accumulate_time_s(work.accumulate_bytes, self.gpu)
-        return t
+        return compute_work_s(work, self.gpu, self.gpu_fp32, self.peak_flops, self.dtype_bytes)
 
     def op_cost(self, op: Op) -> OpCost:
         """The op's cost, computed once per op shape: a cost depends only on the shape's fields

@@ -28,11 +28,10 @@ def workload_for(sc: Scenario) -> Workload:
     return _workload(*inputs)
 
 
-@lru_cache(maxsize=16)
-def _workload(model, micro_batch_size: int, seq_len: int, precision: str, training, expert_parallel_size: int,
-              tensor: int, sequence_parallel: bool, zero3_linear: bool) -> Workload:
-    """Every input the workload depends on, so the variants of a search (and the attempts of
-    the steady-state engine) that share them share one (frozen) workload."""
+def training_workload(model, micro_batch_size: int, seq_len: int, precision: str, training, expert_parallel_size: int,
+                      tensor: int, sequence_parallel: bool, zero3_linear: bool) -> Workload:
+    """The per-rank workload of these inputs (every input it depends on): the model's modules,
+    then the training spec's frozen parameters and LoRA adapters."""
     wl = build_workload(model, micro_batch_size=micro_batch_size, seq_len=seq_len,
                         precision=precision, flash_attention=training.flash_attention,
                         dropout=training.dropout,
@@ -40,6 +39,11 @@ def _workload(model, micro_batch_size: int, seq_len: int, precision: str, traini
                         expert_parallel_size=expert_parallel_size, tensor=tensor,
                         sequence_parallel=sequence_parallel)
     return apply_training(wl, training, zero3_linear=zero3_linear)
+
+
+# the variants of a search (and the attempts of the steady-state engine) that share the inputs
+# share one (frozen) workload
+_workload = lru_cache(maxsize=16)(training_workload)
 
 
 def with_micro_steps(sc: Scenario, micro_steps: int) -> Scenario:

@@ -81,12 +81,16 @@ def _forward_pass(ctx: StepContext, module: Module) -> ModulePass:
     key = (id(module), False)
     mp = ctx.passes.get(key)
     if mp is None:
-        work = ComputeWork(gemms=linear_gemms(module, False),
-                           attention_flops=module.fwd_flops if module.kind == "attention" else 0.0,
-                           mem_bytes=module.fwd_mem_bytes, fp32_mem_bytes=module.fp32_fwd_mem_bytes,
-                           kernels=module.kernels_fwd, model_flops=module.model_fwd_flops)
-        mp = ctx.passes[key] = ModulePass(module.name, work)
+        mp = ctx.passes[key] = ModulePass(module.name, forward_work(module))
     return mp
+
+
+def forward_work(module: Module) -> ComputeWork:
+    """The compute of `module`'s forward (and of its recompute)."""
+    return ComputeWork(gemms=linear_gemms(module, False),
+                       attention_flops=module.fwd_flops if module.kind == "attention" else 0.0,
+                       mem_bytes=module.fwd_mem_bytes, fp32_mem_bytes=module.fp32_fwd_mem_bytes,
+                       kernels=module.kernels_fwd, model_flops=module.model_fwd_flops)
 
 
 def _backward_pass(ctx: StepContext, module: Module, accumulated: tuple[int, ...] = ()) -> ModulePass:
@@ -95,24 +99,31 @@ def _backward_pass(ctx: StepContext, module: Module, accumulated: tuple[int, ...
     key = (id(module), True, bool(accumulated))
     mp = ctx.passes.get(key)
     if mp is None:
-        selective_recompute = ctx.checkpointing == "selective" and module.act_bytes_s2 > 0
-        # Korthikanti selective: recompute the attention core. Megatron re-runs the whole
-        # CoreAttention forward under tensor_parallel.checkpoint (megatron/model/transformer.py
-        # _checkpointed_attention_forward): baddbmm, scale-mask-softmax, attention dropout and
-        # bmm, so the recompute pays the core's forward memory passes and kernels, not only its FLOPs
-        extra_attn = module.fwd_flops if selective_recompute else 0.0
-        extra_mem, extra_kernels = (module.fwd_mem_bytes, module.kernels_fwd) if selective_recompute else (0.0, 0)
-        extra_fp32 = module.fp32_fwd_mem_bytes if selective_recompute else 0.0
         # see [Note: gradient accumulation add]: grad += new, one add_ per param (read both, write one)
         accumulate = 3.0 * ctx.param_bytes * sum(ctx.wl.params[p].numel for p in accumulated)
-        work = ComputeWork(gemms=linear_gemms(module, True),
-                           attention_flops=(module.bwd_flops + extra_attn) if module.kind == "attention" else 0.0,
-                           attention_backward=True, mem_bytes=module.bwd_mem_bytes + extra_mem,
-                           fp32_mem_bytes=module.fp32_bwd_mem_bytes + extra_fp32,
-                           accumulate_bytes=accumulate, kernels=module.kernels_bwd + extra_kernels + len(accumulated),
-                           model_flops=(_backward_passes(module) + (1 if extra_attn else 0)) * module.model_fwd_flops)
-        mp = ctx.passes[key] = ModulePass(module.name, work)
+        mp = ctx.passes[key] = ModulePass(module.name, backward_work(module, ctx.checkpointing, accumulate,
+                                                                     len(accumulated)))
     return mp
+
+
+def backward_work(module: Module, checkpointing: str, accumulate_bytes: float = 0.0, adds: int = 0) -> ComputeWork:
+    """The compute of `module`'s backward under `checkpointing` (a selective recompute runs in it;
+    a full one is its block's forwards, `forward_work`), with `adds` gradient adds of
+    `accumulate_bytes` into .grads kept from an earlier micro-step."""
+    selective_recompute = checkpointing == "selective" and module.act_bytes_s2 > 0
+    # Korthikanti selective: recompute the attention core. Megatron re-runs the whole
+    # CoreAttention forward under tensor_parallel.checkpoint (megatron/model/transformer.py
+    # _checkpointed_attention_forward): baddbmm, scale-mask-softmax, attention dropout and
+    # bmm, so the recompute pays the core's forward memory passes and kernels, not only its FLOPs
+    extra_attn = module.fwd_flops if selective_recompute else 0.0
+    extra_mem, extra_kernels = (module.fwd_mem_bytes, module.kernels_fwd) if selective_recompute else (0.0, 0)
+    extra_fp32 = module.fp32_fwd_mem_bytes if selective_recompute else 0.0
+    return ComputeWork(gemms=linear_gemms(module, True),
+                       attention_flops=(module.bwd_flops + extra_attn) if module.kind == "attention" else 0.0,
+                       attention_backward=True, mem_bytes=module.bwd_mem_bytes + extra_mem,
+                       fp32_mem_bytes=module.fp32_bwd_mem_bytes + extra_fp32,
+                       accumulate_bytes=accumulate_bytes, kernels=module.kernels_bwd + extra_kernels + adds,
+                       model_flops=(_backward_passes(module) + (1 if extra_attn else 0)) * module.model_fwd_flops)
 
 
 def _backward_passes(module: Module) -> int:

@@ -17,6 +17,11 @@ Search (deterministic):
    (a rule of DeepSpeed's or a layout zsim does not model) costs no part of the budget.
 3. Knob refinement: for the best fitting structures, coordinate descent over bucket sizes,
    prefetch, persistence threshold, max live parameters and overlap_comm.
+Throughout, a candidate whose step-time lower bound (its compute alone, see [Note: step-time
+lower bound]) is not below the step time of the `keep`-th best fitting result so far is skipped
+unsimulated: it cannot enter the best `keep`, and the k-th best only improves as the search goes
+on. With `budget=None` the survivors go in order of that bound, so the search stops at the first
+one skipped: every candidate is simulated or proven unable to enter the best `keep`.
 Points whose `structural_key` is equal (ZeRO-3 persistence thresholds that keep the same
 parameters gathered) build the same schedule: one is simulated, the others share its Result.
 A point of the search space is a `TunePoint`; it runs as a `Variant` (a list of `--set`
@@ -24,6 +29,7 @@ assignments) through the shared runner, so every result is re-runnable.
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import sys
 import time
@@ -31,11 +37,11 @@ from dataclasses import dataclass, field, replace
 
 from zsim.report.format import fmt_setting
 from zsim.result import Result
-from zsim.schedule.build import workload_for
+from zsim.search.bound import ComputePricer, layer_compute_s, stage_compute_s, step_time_lower_bound_s
+from zsim.schedule.build import training_workload, workload_for
 from zsim.schedule.optimizer import ADAM_STATE_BYTES, model_state_bytes, optimizer_state_bytes
 from zsim.schedule.partition import persistent_params
-from zsim.workload.lora import apply_training, trainable_params
-from zsim.workload.transformer import build_workload
+from zsim.workload.lora import trainable_params
 from zsim.search.variants import Base, Outcome, Variant
 from zsim.workload.module import DTYPE_BYTES
 
@@ -209,16 +215,12 @@ def point_lower_bound(sc, c: "TunePoint", wl, terms: tuple | None = None) -> flo
                   sc.cluster.reserved_bytes, c.micro_batch, optimizer_state_bytes(sc.deepspeed), c.gas)
 
 
-def point_workload(sc, c: "TunePoint"):
-    """The per-rank workload of the point `c` of the base scenario `sc` at micro-batch 1 (what
-    `workload_for` builds for the scenario `c` sets, but for the micro-batch)."""
+def point_workload(sc, c: "TunePoint", micro_batch: int = 1):
+    """The per-rank workload of the point `c` of the base scenario `sc` at `micro_batch` (what
+    `workload_for` builds for the scenario `c` sets, with that micro-batch)."""
     training = replace(sc.training, activation_checkpointing=c.checkpointing)
-    wl = build_workload(sc.model, micro_batch_size=1, seq_len=sc.seq_len, precision=sc.precision,
-                        flash_attention=training.flash_attention, dropout=training.dropout,
-                        fused_cross_entropy=training.fused_cross_entropy,
-                        expert_parallel_size=c.layout.expert, tensor=c.layout.tensor,
-                        sequence_parallel=c.layout.sequence_parallel)
-    return apply_training(wl, training, zero3_linear=c.stage == 3 and sc.zero.memory_efficient_linear)
+    return training_workload(sc.model, micro_batch, sc.seq_len, sc.precision, training, c.layout.expert,
+                             c.layout.tensor, c.layout.sequence_parallel, c.stage == 3 and sc.zero.memory_efficient_linear)
 
 
 def workload_terms(wl, mode: str, cpu_checkpointing: bool = False) -> tuple[float, float, float]:
@@ -317,6 +319,7 @@ class TuneResult:
     ranked: list[tuple[TunePoint, Result]]       # the points that fit, best first on the objective
     evaluated: list[tuple[TunePoint, Outcome]]   # every point run (simulated or invalid), in order
     pruned: list[TunePoint]                      # over capacity by the lower bound, never simulated
+    bounded: list[tuple[TunePoint, float]]       # (point, its step-time lower bound) when skipped by it
     rejected: int                                # invalid configurations
     wall_s: float
     objective: str
@@ -339,11 +342,13 @@ def score(result: Result, objective: str) -> float:
 
 
 def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60,
-         other_layouts: bool = False) -> TuneResult:
-    """`budget`: the most configurations to evaluate; None evaluates every candidate the bound
-    leaves, then refines the knobs of the best three as always. `other_layouts` searches only
+         other_layouts: bool = False, keep: int = 3, headroom: float = 0.0) -> TuneResult:
+    """`budget`: the most configurations to evaluate; None evaluates every candidate the bounds
+    leave, then refines the knobs of the best three as always. `other_layouts` searches only
     the tensor x pipeline layouts other than the scenario's own (the doctor's layout fixes:
-    its own layout is what its other fixes change), its own configuration not simulated first."""
+    its own layout is what its other fixes change), its own configuration not simulated first.
+    `keep`: how many of the best results the step-time bound must leave exact (at least 3, the
+    ones refined); `headroom`: the margin (`--headroom`) a result must fit with to count there."""
     t0 = time.perf_counter()
     exhaustive = budget is None
     budget = sys.maxsize if budget is None else budget
@@ -354,9 +359,50 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60,
     capacity = base_sc.cluster.hbm_capacity_bytes
 
     by_structure: dict = {}   # structural_key -> Outcome of the first point simulated with it
+    keep = max(keep, 3)
+    best_steps: list[float] = []   # the step times of the fitting results, ascending
+    bounded: dict = {}   # point key -> (point, its step-time lower bound), skipped
+    pricer = ComputePricer(base_sc.cluster, base_sc.precision, base_sc.matmul_dtype == "tf32")
+    stage_times: dict = {}   # (workload shape, checkpointing, pipeline) -> each stage's compute per micro-step
+    layer_times: dict = {}   # (workload shape, checkpointing) -> (its layers, each one's compute)
+    bound_workloads: dict = {}   # workload shape (the micro-batch's) -> workload
+    interleaved = base_sc.parallelism.virtual_stages > 1   # the candidates' pipelines keep the scenario's
+
+    def time_bound(c: TunePoint) -> float:
+        """see [Note: step-time lower bound]"""
+        # the workload does not depend on the pipeline (a stage is a slice of it)
+        layout = c.layout
+        shape = (layout.tensor, layout.sequence_parallel, layout.expert, c.stage == 3,
+                 c.checkpointing if by_mode else None, c.micro_batch)
+        key = (shape, c.checkpointing, layout.pipeline)
+        if key not in stage_times:
+            if (shape, c.checkpointing) not in layer_times:
+                if shape not in bound_workloads:
+                    bound_workloads[shape] = point_workload(base_sc, c, c.micro_batch)
+                layer_times[shape, c.checkpointing] = layer_compute_s(bound_workloads[shape], c.checkpointing, pricer)
+            stage_times[key] = stage_compute_s(*layer_times[shape, c.checkpointing], layout.pipeline,
+                                               base_sc.parallelism.partition_method)
+        return step_time_lower_bound_s(stage_times[key], c.gas, layout.pipeline > 1 and interleaved)
+
+    def cannot_place(c: TunePoint) -> bool:
+        """The point's bound is not below the `keep`-th best fitting step time (then it never
+        will be: that only falls); recorded as bounded."""
+        if c.key() in seen:
+            return False
+        if c.key() in bounded:
+            return True
+        if len(best_steps) < keep:
+            return False
+        lb = time_bound(c)
+        if lb < best_steps[keep - 1]:
+            return False
+        bounded[c.key()] = (c, lb)
+        return True
 
     def evaluate(c: TunePoint) -> Result | None:
         nonlocal rejected
+        if cannot_place(c):
+            return None
         if c.key() not in seen:
             skey = structural_key(base_sc, c, workload(c))
             prior = by_structure.get(skey)
@@ -364,6 +410,8 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60,
             by_structure.setdefault(skey, out)
             rejected += not out.ok
             seen[c.key()] = (c, out)
+            if out.ok and out.result.fits_with(headroom):
+                bisect.insort(best_steps, out.result.step_time_s)
         return seen[c.key()][1].result
 
     def lookahead(points):
@@ -373,7 +421,8 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60,
         for c in points:
             if len(todo) >= room:
                 break
-            if c.key() not in seen and structural_key(base_sc, c, workload(c)) not in by_structure:
+            if (c.key() not in seen and structural_key(base_sc, c, workload(c)) not in by_structure
+                    and not cannot_place(c)):
                 todo.append(c.variant)
         base.prefetch(todo)
 
@@ -433,7 +482,9 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60,
     def covered(layout, fits) -> bool:
         return any(f.tensor == layout.tensor and f.pipeline < layout.pipeline for f in fits)
 
-    order = list(queues.items())
+    order = list(queues.items()) if not exhaustive else []
+    if exhaustive:   # best-first: the first point the bound skips ends the search
+        survivors.sort(key=time_bound)
     for j, (layout, queue) in enumerate(order):
         if covered(layout, fitted):
             continue
@@ -455,6 +506,10 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60,
 
     for i, c in enumerate(survivors):
         if spent():
+            break
+        if exhaustive and c.key() not in seen and cannot_place(c):
+            for x in survivors[i + 1:]:   # their bounds are no lower: skipped alike
+                cannot_place(x)
             break
         if wanted(c):
             lookahead(x for x in survivors[i:] if wanted(x))
@@ -478,5 +533,6 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60,
                 r = evaluate(trial)
                 if r is not None and r.fits and score(r, objective) > score(best_r, objective):
                     best_c, best_r = trial, r
-    return TuneResult(ranked(), list(seen.values()), pruned, rejected, time.perf_counter() - t0, objective)
+    return TuneResult(ranked(), list(seen.values()), pruned, list(bounded.values()), rejected,
+                      time.perf_counter() - t0, objective)
 

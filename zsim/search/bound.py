@@ -1,0 +1,87 @@
+"""A lower bound on a configuration's step time that needs no schedule: its compute alone.
+
+[Note: step-time lower bound]
+The engine serves every job on a rank's compute link at a rate of at most 1 (processor sharing,
+slowed further while NCCL kernels run: zsim/engine/fluid.py), so over any stretch of time a rank
+cannot finish more compute work than the stretch is long. Each micro-step runs every module of
+the rank's workload forward and backward, and under full checkpointing every transformer
+layer's modules forward once more before their backward (zsim/schedule/passes.py); the work of
+each is `compute_work_s` of `passes.forward_work` / `backward_work` (gradient adds into
+accumulated .grads left out: they only add). With f_s + b_s that per micro-step on pipeline
+stage s and m micro-steps:
+- without a pipeline, a step takes at least m (f + b);
+- with one, stage s starts its first forward only after micro-step 0 has gone forward through
+  stages 0..s-1, and after its last backward the gradient of micro-step m-1 still goes back
+  through them, so the step takes at least max_s [sum_{i<s} (f_i + b_i) + m (f_s + b_s)]: for
+  equal stages (m + p - 1)(f + b), the 1F1B bubble of Narayanan et al. 2021.
+Communication, launches, the optimizer step and memory stalls only add to it. A configuration
+whose bound is not below a simulated step time cannot beat that step; `zsim tune` skips it
+(tests/test_bound.py checks the bound against simulations of a random sample).
+"""
+from __future__ import annotations
+
+from zsim.hardware.cost_model import compute_work_s, matmul_peak_flops
+from zsim.schedule.build import workload_for
+from zsim.schedule.passes import backward_work, forward_work
+from zsim.schedule.pipe_partition import LayerSpec, layer_specs, partition
+from zsim.workload.module import DTYPE_BYTES, Module, Workload
+
+
+class ComputePricer:
+    """`compute_work_s` on one cluster and precision, each distinct work priced once."""
+
+    def __init__(self, cluster, precision: str, tf32: bool = False):
+        gpu = cluster.profile.gpu
+        self._args = (gpu.for_dtype(precision), gpu.for_dtype("fp32"), matmul_peak_flops(cluster, precision, tf32),
+                      DTYPE_BYTES[precision])
+        self._cache: dict = {}
+
+    def module_s(self, module: Module, checkpointing: str) -> float:
+        """`module`'s compute in one micro-step: forward, backward, and a full recompute's forward."""
+        key = (module, checkpointing)
+        t = self._cache.get(key)
+        if t is None:
+            fwd = compute_work_s(forward_work(module), *self._args)
+            t = fwd + compute_work_s(backward_work(module, checkpointing), *self._args)
+            if checkpointing == "full" and module.layer >= 0:
+                t += fwd
+            t = self._cache[key] = t
+        return t
+
+
+def layer_compute_s(wl: Workload, checkpointing: str, pricer: ComputePricer) -> tuple[list[LayerSpec], list[float]]:
+    """The workload's PipelineModule layers (pipe_partition.layer_specs) and each one's compute
+    in one micro-step."""
+    specs = layer_specs(wl)
+    return specs, [sum(pricer.module_s(m, checkpointing) for m in spec.modules) for spec in specs]
+
+
+def stage_compute_s(specs: list[LayerSpec], layer_s: list[float], stages: int, partition_method: str) -> list[float]:
+    """f_s + b_s of every pipeline stage from `layer_compute_s`: the layers split as
+    PipelineModule splits them (pipe_partition.partition)."""
+    if stages == 1:
+        return [sum(layer_s)]
+    bounds = partition(specs, stages, partition_method)
+    return [sum(layer_s[bounds[s]:bounds[s + 1]]) for s in range(stages)]
+
+
+def step_time_lower_bound_s(stage_s: list[float], micro_steps: int, interleaved: bool = False) -> float:
+    """see [Note: step-time lower bound]: max_s [sum_{i<s} stage_s[i] + micro_steps x stage_s[s]].
+    `interleaved` (Megatron's virtual stages: a rank runs chunks of layers from all over the model,
+    so the stages' split is not these contiguous ones): the busiest rank runs at least the
+    average, micro_steps x sum(stage_s) / stages."""
+    if interleaved:
+        return micro_steps * sum(stage_s) / len(stage_s)
+    best, before = 0.0, 0.0
+    for t in stage_s:
+        best = max(best, before + micro_steps * t)
+        before += t
+    return best
+
+
+def scenario_step_time_bound_s(sc, wl: Workload | None = None) -> float:
+    """The bound of the scenario `sc` (`wl`: its workload when already built)."""
+    pricer = ComputePricer(sc.cluster, sc.precision, sc.matmul_dtype == "tf32")
+    specs, layer_s = layer_compute_s(wl or workload_for(sc), sc.training.activation_checkpointing, pricer)
+    stages = stage_compute_s(specs, layer_s, sc.pipeline_stages, sc.parallelism.partition_method)
+    return step_time_lower_bound_s(stages, sc.gradient_accumulation_steps, sc.parallelism.virtual_stages > 1)
