@@ -9,7 +9,8 @@ trees (medians over repetitions; ratios against the first tree given):
   <= 1 s; a pipeline's steady 1F1B period is reused, zsim/engine/steady.py, and each stage's
   passes are replayed once recorded, zsim/engine/pass_replay.py);
 - `zsim run` of the default scenario, process start to table (target <= 0.3 s);
-- `zsim tune scenarios/gpt3-175b-zero3.yaml` (target: >= 1,000 configurations in <= 10 s);
+- `zsim tune scenarios/gpt3-175b-zero3.yaml` (target: >= 1,000 configurations in <= 10 s), and with
+  `--budget all` (every candidate simulated or skipped by the step-time lower bound);
 - `zsim doctor` on a 70B model, 8 GPUs, DeepSpeed-Chat-like ZeRO-3 config (target <= 5 s);
 - `zsim sweep` points/s on 2 local workers over 175B-class points (target >= 100).
 Every figure runs in a subprocess with PYTHONPATH set to the tree, from the tree's root, the
@@ -108,6 +109,14 @@ def _tune_configurations(out: Path) -> int | None:
         return None
 
 
+def _tune_count(out: Path, key: str) -> int | None:
+    try:
+        value = json.loads(out.read_text()).get(key)
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, int) else None
+
+
 def _interleaved(trees: list[Path], repeat: int, fn) -> list:
     """Median of `repeat` measurements per tree, the trees taking turns (so a change of the
     machine's load falls on all of them alike)."""
@@ -145,6 +154,15 @@ def measure(trees: list[Path], repeat: int, tmp: Path, only: str = "") -> dict:
         figures["zsim tune gpt3-175b-zero3 (s)"] = _interleaved(
             trees, slow, lambda t: _cli(t, ["tune", "scenarios/gpt3-175b-zero3.yaml", "--json", str(tune_json[t])]))
         figures["  configurations simulated"] = [_tune_configurations(tune_json[t]) for t in trees]
+    if want("zsim tune gpt3-175b-zero3 --budget all (s)"):
+        # every candidate the memory bound leaves, simulated or skipped by the step-time bound
+        # (zsim/search/bound.py); a tree without that bound simulates them all (tens of minutes)
+        tune_json = {t: tmp / f"tune-all-{i}.json" for i, t in enumerate(trees)}
+        figures["zsim tune gpt3-175b-zero3 --budget all (s)"] = _interleaved(
+            trees, slow, lambda t: _cli(t, ["tune", "scenarios/gpt3-175b-zero3.yaml", "--budget", "all",
+                                            "--json", str(tune_json[t])]))
+        figures["  configurations simulated (all)"] = [_tune_configurations(tune_json[t]) for t in trees]
+        figures["  skipped by the step-time bound"] = [_tune_count(tune_json[t], "bounded") for t in trees]
     if want("zsim doctor 70B 8 GPUs ZeRO-3 (s)"):
         chat = tmp / "chat70b.yaml"
         chat.write_text(yaml.safe_dump(CHAT_70B))
