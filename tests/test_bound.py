@@ -9,6 +9,7 @@ import pytest
 
 from tests.helpers import ROOT, mapping, scenario
 from zsim.api import run_scenario
+from zsim.hardware.compute import kernel_overhead_s
 from zsim.hardware.cost_model import CostModel
 from zsim.schedule.build import build_schedule
 from zsim.schedule.ir import OpKind
@@ -68,7 +69,7 @@ def test_the_bound_is_below_the_simulated_step_and_equals_the_compute_the_schedu
         wl, schedule = build_schedule(sc)
         cm = CostModel(sc.cluster, sc.precision, sc.zero.stage, schedule.host, schedule.pipeline,
                        sc.tensor_parallel_size, schedule.tf32)
-        charged = sum(cm.compute_work_s(op.work) for op in schedule.ops
+        charged = sum(kernel_overhead_s(op.work.kernels, cm.gpu) + cm.compute_work_s(op.work) for op in schedule.ops
                       if op.kind in (OpKind.FORWARD, OpKind.BACKWARD) and op.work is not None
                       and not op.work.accumulate_bytes)
         assert charged == pytest.approx(bound, rel=1e-9)

@@ -1,14 +1,16 @@
 """A lower bound on a configuration's step time that needs no schedule: its compute alone.
 
 [Note: step-time lower bound]
-The engine serves every job on a rank's compute link at a rate of at most 1 (processor sharing,
-slowed further while NCCL kernels run: zsim/engine/fluid.py), so over any stretch of time a rank
-cannot finish more compute work than the stretch is long. Each micro-step runs every module of
-the rank's workload forward and backward, and under full checkpointing every transformer
-layer's modules forward once more before their backward (zsim/schedule/passes.py); the work of
-each is `compute_work_s` of `passes.forward_work` / `backward_work` (gradient adds into
-accumulated .grads left out: they only add). With f_s + b_s that per micro-step on pipeline
-stage s and m micro-steps:
+A rank's compute stream runs its ops one after another, each its fixed time (at least its
+kernels' launches) and then its work, and the engine serves that work at a rate of at most 1
+(processor sharing, slowed further while NCCL kernels run: zsim/engine/fluid.py), so over any
+stretch of time the stream cannot finish more than the stretch is long. Each micro-step runs
+every module of the rank's workload forward and backward on it, and under full checkpointing
+every transformer layer's modules forward once more before their backward
+(zsim/schedule/passes.py); each is `kernel_overhead_s` of its kernels plus `compute_work_s`, of
+`passes.forward_work` / `backward_work` (gradient adds into accumulated .grads left out: they
+only add; a tensor-parallel backward split in two keeps its GEMMs and kernels). With f_s + b_s
+that per micro-step on pipeline stage s and m micro-steps:
 - without a pipeline, a step takes at least m (f + b);
 - with one, stage s starts its first forward only after micro-step 0 has gone forward through
   stages 0..s-1, and after its last backward the gradient of micro-step m-1 still goes back
@@ -20,6 +22,7 @@ whose bound is not below a simulated step time cannot beat that step; `zsim tune
 """
 from __future__ import annotations
 
+from zsim.hardware.compute import kernel_overhead_s
 from zsim.hardware.cost_model import compute_work_s, matmul_peak_flops
 from zsim.schedule.build import workload_for
 from zsim.schedule.passes import backward_work, forward_work
@@ -36,13 +39,18 @@ class ComputePricer:
                       DTYPE_BYTES[precision])
         self._cache: dict = {}
 
+    def work_s(self, work) -> float:
+        """The work's time on the compute stream: its kernels' launches (the op's fixed time,
+        which its stream runs before the work: zsim/engine/sim.py _StreamRun) and its work."""
+        return kernel_overhead_s(work.kernels, self._args[0]) + compute_work_s(work, *self._args)
+
     def module_s(self, module: Module, checkpointing: str) -> float:
         """`module`'s compute in one micro-step: forward, backward, and a full recompute's forward."""
         key = (module, checkpointing)
         t = self._cache.get(key)
         if t is None:
-            fwd = compute_work_s(forward_work(module), *self._args)
-            t = fwd + compute_work_s(backward_work(module, checkpointing), *self._args)
+            fwd = self.work_s(forward_work(module))
+            t = fwd + self.work_s(backward_work(module, checkpointing))
             if checkpointing == "full" and module.layer >= 0:
                 t += fwd
             t = self._cache[key] = t
