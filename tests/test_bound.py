@@ -14,7 +14,7 @@ from zsim.hardware.cost_model import CostModel
 from zsim.schedule.build import build_schedule
 from zsim.schedule.ir import OpKind
 from zsim.search.bound import scenario_step_time_bound_s, step_time_lower_bound_s
-from zsim.search.tune import tune
+from zsim.search.tune import score, tune
 from zsim.search.variants import Base
 
 LLAMA = {"model.layers": 6, "model.hidden": 512, "model.heads": 8, "model.kv_heads": 4, "model.glu": True,
@@ -85,19 +85,20 @@ def test_a_pipeline_bound_counts_the_fill_and_the_drain():
     assert step_time_lower_bound_s([5.0], 3) == 15.0
 
 
-def test_an_exhaustive_search_with_the_bound_ranks_its_best_as_one_without_it():
+@pytest.mark.parametrize("objective", ["tokens_per_s", "mfu"])
+def test_an_exhaustive_search_with_the_bound_ranks_its_best_as_one_without_it(objective):
     """Every candidate the bound skipped is simulated afresh: none would have entered the best
     `keep` (a search that never skips, keep above the candidate count, ranks the same best)."""
     raw = mapping(**{"training.micro_batch_size": 8, "model.layers": 2})
     base, keep = Base(raw, ROOT, "bounded"), 3
-    res = tune(base, "tokens_per_s", budget=None, keep=keep)
+    res = tune(base, objective, budget=None, keep=keep)
     assert res.bounded, "the bound skipped nothing: the test checks nothing"
-    ranked = [(r.step_time_s, c.key()) for c, r in res.ranked]
+    ranked = [(score(r, objective), c.key()) for c, r in res.ranked]
     for c, lb in res.bounded:
         again = base.run(c.variant).result
         if again is not None:
             assert lb <= again.step_time_s
-            assert not again.fits or again.step_time_s >= ranked[keep - 1][0]
-    full = tune(base, "tokens_per_s", budget=None, keep=10**6)
+            assert not again.fits or score(again, objective) <= ranked[keep - 1][0]
+    full = tune(base, objective, budget=None, keep=10**6)
     assert not full.bounded
-    assert [(r.step_time_s, c.key()) for c, r in full.ranked][:keep] == ranked[:keep]
+    assert [(score(r, objective), c.key()) for c, r in full.ranked][:keep] == ranked[:keep]

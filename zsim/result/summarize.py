@@ -256,6 +256,12 @@ def summarize(sc: Scenario, wl: Workload, trace: Trace) -> Result:
         return _summarize(sc, wl, trace)
 
 
+def model_flops_per_gpu(micro_step_flops: float, micro_steps: int, stages: int) -> float:
+    """MFU's FLOPs per GPU per step from the rank's workload's per micro-step: a pipeline's stages
+    split the model (and its FLOPs); figures of the stages' ranks are averaged over them."""
+    return micro_step_flops * micro_steps / stages
+
+
 def _summarize(sc: Scenario, wl: Workload, trace: Trace) -> Result:
     cl = sc.cluster
     world = cl.world_size
@@ -263,9 +269,7 @@ def _summarize(sc: Scenario, wl: Workload, trace: Trace) -> Result:
     samples = sc.global_batch_size
     tokens = samples * sc.seq_len
     stages = trace.schedule.stages
-    # per GPU: a pipeline's stages split the model (and its FLOPs); figures of the stages'
-    # ranks are averaged over them
-    model_flops_gpu = wl.model_flops * sc.gradient_accumulation_steps / stages
+    model_flops_gpu = model_flops_per_gpu(wl.model_flops, sc.gradient_accumulation_steps, stages)
     ops = _op_totals(trace, cl)
     clipped = _clipped(ops, trace)
     peak_flops = cl.datasheet_flops(sc.matmul_dtype)   # MFU's convention: the vendor's dense peak

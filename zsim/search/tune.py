@@ -18,9 +18,10 @@ Search (deterministic):
 3. Knob refinement: for the best fitting structures, coordinate descent over bucket sizes,
    prefetch, persistence threshold, max live parameters and overlap_comm.
 Throughout, a candidate whose step-time lower bound (its compute alone, see [Note: step-time
-lower bound]) is not below the step time of the `keep`-th best fitting result so far is skipped
+lower bound]) keeps it from beating the `keep`-th best fitting result so far is skipped
 unsimulated: it cannot enter the best `keep`, and the k-th best only improves as the search goes
-on. With `budget=None` the survivors go in order of that bound, so the search stops at the first
+on. (Every candidate runs the scenario's global batch and sequence, so tokens/s is the same
+constant over the step time for all; MFU is each one's model FLOPs per GPU over it.) With `budget=None` the survivors go in order of that bound, so the search stops at the first
 one skipped: every candidate is simulated or proven unable to enter the best `keep`.
 Points whose `structural_key` is equal (ZeRO-3 persistence thresholds that keep the same
 parameters gathered) build the same schedule: one is simulated, the others share its Result.
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field, replace
 
 from zsim.report.format import fmt_setting
 from zsim.result import Result
+from zsim.result.summarize import model_flops_per_gpu
 from zsim.search.bound import ComputePricer, layer_compute_s, stage_compute_s, step_time_lower_bound_s
 from zsim.schedule.build import training_workload, workload_for
 from zsim.schedule.optimizer import ADAM_STATE_BYTES, model_state_bytes, optimizer_state_bytes
@@ -360,7 +362,10 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60,
 
     by_structure: dict = {}   # structural_key -> Outcome of the first point simulated with it
     keep = max(keep, 3)
-    best_steps: list[float] = []   # the step times of the fitting results, ascending
+    # the objective over a constant shared by every candidate: work / step time, with work the
+    # model FLOPs per GPU for MFU, 1 for tokens/s and the step time (see `summarize`)
+    mfu = objective == "mfu"
+    best_rates: list[float] = []   # of the fitting results, ascending (negated: the best first)
     bounded: dict = {}   # point key -> (point, its step-time lower bound), skipped
     pricer = ComputePricer(base_sc.cluster, base_sc.precision, base_sc.matmul_dtype == "tf32")
     stage_times: dict = {}   # (workload shape, checkpointing, pipeline) -> each stage's compute per micro-step
@@ -368,12 +373,15 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60,
     bound_workloads: dict = {}   # workload shape (the micro-batch's) -> workload
     interleaved = base_sc.parallelism.virtual_stages > 1   # the candidates' pipelines keep the scenario's
 
+    def shape_of(c: TunePoint) -> tuple:
+        """What the point's workload at its micro-batch depends on (not the pipeline: a stage is a
+        slice of it)."""
+        return (c.layout.tensor, c.layout.sequence_parallel, c.layout.expert, c.stage == 3,
+                c.checkpointing if by_mode else None, c.micro_batch)
+
     def time_bound(c: TunePoint) -> float:
         """see [Note: step-time lower bound]"""
-        # the workload does not depend on the pipeline (a stage is a slice of it)
-        layout = c.layout
-        shape = (layout.tensor, layout.sequence_parallel, layout.expert, c.stage == 3,
-                 c.checkpointing if by_mode else None, c.micro_batch)
+        layout, shape = c.layout, shape_of(c)
         key = (shape, c.checkpointing, layout.pipeline)
         if key not in stage_times:
             if (shape, c.checkpointing) not in layer_times:
@@ -384,17 +392,29 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60,
                                                base_sc.parallelism.partition_method)
         return step_time_lower_bound_s(stage_times[key], c.gas, layout.pipeline > 1 and interleaved)
 
+    def best_rate(c: TunePoint, lb: float) -> float:
+        """The most `rate` the point can reach: its work over its step-time lower bound."""
+        if lb <= 0.0:
+            return float("inf")
+        if not mfu:
+            return 1.0 / lb
+        wl = bound_workloads[shape_of(c)]   # built by time_bound
+        return model_flops_per_gpu(wl.model_flops, c.gas, c.layout.pipeline) / lb
+
+    def rate(r: Result) -> float:
+        return (r.model_flops_per_gpu if mfu else 1.0) / r.step_time_s
+
     def cannot_place(c: TunePoint) -> bool:
-        """The point's bound is not below the `keep`-th best fitting step time (then it never
-        will be: that only falls); recorded as bounded."""
+        """The point's bound keeps it from beating the `keep`-th best fitting result (then it
+        never will: that only improves); recorded as bounded."""
         if c.key() in seen:
             return False
         if c.key() in bounded:
             return True
-        if len(best_steps) < keep:
+        if len(best_rates) < keep:
             return False
         lb = time_bound(c)
-        if lb < best_steps[keep - 1]:
+        if best_rate(c, lb) > -best_rates[keep - 1]:
             return False
         bounded[c.key()] = (c, lb)
         return True
@@ -411,7 +431,7 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60,
             rejected += not out.ok
             seen[c.key()] = (c, out)
             if out.ok and out.result.fits_with(headroom):
-                bisect.insort(best_steps, out.result.step_time_s)
+                bisect.insort(best_rates, -rate(out.result))
         return seen[c.key()][1].result
 
     def lookahead(points):
