@@ -55,6 +55,7 @@ class Repeat:
     ops: frozenset[int]          # ids of the simulated ops that stand for `copies` ops each
     pipeline: bool = False
     micro_steps: int = 1         # micro-steps per window (Megatron's interleaved schedule: a group of `pipeline`)
+    from_backward: bool = False  # opened by micro-step `micro`'s backward (steady.find_backward_repeat)
 
     @property
     def skipped_s(self) -> float:
@@ -65,6 +66,8 @@ class Repeat:
     def name(self) -> str:
         if self.micro_steps > 1:
             return f"interleaved 1F1B period ({self.micro_steps} micro-steps) from micro-step {self.micro}"
+        if self.from_backward:
+            return f"micro-step {self.micro}'s backward and micro-step {self.micro + 1}'s forward"
         return f"1F1B period from micro-step {self.micro}" if self.pipeline else f"micro-step {self.micro}"
 
     def shift_s(self, time_s: float) -> float:

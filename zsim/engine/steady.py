@@ -9,9 +9,12 @@ last middle micro-step runs exactly as the one before did, one period later (eve
 starts and ends one period later, nothing of the earlier micro-steps is still running, and
 the window leaves every memory category as it found it), the time window it opens repeats
 for every middle micro-step of the full step: the engine is deterministic and
-shift-invariant, so the same state at the start of a window gives the same window. The
-trace then stands for the full step through a `Repeat`; anything else falls back to
-simulating every micro-step.
+shift-invariant, so the same state at the start of a window gives the same window. Where
+the middle micro-steps' windows opened by their forwards do not agree (the first micro-step's
+reductions still run into the second's forward, under ZeRO-3), windows opened by their
+backwards are compared the same way (find_backward_repeat): one holds a middle micro-step's
+backward and the next one's forward. The trace then stands for the full step through a
+`Repeat`; anything else falls back to simulating every micro-step.
 A pipeline's micro-steps are not alike (warm-up, steady 1F1B, cool-down), but its steady
 phase is periodic in time: every stage runs one forward and one backward per period. Its step
 is built with stages + 4 micro-steps (then 2 x stages + 4), and the period opened by stage 0's
@@ -25,6 +28,8 @@ variant, and for pipelines, interleaved ones included.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from zsim.engine.layer_repeat import nest, run_layers, simulate_layers
 from zsim.engine.sim import Repeat, Trace, collector_paused, run_ops, simulate, stage_peaks
 from zsim.schedule.build import build_schedule
@@ -34,11 +39,11 @@ from zsim.workload.module import Workload
 
 # the first, two middle micro-steps (the second repeating the first), the boundary one; one or two
 # more when the first middle one is still settling from the first micro-step (a reduction of its
-# shape runs into it). Under ZeRO-3 with parameters on the GPU it always is (measured on every
-# test variant: four never sufficed, five always did), so it starts at five. Only speed depends
-# on this: a repeat is used only when checked exact (find_repeat).
+# shape runs into it). Under ZeRO-3 with parameters on the GPU it always is for a window opened
+# by a forward (find_repeat: on every test variant four never sufficed), but a window opened by
+# the backward (find_backward_repeat) has settled by then: four sufficed on every test variant.
+# Only speed depends on this: a repeat is used only when checked exact.
 SIMULATED_MICRO_STEPS = (4, 5, 6)
-ZERO3_SIMULATED_MICRO_STEPS = (5, 6)
 # two periods agree when every op's start and end agree to this fraction of the step
 _REL_TOL = 1e-12
 
@@ -57,9 +62,7 @@ def _simulate(sc: Scenario, steady: bool) -> tuple[Workload, Trace]:
     # Megatron's interleaved schedule runs micro-batches in groups of `pipeline` through every
     # chunk: its period is a group of micro-steps, 1F1B's one micro-step
     stride = sc.pipeline_stages if sc.parallelism.virtual_stages > 1 else 1
-    attempts = (_pipeline_micro_steps(sc.pipeline_stages, stride) if pipeline
-                else ZERO3_SIMULATED_MICRO_STEPS if sc.zero.stage == 3 and sc.zero.param_offload_device == "none"
-                else SIMULATED_MICRO_STEPS)
+    attempts = _pipeline_micro_steps(sc.pipeline_stages, stride) if pipeline else SIMULATED_MICRO_STEPS
     for micro_steps in attempts if steady else ():
         spent += micro_steps
         if gas <= micro_steps or spent > gas:
@@ -76,7 +79,8 @@ def _simulate(sc: Scenario, steady: bool) -> tuple[Workload, Trace]:
         if pipeline:
             repeat = find_pipeline_repeat(simulated, timings, events, micro_steps, gas, stride)
         else:
-            repeat = find_repeat(simulated, timings, events, micro_steps, gas)
+            repeat = (find_repeat(simulated, timings, events, micro_steps, gas)
+                      or find_backward_repeat(simulated, timings, events, micro_steps, gas))
         if repeat is not None and layers is not None:
             repeat = nest(repeat, layers)
         if repeat is not None:
@@ -173,10 +177,35 @@ def find_pipeline_repeat(schedule: Schedule, timings, stage_events, micro_steps:
     phase (a group of `stride` micro-steps per period)."""
     if (gas - micro_steps) % stride:
         return None
+    return _window_repeat(schedule, timings, stage_events, _opens(schedule, timings, OpKind.FORWARD),
+                          micro_steps, gas, stride, pipeline=True)
+
+
+def find_backward_repeat(schedule: Schedule, timings, stage_events, micro_steps: int, gas: int) -> Repeat | None:
+    """A data-parallel step's Repeat with the window opened by the backward of micro-step
+    j = micro_steps - 2 (its first backward op) and closed by the boundary micro-step's: it
+    holds j's backward and the boundary's forward, which every middle micro-step repeats. Where
+    the first micro-step's reductions run into the second's forward, that window has settled a
+    micro-step earlier than one opened by a forward (find_repeat), so the step is shortened to
+    one micro-step fewer."""
+    repeat = _window_repeat(schedule, timings, stage_events, _opens(schedule, timings, OpKind.BACKWARD),
+                            micro_steps, gas, 1, pipeline=False)
+    return None if repeat is None else replace(repeat, from_backward=True)
+
+
+def _opens(schedule: Schedule, timings, kind: OpKind) -> dict[int, float]:
+    """Per micro-step, the start of stage 0's first op of `kind` (in program order)."""
     opens: dict[int, float] = {}
     for op in schedule.ops:
-        if op.stage == 0 and op.kind == OpKind.FORWARD and op.micro_step not in opens:
+        if op.stage == 0 and op.kind == kind and op.micro_step not in opens:
             opens[op.micro_step] = timings[op.id].start_s
+    return opens
+
+
+def _window_repeat(schedule: Schedule, timings, stage_events, opens: dict[int, float], micro_steps: int, gas: int,
+                   stride: int, pipeline: bool) -> Repeat | None:
+    """The window [opens[j], opens[j + stride]), j = micro_steps - 1 - stride, when the period
+    before it holds the same ops (see find_pipeline_repeat)."""
     j = micro_steps - 1 - stride
     if any(m not in opens for m in (j - stride, j, j + stride)):
         return None
@@ -200,7 +229,9 @@ def find_pipeline_repeat(schedule: Schedule, timings, stage_events, micro_steps:
     window.sort(key=order)
     if len(before) != len(window) or not window:
         return None
-    if any(b.micro_step != a.micro_step + stride or b.payload != a.payload
+    # (a data-parallel step's payloads differ in their bucket and call numbers, as with find_repeat:
+    # its ops are compared by kind, stream, stage and times alone)
+    if any(b.micro_step != a.micro_step + stride or (pipeline and b.payload != a.payload)
            or [x.size_bytes for x in a.alloc] != [x.size_bytes for x in b.alloc] for a, b in zip(before, window)):
         return None
     if not _shifted(zip(before, window), timings, period, tol):
@@ -208,4 +239,4 @@ def find_pipeline_repeat(schedule: Schedule, timings, stage_events, micro_steps:
     if not all(_balanced(events, lo, hi) for events in stage_events):
         return None
     return Repeat(j, (gas - micro_steps) // stride + 1, period, lo, hi, frozenset(op.id for op in window),
-                  pipeline=True, micro_steps=stride)
+                  pipeline=pipeline, micro_steps=stride)
