@@ -65,7 +65,9 @@ def test_layers_reused_equal_full_simulation(name, model):
         assert full_trace.repeat is None
         _equal_results(reused, full)
         if (model, name) not in NOT_REUSED:
-            assert isinstance(trace.repeat, LayerRepeat), f"GAS {gas}: layers not reused"
+            # (nested in a micro-step repeat where the step is longer than its shortened one)
+            layers = trace.repeat.layers if isinstance(trace.repeat, LayeredRepeat) else trace.repeat
+            assert isinstance(layers, LayerRepeat), f"GAS {gas}: layers not reused"
             assert len(trace.schedule.ops) < len(full_trace.schedule.ops)
 
 
