@@ -133,3 +133,21 @@ def test_a_linear_without_both_gemms_keeps_the_blocking_calls():
     assert not tensor.overlaps_backward(replace(qkv, input_grad=False))
     assert not any(isinstance(op.payload, ModulePass) and op.payload.part
                    for op in build_schedule(scenario(**{**BIG, "parallelism.tensor": 1}))[1].ops)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_the_split_backward_adds_into_accumulated_grads_once(sp, blocking):
+    """From the second micro-step ZeRO-1 adds each new gradient into the .grad kept from the first
+    (see [Note: gradient accumulation add]): the split backward charges that add with its wgrad
+    alone, so the step adds the same bytes as the blocking schedule's whole passes (it charged
+    it with the dgrad as well)."""
+    sc = scenario(**BIG, **{"parallelism.sequence_parallel": sp, "training.gradient_accumulation_steps": 2})
+
+    def added(schedule):
+        return sum(op.work.accumulate_bytes for op in schedule.ops
+                   if op.micro_step == 1 and op.kind == OpKind.BACKWARD and op.work is not None)
+    _, split = build_schedule(sc)
+    blocking()
+    _, whole = build_schedule(sc)
+    assert any(op.payload.part == "dgrad" for op in split.ops if isinstance(op.payload, ModulePass))
+    assert added(whole) > 0 and added(split) == added(whole)

@@ -162,14 +162,15 @@ class TensorCollectives:
     @staticmethod
     def _split(ctx, module: Module, work: ComputeWork) -> tuple[ModulePass, ModulePass]:
         """The dgrad's and the wgrad's payloads, made once per step (ctx.passes) like a module's
-        whole pass (passes.py): the bias gradient (grad_output.sum) and any memory-bound pass
-        run with the wgrad."""
+        whole pass (passes.py): the bias gradient (grad_output.sum), any memory-bound pass and
+        the add into an accumulated .grad (the weight gradient's) run with the wgrad."""
         key = (id(module), "split", id(work))
         split = ctx.passes.get(key)
         if split is None:
             dgrad_gemm, wgrad_gemm = work.gemms
             half = work.model_flops / 2
-            dgrad = replace(work, gemms=(dgrad_gemm,), mem_bytes=0.0, kernels=1, model_flops=half)
+            dgrad = replace(work, gemms=(dgrad_gemm,), mem_bytes=0.0, fp32_mem_bytes=0.0, accumulate_bytes=0.0,
+                            kernels=1, model_flops=half)
             wgrad = replace(work, gemms=(wgrad_gemm,), kernels=work.kernels - 1, model_flops=half)
             split = ctx.passes[key] = (work, ModulePass(module.name, dgrad, part="dgrad"),
                                        ModulePass(module.name, wgrad, part="wgrad"))
