@@ -42,9 +42,11 @@ def distinct(ranked) -> list:
     """The ranking with configurations that simulate identically merged (a knob that changes
     nothing, e.g. a prefetch size above every layer, gives the same step): the first, which sets
     the fewest knobs among its equals at the same rank, stays."""
+    from zsim.search.tune import distinct_key
+
     out, seen = [], set()
     for c, r in ranked:
-        key = (c.layout, c.stage, c.offload, c.micro_batch, c.gas, c.checkpointing, r.step_time_s, r.memory.peak_bytes)
+        key = distinct_key(c, r)
         if key not in seen:
             seen.add(key)
             out.append((c, r))

@@ -337,6 +337,12 @@ class TuneResult:
         return sum(out.ok and out.shared for _, out in self.evaluated)
 
 
+def distinct_key(c: TunePoint, r: Result) -> tuple:
+    """Points that simulate identically (a knob that changes nothing, e.g. a prefetch size above
+    every layer) share this: the ranking shows them as one row."""
+    return c.layout, c.stage, c.offload, c.micro_batch, c.gas, c.checkpointing, r.step_time_s, r.memory.peak_bytes
+
+
 def score(result: Result, objective: str) -> float:
     """The objective, signed so that higher is better."""
     v = getattr(result, objective)
@@ -344,13 +350,14 @@ def score(result: Result, objective: str) -> float:
 
 
 def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60,
-         other_layouts: bool = False, keep: int = 3, headroom: float = 0.0) -> TuneResult:
+         other_layouts: bool = False, keep: int | None = 3, headroom: float = 0.0) -> TuneResult:
     """`budget`: the most configurations to evaluate; None evaluates every candidate the bounds
     leave, then refines the knobs of the best three as always. `other_layouts` searches only
     the tensor x pipeline layouts other than the scenario's own (the doctor's layout fixes:
     its own layout is what its other fixes change), its own configuration not simulated first.
-    `keep`: how many of the best results the step-time bound must leave exact (at least 3, the
-    ones refined); `headroom`: the margin (`--headroom`) a result must fit with to count there."""
+    `keep`: how many of the best results (rows of `distinct_key`) the step-time bound must leave
+    exact (at least 3, the ones refined; None: no point is skipped by it); `headroom`: the margin
+    (`--headroom`) a result must fit with to count there."""
     t0 = time.perf_counter()
     exhaustive = budget is None
     budget = sys.maxsize if budget is None else budget
@@ -361,15 +368,17 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60,
     capacity = base_sc.cluster.hbm_capacity_bytes
 
     by_structure: dict = {}   # structural_key -> Outcome of the first point simulated with it
-    keep = max(keep, 3)
+    keep = None if keep is None else max(keep, 3)
     # the objective over a constant shared by every candidate: work / step time, with work the
     # model FLOPs per GPU for MFU, 1 for tokens/s and the step time (see `summarize`)
     mfu = objective == "mfu"
-    best_rates: list[float] = []   # of the fitting results, ascending (negated: the best first)
-    bounded: dict = {}   # point key -> (point, its step-time lower bound), skipped
+    # of the fitting results that rank apart (`distinct_key`), ascending (negated: the best first)
+    best_rates: list[float] = []
+    ranked_apart: set = set()
+    bounded: dict = {}   # point key -> (point, its step-time lower bound in s), skipped
     pricer = ComputePricer(base_sc.cluster, base_sc.precision, base_sc.matmul_dtype == "tf32")
-    stage_times: dict = {}   # (workload shape, checkpointing, pipeline) -> each stage's compute per micro-step
-    layer_times: dict = {}   # (workload shape, checkpointing) -> (its layers, each one's compute)
+    stage_s: dict = {}   # (workload shape, checkpointing, pipeline) -> each stage's compute per micro-step
+    layer_s: dict = {}   # (workload shape, checkpointing) -> (its layers, each one's compute per micro-step)
     bound_workloads: dict = {}   # workload shape (the micro-batch's) -> workload
     interleaved = base_sc.parallelism.virtual_stages > 1   # the candidates' pipelines keep the scenario's
 
@@ -379,27 +388,28 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60,
         return (c.layout.tensor, c.layout.sequence_parallel, c.layout.expert, c.stage == 3,
                 c.checkpointing if by_mode else None, c.micro_batch)
 
-    def time_bound(c: TunePoint) -> float:
+    def step_bound_s(c: TunePoint) -> float:
         """see [Note: step-time lower bound]"""
         layout, shape = c.layout, shape_of(c)
         key = (shape, c.checkpointing, layout.pipeline)
-        if key not in stage_times:
-            if (shape, c.checkpointing) not in layer_times:
+        if key not in stage_s:
+            if (shape, c.checkpointing) not in layer_s:
                 if shape not in bound_workloads:
                     bound_workloads[shape] = point_workload(base_sc, c, c.micro_batch)
-                layer_times[shape, c.checkpointing] = layer_compute_s(bound_workloads[shape], c.checkpointing, pricer)
-            stage_times[key] = stage_compute_s(*layer_times[shape, c.checkpointing], layout.pipeline,
-                                               base_sc.parallelism.partition_method)
-        return step_time_lower_bound_s(stage_times[key], c.gas, layout.pipeline > 1 and interleaved)
+                layer_s[shape, c.checkpointing] = layer_compute_s(bound_workloads[shape], c.checkpointing, pricer)
+            stage_s[key] = stage_compute_s(*layer_s[shape, c.checkpointing], layout.pipeline,
+                                           base_sc.parallelism.partition_method)
+        return step_time_lower_bound_s(stage_s[key], c.gas, layout.pipeline > 1 and interleaved)
 
-    def best_rate(c: TunePoint, lb: float) -> float:
+    def best_rate(c: TunePoint) -> float:
         """The most `rate` the point can reach: its work over its step-time lower bound."""
-        if lb <= 0.0:
+        bound_s = step_bound_s(c)
+        if bound_s <= 0.0:
             return float("inf")
         if not mfu:
-            return 1.0 / lb
-        wl = bound_workloads[shape_of(c)]   # built by time_bound
-        return model_flops_per_gpu(wl.model_flops, c.gas, c.layout.pipeline) / lb
+            return 1.0 / bound_s
+        wl = bound_workloads[shape_of(c)]   # built by step_bound_s
+        return model_flops_per_gpu(wl.model_flops, c.gas, c.layout.pipeline) / bound_s
 
     def rate(r: Result) -> float:
         return (r.model_flops_per_gpu if mfu else 1.0) / r.step_time_s
@@ -411,12 +421,11 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60,
             return False
         if c.key() in bounded:
             return True
-        if len(best_rates) < keep:
+        if keep is None or len(best_rates) < keep:
             return False
-        lb = time_bound(c)
-        if best_rate(c, lb) > -best_rates[keep - 1]:
+        if best_rate(c) > -best_rates[keep - 1]:
             return False
-        bounded[c.key()] = (c, lb)
+        bounded[c.key()] = (c, step_bound_s(c))
         return True
 
     def evaluate(c: TunePoint) -> Result | None:
@@ -430,7 +439,9 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60,
             by_structure.setdefault(skey, out)
             rejected += not out.ok
             seen[c.key()] = (c, out)
-            if out.ok and out.result.fits_with(headroom):
+            # results that simulate alike rank as one row (`distinct_key`): counted once
+            if out.ok and out.result.fits_with(headroom) and distinct_key(c, out.result) not in ranked_apart:
+                ranked_apart.add(distinct_key(c, out.result))
                 bisect.insort(best_rates, -rate(out.result))
         return seen[c.key()][1].result
 
@@ -504,7 +515,7 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60,
 
     order = list(queues.items()) if not exhaustive else []
     if exhaustive:   # best-first: the first point the bound skips ends the search
-        survivors.sort(key=time_bound)
+        survivors.sort(key=lambda c: -best_rate(c))
     for j, (layout, queue) in enumerate(order):
         if covered(layout, fitted):
             continue
