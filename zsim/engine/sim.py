@@ -42,7 +42,8 @@ class OpTiming(NamedTuple):
 @dataclass(frozen=True)
 class Repeat:
     """The simulated steady state: the ops that start in the time window [start_s, end_s) (a
-    data-parallel run: the ops of micro-step `micro`; a pipeline: one 1F1B period of every
+    data-parallel run: the ops of micro-step `micro`, or with `from_backward` its backward's and
+    the next micro-step's forward's; a pipeline: one 1F1B period of every
     stage, opened by stage 0's forward of micro-step `micro`, of a group of `micro_steps`
     micro-steps under the interleaved schedule) stand for `copies` identical
     windows, one `period_s` apart. Times in the trace are those simulated; `shift_s` maps them

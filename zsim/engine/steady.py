@@ -1,10 +1,11 @@
-"""Steady state reused, exactly: a step of GAS micro-steps simulated as four to six; a pipeline's as
-a few periods past its warm-up.
+"""Steady state reused, exactly: a step of GAS micro-steps simulated as three to six; a pipeline's
+as a few periods past its warm-up.
 
 Micro-steps between the first and the last of an accumulation window are the same ops
 (DeepSpeed runs the same hooks, gathers and reductions every micro-step; only the first
-and the boundary micro-step differ). The step is built with four micro-steps (five or six when the
-middle ones take longer to settle): the first, the middle ones, the boundary one. When the
+and the boundary micro-step differ). The step is built with four micro-steps (three first for
+ZeRO-2 with its optimizer on the GPU; five or six when the middle ones take longer to settle):
+the first, the middle ones, the boundary one. When the
 last middle micro-step runs exactly as the one before did, one period later (every op
 starts and ends one period later, nothing of the earlier micro-steps is still running, and
 the window leaves every memory category as it found it), the time window it opens repeats

@@ -107,8 +107,8 @@ def save(path: str | Path, text: str):
 def chrome_trace(trace: Trace, name: str) -> dict:
     """Chrome trace-event format (also read by Perfetto): one thread per stream, a memory
     counter track from the ledger. Times in microseconds. A steady-state trace shows the
-    micro-steps simulated, on the full step's clock: the ops of the repeated micro-step (a
-    pipeline: of the repeated 1F1B period) are marked with the number of copies they stand for, and a "steady state" track spans
+    micro-steps simulated, on the full step's clock: the ops of the repeated micro-step (or
+    window from one micro-step's backward; a pipeline: of the repeated 1F1B period) are marked with the number of copies they stand for, and a "steady state" track spans
     the time of the copies not simulated. A pipeline has one process (track group) per stage,
     named after the stage's representative rank (and its model chunks under Megatron's
     interleaved schedule, whose sends name the chunk), each with its own memory counter."""

@@ -16,7 +16,8 @@ that per micro-step on pipeline stage s and m micro-steps:
   stages 0..s-1, and after its last backward the gradient of micro-step m-1 still goes back
   through them, so the step takes at least max_s [sum_{i<s} (f_i + b_i) + m (f_s + b_s)]: for
   equal stages (m + p - 1)(f + b), the 1F1B bubble of Narayanan et al. 2021.
-Communication, launches, the optimizer step and memory stalls only add to it. A configuration
+Communication, the other ops' launches and host time, the optimizer step and memory stalls
+only add to it. A configuration
 whose bound is not below a simulated step time cannot beat that step; `zsim tune` skips it
 (tests/test_bound.py checks the bound against simulations of a random sample).
 """

@@ -21,8 +21,9 @@ Throughout, a candidate whose step-time lower bound (its compute alone, see [Not
 lower bound]) keeps it from beating the `keep`-th best fitting result so far is skipped
 unsimulated: it cannot enter the best `keep`, and the k-th best only improves as the search goes
 on. (Every candidate runs the scenario's global batch and sequence, so tokens/s is the same
-constant over the step time for all; MFU is each one's model FLOPs per GPU over it.) With `budget=None` the survivors go in order of that bound, so the search stops at the first
-one skipped: every candidate is simulated or proven unable to enter the best `keep`.
+constant over the step time for all; MFU is each one's model FLOPs per GPU over it.) With
+`budget=None` the survivors go in order of the objective's bound, so the search stops at the
+first one skipped: every candidate is simulated or proven unable to enter the best `keep`.
 Points whose `structural_key` is equal (ZeRO-3 persistence thresholds that keep the same
 parameters gathered) build the same schedule: one is simulated, the others share its Result.
 A point of the search space is a `TunePoint`; it runs as a `Variant` (a list of `--set`
