@@ -293,7 +293,7 @@ def test_tune_reports_shared_simulations(tmp_path, scen):
     assert 0 <= data["shared"] < data["simulated"] <= 40
 
 
-def test_tune_budget_all_evaluates_every_candidate_the_bounds_leave(tmp_path):
+def test_tune_budget_all_evaluates_every_candidate_the_bounds_leave(tmp_path, capsys):
     from zsim.search.tune import structural_candidates
     raw = mapping(**{"training.micro_batch_size": 2, "hardware.gpus_per_node": 1})
     base = Base(raw, ROOT, "one")
@@ -307,6 +307,7 @@ def test_tune_budget_all_evaluates_every_candidate_the_bounds_leave(tmp_path):
     p = tmp_path / "one.yaml"
     p.write_text(yaml.safe_dump(raw))
     assert main(["tune", str(p), "--budget", "all", "--top", "1"]) == 0
+    assert "none left out can enter the best 3" in capsys.readouterr().err
     assert main(["tune", str(p), "--budget", "some"]) == 2
 
 

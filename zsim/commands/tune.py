@@ -110,6 +110,9 @@ def main(args) -> int:
           f"{len(res.pruned)} pruned by the memory lower bound, "
           f"{len(res.bounded)} skipped by the step-time lower bound, "
           f"{res.rejected} rejected as invalid) in {res.wall_s:.1f} s", file=sys.stderr)
+    if budget is None:
+        print(f"every candidate structure was simulated or ruled out by a bound: none left out can enter the "
+              f"best {max(args.top, 3)} (the knobs are refined from the best three)", file=sys.stderr)
     if args.json:
         rows = [{"rank": i + 1, "set": list(c.assignments()), "stage": c.stage,
                  "tensor_parallel_size": c.layout.tensor, "sequence_parallel": c.layout.sequence_parallel,
