@@ -109,7 +109,10 @@ class _Geometry:
         return (p - self.base0) // self.ppl if self.base0 <= p < self.base0 + self.layers * self.ppl else -1
 
     def _visits(self, fetch) -> bool:
-        """Each direction's visits and trace entries per layer, contiguous and alike layer to layer."""
+        """Each direction's visits and trace entries per layer, contiguous and alike layer to layer:
+        the forward's from its first layer up to `alike["f"]` (its last layers' params may be kept
+        for their backward, close enough under max_reuse_distance; no gap reaches them), the
+        backward's all."""
         layer_of = {}
         for m in fetch.ctx.wl.modules:
             layer_of[m.name] = m.layer
@@ -118,7 +121,7 @@ class _Geometry:
         self.trace_start = [0]
         for v in fetch.visits:
             self.trace_start.append(self.trace_start[-1] + len(v.params))
-        self.visit_base, self.vpl, self.tpl, self.trace_end = {}, {}, {}, {}
+        self.visit_base, self.vpl, self.tpl, self.trace_end, self.alike = {}, {}, {}, {}, {}
         for d, phases in (("f", (Phase.FORWARD,)), ("b", (Phase.RECOMPUTE, Phase.BACKWARD))):
             per: dict[int, list[int]] = {}
             for k, v in enumerate(fetch.visits):
@@ -130,15 +133,19 @@ class _Geometry:
             order = range(self.layers) if d == "f" else range(self.layers - 1, -1, -1)
             first = per[order[0]][0]
             key = self._visit_key(fetch, per[order[0]], order[0])
+            alike = len(order)
             for i, x in enumerate(order):
                 if per[x] != list(range(first + i * vpl, first + (i + 1) * vpl)):
                     return False
-                if self._visit_key(fetch, per[x], x) != key:
-                    return False
+                if alike == len(order) and self._visit_key(fetch, per[x], x) != key:
+                    alike = i
+            if d == "b" and alike < len(order):
+                return False
+            self.alike[d] = alike
             self.visit_base[d] = {x: per[x][0] for x in order}
             self.vpl[d] = vpl
             self.tpl[d] = self.trace_start[per[0][-1] + 1] - self.trace_start[per[0][0]]
-            last = order[-1]
+            last = order[alike - 1]   # the prefetcher is not shifted past the alike layers (_skip)
             self.trace_end[d] = self.trace_start[per[last][-1] + 1]
         return True
 
@@ -186,7 +193,7 @@ class LayerSkip:
         # the backward needs its own settle + 2 alike boundaries above the gap (p layers apart),
         # after the blocks its start settles over (lm_head's and the last layers' gathers); it
         # drops the same layers, whole periods of its gradient bucket
-        b = self.geo.layers - 1 - (self._settle(p) + 2) * p - BACKWARD_START
+        b = min(self.geo.layers - 1 - (self._settle(p) + 2) * p - BACKWARD_START, self.geo.alike["f"])
         count = (b - layer) // p * p
         # at least `reach` layers dropped, so that no two kept references name one stand-in
         # (gap_rules.least_copies)
