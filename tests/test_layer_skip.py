@@ -18,7 +18,7 @@ from zsim.schedule import layer_skip
 from zsim.schedule.build import build_schedule
 from zsim.schedule.ir import Buffer, Tag
 
-SKIPPED = ("stage3", "stage3-fp16", "stage3-selective", "stage3-full")
+SKIPPED = ("stage3", "stage3-fp16", "stage3-selective", "stage3-full", "stage3-offload-cpu", "stage3-offload-nvme")
 
 
 def _as_compressed(short):
@@ -185,12 +185,29 @@ def test_layers_that_do_not_run_alike_are_simulated_from_a_whole_build(monkeypat
     _equal_results(reused, expected)
 
 
-@pytest.mark.parametrize("name", ["stage3-offload-cpu", "stage3-offload-nvme", "stage2"])
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_an_optimizer_offloaded_alone_skips_layers_too(device):
+    """ZeRO-Offload's per-bucket gradient copies (offload.grads_to_host, after each reduction)
+    keep no state across layers but the bucket's last copy, which the state holds."""
+    zero = "deepspeed.zero_optimization"
+    for gas in (1, 3):
+        sc = scenario(**VARIANTS["stage3"], **MODELS["llama-28"], **{f"{zero}.offload_optimizer": {"device": device},
+                                                                      "training.gradient_accumulation_steps": gas})
+        short, _, compressed, kept, compress_kept = _builds(sc)
+        assert {d for _, d in (k.region for k in short.skipped)} == {"f", "b", "s"}
+        assert compress_kept == kept and _as_compressed(short) == list(compressed.ops)
+        reused, _ = run_scenario(sc)
+        _equal_results(reused, run_scenario(sc, steady=False)[0])
+
+
+@pytest.mark.parametrize("name", ["stage2", "stage3-cpu-checkpointing"])
 def test_what_the_builder_does_not_skip(name):
-    """Offloaded ZeRO-3 (copies per layer outside the hooks' state) and the stages below 3 are
-    built whole; the engine's detector still drops their layers where they repeat (MoE's
-    exchanges and CPU checkpointing too)."""
-    _, built = build_schedule(scenario(**VARIANTS[name], **MODELS["gpt-32"]), skip_layers=True)
+    """The stages below 3 and ZeRO-3 with CPU checkpointing (its copies per layer are outside
+    the hooks' state) are built whole; the engine's detector still drops their layers where
+    they repeat (MoE's exchanges too)."""
+    variant = (VARIANTS[name] if name in VARIANTS else
+               {**VARIANTS["stage2-full-cpu-checkpointing"], "deepspeed.zero_optimization.stage": 3})
+    _, built = build_schedule(scenario(**variant, **MODELS["gpt-32"]), skip_layers=True)
     assert not built.skipped
 
 

@@ -92,9 +92,11 @@ def build(ctx: StepContext):
     persistent = persistent_params(numels, z.param_persistence_threshold, z.model_persistence_threshold)
     hooks = Zero3Hooks(ctx, persistent)
     # layers the builder skips: one dense stack on a data-parallel group, nothing per layer
-    # that the hooks' state does not hold (offloaded copies, MoE's exchanges, CPU checkpoints,
-    # leaves); tensor parallelism's collectives hold none (TensorCollectives: per module only)
-    if (ctx.skip_layers and ctx.world > 1 and not ctx.params_offloaded and not ctx.optimizer_offloaded
+    # that the hooks' state does not hold (MoE's exchanges, CPU checkpoints, leaves); tensor
+    # parallelism's collectives hold none (TensorCollectives: per module only), nor do the
+    # offloaded copies (offload.params_to_device per gather, grads_to_host per bucket after its
+    # reduction; the bucket's last copy is in the state)
+    if (ctx.skip_layers and ctx.world > 1
             and all(isinstance(x, TensorCollectives) for x in ctx.exchanges)
             and not ctx.cpu_checkpointing and not hooks.fetch.leaves):
         skip = LayerSkip(ctx, hooks)
