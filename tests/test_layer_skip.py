@@ -100,12 +100,14 @@ def test_a_backward_whose_bucket_spans_layers_skips_whole_periods(name):
 
 
 @pytest.mark.parametrize("name", ("stage3", "stage3-full"))
-@pytest.mark.parametrize("reuse", (20_000_000, 80_000_000))
-def test_a_forward_whose_last_layers_keep_their_params_skips_the_layers_before(name, reuse):
+@pytest.mark.parametrize("layers, reuse", ((32, 20_000_000), (32, 80_000_000), (48, 200_000_000)))
+def test_a_forward_whose_last_layers_keep_their_params_skips_the_layers_before(name, layers, reuse):
     """Under max_reuse_distance the forward's last layers keep their params for their backward,
     close enough: their visits are not alike the others' (GPT-3 175B with TP8 on 1,024 GPUs, its
-    last two layers, was built whole for it). The forward's gap stays before them."""
-    model = {**MODELS["gpt-32"], "deepspeed.zero_optimization.stage3_max_reuse_distance": reuse}
+    last two layers, was built whole for it). The forward's gap stays before them, as far as
+    the backward needs to settle after them (48 layers: 8 not alike)."""
+    model = {**MODELS["gpt-32"], "model.layers": layers,
+             "deepspeed.zero_optimization.stage3_max_reuse_distance": reuse}
     seen = []
     for gas in (1, 2):
         sc = scenario(**VARIANTS[name], **model, **{"training.gradient_accumulation_steps": gas})
@@ -185,13 +187,14 @@ def test_layers_that_do_not_run_alike_are_simulated_from_a_whole_build(monkeypat
     _equal_results(reused, expected)
 
 
-@pytest.mark.parametrize("device", ["cpu", "nvme"])
-def test_an_optimizer_offloaded_alone_skips_layers_too(device):
+@pytest.mark.parametrize("what, device", [("optimizer", "cpu"), ("optimizer", "nvme"), ("param", "cpu")])
+def test_an_optimizer_or_params_offloaded_alone_skip_layers_too(what, device):
     """ZeRO-Offload's per-bucket gradient copies (offload.grads_to_host, after each reduction)
-    keep no state across layers but the bucket's last copy, which the state holds."""
+    keep no state across layers but the bucket's last copy, which the state holds; the
+    parameters' copies (offload.params_to_device) are per gather."""
     zero = "deepspeed.zero_optimization"
     for gas in (1, 3):
-        sc = scenario(**VARIANTS["stage3"], **MODELS["llama-28"], **{f"{zero}.offload_optimizer": {"device": device},
+        sc = scenario(**VARIANTS["stage3"], **MODELS["llama-28"], **{f"{zero}.offload_{what}": {"device": device},
                                                                       "training.gradient_accumulation_steps": gas})
         short, _, compressed, kept, compress_kept = _builds(sc)
         assert {d for _, d in (k.region for k in short.skipped)} == {"f", "b", "s"}

@@ -191,9 +191,10 @@ class LayerSkip:
         if p is None:
             return layer
         # the backward needs its own settle + 2 alike boundaries above the gap (p layers apart),
-        # after the blocks its start settles over (lm_head's and the last layers' gathers); it
-        # drops the same layers, whole periods of its gradient bucket
-        b = min(self.geo.layers - 1 - (self._settle(p) + 2) * p - BACKWARD_START, self.geo.alike["f"])
+        # after the blocks its start settles over (lm_head's and the last layers' gathers, and
+        # the forward's last layers whose visits are not alike: their params were kept for this
+        # backward); it drops the same layers, whole periods of its gradient bucket
+        b = self.geo.alike["f"] - 1 - (self._settle(p) + 2) * p - BACKWARD_START
         count = (b - layer) // p * p
         # at least `reach` layers dropped, so that no two kept references name one stand-in
         # (gap_rules.least_copies)
