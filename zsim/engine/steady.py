@@ -29,8 +29,6 @@ variant, and for pipelines, interleaved ones included.
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 from zsim.engine.layer_repeat import nest, run_layers, simulate_layers
 from zsim.engine.sim import Repeat, Trace, collector_paused, run_ops, simulate, stage_peaks
 from zsim.schedule.build import build_schedule
@@ -197,9 +195,8 @@ def find_backward_repeat(schedule: Schedule, timings, stage_events, micro_steps:
     the first micro-step's reductions run into the second's forward, that window has settled a
     micro-step earlier than one opened by a forward (find_repeat), so the step is shortened to
     one micro-step fewer."""
-    repeat = _window_repeat(schedule, timings, stage_events, _opens(schedule, timings, OpKind.BACKWARD),
-                            micro_steps, gas, 1, pipeline=False)
-    return None if repeat is None else replace(repeat, from_backward=True)
+    return _window_repeat(schedule, timings, stage_events, _opens(schedule, timings, OpKind.BACKWARD),
+                          micro_steps, gas, 1, pipeline=False, from_backward=True)
 
 
 def _opens(schedule: Schedule, timings, kind: OpKind) -> dict[int, float]:
@@ -212,7 +209,7 @@ def _opens(schedule: Schedule, timings, kind: OpKind) -> dict[int, float]:
 
 
 def _window_repeat(schedule: Schedule, timings, stage_events, opens: dict[int, float], micro_steps: int, gas: int,
-                   stride: int, pipeline: bool) -> Repeat | None:
+                   stride: int, pipeline: bool, from_backward: bool = False) -> Repeat | None:
     """The window [opens[j], opens[j + stride]), j = micro_steps - 1 - stride, when the period
     before it holds the same ops (see find_pipeline_repeat)."""
     j = micro_steps - 1 - stride
@@ -248,4 +245,4 @@ def _window_repeat(schedule: Schedule, timings, stage_events, opens: dict[int, f
     if not all(_balanced(events, lo, hi) for events in stage_events):
         return None
     return Repeat(j, (gas - micro_steps) // stride + 1, period, lo, hi, frozenset(op.id for op in window),
-                  pipeline=pipeline, micro_steps=stride)
+                  pipeline=pipeline, micro_steps=stride, from_backward=from_backward)

@@ -17,9 +17,9 @@ that per micro-step on pipeline stage s and m micro-steps:
   through them, so the step takes at least max_s [sum_{i<s} (f_i + b_i) + m (f_s + b_s)]: for
   equal stages (m + p - 1)(f + b), the 1F1B bubble of Narayanan et al. 2021.
 Communication, the other ops' launches and host time, the optimizer step and memory stalls
-only add to it. A configuration
-whose bound is not below a simulated step time cannot beat that step; `zsim tune` skips it
-(tests/test_bound.py checks the bound against simulations of a random sample).
+only add to it. A configuration whose bound is not below a simulated step time cannot beat that
+step; `zsim tune` skips it (tests/test_bound.py checks the bound against simulations of a random
+sample).
 """
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ from zsim.workload.module import DTYPE_BYTES, Module, Workload
 
 
 class ComputePricer:
-    """`compute_work_s` on one cluster and precision, each distinct work priced once."""
+    """A module's compute-stream time on one cluster and precision, each distinct module priced
+    once per checkpointing mode."""
 
     def __init__(self, cluster, precision: str, tf32: bool = False):
         gpu = cluster.profile.gpu
@@ -54,7 +55,7 @@ class ComputePricer:
             t = fwd + self.work_s(backward_work(module, checkpointing))
             if checkpointing == "full" and module.layer >= 0:
                 t += fwd
-            t = self._cache[key] = t
+            self._cache[key] = t
         return t
 
 

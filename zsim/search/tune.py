@@ -378,29 +378,30 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60,
     ranked_apart: set = set()
     bounded: dict = {}   # point key -> (point, its step-time lower bound in s), skipped
     pricer = ComputePricer(base_sc.cluster, base_sc.precision, base_sc.matmul_dtype == "tf32")
-    stage_s: dict = {}   # (workload shape, checkpointing, pipeline) -> each stage's compute per micro-step
-    layer_s: dict = {}   # (workload shape, checkpointing) -> (its layers, each one's compute per micro-step)
-    bound_workloads: dict = {}   # workload shape (the micro-batch's) -> workload
+    stage_s: dict = {}   # (workload id, checkpointing, pipeline) -> each stage's compute per micro-step
+    layer_s: dict = {}   # (workload id, checkpointing) -> (its layers, each one's compute per micro-step)
     interleaved = base_sc.parallelism.virtual_stages > 1   # the candidates' pipelines keep the scenario's
+    workloads: dict = {}    # candidates share workloads: their tensor-parallel shape, ZeRO-3's linear and the
+    # micro-batch decide them (not the pipeline: a stage is a slice of one), checkpointing too where LoRA
+    # or frozen weights make the workload depend on it
+    by_mode = base_sc.training.lora is not None or bool(base_sc.training.frozen)
 
-    def shape_of(c: TunePoint) -> tuple:
-        """What the point's workload at its micro-batch depends on (not the pipeline: a stage is a
-        slice of it)."""
-        return (c.layout.tensor, c.layout.sequence_parallel, c.layout.expert, c.stage == 3,
-                c.checkpointing if by_mode else None, c.micro_batch)
+    def workload(c: TunePoint, micro_batch: int = 1):
+        key = (c.layout.tensor, c.layout.sequence_parallel, c.layout.expert, c.stage == 3,
+               c.checkpointing if by_mode else None, micro_batch)
+        if key not in workloads:
+            workloads[key] = point_workload(base_sc, c, micro_batch)
+        return workloads[key]
 
     def step_bound_s(c: TunePoint) -> float:
         """see [Note: step-time lower bound]"""
-        layout, shape = c.layout, shape_of(c)
-        key = (shape, c.checkpointing, layout.pipeline)
+        wl = workload(c, c.micro_batch)
+        key = (id(wl), c.checkpointing, c.layout.pipeline)   # `workloads` keeps each alive
         if key not in stage_s:
-            if (shape, c.checkpointing) not in layer_s:
-                if shape not in bound_workloads:
-                    bound_workloads[shape] = point_workload(base_sc, c, c.micro_batch)
-                layer_s[shape, c.checkpointing] = layer_compute_s(bound_workloads[shape], c.checkpointing, pricer)
-            stage_s[key] = stage_compute_s(*layer_s[shape, c.checkpointing], layout.pipeline,
-                                           base_sc.parallelism.partition_method)
-        return step_time_lower_bound_s(stage_s[key], c.gas, layout.pipeline > 1 and interleaved)
+            if key[:2] not in layer_s:
+                layer_s[key[:2]] = layer_compute_s(wl, c.checkpointing, pricer)
+            stage_s[key] = stage_compute_s(*layer_s[key[:2]], c.layout.pipeline, base_sc.parallelism.partition_method)
+        return step_time_lower_bound_s(stage_s[key], c.gas, c.layout.pipeline > 1 and interleaved)
 
     def best_rate(c: TunePoint) -> float:
         """The most `rate` the point can reach: its work over its step-time lower bound."""
@@ -409,8 +410,7 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60,
             return float("inf")
         if not mfu:
             return 1.0 / bound_s
-        wl = bound_workloads[shape_of(c)]   # built by step_bound_s
-        return model_flops_per_gpu(wl.model_flops, c.gas, c.layout.pipeline) / bound_s
+        return model_flops_per_gpu(workload(c, c.micro_batch).model_flops, c.gas, c.layout.pipeline) / bound_s
 
     def rate(r: Result) -> float:
         return (r.model_flops_per_gpu if mfu else 1.0) / r.step_time_s
@@ -463,16 +463,6 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60,
         return sorted(ok, key=lambda cr: -score(cr[1], objective))
 
     survivors = []
-    workloads: dict = {}    # candidates share workloads: the layout and ZeRO-3's linear decide them
-    # (checkpointing too where LoRA or frozen weights make the workload depend on it)
-    by_mode = base_sc.training.lora is not None or bool(base_sc.training.frozen)
-
-    def workload(c: TunePoint):
-        key = (c.layout, c.stage == 3, c.checkpointing if by_mode else None)
-        if key not in workloads:
-            workloads[key] = point_workload(base_sc, c)
-        return workloads[key]
-
     terms: dict = {}    # (workload, checkpointing) -> workload_terms, computed once for the candidates sharing them
     cpu_checkpointing = base_sc.deepspeed.activation_checkpointing.cpu_checkpointing
     own = own_layout(base_sc)
