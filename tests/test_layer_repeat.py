@@ -210,6 +210,32 @@ def test_a_pass_whose_copies_fall_behind_is_kept_whole_and_the_others_still_drop
     assert len(trace.schedule.ops) < len(full_trace.schedule.ops)
 
 
+def test_a_window_on_what_the_previous_pass_left_running_moves_into_the_pass():
+    """GPT-3 175B, TP8 with SP, ZeRO-2 with the optimizer on the CPU, GAS 16 on 1,024 GPUs:
+    from the second micro-step on, the offloaded gradients' accumulation on the host still runs
+    while the next forward's first layers do, so a forward window at its first periodic layers
+    opens on it. The gaps are narrowed (see [Note: a window moved past a settling pass]): every
+    micro-step drops layers and the shortened step of four micro-steps repeats. (Before, those
+    micro-steps' forwards were simulated whole, four micro-steps did not repeat, and five were
+    simulated.) The step is the full simulation's."""
+    from tests.helpers import ROOT
+    from zsim.config.scenario import load_raw, scenario_from_mapping
+    raw = load_raw(ROOT / "scenarios" / "gpt3-175b-zero3.yaml")
+    raw["parallelism"] = {"tensor": 8, "sequence_parallel": True}
+    raw["training"].update(gradient_accumulation_steps=16, activation_checkpointing="none")
+    raw["deepspeed"].update(gradient_accumulation_steps=16)
+    raw["deepspeed"]["zero_optimization"].update(stage=2, offload_optimizer={"device": "cpu"})
+    sc = scenario_from_mapping(raw, ROOT / "scenarios")
+    reused, trace = run_scenario(sc)
+    full, full_trace = run_scenario(sc, steady=False)
+    _equal_results(reused, full)
+    assert isinstance(trace.repeat, LayeredRepeat)
+    assert max(op.micro_step for op in trace.schedule.ops) == 3     # four micro-steps simulated
+    forwards = sorted(w.name.rsplit(", ", 1)[1] for w in trace.repeat.layers.windows if w.name.startswith("forward"))
+    assert forwards == [f"micro-step {m}" for m in range(4)]
+    assert 10 * len(trace.schedule.ops) < len(full_trace.schedule.ops)
+
+
 def _layer_gaps_found(schedule, wl) -> bool:
     from zsim.engine import layer_blocks
     sites = layer_blocks._alloc_sites(schedule.ops)

@@ -159,6 +159,18 @@ class Gap:
     window: tuple[int, int]
     layers: int = 1             # layers per copy (the period of their IPG buckets)
     settle: int = SETTLING_BLOCKS   # kept periodic blocks before the window (see `_reach`)
+    dropped: tuple[int, int] | None = None   # a forward's or backward's layers [g0, g1) (`_layer_gaps`)
+
+    def narrowed(self, low: int, high: int) -> "Gap":
+        """The gap of a forward or backward without its `low` lowest and `high` highest chunks
+        (layers [g0 + low p, g1 - high p)): a forward, layers ascending, starts its gap `low`
+        chunks later (its window with it), a backward, descending, `high` chunks later."""
+        m, d = self.region
+        g0, g1 = self.dropped[0] + low * self.layers, self.dropped[1] - high * self.layers
+        shift = (low if d == "f" else high) * self.length
+        return replace(self, name=_gap_name(m, d, g0, g1, self.layers), first=self.first + shift,
+                       count=self.count - low - high, window=(self.window[0] + shift, self.window[1] + shift),
+                       dropped=(g0, g1))
 
 
 def _chunks(blocks, p: int, phase: int, descending: bool) -> list[tuple[int, int, int]]:
@@ -329,9 +341,14 @@ def _span(lo: int, hi: int, phase: int, p: int) -> int:
 def _gap(chunks, m: int, d: str, g0: int, g1: int, p: int, settle: int) -> Gap:
     at = {low: (a, end) for low, a, end in chunks}
     window, first = (at[g0 - p], at[g0][0]) if d == "f" else (at[g1], at[g1 - p][0])
-    what = "forward" if d == "f" else "backward"
-    name = f"{what} of layers {g0 - p}-{g0 - 1}" if d == "f" else f"{what} of layers {g1 + p - 1}-{g1}"
-    return Gap(f"{name}, micro-step {m}", (m, d), first, (g1 - g0) // p, window[1] - window[0], window, p, settle)
+    return Gap(_gap_name(m, d, g0, g1, p), (m, d), first, (g1 - g0) // p, window[1] - window[0], window, p, settle,
+               (g0, g1))
+
+
+def _gap_name(m: int, d: str, g0: int, g1: int, p: int) -> str:
+    """A gap is named after its window: the last chunk of layers the pass runs before it."""
+    name = f"forward of layers {g0 - p}-{g0 - 1}" if d == "f" else f"backward of layers {g1 + p - 1}-{g1}"
+    return f"{name}, micro-step {m}"
 
 
 def _gaps(schedule: Schedule, wl: Workload, sites, blocks=None) -> tuple[list[Gap], _Places]:
@@ -373,6 +390,26 @@ class GapPlan:
     gaps: tuple[Gap, ...]
     sites: tuple
     places: _Places
+
+    def narrowed(self, forward: float, backward: float) -> "GapPlan | None":
+        """[Note: a window moved past a settling pass] The plan with every micro-step's forward
+        gap starting `forward` of the way into what it could spare, and its backward gap
+        `backward` of the way (its window with it), or None when that moves nothing. A window at
+        the start of a pass can fall in what the previous pass left running (a micro-step's
+        forward beside the previous backward's offloaded gradient copies) while its later layers
+        run alike. Every micro-step moves alike, so their shortened passes stay alike for
+        steady.py; a gap keeps at least the chunks kept before its window (settle + 1 >=
+        gap_rules.least_copies)."""
+        out, moved = [], False
+        for g in self.gaps:
+            if g.dropped is None:      # post-step gathers
+                out.append(g)
+                continue
+            spare = g.count - (g.settle + 1)
+            low, high = int(spare * forward), int(spare * backward)
+            moved |= low + high > 0
+            out.append(g.narrowed(low, high))
+        return replace(self, gaps=tuple(out)) if moved else None
 
 
 def plan_gaps(schedule: Schedule, wl: Workload) -> GapPlan | None:

@@ -54,6 +54,13 @@ class LayerWindow:
         return (self.copies - 1) * self.period_s
 
 
+class Unsettled:
+    """A window's periods opened alike on an op still running from before them (`_window`)."""
+
+
+UNSETTLED = Unsettled()
+
+
 @dataclass(frozen=True)
 class LayerRepeat:
     """A step whose identical layers were simulated once per window (windows in time order)."""
@@ -175,11 +182,12 @@ class _Clock:
 
 
 def _window(gap: Gap, schedule: Schedule, new_id: dict[int, int], timings, events, tol: float,
-            clock: _Clock) -> LayerWindow | None:
+            clock: _Clock) -> LayerWindow | None | Unsettled:
     """The gap's window [lo, hi) when the simulated step ran its last three periods alike: the ops
     that start in each period are the ops of the period before, each starting and ending exactly
     one period later, nothing older is still running when a period opens, the ledger sees the
-    same events; and the window is as long as a period (the block after the gap opens on time)."""
+    same events; and the window is as long as a period (the block after the gap opens on time).
+    UNSETTLED where the periods open alike but an op from before them still runs."""
     a, end = gap.window
     length = gap.length
 
@@ -198,7 +206,7 @@ def _window(gap: Gap, schedule: Schedule, new_id: dict[int, int], timings, event
     lo, hi = lo - tol, hi - tol
     i0, i1 = bisect_left(clock.starts, lo - 2 * period), bisect_left(clock.starts, hi)
     if clock.latest_end[i0] > lo - period + 2 * tol:
-        return None     # still running from before: the periods' states would differ
+        return UNSETTLED     # still running from before: the periods' states would differ
     periods: list[list] = [[], [], []]      # the ops that start in each of the last three periods
     ops = schedule.ops
     for x in clock.by_start[i0:i1]:
@@ -235,37 +243,46 @@ def _window(gap: Gap, schedule: Schedule, new_id: dict[int, int], timings, event
 
 
 def _layer_repeat(short: Schedule, gaps: list[Gap], kept: list[int], timings, events,
-                  full_ops: int) -> tuple[LayerRepeat | None, frozenset]:
-    """The LayerRepeat of the shortened step, or (None, the passes whose gaps did not run alike:
-    kept whole, the others may still repeat; empty when nothing would)."""
+                  full_ops: int) -> tuple[LayerRepeat | None, frozenset, frozenset]:
+    """The LayerRepeat of the shortened step, or (None, the passes whose windows did not run
+    alike ((micro-step, direction)): kept whole, the others may still repeat; empty when nothing
+    would; and those of them whose windows only opened on what an earlier pass left running:
+    narrowed)."""
     if any(not float(d).is_integer() for _, d, _, _ in events):
-        return None, frozenset()
+        return None, frozenset(), frozenset()
     new_id = {x: i for i, x in enumerate(kept)}
     tol = _REL_TOL * max(max(t.end_s for t in timings), 1.0)
     windows = []
     failed: set = set()
+    unsettled: set = set()
     clock = _Clock(timings, events)
     for gap in gaps:
         w = _window(gap, short, new_id, timings, events, tol, clock)
-        if w is None:
-            failed |= whole_regions(gap)
+        if not isinstance(w, LayerWindow):
+            failed.add(gap.region)
+            if w is UNSETTLED:
+                unsettled.add(gap.region)
         windows.append(w)
     if failed:
-        return None, frozenset(failed)
+        return None, frozenset(failed), frozenset(unsettled)
     windows.sort(key=lambda w: w.start_s)
     if any(a.end_s > b.start_s for a, b in zip(windows, windows[1:])):
-        return None, frozenset()
+        return None, frozenset(), frozenset()
     if len(short.ops) + sum((w.copies - 1) * len(w.ops) for w in windows) != full_ops:
-        return None, frozenset()
-    return LayerRepeat(tuple(windows)), frozenset()
+        return None, frozenset(), frozenset()
+    return LayerRepeat(tuple(windows)), frozenset(), frozenset()
 
 
-# shortened steps simulated before every op is: a pass whose gap did not run alike (a copy stream
-# falling further behind every layer, a boundary's extra copies) is kept whole in the next try,
-# the others still dropped. A later try is made only while it drops at least a quarter of the
-# step's ops (else a failed try would cost about as much as simulating every op)
-_TRIES = 3
+# shortened steps simulated before every op is: a pass whose window did not run alike has its
+# gap narrowed (see [Note: a window moved past a settling pass]), then (a copy stream falling
+# further behind every layer, a boundary's extra copies) is kept whole in the next try, the others
+# still dropped. A later try is made only while it drops at least a quarter of the step's ops
+# (else a failed try would cost about as much as simulating every op)
+_TRIES = 5
 _RETRY_DROPS = 0.25
+# how far into what a gap can spare its window moves (a pass's start unsettled by a few layers
+# costs a quarter of its drops; a pass that falls behind every layer is kept whole on the next try)
+_NARROWED = 0.25
 
 
 def _skipped_gaps(schedule: Schedule) -> tuple[list[Gap], list[int]]:
@@ -296,10 +313,11 @@ def run_layers(schedule: Schedule, wl: Workload, cluster, precision: str):
             timings, ledgers = run_ops(schedule, cluster, precision)
         except LedgerError:
             return None
-        repeat, _ = _layer_repeat(schedule, gaps, kept, timings, ledgers[0].events(), schedule.full_ops)
+        repeat, _, _ = _layer_repeat(schedule, gaps, kept, timings, ledgers[0].events(), schedule.full_ops)
         return None if repeat is None else (schedule, timings, ledgers, repeat)
-    plan = plan_gaps(schedule, wl)
+    plan = first = plan_gaps(schedule, wl)
     whole: frozenset = frozenset()
+    narrowed: set = set()    # the directions ("f", "b") whose gaps were narrowed
     for _ in range(_TRIES if plan is not None else 0):
         try:
             compressed = compress(schedule, plan, whole)
@@ -315,12 +333,22 @@ def run_layers(schedule: Schedule, wl: Workload, cluster, precision: str):
             timings, ledgers = run_ops(short, cluster, precision)
         except LedgerError:     # the dropped blocks' buffers do not pair up: simulate them all
             break
-        repeat, failed = _layer_repeat(short, gaps, kept, timings, ledgers[0].events(), len(schedule.ops))
+        repeat, failed, unsettled = _layer_repeat(short, gaps, kept, timings, ledgers[0].events(), len(schedule.ops))
         if repeat is not None:
             return short, timings, ledgers, repeat
         if not failed:
             break
-        whole |= failed
+        # a direction whose windows opened on what an earlier pass left running is narrowed
+        # once, for every micro-step (the passes kept whole stay so); a pass whose window fails
+        # otherwise, or again once narrowed, is kept whole
+        new = {d for _, d in unsettled if d in "fb"} - narrowed
+        wider = first.narrowed(*(_NARROWED if d in narrowed | new else 0.0 for d in "fb")) if new else None
+        if wider is None:
+            new = set()
+        else:
+            plan, narrowed = wider, narrowed | new
+        whole |= frozenset().union(*(whole_regions(g) for g in gaps if g.region in failed
+                                     and not (g.region in unsettled and g.region[1] in new)))
     timings, ledgers = run_ops(schedule, cluster, precision)
     return schedule, timings, ledgers, None
 
