@@ -12,7 +12,7 @@ from zsim.api import run_scenario
 from zsim.hardware.compute import kernel_overhead_s
 from zsim.hardware.cost_model import CostModel
 from zsim.schedule.build import build_schedule
-from zsim.schedule.ir import OpKind
+from zsim.schedule.ir import OpKind, Stream
 from zsim.search.bound import scenario_step_time_bound_s, step_time_lower_bound_s
 from zsim.search.tune import score, tune
 from zsim.search.variants import Base
@@ -55,23 +55,41 @@ def _draw(rng: random.Random) -> dict:
 
 
 SAMPLE = [_draw(random.Random(f"bound-{i}")) for i in range(32)]
+TP_KINDS = (OpKind.TP_ALL_REDUCE, OpKind.TP_REDUCE_SCATTER, OpKind.TP_ALL_GATHER)
 
 
-@pytest.mark.parametrize("kw", SAMPLE, ids=[f"case{i}" for i in range(len(SAMPLE))])
+# tensor parallelism at GAS 1 without a pipeline (the random sample has none): the calls the
+# bound adds are checked op for op too
+TENSOR = [{**model, "parallelism": {"tensor": tp, "sequence_parallel": sp}, "training.gradient_accumulation_steps": 1,
+           "training.activation_checkpointing": ck, "deepspeed.zero_optimization.stage": stage}
+          for model, tp, sp, ck, stage in ((LLAMA, 2, True, "full", 3), (LLAMA, 4, False, "selective", 1),
+                                           ({}, 2, False, "none", 2), ({"model.heads": 8, "model.hidden": 512}, 8, True, "none", 0),
+                                           ({"model.tied_embeddings": False}, 4, True, "full", 2))]
+
+
+@pytest.mark.parametrize("kw", SAMPLE + TENSOR, ids=[f"case{i}" for i in range(len(SAMPLE))]
+                         + [f"tensor{i}" for i in range(len(TENSOR))])
 def test_the_bound_is_below_the_simulated_step_and_equals_the_compute_the_schedule_charges(kw):
     sc = scenario(**kw)
     result, _ = run_scenario(sc)
     bound = scenario_step_time_bound_s(sc)
     assert 0.0 < bound <= result.step_time_s
-    # the bound prices the forward, backward and recompute ops the builder adds, op for op: each
-    # stage's compute of one micro-step is the schedule's (gradient adds into .grads left out)
+    # the bound prices the forward, backward and recompute ops the builder adds, and the
+    # tensor-parallel calls around them on the compute stream, op for op: each stage's compute
+    # of one micro-step is the schedule's (gradient adds into .grads left out, and the TP
+    # all-reduce of partly computed gradients after the step's last backward)
     if sc.pipeline_stages == 1 and sc.gradient_accumulation_steps == 1:
         wl, schedule = build_schedule(sc)
         cm = CostModel(sc.cluster, sc.precision, sc.zero.stage, schedule.host, schedule.pipeline,
                        sc.tensor_parallel_size, schedule.tf32)
+        modules = {m.name for m in wl.modules}
         charged = sum(kernel_overhead_s(op.work.kernels, cm.gpu) + cm.compute_work_s(op.work) for op in schedule.ops
                       if op.kind in (OpKind.FORWARD, OpKind.BACKWARD) and op.work is not None
                       and not op.work.accumulate_bytes)
+        costs = [cm.op_cost(op) for op in schedule.ops
+                 if op.kind in TP_KINDS and op.stream == Stream.COMPUTE and op.payload.module in modules]
+        assert bool(costs) == (sc.tensor_parallel_size > 1)
+        charged += sum(c.fixed_s + c.work_s for c in costs)
         assert charged == pytest.approx(bound, rel=1e-9)
 
 

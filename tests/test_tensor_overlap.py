@@ -126,7 +126,7 @@ def test_a_linear_without_both_gemms_keeps_the_blocking_calls():
     """LinearWithFrozenWeight all-reduces its input gradient synchronously: no wgrad to hide it."""
     sc = _big(False)
     wl, sched = build_schedule(sc)
-    tensor = TensorCollectives(type("Ctx", (), {"sc": sc, "wl": wl})())
+    tensor = TensorCollectives(sc.parallelism, wl, sc.precision)
     qkv = next(m for m in wl.modules if m.name == COLUMN[0])
     assert tensor.overlaps_backward(qkv)
     assert not tensor.overlaps_backward(replace(qkv, weight_grad=False))

@@ -55,6 +55,20 @@ def compute_work_s(work: ComputeWork, gpu, gpu_fp32, peak_flops: float, dtype_by
     return t
 
 
+def collective_op_cost(comm, cluster, stage: int, data_parallel: int, tensor: int, intra, inter, nccl):
+    """A collective priced over the ranks its own process group spans (zsim.hardware.placement):
+    collectives.collective_cost's latency, transfer and tier."""
+    nodes, per_node = group_shape(comm.group, stage, data_parallel, cluster.gpus_per_node, tensor)
+    return collective_cost(comm.collective.value, comm.size_bytes, nodes, per_node, intra, inter,
+                           comm.coalesced, nccl, comm.dtype)
+
+
+def collective_op_s(comm, cost, gpu) -> tuple[float, float, float]:
+    """A collective op's time beyond the host's launch, in the order its stream runs it: its own
+    buffer passes (packing, pre-division), its latency (both fixed), its transfer (work)."""
+    return memory_bound_time_s(comm.buffer_bytes, gpu), cost.latency_s, cost.transfer_s
+
+
 @record
 class OpCost:
     fixed_s: float
@@ -185,12 +199,9 @@ class CostModel:
         return "inter_node", self.inter
 
     def _comm_cost(self, op: Op):
-        """A collective priced over the ranks its own process group spans (zsim.hardware.placement)."""
-        comm, cl = op.comm, self.cluster
+        cl = self.cluster
         dp = cl.world_size // self.tensor if self.pipeline is None else self.pipeline.data_parallel
-        nodes, per_node = group_shape(comm.group, op.stage, dp, cl.gpus_per_node, self.tensor)
-        return collective_cost(comm.collective.value, comm.size_bytes, nodes, per_node, self.intra, self.inter,
-                               comm.coalesced, self.nccl, comm.dtype)
+        return collective_op_cost(op.comm, cl, op.stage, dp, self.tensor, self.intra, self.inter, self.nccl)
 
     def _rank_cost(self, op: Op) -> OpCost:
         """The cost on the op's own rank, its links named as stage 0's."""
@@ -198,10 +209,10 @@ class CostModel:
         comm, p = op.comm, op.payload
         cl = self.cluster
         if comm is not None:
-            # the collective's own buffer passes (packing, pre-division) run on its stream first
-            fixed += memory_bound_time_s(comm.buffer_bytes, self.gpu)
             cost = self._comm_cost(op)
-            return OpCost(fixed + cost.latency_s, cost.transfer_s, self._tier_links(cost.tier))
+            buffer_s, latency_s, transfer_s = collective_op_s(comm, cost, self.gpu)
+            fixed += buffer_s
+            return OpCost(fixed + latency_s, transfer_s, self._tier_links(cost.tier))
         if isinstance(p, Copy):
             if p.transfer in (Transfer.H2D, Transfer.D2H):
                 pinned = self.host.pin_memory if p.pinned is None else p.pinned

@@ -13,7 +13,8 @@ from zsim.workload.module import Module, Workload
 def exchanges(ctx: StepContext) -> tuple:
     """The communication the passes add around the modules (MoE all-to-alls, tensor-parallel
     collectives): only the kinds the run has, so a module visit asks nothing of the others."""
-    return tuple(x for x in (TokenExchanges(ctx), TensorCollectives(ctx)) if x.active)
+    return tuple(x for x in (TokenExchanges(ctx), TensorCollectives(ctx.sc.parallelism, ctx.wl, ctx.sc.precision))
+                 if x.active)
 
 
 def _before(ctx: StepContext, module: Module, micro: int, phase: Phase, last: int | None) -> int | None:

@@ -60,7 +60,7 @@ from dataclasses import replace
 
 from zsim.schedule.ir import Alloc, Collective, Group, OpKind, Phase, ProcessGroup, Stream, Tag
 from zsim.schedule.payloads import Comm, ComputeWork, ModulePass, TensorComm
-from zsim.workload.module import Module, TensorRole
+from zsim.workload.module import Module, TensorRole, Workload
 
 FP32_BYTES = 4
 
@@ -90,17 +90,22 @@ def tensor_parallel_group(tensor: int) -> ProcessGroup:
 
 
 class TensorCollectives:
-    """The tensor-parallel collectives the passes add around the modules (zsim/schedule/passes.py)."""
+    """The tensor-parallel collectives the passes add around the modules (zsim/schedule/passes.py)
+    of the workload `wl` (one rank's shard) under `parallelism`."""
 
-    def __init__(self, ctx):
-        par = ctx.sc.parallelism
-        self.active = par.tensor > 1
-        self.sp = par.sequence_parallel
-        self.group = tensor_parallel_group(par.tensor)
-        self.a = ctx.wl.act_dtype_bytes
-        self.precision = ctx.sc.precision     # the activations' dtype, which their all-reduces sum in
-        self.tokens = ctx.wl.tokens
+    def __init__(self, parallelism, wl: Workload, precision: str):
+        self.active = parallelism.tensor > 1
+        self.sp = parallelism.sequence_parallel
+        self.group = tensor_parallel_group(parallelism.tensor)
+        self.a = wl.act_dtype_bytes
+        self.precision = precision     # the activations' dtype, which their all-reduces sum in
+        self.tokens = wl.tokens
         self._payloads: dict[tuple, TensorComm] = {}
+
+    def blocking(self, module: Module, phase: Phase) -> tuple[Comm, ...]:
+        """The calls `module`'s pass in `phase` (FORWARD and RECOMPUTE alike) makes on the
+        compute stream, before and after it (`before`/`after`): the ones it waits for."""
+        return tuple(self._payload(module, c).comm for before in (True, False) for c in self._plan(module, phase, before))
 
     def overlaps_backward(self, module: Module) -> bool:
         """Whether `module`'s backward runs its collectives asynchronously beside its GEMMs (see

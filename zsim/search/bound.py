@@ -1,4 +1,5 @@
-"""A lower bound on a configuration's step time that needs no schedule: its compute alone.
+"""A lower bound on a configuration's step time that needs no schedule: its compute (and the
+tensor-parallel calls it waits for) alone.
 
 [Note: step-time lower bound]
 A rank's compute stream runs its ops one after another, each its fixed time (at least its
@@ -16,29 +17,39 @@ that per micro-step on pipeline stage s and m micro-steps:
   stages 0..s-1, and after its last backward the gradient of micro-step m-1 still goes back
   through them, so the step takes at least max_s [sum_{i<s} (f_i + b_i) + m (f_s + b_s)]: for
   equal stages (m + p - 1)(f + b), the 1F1B bubble of Narayanan et al. 2021.
-Communication, the other ops' launches and host time, the optimizer step and memory stalls
-only add to it. A configuration whose bound is not below a simulated step time cannot beat that
+Megatron's tensor-parallel calls that the compute stream waits for are ops of that stream
+(zsim/schedule/tensor.py: every call but the column-parallel backward's, which overlaps its
+GEMMs), so each adds its buffer passes, latency and transfer (cost_model.collective_op_s; the
+engine serves the transfer at a rate of at most 1 too) to its module's pass: forward,
+recompute and backward. They are counted where a node holds whole tensor-parallel groups (Megatron's
+placement, every stage's group priced alike). Other communication, the other ops' launches and
+host time, the optimizer step and memory stalls only add to it. A configuration whose bound is not below a simulated step time cannot beat that
 step; `zsim tune` skips it (tests/test_bound.py checks the bound against simulations of a random
 sample).
 """
 from __future__ import annotations
 
+from zsim.hardware.collectives import nccl_topo_for, tiers_for
 from zsim.hardware.compute import kernel_overhead_s
-from zsim.hardware.cost_model import compute_work_s, matmul_peak_flops
+from zsim.hardware.cost_model import collective_op_cost, collective_op_s, compute_work_s, matmul_peak_flops
 from zsim.schedule.build import workload_for
+from zsim.schedule.ir import Phase
 from zsim.schedule.passes import backward_work, forward_work
 from zsim.schedule.pipe_partition import LayerSpec, layer_specs, partition
+from zsim.schedule.tensor import TensorCollectives
 from zsim.workload.module import DTYPE_BYTES, Module, Workload
 
 
 class ComputePricer:
     """A module's compute-stream time on one cluster and precision, each distinct module priced
-    once per checkpointing mode."""
+    once per checkpointing mode and tensor-parallel layout."""
 
     def __init__(self, cluster, precision: str, tf32: bool = False):
         gpu = cluster.profile.gpu
+        self.cluster, self.precision = cluster, precision
         self._args = (gpu.for_dtype(precision), gpu.for_dtype("fp32"), matmul_peak_flops(cluster, precision, tf32),
                       DTYPE_BYTES[precision])
+        self._tiers = (*tiers_for(cluster), nccl_topo_for(cluster))
         self._cache: dict = {}
 
     def work_s(self, work) -> float:
@@ -46,24 +57,47 @@ class ComputePricer:
         which its stream runs before the work: zsim/engine/sim.py _StreamRun) and its work."""
         return kernel_overhead_s(work.kernels, self._args[0]) + compute_work_s(work, *self._args)
 
-    def module_s(self, module: Module, checkpointing: str) -> float:
-        """`module`'s compute in one micro-step: forward, backward, and a full recompute's forward."""
-        key = (module, checkpointing)
+    def comm_s(self, comm, tensor: int) -> float:
+        """A tensor-parallel call's time on the compute stream (no kernels or hooks of its own:
+        cost_model.collective_op_s); its group lies in one node (see `tensor_collectives`)."""
+        cost = collective_op_cost(comm, self.cluster, 0, self.cluster.world_size // tensor, tensor, *self._tiers)
+        return sum(collective_op_s(comm, cost, self._args[0]))
+
+    def module_s(self, module: Module, checkpointing: str, tensor: TensorCollectives | None = None) -> float:
+        """`module`'s compute in one micro-step: forward, backward, and a full recompute's forward,
+        each with the tensor-parallel calls it blocks on."""
+        layout = None if tensor is None else (tensor.group.size, tensor.sp, tensor.tokens, tensor.a)
+        key = (module, checkpointing, layout)
         t = self._cache.get(key)
         if t is None:
             fwd = self.work_s(forward_work(module))
-            t = fwd + self.work_s(backward_work(module, checkpointing))
+            bwd = self.work_s(backward_work(module, checkpointing))
+            if tensor is not None:
+                size = tensor.group.size
+                fwd += sum(self.comm_s(c, size) for c in tensor.blocking(module, Phase.FORWARD))
+                bwd += sum(self.comm_s(c, size) for c in tensor.blocking(module, Phase.BACKWARD))
+            t = fwd + bwd
             if checkpointing == "full" and module.layer >= 0:
                 t += fwd
             self._cache[key] = t
         return t
 
 
-def layer_compute_s(wl: Workload, checkpointing: str, pricer: ComputePricer) -> tuple[list[LayerSpec], list[float]]:
+def tensor_collectives(parallelism, wl: Workload, pricer: ComputePricer) -> TensorCollectives | None:
+    """The tensor-parallel calls the bound counts: None without tensor parallelism, or where a
+    node does not hold whole tensor-parallel groups (a group's placement then depends on the
+    pipeline stage; leaving them out keeps the bound a bound)."""
+    if parallelism.tensor == 1 or pricer.cluster.gpus_per_node % parallelism.tensor:
+        return None
+    return TensorCollectives(parallelism, wl, pricer.precision)
+
+
+def layer_compute_s(wl: Workload, checkpointing: str, pricer: ComputePricer,
+                    tensor: TensorCollectives | None = None) -> tuple[list[LayerSpec], list[float]]:
     """The workload's PipelineModule layers (pipe_partition.layer_specs) and each one's compute
-    in one micro-step."""
+    in one micro-step (`tensor`: the blocking tensor-parallel calls, `tensor_collectives`)."""
     specs = layer_specs(wl)
-    return specs, [sum(pricer.module_s(m, checkpointing) for m in spec.modules) for spec in specs]
+    return specs, [sum(pricer.module_s(m, checkpointing, tensor) for m in spec.modules) for spec in specs]
 
 
 def stage_compute_s(specs: list[LayerSpec], layer_s: list[float], stages: int, partition_method: str) -> list[float]:
@@ -92,6 +126,8 @@ def step_time_lower_bound_s(stage_s: list[float], micro_steps: int, interleaved:
 def scenario_step_time_bound_s(sc, wl: Workload | None = None) -> float:
     """The bound of the scenario `sc` (`wl`: its workload when already built)."""
     pricer = ComputePricer(sc.cluster, sc.precision, sc.matmul_dtype == "tf32")
-    specs, layer_s = layer_compute_s(wl or workload_for(sc), sc.training.activation_checkpointing, pricer)
+    wl = wl or workload_for(sc)
+    specs, layer_s = layer_compute_s(wl, sc.training.activation_checkpointing, pricer,
+                                     tensor_collectives(sc.parallelism, wl, pricer))
     stages = stage_compute_s(specs, layer_s, sc.pipeline_stages, sc.parallelism.partition_method)
     return step_time_lower_bound_s(stages, sc.gradient_accumulation_steps, sc.parallelism.virtual_stages > 1)

@@ -40,7 +40,8 @@ from dataclasses import dataclass, field, replace
 from zsim.report.format import fmt_setting
 from zsim.result import Result
 from zsim.result.summarize import model_flops_per_gpu
-from zsim.search.bound import ComputePricer, layer_compute_s, stage_compute_s, step_time_lower_bound_s
+from zsim.search.bound import (ComputePricer, layer_compute_s, stage_compute_s, step_time_lower_bound_s,
+                               tensor_collectives)
 from zsim.schedule.build import training_workload, workload_for
 from zsim.schedule.optimizer import ADAM_STATE_BYTES, model_state_bytes, optimizer_state_bytes
 from zsim.schedule.partition import persistent_params
@@ -399,7 +400,7 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60,
         key = (id(wl), c.checkpointing, c.layout.pipeline)   # `workloads` keeps each alive
         if key not in stage_s:
             if key[:2] not in layer_s:
-                layer_s[key[:2]] = layer_compute_s(wl, c.checkpointing, pricer)
+                layer_s[key[:2]] = layer_compute_s(wl, c.checkpointing, pricer, tensor_collectives(c.layout, wl, pricer))
             stage_s[key] = stage_compute_s(*layer_s[key[:2]], c.layout.pipeline, base_sc.parallelism.partition_method)
         return step_time_lower_bound_s(stage_s[key], c.gas, c.layout.pipeline > 1 and interleaved)
 
