@@ -78,6 +78,12 @@ def host_pass_time_s(size_bytes: float, memory_Bps: float, gpus_per_node: int) -
     return size_bytes / (memory_Bps / max(1, gpus_per_node))
 
 
+def hook_visits_time_s(visits: int, per_visit_us: float) -> float:
+    """Host time of DeepSpeed ZeRO-3's module hooks: `visits` module visits at the profile's
+    `cpu.zero3_hook_fwd_us` / `zero3_hook_bwd_us` each (measured by `zsim calibrate --hooks`)."""
+    return visits * 1e-6 * per_visit_us
+
+
 def rank_views_time_s(views: int, view_us: float) -> float:
     """Host time of ZeRO-3's per-rank Python loops: `views` per-rank tensor views at the
     profile's `cpu.zero3_rank_view_us` each (see [Note: per-rank host loops])."""

@@ -88,11 +88,19 @@ def z3_leaf_blocks(ctx) -> dict[str, tuple[int, ...]]:
     (iter_params(module, recurse=z3_leaf_module(module))) and release them after it ran.
     training.z3_leaf_moe_block picks the one or the other for zsim's MoE blocks."""
     sc = ctx.sc
-    if sc.zero.stage != 3 or sc.model.moe is None or not sc.training.z3_leaf_moe_block:
+    if sc.zero.stage != 3:
+        return {}
+    return zero3_leaves(ctx.wl, sc.model.moe is not None and sc.training.z3_leaf_moe_block)
+
+
+def zero3_leaves(wl, leaf_moe_block: bool) -> dict[str, tuple[int, ...]]:
+    """`z3_leaf_blocks` of a ZeRO-3 run of `wl`; `leaf_moe_block`: the model has MoE blocks and
+    training.z3_leaf_moe_block makes them leaves."""
+    if not leaf_moe_block:
         return {}
     out = {}
-    for block in moe_blocks(ctx.wl).values():
-        out[block] = tuple(sorted({p for m in ctx.wl.modules if block in m.containers for p in m.params}))
+    for block in moe_blocks(wl).values():
+        out[block] = tuple(sorted({p for m in wl.modules if block in m.containers for p in m.params}))
     return out
 
 

@@ -99,20 +99,25 @@ def _visits_of(mods, phase: Phase, leaves: dict[str, tuple[int, ...]]) -> list[V
 
 def visit_sequence(ctx: StepContext) -> list[Visit]:
     """The recorded module trace of one micro-step: forward, then backward (with recompute)."""
+    return module_visits(ctx.wl, ctx.checkpointing, z3_leaf_blocks(ctx))
+
+
+def module_visits(wl, checkpointing: str, leaves: dict[str, tuple[int, ...]]) -> list[Visit]:
+    """`visit_sequence` of the workload `wl` under `checkpointing` with ZeRO-3 leaf containers
+    `leaves` (moe.zero3_leaves)."""
     # only nn.Modules with parameters get ZeRO hooks in zsim's model; functional pieces
     # (attention core, activation, loss) are not visits
-    leaves = z3_leaf_blocks(ctx)
-    mods = [m for m in ctx.wl.modules if m.params]
+    mods = [m for m in wl.modules if m.params]
     seq = ([Visit("<root>", (), Phase.FORWARD)] + _visits_of(mods, Phase.FORWARD, leaves)
            + [Visit("<root>", (), Phase.BACKWARD)])
     recomputed: set[int] = set()
-    full = ctx.checkpointing == "full"
+    full = checkpointing == "full"
     prev_leaf = None
     reached = {leaf_of(m, leaves) for m in mods if m.input_grad or m.weight_grad}
     for m in reversed(mods):
         if full and m.layer >= 0 and m.layer not in recomputed:
             recomputed.add(m.layer)
-            seq += _visits_of([rm for rm in ctx.wl.layer_modules(m.layer) if rm.params], Phase.RECOMPUTE, leaves)
+            seq += _visits_of([rm for rm in wl.layer_modules(m.layer) if rm.params], Phase.RECOMPUTE, leaves)
             prev_leaf = None
         # a module autograd never reaches (frozen, no gradient flowing into its input:
         # zsim/workload/lora.py) gets no pre-backward hook, so no fetch; a leaf container's hook

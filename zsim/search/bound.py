@@ -1,5 +1,5 @@
-"""A lower bound on a configuration's step time that needs no schedule: its compute (and the
-tensor-parallel calls it waits for) alone.
+"""A lower bound on a configuration's step time that needs no schedule: its compute stream's
+work alone (the modules' passes, the tensor-parallel calls they wait for, ZeRO-3's host time).
 
 [Note: step-time lower bound]
 A rank's compute stream runs its ops one after another, each its fixed time (at least its
@@ -20,20 +20,26 @@ that per micro-step on pipeline stage s and m micro-steps:
 Megatron's tensor-parallel calls that the compute stream waits for are ops of that stream
 (zsim/schedule/tensor.py: every call but the column-parallel backward's, which overlaps its
 GEMMs), so each adds its buffer passes, latency and transfer (cost_model.collective_op_s; the
-engine serves the transfer at a rate of at most 1 too) to its module's pass: forward,
-recompute and backward. They are counted where a node holds whole tensor-parallel groups (Megatron's
-placement, every stage's group priced alike). Other communication, the other ops' launches and
-host time, the optimizer step and memory stalls only add to it. A configuration whose bound is not below a simulated step time cannot beat that
-step; `zsim tune` skips it (tests/test_bound.py checks the bound against simulations of a random
-sample).
+engine serves the transfer at a rate of at most 1 too) to its module's pass: forward, recompute
+and backward. They are counted where a node holds whole tensor-parallel groups (Megatron's
+placement, every stage's group priced alike). ZeRO-3's host time, its module hooks and the
+per-rank views of its reduce-scatters, is the fixed time of the compute op whose hook runs it
+(cost_model host_fixed_s): counted too (`zero3_host_s`). Other communication, the other ops'
+launches and host time, the optimizer step and memory stalls only add to it. A configuration
+whose bound is not below a simulated step time cannot beat that step; `zsim tune` skips it
+(tests/test_bound.py checks the bound against simulations of a random sample).
 """
 from __future__ import annotations
 
 from zsim.hardware.collectives import nccl_topo_for, tiers_for
 from zsim.hardware.compute import kernel_overhead_s
+from zsim.hardware.host import hook_visits_time_s, rank_views_time_s
 from zsim.hardware.cost_model import collective_op_cost, collective_op_s, compute_work_s, matmul_peak_flops
 from zsim.schedule.build import workload_for
 from zsim.schedule.ir import Phase
+from zsim.schedule.moe import zero3_leaves
+from zsim.schedule.param_fetch import module_visits
+from zsim.schedule.partition import grads_ready_at, scatter_views
 from zsim.schedule.passes import backward_work, forward_work
 from zsim.schedule.pipe_partition import LayerSpec, layer_specs, partition
 from zsim.schedule.tensor import TensorCollectives
@@ -92,6 +98,27 @@ def tensor_collectives(parallelism, wl: Workload, pricer: ComputePricer) -> Tens
     return TensorCollectives(parallelism, wl, pricer.precision)
 
 
+def zero3_host_s(wl: Workload, checkpointing: str, leaf_moe_block: bool, data_parallel: int, cpu,
+                 reduce_scatter: bool, tensor: TensorCollectives | None = None) -> float:
+    """ZeRO-3's host time on the compute stream in one micro-step (no pipeline: DeepSpeed's
+    pipeline refuses ZeRO-3), charged before the compute op whose hook runs it (cost_model
+    host_fixed_s): every module visit of param_fetch.module_visits (forward and recompute at
+    cpu.zero3_hook_fwd_us, backward at zero3_hook_bwd_us), and, where gradients leave through
+    reduce_scatter_coalesced (reduce_scatter true: its other path needs it false), at least one
+    per-rank view per rank and gradient (partition.scatter_views: every trained param enters one
+    bucket per micro-step; interleaving only doubles them). The last bucket's views run after
+    the backward's last op, which is on the compute stream unless the first module is a
+    column-parallel linear that overlaps its backward (then they are left out)."""
+    visits = module_visits(wl, checkpointing, zero3_leaves(wl, leaf_moe_block))
+    backward = sum(1 for v in visits if v.phase == Phase.BACKWARD)
+    t = (hook_visits_time_s(len(visits) - backward, cpu.zero3_hook_fwd_us)
+         + hook_visits_time_s(backward, cpu.zero3_hook_bwd_us))
+    if reduce_scatter and not (tensor is not None and tensor.overlaps_backward(wl.modules[0])):
+        grads = sum(len(pids) for pids in grads_ready_at(wl).values())
+        t += rank_views_time_s(scatter_views(data_parallel, grads, False), cpu.zero3_rank_view_us)
+    return t
+
+
 def layer_compute_s(wl: Workload, checkpointing: str, pricer: ComputePricer,
                     tensor: TensorCollectives | None = None) -> tuple[list[LayerSpec], list[float]]:
     """The workload's PipelineModule layers (pipe_partition.layer_specs) and each one's compute
@@ -127,7 +154,11 @@ def scenario_step_time_bound_s(sc, wl: Workload | None = None) -> float:
     """The bound of the scenario `sc` (`wl`: its workload when already built)."""
     pricer = ComputePricer(sc.cluster, sc.precision, sc.matmul_dtype == "tf32")
     wl = wl or workload_for(sc)
-    specs, layer_s = layer_compute_s(wl, sc.training.activation_checkpointing, pricer,
-                                     tensor_collectives(sc.parallelism, wl, pricer))
+    tensor = tensor_collectives(sc.parallelism, wl, pricer)
+    specs, layer_s = layer_compute_s(wl, sc.training.activation_checkpointing, pricer, tensor)
     stages = stage_compute_s(specs, layer_s, sc.pipeline_stages, sc.parallelism.partition_method)
+    if sc.zero.stage == 3 and sc.pipeline_stages == 1:
+        stages[0] += zero3_host_s(wl, sc.training.activation_checkpointing,
+                                  sc.model.moe is not None and sc.training.z3_leaf_moe_block, sc.data_parallel_size,
+                                  sc.cluster.profile.cpu, sc.zero.reduce_scatter, tensor)
     return step_time_lower_bound_s(stages, sc.gradient_accumulation_steps, sc.parallelism.virtual_stages > 1)

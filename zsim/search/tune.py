@@ -41,7 +41,7 @@ from zsim.report.format import fmt_setting
 from zsim.result import Result
 from zsim.result.summarize import model_flops_per_gpu
 from zsim.search.bound import (ComputePricer, layer_compute_s, stage_compute_s, step_time_lower_bound_s,
-                               tensor_collectives)
+                               tensor_collectives, zero3_host_s)
 from zsim.schedule.build import training_workload, workload_for
 from zsim.schedule.optimizer import ADAM_STATE_BYTES, model_state_bytes, optimizer_state_bytes
 from zsim.schedule.partition import persistent_params
@@ -379,7 +379,8 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60,
     ranked_apart: set = set()
     bounded: dict = {}   # point key -> (point, its step-time lower bound in s), skipped
     pricer = ComputePricer(base_sc.cluster, base_sc.precision, base_sc.matmul_dtype == "tf32")
-    stage_s: dict = {}   # (workload id, checkpointing, pipeline) -> each stage's compute per micro-step
+    stage_s: dict = {}   # (workload id, checkpointing, pipeline, ZeRO-3) -> each stage's compute per micro-step
+    leaf_moe_block = base_sc.model.moe is not None and base_sc.training.z3_leaf_moe_block
     layer_s: dict = {}   # (workload id, checkpointing) -> (its layers, each one's compute per micro-step)
     interleaved = base_sc.parallelism.virtual_stages > 1   # the candidates' pipelines keep the scenario's
     workloads: dict = {}    # candidates share workloads: their tensor-parallel shape, ZeRO-3's linear and the
@@ -397,11 +398,17 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60,
     def step_bound_s(c: TunePoint) -> float:
         """see [Note: step-time lower bound]"""
         wl = workload(c, c.micro_batch)
-        key = (id(wl), c.checkpointing, c.layout.pipeline)   # `workloads` keeps each alive
+        zero3 = c.stage == 3 and c.layout.pipeline == 1
+        key = (id(wl), c.checkpointing, c.layout.pipeline, zero3)   # `workloads` keeps each alive
         if key not in stage_s:
+            tensor = tensor_collectives(c.layout, wl, pricer)
             if key[:2] not in layer_s:
-                layer_s[key[:2]] = layer_compute_s(wl, c.checkpointing, pricer, tensor_collectives(c.layout, wl, pricer))
+                layer_s[key[:2]] = layer_compute_s(wl, c.checkpointing, pricer, tensor)
             stage_s[key] = stage_compute_s(*layer_s[key[:2]], c.layout.pipeline, base_sc.parallelism.partition_method)
+            if zero3:
+                stage_s[key][0] += zero3_host_s(wl, c.checkpointing, leaf_moe_block,
+                                                base_sc.cluster.world_size // c.layout.model_parallel,
+                                                base_sc.cluster.profile.cpu, base_sc.zero.reduce_scatter, tensor)
         return step_time_lower_bound_s(stage_s[key], c.gas, c.layout.pipeline > 1 and interleaved)
 
     def best_rate(c: TunePoint) -> float:
