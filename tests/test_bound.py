@@ -10,11 +10,12 @@ import pytest
 from tests.helpers import ROOT, mapping, scenario
 from zsim.api import run_scenario
 from zsim.hardware.compute import kernel_overhead_s
-from zsim.hardware.host import hook_visits_time_s, rank_views_time_s
+from zsim.hardware.host import hook_visit_us, hook_visits_time_s, rank_views_time_s
 from zsim.hardware.cost_model import CostModel
 from zsim.schedule.build import build_schedule
 from zsim.schedule.ir import OpKind, Phase, Stream
-from zsim.search.bound import scenario_step_time_bound_s, step_time_lower_bound_s
+from zsim.schedule.moe import moe_blocks_are_leaves, zero3_leaves
+from zsim.search.bound import scenario_step_time_bound_s, step_time_lower_bound_s, zero3_hooks_s
 from zsim.search.tune import score, tune
 from zsim.search.variants import Base
 
@@ -61,7 +62,7 @@ TP_KINDS = (OpKind.TP_ALL_REDUCE, OpKind.TP_REDUCE_SCATTER, OpKind.TP_ALL_GATHER
 
 # tensor parallelism and ZeRO-3 at GAS 1 without a pipeline (the random sample has none): the
 # calls and the host time the bound adds are checked against the schedule's too
-TENSOR = [{**model, "parallelism": {"tensor": tp, "sequence_parallel": sp}, "training.gradient_accumulation_steps": 1,
+GAS1 = [{**model, "parallelism": {"tensor": tp, "sequence_parallel": sp}, "training.gradient_accumulation_steps": 1,
            "training.activation_checkpointing": ck, "deepspeed.zero_optimization.stage": stage}
           for model, tp, sp, ck, stage in ((LLAMA, 2, True, "full", 3), (LLAMA, 4, False, "selective", 1),
                                            ({}, 2, False, "none", 2), ({"model.heads": 8, "model.hidden": 512}, 8, True, "none", 0),
@@ -71,8 +72,8 @@ TENSOR = [{**model, "parallelism": {"tensor": tp, "sequence_parallel": sp}, "tra
                                             "selective", 3))]
 
 
-@pytest.mark.parametrize("kw", SAMPLE + TENSOR, ids=[f"case{i}" for i in range(len(SAMPLE))]
-                         + [f"gas1-{i}" for i in range(len(TENSOR))])
+@pytest.mark.parametrize("kw", SAMPLE + GAS1, ids=[f"case{i}" for i in range(len(SAMPLE))]
+                         + [f"gas1-{i}" for i in range(len(GAS1))])
 def test_the_bound_is_below_the_simulated_step_and_equals_the_compute_the_schedule_charges(kw):
     sc = scenario(**kw)
     result, _ = run_scenario(sc)
@@ -101,10 +102,11 @@ def test_the_bound_is_below_the_simulated_step_and_equals_the_compute_the_schedu
         # per rank and gradient: no interleaving, no gathers)
         compute = [op for op in schedule.ops if op.stream == Stream.COMPUTE]
         cpu = sc.cluster.profile.cpu
-        hooks = sum(hook_visits_time_s(op.hook_visits, cpu.zero3_hook_bwd_us if op.phase == Phase.BACKWARD
-                                       else cpu.zero3_hook_fwd_us) for op in compute)
+        hooks = sum(hook_visits_time_s(op.hook_visits, hook_visit_us(cpu, op.phase == Phase.BACKWARD)) for op in compute)
         views = sum(rank_views_time_s(op.host_views, cpu.zero3_rank_view_us) for op in compute)
         assert hooks > 0 and views > 0
+        leaves = zero3_leaves(wl, moe_blocks_are_leaves(sc))
+        assert zero3_hooks_s(wl, sc.training.activation_checkpointing, leaves, cpu) == pytest.approx(hooks, rel=1e-9)
         assert charged + hooks < bound <= (charged + hooks + views) * (1 + 1e-9)
 
 

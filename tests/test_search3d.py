@@ -175,3 +175,19 @@ def test_an_moe_oom_gets_larger_expert_parallel_sizes_from_doctor_and_tune(tmp_p
     assert {lay.expert for lay in found} == {1, 2, 4, 8, 16, 32}   # the divisors of DP 32 dividing 64 experts
     res = tune(base, budget=12)
     assert res.ranked and res.ranked[0][0].layout.expert > 1
+
+
+def test_tune_writes_every_expert_parallel_size_it_tries():
+    """On a base with ep_size 8, tune's candidate with ep_size 1 sets it: its scenario runs with
+    1 (the assignment was left out for ep_size 1, so the candidate ran, and was ranked, as 8)."""
+    from tests.helpers import ROOT
+    from zsim.search.tune import layouts, structural_candidates
+    from zsim.search.variants import Base
+    base = Base.load(ROOT / "scenarios" / "deepspeed-moe-ep8-zero2-32xh100.yaml", (), workers=1)
+    sc = base.scenario(())
+    assert sc.expert_parallel_size == 8
+    one = next(c for c in structural_candidates(sc) if c.layout.expert == 1)
+    assert "parallelism.expert=1" in one.assignments()
+    assert base.resolve(one.variant)[0].expert_parallel_size == 1
+    assert all(lay.expert_searched for lay in layouts(sc))
+    assert not any(lay.expert_searched for lay in layouts(scenario()))

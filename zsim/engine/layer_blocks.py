@@ -405,7 +405,7 @@ class GapPlan:
             if g.dropped is None:      # post-step gathers
                 out.append(g)
                 continue
-            spare = g.count - (g.settle + 1)
+            spare = max(0, g.count - (g.settle + 1))   # _layer_gaps leaves least_copies, maybe fewer
             low, high = int(spare * forward), int(spare * backward)
             moved |= low + high > 0
             out.append(g.narrowed(low, high))

@@ -48,6 +48,7 @@ class LayerWindow:
     ops: frozenset[int]
     delta_bytes: tuple[tuple[str, float], ...]
     layers: int = 1             # layers per copy
+    region: tuple[int, str] | None = None   # the (micro-step, direction) of its gap's pass
 
     @property
     def skipped_s(self) -> float:
@@ -239,7 +240,7 @@ def _window(gap: Gap, schedule: Schedule, new_id: dict[int, int], timings, event
     for _, d, cat, _ in ev_window:
         delta[cat] = delta.get(cat, 0.0) + d
     return LayerWindow(gap.name, gap.count + 1, period, lo, hi, frozenset(op.id for op in periods[2]),
-                       tuple(sorted(delta.items())), gap.layers)
+                       tuple(sorted(delta.items())), gap.layers, gap.region)
 
 
 def _layer_repeat(short: Schedule, gaps: list[Gap], kept: list[int], timings, events,
@@ -338,15 +339,17 @@ def run_layers(schedule: Schedule, wl: Workload, cluster, precision: str):
             return short, timings, ledgers, repeat
         if not failed:
             break
-        # a direction whose windows opened on what an earlier pass left running is narrowed
-        # once, for every micro-step (the passes kept whole stay so); a pass whose window fails
-        # otherwise, or again once narrowed, is kept whole
-        new = {d for _, d in unsettled if d in "fb"} - narrowed
-        wider = first.narrowed(*(_NARROWED if d in narrowed | new else 0.0 for d in "fb")) if new else None
-        if wider is None:
+        # a pass whose window failed otherwise, or again once its direction was narrowed, is
+        # kept whole with its micro-step; a direction whose windows opened on what an earlier
+        # pass left running, in a micro-step not kept whole, is narrowed once, for every
+        # micro-step (the passes kept whole stay so)
+        whole_now = {m for m, d in failed if d in "fb" and ((m, d) not in unsettled or d in narrowed)}
+        new = {d for m, d in unsettled if d in "fb" and d not in narrowed and m not in whole_now}
+        narrower = first.narrowed(*(_NARROWED if d in narrowed | new else 0.0 for d in "fb")) if new else None
+        if narrower is None:
             new = set()
         else:
-            plan, narrowed = wider, narrowed | new
+            plan, narrowed = narrower, narrowed | new
         whole |= frozenset().union(*(whole_regions(g) for g in gaps if g.region in failed
                                      and not (g.region in unsettled and g.region[1] in new)))
     timings, ledgers = run_ops(schedule, cluster, precision)

@@ -13,8 +13,8 @@ from zsim.schedule.record import record
 from zsim.hardware.collectives import collective_cost, nccl_topo_for, ring_cost, tiers_for
 from zsim.hardware.compute import (attention_time_s, fresh_alloc_time_s, gemm_time_s, grad_accumulate_time_s,
                                    kernel_overhead_s, memory_bound_time_s, optimizer_time_s, step_passes_time_s)
-from zsim.hardware.host import (CPU_ADAM_BYTES_PER_PARAM, aio_efficiency, cpu_adam_time_s, hook_visits_time_s,
-                                host_link_Bps, host_pass_time_s, nvme_time_s, pcie_time_s, rank_views_time_s)
+from zsim.hardware.host import (CPU_ADAM_BYTES_PER_PARAM, aio_efficiency, cpu_adam_time_s, hook_visit_us,
+                                hook_visits_time_s, host_link_Bps, host_pass_time_s, nvme_time_s, pcie_time_s, rank_views_time_s)
 from zsim.hardware.placement import group_shape, rank_of, same_node, stage_links
 from zsim.schedule.ir import Collective, HostSettings, Op, Phase, PipelineLayout, Transfer
 from zsim.schedule.payloads import ComputeWork, Copy, CpuAdam, ModulePass, PipeTransfer, StepCompute
@@ -115,8 +115,7 @@ class CostModel:
         work = op.work
         fixed = kernel_overhead_s(work.kernels if work is not None else 0, self.gpu)
         if op.hook_visits:
-            per_visit_us = self.cpu.zero3_hook_bwd_us if op.phase == Phase.BACKWARD else self.cpu.zero3_hook_fwd_us
-            fixed += hook_visits_time_s(op.hook_visits, per_visit_us)
+            fixed += hook_visits_time_s(op.hook_visits, hook_visit_us(self.cpu, op.phase == Phase.BACKWARD))
         if op.grad_hooks:
             fixed += op.grad_hooks * 1e-6 * self.cpu.grad_hook_us(self.stage)
         if op.host_views:

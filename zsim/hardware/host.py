@@ -78,6 +78,12 @@ def host_pass_time_s(size_bytes: float, memory_Bps: float, gpus_per_node: int) -
     return size_bytes / (memory_Bps / max(1, gpus_per_node))
 
 
+def hook_visit_us(cpu, backward: bool) -> float:
+    """The profile's host time per ZeRO-3 module visit: its backward hooks' in a backward, its
+    forward hooks' in a forward or a recompute."""
+    return cpu.zero3_hook_bwd_us if backward else cpu.zero3_hook_fwd_us
+
+
 def hook_visits_time_s(visits: int, per_visit_us: float) -> float:
     """Host time of DeepSpeed ZeRO-3's module hooks: `visits` module visits at the profile's
     `cpu.zero3_hook_fwd_us` / `zero3_hook_bwd_us` each (measured by `zsim calibrate --hooks`)."""

@@ -87,15 +87,18 @@ def z3_leaf_blocks(ctx) -> dict[str, tuple[int, ...]]:
     pre-forward and pre-backward hooks fetch every param of its subtree in one gather
     (iter_params(module, recurse=z3_leaf_module(module))) and release them after it ran.
     training.z3_leaf_moe_block picks the one or the other for zsim's MoE blocks."""
-    sc = ctx.sc
-    if sc.zero.stage != 3:
+    if ctx.sc.zero.stage != 3:
         return {}
-    return zero3_leaves(ctx.wl, sc.model.moe is not None and sc.training.z3_leaf_moe_block)
+    return zero3_leaves(ctx.wl, moe_blocks_are_leaves(ctx.sc))
+
+
+def moe_blocks_are_leaves(sc) -> bool:
+    """The model has MoE blocks and training.z3_leaf_moe_block makes them ZeRO-3 leaves."""
+    return sc.model.moe is not None and sc.training.z3_leaf_moe_block
 
 
 def zero3_leaves(wl, leaf_moe_block: bool) -> dict[str, tuple[int, ...]]:
-    """`z3_leaf_blocks` of a ZeRO-3 run of `wl`; `leaf_moe_block`: the model has MoE blocks and
-    training.z3_leaf_moe_block makes them leaves."""
+    """`z3_leaf_blocks` of a ZeRO-3 run of `wl`; `leaf_moe_block`: `moe_blocks_are_leaves`."""
     if not leaf_moe_block:
         return {}
     out = {}

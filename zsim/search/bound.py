@@ -21,11 +21,10 @@ Megatron's tensor-parallel calls that the compute stream waits for are ops of th
 (zsim/schedule/tensor.py: every call but the column-parallel backward's, which overlaps its
 GEMMs), so each adds its buffer passes, latency and transfer (cost_model.collective_op_s; the
 engine serves the transfer at a rate of at most 1 too) to its module's pass: forward, recompute
-and backward. They are counted where a node holds whole tensor-parallel groups (Megatron's
-placement, every stage's group priced alike). ZeRO-3's host time, its module hooks and the
-per-rank views of its reduce-scatters, is the fixed time of the compute op whose hook runs it
-(cost_model host_fixed_s): counted too (`zero3_host_s`). Other communication, the other ops'
-launches and host time, the optimizer step and memory stalls only add to it. A configuration
+and backward. ZeRO-3's host time, its module hooks and the per-rank views of its
+reduce-scatters, is the fixed time of the compute op whose hook runs it (cost_model
+host_fixed_s): counted too (`zero3_host_s`). Other communication, the other ops' launches and
+host time, the optimizer step and memory stalls only add to it. A configuration
 whose bound is not below a simulated step time cannot beat that step; `zsim tune` skips it
 (tests/test_bound.py checks the bound against simulations of a random sample).
 """
@@ -33,11 +32,11 @@ from __future__ import annotations
 
 from zsim.hardware.collectives import nccl_topo_for, tiers_for
 from zsim.hardware.compute import kernel_overhead_s
-from zsim.hardware.host import hook_visits_time_s, rank_views_time_s
+from zsim.hardware.host import hook_visit_us, hook_visits_time_s, rank_views_time_s
 from zsim.hardware.cost_model import collective_op_cost, collective_op_s, compute_work_s, matmul_peak_flops
 from zsim.schedule.build import workload_for
 from zsim.schedule.ir import Phase
-from zsim.schedule.moe import zero3_leaves
+from zsim.schedule.moe import moe_blocks_are_leaves, zero3_leaves
 from zsim.schedule.param_fetch import module_visits
 from zsim.schedule.partition import grads_ready_at, scatter_views
 from zsim.schedule.passes import backward_work, forward_work
@@ -63,10 +62,12 @@ class ComputePricer:
         which its stream runs before the work: zsim/engine/sim.py _StreamRun) and its work."""
         return kernel_overhead_s(work.kernels, self._args[0]) + compute_work_s(work, *self._args)
 
-    def comm_s(self, comm, tensor: int) -> float:
+    def comm_s(self, comm, tp_size: int) -> float:
         """A tensor-parallel call's time on the compute stream (no kernels or hooks of its own:
-        cost_model.collective_op_s); its group lies in one node (see `tensor_collectives`)."""
-        cost = collective_op_cost(comm, self.cluster, 0, self.cluster.world_size // tensor, tensor, *self._tiers)
+        cost_model.collective_op_s). A tensor-parallel group is tp_size consecutive ranks inside
+        a node (parallel.py refuses a size not dividing the node's GPUs), placed alike on every
+        stage: its shape does not read the data-parallel size (1 here)."""
+        cost = collective_op_cost(comm, self.cluster, 0, 1, tp_size, *self._tiers)
         return sum(collective_op_s(comm, cost, self._args[0]))
 
     def module_s(self, module: Module, checkpointing: str, tensor: TensorCollectives | None = None) -> float:
@@ -90,32 +91,46 @@ class ComputePricer:
 
 
 def tensor_collectives(parallelism, wl: Workload, pricer: ComputePricer) -> TensorCollectives | None:
-    """The tensor-parallel calls the bound counts: None without tensor parallelism, or where a
-    node does not hold whole tensor-parallel groups (a group's placement then depends on the
-    pipeline stage; leaving them out keeps the bound a bound)."""
-    if parallelism.tensor == 1 or pricer.cluster.gpus_per_node % parallelism.tensor:
+    """The tensor-parallel calls the bound counts: None without tensor parallelism."""
+    if parallelism.tensor == 1:
         return None
     return TensorCollectives(parallelism, wl, pricer.precision)
 
 
-def zero3_host_s(wl: Workload, checkpointing: str, leaf_moe_block: bool, data_parallel: int, cpu,
-                 reduce_scatter: bool, tensor: TensorCollectives | None = None) -> float:
-    """ZeRO-3's host time on the compute stream in one micro-step (no pipeline: DeepSpeed's
-    pipeline refuses ZeRO-3), charged before the compute op whose hook runs it (cost_model
-    host_fixed_s): every module visit of param_fetch.module_visits (forward and recompute at
-    cpu.zero3_hook_fwd_us, backward at zero3_hook_bwd_us), and, where gradients leave through
-    reduce_scatter_coalesced (reduce_scatter true: its other path needs it false), at least one
-    per-rank view per rank and gradient (partition.scatter_views: every trained param enters one
-    bucket per micro-step; interleaving only doubles them). The last bucket's views run after
-    the backward's last op, which is on the compute stream unless the first module is a
-    column-parallel linear that overlaps its backward (then they are left out)."""
-    visits = module_visits(wl, checkpointing, zero3_leaves(wl, leaf_moe_block))
+def zero3_hooks_s(wl: Workload, checkpointing: str, leaves: dict, cpu) -> float:
+    """ZeRO-3's module hooks in one micro-step: every visit of param_fetch.module_visits, each
+    charged before the compute op of its own phase (cost_model host_fixed_s)."""
+    visits = module_visits(wl, checkpointing, leaves)
     backward = sum(1 for v in visits if v.phase == Phase.BACKWARD)
-    t = (hook_visits_time_s(len(visits) - backward, cpu.zero3_hook_fwd_us)
-         + hook_visits_time_s(backward, cpu.zero3_hook_bwd_us))
-    if reduce_scatter and not (tensor is not None and tensor.overlaps_backward(wl.modules[0])):
-        grads = sum(len(pids) for pids in grads_ready_at(wl).values())
-        t += rank_views_time_s(scatter_views(data_parallel, grads, False), cpu.zero3_rank_view_us)
+    return (hook_visits_time_s(len(visits) - backward, hook_visit_us(cpu, False))
+            + hook_visits_time_s(backward, hook_visit_us(cpu, True)))
+
+
+def zero3_views_s(wl: Workload, data_parallel: int, cpu) -> float:
+    """At least the per-rank views of ZeRO-3's reduce-scatters in one micro-step: one per rank
+    and gradient (partition.scatter_views: every trained param enters one bucket per
+    micro-step; interleaving only doubles them, and the coalesced gathers' views add more). Each
+    dense param is one gradient on every rank: ZeRO-3 runs neither expert parallelism (dropless
+    MoE only) nor a pipeline."""
+    grads = sum(len(pids) for pids in grads_ready_at(wl).values())
+    return rank_views_time_s(scatter_views(data_parallel, grads, False), cpu.zero3_rank_view_us)
+
+
+def zero3_host_s(sc, wl: Workload, checkpointing: str, stage: int, pipeline: int, data_parallel: int,
+                 tensor: TensorCollectives | None) -> float:
+    """ZeRO-3's host time on the compute stream in one micro-step of a configuration of `sc`'s
+    model, cluster and ZeRO settings at `stage` (0 but at stage 3; DeepSpeed's pipeline refuses
+    ZeRO-3): its hooks (`zero3_hooks_s`), and where gradients leave through
+    reduce_scatter_coalesced (reduce_scatter true: its other path needs it false) its views
+    (`zero3_views_s`). The last bucket's views run after the backward's last op, on the compute
+    stream unless the first module is a column-parallel linear that overlaps its backward (then
+    none are counted)."""
+    if stage != 3 or pipeline > 1:
+        return 0.0
+    cpu = sc.cluster.profile.cpu
+    t = zero3_hooks_s(wl, checkpointing, zero3_leaves(wl, moe_blocks_are_leaves(sc)), cpu)
+    if sc.zero.reduce_scatter and not (tensor is not None and tensor.overlaps_backward(wl.modules[0])):
+        t += zero3_views_s(wl, data_parallel, cpu)
     return t
 
 
@@ -127,11 +142,13 @@ def layer_compute_s(wl: Workload, checkpointing: str, pricer: ComputePricer,
     return specs, [sum(pricer.module_s(m, checkpointing, tensor) for m in spec.modules) for spec in specs]
 
 
-def stage_compute_s(specs: list[LayerSpec], layer_s: list[float], stages: int, partition_method: str) -> list[float]:
+def stage_compute_s(specs: list[LayerSpec], layer_s: list[float], stages: int, partition_method: str,
+                    host_s: float = 0.0) -> list[float]:
     """f_s + b_s of every pipeline stage from `layer_compute_s`: the layers split as
-    PipelineModule splits them (pipe_partition.partition)."""
+    PipelineModule splits them (pipe_partition.partition); `host_s`: a run without a pipeline's
+    host time per micro-step on the compute stream (`zero3_host_s`)."""
     if stages == 1:
-        return [sum(layer_s)]
+        return [sum(layer_s) + host_s]
     bounds = partition(specs, stages, partition_method)
     return [sum(layer_s[bounds[s]:bounds[s + 1]]) for s in range(stages)]
 
@@ -155,10 +172,9 @@ def scenario_step_time_bound_s(sc, wl: Workload | None = None) -> float:
     pricer = ComputePricer(sc.cluster, sc.precision, sc.matmul_dtype == "tf32")
     wl = wl or workload_for(sc)
     tensor = tensor_collectives(sc.parallelism, wl, pricer)
-    specs, layer_s = layer_compute_s(wl, sc.training.activation_checkpointing, pricer, tensor)
-    stages = stage_compute_s(specs, layer_s, sc.pipeline_stages, sc.parallelism.partition_method)
-    if sc.zero.stage == 3 and sc.pipeline_stages == 1:
-        stages[0] += zero3_host_s(wl, sc.training.activation_checkpointing,
-                                  sc.model.moe is not None and sc.training.z3_leaf_moe_block, sc.data_parallel_size,
-                                  sc.cluster.profile.cpu, sc.zero.reduce_scatter, tensor)
+    checkpointing = sc.training.activation_checkpointing
+    specs, layer_s = layer_compute_s(wl, checkpointing, pricer, tensor)
+    stages = stage_compute_s(specs, layer_s, sc.pipeline_stages, sc.parallelism.partition_method,
+                             zero3_host_s(sc, wl, checkpointing, sc.zero.stage, sc.pipeline_stages,
+                                          sc.data_parallel_size, tensor))
     return step_time_lower_bound_s(stages, sc.gradient_accumulation_steps, sc.parallelism.virtual_stages > 1)

@@ -80,6 +80,7 @@ class Layout:
     tensor: int = 1
     sequence_parallel: bool = False
     expert: int = 1     # DeepSpeed-MoE's ep_size: experts split inside the data-parallel group
+    expert_searched: bool = False   # ep_size is a dimension of the search (DeepSpeed-MoE's layer)
 
     @property
     def model_parallel(self) -> int:
@@ -94,7 +95,8 @@ class Layout:
     def assignments(self) -> tuple[str, ...]:
         return (f"parallelism.pipeline={self.pipeline}", f"parallelism.tensor={self.tensor}",
                 f"parallelism.sequence_parallel={str(self.sequence_parallel).lower()}",
-                *((f"parallelism.expert={self.expert}",) if self.expert > 1 else ()))
+                # written wherever it is searched: an ep_size of 1 on a base with another is one
+                *((f"parallelism.expert={self.expert}",) if self.expert_searched else ()))
 
     def label(self) -> str:
         sp = " SP" if self.sequence_parallel else ""
@@ -114,16 +116,22 @@ def _tensor_sizes(sc) -> list[int]:
 
 
 def own_layout(sc) -> Layout:
-    return Layout(sc.pipeline_stages, sc.tensor_parallel_size, sc.parallelism.sequence_parallel, sc.expert_parallel_size)
+    return Layout(sc.pipeline_stages, sc.tensor_parallel_size, sc.parallelism.sequence_parallel, sc.expert_parallel_size,
+                  _searches_expert(sc))
+
+
+def _searches_expert(sc) -> bool:
+    """DeepSpeed-MoE's layer (capacity dispatch) takes an ep_size; a dense model or Hugging
+    Face's dropless MoE has none."""
+    return sc.model.moe is not None and sc.model.moe.dispatch == "capacity"
 
 
 def _expert_sizes(sc, data_parallel: int) -> list[int]:
     """DeepSpeed-MoE ep_size values: divisors of the data-parallel size that divide the experts
     (zsim/config/parallel.py _check_expert); 1 for a dense model or Hugging Face's dropless MoE."""
-    moe = sc.model.moe
-    if moe is None or moe.dispatch != "capacity":
+    if not _searches_expert(sc):
         return [1]
-    return [e for e in _divisors(data_parallel) if moe.experts % e == 0]
+    return [e for e in _divisors(data_parallel) if sc.model.moe.experts % e == 0]
 
 
 def own_point(sc) -> "TunePoint":
@@ -156,7 +164,7 @@ def layouts(sc) -> list[Layout]:
             for sp in ((True, False) if tp > 1 else (False,)):
                 # largest expert-parallel size first: fewer experts a rank, the memory an MoE needs
                 for ep in sorted(_expert_sizes(sc, world // (tp * pp)), reverse=True):
-                    layout = Layout(pp, tp, sp, ep)
+                    layout = Layout(pp, tp, sp, ep, _searches_expert(sc))
                     if layout != own and not (sp and seq % tp):
                         out.append(layout)
     return out
@@ -380,7 +388,6 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60,
     bounded: dict = {}   # point key -> (point, its step-time lower bound in s), skipped
     pricer = ComputePricer(base_sc.cluster, base_sc.precision, base_sc.matmul_dtype == "tf32")
     stage_s: dict = {}   # (workload id, checkpointing, pipeline, ZeRO-3) -> each stage's compute per micro-step
-    leaf_moe_block = base_sc.model.moe is not None and base_sc.training.z3_leaf_moe_block
     layer_s: dict = {}   # (workload id, checkpointing) -> (its layers, each one's compute per micro-step)
     interleaved = base_sc.parallelism.virtual_stages > 1   # the candidates' pipelines keep the scenario's
     workloads: dict = {}    # candidates share workloads: their tensor-parallel shape, ZeRO-3's linear and the
@@ -398,17 +405,15 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60,
     def step_bound_s(c: TunePoint) -> float:
         """see [Note: step-time lower bound]"""
         wl = workload(c, c.micro_batch)
-        zero3 = c.stage == 3 and c.layout.pipeline == 1
-        key = (id(wl), c.checkpointing, c.layout.pipeline, zero3)   # `workloads` keeps each alive
+        key = (id(wl), c.checkpointing, c.layout.pipeline, c.stage == 3)   # `workloads` keeps each alive
         if key not in stage_s:
             tensor = tensor_collectives(c.layout, wl, pricer)
             if key[:2] not in layer_s:
                 layer_s[key[:2]] = layer_compute_s(wl, c.checkpointing, pricer, tensor)
-            stage_s[key] = stage_compute_s(*layer_s[key[:2]], c.layout.pipeline, base_sc.parallelism.partition_method)
-            if zero3:
-                stage_s[key][0] += zero3_host_s(wl, c.checkpointing, leaf_moe_block,
-                                                base_sc.cluster.world_size // c.layout.model_parallel,
-                                                base_sc.cluster.profile.cpu, base_sc.zero.reduce_scatter, tensor)
+            host_s = zero3_host_s(base_sc, wl, c.checkpointing, c.stage, c.layout.pipeline,
+                                  base_sc.cluster.world_size // c.layout.model_parallel, tensor)
+            stage_s[key] = stage_compute_s(*layer_s[key[:2]], c.layout.pipeline, base_sc.parallelism.partition_method,
+                                           host_s)
         return step_time_lower_bound_s(stage_s[key], c.gas, c.layout.pipeline > 1 and interleaved)
 
     def best_rate(c: TunePoint) -> float:
