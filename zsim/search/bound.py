@@ -51,7 +51,7 @@ class ComputePricer:
 
     def __init__(self, cluster, precision: str, tf32: bool = False):
         gpu = cluster.profile.gpu
-        self.cluster, self.precision = cluster, precision
+        self.cluster = cluster
         self._args = (gpu.for_dtype(precision), gpu.for_dtype("fp32"), matmul_peak_flops(cluster, precision, tf32),
                       DTYPE_BYTES[precision])
         self._tiers = (*tiers_for(cluster), nccl_topo_for(cluster))
@@ -90,11 +90,10 @@ class ComputePricer:
         return t
 
 
-def tensor_collectives(parallelism, wl: Workload, pricer: ComputePricer) -> TensorCollectives | None:
-    """The tensor-parallel calls the bound counts: None without tensor parallelism."""
-    if parallelism.tensor == 1:
-        return None
-    return TensorCollectives(parallelism, wl, pricer.precision)
+def tensor_collectives(parallelism, wl: Workload, precision: str) -> TensorCollectives | None:
+    """The tensor-parallel calls the bound counts: None where the run has none."""
+    tensor = TensorCollectives(parallelism, wl, precision)
+    return tensor if tensor.active else None
 
 
 def zero3_hooks_s(wl: Workload, checkpointing: str, leaves: dict, cpu) -> float:
@@ -171,7 +170,7 @@ def scenario_step_time_bound_s(sc, wl: Workload | None = None) -> float:
     """The bound of the scenario `sc` (`wl`: its workload when already built)."""
     pricer = ComputePricer(sc.cluster, sc.precision, sc.matmul_dtype == "tf32")
     wl = wl or workload_for(sc)
-    tensor = tensor_collectives(sc.parallelism, wl, pricer)
+    tensor = tensor_collectives(sc.parallelism, wl, sc.precision)
     checkpointing = sc.training.activation_checkpointing
     specs, layer_s = layer_compute_s(wl, checkpointing, pricer, tensor)
     stages = stage_compute_s(specs, layer_s, sc.pipeline_stages, sc.parallelism.partition_method,

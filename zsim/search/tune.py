@@ -126,10 +126,11 @@ def _searches_expert(sc) -> bool:
     return sc.model.moe is not None and sc.model.moe.dispatch == "capacity"
 
 
-def _expert_sizes(sc, data_parallel: int) -> list[int]:
+def _expert_sizes(sc, data_parallel: int, searched: bool) -> list[int]:
     """DeepSpeed-MoE ep_size values: divisors of the data-parallel size that divide the experts
-    (zsim/config/parallel.py _check_expert); 1 for a dense model or Hugging Face's dropless MoE."""
-    if not _searches_expert(sc):
+    (zsim/config/parallel.py _check_expert) where `searched` (`_searches_expert`); 1 for a dense
+    model or Hugging Face's dropless MoE."""
+    if not searched:
         return [1]
     return [e for e in _divisors(data_parallel) if sc.model.moe.experts % e == 0]
 
@@ -163,8 +164,8 @@ def layouts(sc) -> list[Layout]:
                 continue
             for sp in ((True, False) if tp > 1 else (False,)):
                 # largest expert-parallel size first: fewer experts a rank, the memory an MoE needs
-                for ep in sorted(_expert_sizes(sc, world // (tp * pp)), reverse=True):
-                    layout = Layout(pp, tp, sp, ep, _searches_expert(sc))
+                for ep in sorted(_expert_sizes(sc, world // (tp * pp), own.expert_searched), reverse=True):
+                    layout = Layout(pp, tp, sp, ep, own.expert_searched)
                     if layout != own and not (sp and seq % tp):
                         out.append(layout)
     return out
@@ -407,7 +408,7 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60,
         wl = workload(c, c.micro_batch)
         key = (id(wl), c.checkpointing, c.layout.pipeline, c.stage == 3)   # `workloads` keeps each alive
         if key not in stage_s:
-            tensor = tensor_collectives(c.layout, wl, pricer)
+            tensor = tensor_collectives(c.layout, wl, base_sc.precision)
             if key[:2] not in layer_s:
                 layer_s[key[:2]] = layer_compute_s(wl, c.checkpointing, pricer, tensor)
             host_s = zero3_host_s(base_sc, wl, c.checkpointing, c.stage, c.layout.pipeline,
