@@ -78,6 +78,12 @@ class TrainingSpec:
     max_grad_norm: float = spec(1.0, ge=0, doc="HF Trainer's max_grad_norm, used for gradient_clipping: auto")
     lora: Optional[LoraSpec] = spec(None, doc="PEFT LoRA: frozen base model, trained adapters (zsim/workload/lora.py)")
     frozen: tuple[str, ...] = spec((), doc="module-name suffixes whose parameters are frozen (requires_grad=False)")
+    framework: Optional[Literal["hf_trainer", "deepspeed", "megatron_deepspeed"]] = spec(
+        None, doc="what runs the training loop, which bounds what zsim tune may propose: hf_trainer (HF Trainer, "
+                  "accelerate, axolotl, LLaMA-Factory: ZeRO, offload and DeepSpeed AutoTP, no Megatron TP/SP or "
+                  "pipeline), deepspeed (the DeepSpeed engine on the user's model: also PipelineModule and "
+                  "DeepSpeed-MoE), megatron_deepspeed (also Megatron tensor/sequence parallelism); default: not "
+                  "stated, every layout zsim models")
     z3_leaf_moe_block: bool = spec(True, doc="ZeRO-3: each MoE block is a leaf module (deepspeed.utils."
                                    "set_z3_leaf_modules; DeepSpeed 0.19.8's default zero_optimization.leaf_module "
                                    "for Mixtral/Qwen2-MoE/Qwen3-MoE) and gathers all its experts at once; false: "
