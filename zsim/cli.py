@@ -48,11 +48,20 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # the first word picks the command: zsim's top-level parser has no options besides --help
+    # `zsim run [options] -- deepspeed ... train.py ...`: the words after the first -- are the
+    # user's launch command (zsim.config.launch), read where a scenario file would be
+    launch = None
+    if argv and argv[0] in COMMANDS and "--" in argv:
+        argv, launch = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
     args = parser.parse_args(argv)
     try:
         if args.command in COMMANDS:
-            from zsim.commands.common import check_output_paths
+            from zsim.commands.common import check_output_paths, resolve_source
+            if hasattr(args, "scenario"):
+                resolve_source(args, launch)
+            elif launch is not None:
+                raise ZsimInputError("--", " ".join(launch[:3]), f"zsim {args.command} takes no launch command")
             check_output_paths(args)
         return args.func(args)
     except BrokenPipeError:

@@ -16,7 +16,9 @@ def add_scenario_args(p, optional: bool = True, cluster_flags: bool = True):
         p.add_argument("scenario", nargs="?", default=str(DEFAULT_SCENARIO),
                        help="scenario YAML or a ds_config.json (default: the embedded small default scenario)")
     else:
-        p.add_argument("scenario", help="scenario YAML or a ds_config.json")
+        # optional to argparse so that a launch command after -- can stand for it (resolve_source)
+        p.add_argument("scenario", nargs="?", help="scenario YAML, ds_config.json, recipe or launch script "
+                                                   "(or the launch command after --)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override any scenario key, e.g. deepspeed.zero_optimization.stage=2 (repeatable)")
     p.add_argument("--model", metavar="NAME|config.json",
@@ -47,6 +49,7 @@ def scenario_overrides(args) -> tuple[str, ...]:
     nodes = _count("--nodes", args.nodes)
     ds_config = source_is_ds_config(args.scenario)
     flags = cluster_overrides(ds_config, args.scenario, args.model, gpus, nodes, args.profile)
+    flags += tuple(getattr(args, "recipe_set", ()))   # a launch's or recipe's settings (resolve_source)
     overrides = flags + tuple(args.set or ())
     # a ds_config's cluster comes from the flags alone: they complete it, they move nothing
     derived, note = (rederive_batch(args.scenario, tuple(args.set or ()), base=flags) if ds_config
@@ -102,7 +105,8 @@ def workers_count(value: int) -> int:
 # the attributes commands keep their file arguments in, with the flag a user typed
 OUTPUT_FLAGS = (("json", "--json"), ("csv", "--csv"), ("trace", "--trace"), ("plot", "--plot"), ("out", "--out"),
                 ("scenario_out", "--scenario-out"))
-INPUT_FLAGS = (("scenario", "SCENARIO"), ("results", "RESULTS"), ("model", "--model"), ("profile", "--profile"))
+INPUT_FLAGS = (("scenario", "SCENARIO"), ("results", "RESULTS"), ("model", "--model"), ("profile", "--profile"),
+               ("recipe", "recipe"))
 
 
 def _is_file(path: str) -> bool:
@@ -183,3 +187,99 @@ def check_output_paths(args):
                 raise ZsimInputError(flag, path, f"is also the {other_flag} output, and one would be lost; give "
                                      "each output its own path")
         outputs.append((flag, path))
+
+
+# the ds_config a launch or recipe without one runs on: {} (ZeRO stage 0, DeepSpeed's defaults)
+NO_DEEPSPEED = DEFAULT_SCENARIO.parent / "no-deepspeed.json"
+
+
+def resolve_source(args, launch: list[str] | None = None):
+    """What the user gave where a scenario belongs, made what the commands load: a launch
+    command (`zsim run -- deepspeed ...`), a launch script, or an accelerate / axolotl /
+    LLaMA-Factory recipe becomes its ds_config file (NO_DEEPSPEED when it names none), --model /
+    --gpus / --nodes where the user gave none, and the `training.*` assignments it stands for
+    (args.recipe_set: they complete the ds_config as the flags do). A Hub id given as the model
+    becomes the path of its config.json (zsim.config.hub)."""
+    import sys
+
+    from zsim.config import hub
+    from zsim.config.launch import is_launch_script, read_launch, read_script
+    from zsim.config.recipes import ACCEPTED, read_recipe_file, recipe_kind
+    from zsim.config.trainer_args import Recipe, assignments
+
+    recipe = None
+    scenario = getattr(args, "scenario", None)
+    if launch is not None:
+        if scenario not in (None, str(DEFAULT_SCENARIO)):
+            raise ZsimInputError("scenario", scenario, "give a scenario file or a launch command after --, not both")
+        recipe = read_launch(launch, Path.cwd(), "the launch command")
+    elif isinstance(scenario, str) and _is_file(scenario):
+        path = Path(scenario)
+        if is_launch_script(path):
+            words, env = read_script(path)
+            recipe = read_launch(words, path.parent.resolve(), str(path), env)
+        elif path.suffix in (".yaml", ".yml"):
+            from zsim.config.scenario import _read_yaml
+            from zsim.config.source import SCENARIO_KEYS, is_ds_config
+            try:
+                data = _read_yaml(path)
+            except ZsimInputError:
+                data = None         # the loader says what is wrong with it
+            if recipe_kind(data):
+                recipe = read_recipe_file(path, Path.cwd(), Recipe(origin=str(path), framework="hf_trainer"))
+            elif isinstance(data, dict) and data and not is_ds_config(data) and not _near_known(data, SCENARIO_KEYS):
+                raise ZsimInputError("scenario", scenario, f"is none of the files zsim reads ({ACCEPTED}); its keys "
+                                     f"({', '.join(map(str, list(data)[:4]))}...) name no scenario block")
+    elif scenario is None:
+        raise ZsimInputError("scenario", None, f"give one: {ACCEPTED}")
+    if recipe is not None:
+        _apply_recipe(args, recipe, assignments(recipe))
+    model = getattr(args, "model", None)
+    if isinstance(model, str) and hub.is_repo_id(model):
+        from zsim.config.hf_config import preset_names
+        if model not in preset_names():
+            path, where = hub.resolve(model)
+            print(f"zsim: note: model {model}: config.json from {where}", file=sys.stderr)
+            args.model = str(path)
+
+
+def _near_known(data: dict, scenario_keys) -> bool:
+    """Whether any key is a scenario block or a misspelling of one (the loader's did-you-mean)."""
+    import difflib
+    return any(k in scenario_keys or difflib.get_close_matches(str(k), scenario_keys, n=1, cutoff=0.6) for k in data)
+
+
+def _apply_recipe(args, recipe, sets: list[str]):
+    import json
+    import sys
+
+    origin = recipe.origin
+    if recipe.ds_config is not None and recipe.ds_inline:
+        recipe.notes.append("the DeepSpeed settings of the accelerate config are replaced by --deepspeed "
+                            f"{recipe.ds_config.name} (the Trainer's own, as transformers does)")
+        sets = [s for s in sets if not s.startswith("deepspeed.")]
+    if recipe.ds_config is None and not recipe.ds_inline and not any("DDP" in n for n in recipe.notes):
+        recipe.notes.append(f"{origin} names no DeepSpeed config: the run uses PyTorch DDP, simulated as DeepSpeed "
+                            "ZeRO stage 0 (data parallel, gradients all-reduced)")
+    args.recipe = origin if _is_file(origin) else None
+    args.scenario = str(recipe.ds_config or NO_DEEPSPEED)
+    if getattr(args, "model", None) is None:
+        if recipe.model is None:
+            raise ZsimInputError("--model", None, f"{origin} names no model (model_name_or_path); add --model "
+                                 "NAME|config.json|hub-id")
+        args.model = recipe.model
+    gpu_attr = "gpus" if hasattr(args, "gpus") else "gpus_per_node"
+    if getattr(args, gpu_attr, None) is None:
+        if recipe.gpus_per_node is None:
+            raise ZsimInputError("--gpus", None, f"{origin} names no GPU count (the launcher gives it); add --gpus N "
+                                 "(GPUs per node) and --nodes K")
+        setattr(args, gpu_attr, recipe.gpus_per_node)
+    if getattr(args, "nodes", None) is None:
+        args.nodes = recipe.nodes or 1
+    stem = Path(origin.split(" (")[-1].rstrip(")")).stem or "launch"
+    args.recipe_set = (f"name={json.dumps(stem)}", *sets)
+    for note in recipe.notes:
+        print(f"zsim: note: {note}", file=sys.stderr)
+    if recipe.ignored:
+        print(f"zsim: note: ignored (no effect zsim models): {', '.join(dict.fromkeys(recipe.ignored))}",
+              file=sys.stderr)

@@ -1,0 +1,330 @@
+"""Recipe files -> a Recipe (zsim.config.trainer_args): an accelerate config YAML, an axolotl YAML,
+a LLaMA-Factory YAML, or the HF Trainer's arguments as an HfArgumentParser YAML/JSON file.
+
+What a file is, is read from the keys only its tool writes: accelerate's `accelerate config`
+writes compute_environment and distributed_type; axolotl's configs name base_model; LLaMA-Factory's
+name stage or finetuning_type. A file of none of them is refused with what zsim accepts. Each
+tool's defaults where it differs from the HF Trainer's are applied and said (LLaMA-Factory turns
+gradient checkpointing on and cuts at cutoff_len 2048). Relative paths inside a recipe (its
+`deepspeed:` file) resolve against the working directory the tool runs in, as the tool resolves
+them; a path found only beside the recipe is taken from there.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from zsim.errors import ZsimInputError
+from zsim.config.trainer_args import Recipe, as_bool, as_float, as_int, as_names, read_trainer_args
+
+ACCEPTED = ("a scenario YAML, a ds_config.json, an accelerate config YAML, an axolotl YAML, a LLaMA-Factory YAML, "
+            "a launch script (.sh) or a launch command after --")
+
+
+def recipe_kind(data) -> str | None:
+    """accelerate | axolotl | llama_factory, or None."""
+    if not isinstance(data, dict):
+        return None
+    if "compute_environment" in data or "distributed_type" in data:
+        return "accelerate"
+    if "base_model" in data:
+        return "axolotl"
+    if "stage" in data or "finetuning_type" in data:
+        return "llama_factory"
+    return None
+
+
+def _read(path: Path, field: str) -> dict:
+    from zsim.inputs import parse_json, parse_yaml, read_text
+    text = read_text(path, field, "a recipe file")
+    data = parse_json(text, field, str(path)) if path.suffix == ".json" else parse_yaml(text, field, str(path))
+    if not isinstance(data, dict):
+        raise ZsimInputError(field, str(path), f"expected a mapping; zsim reads {ACCEPTED}")
+    return data
+
+
+def read_recipe_file(path: Path, cwd: Path, recipe: Recipe, overrides: dict | None = None) -> Recipe:
+    """A recipe a launch names (or the user gives as the scenario): read as what it is."""
+    data = _read(path, "recipe")
+    data.update(overrides or {})
+    kind = recipe_kind(data)
+    recipe.origin = str(path)
+    base = [cwd, path.parent]
+    if kind == "accelerate":
+        return read_accelerate(data, path, base, recipe)
+    if kind == "axolotl":
+        return read_axolotl(data, path, base, recipe)
+    if kind == "llama_factory":
+        return read_llama_factory(data, path, base, recipe)
+    # HfArgumentParser.parse_yaml_file / parse_json_file: the Trainer's arguments by name
+    read_trainer_args(data, recipe, where=f"{path.name}: ")
+    if recipe.ds_config is not None:
+        recipe.ds_config = _find(str(recipe.ds_config), base, f"{path.name}: deepspeed")
+    return recipe
+
+
+def _find(ref: str, bases: list[Path], field: str) -> Path:
+    """A recipe's file reference: against the tool's working directory, else beside the recipe."""
+    p = Path(ref).expanduser()
+    if p.is_absolute():
+        return p
+    for base in bases:
+        if (base / p).is_file():
+            return base / p
+    raise ZsimInputError(field, ref, f"file not found (looked in {', '.join(str(b) for b in dict.fromkeys(bases))}); "
+                         "give its path")
+
+
+# accelerate's DistributedType values that run the model whole on each GPU (data parallel)
+DATA_PARALLEL = {"NO", "MULTI_GPU"}
+# FSDP's sharding strategies (torch.distributed.fsdp.ShardingStrategy, by name or accelerate's
+# 1-based number) and the ZeRO stage that shards the same states
+FSDP_NEAREST = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0, "HYBRID_SHARD": 3, "_HYBRID_SHARD_ZERO2": 2,
+                "1": 3, "2": 2, "3": 0, "4": 3, "5": 2}
+
+
+def read_accelerate(data: dict, path: Path, bases: list[Path], recipe: Recipe) -> Recipe:
+    """accelerate's config YAML (accelerate/commands/config/config_args.py ClusterConfig):
+    num_processes is the total over num_machines; the DeepSpeed plugin inline under
+    deepspeed_config or in deepspeed_config.deepspeed_config_file."""
+    where = f"{path.name}: "
+    dist = str(data.get("distributed_type", "NO")).upper()
+    if dist == "FSDP":
+        raise fsdp_refusal(data.get("fsdp_config") or {}, where)
+    if dist not in DATA_PARALLEL | {"DEEPSPEED"}:
+        raise ZsimInputError(f"{where}distributed_type", data.get("distributed_type"), "zsim simulates DeepSpeed "
+                             "(DEEPSPEED) and data-parallel GPU runs (MULTI_GPU, NO)")
+    processes, machines = data.get("num_processes"), data.get("num_machines", 1)
+    _world(recipe, processes, machines, where)
+    _mixed_precision(recipe, data.get("mixed_precision"), f"{where}mixed_precision")
+    if dist == "DEEPSPEED":
+        plugin = data.get("deepspeed_config") or {}
+        if not isinstance(plugin, dict):
+            raise ZsimInputError(f"{where}deepspeed_config", plugin, "expected a mapping of the DeepSpeed plugin's keys")
+        _plugin(plugin, bases, recipe, where + "deepspeed_config.")
+    else:
+        recipe.notes.append(f"{path.name}: distributed_type {dist} runs PyTorch DDP; simulated as DeepSpeed ZeRO "
+                            "stage 0 (data parallel, gradients all-reduced)")
+    return recipe
+
+
+def fsdp_refusal(fsdp: dict, where: str) -> ZsimInputError:
+    strategy = str(fsdp.get("fsdp_sharding_strategy", "FULL_SHARD")).upper()
+    stage = FSDP_NEAREST.get(strategy, 3)
+    offload = " with offload_param.device=cpu" if str(fsdp.get("fsdp_offload_params", "")).lower() == "true" else ""
+    return ZsimInputError(f"{where}distributed_type", "FSDP", f"FSDP is not modelled (zsim simulates DeepSpeed); the "
+                          f"nearest DeepSpeed run is ZeRO-{stage}{offload} ({strategy} ~ ZeRO-{stage}): launch with "
+                          f"`accelerate launch --use_deepspeed --zero_stage {stage}` instead of this config, or run a "
+                          f"ds_config.json with --set deepspeed.zero_optimization.stage={stage}")
+
+
+def _world(recipe: Recipe, processes, machines, where: str):
+    if processes is None:
+        return
+    total, nodes = as_int(f"{where}num_processes", processes), as_int(f"{where}num_machines", machines or 1)
+    if total < 1 or nodes < 1 or total % nodes:
+        raise ZsimInputError(f"{where}num_processes", total, f"must be a positive multiple of num_machines ({nodes}): "
+                             "accelerate's num_processes counts every process on every machine")
+    recipe.gpus_per_node, recipe.nodes = total // nodes, nodes
+
+
+def _mixed_precision(recipe: Recipe, value, field: str):
+    if value in (None, "no", "No", "NO"):
+        return
+    value = str(value).lower()
+    if value == "fp8":
+        raise ZsimInputError(field, value, "FP8 training is not modelled by zsim; use bf16 or fp16")
+    if value not in ("fp16", "bf16"):
+        raise ZsimInputError(field, value, "choose no, fp16 or bf16 (accelerate's values)")
+    recipe.training.setdefault("precision", value)
+
+
+def _plugin(plugin: dict, bases: list[Path], recipe: Recipe, where: str):
+    """accelerate's DeepSpeedPlugin (accelerate/utils/dataclasses.py): a deepspeed_config_file, or
+    the ds_config it builds from zero_stage (default 2), the offload devices, GAS and clipping."""
+    ref = plugin.get("deepspeed_config_file")
+    if ref not in (None, "", "none"):
+        recipe.ds_config = _find(str(ref), bases, where + "deepspeed_config_file")
+        return
+    zero = {"stage": as_int(where + "zero_stage", plugin.get("zero_stage", 2))}
+    for key in ("offload_optimizer", "offload_param"):
+        device = str(plugin.get(f"{key}_device", "none")).lower()
+        if device not in ("none", "cpu", "nvme"):
+            raise ZsimInputError(f"{where}{key}_device", device, "choose none, cpu or nvme")
+        if device != "none":
+            zero[key] = {"device": device}
+            nvme = plugin.get(f"{key}_nvme_path")
+            if device == "nvme" and nvme not in (None, "none"):
+                zero[key]["nvme_path"] = str(nvme)
+    # the plugin's batch keys are "auto" (the Trainer fills them); its GAS too when not given
+    ds = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "zero_optimization": zero}
+    if plugin.get("gradient_accumulation_steps") not in (None, "auto"):
+        ds["gradient_accumulation_steps"] = as_int(where + "gradient_accumulation_steps",
+                                                   plugin["gradient_accumulation_steps"])
+    if plugin.get("gradient_clipping") not in (None, "none"):
+        ds["gradient_clipping"] = as_float(where + "gradient_clipping", plugin["gradient_clipping"])
+    recipe.ds_inline = ds
+
+
+def accelerate_launch(opts: dict, cwd: Path, recipe: Recipe):
+    """`accelerate launch` options: its config file (--config_file, or the default one it would
+    read), then the flags, which override the file's values as accelerate's launch does."""
+    from zsim.config.launch import bool_flag
+    ref = opts.get("--config_file")
+    if ref is not None:
+        path = Path(ref).expanduser()
+        path = path if path.is_absolute() else cwd / path
+        data = _read(path, "--config_file")
+        if recipe_kind(data) != "accelerate":
+            raise ZsimInputError("--config_file", str(path), "is not an accelerate config (no compute_environment or "
+                                 "distributed_type)")
+        read_accelerate(data, path, [cwd, path.parent], recipe)
+    if bool_flag(opts, "--use_fsdp"):
+        raise fsdp_refusal({}, "accelerate launch --use_fsdp: ")
+    for flag in ("--cpu", "--tpu", "--use_megatron_lm"):
+        if bool_flag(opts, flag):
+            raise ZsimInputError(f"accelerate launch {flag}", True, "zsim simulates DeepSpeed on GPUs")
+    if "--num_processes" in opts:
+        _world(recipe, opts["--num_processes"], opts.get("--num_machines", recipe.nodes or 1), "accelerate launch --")
+    elif "--num_machines" in opts and recipe.gpus_per_node:
+        _world(recipe, recipe.gpus_per_node * (recipe.nodes or 1), opts["--num_machines"], "accelerate launch --")
+    if "--mixed_precision" in opts:
+        recipe.training.pop("precision", None)
+        _mixed_precision(recipe, opts["--mixed_precision"], "accelerate launch --mixed_precision")
+    plugin_flags = {k[2:]: v for k, v in opts.items()
+                    if k in ("--zero_stage", "--offload_optimizer_device", "--offload_param_device",
+                             "--gradient_accumulation_steps", "--gradient_clipping", "--deepspeed_config_file")}
+    if bool_flag(opts, "--use_deepspeed") or plugin_flags:
+        _plugin(plugin_flags, [cwd], recipe, "accelerate launch --")
+    elif ref is None and recipe.gpus_per_node is None:
+        recipe.notes.append("accelerate launch without --config_file reads accelerate's default config, which "
+                            "zsim does not; give --config_file or --num_processes")
+
+
+def read_axolotl(data: dict, path: Path, bases: list[Path], recipe: Recipe) -> Recipe:
+    """axolotl's config (axolotl/utils/schemas/config.py AxolotlInputConfig)."""
+    where = f"{path.name}: "
+    t = recipe.training
+    _refuse_quantized(data, where, ("load_in_4bit", "load_in_8bit"))
+    adapter = data.get("adapter")
+    if adapter == "qlora":
+        raise ZsimInputError(f"{where}adapter", adapter, "QLoRA's 4-bit base weights are not modelled; use adapter: "
+                             "lora to simulate 16-bit base weights")
+    if adapter not in (None, "", "lora"):
+        raise ZsimInputError(f"{where}adapter", adapter, "zsim models adapter: lora (or none: full fine-tuning)")
+    recipe.model = str(data["base_model"])
+    if data.get("sequence_len") is not None:
+        t["seq_len"] = as_int(where + "sequence_len", data["sequence_len"])
+    for key, name in (("micro_batch_size", "micro_batch_size"), ("gradient_accumulation_steps",
+                                                                 "gradient_accumulation_steps")):
+        if data.get(key) is not None:
+            t[name] = as_int(where + key, data[key])
+    bf16, fp16 = data.get("bf16"), data.get("fp16")
+    if bf16 == "auto":
+        # axolotl: bf16 when the GPU supports it (A100, H100 do; V100 does not: set fp16 there)
+        t["precision"] = "bf16"
+        recipe.notes.append(f"{where}bf16: auto -> bf16 (axolotl's choice on a GPU with bf16)")
+    elif bf16 is not None and as_bool(where + "bf16", bf16):
+        t["precision"] = "bf16"
+    elif fp16 is not None and as_bool(where + "fp16", fp16):
+        t["precision"] = "fp16"
+    if data.get("tf32") is not None:
+        t["tf32"] = as_bool(where + "tf32", data["tf32"])
+    gc = data.get("gradient_checkpointing")
+    if gc is not None:
+        t["activation_checkpointing"] = "full" if gc == "unsloth" or as_bool(where + "gradient_checkpointing", gc) \
+            else "none"
+    if data.get("eager_attention") is True:
+        t["flash_attention"] = False
+    elif any(data.get(k) is True for k in ("flash_attention", "sdp_attention", "xformers_attention")):
+        t["flash_attention"] = True
+    if data.get("max_grad_norm") is not None:
+        t["max_grad_norm"] = as_float(where + "max_grad_norm", data["max_grad_norm"])
+    if adapter == "lora":
+        lora = {}
+        if data.get("lora_r") is not None:
+            lora["rank"] = as_int(where + "lora_r", data["lora_r"])
+        if data.get("lora_alpha") is not None:
+            lora["alpha"] = as_float(where + "lora_alpha", data["lora_alpha"])
+        if data.get("lora_dropout") is not None:
+            lora["dropout"] = as_float(where + "lora_dropout", data["lora_dropout"])
+        if data.get("lora_target_linear") is True:
+            lora["target_modules"] = "all-linear"
+        elif data.get("lora_target_modules"):
+            lora["target_modules"] = as_names(data["lora_target_modules"])
+        if data.get("lora_modules_to_save"):
+            lora["modules_to_save"] = as_names(data["lora_modules_to_save"])
+        t["lora"] = lora
+    optimizer = data.get("optimizer")
+    if optimizer not in (None, "adamw_torch", "adamw_torch_fused", "adamw_hf"):
+        recipe.ignored.append(f"optimizer {optimizer} (zsim prices AdamW's states)")
+    if data.get("deepspeed"):
+        recipe.ds_config = _find(str(data["deepspeed"]), bases, where + "deepspeed")
+    elif data.get("fsdp") or data.get("fsdp_config"):
+        raise fsdp_refusal(data.get("fsdp_config") or {}, where)
+    return recipe
+
+
+def read_llama_factory(data: dict, path: Path, bases: list[Path], recipe: Recipe) -> Recipe:
+    """LLaMA-Factory's recipe: HfArgumentParser over ModelArguments, DataArguments,
+    Seq2SeqTrainingArguments and FinetuningArguments (src/llamafactory/hparams/)."""
+    where = f"{path.name}: "
+    _refuse_quantized(data, where, ("quantization_bit",))
+    stage = data.get("stage", "sft")
+    if stage in ("dpo", "kto", "ppo"):
+        raise ZsimInputError(f"{where}stage", stage, "preference training (a reference or reward model beside the "
+                             "trained one) is not modelled; zsim simulates stage sft, pt and rm")
+    kind = data.get("finetuning_type", "lora")      # FinetuningArguments' default
+    if kind == "freeze":
+        raise ZsimInputError(f"{where}finetuning_type", kind, "freeze (training the last layers only) is not "
+                             "modelled; use full or lora")
+    if kind not in ("full", "lora"):
+        raise ZsimInputError(f"{where}finetuning_type", kind, "choose full, lora or freeze (LLaMA-Factory's values)")
+    args = {k: v for k, v in data.items() if k not in LF_OWN}
+    read_trainer_args(args, recipe, where=where)
+    t = recipe.training
+    if "cutoff_len" not in data:
+        t["seq_len"] = 2048
+        recipe.notes.append(f"{where}cutoff_len not given: LLaMA-Factory's default 2048")
+    # ModelArguments.disable_gradient_checkpointing (default false): LLaMA-Factory turns it on
+    if not as_bool(where + "disable_gradient_checkpointing", data.get("disable_gradient_checkpointing", False)):
+        t["activation_checkpointing"] = "full"
+    else:
+        t["activation_checkpointing"] = "none"
+    flash = str(data.get("flash_attn", "auto"))
+    if flash == "disabled":
+        t["flash_attention"] = False
+    t.pop("lora", None)
+    if kind == "lora":
+        rank = as_int(where + "lora_rank", data.get("lora_rank", 8))
+        lora = {"rank": rank, "alpha": as_float(where + "lora_alpha", data.get("lora_alpha") or rank * 2)}
+        if data.get("lora_dropout") is not None:
+            lora["dropout"] = as_float(where + "lora_dropout", data["lora_dropout"])
+        targets = as_names(data.get("lora_target", "all"))
+        lora["target_modules"] = "all-linear" if targets == ["all"] else targets
+        if data.get("additional_target"):
+            lora["modules_to_save"] = as_names(data["additional_target"])
+        t["lora"] = lora
+    if recipe.ds_config is not None:
+        recipe.ds_config = _find(str(recipe.ds_config), bases, where + "deepspeed")
+    return recipe
+
+
+# LLaMA-Factory's own keys (read above, or changing nothing zsim prices)
+LF_OWN = frozenset({"stage", "finetuning_type", "lora_rank", "lora_alpha", "lora_dropout", "lora_target",
+                    "additional_target", "disable_gradient_checkpointing", "flash_attn", "dataset",
+                    "eval_dataset", "template", "max_samples", "val_size", "dataset_dir", "plot_loss",
+                    "enable_liger_kernel", "use_unsloth", "tokenized_path", "mix_strategy", "interleave_probs",
+                    "media_dir", "image_max_pixels", "video_max_pixels", "trust_remote_code", "freeze_vision_tower",
+                    "freeze_multi_modal_projector", "train_mm_proj_only", "pref_beta", "pref_loss", "packing",
+                    "neat_packing", "buffer_size", "default_system", "enable_thinking", "resize_vocab",
+                    "split_special_tokens", "new_special_tokens", "rope_scaling", "shift_attn", "use_dora",
+                    "pissa_init", "create_new_adapter", "adapter_name_or_path", "export_dir", "infer_backend"})
+
+
+def _refuse_quantized(data: dict, where: str, keys: tuple[str, ...]):
+    for key in keys:
+        value = data.get(key)
+        if value not in (None, False, 0, "", "none"):
+            raise ZsimInputError(f"{where}{key}", value, "quantized base weights (QLoRA) are not modelled; remove it "
+                                 "to simulate 16-bit base weights")
