@@ -56,6 +56,7 @@ def scenario_overrides(args) -> tuple[str, ...]:
                      else rederive_batch(args.scenario, overrides))
     if note:
         print(f"zsim: note: {note}", file=sys.stderr)
+    _print_source_notes(args, overrides + derived)
     return overrides + derived
 
 
@@ -200,7 +201,6 @@ def resolve_source(args, launch: list[str] | None = None):
     --gpus / --nodes where the user gave none, and the `training.*` assignments it stands for
     (args.recipe_set: they complete the ds_config as the flags do). A Hub id given as the model
     becomes the path of its config.json (zsim.config.hub)."""
-    import sys
 
     from zsim.config import hub
     from zsim.config.launch import is_launch_script, read_launch, read_script
@@ -239,7 +239,7 @@ def resolve_source(args, launch: list[str] | None = None):
         from zsim.config.hf_config import preset_names
         if model not in preset_names():
             path, where = hub.resolve(model)
-            print(f"zsim: note: model {model}: config.json from {where}", file=sys.stderr)
+            _note(args, f"model {model}: config.json from {where}")
             args.model = str(path)
 
 
@@ -251,7 +251,6 @@ def _near_known(data: dict, scenario_keys) -> bool:
 
 def _apply_recipe(args, recipe, sets: list[str]):
     import json
-    import sys
 
     origin = recipe.origin
     if recipe.ds_config is not None and recipe.ds_inline:
@@ -279,7 +278,27 @@ def _apply_recipe(args, recipe, sets: list[str]):
     stem = Path(origin.split(" (")[-1].rstrip(")")).stem or "launch"
     args.recipe_set = (f"name={json.dumps(stem)}", *sets)
     for note in recipe.notes:
-        print(f"zsim: note: {note}", file=sys.stderr)
+        _note(args, note)
     if recipe.ignored:
-        print(f"zsim: note: ignored (no effect zsim models): {', '.join(dict.fromkeys(recipe.ignored))}",
-              file=sys.stderr)
+        _note(args, f"ignored (no effect zsim models): {', '.join(dict.fromkeys(recipe.ignored))}")
+
+
+def _note(args, text: str):
+    args.source_notes = [*getattr(args, "source_notes", []), text]
+
+
+def _print_source_notes(args, overrides: tuple[str, ...]):
+    """What resolve_source read (the Hub id's config.json, a launch's ignored flags, a tool's
+    defaults), on stderr when the scenario loads: a refusal stays the one line that says why."""
+    import sys
+
+    from zsim.config.scenario import load_scenario
+    notes = getattr(args, "source_notes", None)
+    if not notes:
+        return
+    try:
+        load_scenario(args.scenario, overrides)
+    except ZsimInputError:
+        return
+    for text in notes:
+        print(f"zsim: note: {text}", file=sys.stderr)
