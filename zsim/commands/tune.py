@@ -9,6 +9,9 @@ from zsim.commands.common import (add_headroom_arg, add_scenario_args, add_width
                                   headroom_fraction, scenario_overrides, table_width, workers_count)
 from zsim.errors import ZsimInputError
 
+# training.framework's values (zsim/specs/scenario.py TrainingSpec; zsim.search.tune.FRAMEWORKS)
+FRAMEWORKS = ("hf_trainer", "deepspeed", "megatron_deepspeed")
+
 
 def add_parser(sub):
     p = sub.add_parser("tune", help="search the TP x PP x DP layout, stage, micro-batch, checkpointing, offload and ZeRO knobs")
@@ -24,7 +27,20 @@ def add_parser(sub):
                         "parallelism (TP, PP, sequence parallel) and training keys, and the tuned ds_config "
                         "(the --out file when given, else inline)")
     p.add_argument("--json", metavar="PATH", help="write the ranked candidates as JSON")
-    p.add_argument("--force", action="store_true", help="overwrite an existing --out or --scenario-out file")
+    p.add_argument("--write", action="store_true",
+                   help="write the best configuration beside the input in its own format: a ds_config.json "
+                        "input as NAME.tuned.json, a scenario YAML as NAME.tuned.yaml (never the input itself)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --out, --scenario-out or --write file")
+    p.add_argument("--framework", choices=FRAMEWORKS,
+                   help="what runs the training loop, which bounds the layouts searched (default: the scenario's "
+                        "training.framework; not stated: every layout zsim models)")
+    p.add_argument("--fix", action="append", metavar="KEY=VALUE", default=[],
+                   help="pin a setting for the search, e.g. parallelism.tensor=1 or "
+                        "deepspeed.zero_optimization.stage=3 (repeatable)")
+    p.add_argument("--global-batch", type=int, metavar="N",
+                   help="the global batch (samples per optimizer step) micro-batch x GAS x data-parallel size "
+                        "must make; default: the scenario's, or where micro-batch and GAS are \"auto\" the "
+                        "ds_config's train_batch_size, else the HF Trainer's default (8 a GPU, GAS 1)")
     add_width_arg(p)
     add_headroom_arg(p)
     add_workers_arg(p, "simulate the configurations the search is about to try")
@@ -76,6 +92,89 @@ def tuned_scenario(base, assignments, deepspeed) -> dict:
     return raw
 
 
+# transformers TrainingArguments' defaults: per_device_train_batch_size 8, gradient_accumulation_steps 1
+HF_DEFAULT_MICRO_BATCH = 8
+
+
+def batch_overrides(path: str, overrides: tuple[str, ...], global_batch: int | None) -> tuple[tuple[str, ...], str]:
+    """(assignments, note) giving the base of the search a micro-batch and GAS where the
+    ds_config leaves them "auto" for the HF Trainer and the scenario's training keys do not set
+    them: choosing them is the search's job, at a global batch of `global_batch`, else the
+    ds_config's train_batch_size when it is a number, else the HF Trainer's default (8 a GPU,
+    GAS 1) x the data-parallel size, which the note names. The ds_config keeps its "auto" (the
+    file written back keeps it too, with the values to give the Trainer). Without "auto",
+    `global_batch` replaces the scenario's global batch (its micro-batch and GAS keys dropped:
+    DeepSpeed derives them from train_batch_size). ((), "") when there is nothing to choose."""
+    from zsim.config.scenario import apply_set, load_raw, scenario_from_mapping
+
+    if global_batch is not None and global_batch < 1:
+        raise ZsimInputError("--global-batch", global_batch, "give 1 or more samples per optimizer step")
+    raw = load_raw(Path(path))
+    for a in overrides:
+        raw = apply_set(raw, a)
+    ds = raw.get("deepspeed") if isinstance(raw.get("deepspeed"), dict) else {}
+    training = raw.get("training") if isinstance(raw.get("training"), dict) else {}
+    auto = [key for ds_key, key in (("train_micro_batch_size_per_gpu", "micro_batch_size"),
+                                    ("gradient_accumulation_steps", "gradient_accumulation_steps"))
+            if ds.get(ds_key) == "auto" and training.get(key) is None]
+    if not auto and global_batch is None:
+        return (), ""
+    file_batch = ds.get("train_batch_size")
+    file_batch = file_batch if isinstance(file_batch, int) and not isinstance(file_batch, bool) else None
+    # the data-parallel size the batch divides by: the base's layout, with any batch (the probe's)
+    probe = raw
+    for a in ("training.micro_batch_size=1", "training.gradient_accumulation_steps=1",
+              "deepspeed.train_micro_batch_size_per_gpu=null", "deepspeed.gradient_accumulation_steps=null",
+              "deepspeed.train_batch_size=null"):
+        probe = apply_set(probe, a)
+    dp = scenario_from_mapping(probe, Path(path).parent, name_default=Path(path).stem).data_parallel_size
+    note = ""
+    if global_batch is None:
+        if file_batch is not None:
+            global_batch = file_batch
+        else:
+            global_batch = HF_DEFAULT_MICRO_BATCH * dp
+            note = (f"the global batch is {global_batch} (the HF Trainer's default per_device_train_batch_size "
+                    f"{HF_DEFAULT_MICRO_BATCH} x gradient_accumulation_steps 1 x {dp} data-parallel ranks: "
+                    "train_batch_size is \"auto\"); --global-batch N to choose it")
+    elif file_batch is not None and file_batch != global_batch and auto:
+        raise ZsimInputError("--global-batch", global_batch, f"disagrees with the ds_config's train_batch_size "
+                             f"{file_batch}; drop one (the HF Trainer refuses the mismatch)")
+    if global_batch % dp:
+        raise ZsimInputError("--global-batch" if note == "" else "deepspeed.train_batch_size", global_batch,
+                             f"does not divide over the {dp} data-parallel ranks; give a multiple of {dp}")
+    if auto:
+        # micro-batch 1, the rest accumulated: a start the search moves from ("auto" stays in the ds_config)
+        return ("training.micro_batch_size=1", f"training.gradient_accumulation_steps={global_batch // dp}"), note
+    out = [f"deepspeed.train_batch_size={global_batch}", "deepspeed.train_micro_batch_size_per_gpu=null",
+           "deepspeed.gradient_accumulation_steps=null"]
+    out += [f"training.{k}=null" for k in ("micro_batch_size", "gradient_accumulation_steps") if training.get(k) is not None]
+    return tuple(out), note
+
+
+def _trainer_autos(ds) -> bool:
+    """Whether the ds_config has an "auto" that the HF Trainer fills from its arguments (batch,
+    GAS, precision, clipping): DeepSpeed alone refuses those, so the file is an HF Trainer's
+    (or accelerate's, axolotl's, LLaMA-Factory's)."""
+    if not isinstance(ds, dict):
+        return False
+    blocks = [ds.get(k) for k in ("fp16", "bf16")]
+    return (any(ds.get(k) == "auto" for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                              "gradient_accumulation_steps", "gradient_clipping"))
+            or any(isinstance(b, dict) and b.get("enabled") == "auto" for b in blocks))
+
+
+def _write_paths(args):
+    """--write: the answer beside the input, in its format (`_tuned_path`); never the input."""
+    from zsim.config.scenario import source_is_ds_config
+
+    path = Path(args.scenario)
+    if source_is_ds_config(path):
+        args.out = args.out or str(path.with_name(path.stem + ".tuned.json"))
+    else:
+        args.scenario_out = args.scenario_out or str(path.with_name(path.stem + ".tuned.yaml"))
+
+
 def main(args) -> int:
     import os
 
@@ -84,7 +183,7 @@ def main(args) -> int:
     from zsim.report.table import make_console, tune_table
     from zsim.report.writers import dumps, save
     from zsim.config.ds_writer import tuned_ds_config
-    from zsim.search.tune import KNOBS, KNOBS_STAGE3, tune
+    from zsim.search.tune import KNOBS, KNOBS_STAGE3, make_space, structural_candidates, tune
     from zsim.search.variants import Base
 
     budget = None if args.budget == "all" else _int_or_none(args.budget)
@@ -94,14 +193,31 @@ def main(args) -> int:
         raise ZsimInputError("--top", args.top, "give 0 or more")
     headroom = headroom_fraction(args.headroom)
     width = table_width(args.width)
+    if args.write:
+        _write_paths(args)
     for flag, path in (("--out", args.out), ("--scenario-out", args.scenario_out)):
         if path and Path(path).exists() and not args.force:
             raise ZsimInputError(flag, path, "the file exists; pass --force to overwrite it or choose another path")
     if args.out and args.scenario_out and Path(args.out).resolve() == Path(args.scenario_out).resolve():
         raise ZsimInputError("--scenario-out", args.scenario_out, "is the --out file; give the scenario its own path")
-    base = Base.load(args.scenario, scenario_overrides(args), workers=workers_count(args.workers))
+    overrides = scenario_overrides(args)
+    batch, batch_note = batch_overrides(args.scenario, overrides, args.global_batch)
+    if batch_note:
+        print(f"zsim: note: {batch_note}", file=sys.stderr)
+    base = Base.load(args.scenario, overrides + batch, workers=workers_count(args.workers))
+    sc = base.scenario(())
+    space = make_space(args.fix, args.framework or sc.training.framework,
+                       "--framework" if args.framework else "training.framework")
+    print(space.describe(), file=sys.stderr)
+    if space.framework is None and _trainer_autos(base.raw.get("deepspeed")):
+        print("zsim: note: the ds_config has \"auto\" values only the HF Trainer fills; --framework hf_trainer "
+              "searches only what it runs (no Megatron sequence parallelism or pipeline)", file=sys.stderr)
+    if not structural_candidates(sc, space):
+        raise ZsimInputError("--fix" if space.fixed else "--framework", " ".join(space.fixed) or space.framework,
+                             "no configuration of the search space satisfies it (e.g. a tensor size that does not "
+                             "divide the heads or the GPUs per node); loosen it")
     try:
-        res = tune(base, args.objective, budget, keep=args.top, headroom=headroom)
+        res = tune(base, args.objective, budget, keep=args.top, headroom=headroom, space=space)
     finally:
         base.close()
     res.ranked = distinct(r for r in res.ranked if r[1].fits_with(headroom))
@@ -123,9 +239,11 @@ def main(args) -> int:
                  "activation_checkpointing": c.checkpointing, "knobs": c.knobs,
                  "tokens_per_s_per_gpu": r.tokens_per_s_per_gpu, "mfu": r.mfu, "step_time_s": r.step_time_s,
                  "peak_bytes": r.memory.peak_bytes} for i, (c, r) in enumerate(res.ranked)]
+        restricted = {"search_space": {"framework": space.framework, "fixed": list(space.fixed)}} \
+            if space.framework or space.fixed else {}   # (absent: every layout, as before)
         save(args.json, dumps({"objective": res.objective, "simulated": res.simulated, "shared": res.shared,
                                "pruned": len(res.pruned), "bounded": len(res.bounded),
-                               "rejected": res.rejected, "candidates": rows}))
+                               "rejected": res.rejected, **restricted, "candidates": rows}))
     if not res.ranked:   # the JSON (an empty ranking, the counts) is written all the same
         margin = f" with {headroom:.0%} headroom" if headroom else ""
         print(f"zsim: no configuration fits{margin}; see zsim doctor for offload/NVMe options", file=sys.stderr)
@@ -137,6 +255,13 @@ def main(args) -> int:
     if args.out or args.scenario_out:
         ds_args = (base.raw.get("deepspeed"), base.scenario(()), base.scenario(best.assignments()), [*KNOBS, *KNOBS_STAGE3])
         cfg, notes = tuned_ds_config(*ds_args)
+        if batch and batch[0] == "training.micro_batch_size=1":
+            # the search chose micro-batch and GAS where the ds_config says "auto": the Trainer's
+            # arguments carry them (whatever the base's start was, so said here for both)
+            notes = [n for n in notes if not n.startswith(("train_micro_batch_size_per_gpu stays",
+                                                           "gradient_accumulation_steps stays"))]
+            notes.insert(0, f"micro-batch and GAS stay \"auto\" as written; give the HF Trainer "
+                            f"--per_device_train_batch_size {best.micro_batch} --gradient_accumulation_steps {best.gas}")
         if args.out:
             save(args.out, json.dumps(cfg, indent=2) + "\n")
         if args.scenario_out:

@@ -37,6 +37,8 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 
+from zsim.config.scenario import parse_value
+from zsim.errors import ZsimInputError
 from zsim.report.format import fmt_setting
 from zsim.result import Result
 from zsim.result.summarize import model_flops_per_gpu
@@ -47,6 +49,8 @@ from zsim.schedule.optimizer import ADAM_STATE_BYTES, model_state_bytes, optimiz
 from zsim.schedule.partition import persistent_params
 from zsim.workload.lora import trainable_params
 from zsim.search.variants import Base, Outcome, Variant
+from zsim.schema import accepted_keys
+from zsim.specs.deepspeed import ZeroConfig
 from zsim.workload.module import DTYPE_BYTES
 
 Z = "deepspeed.zero_optimization"
@@ -144,13 +148,151 @@ def own_point(sc) -> "TunePoint":
                      sc.training.activation_checkpointing, {}, own_layout(sc))
 
 
-def layouts(sc) -> list[Layout]:
+# [Note: framework search space]
+# What runs the training loop bounds what tune may propose (training.framework, or tune's
+# --framework). The HF Trainer (and accelerate, axolotl, LLaMA-Factory on top of it) wraps the
+# user's model in deepspeed.initialize: it runs ZeRO, offload and DeepSpeed AutoTP
+# (tensor_parallel.autotp_size, which zsim models as tensor parallelism without Megatron's
+# sequence parallelism; AutoTP shards the linears only, runtime/tensor_parallel/), but no
+# pipeline (that needs the model rebuilt as a PipelineModule) and no DeepSpeed-MoE ep_size (an
+# argument of deepspeed.moe.layer.MoE in the model code). The DeepSpeed engine on the user's own
+# model adds the PipelineModule and DeepSpeed-MoE; only Megatron-DeepSpeed has Megatron's
+# tensor parallelism with --sequence-parallel. Not stated: every layout zsim models, as before.
+FRAMEWORKS = ("hf_trainer", "deepspeed", "megatron_deepspeed")
+_SPACE_TEXT = {
+    "hf_trainer": "ZeRO stages, offload, micro-batch x GAS, checkpointing and DeepSpeed AutoTP "
+                  "(tensor_parallel.autotp_size); no Megatron sequence parallelism, pipeline or ep_size",
+    "deepspeed": "ZeRO stages, offload, micro-batch x GAS, checkpointing, AutoTP, PipelineModule pipelines and "
+                 "DeepSpeed-MoE ep_size; no Megatron sequence parallelism",
+    "megatron_deepspeed": "every layout zsim models (Megatron TP with and without sequence parallelism, "
+                          "pipelines, ep_size)",
+    None: "every layout zsim models (Megatron TP with and without sequence parallelism, pipelines, ep_size)",
+}
+
+# --fix keys that name a dimension of the search: the TunePoint attribute each pins (several
+# spellings of one setting: the scenario's and DeepSpeed's)
+_PIN_FIELDS = {
+    "parallelism.tensor": "tensor", "deepspeed.tensor_parallel.autotp_size": "tensor",
+    "parallelism.pipeline": "pipeline", "deepspeed.pipeline.stages": "pipeline",
+    "parallelism.sequence_parallel": "sequence_parallel", "parallelism.expert": "expert",
+    f"{Z}.stage": "stage",
+    "training.micro_batch_size": "micro_batch", "deepspeed.train_micro_batch_size_per_gpu": "micro_batch",
+    "training.gradient_accumulation_steps": "gas", "deepspeed.gradient_accumulation_steps": "gas",
+    "training.activation_checkpointing": "checkpointing",
+    f"{Z}.offload_optimizer.device": "optimizer_device", f"{Z}.offload_param.device": "param_device",
+    f"{Z}.offload_optimizer": "optimizer_device", f"{Z}.offload_param": "param_device",
+}
+_OFFLOAD_DEVICES = {name: tuple(a.split("device: ")[1].split(",")[0].rstrip("}") for a in sets)
+                    for name, sets in OFFLOADS.items()}   # "optimizer cpu" -> ("cpu", "none")
+
+
+@dataclass(frozen=True)
+class Space:
+    """What tune may propose: the framework's layouts (see [Note: framework search space]) and
+    the user's pins (`--fix KEY=VALUE`): `pins` (TunePoint attribute, value) restrict the
+    candidates, `fixed` (the assignments as given) are applied after every point's own, and
+    `knobs` names the ZeRO knobs pinned (left out of the refinement)."""
+    framework: str | None = None
+    framework_from: str = "training.framework"
+    pins: tuple[tuple[str, object], ...] = ()
+    fixed: tuple[str, ...] = ()
+    knobs: frozenset = frozenset()
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.framework in (None, "megatron_deepspeed")
+
+    @property
+    def pipeline(self) -> bool:
+        return self.framework != "hf_trainer"
+
+    @property
+    def expert(self) -> bool:
+        return self.framework != "hf_trainer"
+
+    def _pinned(self, name: str, value) -> bool:
+        return all(v == value for k, v in self.pins if k == name)
+
+    def allows_layout(self, layout: Layout) -> bool:
+        return ((self.sequence_parallel or not layout.sequence_parallel) and (self.pipeline or layout.pipeline == 1)
+                and all(self._pinned(k, getattr(layout, k)) for k in ("tensor", "pipeline", "sequence_parallel",
+                                                                      "expert")))
+
+    def allows(self, c: "TunePoint") -> bool:
+        opt, par = _OFFLOAD_DEVICES[c.offload]
+        return (self.allows_layout(c.layout) and self._pinned("stage", c.stage) and self._pinned("micro_batch", c.micro_batch)
+                and self._pinned("gas", c.gas) and self._pinned("checkpointing", c.checkpointing)
+                and self._pinned("optimizer_device", opt) and self._pinned("param_device", par))
+
+    def describe(self) -> str:
+        """One line: the space searched, why, and how to change it."""
+        name = self.framework or "framework not stated"
+        fixed = f"; fixed: {', '.join(self.fixed)}" if self.fixed else ""
+        return (f"search space: {name} ({self.framework_from}): {_SPACE_TEXT[self.framework]}{fixed}; "
+                "--framework / --fix to change it")
+
+
+def parse_fix(text: str) -> tuple[str, str, str | None, object]:
+    """`KEY=VALUE` of --fix: (key, assignment, the TunePoint attribute it pins or None, the pinned
+    value); a bad value of a searched key is bad input."""
+    if "=" not in text or not text.split("=", 1)[0].strip():
+        raise ZsimInputError("--fix", text, "use --fix KEY=VALUE, e.g. --fix parallelism.tensor=1")
+    key, value = (x.strip() for x in text.split("=", 1))
+    parsed = parse_value(value)
+    attr = _PIN_FIELDS.get(key)
+    if attr is None:
+        return key, f"{key}={value}", None, parsed
+    if attr.endswith("_device"):
+        if isinstance(parsed, dict):
+            parsed = parsed.get("device", "none")
+        if parsed not in ("none", "cpu", "nvme"):
+            raise ZsimInputError("--fix", text, "an offload device is none, cpu or nvme")
+    elif attr == "checkpointing":
+        if parsed not in ("none", "selective", "full"):
+            raise ZsimInputError("--fix", text, "activation_checkpointing is none, selective or full")
+    elif attr == "sequence_parallel":
+        if not isinstance(parsed, bool):
+            raise ZsimInputError("--fix", text, "give true or false")
+    elif isinstance(parsed, bool) or not isinstance(parsed, int) or parsed < (0 if attr == "stage" else 1) \
+            or (attr == "stage" and parsed > 3):
+        raise ZsimInputError("--fix", text, "give a ZeRO stage 0-3" if attr == "stage" else "give a whole number, 1 or more")
+    return key, f"{key}={value}", attr, parsed
+
+
+def make_space(fixes=(), framework: str | None = None, framework_from: str = "training.framework") -> Space:
+    """The Space of `framework` with the `--fix` assignments `fixes`: a searched dimension is
+    pinned, a ZeRO knob (under any of DeepSpeed's spellings) left out of the refinement, and
+    every fix applied after each point's own assignments."""
+    spellings = accepted_keys(ZeroConfig)
+    pins, fixed, knobs, seen = [], [], set(), {}
+    for text in fixes:
+        key, assignment, attr, value = parse_fix(text)
+        name = attr or key
+        if name in seen:
+            raise ZsimInputError("--fix", text, f"fixes what --fix {seen[name]} already fixes; keep one")
+        seen[name] = text
+        fixed.append(assignment)
+        if attr is not None:
+            pins.append((attr, value))
+        elif key.startswith(Z + ".") and key[len(Z) + 1:] in spellings:
+            field_ = spellings[key[len(Z) + 1:]]
+            knobs.update(k for k in (*KNOBS, *KNOBS_STAGE3) if spellings.get(k) == field_)
+    return Space(framework, framework_from, tuple(pins), tuple(fixed), frozenset(knobs))
+
+
+def layouts(sc, space: Space = Space()) -> list[Layout]:
+    """`_layouts` that the search space allows (see [Note: framework search space])."""
+    return [layout for layout in _layouts(sc, space.expert) if space.allows_layout(layout)]
+
+
+def _layouts(sc, expert_search: bool = True) -> list[Layout]:
     """Every layout of the scenario's world: tensor sizes from `_tensor_sizes` x pipeline sizes
     dividing the rest, with a transformer layer per stage at least and a data-parallel size that
     divides the global batch. With tensor parallelism, sequence parallelism on (wherever the
     sequence divides) and off: on first (Korthikanti et al. 2022: it shards the activations TP
     leaves replicated for the same communication volume), off because its extra all-gathers
-    can cost more than it saves. The scenario's own layout comes first."""
+    can cost more than it saves. The scenario's own layout comes first. Without `expert_search`
+    each layout keeps the scenario's ep_size."""
     world, batch = sc.cluster.world_size, sc.global_batch_size
     seq = sc.seq_len
     own = own_layout(sc)
@@ -164,7 +306,8 @@ def layouts(sc) -> list[Layout]:
                 continue
             for sp in ((True, False) if tp > 1 else (False,)):
                 # largest expert-parallel size first: fewer experts a rank, the memory an MoE needs
-                for ep in sorted(_expert_sizes(sc, world // (tp * pp), own.expert_searched), reverse=True):
+                eps = _expert_sizes(sc, world // (tp * pp), own.expert_searched) if expert_search else [own.expert]
+                for ep in sorted(eps, reverse=True):
                     layout = Layout(pp, tp, sp, ep, own.expert_searched)
                     if layout != own and not (sp and seq % tp):
                         out.append(layout)
@@ -181,6 +324,7 @@ class TunePoint:
     checkpointing: str
     knobs: dict = field(default_factory=dict)
     layout: Layout = Layout()
+    fixed: tuple[str, ...] = field(default=(), compare=False)   # the --fix assignments, applied last
 
     def assignments(self) -> tuple[str, ...]:
         out = [*self.layout.assignments(), f"{Z}.stage={self.stage}", *OFFLOADS[self.offload],
@@ -189,7 +333,7 @@ class TunePoint:
                "deepspeed.train_micro_batch_size_per_gpu=null", "deepspeed.gradient_accumulation_steps=null",
                f"training.activation_checkpointing={self.checkpointing}"]
         out += [f"{Z}.{k}={fmt_setting(v)}" for k, v in sorted(self.knobs.items())]
-        return tuple(out)
+        return tuple(out) + self.fixed
 
     @property
     def variant(self) -> Variant:
@@ -296,9 +440,9 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def structural_candidates(sc) -> list[TunePoint]:
+def structural_candidates(sc, space: Space = Space()) -> list[TunePoint]:
     out = []
-    for layout in layouts(sc):
+    for layout in layouts(sc, space):
         # the batch divides by the data-parallel size
         per_rank = sc.global_batch_size // (sc.cluster.world_size // layout.model_parallel)
         for stage in range(layout.top_stage + 1):
@@ -313,13 +457,15 @@ def structural_candidates(sc) -> list[TunePoint]:
                     for ck in ("none", "selective", "full"):
                         if ck == "selective" and sc.training.flash_attention:
                             continue   # with FlashAttention nothing s^2-sized is stored: same as none
-                        out.append(TunePoint(stage, off, mb, per_rank // mb, ck, layout=layout))
+                        c = TunePoint(stage, off, mb, per_rank // mb, ck, layout=layout, fixed=space.fixed)
+                        if space.allows(c):
+                            out.append(c)
     # cheapest-looking first: the scenario's own layout (a layout adds bubbles and point-to-point
     # sends; the others are tried when the budget is not spent), no offload, no recompute, big
     # micro-batches, higher ZeRO stages last for ties
     off_rank = {k: i for i, k in enumerate(OFFLOADS)}
     ck_rank = {"none": 0, "selective": 1, "full": 2}
-    order = {layout: i for i, layout in enumerate(layouts(sc))}
+    order = {layout: i for i, layout in enumerate(layouts(sc, space))}
     # a pipeline's bubble is (p - 1) / GAS of its step (Narayanan et al. 2021): its micro-batches
     # that leave at least 4 per stage come first, the largest of those first
     out.sort(key=lambda c: (order[c.layout], off_rank[c.offload], ck_rank[c.checkpointing],
@@ -361,14 +507,16 @@ def score(result: Result, objective: str) -> float:
 
 
 def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60,
-         other_layouts: bool = False, keep: int | None = 3, headroom: float = 0.0) -> TuneResult:
+         other_layouts: bool = False, keep: int | None = 3, headroom: float = 0.0,
+         space: Space = Space()) -> TuneResult:
     """`budget`: the most configurations to evaluate; None evaluates every candidate the bounds
     leave, then refines the knobs of the best three as always. `other_layouts` searches only
     the tensor x pipeline layouts other than the scenario's own (the doctor's layout fixes:
     its own layout is what its other fixes change), its own configuration not simulated first.
     `keep`: how many of the best results (rows of `distinct_key`) the step-time bound must leave
     exact (at least 3, the ones refined; None: no point is skipped by it); `headroom`: the margin
-    (`--headroom`) a result must fit with to count there."""
+    (`--headroom`) a result must fit with to count there. `space`: what may be proposed (the
+    framework's layouts, the user's --fix pins; see [Note: framework search space])."""
     t0 = time.perf_counter()
     exhaustive = budget is None
     budget = sys.maxsize if budget is None else budget
@@ -480,7 +628,7 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60,
     terms: dict = {}    # (workload, checkpointing) -> workload_terms, computed once for the candidates sharing them
     cpu_checkpointing = base_sc.deepspeed.activation_checkpointing.cpu_checkpointing
     own = own_layout(base_sc)
-    for c in structural_candidates(base_sc):
+    for c in structural_candidates(base_sc, space):
         if other_layouts and c.layout == own:
             continue
         wl = workload(c)
@@ -501,7 +649,7 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60,
     # the scenario's own configuration is simulated first, whatever the budget: the ranking always
     # has what the user runs to compare with (it does not end its layout's tries: those go
     # cheapest-looking first as below)
-    mine = own_point(base_sc)
+    mine = own_point(base_sc)   # (left out by `space` when outside it: no survivor has its key)
     for c in survivors:   # none of its layout with other_layouts
         if c.key() == mine.key():
             evaluate(c)
@@ -558,12 +706,13 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60,
         knobs = dict(KNOBS)
         if c.stage == 3:
             knobs.update(KNOBS_STAGE3)
+        knobs = {k: v for k, v in knobs.items() if k not in space.knobs}
         for name, values in knobs.items():
             for i in range(len(values)):
                 if used() >= budget:
                     break
                 trials = [TunePoint(best_c.stage, best_c.offload, best_c.micro_batch, best_c.gas, best_c.checkpointing,
-                                    {**best_c.knobs, name: x}, best_c.layout) for x in values[i:]]
+                                    {**best_c.knobs, name: x}, best_c.layout, best_c.fixed) for x in values[i:]]
                 lookahead(trials)
                 trial = trials[0]
                 r = evaluate(trial)
