@@ -242,7 +242,18 @@ def _resolve_batch(ds: dict, training: TrainingSpec, world_size: int) -> dict:
     else:
         raise ZsimInputError("training.micro_batch_size", None,
                              "set training.micro_batch_size or deepspeed.train_micro_batch_size_per_gpu / train_batch_size")
-    if not mb or not gas or tb != mb * gas * world_size:
+    if not mb or not gas:
+        # DeepSpeed derives the free key by floor division and asserts it is > 0 (runtime/config.py
+        # _set_batch_related_parameters, _batch_assertion): the global batch is below one sample per
+        # data-parallel rank with the pinned keys (e.g. a sweep over hardware.nodes past it)
+        least = (mb or 1) * (gas or 1) * world_size
+        pinned = "".join(f"{k} ({v}) x " for k, v in (("train_micro_batch_size_per_gpu", mb),
+                                                      ("gradient_accumulation_steps", gas)) if v)
+        raise ZsimInputError("deepspeed.train_batch_size", tb,
+                             f"it is below {pinned}data-parallel size ({world_size}) = {least}, so DeepSpeed derives "
+                             f"{'gradient_accumulation_steps' if mb else 'train_micro_batch_size_per_gpu'} = 0; "
+                             f"give a multiple of {least}, or fewer data-parallel ranks")
+    if tb != mb * gas * world_size:
         raise ZsimInputError("deepspeed.train_batch_size", tb,
                              f"must equal train_micro_batch_size_per_gpu ({mb}) x gradient_accumulation_steps ({gas}) "
                              f"x data-parallel size ({world_size}) = {(mb or 0) * (gas or 0) * world_size}")
