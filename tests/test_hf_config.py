@@ -156,7 +156,7 @@ def test_opt_learned_positions_have_two_extra_rows():
     (_llama_cfg(num_attention_heads=30), "num_attention_heads"),
     (_llama_cfg(num_hidden_layers=None), "num_hidden_layers"),
     (_llama_cfg(num_hidden_layers="32"), "num_hidden_layers"),
-    (_llama_cfg(quantization_config={"quant_method": "fp8"}), "quantization_config"),
+    (_llama_cfg(quantization_config="fp8"), "quantization_config"),
     (json.loads((MODELS / "mixtral-8x7b.json").read_text()) | {"num_experts_per_tok": 9}, "num_experts_per_tok"),
     (dict(_llama_cfg(), model_type="opt", _remove_final_layer_norm=True), "_remove_final_layer_norm"),
     (dict(_llama_cfg(), model_type="qwen2", use_sliding_window=True), "use_sliding_window"),

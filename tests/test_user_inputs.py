@@ -353,6 +353,7 @@ def test_files_a_scenario_names_are_inputs_too_and_relative_hf_configs_resolve_o
     os.chdir(tmp_path)
     try:
         assert main(["run", "a/s.yaml", "--quiet"]) == 0          # a/b/config.json, not a/a/b/config.json
+        capsys.readouterr()                                       # its notes (the seq_len default)
         before = (sub / "config.json").read_bytes()
         assert main(["run", "a/s.yaml", "--quiet", "--json", "a/b/config.json"]) == 2
         assert "scenario's model.hf_config input" in _error(capsys)

@@ -25,8 +25,14 @@ class UnknownKeyError(ZsimInputError):
 
 def did_you_mean(name: str, choices) -> str:
     import difflib   # here: only bad input needs it, and every zsim command imports this module
-    close = difflib.get_close_matches(name, sorted(choices), n=1, cutoff=0.6)
-    return f" (did you mean '{close[0]}'?)" if close else ""
+    close = difflib.get_close_matches(name, sorted(choices), n=3, cutoff=0.6)
+    if not close:
+        return ""
+    # equally close names ("bfp16": bf16 and fp16) go to the one that starts as the name does
+    ratio = difflib.SequenceMatcher(None, name, close[0]).ratio()
+    ties = [c for c in close if difflib.SequenceMatcher(None, name, c).ratio() == ratio]
+    best = next((c for c in ties if c[:1] == name[:1]), close[0])
+    return f" (did you mean '{best}'?)"
 
 
 def unknown_key(path: str, key: str, choices) -> ZsimInputError:

@@ -126,7 +126,15 @@ def parse_json(text: str, field: str, value: object):
     try:
         data = json.loads(text, parse_constant=non_finite, object_pairs_hook=unique)
     except json.JSONDecodeError as exc:
-        raise ZsimInputError(field, value, f"not valid JSON (line {exc.lineno}: {exc.msg}); fix the file") from None
+        before = text[:exc.pos].rstrip()
+        if before.endswith(",") and text[exc.pos:exc.pos + 1] in "}]":
+            # Python's json (json.load: how the HF Trainer and accelerate read a ds_config) refuses it
+            why = "a trailing comma, which json.load refuses (the HF Trainer and accelerate read ds_config with it)"
+            line = before.count("\n") + 1
+            raise ZsimInputError(field, value, f"not valid JSON at line {line}, column "
+                                 f"{len(before) - 1 - before.rfind(chr(10))}: {why}; remove the comma") from None
+        raise ZsimInputError(field, value, f"not valid JSON at line {exc.lineno}, column {exc.colno} ({exc.msg}); "
+                             "fix the file") from None
     except RecursionError:
         raise too_deep(field, value) from None
     check_nesting(data, field, value)

@@ -57,7 +57,23 @@ def scenario_overrides(args) -> tuple[str, ...]:
     if note:
         print(f"zsim: note: {note}", file=sys.stderr)
     _print_source_notes(args, overrides + derived)
+    print_input_notes(args.scenario, overrides + derived)
     return overrides + derived
+
+
+def print_input_notes(path: str, overrides: tuple[str, ...]):
+    """The scenario's `notes` (defaults taken for what the files leave open, keys DeepSpeed
+    ignores) on stderr, once per command; a scenario that does not load says nothing here (the
+    command's own load names the error, or a search mends it)."""
+    import sys
+
+    from zsim.config.scenario import load_scenario
+    try:
+        notes = load_scenario(path, overrides).notes
+    except ZsimInputError:
+        return
+    for note in notes:
+        print(f"zsim: note: {note}", file=sys.stderr)
 
 
 def add_headroom_arg(p):

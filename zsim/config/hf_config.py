@@ -21,6 +21,10 @@ from zsim.inputs import parse_json, read_text
 from zsim.specs.model import PRESETS
 
 MISSING = object()
+# The training length when a config.json gives only its context (max_position_embeddings: 131,072
+# for Llama-3.1, Qwen2.5, Phi-4) and the scenario none: TRL's SFTConfig max_length default
+# (trl/trainer/sft_config.py, TRL 1.16), what a fine-tune of such a model trains at unless told
+FINE_TUNE_SEQ_LEN = 1024
 
 
 def models_dir() -> Path:
@@ -386,9 +390,11 @@ def model_from_hf(data, name: str) -> dict:
     if isinstance(archs, list) and archs and not any(
             isinstance(a, str) and a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
         raise c.error("architectures", archs, "no *ForCausalLM (or *LMHeadModel) head; zsim simulates causal LMs")
-    # quantized checkpoints store other tensors (fp8 blocks with scales, int4 packs): train from
-    # the 16-bit conversion, whose config.json has no quantization_config
-    c.refuse("quantization_config", lambda v: True, "quantized weights")
+    # a quantization_config (DeepSeek-V3/R1's fp8 blocks) describes how the checkpoint is stored,
+    # not the model's shapes: training loads it in the run's precision (read_hf_config notes it)
+    quant = data.get("quantization_config")
+    if quant is not None and not isinstance(quant, dict):
+        raise c.error("quantization_config", quant, "expected a mapping (transformers' quantization config)")
     return READERS[model_type](c)
 
 
@@ -402,6 +408,16 @@ def preset_model(name: str) -> dict:
     return read_hf_config(model_files()[name], "model.preset")
 
 
-def read_hf_config(path: Path, field: str = "model.hf_config") -> dict:
+def read_hf_config(path: Path, field: str = "model.hf_config", notes: list | None = None) -> dict:
+    """The `model:` keys of the config.json at `path`; what it reads differently from the file's
+    own words (a quantization_config) is appended to `notes`."""
     data = parse_json(read_text(path, field, "a Hugging Face config.json"), field, str(path))
-    return model_from_hf(data, path.name)
+    model = model_from_hf(data, path.name)
+    quant = data.get("quantization_config")
+    if notes is not None and isinstance(quant, dict):
+        method = quant.get("quant_method", "quantized")
+        fmt = quant.get("fmt") or quant.get("bits")
+        notes.append(f"{path.name}: quantization_config ({method}{f' {fmt}' if fmt else ''} weights) is the "
+                     "checkpoint's storage; the run trains in its own precision (training.precision), as DeepSpeed "
+                     "trains the dequantized 16-bit weights")
+    return model

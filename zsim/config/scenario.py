@@ -13,14 +13,16 @@ from pathlib import Path
 
 import yaml
 
-from zsim.config.hf_config import model_files, preset_model, preset_names, read_hf_config
+from zsim.config.hf_auto import fill_framework_autos, resolve_trainer_autos
+from zsim.config.hf_config import FINE_TUNE_SEQ_LEN, model_files, preset_model, preset_names, read_hf_config
 from zsim.config.parallel import check_parallelism, resolve_parallelism
 from zsim.config.profile import load_profile
 from zsim.config.source import SCENARIO_KEYS, as_scenario, is_ds_config
-from zsim.errors import ZsimInputError, did_you_mean, unknown_key
+from zsim.errors import UnknownKeyError, ZsimInputError, did_you_mean, unknown_key
 from zsim.inputs import check_nesting, parse_json, parse_yaml, read_text, too_deep
 from zsim.schema import _number, accepted_keys, build
-from zsim.specs.deepspeed import COMM_DATA_TYPES, IGNORED_TOP_LEVEL, DeepSpeedConfig
+from zsim.specs.deepspeed import (COMM_DATA_TYPES, IGNORED_TOP_LEVEL, NOT_MODELLED_REFUSED, REMOVED_TOP_LEVEL,
+                                  REMOVED_ZERO, STRICT_IGNORED_BLOCKS, DeepSpeedConfig)
 from zsim.specs.hardware import Cluster
 from zsim.specs.model import PRESETS, ModelSpec
 from zsim.specs.scenario import MAX_WORLD_SIZE, HardwareSpec, Scenario, TrainingSpec
@@ -75,8 +77,13 @@ def anchor_hf_config(raw: dict, base_dir: Path) -> dict:
 
 
 def _read_yaml(path: Path) -> dict:
+    """A scenario YAML, or a .json file read as JSON (as the HF Trainer, accelerate and zsim's
+    `deepspeed: path` read a ds_config): YAML would take a trailing comma JSON refuses."""
     text = read_text(path, "scenario", "a scenario YAML or a ds_config.json")
-    data = parse_yaml(text, "scenario", str(path))
+    if path.suffix.lower() == ".json":
+        data = parse_json(text, "scenario", str(path))
+    else:
+        data = parse_yaml(text, "scenario", str(path))
     if not isinstance(data, dict):
         raise ZsimInputError("scenario", str(path), "expected a mapping with keys model, hardware, training, "
                              "deepspeed (or a ds_config.json)")
@@ -103,8 +110,9 @@ def _preset(preset) -> dict:
                          f"available: {', '.join(names)}")
 
 
-def _resolve_model(raw: dict, base_dir: Path) -> ModelSpec:
-    """A preset or a Hugging Face config.json (model.hf_config), then the keys given beside it."""
+def _resolve_model(raw: dict, base_dir: Path, notes: list) -> tuple[ModelSpec, bool]:
+    """A preset or a Hugging Face config.json (model.hf_config), then the keys given beside it;
+    and whether the training length is still the config.json's context (no seq_len beside it)."""
     if not isinstance(raw, dict):
         raise ZsimInputError("model", raw, "expected a mapping: a preset, an hf_config and/or an explicit shape")
     raw = dict(raw)
@@ -117,82 +125,49 @@ def _resolve_model(raw: dict, base_dir: Path) -> ModelSpec:
     if hf_config is not None:
         if not isinstance(hf_config, str) or not hf_config:
             raise ZsimInputError("model.hf_config", hf_config, "expected the path of a Hugging Face config.json")
-        merged.update(read_hf_config(base_dir / hf_config))
+        merged.update(read_hf_config(base_dir / hf_config, notes=notes))
     merged.update(raw)
-    return build(ModelSpec, merged, "model")
+    return build(ModelSpec, merged, "model"), hf_config is not None and "seq_len" not in raw
 
 
-# the training key (the HF Trainer argument) each resolvable ds_config "auto" follows
-AUTO_FOLLOWS = {
-    ("train_micro_batch_size_per_gpu",): ("micro_batch_size",),
-    ("gradient_accumulation_steps",): ("gradient_accumulation_steps",),
-    ("train_batch_size",): ("micro_batch_size", "gradient_accumulation_steps"),
-    ("gradient_clipping",): ("max_grad_norm",),
-    ("fp16", "enabled"): ("precision",),
-    ("bf16", "enabled"): ("precision",),
-}
+def _typo(key: str, known) -> str:
+    """A hint for a key that looks like a misspelt DeepSpeed key (a `_comment` is not one)."""
+    import difflib
+    close = [] if key.startswith("_") else difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8)
+    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
-def _resolve_auto(ds: dict, model: ModelSpec, training: TrainingSpec, world_size: int) -> dict:
-    """Replace "auto" the way transformers' HfTrainerDeepSpeedConfig does (trainer_config_process
-    and trainer_config_finalize in transformers/integrations/deepspeed.py)."""
-    ds = copy.deepcopy(ds)
-    h = model.hidden
-    prec = training.precision
-    fills = {
-        ("train_micro_batch_size_per_gpu",): training.micro_batch_size,
-        ("gradient_accumulation_steps",): training.gradient_accumulation_steps,
-        ("gradient_clipping",): training.max_grad_norm,
-        ("fp16", "enabled"): prec == "fp16" if prec else None,
-        ("bf16", "enabled"): prec == "bf16" if prec else None,
-        ("zero_optimization", "reduce_bucket_size"): h * h,
-        ("zero_optimization", "stage3_prefetch_bucket_size"): int(0.9 * h * h),
-        ("zero_optimization", "stage3_param_persistence_threshold"): 10 * h,
-    }
-    mb, gas = training.micro_batch_size, training.gradient_accumulation_steps
-    fills[("train_batch_size",)] = mb * gas * world_size if mb and gas else None
-
-    unresolved: list[tuple[str, ...]] = []
-
-    def walk(node, path):
-        if isinstance(node, dict):
-            for k, v in node.items():
-                if v == "auto":
-                    key = path + (k,)
-                    if key[:1] == ("optimizer",) or key[:1] == ("scheduler",):
-                        node[k] = None  # lr, betas, warmup: no effect on time or memory
-                        continue
-                    if fills.get(key) is None:
-                        unresolved.append(key)
-                        continue
-                    node[k] = fills[key]
-                else:
-                    walk(v, path + (k,))
-    walk(ds, ())
-    if unresolved:
-        # every 'auto' the scenario cannot fill, in one line, each with the training key
-        # (the HF Trainer argument) it follows, so one edit settles them all
-        wanted = list(dict.fromkeys(
-            w for key in unresolved
-            for w in ([f"training.{t}" for t in AUTO_FOLLOWS[key] if getattr(training, t) is None]
-                      if key in AUTO_FOLLOWS else [f"deepspeed.{'.'.join(key)} to a value"])))
-        autos = ", ".join("deepspeed." + ".".join(key) for key in unresolved)
-        hf = " (the HF Trainer fills it from its arguments)" if any(k in AUTO_FOLLOWS for k in unresolved) else ""
-        raise ZsimInputError(autos, "auto", f"zsim cannot resolve {'these' if len(unresolved) > 1 else 'this'} "
-                             f"'auto'{hf}; set {', '.join(wanted)}")
-    for block in ("optimizer", "scheduler"):
-        params = ds.get(block, {}).get("params") if isinstance(ds.get(block), dict) else None
-        if isinstance(params, dict):
-            for k in [k for k, v in params.items() if v is None]:
-                del params[k]
-    return ds
+def _short(value) -> object:
+    return "{...}" if isinstance(value, (dict, list)) else value
 
 
-def _check_top_level_ds(ds: dict):
+def _check_top_level_ds(ds: dict) -> tuple[str, ...]:
+    """DeepSpeed's rules for the top level (see [Note: DeepSpeed's top-level keys]): a removed key
+    or a known one whose effect zsim cannot leave out is refused; a key DeepSpeed does not read is
+    ignored, and the returned note names it."""
+    for key, what in REMOVED_TOP_LEVEL.items():
+        if key in ds:
+            raise ZsimInputError(f"deepspeed.{key}", _short(ds[key]), f"DeepSpeed 0.19.8 removed {what} and refuses "
+                                 "a config holding this key (runtime/config.py _reject_removed_config_keys); remove it")
+    zero = ds.get("zero_optimization")
+    for key, what in REMOVED_ZERO.items():
+        if isinstance(zero, dict) and key in zero:
+            raise ZsimInputError(f"deepspeed.zero_optimization.{key}", _short(zero[key]), f"DeepSpeed 0.19.8 removed "
+                                 f"{what} and refuses a config holding this key; remove it")
+    for block, keys in STRICT_IGNORED_BLOCKS.items():
+        value = ds.get(block)
+        if value is not None and not isinstance(value, dict):
+            raise ZsimInputError(f"deepspeed.{block}", _short(value), "expected a mapping (DeepSpeed builds it as a "
+                                 "config model)")
+        for key in value or ():
+            if key not in keys:
+                raise UnknownKeyError(f"deepspeed.{block}.{key}", key, f"unknown key{did_you_mean(str(key), keys)}; "
+                                      f"DeepSpeed refuses it (its {block} config forbids other keys); remove it")
+    for key, (on, why) in NOT_MODELLED_REFUSED.items():
+        if key in ds and on(ds[key]):
+            raise ZsimInputError(f"deepspeed.{key}", _short(ds[key]), why)
     known = set(accepted_keys(DeepSpeedConfig)) | IGNORED_TOP_LEVEL | {"sequence_parallel_size"}
-    for key in ds:
-        if key not in known:
-            raise unknown_key("deepspeed", str(key), known)
+    unread = [f"{k}{_typo(str(k), known)}" for k in ds if k not in known]
     sp = ds.get("sequence_parallel_size")
     if sp not in (None, 1):
         # DeepSpeed-Ulysses (runtime/config.py get_sequence_parallel_size): its all-to-alls and the
@@ -207,6 +182,23 @@ def _check_top_level_ds(ds: dict):
         if value is not None and (not isinstance(value, str) or value.lower() not in COMM_DATA_TYPES):
             raise ZsimInputError(f"deepspeed.{key}", value, f"choose one of {', '.join(COMM_DATA_TYPES)}"
                                  f"{did_you_mean(str(value).lower(), COMM_DATA_TYPES)} (DeepSpeed rejects others)")
+    if not unread:
+        return ()
+    return (f"deepspeed: ignored {'keys' if len(unread) > 1 else 'key'} DeepSpeed does not read: {', '.join(unread)}",)
+
+
+def _deprecated_zero_flag(ds: dict) -> dict:
+    """`zero_optimization: true|false`, DeepSpeed's first format (zero/config.py
+    read_zero_config_deprecated): stage 1 or 0, allgather_bucket_size from the top-level
+    allgather_size (default 5e8)."""
+    flag = ds.get("zero_optimization")
+    if not isinstance(flag, bool):
+        return ds
+    ds = dict(ds)
+    ds["zero_optimization"] = {"stage": 1 if flag else 0}
+    if flag:
+        ds["zero_optimization"]["allgather_bucket_size"] = ds.pop("allgather_size", 5e8)
+    return ds
 
 
 def _resolve_batch(ds: dict, training: TrainingSpec, world_size: int) -> dict:
@@ -281,7 +273,8 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
     for key, flag in (("model", "--model NAME"), ("hardware", "--gpus N")):
         if key not in raw:
             raise ZsimInputError(key, None, f"the scenario needs a '{key}:' block (or add {flag})")
-    model = _resolve_model(raw["model"], base_dir)
+    notes: list[str] = []
+    model, context_only = _resolve_model(raw["model"], base_dir, notes)
     hw = build(HardwareSpec, raw["hardware"], "hardware")
     profile = load_profile(hw.profile, hw.override or None, base_dir)
     cluster = Cluster(profile=profile, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node or profile.gpus_per_node)
@@ -302,7 +295,10 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
             raise ZsimInputError("deepspeed.bfloat16", old, f"conflicts with deepspeed.bf16={ds_raw['bf16']!r} "
                                  "(DeepSpeed reads bf16 and ignores bfloat16); keep one block")
         ds_raw.setdefault("bf16", old)
-    _check_top_level_ds(ds_raw)
+    ds_raw = _deprecated_zero_flag(ds_raw)
+    notes += _check_top_level_ds(ds_raw)
+    ds_raw, filled = fill_framework_autos(ds_raw)
+    notes += filled
     par = resolve_parallelism(raw.get("parallelism"), ds_raw.get("pipeline"), cluster.world_size, model.layers,
                               ds_raw.get("tensor_parallel"), cluster.gpus_per_node)
     if isinstance(ds_raw.get("pipeline"), dict):
@@ -312,11 +308,18 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
     # batch sizes divide by the data-parallel size only (pipe/engine.py:104; Megatron's
     # get_data_parallel_world_size excludes the tensor- and pipeline-parallel ranks)
     data_parallel = cluster.world_size // (par.pipeline * par.tensor)
-    ds_raw = _resolve_auto(ds_raw, model, training, data_parallel)
+    # "auto" as the HF Trainer fills it: see [Note: HF Trainer auto values]
+    given = set(raw["training"]) if isinstance(raw.get("training"), dict) else set()
+    ds_raw, filled = resolve_trainer_autos(ds_raw, model.hidden, training, given, data_parallel)
+    notes += filled
     ds_raw = _resolve_batch(ds_raw, training, data_parallel)
     prefixed = {k: v for k, v in ds_raw.items() if k in accepted_keys(DeepSpeedConfig)}
     ds = build(DeepSpeedConfig, prefixed, "deepspeed")
     ds, training = _resolve_precision(ds, training)
+    if context_only and training.seq_len is None and model.seq_len > FINE_TUNE_SEQ_LEN:
+        training = replace(training, seq_len=FINE_TUNE_SEQ_LEN)
+        notes.append(f"seq_len {FINE_TUNE_SEQ_LEN}, not the config.json's context of {model.seq_len:,} "
+                     "(TRL SFTConfig's max_length default; --set training.seq_len=N)")
     training = check_parallelism(par, ds, training, model, cluster.world_size)
     if training.seq_len and model.position == "learned" and training.seq_len > model.seq_len:
         raise ZsimInputError("training.seq_len", training.seq_len,
@@ -326,7 +329,8 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
         raise ZsimInputError("name", name, "expected a string")
     return Scenario(name=name, model=model, cluster=cluster, training=training, deepspeed=ds, parallelism=par,
                     description=str(raw.get("description", "")),
-                    warnings=(ds.not_modelled(ds_raw.keys()) + ds.checkpointing_warnings(training.activation_checkpointing)
+                    notes=tuple(notes),
+                    warnings=(ds.not_modelled(ds_raw) + ds.checkpointing_warnings(training.activation_checkpointing)
                               + _hardware_warnings(hw, profile)))
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from zsim.errors import ZsimInputError, did_you_mean
 from zsim.schema import accepted_keys
-from zsim.specs.deepspeed import IGNORED_TOP_LEVEL, DeepSpeedConfig
+from zsim.specs.deepspeed import IGNORED_TOP_LEVEL, REMOVED_TOP_LEVEL, DeepSpeedConfig
 from zsim.config.hf_config import preset_names
 
 SCENARIO_KEYS = ("name", "description", "model", "hardware", "training", "parallelism", "deepspeed")
@@ -24,7 +24,7 @@ DEFAULT_PROFILE = "dgx-a100-80g"
 def is_ds_config(data: dict) -> bool:
     """A mapping with no scenario block and at least one of DeepSpeed's top-level keys, or an
     empty one (`{}`: a ds_config of DeepSpeed's defaults, whose cluster the flags give)."""
-    ds_keys = set(accepted_keys(DeepSpeedConfig)) | IGNORED_TOP_LEVEL | {"bfloat16"}
+    ds_keys = set(accepted_keys(DeepSpeedConfig)) | IGNORED_TOP_LEVEL | set(REMOVED_TOP_LEVEL) | {"bfloat16"}
     return not any(k in SCENARIO_KEYS for k in data) and (not data or any(k in ds_keys for k in data))
 
 

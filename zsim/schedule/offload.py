@@ -17,6 +17,7 @@ import math
 
 from zsim.schedule.context import StepContext
 from zsim.schedule.ir import Category, HostSettings, OpKind, Phase, Stream, Transfer
+from zsim.schedule.partition import sub_group_sizes, trainable_numels
 from zsim.schedule.payloads import ComputeWork, Copy, CpuAdam, StepCompute
 from zsim.schedule.optimizer import (FP32_BYTES, NORM_KERNELS_PER_TENSOR, OVERFLOW_KERNELS_PER_TENSOR,
                                      norm_bytes_per_param, optimizer_state_bytes, optimizer_step,
@@ -70,7 +71,9 @@ def place_states(ctx: StepContext, states: dict[str, float], shard: float) -> di
             ctx.b.host_alloc(Category.OPTIMIZER_STATES, moved)
         else:
             o = z.offload_optimizer
-            sub = min(z.sub_group_size, shard) if z.stage == 3 else shard
+            # the swapper's buffers hold the largest sub-group (stage3.py:851 largest_numel)
+            sub = (max(sub_group_sizes(trainable_numels(ctx.wl), ctx.world, z.sub_group_size))
+                   if z.stage == 3 else shard)
             ctx.b.host_alloc("NVMe swap buffers (optimizer)", (o.buffer_count if o else 4) * sub * FP32_BYTES)
         if z.stage == 3:
             # grad_partitions_flat_buffer: 16-bit accumulation buffer on the host (stage3.py:786-795);
@@ -188,9 +191,10 @@ def step_host_pass_bytes(ctx: StepContext) -> float:
     return clip + convert
 
 
-def offloaded_step(ctx: StepContext, shard: float, deps, sub_group_size: int | None) -> int:
-    """CPU (or NVMe-backed) optimizer step over the local shard; returns the op after which
-    the GPU holds the updated 16-bit partition."""
+def offloaded_step(ctx: StepContext, shard: float, deps, sub_groups: list[int] | None) -> int:
+    """CPU (or NVMe-backed) optimizer step over the local shard, one group after another (ZeRO-3:
+    `sub_groups`, the elements of each optimizer sub-group, partition.sub_group_sizes; ZeRO-1/2:
+    None, the whole shard); returns the op after which the GPU holds the updated 16-bit partition."""
     z = ctx.sc.zero
     step = ctx.last_micro
     deps = list(deps)
@@ -201,22 +205,22 @@ def offloaded_step(ctx: StepContext, shard: float, deps, sub_group_size: int | N
     if ratio < 1.0:
         gpu_part = optimizer_step(ctx, shard * (1.0 - ratio), deps)
         shard = shard * ratio
-    groups = 1 if not sub_group_size else max(1, math.ceil(shard / sub_group_size))
-    per = shard / groups
+    sizes = [shard] if not sub_groups else [n * shard / sum(sub_groups) for n in sub_groups]
     nvme = optimizer_device(ctx) == "nvme"
     o = z.offload_optimizer
     pipelined = bool(o and (o.pipeline_read or o.pipeline_write or o.pipeline))
     last_h2d = None
     prev_write = None
     b = ctx.b
-    pass_bytes = step_host_pass_bytes(ctx) * per
+    pass_bytes_per_numel = step_host_pass_bytes(ctx)
     # the fp32 master and the optimizer's states swapped per group (Adam: exp_avg, exp_avg_sq)
     swapped = FP32_BYTES + optimizer_state_bytes(ctx.sc.deepspeed)
     update_bytes = ctx.sc.deepspeed.optimizer.step_bytes_per_param
     # ZeRO-3's copy converts into a fresh pageable CPU tensor, then copies that (stage3.py:2858);
     # ZeRO-1/2 copy the bit16 buffer, pinned when pin_memory (stage_1_and_2.py:569-575)
     pinned = False if z.stage == 3 and ctx.param_bytes < FP32_BYTES else None
-    for g in range(groups):
+    for g, per in enumerate(sizes):
+        pass_bytes = pass_bytes_per_numel * per
         read = None
         if nvme:
             read_deps = deps if pipelined or prev_write is None else deps + [prev_write]

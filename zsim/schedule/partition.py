@@ -130,9 +130,10 @@ def sub_group_sizes(numels: list[int], world: int, sub_group_size: int) -> list[
     """ZeRO-3: elements of this rank's shard in each optimizer sub-group. stage3.py
     _create_fp16_sub_groups walks the params in registration order and closes a sub-group once its
     partition numel reaches sub_group_size (so a group may exceed it by its last param); one
-    group when sub_group_size is 0 or covers the whole shard."""
+    group when sub_group_size covers the whole shard, and one group per parameter when it is 0
+    (every partial sum reaches 0: axolotl's ZeRO-3 default)."""
     parts = [math.ceil(n / world) for n in numels]
-    if not sub_group_size or sub_group_size >= sum(parts):
+    if sub_group_size >= sum(parts):
         return [sum(parts)]
     groups, acc = [], 0
     for i, n in enumerate(parts):

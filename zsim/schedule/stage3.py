@@ -131,7 +131,8 @@ def build(ctx: StepContext):
                          overflow_check=ctx.sc.precision == "fp16", device_passes=not ctx.optimizer_offloaded,
                          norm_size_bytes=FP32_BYTES if ctx.optimizer_offloaded else NORM_DTYPE_BYTES)
     if ctx.optimizer_offloaded:
-        last = offload.offloaded_step(ctx, train_shard, [last, hooks.buckets.last_d2h], z.sub_group_size)
+        last = offload.offloaded_step(ctx, train_shard, [last, hooks.buckets.last_d2h],
+                                      sub_group_sizes(trained, ctx.world, z.sub_group_size))
     else:
         # [Note: ZeRO-3 optimizer sub-groups] stage3.py step() updates one sub-group at a time:
         # _prepare_fp32_grad_for_sub_group flattens and converts that group's gradients, the

@@ -82,8 +82,6 @@ class ZeroConfig:
     zero_quantized_weights: bool = spec(False)
     zero_quantized_nontrainable_weights: bool = spec(False)
     zero_quantized_gradients: bool = spec(False)
-    mics_shard_size: int = spec(-1)
-    mics_hierarchical_params_gather: bool = spec(False)
     memory_efficient_linear: bool = spec(True)
     pipeline_loading_checkpoint: bool = spec(False)
     override_module_apply: bool = spec(True)
@@ -120,11 +118,10 @@ class ZeroConfig:
             "zero_hpz_partition_size": (self.zero_hpz_partition_size, 1),
             "zero_quantized_weights": (self.zero_quantized_weights, False),
             "zero_quantized_gradients": (self.zero_quantized_gradients, False),
-            "mics_shard_size": (self.mics_shard_size, -1),
         }
         for key, (value, neutral) in unmodelled.items():
             if value != neutral and not (key == "zero_hpz_partition_size" and value == 0):
-                raise ValueError(key, value, f"ZeRO++/MiCS ({key}) is not modelled by zsim yet; remove it or set {neutral}")
+                raise ValueError(key, value, f"ZeRO++ ({key}) is not modelled by zsim yet; remove it or set {neutral}")
         if self.offload_optimizer and self.offload_optimizer.ratio < 1.0 and self.stage != 3:
             raise ValueError("offload_optimizer.ratio", self.offload_optimizer.ratio,
                              "partial offloading is only supported for ZeRO stage 3 (DeepSpeed's rule)")
@@ -278,36 +275,94 @@ class PipelineConfig:
     enabled: bool = spec(True, doc="not a DeepSpeed key (the seeds write it); accepted and not read")
 
 
-# Accepted top-level keys that do not change a step's time or memory in zsim's model.
+# [Note: DeepSpeed's top-level keys] DeepSpeed 0.19.8 reads its config key by key
+# (runtime/config.py DeepSpeedConfig._initialize_params and the configs it builds from the
+# dict): a top-level key it does not read is ignored without a word, so zsim ignores it too and
+# names it in one note (zsim/config/scenario.py); a key it removed it refuses at start-up
+# (_reject_removed_config_keys), and so does zsim. Inside the blocks it builds as pydantic
+# models (runtime/config_utils.py DeepSpeedConfigModel, extra="forbid": zero_optimization and
+# its offload blocks, fp16, bf16, tensor_parallel, the monitors, comms_logger, hybrid_engine,
+# compile) an unknown key is refused, as zsim's strict schema refuses it.
+#
+# Top-level keys DeepSpeed reads that do not change a step's time or memory in zsim's model
+# (or whose effect NOT_MODELLED_TOP_LEVEL names): accepted.
 IGNORED_TOP_LEVEL = frozenset({
     "scheduler", "steps_per_print", "wall_clock_breakdown", "dump_state", "tensorboard", "wandb",
-    "csv_monitor", "comet", "flops_profiler", "comms_logger", "checkpoint", "elasticity", "autotuning",
-    "compression_training", "data_efficiency", "curriculum_learning", "sparse_attention",
-    "memory_breakdown", "seed", "zero_force_ds_cpu_optimizer",
-    "disable_allgather", "dataloader_drop_last", "sparse_gradients", "eigenvalue", "quantize_training",
-    "progressive_layer_drop", "gradient_predivide_factor", "prescale_gradients",
+    "csv_monitor", "comet", "flops_profiler", "comms_logger", "checkpoint", "autotuning",
+    "data_efficiency", "memory_breakdown", "zero_force_ds_cpu_optimizer",
+    "disable_allgather", "dataloader_drop_last", "gradient_predivide_factor", "prescale_gradients",
     # sequence parallelism (Ulysses) is not modelled: its reduction dtype has no step to act on
-    "seq_parallel_communication_data_type", "amp", "timers", "monitor_config", "nebula",
-    "hybrid_engine", "weight_quantization", "graph_harvesting", "use_node_local_storage", "load_universal",
+    "seq_parallel_communication_data_type", "timers", "hybrid_engine", "weight_quantization",
     "torch_autocast", "compile",
     "tensor_parallel",   # read by zsim/config/parallel.py into parallelism.tensor
-    "use_data_before_expert_parallelism",
-    "fp16_auto_cast", "disable_python_gc",
+    "use_data_before_expert_parallelism", "disable_python_gc", "managed_gradient_accumulation",
+    "gradient_allreduce_op", "log_level", "vocabulary_size", "datastates_ckpt", "expert_parallel",
 })
+
+# runtime/config.py _REMOVED_TOP_LEVEL_CONFIG_KEYS and _REMOVED_ZERO_CONFIG_KEYS: DeepSpeed 0.19.8
+# refuses a config holding any of these (whatever the value), naming what replaced it
+REMOVED_TOP_LEVEL = {
+    "nebula": "Nebula checkpointing", "compression_training": "the compression library",
+    "amp": "NVIDIA Apex AMP (use fp16, bf16 or torch_autocast)", "quantize_training": "MoQ quantize_training",
+    "sparse_gradients": "sparse embedding-gradient compression", "eigenvalue": "eigenvalue MoQ",
+    "sparse_attention": "sparse attention", "elasticity": "elastic training (set the batch keys directly)",
+    "graph_harvesting": "graph harvesting",
+    "curriculum_learning": "top-level curriculum_learning (use data_efficiency.data_sampling.curriculum_learning)",
+    "progressive_layer_drop": "progressive layer drop",
+}
+REMOVED_ZERO = {"mics_shard_size": "MiCS sharding", "mics_hierarchical_params_gather": "MiCS sharding",
+                "zeropp_loco_param": "LoCo-ZeRO++"}
+
+
+# The keys of the pydantic blocks DeepSpeed builds and zsim otherwise ignores (extra="forbid":
+# compile/config.py CompileConfig, comm/config.py CommsLoggerConfig, monitor/config.py's four,
+# runtime/config.py HybridEngineConfig): a key outside these DeepSpeed refuses, and so does zsim
+STRICT_IGNORED_BLOCKS = {
+    "compile": frozenset({"deepcompile", "autoep_non_moe", "free_activation", "free_activation_threshold",
+                          "offload_activation", "offload_activation_pin_memory", "offload_opt_states",
+                          "double_buffer", "symmetric_memory", "debug_log", "offload_parameters",
+                          "sync_before_reduce", "sync_after_reduce", "sync_before_allgather", "sync_after_allgather",
+                          "keep_int_input_tensors", "keep_all_input_tensors", "passes"}),
+    "comms_logger": frozenset({"enabled", "prof_all", "prof_ops", "verbose", "debug"}),
+    "tensorboard": frozenset({"enabled", "output_path", "job_name"}),
+    "wandb": frozenset({"enabled", "group", "team", "project"}),
+    "csv_monitor": frozenset({"enabled", "output_path", "job_name"}),
+    "comet": frozenset({"enabled", "samples_log_interval", "project", "workspace", "api_key", "experiment_name",
+                        "experiment_key", "online", "mode"}),
+    "hybrid_engine": frozenset({"enabled", "max_out_tokens", "inference_tp_size", "release_inference_cache",
+                                "pin_parameters", "tp_gather_partition_size", "enable_cuda_graph"}),
+}
+
+
+def _enabled(block) -> bool:
+    return isinstance(block, dict) and block.get("enabled") is True
+
+
+# Accepted keys that do change a real run but that zsim does not simulate: the result carries a
+# warning that says what the prediction leaves out, instead of silently pretending.
+NOT_MODELLED_TOP_LEVEL = {
+    "hybrid_engine": (_enabled, "the hybrid (RLHF) engine's generation is not modelled; the prediction is the "
+                                "training step alone"),
+    "wall_clock_breakdown": (lambda v: v is True, "its timers synchronize the device around forward, backward and "
+                                                  "step; the prediction leaves those waits out"),
+    "comms_logger": (_enabled, "the comms logger synchronizes every collective to time it; the prediction leaves "
+                               "those waits out"),
+    "compile": (lambda v: isinstance(v, dict) and v.get("deepcompile") is True,
+                "DeepCompile is not modelled; the prediction is DeepSpeed's eager ZeRO"),
+    "data_efficiency": (_enabled, "data efficiency (curriculum, random-LTD) is not modelled; the prediction trains "
+                                  "every token of every sample"),
+}
+# Keys DeepSpeed knows whose effect zsim leaves out only at the cost of the verdict itself: refused
+NOT_MODELLED_REFUSED = {
+    "torch_autocast": (_enabled, "torch autocast (fp32 weights, lower-precision compute) is not modelled: zsim "
+                                 "would price the step in fp32 throughout; use the bf16 or fp16 block instead"),
+    "expert_parallel": (_enabled, "AutoEP (expert_parallel) is not modelled; use an MoE model with "
+                                  "parallelism.expert (DeepSpeed-MoE ep_size) instead"),
+}
 
 
 # runtime/config.py get_communication_data_type accepts these (lower-cased) and raises on others
 COMM_DATA_TYPES = ("fp16", "bf16", "fp32")
-
-
-# Accepted keys that do change a real run but that zsim does not simulate yet: the result
-# carries a warning instead of silently pretending.
-NOT_MODELLED_TOP_LEVEL = {
-    "compression_training": "compression training is not modelled",
-    "sparse_attention": "sparse attention is not modelled; attention is dense",
-    "hybrid_engine": "the hybrid (RLHF) engine is not modelled",
-    "progressive_layer_drop": "progressive layer drop is not modelled",
-}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -347,8 +402,11 @@ class DeepSpeedConfig:
                              "DeepSpeed's BF16_Optimizer (bf16 weights, fp32 accumulation, ZeRO stage 1 without "
                              "optimizer offload); remove it or set it to the model dtype")
 
-    def not_modelled(self, raw_keys) -> tuple[str, ...]:
-        return tuple(f"deepspeed.{k}: {msg}" for k, msg in NOT_MODELLED_TOP_LEVEL.items() if k in raw_keys)
+    @staticmethod
+    def not_modelled(raw: dict) -> tuple[str, ...]:
+        """A warning per key DeepSpeed acts on and zsim does not model (see [Note: DeepSpeed's top-level keys])."""
+        return tuple(f"deepspeed.{k}: {msg}" for k, (on, msg) in NOT_MODELLED_TOP_LEVEL.items()
+                     if k in raw and on(raw[k]))
 
     def checkpointing_warnings(self, mode: str) -> tuple[str, ...]:
         """The activation_checkpointing block acts on the blocks deepspeed.checkpointing.checkpoint

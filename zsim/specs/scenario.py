@@ -99,6 +99,9 @@ class Scenario:
     deepspeed: DeepSpeedConfig
     description: str = ""
     warnings: tuple[str, ...] = ()
+    # how the inputs were read where the files leave it open (defaults taken, keys DeepSpeed
+    # ignores): printed on stderr as `zsim: note:` lines, not part of the result
+    notes: tuple[str, ...] = ()
     parallelism: ParallelismSpec = ParallelismSpec()
 
     # Resolved values (DeepSpeed's batch rule, precision): the simulator reads these.
