@@ -29,3 +29,28 @@ def test_a_global_batch_below_one_sample_per_rank_says_so(tmp_path):
     assert ("deepspeed.train_batch_size: 16" in line and "train_micro_batch_size_per_gpu (2) x data-parallel size (16)"
             " = 32" in line and "DeepSpeed derives gradient_accumulation_steps = 0" in line
             and "multiple of 32" in line)
+
+
+def test_sweep_lists_failed_points_whole_and_plots_mark_them(tmp_path):
+    from zsim.report import plots
+
+    js, cs = tmp_path / "rows.json", tmp_path / "rows.csv"
+    out = run_cli(["sweep", _pinned_batch(tmp_path), "--vary", "hardware.nodes=1,2", "--workers", "1", "--width", "80",
+                   "--json", str(js), "--csv", str(cs)])
+    assert out.code == 0, out.stderr
+    reason = next(r for r in json.loads(js.read_text()) if not r["ok"])["error"]
+    assert reason.startswith("deepspeed.train_batch_size: 16") and "give a multiple of 32" in reason
+    # the table marks the row and lists the point with its whole reason (no cell cuts it)
+    assert "failed points (1):" in out.stdout and f"point 1 (nodes=2): {reason}" in out.stdout.replace("\n", " ")
+    csv_rows = list(csv.DictReader(cs.read_text().splitlines()))
+    assert [r["error"] for r in csv_rows] == ["", reason]
+    for path in (js, cs):
+        _, rows = plots.load_results(str(path))
+        assert plots.failed_points(rows) == [{"label": "nodes=2", "error": reason}]
+        assert [("error" in d) for d in plots.throughput_data(rows)] == [False, True]
+        assert [d.get("error") for d in plots.memory_data("rows", rows)] == [None, reason]
+    for kind in ("throughput", "memory", "scaling"):
+        png = tmp_path / f"{kind}.png"
+        drawn = run_cli(["plot", str(js), "--kind", kind, "--out", str(png)])
+        assert drawn.code == 0, drawn.stderr
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

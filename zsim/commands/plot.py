@@ -41,7 +41,7 @@ def main(args) -> int:
     title = args.title or Path(args.results).stem
     if args.kind == "scaling":
         plots._need(args.kind, have, ("rows",))
-        plots.scaling_plot(_extract(plots.scaling_data, args, data), title, args.out)
+        plots.scaling_plot(_extract(plots.scaling_data, args, data), title, args.out, plots.failed_points(data))
     elif args.kind == "throughput":
         plots._need(args.kind, have, ("rows",))
         plots.throughput_plot(_extract(plots.throughput_data, args, data), title, args.out)

@@ -34,6 +34,33 @@ def _save(fig, path: str):
     tmp.replace(out)
 
 
+def _failed(r: dict) -> bool:
+    return not r.get("ok", True) or bool(r.get("error"))
+
+
+def failed_points(rows: list[dict]) -> list[dict]:
+    """[{label, error}] of the rows that could not be simulated (a sweep's failed points, a
+    compare's invalid variants): every plot of rows marks them instead of dropping them."""
+    if not isinstance(rows, list):
+        return []
+    keys = varied_keys(rows)
+    return [{"label": _label(r, keys), "error": str(r.get("error") or "failed")} for r in rows
+            if isinstance(r, dict) and _failed(r)]
+
+
+def _note_failed(fig, failed: list[dict]):
+    """The failed points and their reasons under the figure, in red (bbox_inches="tight" keeps it)."""
+    import textwrap
+    if not failed:
+        return
+    lines = [f"{len(failed)} point{'s' if len(failed) > 1 else ''} failed (not simulated):"]
+    lines += [line for f in failed[:8] for line in textwrap.wrap(f"{f['label']}: {f['error']}", 110,
+                                                                   subsequent_indent="    ")]
+    if len(failed) > 8:
+        lines.append(f"... and {len(failed) - 8} more (the sweep's JSON/CSV 'error' column has each reason)")
+    fig.text(0.01, -0.02, "\n".join(lines), fontsize=7, color="red", va="top", ha="left")
+
+
 def _category_colors(categories):
     return {c: PALETTE[i % len(PALETTE)] for i, c in enumerate(categories)}
 
@@ -191,7 +218,8 @@ def _hiding_panel(ax, data: dict):
     ax.legend(fontsize=7)
 
 
-def scaling_plot(data: dict, title: str, path: str):
+def scaling_plot(data: dict, title: str, path: str, failed: list[dict] = ()):
+    """`failed`: `failed_points` of the rows, listed under the figure (they have no GPU count)."""
     timed = all(p.get("compute_s") is not None for pts in data.values() for p in pts)
     fig, axes = plt.subplots(1, 3 if timed else 2, figsize=(19 if timed else 13, 5))
     ax1, ax2 = axes[0], axes[1]
@@ -234,6 +262,7 @@ def scaling_plot(data: dict, title: str, path: str):
     ax2.set_title("Per-GPU throughput vs GPUs")
     ax1.legend(fontsize=8)
     fig.suptitle(title)
+    _note_failed(fig, list(failed))
     _save(fig, path)
 
 
@@ -258,7 +287,9 @@ def throughput_data(rows: list[dict]) -> list[dict]:
     keys = varied_keys(rows)
     out = []
     for r in rows:
-        if not r.get("ok", True) or r.get("error"):
+        if _failed(r):   # a slot marked failed, in its place among the points
+            out.append({"label": _label(r, keys), "tokens_per_s_per_gpu": 0.0, "fits": False,
+                        "error": str(r.get("error") or "failed")})
             continue
         out.append({"label": _label(r, keys), "tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"], "fits": row_fits(r)})
     return out
@@ -270,8 +301,15 @@ def throughput_plot(data: list[dict], title: str, path: str):
     ax.bar(range(len(data)), [d["tokens_per_s_per_gpu"] for d in data], color=colors)
     ax.set_xticks(range(len(data)), [d["label"] for d in data], rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("tokens/s per GPU")
+    from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
-    ax.legend(handles=[Patch(color=PALETTE[4], label="fits"), Patch(color=PALETTE[6], label="OOM")], fontsize=8)
+    handles = [Patch(color=PALETTE[4], label="fits"), Patch(color=PALETTE[6], label="OOM")]
+    failed = [i for i, d in enumerate(data) if "error" in d]
+    if failed:
+        ax.plot(failed, [0.0] * len(failed), "X", color="red", markersize=10, clip_on=False, zorder=5)
+        handles.append(Line2D([], [], marker="X", color="red", linestyle="", label="failed (reason below)"))
+        _note_failed(fig, [{"label": data[i]["label"], "error": data[i]["error"]} for i in failed])
+    ax.legend(handles=handles, fontsize=8)
     ax.set_title(title)
     _save(fig, path)
 
@@ -287,7 +325,9 @@ def memory_data(kind: str, results) -> list[dict]:
     keys = varied_keys(results)
     out = []
     for r in results:
-        if not r.get("ok", True) or r.get("error"):
+        if _failed(r):   # a slot marked failed, in its place among the points
+            out.append({"label": _label(r, keys), "breakdown": {}, "capacity_bytes": None,
+                        "error": str(r.get("error") or "failed")})
             continue
         if "breakdown" in r:
             bd = r["breakdown"]
@@ -307,7 +347,14 @@ def memory_plot(data: list[dict], title: str, path: str):
         vals = [d["breakdown"].get(c, 0.0) / GiB for d in data]
         ax.bar(range(len(data)), vals, bottom=bottoms, color=colors[c], label=c)
         bottoms = [x + y for x, y in zip(bottoms, vals)]
-    ax.axhline(data[0]["capacity_bytes"] / GiB, color="black", linestyle="--", label="HBM capacity")
+    capacity = next((d["capacity_bytes"] for d in data if d.get("capacity_bytes") is not None), None)
+    if capacity is not None:
+        ax.axhline(capacity / GiB, color="black", linestyle="--", label="HBM capacity")
+    failed = [i for i, d in enumerate(data) if "error" in d]
+    if failed:
+        ax.plot(failed, [0.0] * len(failed), "X", color="red", markersize=10, linestyle="", clip_on=False, zorder=5,
+                label="failed (reason below)")
+        _note_failed(fig, [{"label": data[i]["label"], "error": data[i]["error"]} for i in failed])
     ax.set_xticks(range(len(data)), [d["label"] for d in data], rotation=45, ha="right", fontsize=8)
     ax.set_ylabel("GiB per GPU at the peak")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))

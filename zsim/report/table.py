@@ -172,11 +172,18 @@ def sweep_table(rows: list[dict], keys: list[str], console: Console | None = Non
     for r in rows[:limit]:
         vals = [str(r[k]) for k in keys]
         if not r["ok"]:
-            t.add_row(*vals, "[red]error[/red]", r["error"][:50], "", "", "")
+            t.add_row(*vals, "[red]failed[/red]", f"point {r['point']}: see below", "", "", "")
             continue
         t.add_row(*vals, "[green]yes[/green]" if row_fits(r) else "[red]OOM[/red]", f"{r['step_time_s']:.3g}",
                   f"{r['tokens_per_s_per_gpu']:,.0f}", f"{r['mfu'] * 100:.1f}%", f"{r['memory.peak_bytes'] / GiB:.1f}")
     console.print(t)
+    # every failed point with its whole reason (a table cell would cut it), the rows past the limit too
+    failed = [r for r in rows if not r["ok"]]
+    if failed:
+        console.print(f"failed points ({len(failed)}):", highlight=False)
+    for r in failed:
+        where = ", ".join(f"{k.split('.')[-1]}={r[k]}" for k in keys)
+        console.print(f"  point {r['point']} ({where}): {r['error']}", highlight=False, markup=False, soft_wrap=True)
 
 
 def tune_table(res, top: int, console: Console | None = None):
