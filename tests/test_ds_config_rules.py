@@ -196,3 +196,26 @@ def test_a_long_context_config_json_trains_at_trls_default_length(tmp_path, caps
     code, err, res = _run(tmp_path, capsys, {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}},
                           "--set", "training.seq_len=4096", model=str(llama31))
     assert code == 0 and res["seq_len"] == 4096 and err == []
+
+
+def test_tensor_parallel_results_give_the_models_count_and_each_slices(tmp_path, capsys):
+    from zsim.workload.transformer import count_params
+    ds = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}
+    code, _, res = _run(tmp_path, capsys, ds, "--set", "parallelism.tensor=2", "--set", "training.seq_len=512",
+                        model="gpt2")
+    assert code == 0
+    sc = _load(_write(tmp_path, ds), "parallelism.tensor=2", "training.seq_len=512", model="gpt2")
+    total = count_params(sc.model, sc.seq_len)
+    assert res["tensor_parallel"]["model_params"] == total and res["n_params"] < total < 2 * res["n_params"]
+    main(["run", str(tmp_path / "ds.json"), "--model", "gpt2", "--gpus", "8", "--set", "parallelism.tensor=2",
+          "--set", "training.seq_len=512", "--width", "400"])
+    head = capsys.readouterr().out.splitlines()[0]
+    assert f"{total / 1e9:.2f} B params ({res['n_params'] / 1e9:.2f} B in each of the 2 tensor-parallel slices)" in head
+
+
+def test_zsim_memory_reads_an_all_auto_file(tmp_path, capsys):
+    path = _write(tmp_path, HF_ZERO3)
+    assert main(["memory", str(path), "--model", "llama2-7b", "--gpus", "8"]) == 0
+    captured = capsys.readouterr()
+    assert "DeepSpeed's estimator" in captured.out
+    assert any("per_device_train_batch_size 8" in line for line in captured.err.splitlines())

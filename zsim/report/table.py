@@ -49,11 +49,20 @@ def _span(values: list[int]) -> str:
     return str(values[0]) if len(values) == 1 else f"{values[0]}-{values[-1]}"
 
 
+def _params(r: Result) -> str:
+    """The model's parameters; under tensor parallelism the whole model's and each rank's slice."""
+    tp = r.tensor_parallel
+    if tp is None or not tp.model_params:
+        return f"{r.n_params / 1e9:.2f} B params"
+    return (f"{tp.model_params / 1e9:.2f} B params ({r.n_params / 1e9:.2f} B in each of the {tp.tensor} "
+            "tensor-parallel slices)")
+
+
 def render(r: Result, console: Console | None = None):
     console = console or make_console()
     head = (f"[bold]{r.scenario}[/bold]: ZeRO stage {r.stage}, {r.world_size} GPU{'s' if r.world_size != 1 else ''} "
             f"({r.nodes} x {r.gpus_per_node} {r.hardware_profile}), {r.precision}, "
-            f"{r.n_params / 1e9:.2f} B params{_trainable(r)}, micro-batch {r.micro_batch_size} x GAS "
+            f"{_params(r)}{_trainable(r)}, micro-batch {r.micro_batch_size} x GAS "
             f"{r.gradient_accumulation_steps} -> global batch {r.global_batch_size} x {r.seq_len} tokens")
     console.print(head)
     if r.moe is not None:

@@ -113,12 +113,14 @@ class Pipeline:
 class TensorParallel:
     """A tensor-parallel run (Megatron-LM): the layout tp x dp x pp and where every rank sits
     (zsim.hardware.placement: rank = (stage * dp + dp_rank) * tp + tp_rank). Result.n_params and
-    the memory figures are one rank's: its 1/tp slice of the split layers."""
+    the memory figures are one rank's: its 1/tp slice of the split layers; `model_params` is the
+    whole model's count."""
     tensor: int
     sequence_parallel: bool
     data_parallel: int
     pipeline: int
     rank_map: list[dict]                # per global rank: rank, node, stage, dp_rank, tp_rank
+    model_params: int = 0               # the model's parameters, all tensor-parallel slices together
 
 
 @dataclass(frozen=True)

@@ -325,7 +325,8 @@ def _tensor_parallel(sc: Scenario) -> TensorParallel | None:
     dp = sc.data_parallel_size
     return TensorParallel(tensor=par.tensor, sequence_parallel=par.sequence_parallel, data_parallel=dp,
                           pipeline=par.pipeline,
-                          rank_map=rank_map(par.pipeline, dp, par.tensor, sc.cluster.gpus_per_node))
+                          rank_map=rank_map(par.pipeline, dp, par.tensor, sc.cluster.gpus_per_node),
+                          model_params=count_params(sc.model, sc.seq_len))
 
 
 def _moe(sc: Scenario, wl: Workload) -> MoE | None:
