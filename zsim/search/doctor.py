@@ -29,21 +29,52 @@ LAYOUT_BUDGET = 11     # simulations of zsim tune's search spent on other TP x P
 LAYOUT_FIXES = 3
 
 
-def _peak_event(events) -> tuple[float, str]:
-    current, peak, tag = 0.0, 0.0, ""
-    for _, delta, _, t in events:
-        current += delta
-        if current > peak + 1e-6:
-            peak, tag = current, t
-    return peak, tag
+def _peak_event(trace: Trace) -> tuple[int, int]:
+    """(index in trace.ledger_events, layer copies later) of the allocation the result's peak is
+    at. [Note: peak of a shortened step] A step simulated shortened (trace.repeat: repeated
+    micro-steps or layers) peaks where the repeat's peak_and_breakdown says, on the full step's
+    clock: a layer window that grows memory peaks in its last copy, after the simulated events'
+    own highest point (what was named before: a different op, or the right op for the wrong
+    bytes). The event is found by that time: the simulated event shifted onto it (the running
+    total's first highest there), or a growing window's highest event plus its skipped copies."""
+    events = trace.ledger_events
+    totals = list(itertools.accumulate(e[1] for e in events))
+
+    def first_highest(indices) -> int:
+        return max(indices, key=lambda i: (totals[i], -i))
+
+    rep = trace.repeat
+    if rep is None:
+        return (first_highest(range(len(events))), 0) if events else (-1, 0)
+    _, peak_t, _ = rep.peak_and_breakdown(events)
+    at = [i for i, e in enumerate(events) if rep.shift_s(e[0]) == peak_t]
+    if at:
+        return first_highest(at), 0
+    windows = getattr(rep, "windows", None) or getattr(getattr(rep, "layers", None), "windows", ())
+    for w in windows:
+        inside = [i for i, e in enumerate(events) if w.start_s <= e[0] < w.end_s]
+        if inside and rep.shift_s(events[first_highest(inside)][0]) + w.skipped_s == peak_t:
+            return first_highest(inside), (w.copies - 1) * w.layers
+    return (first_highest(range(len(events))), 0) if events else (-1, 0)
 
 
 def _op_at_peak(trace: Trace) -> dict:
-    """The op whose allocation reaches the peak (the only reader of op fields here: alloc tags,
-    name, phase, micro_step)."""
-    _, tag = _peak_event(trace.ledger_events)
+    """The op whose allocation reaches the peak the result reports (see [Note: peak of a
+    shortened step]; the only reader of op fields here: alloc tags, name, phase, micro_step)."""
+    index, later = _peak_event(trace)
+    if index < 0:
+        return {"op": "model states (allocated before the step)", "phase": "static", "micro_step": 0}
+    time_s, _, _, tag = trace.ledger_events[index]
+    start = {t.op_id: t.start_s for t in trace.timings}
     for op in trace.schedule.ops:
-        # a pipeline's ledger_events are the worst stage's (tags repeat across stages)
+        # a pipeline's ledger_events are the worst stage's (tags repeat across stages); an op
+        # allocates at its start: the one of this tag that started at the event's time
+        if op.stage == trace.worst_stage and start.get(op.id) == time_s and any(a.tag == tag for a in op.alloc):
+            where = {"op": op.name, "phase": op.phase.value, "micro_step": op.micro_step}
+            if later:
+                where["op"] += f" ({later} layers later: the last copy of a repeated layer window)"
+            return where
+    for op in trace.schedule.ops:   # (timings that do not give the start: the tag alone)
         if op.stage == trace.worst_stage and any(a.tag == tag for a in op.alloc):
             return {"op": op.name, "phase": op.phase.value, "micro_step": op.micro_step}
     return {"op": "model states (allocated before the step)", "phase": "static", "micro_step": 0}
