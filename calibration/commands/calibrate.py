@@ -63,6 +63,8 @@ def add_parser(sub):
     p.add_argument("--base", default=None, metavar="PROFILE",
                    help="one rank (e.g. one GPU) measures no collective: take the interconnect (intra_node, "
                         "inter_node, nccl, interference) from this profile, e.g. dgx-h100")
+    from calibration.commands.calibrate_hf import add_arguments as add_hf_arguments
+    add_hf_arguments(p)   # --hf-layer: your own Hugging Face model's layer (calibrate_hf.py)
     p.add_argument("--root", default=None, metavar="DIR",
                    help="directory holding hardware_profiles/ and calibration/runs/ (default: the zsim checkout)")
     p.set_defaults(func=main)
@@ -283,6 +285,9 @@ def _complete(path: Path) -> bool:
 def main(args) -> int:
     import shutil
 
+    if getattr(args, "hf_layer", False):
+        from calibration.commands.calibrate_hf import main as hf_layer_main
+        return hf_layer_main(args)
     plan, nproc, dtypes, root = resolve(args)
     base = base_interconnect(args.base)
     profile_path = root / "hardware_profiles" / f"{args.out}.yaml"
