@@ -154,11 +154,29 @@ def hierarchical_cost(kind: str, size_bytes: float, nodes: int, gpus_per_node: i
     return CommCost(intra_c.latency_s + inter_c.latency_s, slower.transfer_s, slower.tier, "hierarchical")
 
 
+# [Note: NCCL's estimate against nccl-tests across nodes]
+# NCCL's tuner prices a call as latency + bytes / bandwidth (zsim.hardware.nccl), which a ring
+# across nodes reaches only with large messages: each of its n-1 steps moves the per-rank
+# share in chunks over every channel, and a share of a few MB leaves the NICs' pipelines short.
+# nccl-tests all_gather_perf on 4 x 8 H100 80GB HBM3 with 8 x 400 Gb/s NDR per node (NCCL
+# 2.24.3; ZiyanIshani/vpbenchmarking@e55fe749 results/nccl/nccl_multinode/
+# nccl_allgather_20260224_225706.txt, out-of-place) measured 69.7 GB/s bus bandwidth at
+# 512 KiB per rank, 173 at 4 MiB, 235 at 8 MiB and 321 at 32 MiB, where the tuner's estimate
+# for the same 32 ranks is 127, 276, 301 and 343: a profile holds the measured share by bytes
+# per rank (`nccl.net_ring_achieved`), and a Ring AllGather or ReduceScatter across nodes takes
+# its estimate over that share (interpolated in log size, the ends held); the extra time is
+# transfer, which concurrent calls share. ReduceScatter is the same ring with the reduction
+# fused into its steps (prims_*: recvReduceSend), so it is given AllGather's measured share.
 def nccl_cost(kind: str, size_bytes: float, nodes: int, gpus_per_node: int, topo: NcclTopo) -> CommCost:
-    """NCCL's tuner: the chosen algorithm's latency is fixed time, bytes / its bandwidth the transfer."""
+    """NCCL's tuner: the chosen algorithm's latency is fixed time, bytes / its bandwidth the
+    transfer (see [Note: NCCL's estimate against nccl-tests across nodes])."""
     c = choose(kind, size_bytes, nodes, gpus_per_node, topo)
-    return CommCost(c.latency_us * 1e-6, size_bytes / (c.bw_GBps * 1e9), "intra_node" if nodes == 1 else "inter_node",
-                    c.algorithm, c.protocol)
+    latency_s, transfer_s = c.latency_us * 1e-6, size_bytes / (c.bw_GBps * 1e9)
+    if (nodes > 1 and topo.net_ring_achieved and c.algorithm == "Ring"
+            and kind in ("all_gather", "reduce_scatter")):
+        share = efficiency_at(topo.net_ring_achieved, size_bytes / (nodes * gpus_per_node))
+        transfer_s = (latency_s + transfer_s) / share - latency_s
+    return CommCost(latency_s, transfer_s, "intra_node" if nodes == 1 else "inter_node", c.algorithm, c.protocol)
 
 
 def all_to_all_cost(size_bytes: float, nodes: int, ranks_per_node: int, intra: Tier, inter: Tier) -> CommCost:

@@ -94,6 +94,8 @@ class NcclTopo:
     nvls_bw_intra_GBps: float = 0.0
     nvls_bw_inter_GBps: float = 0.0
     node_gpus: int = 0                # the node the NVLS graph was searched on
+    # measured share of the estimate across nodes, by bytes per rank (NcclProfile.net_ring_achieved)
+    net_ring_achieved: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -252,5 +254,6 @@ def topo_for(nccl, intra_busbw_GBps: float, node_net_GBps: float, gpus_per_node:
                     peak_inter_GBps=inter_peak * ch / nccl.ring_channels, latency_inter_us=nccl.net_latency_us,
                     algos=tuple(sorted(algos.items())), protos=tuple(sorted(protos.items())),
                     nvls_channels=nccl.nvls_channels, nvls_bw_intra_GBps=nccl.nvls_bw_intra_GBps,
-                    nvls_bw_inter_GBps=nccl.nvls_bw_inter_GBps, node_gpus=gpus_per_node)
+                    nvls_bw_inter_GBps=nccl.nvls_bw_inter_GBps, node_gpus=gpus_per_node,
+                    net_ring_achieved=tuple(sorted((float(b), float(f)) for b, f in nccl.net_ring_achieved)))
 

@@ -73,6 +73,10 @@ class NcclProfile:
     nvls_bw_intra_GBps: float = spec(0.0, ge=0, doc="that graph's per-channel bandwidth X in a node, GB/s")
     nvls_bw_inter_GBps: float = spec(0.0, ge=0, doc="a multi-node job's NVLS graph's per-channel bandwidth Y "
                                                     "across nodes, GB/s (its NIC path)")
+    net_ring_achieved: tuple[tuple[float, float], ...] = spec(
+        (), doc="measured share of the tuner's estimate that a Ring AllGather / ReduceScatter across nodes "
+                "reaches, as [bytes per rank, fraction] pairs from nccl-tests on this fabric (see [Note: NCCL's "
+                "estimate against nccl-tests across nodes]); empty: the tuner's estimate as it is")
     min_nchannels: Optional[int] = spec(None, ge=1, le=64, doc="NCCL_MIN_NCHANNELS")
     max_nchannels: Optional[int] = spec(None, ge=1, le=64, doc="NCCL_MAX_NCHANNELS")
 
@@ -92,6 +96,9 @@ class NcclProfile:
         if self.nvls_channels and not (self.nvls_bw_intra_GBps > 0 and self.nvls_bw_inter_GBps > 0):
             raise ValueError("nvls_bw_intra_GBps", self.nvls_bw_intra_GBps, "an NVLS graph needs both its "
                              "bandwidths (nvls_bw_intra_GBps, nvls_bw_inter_GBps > 0), as NCCL_DEBUG prints them")
+        for pair in self.net_ring_achieved:
+            if len(pair) != 2 or not pair[0] > 0 or not 0 < pair[1] <= 1:
+                raise ValueError("net_ring_achieved", list(pair), "each entry is [bytes per rank > 0, fraction in (0, 1]]")
         if self.min_nchannels and self.max_nchannels and self.min_nchannels > self.max_nchannels:
             raise ValueError("min_nchannels", self.min_nchannels, "must not exceed max_nchannels")
 
