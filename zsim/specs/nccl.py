@@ -74,9 +74,10 @@ class NcclProfile:
     nvls_bw_inter_GBps: float = spec(0.0, ge=0, doc="a multi-node job's NVLS graph's per-channel bandwidth Y "
                                                     "across nodes, GB/s (its NIC path)")
     net_ring_achieved: tuple[tuple[float, float], ...] = spec(
+        # see [Note: NCCL's estimate against nccl-tests across nodes]
         (), doc="measured share of the tuner's estimate that a Ring AllGather / ReduceScatter across nodes "
-                "reaches, as [bytes per rank, fraction] pairs from nccl-tests on this fabric (see [Note: NCCL's "
-                "estimate against nccl-tests across nodes]); empty: the tuner's estimate as it is")
+                "reaches, as [bytes per rank, fraction] pairs from nccl-tests on this fabric; empty: the "
+                "tuner's estimate as it is")
     min_nchannels: Optional[int] = spec(None, ge=1, le=64, doc="NCCL_MIN_NCHANNELS")
     max_nchannels: Optional[int] = spec(None, ge=1, le=64, doc="NCCL_MAX_NCHANNELS")
 
