@@ -193,7 +193,7 @@ def time_unit(make, params, timer: Timer, use_reentrant: bool, reps: int, warmup
     # calls per repetition so that one lasts min_rep_s (the forward's time decides)
     # (the median of three single calls: one stall on a shared machine would set it to 1)
     probe = sorted(timed_forward(1) for _ in range(3))[1]
-    inner = max(1, min(1000, int(min_rep_s / max(probe, 1e-9))))
+    inner = max(1, min(256, int(min_rep_s / max(probe, 1e-9))))
     times = {"fwd": [], "bwd": [], "bwd_ckpt": []}
     for _ in range(reps):
         times["fwd"].append(timed_forward(inner))
