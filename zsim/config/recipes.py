@@ -258,6 +258,17 @@ def read_axolotl(data: dict, path: Path, bases: list[Path], recipe: Recipe) -> R
     optimizer = data.get("optimizer")
     if optimizer not in (None, "adamw_torch", "adamw_torch_fused", "adamw_hf"):
         recipe.ignored.append(f"optimizer {optimizer} (zsim prices AdamW's states)")
+    # axolotl features that change the step but that zsim does not model yet: said, never dropped
+    # silently (sequence/context parallelism (Ulysses, ALST) is issue 49's)
+    for key in ("context_parallel_size", "sequence_parallel_degree"):
+        if isinstance(data.get(key), int) and data[key] > 1:
+            recipe.ignored.append(f"{key} {data[key]} (not modelled: every GPU is simulated holding the whole "
+                                  f"sequence_len, so memory and time are those of no sequence parallelism)")
+    for key in ("tiled_mlp", "activation_offloading", "sample_packing"):
+        if data.get(key) not in (None, False):
+            recipe.ignored.append(f"{key} {data[key]} (not modelled)")
+    if data.get("plugins"):
+        recipe.ignored.append(f"plugins {', '.join(map(str, data['plugins']))} (their fused kernels are not modelled)")
     if data.get("deepspeed"):
         recipe.ds_config = _find(str(data["deepspeed"]), bases, where + "deepspeed")
     elif data.get("fsdp") or data.get("fsdp_config"):
