@@ -74,3 +74,19 @@ def test_doctor_names_the_op_at_the_peak_of_a_shortened_moe_step():
     assert short_trace.repeat is not None and full_trace.repeat is None
     assert short.memory.peak_bytes == full.memory.peak_bytes
     assert _op_at_peak(short_trace) == _op_at_peak(full_trace)
+
+
+def test_doctor_rules_out_pairs_by_the_memory_bound_with_the_same_fixes(monkeypatch):
+    from zsim.search import doctor as doctor_mod
+    from tests.helpers import ROOT
+
+    path = ROOT / "scenarios" / "oom-gpt3-2.7b-zero1-40g.yaml"
+    sets = ("training.micro_batch_size=64",)
+    bounded = doctor_mod.doctor_file(path, sets)
+    ruled_out = [t for t in bounded["tried"] if t.get("simulated") is False]
+    assert ruled_out and all(t["memory_lower_bound_bytes"] > t["capacity_bytes"] and not t["fits"] for t in ruled_out)
+    monkeypatch.setattr(doctor_mod, "_memory_bound", lambda base, cand: None)   # every pair simulated
+    every = doctor_mod.doctor_file(path, sets)
+    assert bounded["fixes"] == every["fixes"] and bounded["diagnosis"] == every["diagnosis"]
+    simulated = {t["name"]: t for t in every["tried"]}
+    assert all(not simulated[t["name"]]["gpu_fits"] for t in ruled_out)   # the bound was right

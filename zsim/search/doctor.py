@@ -199,6 +199,26 @@ def evaluate(base: Base, cand: Variant, baseline: Result) -> dict:
             "ds_config_change": ds_config_change(cand.assignments)}
 
 
+def _memory_bound(base: Base, cand: Variant) -> float | None:
+    """The candidate's memory lower bound (zsim.search.tune.memory_lower_bound) where it exceeds
+    the GPU's capacity, else None (it may fit, or it is invalid: `evaluate` says which)."""
+    from zsim.errors import ZsimInputError
+    from zsim.search.tune import memory_lower_bound
+    try:
+        sc = base.resolve(cand)[0]
+    except ZsimInputError:
+        return None
+    bound = memory_lower_bound(sc)
+    return bound if bound > sc.cluster.hbm_capacity_bytes else None
+
+
+def _bounded_row(cand: Variant, bound_bytes: float, sc: Scenario) -> dict:
+    """A row of the report for a candidate ruled out unsimulated by its memory lower bound."""
+    return {"name": cand.name, "overrides": list(cand.assignments), "valid": True, "fits": False,
+            "gpu_fits": False, "simulated": False, "memory_lower_bound_bytes": bound_bytes,
+            "capacity_bytes": sc.cluster.hbm_capacity_bytes, "ds_config_change": ds_config_change(cand.assignments)}
+
+
 def ds_config_change(overrides) -> dict:
     """The overrides as a nested mapping, split into the ds_config part and the scenario part."""
     out: dict = {}
@@ -246,8 +266,12 @@ def doctor(base: Base, max_pairs: int = 40) -> dict:
         # (offload to CPU at ZeRO-1 + ZeRO stage 1): not simulated twice
         singles_of = {frozenset(c.assignments) for c in singles}
         pairs = [p for p in pairs if frozenset(p.assignments) not in singles_of][:max_pairs]
-        base.prefetch(pairs)
-        evaluated += [evaluate(base, cand, baseline) for cand in pairs]
+        # a pair whose memory lower bound (zsim tune's, no simulation) is over the capacity cannot
+        # fit: it is not simulated (each costs a whole step, seconds for a large MoE)
+        bounds = {p.assignments: _memory_bound(base, p) for p in pairs}
+        base.prefetch([p for p in pairs if bounds[p.assignments] is None])
+        evaluated += [evaluate(base, cand, baseline) if bounds[cand.assignments] is None
+                      else _bounded_row(cand, bounds[cand.assignments], sc) for cand in pairs]
         evaluated = _prune_batches(evaluated)
         fitting = [e for e in evaluated if e["valid"] and e["fits"]]
     if len(fitting) < MIN_FITTING:
