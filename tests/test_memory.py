@@ -102,7 +102,9 @@ def test_zero3_sub_groups_follow_deepspeeds_param_boundaries():
     from zsim.schedule.partition import sub_group_sizes
     # partition numels 3, 3, 2, 5 on 2 ranks (6, 5, 3, 9 elements): a group closes once it reaches 4
     assert sub_group_sizes([6, 5, 3, 9], 2, 4) == [6, 7]
-    assert sub_group_sizes([6, 5, 3, 9], 2, 0) == [13]          # 0: no sub-groups
+    # 0: one group per parameter (stage3.py _create_fp16_sub_groups: a group closes once its
+    # numel reaches sub_group_size, which any parameter does at 0)
+    assert sub_group_sizes([6, 5, 3, 9], 2, 0) == [3, 3, 2, 5]
     assert sub_group_sizes([6, 5, 3, 9], 2, 10**12) == [13]
 
 
