@@ -287,10 +287,12 @@ def layout_fixes(base: Base, sc: Scenario) -> list[Variant]:
     """Other tensor x pipeline x data-parallel layouts that fit, found by zsim tune's search
     (its layouts, memory bound and evaluator) within LAYOUT_BUDGET simulations, best first: each
     with the stage, micro-batch x GAS at the same global batch and checkpointing tune chose."""
-    from zsim.search.tune import tune
+    from zsim.search.tune import make_space, tune
     out: list[Variant] = []
+    # only the layouts the run's framework can use (see [Note: framework search space])
+    space = make_space((), sc.training.framework)
     # keep=None: the step-time bound protects the best few points overall, not each layout's best
-    for c, _ in tune(base, budget=LAYOUT_BUDGET, other_layouts=True, keep=None).ranked:
+    for c, _ in tune(base, budget=LAYOUT_BUDGET, other_layouts=True, keep=None, space=space).ranked:
         if any(v.name.startswith(_layout_name(sc, c.layout)) for v in out):
             continue
         out.append(Variant(f"{_layout_name(sc, c.layout)}: {c.variant.name}", c.assignments()))
