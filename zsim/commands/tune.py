@@ -7,10 +7,10 @@ from pathlib import Path
 
 from zsim.commands.common import (add_headroom_arg, add_scenario_args, add_width_arg, add_workers_arg,
                                   headroom_fraction, scenario_overrides, table_width, workers_count)
+from zsim.config.hf_auto import TRAINER_DEFAULTS
 from zsim.errors import ZsimInputError
+from zsim.specs.scenario import FRAMEWORKS
 
-# training.framework's values (zsim/specs/scenario.py TrainingSpec; zsim.search.tune.FRAMEWORKS)
-FRAMEWORKS = ("hf_trainer", "deepspeed", "megatron_deepspeed")
 
 
 def add_parser(sub):
@@ -92,10 +92,6 @@ def tuned_scenario(base, assignments, deepspeed) -> dict:
     return raw
 
 
-# transformers TrainingArguments' defaults: per_device_train_batch_size 8, gradient_accumulation_steps 1
-HF_DEFAULT_MICRO_BATCH = 8
-
-
 def batch_overrides(path: str, overrides: tuple[str, ...], global_batch: int | None) -> tuple[tuple[str, ...], str]:
     """(assignments, note) giving the base of the search a micro-batch and GAS where the
     ds_config leaves them "auto" for the HF Trainer and the scenario's training keys do not set
@@ -133,9 +129,10 @@ def batch_overrides(path: str, overrides: tuple[str, ...], global_batch: int | N
         if file_batch is not None:
             global_batch = file_batch
         else:
-            global_batch = HF_DEFAULT_MICRO_BATCH * dp
+            micro = TRAINER_DEFAULTS["micro_batch_size"][0]
+            global_batch = micro * dp
             note = (f"the global batch is {global_batch} (the HF Trainer's default per_device_train_batch_size "
-                    f"{HF_DEFAULT_MICRO_BATCH} x gradient_accumulation_steps 1 x {dp} data-parallel ranks: "
+                    f"{micro} x gradient_accumulation_steps 1 x {dp} data-parallel ranks: "
                     "train_batch_size is \"auto\"); --global-batch N to choose it")
     elif file_batch is not None and file_batch != global_batch and auto:
         raise ZsimInputError("--global-batch", global_batch, f"disagrees with the ds_config's train_batch_size "

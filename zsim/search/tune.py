@@ -158,7 +158,6 @@ def own_point(sc) -> "TunePoint":
 # argument of deepspeed.moe.layer.MoE in the model code). The DeepSpeed engine on the user's own
 # model adds the PipelineModule and DeepSpeed-MoE; only Megatron-DeepSpeed has Megatron's
 # tensor parallelism with --sequence-parallel. Not stated: every layout zsim models, as before.
-FRAMEWORKS = ("hf_trainer", "deepspeed", "megatron_deepspeed")
 _SPACE_TEXT = {
     "hf_trainer": "ZeRO stages, offload, micro-batch x GAS, checkpointing and DeepSpeed AutoTP "
                   "(tensor_parallel.autotp_size); no Megatron sequence parallelism, pipeline or ep_size",

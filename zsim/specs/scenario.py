@@ -6,7 +6,7 @@ rules); everything downstream reads only these types.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, get_args
 
 from zsim.schema import spec
 from zsim.specs.deepspeed import MAX_GRADIENT_ACCUMULATION_STEPS, MAX_MICRO_BATCH_SIZE, DeepSpeedConfig
@@ -59,6 +59,11 @@ class LoraSpec:
                                                   "or 'all-linear'")
 
 
+# what runs the training loop (TrainingSpec.framework; tune's --framework)
+Framework = Literal["hf_trainer", "deepspeed", "megatron_deepspeed"]
+FRAMEWORKS = get_args(Framework)
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainingSpec:
     micro_batch_size: Optional[int] = spec(None, gt=0, le=MAX_MICRO_BATCH_SIZE)
@@ -78,7 +83,7 @@ class TrainingSpec:
     max_grad_norm: float = spec(1.0, ge=0, doc="HF Trainer's max_grad_norm, used for gradient_clipping: auto")
     lora: Optional[LoraSpec] = spec(None, doc="PEFT LoRA: frozen base model, trained adapters (zsim/workload/lora.py)")
     frozen: tuple[str, ...] = spec((), doc="module-name suffixes whose parameters are frozen (requires_grad=False)")
-    framework: Optional[Literal["hf_trainer", "deepspeed", "megatron_deepspeed"]] = spec(
+    framework: Optional[Framework] = spec(
         None, doc="what runs the training loop, which bounds what zsim tune may propose: hf_trainer (HF Trainer, "
                   "accelerate, axolotl, LLaMA-Factory: ZeRO, offload and DeepSpeed AutoTP, no Megatron TP/SP or "
                   "pipeline), deepspeed (the DeepSpeed engine on the user's model: also PipelineModule and "
