@@ -197,6 +197,10 @@ class DataTypesConfig:
 # square_avg, plus momentum_buffer and grad_avg when momentum > 0 and centered). Each state is
 # read and written by the step, beside the fp32 master (read, write) and the gradient (read).
 DEEPSPEED_OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "lamb": 2, "lion": 1, "adagrad": 1, "muadam": 2, "muadamw": 2}
+# DeepSpeed <= 0.19.6's communication-compressed optimizers (runtime/config.py ONEBIT_ADAM_OPTIMIZER,
+# ZERO_ONE_ADAM_OPTIMIZER, ONEBIT_LAMB_OPTIMIZER, matched in any case), removed in 0.19.7: 0.19.8's
+# engine.py _do_sanity_check asserts _is_supported_optimizer (its list or a torch.optim name) and fails
+REMOVED_OPTIMIZERS = {"onebitadam": "1-bit Adam", "zerooneadam": "0/1 Adam", "onebitlamb": "1-bit LAMB"}
 # stage_1_and_2.py / stage3.py need an optimizer of runtime/zero/utils.py ZERO_SUPPORTED_OPTIMIZERS
 # (torch Adam/AdamW, FusedAdam, DeepSpeedCPUAdam, Adagrad, DeepSpeedCPUAdagrad, the Lions) unless
 # zero_allow_untested_optimizer; with offload_optimizer DeepSpeed builds CPU kernels for these
@@ -247,6 +251,12 @@ class OptimizerConfig:
         if lower == "muon":
             raise ValueError("type", self.type, "Muon (MuonWithAuxAdam) is not modelled by zsim yet; "
                              + _UNMODELLED_OPTIMIZER)
+        if lower in REMOVED_OPTIMIZERS:
+            raise ValueError("type", self.type, f"DeepSpeed 0.19.7 removed {REMOVED_OPTIMIZERS[lower]} "
+                             "(deepspeedai/DeepSpeed#8490) and 0.19.8 stops at deepspeed.initialize: "
+                             f"'{self.type} is not a supported DeepSpeed Optimizer' (engine.py _do_sanity_check); "
+                             f"use {'Lamb' if lower == 'onebitlamb' else 'Adam'} (the same states, gradients "
+                             "all-reduced at full precision)")
         if lower in ("sgd", "rmsprop") and self.type not in ("SGD", "RMSprop"):
             # DeepSpeed looks any name outside its own list up in torch.optim, as written
             raise ValueError("type", self.type, f"DeepSpeed looks it up as torch.optim.{self.type}, which "
