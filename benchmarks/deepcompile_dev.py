@@ -30,7 +30,8 @@ def scenario_mapping(row: dict) -> dict:
         "hardware": {"profile": "dgx-h100", "nodes": gpus // per_node},
         "training": {"micro_batch_size": int(row["micro_batch"]),
                      "gradient_accumulation_steps": int(row["grad_accum"]), "seq_len": int(row["seq_len"]),
-                     "precision": "bf16", "activation_checkpointing": "full", "framework": "hf_trainer"},
+                     "precision": "bf16", "activation_checkpointing": "full", "framework": "hf_trainer",
+                     "padding_mask": True},
         "deepspeed": {"bf16": {"enabled": True},
                       "zero_optimization": {"stage": int(row["zero_stage"]), "sub_group_size": 100_000_000}},
     }

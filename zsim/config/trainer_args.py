@@ -12,9 +12,28 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import get_args
 from pathlib import Path
 
 from zsim.errors import ZsimInputError
+from zsim.specs.scenario import AttnImplementation
+
+
+# HF's attn_implementation values zsim prices as they are (TrainingSpec.attn_implementation)
+ATTN_IMPLEMENTATIONS = get_args(AttnImplementation)
+
+
+def attn_implementation(key: str, value: str, notes: list[str]) -> str:
+    """An HF attn_implementation as zsim prices it: the four it models as given; another kernel
+    HF accepts (flex_attention, a hub kernel, paged attention) at FlashAttention-2's price, said
+    in a note."""
+    if value in ATTN_IMPLEMENTATIONS:
+        return value
+    if not value:
+        raise ZsimInputError(key, value, f"expected one of {', '.join(ATTN_IMPLEMENTATIONS)}")
+    notes.append(f"{key} {value}: priced as flash_attention_2 (an IO-aware causal kernel); zsim models "
+                 f"{', '.join(ATTN_IMPLEMENTATIONS)}")
+    return "flash_attention_2"
 
 
 @dataclass
@@ -154,11 +173,10 @@ def read_trainer_args(args: dict, recipe: Recipe, where: str = "") -> Recipe:
             # deepspeed.add_config_arguments: the user's own training loop on the DeepSpeed engine
             recipe.ds_config, recipe.framework = Path(_one(key, value)), "deepspeed"
         elif name == "attn_implementation":
-            # eager materialises the score matrix; sdpa and flash_attention_2 do not
-            t["flash_attention"] = _one(key, value) != "eager"
+            t["attn_implementation"] = attn_implementation(key, _one(key, value), recipe.notes)
         elif name in ("use_flash_attn", "use_flash_attention_2", "flash_attention"):
             if as_bool(key, value):
-                t["flash_attention"] = True
+                t["attn_implementation"] = "flash_attention_2"
         elif name in LORA_SWITCHES:
             lora_switch = as_bool(key, value)
         elif name in LORA_FIELDS:

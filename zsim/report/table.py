@@ -65,6 +65,7 @@ def render(r: Result, console: Console | None = None):
             f"{_params(r)}{_trainable(r)}, micro-batch {r.micro_batch_size} x GAS "
             f"{r.gradient_accumulation_steps} -> global batch {r.global_batch_size} x {r.seq_len} tokens")
     console.print(head)
+    console.print(r.implementation)
     if r.moe is not None:
         m = r.moe
         console.print(f"MoE: {m.experts} experts, top-{m.top_k}, expert parallel {m.expert_parallel_size}: "

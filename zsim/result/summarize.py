@@ -311,6 +311,7 @@ def _summarize(sc: Scenario, wl: Workload, trace: Trace) -> Result:
         host_time_s=dict(sorted(ops.host_time_s.items())),
         events=trace.events_processed,
         warnings=tuple(sc.warnings),
+        implementation=sc.training.implementation,
         trainable_params=None if trained == wl.n_params else trained,
         moe=_moe(sc, wl),
         pipeline=_pipeline(sc, trace, clipped),

@@ -36,6 +36,8 @@ def training_workload(model, micro_batch_size: int, seq_len: int, precision: str
                         precision=precision, flash_attention=training.flash_attention,
                         dropout=training.dropout,
                         fused_cross_entropy=training.fused_cross_entropy,
+                        kernels=training.kernels_used, attn_implementation=training.attn_implementation_used,
+                        padding_mask=training.padding_mask,
                         expert_parallel_size=expert_parallel_size, tensor=tensor,
                         sequence_parallel=sequence_parallel)
     return apply_training(wl, training, zero3_linear=zero3_linear)

@@ -59,6 +59,10 @@ class LoraSpec:
                                                   "or 'all-linear'")
 
 
+# HF's attn_implementation values (TrainingSpec.attn_implementation) and the elementwise kernels
+AttnImplementation = Literal["eager", "sdpa", "flash_attention_2", "flash_attention_3"]
+Kernels = Literal["hf", "fused"]
+
 # what runs the training loop (TrainingSpec.framework; tune's --framework)
 Framework = Literal["hf_trainer", "deepspeed", "megatron_deepspeed"]
 FRAMEWORKS = get_args(Framework)
@@ -71,7 +75,24 @@ class TrainingSpec:
     seq_len: Optional[int] = spec(None, gt=0, le=MAX_SEQ_LEN, doc="default: model.seq_len")
     precision: Optional[Literal["fp32", "fp16", "bf16"]] = spec(None, doc="default: from the ds_config fp16/bf16 blocks")
     activation_checkpointing: Literal["none", "full", "selective"] = spec("none")
-    flash_attention: bool = spec(True)
+    flash_attention: bool = spec(True, doc="an IO-aware attention kernel that keeps no s^2 scores (false: eager "
+                                           "attention); attn_implementation names which")
+    attn_implementation: Optional[AttnImplementation] = spec(
+        None, doc="the attention HF's from_pretrained(attn_implementation=...) selects: eager, sdpa (torch's "
+                  "scaled_dot_product_attention: its flash backend, or with padding_mask its memory-efficient "
+                  "backend over the full square), flash_attention_2, flash_attention_3 (priced at the profile's "
+                  "FlashAttention figures); default: sdpa under framework hf_trainer (from_pretrained's default), "
+                  "else flash_attention_2, eager when flash_attention is false")
+    kernels: Optional[Kernels] = spec(
+        None, doc="the elementwise kernels the model code runs: hf (transformers' modeling code, op by op: "
+                  "RMSNorm upcast to fp32, RoPE by rotate_half, SiLU then mul, repeat_kv), fused (one pass per "
+                  "norm, RoPE and activation: Megatron-LM's, llm-foundry's and Liger's fused kernels); default: "
+                  "hf under framework hf_trainer, else fused")
+    padding_mask: bool = spec(False, doc="the batch carries an attention_mask with padding (tokenizer "
+                                         "padding='max_length'): every position is still computed; under sdpa "
+                                         "the mask sends attention to the memory-efficient backend, which "
+                                         "computes the full square (no causal skip) and needs repeat_kv "
+                                         "(see [Note: SDPA with a padding mask])")
     tf32: bool = spec(False, doc="fp32 matmuls on tensor cores (torch.backends.cuda.matmul.allow_tf32, HF --tf32); "
                                  "PyTorch's default since 1.12 is off")
     dropout: bool = spec(False, doc="dropout layers present (stores masks, Korthikanti 2022)")
@@ -93,6 +114,39 @@ class TrainingSpec:
                                    "set_z3_leaf_modules; DeepSpeed 0.19.8's default zero_optimization.leaf_module "
                                    "for Mixtral/Qwen2-MoE/Qwen3-MoE) and gathers all its experts at once; false: "
                                    "one fetch per expert module")
+
+    def __post_init__(self):
+        if self.attn_implementation not in (None, "eager") and not self.flash_attention:
+            raise ValueError("training.attn_implementation", self.attn_implementation,
+                             "flash_attention: false is eager attention; drop one of the two")
+        if self.attn_implementation == "eager":    # eager materialises the scores
+            object.__setattr__(self, "flash_attention", False)
+
+    @property
+    def attn_implementation_used(self) -> str:
+        """attn_implementation with its default resolved (see the field's doc)."""
+        if self.attn_implementation is not None:
+            return self.attn_implementation
+        if not self.flash_attention:
+            return "eager"
+        return "sdpa" if self.framework == "hf_trainer" else "flash_attention_2"
+
+    @property
+    def kernels_used(self) -> str:
+        """kernels with its default resolved (see the field's doc)."""
+        return self.kernels or ("hf" if self.framework == "hf_trainer" else "fused")
+
+    @property
+    def implementation(self) -> str:
+        """What the run's attention and elementwise kernels are, as the table and JSON show it."""
+        attn = self.attn_implementation_used
+        if attn == "sdpa":
+            attn += (" (memory-efficient backend over the full square: padding mask)" if self.padding_mask
+                     else " (flash backend, causal)")
+        elif attn == "flash_attention_3":
+            attn += " (priced at the profile's FlashAttention figures)"
+        kernels = "hf (op by op)" if self.kernels_used == "hf" else "fused"
+        return f"implementation: attention {attn}; kernels {kernels}"
 
 
 @dataclass(frozen=True, kw_only=True)

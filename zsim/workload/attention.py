@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from zsim.workload import hf_kernels
 from zsim.workload.builder import Builder, Split
 from zsim.workload.module import ModuleKind
 
@@ -37,22 +38,49 @@ def _pairs(s: int, window: int | None) -> tuple[float, float | None]:
     return float(s * window), float(s * window - window * (window - 1) / 2)
 
 
+# [Note: SDPA with a padding mask]
+# HF passes scaled_dot_product_attention is_causal=True only when the batch has no padding
+# (integrations/sdpa_attention.py: is_causal = q_length > 1 and attention_mask is None; the mask
+# is dropped when it is all ones, masking_utils / _ignore_causal_mask_sdpa). With padding it
+# passes the 4D mask, which torch's flash backend cannot take (sdp_utils.cpp
+# check_for_attn_mask): the memory-efficient backend runs instead, and with an arbitrary mask it
+# computes every block of the square (its causal skip needs its own causal flag), and K/V are
+# repeated to every head first (use_gqa_in_sdpa is false with a mask). Priced at the profile's
+# IO-aware attention efficiency over the full square: the profile holds no separate figure for
+# that kernel.
 def attention_core(bld: Builder, name: str, layer: int, b: int, s: int, shape: CoreShape, flash: bool,
                    window: int | None) -> None:
     m, a, t = bld.m, bld.a, bld.t
     heads = m.heads // bld.tp          # the rank's heads (Megatron: num_attention_heads_per_partition)
     model_pairs, band_pairs = _pairs(s, window)
     model_flops = 2.0 * b * model_pairs * (shape.q + shape.v_heads)
-    rope_mem = 4 * t * (shape.rope_q + shape.rope_k) * a if m.position == "rope" else 0.0
+    rope = hf_kernels.rope(a) if bld.hf else hf_kernels.OpByOp(fwd=4 * a, bwd=4 * a, kernels_fwd=0, kernels_bwd=0)
+    rope_elems = t * (shape.rope_q + shape.rope_k) if m.position == "rope" else 0.0
+    rope_mem_f, rope_mem_b = rope.fwd * rope_elems, rope.bwd * rope_elems
+    extra_kf = rope.kernels_fwd * 2 if rope_elems else 0
+    extra_kb = rope.kernels_bwd * 2 if rope_elems else 0
     qkv = shape.q + shape.k + shape.v
     qkv_saved = t * qkv * a
+    # HF's repeat_kv (see [Note: SDPA with a padding mask]): eager always, sdpa under a padding mask
+    masked_sdpa = bld.attn == "sdpa" and bld.padding_mask
+    kv_heads = m.n_kv_heads if m.mla is None else m.heads
+    if bld.hf and (masked_sdpa or not flash) and kv_heads < m.heads:
+        rep = hf_kernels.repeat_kv(a, m.heads, kv_heads)
+        kv_elems = t * (shape.k + shape.v)
+        rope_mem_f, rope_mem_b = rope_mem_f + rep.fwd * kv_elems, rope_mem_b + rep.bwd * kv_elems
+        qkv_saved += rep.act * kv_elems
+        qkv = shape.q + 2 * shape.v_heads           # the core reads the repeated K and V
+        extra_kf, extra_kb = extra_kf + 2 * rep.kernels_fwd, extra_kb + 2 * rep.kernels_bwd
     if flash:
-        # causal: lower triangle only; with a window only the band
+        # causal: lower triangle only; with a window only the band; the memory-efficient backend
+        # under a padding mask: the full square
         fwd = model_flops / 2 if band_pairs is None else 2.0 * b * band_pairs * (shape.q + shape.v_heads)
+        if masked_sdpa:
+            fwd = 2.0 * b * s * s * (shape.q + shape.v_heads)
         bwd = fwd * 2.5                # 5 matmuls vs 2 (FlashAttention-2)
         act, act_s2 = qkv_saved + 4 * b * heads * s, 0.0  # Q,K,V + logsumexp (fp32)
-        mem_f, mem_b = rope_mem + 2 * t * qkv * a, rope_mem + 4 * t * qkv * a
-        kf, kb = 1, 2
+        mem_f, mem_b = rope_mem_f + 2 * t * qkv * a, rope_mem_b + 4 * t * qkv * a
+        kf, kb = 1 + extra_kf, 2 + extra_kb
     else:
         full = 2.0 * b * s * s * (shape.q + shape.v_heads)
         fwd, bwd = full, 2 * full
@@ -66,9 +94,9 @@ def attention_core(bld: Builder, name: str, layer: int, b: int, s: int, shape: C
         # dropout's read and write, the softmax's reads of y and dy and write. Not charged: the dropout
         # mask's byte per score and the context's permute copy (docs/validation.md, "Megatron's fused
         # kernels against zsim's per-layer charges")
-        mem_f = rope_mem + s2 * a * (3 + 2 * bld.drop)
-        mem_b = rope_mem + s2 * a * (4 + 2 * bld.drop)
-        kf, kb = 4, 6
+        mem_f = rope_mem_f + s2 * a * (3 + 2 * bld.drop)
+        mem_b = rope_mem_b + s2 * a * (4 + 2 * bld.drop)
+        kf, kb = 4 + extra_kf, 6 + extra_kb
     bld.add(name=name, kind=ModuleKind.ATTENTION, layer=layer, params=(), gemm=None, fwd_flops=fwd, bwd_flops=bwd,
             model_fwd_flops=model_flops, fwd_mem_bytes=mem_f, bwd_mem_bytes=mem_b, act_bytes=act,
             act_bytes_s2=act_s2, kernels_fwd=kf, kernels_bwd=kb)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from enum import StrEnum
 
 from zsim.specs.model import ModelSpec
+from zsim.workload import hf_kernels
 from zsim.workload.module import Module, ModuleKind, Param, TensorRole
 
 
@@ -29,8 +30,12 @@ class Builder:
     expert they compute for (their parameters are then expert parameters)."""
 
     def __init__(self, m: ModelSpec, tokens: int, act_bytes: int, dropout: bool, tensor: int = 1,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, kernels: str = "fused", attn_implementation: str = "flash_attention_2",
+                 padding_mask: bool = False):
         self.m, self.t, self.a, self.drop = m, tokens, act_bytes, 1 if dropout else 0
+        # training.kernels: "hf" prices the norms, RoPE and SwiGLU op by op (zsim/workload/hf_kernels.py)
+        self.hf = kernels == "hf"
+        self.attn, self.padding_mask = attn_implementation, padding_mask
         # Megatron tensor parallelism: `tp` ranks split the linears; `seq` shards the residual
         # stream's elementwise work and activations by sequence (sequence parallelism), else 1
         self.tp, self.seq = tensor, tensor if sequence_parallel else 1
@@ -61,6 +66,14 @@ class Builder:
         partial = self.seq > 1 if residual else self.tp > 1
         ids = (self.param(f"{name}.weight", n, partial),) + \
             ((self.param(f"{name}.bias", n, partial),) if self.m.norm == "layernorm" else ())
+        if self.hf and self.m.norm == "rmsnorm":
+            c = hf_kernels.rms_norm(a)
+            self.add(name=name, kind=ModuleKind.NORM, layer=layer, params=ids, gemm=None, fwd_flops=8.0 * t * w,
+                     bwd_flops=16.0 * t * w, model_fwd_flops=0.0, fwd_mem_bytes=c.fwd * t * w,
+                     bwd_mem_bytes=c.bwd * t * w, fp32_fwd_mem_bytes=c.fp32_fwd * t * w,
+                     fp32_bwd_mem_bytes=c.fp32_bwd * t * w, act_bytes=c.act * t * w, kernels_fwd=c.kernels_fwd,
+                     kernels_bwd=c.kernels_bwd)
+            return
         # fwd: read x, write y; bwd: read dy and x, write dx (Korthikanti: stores its input, 2sbh)
         self.add(name=name, kind=ModuleKind.NORM, layer=layer, params=ids, gemm=None, fwd_flops=8.0 * t * w,
                  bwd_flops=16.0 * t * w, model_fwd_flops=0.0, fwd_mem_bytes=2 * t * w * self.a,
@@ -97,10 +110,10 @@ class Builder:
                  kernels_fwd=1, kernels_bwd=2, tensor_role=role, tensor_width=width)
 
     def activation(self, name: str, layer: int, flops: float, fwd_mem: float, bwd_mem: float, act: float,
-                   fwd_workspace: float = 0.0) -> None:
+                   fwd_workspace: float = 0.0, kernels_fwd: int = 1, kernels_bwd: int = 1) -> None:
         self.add(name=name, kind=ModuleKind.ACTIVATION, layer=layer, params=(), gemm=None, fwd_flops=flops,
                  bwd_flops=2 * flops, model_fwd_flops=0.0, fwd_mem_bytes=fwd_mem, bwd_mem_bytes=bwd_mem,
-                 act_bytes=act, kernels_fwd=1, kernels_bwd=1, fwd_workspace_bytes=fwd_workspace)
+                 act_bytes=act, kernels_fwd=kernels_fwd, kernels_bwd=kernels_bwd, fwd_workspace_bytes=fwd_workspace)
 
     def mlp(self, pfx: str, layer: int, width: int, *, tokens: int | None = None, model_tokens: float | None = None,
             residual_add: bool = True) -> None:
@@ -121,9 +134,15 @@ class Builder:
                 self.linear(f"{pfx}.gate_proj", layer, h, f, bias, split=col, **rows)
                 # shares gate's input
                 self.linear(f"{pfx}.up_proj", layer, h, f, bias, saves_input=False, split=col, **rows)
-            # act(gate)*up: stores gate and up (above as the projections' outputs) and the product
-            self.activation(f"{pfx}.act", layer, flops=4.0 * t * fr, fwd_mem=3 * t * fr * a, bwd_mem=5 * t * fr * a,
-                            act=2 * t * fr * a)
+            if self.hf:    # SiLU, then mul: hf_kernels.swiglu
+                c = hf_kernels.swiglu(a)
+                self.activation(f"{pfx}.act", layer, flops=4.0 * t * fr, fwd_mem=c.fwd * t * fr,
+                                bwd_mem=c.bwd * t * fr, act=c.act * t * fr, kernels_fwd=c.kernels_fwd,
+                                kernels_bwd=c.kernels_bwd)
+            else:
+                # act(gate)*up: stores gate and up (above as the projections' outputs) and the product
+                self.activation(f"{pfx}.act", layer, flops=4.0 * t * fr, fwd_mem=3 * t * fr * a,
+                                bwd_mem=5 * t * fr * a, act=2 * t * fr * a)
         else:
             self.linear(f"{pfx}.fc_in", layer, h, f, bias, split=col, **rows)
             # one pass each way, as Megatron's bias_gelu_fusion runs it (fc1's bias added inside the

@@ -72,7 +72,9 @@ def count_active_params(m: ModelSpec, seq_len: int | None = None) -> int:
 
 def build_workload(m: ModelSpec, micro_batch_size: int, seq_len: int, precision: str,
                    flash_attention: bool, dropout: bool, fused_cross_entropy: bool = False,
-                   expert_parallel_size: int = 1, tensor: int = 1, sequence_parallel: bool = False) -> Workload:
+                   expert_parallel_size: int = 1, tensor: int = 1, sequence_parallel: bool = False,
+                   kernels: str = "fused", attn_implementation: str | None = None,
+                   padding_mask: bool = False) -> Workload:
     """One rank's workload; with expert parallelism each MoE layer holds experts/ep_size experts
     (DeepSpeed-MoE's num_local_experts, deepspeed/moe/layer.py); with tensor parallelism the
     rank's slice of every split module (see the module docstring)."""
@@ -81,7 +83,9 @@ def build_workload(m: ModelSpec, micro_batch_size: int, seq_len: int, precision:
     b, s, h, V = micro_batch_size, seq_len, m.hidden, m.vocab
     t = b * s
     a = DTYPE_BYTES[precision]
-    bld = Builder(m, t, a, dropout, tensor, sequence_parallel)
+    attn = attn_implementation or ("flash_attention_2" if flash_attention else "eager")
+    bld = Builder(m, t, a, dropout, tensor, sequence_parallel, kernels=kernels, attn_implementation=attn,
+                  padding_mask=padding_mask)
     drop = bld.drop
     # VocabParallelEmbedding and the vocab-parallel logits: each rank holds 1/tp of the
     # (padded) vocabulary (megatron/core/tensor_parallel/layers.py)
