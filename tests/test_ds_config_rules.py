@@ -141,7 +141,9 @@ def test_train_batch_size_auto_is_derived_from_numeric_micro_batch_and_gas(tmp_p
 
 
 def test_json_deepspeeds_loaders_refuse_is_refused_naming_file_line_and_column(tmp_path, capsys):
-    line = _refused(tmp_path, capsys, '{\n  "train_micro_batch_size_per_gpu": 1,\n  "bf16": {"enabled": true},\n}\n')
+    # a trailing comma: json.load (the HF Trainer's reader) refuses it, see [Note: trailing commas in a ds_config]
+    line = _refused(tmp_path, capsys, '{\n  "train_micro_batch_size_per_gpu": 1,\n  "bf16": {"enabled": true},\n}\n',
+                    "--set", "training.framework=hf_trainer")
     assert "ds.json" in line and "line 3, column 28" in line and "trailing comma" in line
     line = _refused(tmp_path, capsys, '{"train_micro_batch_size_per_gpu": 1, "train_micro_batch_size_per_gpu": 2}')
     assert "twice" in line

@@ -17,3 +17,70 @@ def test_the_1bit_optimizers_deepspeed_removed_are_refused_as_its_engine_refuses
                     "deepspeed.zero_optimization.stage": 0})
     text = str(exc.value)
     assert "deepspeed.optimizer.type" in text and "0.19.7 removed" in text and instead in text
+
+
+# -- trailing commas: the run's reader decides (see [Note: trailing commas in a ds_config]) ------------------
+TRAILING = '{\n  "train_micro_batch_size_per_gpu": 1,\n  "zero_optimization": {"stage": 2,},\n  "bf16": {"enabled": true},\n}\n'
+
+
+@pytest.mark.parametrize("text, kept, first", [
+    ('{"a": 1,}', '{"a": 1}', (1, 8)),
+    ('{\n  "a": [1, 2 ,\n ],\n}', '{\n  "a": [1, 2 \n ]\n}', (2, 14)),
+    ('{"a": "x,}", "b": "\\\\",}', '{"a": "x,}", "b": "\\\\"}', (1, 23)),   # commas inside strings stay
+    ('{"a": 1}', '{"a": 1}', None),
+    # hjson 3.1.0 refuses these (measured): they are left for json to refuse
+    ('{"a": 1,,}', '{"a": 1,,}', None), ('{,}', '{,}', None), ('{"a": [,]}', '{"a": [,]}', None),
+])
+def test_drop_trailing_commas_follows_hjson(text, kept, first):
+    from zsim.inputs import drop_trailing_commas
+    assert drop_trailing_commas(text) == (kept, first)
+
+
+def _run_ds(tmp_path, capsys, text, *args):
+    from zsim.cli import main
+    ds = tmp_path / "ds.json"
+    ds.write_text(text)
+    code = main(["run", str(ds), "--model", "gpt3-1.3b", "--gpus", "8", "--quiet", *args])
+    return code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+
+
+def test_a_trailing_comma_deepspeed_reads_itself_is_accepted_with_a_note(tmp_path, capsys):
+    """A bare ds_config (DeepSpeed's launcher hands the path to DeepSpeedConfig: hjson.load)."""
+    code, err = _run_ds(tmp_path, capsys, TRAILING)
+    assert code == 0
+    notes = [line for line in err if "trailing comma" in line]
+    assert len(notes) == 1 and "line 3, column 35" in notes[0] and "hjson" in notes[0] and "json.load" in notes[0]
+    # the same values as without the commas
+    from zsim.config.scenario import load_scenario
+    from zsim.config.source import cluster_overrides
+    clean = tmp_path / "clean.json"
+    clean.write_text(TRAILING.replace(",}", "}").replace(",\n}", "\n}"))
+    sets = cluster_overrides(True, "x", "gpt3-1.3b", 8, 1, None)
+    assert load_scenario(tmp_path / "ds.json", sets).deepspeed == load_scenario(clean, sets).deepspeed
+
+
+def test_a_trailing_comma_under_the_hf_trainer_is_refused_in_one_line(tmp_path, capsys):
+    code, err = _run_ds(tmp_path, capsys, TRAILING, "--set", "training.framework=hf_trainer")
+    assert code == 2 and len(err) == 1 and err[0].startswith("zsim: error:")
+    assert "ds.json" in err[0] and "line 3, column 35" in err[0] and "json.load" in err[0] and "HF Trainer" in err[0]
+
+
+def test_a_recipe_naming_a_ds_config_with_a_trailing_comma_is_refused(tmp_path, capsys, monkeypatch):
+    """axolotl/LLaMA-Factory run the HF Trainer, which json.loads the file."""
+    from zsim.cli import main
+    (tmp_path / "ds.json").write_text(TRAILING)
+    (tmp_path / "lf.yaml").write_text("model_name_or_path: gpt3-1.3b\nstage: sft\nfinetuning_type: full\n"
+                                      "deepspeed: ds.json\nper_device_train_batch_size: 1\nbf16: true\ncutoff_len: 512\n")
+    monkeypatch.chdir(tmp_path)
+    code = main(["run", "lf.yaml", "--gpus", "8", "--quiet"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("zsim: error:")]
+    assert code == 2 and len(err) == 1 and "trailing comma" in err[0] and "line 3, column 35" in err[0]
+
+
+def test_other_json_files_keep_refusing_a_trailing_comma(tmp_path):
+    from zsim.config.hf_config import read_hf_config
+    from zsim.errors import ZsimInputError
+    cfg = tmp_path / "config.json"
+    cfg.write_text('{"model_type": "llama",}')
+    with pytest.raises(ZsimInputError, match="trailing comma"):
+        read_hf_config(cfg)

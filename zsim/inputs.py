@@ -111,7 +111,55 @@ class _UniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
         return super().construct_mapping(node, deep=deep)
 
 
-def parse_json(text: str, field: str, value: object):
+# [Note: trailing commas in a ds_config] Who reads the file decides: DeepSpeed's own loader
+# (runtime/config.py DeepSpeedConfig: hjson.load, hjson 3.1) accepts a comma before a closing }
+# or ], while the HF Trainer (transformers integrations/deepspeed.py HfDeepSpeedConfig) and
+# accelerate read the file with json.load, which refuses it. Measured with hjson 3.1.0: one comma
+# after a value before } or ] (whitespace between allowed) parses as if absent; two commas, `{,}`
+# and `[,]` are refused. That rule, applied outside strings, is drop_trailing_commas; a ds_config
+# read with it is a TrailingCommaJSON, which zsim/config/scenario.py refuses under the HF Trainer
+# and notes otherwise. hjson's other extensions (comments, unquoted keys and strings) stay refused.
+class TrailingCommaJSON(dict):
+    """A JSON object that json.load refuses only for trailing commas; `first` is the first one's
+    (line, column), `field`/`value` what the file was given as."""
+    first: tuple[int, int]
+    field: str
+    value: object
+
+    def refusal(self, reader: str) -> ZsimInputError:
+        line, column = self.first
+        return ZsimInputError(self.field, self.value, f"not valid JSON at line {line}, column {column}: a trailing "
+                              f"comma, which json.load refuses ({reader}; DeepSpeed's own hjson reader would accept "
+                              "it); remove the comma")
+
+
+def drop_trailing_commas(text: str) -> tuple[str, tuple[int, int] | None]:
+    """`text` without the commas hjson ignores (see [Note: trailing commas in a ds_config]), and the
+    first one's (line, column), 1-based; None when there is none."""
+    out, first, in_string, escaped, last = [], None, False, False, ""
+    for i, ch in enumerate(text):
+        if in_string:
+            in_string = not (ch == '"' and not escaped)
+            escaped = ch == "\\" and not escaped
+        elif ch == '"':
+            in_string = True
+        elif ch == "," and last not in ("", "{", "[", ","):
+            rest = text[i + 1:].lstrip()
+            if rest[:1] in ("}", "]"):
+                if first is None:
+                    first = (text.count("\n", 0, i) + 1, i - text.rfind("\n", 0, i))
+                last = ","
+                continue
+        out.append(ch)
+        if not ch.isspace():
+            last = ch if not in_string or ch == '"' else '"'
+    return "".join(out), first
+
+
+def parse_json(text: str, field: str, value: object, trailing_commas: bool = False):
+    """json.loads with its errors as one line naming `field`. `trailing_commas`: the file is a
+    ds_config, which hjson (DeepSpeed's reader) may read past trailing commas: such a file comes
+    back as a TrailingCommaJSON for the loader to judge by its reader; otherwise it is refused."""
     def non_finite(word: str):
         # Python's json reads NaN/Infinity, which JSON does not have and no zsim number may be
         raise ZsimInputError(field, value, f"holds {word}, which is not JSON; give finite numbers")
@@ -126,13 +174,20 @@ def parse_json(text: str, field: str, value: object):
     try:
         data = json.loads(text, parse_constant=non_finite, object_pairs_hook=unique)
     except json.JSONDecodeError as exc:
-        before = text[:exc.pos].rstrip()
-        if before.endswith(",") and text[exc.pos:exc.pos + 1] in "}]":
-            # Python's json (json.load: how the HF Trainer and accelerate read a ds_config) refuses it
-            why = "a trailing comma, which json.load refuses (the HF Trainer and accelerate read ds_config with it)"
-            line = before.count("\n") + 1
-            raise ZsimInputError(field, value, f"not valid JSON at line {line}, column "
-                                 f"{len(before) - 1 - before.rfind(chr(10))}: {why}; remove the comma") from None
+        stripped, first = drop_trailing_commas(text)
+        if first is not None:
+            try:
+                parsed = json.loads(stripped, parse_constant=non_finite, object_pairs_hook=unique)
+            except (json.JSONDecodeError, RecursionError):
+                parsed = None
+            if trailing_commas and isinstance(parsed, dict):
+                data = TrailingCommaJSON(parsed)
+                data.first, data.field, data.value = first, field, value
+                check_nesting(data, field, value)
+                return data
+            if parsed is not None:
+                raise ZsimInputError(field, value, f"not valid JSON at line {first[0]}, column {first[1]}: a trailing "
+                                     "comma, which json.load refuses; remove the comma") from None
         raise ZsimInputError(field, value, f"not valid JSON at line {exc.lineno}, column {exc.colno} ({exc.msg}); "
                              "fix the file") from None
     except RecursionError:

@@ -19,7 +19,7 @@ from zsim.config.parallel import check_parallelism, resolve_parallelism
 from zsim.config.profile import load_profile
 from zsim.config.source import SCENARIO_KEYS, as_scenario, is_ds_config
 from zsim.errors import UnknownKeyError, ZsimInputError, did_you_mean, unknown_key
-from zsim.inputs import check_nesting, parse_json, parse_yaml, read_text, too_deep
+from zsim.inputs import TrailingCommaJSON, check_nesting, parse_json, parse_yaml, read_text, too_deep
 from zsim.schema import _number, accepted_keys, build
 from zsim.specs.deepspeed import (COMM_DATA_TYPES, IGNORED_TOP_LEVEL, NOT_MODELLED_REFUSED, REMOVED_TOP_LEVEL,
                                   REMOVED_ZERO, STRICT_IGNORED_BLOCKS, DeepSpeedConfig)
@@ -81,7 +81,8 @@ def _read_yaml(path: Path) -> dict:
     `deepspeed: path` read a ds_config): YAML would take a trailing comma JSON refuses."""
     text = read_text(path, "scenario", "a scenario YAML or a ds_config.json")
     if path.suffix.lower() == ".json":
-        data = parse_json(text, "scenario", str(path))
+        # a ds_config may hold trailing commas DeepSpeed's reader accepts (see [Note: trailing commas in a ds_config])
+        data = parse_json(text, "scenario", str(path), trailing_commas=True)
     else:
         data = parse_yaml(text, "scenario", str(path))
     if not isinstance(data, dict):
@@ -94,7 +95,8 @@ def _read_ds_config(ref: str, base_dir: Path) -> dict:
     p = Path(ref)
     if not p.is_absolute():
         p = base_dir / p
-    data = parse_json(read_text(p, "deepspeed", "a ds_config.json (or give an inline mapping)"), "deepspeed", ref)
+    data = parse_json(read_text(p, "deepspeed", "a ds_config.json (or give an inline mapping)"), "deepspeed", ref,
+                      trailing_commas=True)
     if not isinstance(data, dict):
         raise ZsimInputError("deepspeed", ref, "a ds_config must be a JSON object")
     return data
@@ -284,6 +286,14 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
                              "(2**18, above the largest clusters built)")
     training = build(TrainingSpec, raw.get("training") or {}, "training")
     ds_raw = raw.get("deepspeed") or {}
+    if isinstance(ds_raw, TrailingCommaJSON):
+        # see [Note: trailing commas in a ds_config]: the run's reader decides
+        if training.framework == "hf_trainer":
+            raise ds_raw.refusal("the HF Trainer and accelerate, the run's readers, load the ds_config with it")
+        line, column = ds_raw.first
+        notes.append(f"deepspeed: {ds_raw.value} has a trailing comma (line {line}, column {column}): DeepSpeed's "
+                     "own reader (hjson) accepts it, as read here; the HF Trainer and accelerate (json.load) would "
+                     "refuse the file")
     if not isinstance(ds_raw, dict):
         raise ZsimInputError("deepspeed", ds_raw, "expected an inline mapping or a path to ds_config.json")
     ds_raw = copy.deepcopy(ds_raw)
@@ -361,6 +371,8 @@ def load_raw(path: Path) -> dict:
     raw = _read_yaml(path)
     if is_ds_config(raw):
         return as_scenario(raw, path)
+    if isinstance(raw, TrailingCommaJSON):     # a scenario in JSON: zsim reads it with json.load
+        raise raw.refusal("zsim reads a scenario with it")
     if isinstance(raw.get("deepspeed"), str):
         raw["deepspeed"] = _read_ds_config(raw["deepspeed"], path.parent)
     return anchor_hf_config(raw, path.parent.resolve())   # absolute: later joins keep it
