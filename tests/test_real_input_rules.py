@@ -84,3 +84,31 @@ def test_other_json_files_keep_refusing_a_trailing_comma(tmp_path):
     cfg.write_text('{"model_type": "llama",}')
     with pytest.raises(ZsimInputError, match="trailing comma"):
         read_hf_config(cfg)
+
+
+# -- the bf16 block and the host buffers' labels -------------------------------------------------------------
+def test_the_bf16_block_defaults_are_deepspeeds():
+    """DeepSpeed 0.19.8 runtime/precision_config.py DeepSpeedBF16Config: immediate_grad_update False,
+    check_grad_overflow True (PR #6976: bf16 checks overflow as fp16 does)."""
+    from dataclasses import asdict
+    from zsim.schema import build
+    from zsim.specs.deepspeed import Bf16Config
+    assert asdict(build(Bf16Config, {}, "deepspeed.bf16")) == {
+        "enabled": False, "immediate_grad_update": False, "check_grad_overflow": True,
+        "bf16_master_weights_and_grads": False, "bf16_optimizer_states": False}
+
+
+@pytest.mark.parametrize("precision, width", [("bf16", "16-bit"), ("fp32", "fp32")])
+def test_host_buffers_are_labelled_by_the_model_dtype(precision, width):
+    """ZeRO-3 with optimizer and parameter offload: the host's gradient accumulation buffer and
+    parameters are in the model dtype (stage3.py grad_partitions_flat_buffer, the offloaded
+    partitions), 16-bit under bf16, fp32 under fp32 training."""
+    from zsim.api import run_scenario
+    sc = scenario(**{"training.precision": precision, "deepspeed.zero_optimization.stage": 3,
+                     "deepspeed.zero_optimization.offload_optimizer": {"device": "cpu"},
+                     "deepspeed.zero_optimization.offload_param": {"device": "cpu"}})
+    host = run_scenario(sc)[0].to_dict()["memory"]["host"]["breakdown"]
+    labels = {k for k in host if "(" in k and "pinned" not in k and "NVMe" not in k}
+    assert labels == {f"gradient accumulation buffer ({width})", f"parameters ({width})"}
+    assert host[f"parameters ({width})"] / host[f"gradient accumulation buffer ({width})"] == pytest.approx(1.0)
+    assert host[f"parameters ({width})"] > 0

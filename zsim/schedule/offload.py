@@ -58,9 +58,16 @@ def host_settings(ctx: StepContext) -> HostSettings:
                         aio_thread_count=ds.aio.thread_count)
 
 
+def width_label(param_bytes: int) -> str:
+    """The model dtype's width as the host buffers' labels name it: 16-bit (fp16/bf16) or fp32
+    (fp32 training keeps these buffers in fp32)."""
+    return "16-bit" if param_bytes == 2 else "fp32"
+
+
 def place_states(ctx: StepContext, states: dict[str, float], shard: float) -> dict[str, float]:
     """Move offloaded model states from the GPU ledger to the host ledger."""
     states = dict(states)
+    width = width_label(ctx.param_bytes)
     z = ctx.sc.zero
     opt = optimizer_device(ctx)
     if opt != "none":
@@ -78,14 +85,14 @@ def place_states(ctx: StepContext, states: dict[str, float], shard: float) -> di
         if z.stage == 3:
             # grad_partitions_flat_buffer: 16-bit accumulation buffer on the host (stage3.py:786-795);
             # the fp32 gradients live with the fp32 partition (swapped to NVMe with it)
-            ctx.b.host_alloc("gradient accumulation buffer (16-bit)", ctx.param_bytes * shard)
+            ctx.b.host_alloc(f"gradient accumulation buffer ({width})", ctx.param_bytes * shard)
             if opt == "cpu":
                 ctx.b.host_alloc("gradients (fp32, pinned)", FP32_BYTES * shard * ratio)
         else:
             ctx.b.host_alloc("gradients (fp32, pinned)", FP32_BYTES * shard)
             if ctx.gas > 1:
                 # accumulated_grads_in_cpu: 16-bit, per parameter in the partition (stage_1_and_2.py:1822-1825)
-                ctx.b.host_alloc("gradient accumulation buffer (16-bit)", ctx.param_bytes * shard)
+                ctx.b.host_alloc(f"gradient accumulation buffer ({width})", ctx.param_bytes * shard)
         if ctx.sc.zero.stage >= 2:
             states[Category.GRADIENTS] = 0.0
         if z.stage in (1, 2):
@@ -94,12 +101,12 @@ def place_states(ctx: StepContext, states: dict[str, float], shard: float) -> di
             # one on the host (temp_grad_buffer_for_cpu_offload), both in the 16-bit dtype
             staging = max((p.numel for p in ctx.wl.params if p.trainable), default=0) * ctx.param_bytes
             states[Category.GRADIENTS] = states.get(Category.GRADIENTS, 0.0) + staging
-            ctx.b.host_alloc("gradient staging buffer (16-bit)", staging)
+            ctx.b.host_alloc(f"gradient staging buffer ({width})", staging)
     if param_device(ctx) != "none":
         moved = states[Category.PARAMETERS]
         states[Category.PARAMETERS] = 0.0
         if param_device(ctx) == "cpu":
-            ctx.b.host_alloc("parameters (16-bit)", moved)
+            ctx.b.host_alloc(f"parameters ({width})", moved)
         else:
             p = z.offload_param
             ctx.b.host_alloc("NVMe swap buffers (params)", p.buffer_count * p.buffer_size * ctx.param_bytes)

@@ -155,9 +155,10 @@ class Fp16Config:
 
 @dataclass(frozen=True, kw_only=True)
 class Bf16Config:
+    """DeepSpeed 0.19.8's DeepSpeedBF16Config (runtime/precision_config.py:41-71), its defaults."""
     enabled: bool = spec(False)
-    immediate_grad_update: bool = spec(True)
-    check_grad_overflow: bool = spec(False)
+    immediate_grad_update: bool = spec(False)
+    check_grad_overflow: bool = spec(True)
     bf16_master_weights_and_grads: bool = spec(False)
     bf16_optimizer_states: bool = spec(False)
 
