@@ -2,6 +2,8 @@
 (1-bit optimizers, trailing commas, QLoRA, reward models, bf16 defaults, tune's answer in the user's format)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.helpers import scenario
@@ -112,3 +114,60 @@ def test_host_buffers_are_labelled_by_the_model_dtype(precision, width):
     assert labels == {f"gradient accumulation buffer ({width})", f"parameters ({width})"}
     assert host[f"parameters ({width})"] / host[f"gradient accumulation buffer ({width})"] == pytest.approx(1.0)
     assert host[f"parameters ({width})"] > 0
+
+
+# -- zsim tune --write answers in the user's own recipe format ----------------------------------------------
+AXOLOTL = """base_model: gpt3-1.3b  # the model
+sequence_len: 512
+micro_batch_size: 1   # per GPU
+gradient_accumulation_steps: 4
+gradient_checkpointing: true
+lora_target_modules:
+  - q_proj
+  - v_proj
+deepspeed: deepspeed_configs/zero3.json
+"""
+
+
+def test_the_recipe_writer_edits_only_the_changed_lines():
+    from zsim.config.recipe_writer import tuned_recipe
+    text, written = tuned_recipe(AXOLOTL, "axolotl", micro_batch=2, gas=2, checkpointing="none",
+                                 deepspeed="deepspeed_configs/zero3.tuned.json")
+    assert written == ["micro_batch_size: 2", "gradient_accumulation_steps: 2", "gradient_checkpointing: false",
+                       "deepspeed: deepspeed_configs/zero3.tuned.json"]
+    expected = (AXOLOTL.replace("micro_batch_size: 1   # per GPU", "micro_batch_size: 2   # per GPU")
+                .replace("gradient_accumulation_steps: 4", "gradient_accumulation_steps: 2")
+                .replace("gradient_checkpointing: true", "gradient_checkpointing: false")
+                .replace("zero3.json", "zero3.tuned.json"))
+    assert text == expected
+    # LLaMA-Factory: its own names, checkpointing inverted, a missing key appended, a block value replaced
+    lf = "model_name_or_path: x\nper_device_train_batch_size: 1\ndeepspeed:\n  - old\nbf16: true\n"
+    text, _ = tuned_recipe(lf, "llama_factory", micro_batch=4, checkpointing="full", deepspeed="ds.json")
+    assert text == ("model_name_or_path: x\nper_device_train_batch_size: 4\ndeepspeed: ds.json\nbf16: true\n"
+                    "disable_gradient_checkpointing: false\n")
+
+
+def test_tune_write_on_a_recipe_writes_the_recipe_beside_it(tmp_path, monkeypatch, capsys):
+    import yaml
+    from zsim.cli import main
+    (tmp_path / "deepspeed_configs").mkdir()
+    ds = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"},
+          "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}
+    (tmp_path / "deepspeed_configs" / "zero3.json").write_text(json.dumps(ds))
+    (tmp_path / "recipe.yml").write_text(AXOLOTL + "bf16: true\n")
+    monkeypatch.chdir(tmp_path)
+    code = main(["tune", "recipe.yml", "--gpus", "8", "--budget", "3", "--top", "1", "--write"])
+    err = capsys.readouterr().err
+    assert code == 0
+    assert (tmp_path / "recipe.yml").read_text() == AXOLOTL + "bf16: true\n"        # the user's file untouched
+    tuned = (tmp_path / "recipe.tuned.yml").read_text()
+    assert "# the model" in tuned and "# per GPU" in tuned                           # comments kept
+    data = yaml.safe_load(tuned)
+    assert data["lora_target_modules"] == ["q_proj", "v_proj"] and data["sequence_len"] == 512
+    assert data["micro_batch_size"] * data["gradient_accumulation_steps"] == 4       # the global batch kept
+    assert "recipe.tuned.yml" in err
+    if data["deepspeed"] != "deepspeed_configs/zero3.json":
+        assert data["deepspeed"] == "deepspeed_configs/zero3.tuned.json"
+        assert (tmp_path / "deepspeed_configs" / "zero3.tuned.json").is_file()
+    # a second --write refuses to replace the first without --force
+    assert main(["tune", "recipe.yml", "--gpus", "8", "--budget", "3", "--write"]) == 2

@@ -29,7 +29,9 @@ def add_parser(sub):
     p.add_argument("--json", metavar="PATH", help="write the ranked candidates as JSON")
     p.add_argument("--write", action="store_true",
                    help="write the best configuration beside the input in its own format: a ds_config.json "
-                        "input as NAME.tuned.json, a scenario YAML as NAME.tuned.yaml (never the input itself)")
+                        "input as NAME.tuned.json, a scenario YAML as NAME.tuned.yaml, an axolotl or LLaMA-Factory "
+                        "recipe as NAME.tuned.yaml with only the changed keys edited (comments kept) and its "
+                        "ds_config, where it changes, as DS.tuned.json beside it (never the input itself)")
     p.add_argument("--force", action="store_true", help="overwrite an existing --out, --scenario-out or --write file")
     p.add_argument("--framework", choices=FRAMEWORKS,
                    help="what runs the training loop, which bounds the layouts searched (default: the scenario's "
@@ -161,12 +163,32 @@ def _trainer_autos(ds) -> bool:
             or any(isinstance(b, dict) and b.get("enabled") == "auto" for b in blocks))
 
 
+def _recipe_kind(args) -> str | None:
+    """The kind of the recipe the user gave (axolotl, llama_factory, accelerate), or None."""
+    recipe = getattr(args, "recipe", None)
+    if not recipe or Path(recipe).suffix not in (".yaml", ".yml"):
+        return None
+    from zsim.config.recipes import recipe_kind
+    from zsim.inputs import parse_yaml, read_text
+    return recipe_kind(parse_yaml(read_text(Path(recipe), "recipe", "a recipe"), "recipe", recipe))
+
+
 def _write_paths(args):
-    """--write: the answer beside the input, in its format (`_tuned_path`); never the input."""
+    """--write: the answer beside the input, in its format (`_tuned_path`); never the input. An
+    axolotl or LLaMA-Factory recipe gets NAME.tuned.yaml with the changed keys, its ds_config
+    (when the winner's differs) NAME.tuned.json beside the one it names, or beside the recipe."""
+    from zsim.commands.common import NO_DEEPSPEED
+    from zsim.config.recipe_writer import WRITABLE
     from zsim.config.scenario import source_is_ds_config
 
     path = Path(args.scenario)
-    if source_is_ds_config(path):
+    args.recipe_out = None
+    if _recipe_kind(args) in WRITABLE:
+        recipe = Path(args.recipe)
+        args.recipe_out = str(recipe.with_name(recipe.stem + ".tuned" + recipe.suffix))
+        args.out = args.out or str(recipe.with_name(recipe.stem + ".ds_config.tuned.json") if path == NO_DEEPSPEED
+                                   else path.with_name(path.stem + ".tuned.json"))
+    elif source_is_ds_config(path):
         args.out = args.out or str(path.with_name(path.stem + ".tuned.json"))
     else:
         args.scenario_out = args.scenario_out or str(path.with_name(path.stem + ".tuned.yaml"))
@@ -192,7 +214,8 @@ def main(args) -> int:
     width = table_width(args.width)
     if args.write:
         _write_paths(args)
-    for flag, path in (("--out", args.out), ("--scenario-out", args.scenario_out)):
+    for flag, path in (("--out", args.out), ("--scenario-out", args.scenario_out),
+                       ("--write", getattr(args, "recipe_out", None))):
         if path and Path(path).exists() and not args.force:
             raise ZsimInputError(flag, path, "the file exists; pass --force to overwrite it or choose another path")
     if args.out and args.scenario_out and Path(args.out).resolve() == Path(args.scenario_out).resolve():
@@ -259,8 +282,14 @@ def main(args) -> int:
                                                            "gradient_accumulation_steps stays"))]
             notes.insert(0, f"micro-batch and GAS stay \"auto\" as written; give the HF Trainer "
                             f"--per_device_train_batch_size {best.micro_batch} --gradient_accumulation_steps {best.gas}")
-        if args.out:
+        recipe_out = getattr(args, "recipe_out", None)
+        if args.out and not (recipe_out and cfg == base.raw.get("deepspeed")):
             save(args.out, json.dumps(cfg, indent=2) + "\n")
+        if recipe_out:
+            # the recipe carries the micro-batch and GAS the Trainer fills the "auto" with
+            notes = [n for n in notes if not n.startswith(("train_micro_batch_size_per_gpu stays",
+                                                           "gradient_accumulation_steps stays", "micro-batch and GAS"))]
+            notes += _write_recipe(args, base, best, cfg)
         if args.scenario_out:
             where = Path(args.scenario_out).resolve().parent
             # where the ds_config keeps an "auto" the tuned value differs from (for the HF Trainer to
@@ -278,3 +307,49 @@ def main(args) -> int:
         for note in notes:
             print(f"note: {note}", file=sys.stderr)
     return 0
+
+
+def _write_recipe(args, base, best, cfg) -> list[str]:
+    """The user's recipe with the keys the winner changes (zsim.config.recipe_writer), beside it;
+    the notes saying what was written."""
+    import os
+
+    from zsim.commands.common import NO_DEEPSPEED
+    from zsim.config.recipe_writer import tuned_recipe
+    from zsim.inputs import read_text
+    from zsim.report.writers import save
+
+    recipe, kind = Path(args.recipe), _recipe_kind(args)
+    start = base.scenario(())
+    notes = []
+    checkpointing = None
+    if best.checkpointing != start.training.activation_checkpointing:
+        if best.checkpointing == "selective":
+            notes.append("the best configuration checkpoints selectively, which the recipe cannot say: "
+                         f"{args.recipe_out} keeps the recipe's checkpointing")
+        else:
+            checkpointing = best.checkpointing
+    deepspeed = None
+    if cfg != base.raw.get("deepspeed"):
+        ref = os.path.relpath(Path(args.out).resolve(), Path.cwd())
+        deepspeed = ref if Path(args.scenario) == NO_DEEPSPEED else _tuned_ref(recipe, ref, args)
+    text, written = tuned_recipe(
+        read_text(recipe, "recipe", "a recipe"), kind,
+        micro_batch=best.micro_batch if best.micro_batch != start.micro_batch_size else None,
+        gas=best.gas if best.gas != start.gradient_accumulation_steps else None,
+        checkpointing=checkpointing, deepspeed=deepspeed)
+    save(args.recipe_out, text)
+    notes.append(f"{args.recipe_out}: {recipe.name} with " + ("; ".join(written) if written else "no key changed")
+                 + " (every other line as written)")
+    return notes
+
+
+def _tuned_ref(recipe: Path, fallback: str, args) -> str:
+    """The recipe's own `deepspeed:` reference with the tuned file's name (it resolves as the
+    original does: the tuned file sits beside it), else `fallback`."""
+    from zsim.inputs import parse_yaml, read_text
+    data = parse_yaml(read_text(recipe, "recipe", "a recipe"), "recipe", str(recipe))
+    ref = data.get("deepspeed") if isinstance(data, dict) else None
+    if isinstance(ref, str) and ref:
+        return str(Path(ref).with_name(Path(args.out).name))
+    return fallback
