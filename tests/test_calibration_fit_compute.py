@@ -256,3 +256,35 @@ def test_calibrate_says_when_layer_timings_are_noisy(capsys):
     _print_layers({"compute": {"layers": [{**row, "spread": 0.61}, {**row, "pass": "bwd", "spread": 0.1}]}})
     err = capsys.readouterr().err
     assert "run-to-run spread 61%" in err and "1 layer timings spread more than 25%" in err
+
+
+def test_fit_gemm_on_a_known_gpu_keeps_the_datasheet_peak_and_drops_launch_bound_gemms():
+    """[Note: the GEMM law against the datasheet]: the GEMMs ran at 0.75 of a 989.4 TFLOP/s
+    datasheet peak under a d_half-64 law; a launch-bound square (its time the 13 us launch rate)
+    must not drag the law: fitted freely it pulled the H200's asymptote to 1.8x the datasheet."""
+    shapes = [(4096, 4096, 4096), (2048, 8192, 2048), (512, 8192, 4096), (8192, 1024, 4096), (256, 256, 256)]
+    recs = [{"kind": "gemm", "dtype": "bf16", "m": m, "n": n, "k": k, "flops": 2.0 * m * n * k,
+             "time_s": 2.0 * m * n * k / (989.4e12 * 0.75 * gemm_law(m, n, k, 64.0))} for m, n, k in shapes]
+    recs.append({"kind": "gemm", "dtype": "bf16", "m": 1024, "n": 1024, "k": 1024, "flops": 2.0 * 1024 ** 3,
+                 "time_s": 18.5e-6})
+    fit = fit_gemm(recs, overhead_s=13.2e-6, datasheet_tflops={"bf16": 989.4})
+    assert fit["peak_tflops"]["bf16"] == 989.4 and fit["peak_from"]["bf16"] == "datasheet"
+    assert fit["max_efficiency"]["bf16"] == pytest.approx(0.75, rel=1e-9)
+    assert fit["gemm_half_efficiency_dim"] == pytest.approx(64.0, rel=1e-9)
+    # the 256^3 GEMM (under 1 us) and the square are under 3 launches: left out
+    assert fit["launch_bound_left_out"] == [[256, 256, 256], [1024, 1024, 1024]]
+    free = fit_gemm(recs)            # the old fit: everything in, the peak free
+    assert free["peak_tflops"]["bf16"] > 989.4 * 0.75 * 1.2 or free["gemm_half_efficiency_dim"] != 64.0
+
+
+def test_fit_gemm_keeps_the_prior_d_half_when_the_shapes_cannot_tell():
+    """The H200 run's records (calibration/runs/h200-1gpu): twelve GEMMs of 2048-8192 per side fit
+    d_half 0 and 64 within 3% of each other (RMS 4.47 / 4.61%): the base profile's 64 is kept."""
+    import json
+    from pathlib import Path
+    doc = json.loads((Path(__file__).parents[1] / "calibration/runs/h200-1gpu/records.json").read_text())
+    recs = [r for r in doc["records"] if r.get("kind") == "gemm"]
+    fit = fit_gemm(recs, overhead_s=13.2e-6, datasheet_tflops={"bf16": 989.4}, d_half_prior=64.0)
+    assert fit["gemm_half_efficiency_dim"] == 64.0 and fit["d_half_from"].startswith("base profile")
+    assert fit["max_efficiency"]["bf16"] == pytest.approx(0.798, abs=0.001)
+    assert max(abs(r["error"]) for r in fit["residuals"]) < 0.12

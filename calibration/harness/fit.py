@@ -78,7 +78,10 @@ def build_profile(name: str, records: list[dict], prov: dict, dtypes: tuple[str,
     for d in REDUCED_16BIT:
         if d in coll_dtypes and "fp32" in coll_dtypes:
             fit_reductions_16bit(records, coll, d)
-    fields, by_dtype, comp = fit_compute(records, tuple(dtypes), concurrent=prov.get("backend") == "nccl")
+    fields, by_dtype, comp = fit_compute(records, tuple(dtypes), concurrent=prov.get("backend") == "nccl",
+                                         datasheet_tflops=datasheet_of(prov.get("gpu", "")),
+                                         d_half_prior=(interconnect[1].get("gpu") or {}).get("gemm_half_efficiency_dim")
+                                         if interconnect else None)
     peak = comp["gemm"]["peak_tflops"]
     v = peak.get(dtype, max(peak.values()))
     adam_rate, adam_impl = fit_adam(records)

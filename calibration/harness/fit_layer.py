@@ -95,10 +95,12 @@ def fit_layer_closure(layers: list[dict], fields: dict, peak_tflops: float, hbm_
     out = dict(fields)
     peak_scale = 1.0
     if sg > 0:
-        if sg >= 1.0:
-            out["gemm_max_efficiency"] = fields["gemm_max_efficiency"] / sg
-        else:
-            peak_scale = 1.0 / sg
+        # a slow-down lowers the max efficiency; a speed-up raises it up to 1, then the peak
+        # (see [Note: the GEMM law against the datasheet])
+        eff = fields["gemm_max_efficiency"] / sg
+        out["gemm_max_efficiency"] = min(1.0, eff)
+        if eff > 1.0:
+            peak_scale = eff
     # the scale applies to the whole attention time, its fixed part included
     if saf > 0:
         out["flash_attention_fwd_efficiency"] = min(1.0, fields["flash_attention_fwd_efficiency"] / saf)

@@ -310,7 +310,9 @@ def profile_header(profile: dict, report: dict, run_dir: Path) -> str:
              f"# Raw records and fit residuals: {run_dir.as_posix().split('/calibration/', 1)[-1] if '/calibration/' in run_dir.as_posix() else run_dir}"
              " (calibration/runs/<name>/records.json, fit_report.json).",
              "# Method (calibration/harness/fit.py): collectives alpha-beta per tier with one efficiency table per",
-             "# collective at every measured size; GEMM law fitted on the layer's shapes (peak = the law's asymptote);",
+             "# collective at every measured size; GEMM law fitted on the layer's shapes (peak: the datasheet's dense",
+             "# peak on a known GPU, max efficiency fitted; else the law's asymptote;",
+             "# see [Note: the GEMM law against the datasheet], calibration/harness/fit_compute.py);",
              "# attention and memory-bound efficiencies against zsim's FLOP/byte counts; then a layer closure",
              "# (GEMM and attention fwd/bwd scales, least squares; memory-bound and launch costs stay as measured)",
              "# fits the measured transformer layers. Leave-one-shape-out errors: fit_report.json compute.layers_held_out."]
