@@ -116,3 +116,41 @@ def test_launch_flag_attn_implementation(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "flex_attention: priced as flash_attention_2" in out.stderr
     assert "implementation: attention flash_attention_2; kernels hf (op by op)" in out.stdout
+
+
+def _run_recipe(tmp_path, text):
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}, '
+                                      '"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": '
+                                      '"auto"}')
+    (tmp_path / "r.yaml").write_text(text)
+    out = subprocess.run([sys.executable, "-m", "zsim.cli", "run", str(tmp_path / "r.yaml"), "--profile", "dgx-h100",
+                          "--gpus", "8", "--json", str(tmp_path / "o.json"), "--quiet"], capture_output=True, text=True,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    import json
+    return json.loads((tmp_path / "o.json").read_text())["implementation"], out.stderr
+
+
+def test_axolotl_attention_switches_and_liger(tmp_path):
+    base = ("base_model: meta-llama/Llama-3.1-8B\nsequence_len: 1024\nmicro_batch_size: 1\n"
+            "gradient_accumulation_steps: 1\nbf16: true\ndeepspeed: ds.json\n")
+    impl, _ = _run_recipe(tmp_path, base)
+    assert impl == "implementation: attention sdpa (flash backend, causal); kernels hf (op by op)"
+    impl, _ = _run_recipe(tmp_path, base + "flash_attention: true\n")
+    assert impl == "implementation: attention flash_attention_2; kernels hf (op by op)"
+    impl, err = _run_recipe(tmp_path, base + "flash_attention: true\nplugins:\n  - axolotl.integrations.liger.LigerPlugin\n"
+                            "liger_rms_norm: true\nliger_glu_activation: true\nliger_rope: true\n"
+                            "liger_fused_linear_cross_entropy: true\n")
+    assert impl == "implementation: attention flash_attention_2; kernels fused"
+    assert "LigerPlugin" not in err        # modelled, so not in the 'ignored' note
+
+
+def test_llama_factory_flash_attn_and_liger(tmp_path):
+    base = ("model_name_or_path: meta-llama/Llama-3.1-8B\nstage: sft\nfinetuning_type: full\ncutoff_len: 1024\n"
+            "per_device_train_batch_size: 1\ngradient_accumulation_steps: 1\nbf16: true\ndeepspeed: ds.json\n")
+    impl, _ = _run_recipe(tmp_path, base)
+    assert impl.startswith("implementation: attention sdpa")
+    impl, _ = _run_recipe(tmp_path, base + "flash_attn: disabled\nenable_liger_kernel: true\n")
+    assert impl == "implementation: attention eager; kernels fused"
+    impl, _ = _run_recipe(tmp_path, base + "flash_attn: fa2\n")
+    assert impl == "implementation: attention flash_attention_2; kernels hf (op by op)"

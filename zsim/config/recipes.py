@@ -234,10 +234,18 @@ def read_axolotl(data: dict, path: Path, bases: list[Path], recipe: Recipe) -> R
     if gc is not None:
         t["activation_checkpointing"] = "full" if gc == "unsloth" or as_bool(where + "gradient_checkpointing", gc) \
             else "none"
-    if data.get("eager_attention") is True:
-        t["flash_attention"] = False
-    elif any(data.get(k) is True for k in ("flash_attention", "sdp_attention", "xformers_attention")):
-        t["flash_attention"] = True
+    # axolotl's attention switches (HF's sdpa when none is set); xformers' and flex attention's
+    # causal kernels are priced as FlashAttention-2's
+    for key, attn in (("eager_attention", "eager"), ("flash_attention", "flash_attention_2"),
+                      ("sdp_attention", "sdpa"), ("xformers_attention", "flash_attention_2"),
+                      ("flex_attention", "flash_attention_2")):
+        if data.get(key) is True:
+            t["attn_implementation"] = attn
+            if key in ("xformers_attention", "flex_attention"):
+                recipe.notes.append(f"{where}{key}: priced as flash_attention_2 (an IO-aware causal kernel)")
+            break
+    _liger(recipe, {k: data.get(k) for k in ("liger_rms_norm", "liger_glu_activation", "liger_rope",
+                                             "liger_fused_linear_cross_entropy")}, where)
     if data.get("max_grad_norm") is not None:
         t["max_grad_norm"] = as_float(where + "max_grad_norm", data["max_grad_norm"])
     if adapter == "lora":
@@ -267,8 +275,9 @@ def read_axolotl(data: dict, path: Path, bases: list[Path], recipe: Recipe) -> R
     for key in ("tiled_mlp", "activation_offloading", "sample_packing"):
         if data.get(key) not in (None, False):
             recipe.ignored.append(f"{key} {data[key]} (not modelled)")
-    if data.get("plugins"):
-        recipe.ignored.append(f"plugins {', '.join(map(str, data['plugins']))} (their fused kernels are not modelled)")
+    others = [str(x) for x in data.get("plugins") or () if "liger" not in str(x).lower()]
+    if others:
+        recipe.ignored.append(f"plugins {', '.join(others)} (their fused kernels are not modelled)")
     if data.get("deepspeed"):
         recipe.ds_config = _find(str(data["deepspeed"]), bases, where + "deepspeed")
     elif data.get("fsdp") or data.get("fsdp_config"):
@@ -302,9 +311,18 @@ def read_llama_factory(data: dict, path: Path, bases: list[Path], recipe: Recipe
         t["activation_checkpointing"] = "full"
     else:
         t["activation_checkpointing"] = "none"
+    # ModelArguments.flash_attn (AttentionFunction): auto leaves HF's choice (sdpa)
     flash = str(data.get("flash_attn", "auto"))
-    if flash == "disabled":
-        t["flash_attention"] = False
+    attn = {"auto": "sdpa", "disabled": "eager", "sdpa": "sdpa", "fa2": "flash_attention_2",
+            "fa3": "flash_attention_3"}.get(flash)
+    if attn is None:
+        raise ZsimInputError(f"{where}flash_attn", flash, "LLaMA-Factory takes auto, disabled, sdpa, fa2 or fa3")
+    t["attn_implementation"] = attn
+    if as_bool(where + "enable_liger_kernel", data.get("enable_liger_kernel", False)):
+        # LLaMA-Factory's apply_liger_kernel: RMSNorm, RoPE, SwiGLU and, for training without
+        # logits, the fused linear cross-entropy
+        _liger(recipe, {"liger_rms_norm": True, "liger_glu_activation": True, "liger_rope": True,
+                        "liger_fused_linear_cross_entropy": True}, where)
     t.pop("lora", None)
     if kind == "lora":
         rank = as_int(where + "lora_rank", data.get("lora_rank", 8))
@@ -331,6 +349,25 @@ LF_OWN = frozenset({"stage", "finetuning_type", "lora_rank", "lora_alpha", "lora
                     "neat_packing", "buffer_size", "default_system", "enable_thinking", "resize_vocab",
                     "split_special_tokens", "new_special_tokens", "rope_scaling", "shift_attn", "use_dora",
                     "pissa_init", "create_new_adapter", "adapter_name_or_path", "export_dir", "infer_backend"})
+
+
+def _liger(recipe: Recipe, keys: dict, where: str):
+    """Liger's kernels (axolotl's liger_* keys, LLaMA-Factory's enable_liger_kernel): its RMSNorm
+    and SwiGLU make the elementwise kernels fused (training.kernels), its fused linear
+    cross-entropy the loss (training.fused_cross_entropy); a partial set is said in a note."""
+    on = [k for k, v in keys.items() if v is True]
+    if not on:
+        return
+    t = recipe.training
+    if keys.get("liger_rms_norm") is True and keys.get("liger_glu_activation") is True:
+        t["kernels"] = "fused"
+        if keys.get("liger_rope") is not True:
+            recipe.notes.append(f"{where}liger_rope not set: HF's RoPE priced as fused with the rest")
+    else:
+        recipe.notes.append(f"{where}{', '.join(on)}: without both liger_rms_norm and liger_glu_activation the "
+                            "elementwise kernels are priced as HF's (training.kernels hf)")
+    if keys.get("liger_fused_linear_cross_entropy") is True:
+        t["fused_cross_entropy"] = True
 
 
 def _refuse_quantized(data: dict, where: str, keys: tuple[str, ...]):
