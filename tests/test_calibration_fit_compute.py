@@ -259,7 +259,7 @@ def test_calibrate_says_when_layer_timings_are_noisy(capsys):
 
 
 def test_fit_gemm_on_a_known_gpu_keeps_the_datasheet_peak_and_drops_launch_bound_gemms():
-    """[Note: the GEMM law against the datasheet]: the GEMMs ran at 0.75 of a 989.4 TFLOP/s
+    """See [Note: the GEMM law against the datasheet]: the GEMMs ran at 0.75 of a 989.4 TFLOP/s
     datasheet peak under a d_half-64 law; a launch-bound square (its time the 13 us launch rate)
     must not drag the law: fitted freely it pulled the H200's asymptote to 1.8x the datasheet."""
     shapes = [(4096, 4096, 4096), (2048, 8192, 2048), (512, 8192, 4096), (8192, 1024, 4096), (256, 256, 256)]
