@@ -229,9 +229,11 @@ def resolve_source(args, launch: list[str] | None = None):
         if scenario not in (None, str(DEFAULT_SCENARIO)):
             raise ZsimInputError("scenario", scenario, "give a scenario file or a launch command after --, not both")
         recipe = read_launch(launch, Path.cwd(), "the launch command")
+        args.launch_words = launch
     elif isinstance(scenario, str) and _is_file(scenario):
         path = Path(scenario)
         if is_launch_script(path):
+            args.launch_script = str(path)      # what zsim tune --write answers beside
             words, env = read_script(path)
             recipe = read_launch(words, path.parent.resolve(), str(path), env)
         elif path.suffix in (".yaml", ".yml"):

@@ -99,7 +99,9 @@ def batch_overrides(path: str, overrides: tuple[str, ...], global_batch: int | N
     ds_config leaves them "auto" for the HF Trainer and the scenario's training keys do not set
     them: choosing them is the search's job, at a global batch of `global_batch`, else the
     ds_config's train_batch_size when it is a number, else the HF Trainer's default (8 a GPU,
-    GAS 1) x the data-parallel size, which the note names. The ds_config keeps its "auto" (the
+    GAS 1; the one of them the run gives, as a training key or a number in the ds_config, in
+    its place) x the data-parallel size, which the note names; the search starts from the value
+    the run gives. The ds_config keeps its "auto" (the
     file written back keeps it too, with the values to give the Trainer). Without "auto",
     `global_batch` replaces the scenario's global batch (its micro-batch and GAS keys dropped:
     DeepSpeed derives them from train_batch_size). ((), "") when there is nothing to choose."""
@@ -126,16 +128,31 @@ def batch_overrides(path: str, overrides: tuple[str, ...], global_batch: int | N
               "deepspeed.train_batch_size=null"):
         probe = apply_set(probe, a)
     dp = scenario_from_mapping(probe, Path(path).parent, name_default=Path(path).stem).data_parallel_size
+    # the one of micro-batch and GAS the run fixes where the other is "auto": a training key (the
+    # Trainer's argument), else the ds_config's number, which the search's start must keep
+    known = [(key, training.get(key), False) if training.get(key) is not None else (key, ds.get(ds_key), True)
+             for ds_key, key in (("train_micro_batch_size_per_gpu", "micro_batch_size"),
+                                 ("gradient_accumulation_steps", "gradient_accumulation_steps"))
+             if key not in auto and _count_or_none(training.get(key) if training.get(key) is not None
+                                                   else ds.get(ds_key)) is not None]
     note = ""
     if global_batch is None:
         if file_batch is not None:
             global_batch = file_batch
-        else:
+        elif not known:
             micro = TRAINER_DEFAULTS["micro_batch_size"][0]
             global_batch = micro * dp
             note = (f"the global batch is {global_batch} (the HF Trainer's default per_device_train_batch_size "
                     f"{micro} x gradient_accumulation_steps 1 x {dp} data-parallel ranks: "
                     "train_batch_size is \"auto\"); --global-batch N to choose it")
+        else:
+            key, value, _ = known[0]
+            micro = value if key == "micro_batch_size" else TRAINER_DEFAULTS["micro_batch_size"][0]
+            gas = value if key == "gradient_accumulation_steps" else 1
+            global_batch = micro * gas * dp
+            note = (f"the global batch is {global_batch} (per_device_train_batch_size {micro} x "
+                    f"gradient_accumulation_steps {gas} x {dp} data-parallel ranks, the HF Trainer's default "
+                    "for the one not given: train_batch_size is \"auto\"); --global-batch N to choose it")
     elif file_batch is not None and file_batch != global_batch and auto:
         raise ZsimInputError("--global-batch", global_batch, f"disagrees with the ds_config's train_batch_size "
                              f"{file_batch}; drop one (the HF Trainer refuses the mismatch)")
@@ -143,12 +160,28 @@ def batch_overrides(path: str, overrides: tuple[str, ...], global_batch: int | N
         raise ZsimInputError("--global-batch" if note == "" else "deepspeed.train_batch_size", global_batch,
                              f"does not divide over the {dp} data-parallel ranks; give a multiple of {dp}")
     if auto:
-        # micro-batch 1, the rest accumulated: a start the search moves from ("auto" stays in the ds_config)
-        return ("training.micro_batch_size=1", f"training.gradient_accumulation_steps={global_batch // dp}"), note
+        # a start the search moves from ("auto" stays in the ds_config): the value the run fixes
+        # with the rest accumulated (or batched), else micro-batch 1 and the rest accumulated
+        micro, gas = 1, global_batch // dp
+        if known:
+            key, value, in_file = known[0]
+            if global_batch % (dp * value) == 0:
+                micro, gas = (value, global_batch // (dp * value)) if key == "micro_batch_size" \
+                    else (global_batch // (dp * value), value)
+            elif in_file:
+                ds_key = "train_micro_batch_size_per_gpu" if key == "micro_batch_size" else key
+                raise ZsimInputError("--global-batch", global_batch, f"is not a multiple of the {dp} data-parallel "
+                                     f"ranks x the ds_config's {ds_key} {value}; give a multiple of {dp * value} "
+                                     f"or make {ds_key} \"auto\"")
+        return (f"training.micro_batch_size={micro}", f"training.gradient_accumulation_steps={gas}"), note
     out = [f"deepspeed.train_batch_size={global_batch}", "deepspeed.train_micro_batch_size_per_gpu=null",
            "deepspeed.gradient_accumulation_steps=null"]
     out += [f"training.{k}=null" for k in ("micro_batch_size", "gradient_accumulation_steps") if training.get(k) is not None]
     return tuple(out), note
+
+
+def _count_or_none(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
 
 
 def _trainer_autos(ds) -> bool:
@@ -176,17 +209,36 @@ def _recipe_kind(args) -> str | None:
 def _write_paths(args):
     """--write: the answer beside the input, in its format (`_tuned_path`); never the input. An
     axolotl or LLaMA-Factory recipe gets NAME.tuned.yaml with the changed keys, its ds_config
-    (when the winner's differs) NAME.tuned.json beside the one it names, or beside the recipe."""
+    (when the winner's differs) NAME.tuned.json beside the one it names, or beside the recipe;
+    an accelerate config the same (its plugin's keys, or a deepspeed_config_file); a launch
+    script NAME.tuned.sh with the training script's flags edited (and the recipe it hands on,
+    as above). What has no file format of its own to answer in is refused in one line."""
     from zsim.commands.common import NO_DEEPSPEED
+    from zsim.config.launch_writer import tuned_path
     from zsim.config.recipe_writer import WRITABLE
     from zsim.config.scenario import source_is_ds_config
 
     path = Path(args.scenario)
-    args.recipe_out = None
-    if _recipe_kind(args) in WRITABLE:
-        recipe = Path(args.recipe)
-        args.recipe_out = str(recipe.with_name(recipe.stem + ".tuned" + recipe.suffix))
-        args.out = args.out or str(recipe.with_name(recipe.stem + ".ds_config.tuned.json") if path == NO_DEEPSPEED
+    args.recipe_out = args.launch_out = None
+    kind = _recipe_kind(args)
+    script = getattr(args, "launch_script", None)
+    if getattr(args, "launch_words", None) is not None:
+        raise ZsimInputError("--write", " ".join(args.launch_words[:1]), "a launch command after -- has no file to "
+                             "write beside: save it in a script (train.sh) and give zsim tune train.sh --write, or "
+                             "use --out/--scenario-out")
+    recipe = Path(args.recipe) if getattr(args, "recipe", None) else None
+    if recipe is not None and kind not in (*WRITABLE, "accelerate"):
+        raise ZsimInputError("--write", str(recipe), "is the HF Trainer's arguments as a YAML/JSON file, which zsim "
+                             "tune cannot write back yet; use --out DS.json and the notes' Trainer arguments")
+    if script:
+        from zsim.commands.tune_write import check_launch
+        check_launch(args)
+        args.launch_out = str(tuned_path(Path(script)))
+    if recipe is not None:
+        args.recipe_out = str(tuned_path(recipe))
+    if recipe is not None or script:
+        beside = recipe or Path(script)
+        args.out = args.out or str(beside.with_name(beside.stem + ".ds_config.tuned.json") if path == NO_DEEPSPEED
                                    else path.with_name(path.stem + ".tuned.json"))
     elif source_is_ds_config(path):
         args.out = args.out or str(path.with_name(path.stem + ".tuned.json"))
@@ -214,8 +266,12 @@ def main(args) -> int:
     width = table_width(args.width)
     if args.write:
         _write_paths(args)
-    for flag, path in (("--out", args.out), ("--scenario-out", args.scenario_out),
-                       ("--write", getattr(args, "recipe_out", None))):
+    outputs = (("--out", args.out), ("--scenario-out", args.scenario_out),
+               ("--write", getattr(args, "recipe_out", None)), ("--write", getattr(args, "launch_out", None)))
+    inputs = [p for p in (args.scenario, getattr(args, "recipe", None), getattr(args, "launch_script", None)) if p]
+    for flag, path in outputs:
+        if path and any(Path(path).resolve() == Path(p).resolve() for p in inputs):
+            raise ZsimInputError(flag, path, "is an input of this run; zsim tune never writes over its input")
         if path and Path(path).exists() and not args.force:
             raise ZsimInputError(flag, path, "the file exists; pass --force to overwrite it or choose another path")
     if args.out and args.scenario_out and Path(args.out).resolve() == Path(args.scenario_out).resolve():
@@ -275,21 +331,29 @@ def main(args) -> int:
     if args.out or args.scenario_out:
         ds_args = (base.raw.get("deepspeed"), base.scenario(()), base.scenario(best.assignments()), [*KNOBS, *KNOBS_STAGE3])
         cfg, notes = tuned_ds_config(*ds_args)
-        if batch and batch[0] == "training.micro_batch_size=1":
+        if batch and batch[0].startswith("training.micro_batch_size="):
             # the search chose micro-batch and GAS where the ds_config says "auto": the Trainer's
             # arguments carry them (whatever the base's start was, so said here for both)
             notes = [n for n in notes if not n.startswith(("train_micro_batch_size_per_gpu stays",
                                                            "gradient_accumulation_steps stays"))]
             notes.insert(0, f"micro-batch and GAS stay \"auto\" as written; give the HF Trainer "
                             f"--per_device_train_batch_size {best.micro_batch} --gradient_accumulation_steps {best.gas}")
-        recipe_out = getattr(args, "recipe_out", None)
-        if args.out and not (recipe_out and cfg == base.raw.get("deepspeed")):
+        recipe_out, launch_out = getattr(args, "recipe_out", None), getattr(args, "launch_out", None)
+        accelerate = recipe_out is not None and _recipe_kind(args) == "accelerate"
+        if args.out and not ((recipe_out or launch_out) and cfg == base.raw.get("deepspeed")) and not accelerate:
             save(args.out, json.dumps(cfg, indent=2) + "\n")
-        if recipe_out:
-            # the recipe carries the micro-batch and GAS the Trainer fills the "auto" with
+        if recipe_out or launch_out:
+            # the recipe or the script's flags carry the micro-batch and GAS the Trainer fills the "auto" with
             notes = [n for n in notes if not n.startswith(("train_micro_batch_size_per_gpu stays",
                                                            "gradient_accumulation_steps stays", "micro-batch and GAS"))]
+        if accelerate:
+            from zsim.commands.tune_write import write_accelerate
+            notes += write_accelerate(args, base, best, cfg)
+        elif recipe_out:
             notes += _write_recipe(args, base, best, cfg)
+        if launch_out:
+            from zsim.commands.tune_write import write_launch
+            notes += write_launch(args, base, best, cfg)
         if args.scenario_out:
             where = Path(args.scenario_out).resolve().parent
             # where the ds_config keeps an "auto" the tuned value differs from (for the HF Trainer to

@@ -112,6 +112,21 @@ def read_script(path: Path) -> tuple[list[str], dict]:
     from zsim.inputs import read_text
     text = read_text(path, "launch script", "a shell script holding the launch command")
     env = dict(os.environ)
+    line_no, words, prefix = find_launch(text, path, env)
+    env.update({k: _expand_or_keep(v, env) for k, v in prefix.items()})
+    out = []
+    for w in words:
+        try:
+            out.append(_expand(w, env))
+        except KeyError as exc:
+            raise ZsimInputError(f"{path.name}:{line_no}", w, f"uses ${exc.args[0]}, which the script and the "
+                                 "environment do not set; set it or write the value") from None
+    return out, {k: env[k] for k in prefix}
+
+
+def find_launch(text: str, path: Path, env: dict) -> tuple[int, list[str], dict]:
+    """(first line number, words as written, VAR=value prefixes) of the one launch command in a
+    script's text; `env` gets the script's own assignments made before it."""
     found: list[tuple[int, list[str], dict]] = []
     for line_no, line in _logical_lines(text):
         try:
@@ -139,16 +154,7 @@ def read_script(path: Path) -> tuple[list[str], dict]:
     if len(found) > 1:
         raise ZsimInputError("launch script", str(path), f"holds {len(found)} launch commands (lines "
                              f"{', '.join(str(n) for n, _, _ in found)}); give one with zsim run -- <command>")
-    line_no, words, prefix = found[0]
-    env.update({k: _expand_or_keep(v, env) for k, v in prefix.items()})
-    out = []
-    for w in words:
-        try:
-            out.append(_expand(w, env))
-        except KeyError as exc:
-            raise ZsimInputError(f"{path.name}:{line_no}", w, f"uses ${exc.args[0]}, which the script and the "
-                                 "environment do not set; set it or write the value") from None
-    return out, {k: env[k] for k in prefix}
+    return found[0]
 
 
 def _expand_or_keep(value: str, env: dict) -> str:
@@ -292,6 +298,7 @@ def read_launch(words: list[str], cwd: Path, origin: str, env: dict | None = Non
     if i >= len(words):
         raise ZsimInputError("launch command", " ".join(words), "names no training script")
     script, rest = words[i], words[i + 1:]
+    recipe.script_index = i
     first = rest[0] if rest and not rest[0].startswith("-") else None
     if first and ((module and script in RECIPE_MODULES) or first.endswith((".yaml", ".yml", ".json"))):
         return _recipe_arg(first, rest[1:], cwd, recipe)

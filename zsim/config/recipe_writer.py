@@ -26,6 +26,8 @@ WRITABLE = tuple(RECIPE_KEYS)
 def _scalar(value) -> str:
     """A YAML scalar: numbers and booleans as YAML writes them, a plain path as is, any other
     string as a JSON string (valid YAML)."""
+    if value is None:
+        return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
@@ -74,3 +76,69 @@ def tuned_recipe(text: str, kind: str, micro_batch: int | None = None, gas: int 
     for key, value in changes:
         text = set_top_level(text, key, value)
     return text, [f"{key}: {_scalar(value)}" for key, value in changes]
+
+
+def _child_block(lines: list[str], parent: str) -> tuple[int | None, int, str]:
+    """(index of the top-level `parent:` line or None, end of its indented block (trailing blank
+    and comment lines left after it), the children's indentation ("  " when it has none)."""
+    head = re.compile(rf"^{re.escape(parent)}\s*:")
+    for i, line in enumerate(lines):
+        if not head.match(line):
+            continue
+        end, indent = i + 1, None
+        for j in range(i + 1, len(lines)):
+            stripped = lines[j].strip()
+            if not lines[j].startswith((" ", "\t")) and stripped and not stripped.startswith("#"):
+                break
+            if stripped and lines[j].startswith((" ", "\t")):
+                end = j + 1
+                if indent is None and not stripped.startswith("#"):
+                    indent = lines[j][:len(lines[j]) - len(lines[j].lstrip())]
+        return i, end, indent or "  "
+    return None, len(lines), "  "
+
+
+def _child_pattern(indent: str, key: str):
+    return re.compile(rf"^{re.escape(indent)}{re.escape(key)}\s*:(?P<value>[^#\n]*?)(?P<comment>\s+#.*)?"
+                      r"(?P<end>\r?\n?)$")
+
+
+def set_nested(text: str, parent: str, key: str, value) -> str:
+    """`text` with `parent.key` set to `value` (`parent` a top-level block mapping): the key's
+    line edited in place (a trailing comment kept), else a line added at the end of the block,
+    else the block added. A flow mapping (`parent: {...}`) that is not empty is refused."""
+    lines = text.splitlines(keepends=True)
+    i, end, indent = _child_block(lines, parent)
+    if i is None:
+        if lines and not lines[-1].endswith("\n"):
+            lines[-1] += "\n"
+        return "".join(lines) + f"{parent}:\n{indent}{key}: {_scalar(value)}\n"
+    inline = re.match(rf"^{re.escape(parent)}\s*:(?P<value>[^#\n]*?)(?P<comment>\s+#.*)?\r?\n?$", lines[i])
+    flow = inline.group("value").strip() if inline else ""
+    if flow not in ("", "{}", "null", "~"):
+        from zsim.errors import ZsimInputError
+        raise ZsimInputError(parent, flow, "is written on one line; write it as an indented block to let zsim tune "
+                             "--write edit it line by line")
+    if flow:
+        lines[i] = f"{parent}:{inline.group('comment') or ''}\n"
+    pattern = _child_pattern(indent, key)
+    for j in range(i + 1, end):
+        m = pattern.match(lines[j])
+        if m:
+            lines[j] = f"{indent}{key}: {_scalar(value)}{m.group('comment') or ''}{m.group('end') or chr(10)}"
+            return "".join(lines)
+    if end > 0 and not lines[end - 1].endswith("\n"):
+        lines[end - 1] += "\n"
+    lines.insert(end, f"{indent}{key}: {_scalar(value)}\n")
+    return "".join(lines)
+
+
+def drop_nested(text: str, parent: str, key: str) -> str:
+    """`text` without the `parent.key` line (a scalar value; nothing when it is absent)."""
+    lines = text.splitlines(keepends=True)
+    i, end, indent = _child_block(lines, parent)
+    if i is None:
+        return text
+    pattern = _child_pattern(indent, key)
+    return "".join(line for j, line in enumerate(lines) if not (i < j < end and pattern.match(line)))
+

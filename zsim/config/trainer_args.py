@@ -49,6 +49,7 @@ class Recipe:
     framework: str | None = None
     ignored: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    script_index: int | None = None               # a launch command's words[i]: the training script
 
 
 # HfArgumentParser's string_to_bool (transformers/hf_argparser.py)
