@@ -154,3 +154,19 @@ def test_llama_factory_flash_attn_and_liger(tmp_path):
     assert impl == "implementation: attention eager; kernels fused"
     impl, _ = _run_recipe(tmp_path, base + "flash_attn: fa2\n")
     assert impl == "implementation: attention flash_attention_2; kernels hf (op by op)"
+
+
+def test_an_auto_ds_config_is_an_hf_trainer_run():
+    sc = scenario_from_mapping({
+        "name": "t", "model": {"preset": "llama3-8b"}, "hardware": {"profile": "dgx-h100", "nodes": 1},
+        "training": {"micro_batch_size": 1, "seq_len": 1024},
+        "deepspeed": {"bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 3},
+                      "gradient_accumulation_steps": "auto"}}, None)
+    assert sc.training.framework == "hf_trainer" and sc.training.kernels_used == "hf"
+    assert any(n.startswith("training.framework: hf_trainer, as the ds_config's \"auto\" values say")
+               for n in sc.notes)
+    stated = scenario_from_mapping({
+        "name": "t", "model": {"preset": "llama3-8b"}, "hardware": {"profile": "dgx-h100", "nodes": 1},
+        "training": {"micro_batch_size": 1, "seq_len": 1024, "framework": "deepspeed"},
+        "deepspeed": {"bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 3}}}, None)
+    assert stated.training.framework == "deepspeed" and stated.training.kernels_used == "fused"

@@ -65,6 +65,12 @@ def _autos(node, path=()) -> list[tuple[str, ...]]:
     return [path] if node == "auto" else []
 
 
+def has_autos(ds: dict) -> bool:
+    """Whether the ds_config holds an "auto" that only the HF Trainer / accelerate fill (DeepSpeed's
+    own config models refuse the string): the run is theirs."""
+    return bool(_autos(ds))
+
+
 def _read_keys() -> set:
     return set(accepted_keys(DeepSpeedConfig)) | {"tensor_parallel"}
 

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import yaml
 
-from zsim.config.hf_auto import fill_framework_autos, resolve_trainer_autos
+from zsim.config.hf_auto import fill_framework_autos, has_autos, resolve_trainer_autos
 from zsim.config.hf_config import FINE_TUNE_SEQ_LEN, model_files, preset_model, preset_names, read_hf_config
 from zsim.config.parallel import check_parallelism, resolve_parallelism
 from zsim.config.profile import load_profile
+from zsim.config.quantization import quantization_notes
 from zsim.config.source import SCENARIO_KEYS, as_scenario, is_ds_config
 from zsim.errors import UnknownKeyError, ZsimInputError, did_you_mean, unknown_key
 from zsim.inputs import TrailingCommaJSON, check_nesting, parse_json, parse_yaml, read_text, too_deep
@@ -307,6 +308,13 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
         ds_raw.setdefault("bf16", old)
     ds_raw = _deprecated_zero_flag(ds_raw)
     notes += _check_top_level_ds(ds_raw)
+    if training.framework is None and has_autos(ds_raw):
+        # "auto" is the HF Trainer's and accelerate's (they fill it; DeepSpeed's own models refuse
+        # the string): their run, their model code and their search space
+        training = replace(training, framework="hf_trainer")
+        notes.append("training.framework: hf_trainer, as the ds_config's \"auto\" values say (the HF Trainer or "
+                     "accelerate fills them): HF's kernels and sdpa attention, tune's HF search space; "
+                     "--set training.framework=deepspeed to change it")
     ds_raw, filled = fill_framework_autos(ds_raw)
     notes += filled
     par = resolve_parallelism(raw.get("parallelism"), ds_raw.get("pipeline"), cluster.world_size, model.layers,
@@ -331,6 +339,7 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
         notes.append(f"seq_len {FINE_TUNE_SEQ_LEN}, not the config.json's context of {model.seq_len:,} "
                      "(TRL SFTConfig's max_length default; --set training.seq_len=N)")
     training = check_parallelism(par, ds, training, model, cluster.world_size)
+    notes += quantization_notes(training.quantization, ds.zero_optimization.stage, par.tensor, par.pipeline)
     if training.seq_len and model.position == "learned" and training.seq_len > model.seq_len:
         raise ZsimInputError("training.seq_len", training.seq_len,
                              f"exceeds the model's learned position table (model.seq_len={model.seq_len}); raise model.seq_len")

@@ -63,6 +63,9 @@ class LoraSpec:
 AttnImplementation = Literal["eager", "sdpa", "flash_attention_2", "flash_attention_3"]
 Kernels = Literal["hf", "fused"]
 
+# bitsandbytes storage of the frozen base linears (TrainingSpec.quantization; zsim/workload/quant.py)
+Quantization = Literal["none", "nf4", "fp4", "int8"]
+
 # what runs the training loop (TrainingSpec.framework; tune's --framework)
 Framework = Literal["hf_trainer", "deepspeed", "megatron_deepspeed"]
 FRAMEWORKS = get_args(Framework)
@@ -104,12 +107,20 @@ class TrainingSpec:
     max_grad_norm: float = spec(1.0, ge=0, doc="HF Trainer's max_grad_norm, used for gradient_clipping: auto")
     lora: Optional[LoraSpec] = spec(None, doc="PEFT LoRA: frozen base model, trained adapters (zsim/workload/lora.py)")
     frozen: tuple[str, ...] = spec((), doc="module-name suffixes whose parameters are frozen (requires_grad=False)")
+    quantization: Quantization = spec(
+        "none", doc="bitsandbytes storage of the frozen base model's linears under LoRA (QLoRA): nf4 or fp4 "
+                    "(load_in_4bit, bnb_4bit_quant_type), int8 (load_in_8bit, LLM.int8); embeddings, norms, lm_head "
+                    "and the adapters stay 16-bit; each use of a weight dequantizes it "
+                    "(see [Note: bitsandbytes quantized base weights])")
+    double_quant: bool = spec(False, doc="bnb_4bit_use_double_quant: the 4-bit absmax quantized to 8 bits "
+                                         "(BitsAndBytesConfig's default false; axolotl and LLaMA-Factory set true)")
     framework: Optional[Framework] = spec(
         None, doc="what runs the training loop, which bounds what zsim tune may propose: hf_trainer (HF Trainer, "
                   "accelerate, axolotl, LLaMA-Factory: ZeRO, offload and DeepSpeed AutoTP, no Megatron TP/SP or "
                   "pipeline), deepspeed (the DeepSpeed engine on the user's model: also PipelineModule and "
-                  "DeepSpeed-MoE), megatron_deepspeed (also Megatron tensor/sequence parallelism); default: not "
-                  "stated, every layout zsim models")
+                  "DeepSpeed-MoE), megatron_deepspeed (also Megatron tensor/sequence parallelism); default: "
+                  "hf_trainer when the ds_config holds \"auto\" values (only the HF Trainer and accelerate "
+                  "fill them), else not stated: every layout zsim models")
     z3_leaf_moe_block: bool = spec(True, doc="ZeRO-3: each MoE block is a leaf module (deepspeed.utils."
                                    "set_z3_leaf_modules; DeepSpeed 0.19.8's default zero_optimization.leaf_module "
                                    "for Mixtral/Qwen2-MoE/Qwen3-MoE) and gathers all its experts at once; false: "
@@ -146,7 +157,12 @@ class TrainingSpec:
         elif attn == "flash_attention_3":
             attn += " (priced at the profile's FlashAttention figures)"
         kernels = "hf (op by op)" if self.kernels_used == "hf" else "fused"
-        return f"implementation: attention {attn}; kernels {kernels}"
+        base = ""
+        if self.quantization != "none":
+            bits = "int8 (LLM.int8)" if self.quantization == "int8" else \
+                f"4-bit {self.quantization}{' with double quant' if self.double_quant else ''}"
+            base = f"; base linears {bits} (bitsandbytes, dequantized at each use)"
+        return f"implementation: attention {attn}; kernels {kernels}{base}"
 
 
 @dataclass(frozen=True, kw_only=True)
