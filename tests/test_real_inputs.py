@@ -65,8 +65,6 @@ _PENDING_BY_REASON = {
     "46B item 4: the recipe's Hub id (an ungated mirror or a model zsim's catalogue lacks) is not in the empty "
     "test cache or scenarios/hub/": (
         "axolotl/lora-1b.yml", "axolotl/lora-1b-ray.yml", "axolotl/fft-8b.yaml", "axolotl/reward-model.yaml"),
-    "46B item 3: load_in_4bit (QLoRA's 4-bit base weights) is refused, not simulated: zsim prices 16-bit base "
-    "weights": ("axolotl/mixtral.yml",),
 }
 PENDING: dict[str, str] = {f: reason for reason, files in _PENDING_BY_REASON.items() for f in files}
 

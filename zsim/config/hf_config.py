@@ -417,7 +417,14 @@ def read_hf_config(path: Path, field: str = "model.hf_config", notes: list | Non
     if notes is not None and isinstance(quant, dict):
         method = quant.get("quant_method", "quantized")
         fmt = quant.get("fmt") or quant.get("bits")
-        notes.append(f"{path.name}: quantization_config ({method}{f' {fmt}' if fmt else ''} weights) is the "
-                     "checkpoint's storage; the run trains in its own precision (training.precision), as DeepSpeed "
-                     "trains the dequantized 16-bit weights")
+        if method == "bitsandbytes":
+            four = quant.get("load_in_4bit") or quant.get("_load_in_4bit")
+            what = quant.get("bnb_4bit_quant_type", "fp4") if four else "int8"
+            double = " training.double_quant=true" if four and quant.get("bnb_4bit_use_double_quant") else ""
+            notes.append(f"{path.name}: quantization_config (bitsandbytes {what}) is read as the model's shapes only; "
+                         f"to simulate its quantized base weights under LoRA, --set training.quantization={what}{double}")
+        else:
+            notes.append(f"{path.name}: quantization_config ({method}{f' {fmt}' if fmt else ''} weights) is the "
+                         "checkpoint's storage; the run trains in its own precision (training.precision), as "
+                         "DeepSpeed trains the dequantized 16-bit weights")
     return model

@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from zsim.errors import ZsimInputError
+from zsim.config.quantization import bnb_training
 from zsim.config.trainer_args import Recipe, as_bool, as_float, as_int, as_names, read_trainer_args
 
 ACCEPTED = ("a scenario YAML, a ds_config.json, an accelerate config YAML, an axolotl YAML, a LLaMA-Factory YAML, "
@@ -205,13 +206,11 @@ def read_axolotl(data: dict, path: Path, bases: list[Path], recipe: Recipe) -> R
     """axolotl's config (axolotl/utils/schemas/config.py AxolotlInputConfig)."""
     where = f"{path.name}: "
     t = recipe.training
-    _refuse_quantized(data, where, ("load_in_4bit", "load_in_8bit"))
     adapter = data.get("adapter")
-    if adapter == "qlora":
-        raise ZsimInputError(f"{where}adapter", adapter, "QLoRA's 4-bit base weights are not modelled; use adapter: "
-                             "lora to simulate 16-bit base weights")
-    if adapter not in (None, "", "lora"):
-        raise ZsimInputError(f"{where}adapter", adapter, "zsim models adapter: lora (or none: full fine-tuning)")
+    if adapter not in (None, "", "lora", "qlora"):
+        raise ZsimInputError(f"{where}adapter", adapter, "zsim models adapter: lora or qlora (or none: full "
+                             "fine-tuning)")
+    _axolotl_bnb(data, adapter, recipe, where)
     recipe.model = str(data["base_model"])
     if data.get("sequence_len") is not None:
         t["seq_len"] = as_int(where + "sequence_len", data["sequence_len"])
@@ -248,7 +247,7 @@ def read_axolotl(data: dict, path: Path, bases: list[Path], recipe: Recipe) -> R
                                              "liger_fused_linear_cross_entropy")}, where)
     if data.get("max_grad_norm") is not None:
         t["max_grad_norm"] = as_float(where + "max_grad_norm", data["max_grad_norm"])
-    if adapter == "lora":
+    if adapter in ("lora", "qlora"):
         lora = {}
         if data.get("lora_r") is not None:
             lora["rank"] = as_int(where + "lora_r", data["lora_r"])
@@ -285,11 +284,87 @@ def read_axolotl(data: dict, path: Path, bases: list[Path], recipe: Recipe) -> R
     return recipe
 
 
+def _axolotl_bnb(data: dict, adapter, recipe: Recipe, where: str):
+    """axolotl's bitsandbytes settings (loaders/model.py _set_quantization_config; schemas/peft.py
+    validate_adapter, validate_qlora): adapter qlora with load_in_4bit is NF4 with double
+    quantization and bf16 quant_storage, bnb_config_kwargs overriding; adapter lora with
+    load_in_8bit is LLM.int8; lora with load_in_4bit builds no quantization config."""
+    four, eight = (as_bool(where + k, data.get(k) or False) for k in ("load_in_4bit", "load_in_8bit"))
+    if (four or eight) and not adapter:
+        raise ZsimInputError(f"{where}load_in_{'4' if four else '8'}bit", True, "axolotl quantizes only under an "
+                             "adapter (its validate_adapter refuses it for full fine-tuning): set adapter: qlora")
+    if adapter == "qlora" and eight:
+        raise ZsimInputError(f"{where}load_in_8bit", True, "axolotl refuses qlora in 8-bit (\"Can't load qlora in "
+                             "8bit\"): use adapter: lora with load_in_8bit, or load_in_4bit")
+    if adapter == "qlora" and not four:
+        raise ZsimInputError(f"{where}adapter", adapter, "axolotl requires load_in_4bit: true for qlora "
+                             "(validate_qlora)")
+    if adapter == "lora" and four:
+        recipe.notes.append(f"{where}load_in_4bit with adapter: lora: axolotl builds its 4-bit config for adapter "
+                            "qlora only, so the base weights stay 16-bit")
+        return
+    if adapter == "qlora":
+        kwargs = data.get("bnb_config_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise ZsimInputError(f"{where}bnb_config_kwargs", kwargs, "expected a mapping of BitsAndBytesConfig keys")
+        quant_type = kwargs.get("bnb_4bit_quant_type", "nf4")
+        double = as_bool(where + "bnb_config_kwargs.bnb_4bit_use_double_quant",
+                         kwargs.get("bnb_4bit_use_double_quant", True))
+        recipe.training.update(bnb_training(where + "bnb_config_kwargs.", True, False, quant_type, double))
+        recipe.notes.append(f"{where}adapter qlora: base linears {quant_type}{' with' if double else ' without'} "
+                            "double quantization (axolotl's bnb_4bit_* defaults unless bnb_config_kwargs sets them)")
+    elif eight:
+        recipe.training.update(bnb_training(where, False, True))
+
+
+def _llama_factory_bnb(data: dict, recipe: Recipe, bases: list[Path], where: str):
+    """LLaMA-Factory's on-the-fly quantization (model/model_utils/quantization.py
+    configure_quantization; hparams/model_args.py QuantizationArguments: quantization_method bnb,
+    quantization_type nf4, double_quantization true; hparams/parser.py _verify_model_args)."""
+    bits = data.get("quantization_bit")
+    if bits in (None, "", "none"):
+        return
+    bits = as_int(where + "quantization_bit", bits)
+    method = str(data.get("quantization_method", "bnb"))
+    if method not in ("bnb", "bitsandbytes"):
+        raise ZsimInputError(f"{where}quantization_method", method, "zsim models bitsandbytes (quantization_method: "
+                             "bnb, 4 or 8 bits); drop quantization_bit to simulate 16-bit base weights")
+    if bits not in (4, 8):
+        raise ZsimInputError(f"{where}quantization_bit", bits, "bitsandbytes takes 4 or 8 (LLaMA-Factory's check)")
+    if data.get("finetuning_type", "lora") != "lora":
+        raise ZsimInputError(f"{where}quantization_bit", bits, "LLaMA-Factory quantizes only for finetuning_type "
+                             "lora (or oft)")
+    if bits == 8:
+        if recipe.ds_config is not None and _zero_stage(recipe.ds_config, bases) == 3:
+            raise ZsimInputError(f"{where}quantization_bit", 8, "LLaMA-Factory refuses 8-bit under DeepSpeed ZeRO-3 "
+                                 "(\"Only 4-bit quantized model can use fsdp+qlora\"): use 4, or a ZeRO-2 config")
+        recipe.training.update(bnb_training(where, False, True))
+        return
+    quant_type = str(data.get("quantization_type", "nf4"))
+    if quant_type not in ("nf4", "fp4"):
+        raise ZsimInputError(f"{where}quantization_type", quant_type, "choose nf4 or fp4 (LLaMA-Factory's values)")
+    double = as_bool(where + "double_quantization", data.get("double_quantization", True))
+    recipe.training.update(bnb_training(where, True, False, quant_type, double))
+    if "quantization_type" not in data or "double_quantization" not in data:
+        recipe.notes.append(f"{where}quantization_bit 4: {quant_type}{' with' if double else ' without'} double "
+                            "quantization (LLaMA-Factory's quantization_type / double_quantization defaults)")
+
+
+def _zero_stage(ref, bases: list[Path]) -> int | None:
+    """The ZeRO stage of the ds_config a recipe names (None when it cannot be read here; the
+    scenario reads the file properly later)."""
+    import json
+    try:
+        ds = json.loads(_find(str(ref), bases, "deepspeed").read_text())
+        return int(ds.get("zero_optimization", {}).get("stage", 0))
+    except (ZsimInputError, OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
 def read_llama_factory(data: dict, path: Path, bases: list[Path], recipe: Recipe) -> Recipe:
     """LLaMA-Factory's recipe: HfArgumentParser over ModelArguments, DataArguments,
     Seq2SeqTrainingArguments and FinetuningArguments (src/llamafactory/hparams/)."""
     where = f"{path.name}: "
-    _refuse_quantized(data, where, ("quantization_bit",))
     stage = data.get("stage", "sft")
     if stage in ("dpo", "kto", "ppo"):
         raise ZsimInputError(f"{where}stage", stage, "preference training (a reference or reward model beside the "
@@ -336,6 +411,7 @@ def read_llama_factory(data: dict, path: Path, bases: list[Path], recipe: Recipe
         t["lora"] = lora
     if recipe.ds_config is not None:
         recipe.ds_config = _find(str(recipe.ds_config), bases, where + "deepspeed")
+    _llama_factory_bnb(data, recipe, bases, where)
     return recipe
 
 
@@ -348,7 +424,9 @@ LF_OWN = frozenset({"stage", "finetuning_type", "lora_rank", "lora_alpha", "lora
                     "freeze_multi_modal_projector", "train_mm_proj_only", "pref_beta", "pref_loss", "packing",
                     "neat_packing", "buffer_size", "default_system", "enable_thinking", "resize_vocab",
                     "split_special_tokens", "new_special_tokens", "rope_scaling", "shift_attn", "use_dora",
-                    "pissa_init", "create_new_adapter", "adapter_name_or_path", "export_dir", "infer_backend"})
+                    "pissa_init", "create_new_adapter", "adapter_name_or_path", "export_dir", "infer_backend",
+                    "quantization_bit", "quantization_method", "quantization_type", "double_quantization",
+                    "upcast_layernorm"})
 
 
 def _liger(recipe: Recipe, keys: dict, where: str):
@@ -369,10 +447,3 @@ def _liger(recipe: Recipe, keys: dict, where: str):
     if keys.get("liger_fused_linear_cross_entropy") is True:
         t["fused_cross_entropy"] = True
 
-
-def _refuse_quantized(data: dict, where: str, keys: tuple[str, ...]):
-    for key in keys:
-        value = data.get(key)
-        if value not in (None, False, 0, "", "none"):
-            raise ZsimInputError(f"{where}{key}", value, "quantized base weights (QLoRA) are not modelled; remove it "
-                                 "to simulate 16-bit base weights")

@@ -111,6 +111,12 @@ LORA_SWITCHES = ("use_peft", "use_lora", "lora_enable")
 LORA_FIELDS = {"lora_r": "rank", "lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout",
                "lora_target_modules": "target_modules", "lora_target": "target_modules",
                "lora_modules_to_save": "modules_to_save"}
+# bitsandbytes flags: TRL's ModelConfig (trl/trainer/model_config.py, get_quantization_config) and
+# PEFT's example scripts (examples/sft/train.py: use_4bit_quantization, use_nested_quant, ...)
+BNB_FLAGS = {"load_in_4bit": "4bit", "use_4bit_quantization": "4bit", "load_in_8bit": "8bit",
+             "use_8bit_quantization": "8bit", "bnb_4bit_quant_type": "type", "use_bnb_nested_quant": "nested",
+             "use_nested_quant": "nested", "bnb_4bit_use_double_quant": "nested", "bnb_4bit_quant_storage": None,
+             "bnb_4bit_quant_storage_dtype": None, "bnb_4bit_compute_dtype": None}
 # arguments that change nothing zsim prices (schedules, logging, data, saving, evaluation)
 NO_EFFECT = frozenset({
     "output_dir", "overwrite_output_dir", "do_train", "do_eval", "do_predict", "learning_rate", "num_train_epochs",
@@ -144,6 +150,7 @@ def read_trainer_args(args: dict, recipe: Recipe, where: str = "") -> Recipe:
     lora: dict = {}
     lora_switch: bool | None = None
     unknown = []
+    bnb: dict = {}
     precision = {k: as_bool(where + k, args[k]) for k in ("bf16", "fp16") if k in args}
     if precision.get("bf16") and precision.get("fp16"):
         # TrainingArguments.__post_init__ refuses both
@@ -189,6 +196,9 @@ def read_trainer_args(args: dict, recipe: Recipe, where: str = "") -> Recipe:
             else:
                 names = as_names(value)
                 lora[field_name] = "all-linear" if names in (["all"], ["all-linear"]) else names
+        elif name in BNB_FLAGS:
+            if BNB_FLAGS[name] is not None:   # storage and compute dtypes change no byte zsim counts
+                bnb[BNB_FLAGS[name]] = _one(key, value) if BNB_FLAGS[name] == "type" else as_bool(key, value)
         elif name == "optim":
             if _one(key, value) not in ADAMW:
                 unknown.append(f"{name} {_one(key, value)} (zsim prices AdamW's states)")
@@ -201,6 +211,10 @@ def read_trainer_args(args: dict, recipe: Recipe, where: str = "") -> Recipe:
     elif lora:
         recipe.ignored.append(", ".join(k for k in args if k in LORA_FIELDS) + " (LoRA is off)")
     recipe.ignored += unknown
+    if bnb:
+        from zsim.config.quantization import bnb_training
+        t.update(bnb_training(where, bnb.get("4bit", False), bnb.get("8bit", False), bnb.get("type", "nf4"),
+                              bnb.get("nested", False)))
     return recipe
 
 

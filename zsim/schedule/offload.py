@@ -39,7 +39,7 @@ def host_load_bytes(ctx: StepContext) -> float:
     With ZeRO-3, deepspeed.zero.Init (which the HF Trainer enables for stage-3 configs)
     partitions each parameter as it is created; otherwise every rank materialises the whole
     model on the CPU first (HF from_pretrained in the training dtype) before moving it to the GPU."""
-    n = ctx.wl.n_params
+    n = sum(ctx.wl.stored_numels(ctx.param_bytes))
     if ctx.sc.zero.stage == 3:
         return math.ceil(n / ctx.world) * ctx.param_bytes
     return n * ctx.param_bytes

@@ -138,7 +138,7 @@ class ParamCoordinator:
 
     def __init__(self, ctx: StepContext, persistent: tuple[int, ...]):
         self.ctx = ctx
-        self.numels = [p.numel for p in ctx.wl.params]
+        self.numels = ctx.wl.stored_numels(ctx.param_bytes)
         self.persistent = set(persistent)
         self.leaves = z3_leaf_blocks(ctx)
         self.visits = visit_sequence(ctx)

@@ -195,13 +195,14 @@ def allocate_states(ctx: StepContext, hooks: Zero012Hooks):
     """The rank's model states: 16-bit params, gradients and the optimizer's shard."""
     z = ctx.sc.zero
     buckets = hooks.buckets
-    n_params = ctx.wl.n_params
+    n_params = sum(ctx.wl.stored_numels(ctx.param_bytes))
     n_trainable = buckets.trainable_numel
     # the flat groups (and their partitions) hold the trainable params only; the frozen ones stay
     # whole on every rank (see [Note: frozen parameters under ZeRO])
     shard = buckets.optimized_numel(z.stage)
     states = model_state_bytes(n_params, shard, z.stage, ctx.param_bytes, trainable=(n_trainable, shard),
                                state_bytes=optimizer_state_bytes(ctx.sc.deepspeed))
+    states[Category.PARAMETERS] += ctx.wl.quant_state_bytes
     if hooks.bf16_optimizer:
         states[Category.GRADIENTS] = FP32_BYTES * n_trainable   # fp32 accumulation buffers for every trained param
     if buckets.lazy_grads:

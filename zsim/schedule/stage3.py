@@ -88,7 +88,7 @@ class Zero3Hooks(StageHooks):
 
 def build(ctx: StepContext):
     z = ctx.sc.zero
-    numels = [p.numel for p in ctx.wl.params]
+    numels = ctx.wl.stored_numels(ctx.param_bytes)   # a 4-bit weight's packed elements (see [Note: bitsandbytes quantized base weights])
     persistent = persistent_params(numels, z.param_persistence_threshold, z.model_persistence_threshold)
     hooks = Zero3Hooks(ctx, persistent)
     # layers the builder skips: one dense stack on a data-parallel group, nothing per layer
@@ -106,10 +106,11 @@ def build(ctx: StepContext):
     # (see [Note: frozen parameters under ZeRO])
     trained = trainable_numels(ctx.wl)
     train_shard = shard_numel(trained, ctx.world)
-    states = offload.place_states(ctx, model_state_bytes(ctx.wl.n_params, shard, 3, ctx.param_bytes,
+    states = offload.place_states(ctx, model_state_bytes(sum(numels), shard, 3, ctx.param_bytes,
                                                          trainable=(sum(trained), train_shard),
                                                          state_bytes=optimizer_state_bytes(ctx.sc.deepspeed)),
                                   train_shard)
+    states[Category.PARAMETERS] += ctx.wl.quant_state_bytes   # not parameters: whole on every rank
     for cat, size in states.items():
         ctx.b.static_alloc(cat, size)
     # persistent params hold a gathered copy, except one rank's views of its partitions

@@ -36,10 +36,12 @@ map through PEFT_NAMES. `training.frozen` also matches containers (`layers.0`, `
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 
 from zsim.errors import ZsimInputError
 from zsim.specs.scenario import LoraSpec, TrainingSpec
+from zsim.workload import quant
 from zsim.workload.module import Module, ModuleKind, Param, Workload
 
 # PEFT / HF module names -> zsim module suffixes (zsim's own names match as they are)
@@ -99,6 +101,11 @@ def apply_training(wl: Workload, training: TrainingSpec, zero3_linear: bool) -> 
     """`wl` with training.frozen and training.lora applied (the workload itself when neither is set);
     `zero3_linear`: F.linear is zero3_linear_wrap (see [Note: ZeRO-3 linear saves its input])."""
     lora, mods = training.lora, wl.modules
+    if training.quantization != "none" and lora is None:
+        # transformers trainer_utils.py validate_quantization_for_training
+        raise ZsimInputError("training.quantization", training.quantization, "quantized base weights train only "
+                             "under adapters (transformers refuses fine-tuning a purely quantized model); set "
+                             "training.lora")
     if lora is None and not training.frozen:
         return wl
     frozen = {pid for pid, _ in enumerate(wl.params)} if lora else set()
@@ -120,10 +127,44 @@ def apply_training(wl: Workload, training: TrainingSpec, zero3_linear: bool) -> 
     input_grad = [m.kind != ModuleKind.EMBEDDING and (full_ckpt or before[group[i]]) for i, m in enumerate(mods)]
     keeps_input = {group[i] for i in range(len(mods))
                    if mods[i].kind == ModuleKind.LINEAR and (trains[i] or (zero3_linear and input_grad[i]))}
-    return _rebuild(wl, lora, frozen, targets, saved, weight_grad, input_grad, keeps_input)
+    quantized = _quantized(wl, training, frozen, saved)
+    return _rebuild(wl, training, frozen, targets, saved, weight_grad, input_grad, keeps_input, quantized)
 
 
-def _rebuild(wl, lora, frozen, targets, saved, weight_grad, input_grad, keeps_input) -> Workload:
+def _quantized(wl: Workload, training: TrainingSpec, frozen: set[int], saved: set[int]) -> dict[int, Module]:
+    """The weights bitsandbytes quantizes, with their linear: every frozen Linear's weight but
+    lm_head's and tied ones (replace_with_bnb_linear, get_keys_to_not_convert; see [Note:
+    bitsandbytes quantized base weights]); modules_to_save keep theirs 16-bit."""
+    if training.quantization == "none":
+        return {}
+    uses = Counter(p for m in wl.modules for p in m.params)
+    return {m.params[0]: m for i, m in enumerate(wl.modules)
+            if m.kind == ModuleKind.LINEAR and m.name != "lm_head" and i not in saved and m.params
+            and m.params[0] in frozen and uses[m.params[0]] == 1}
+
+
+def _dequantizing(m: Module, weight: Param, training: TrainingSpec, a: int) -> Module:
+    """`m` paying for its quantized weight: each forward (and recompute) and each input-gradient
+    GEMM dequantizes it to a transient 16-bit copy; LLM.int8's forward quantizes its input instead
+    (see [Note: bitsandbytes quantized base weights])."""
+    q, dq = training.quantization, training.double_quant
+    tokens, rows, n_in = m.gemm
+    dequant = quant.dequant_bytes(weight.numel, rows, q, dq, a)
+    kernels = quant.dequant_kernels(q, dq)
+    if q in quant.FOUR_BIT:
+        fwd_mem, fwd_kernels, fwd_ws = dequant, kernels, weight.numel * a
+    else:
+        fwd_mem, fwd_kernels, fwd_ws = quant.int8_input_bytes(tokens, n_in, a), 1, tokens * (n_in + quant.FP32_BYTES)
+    m = replace(m, fwd_mem_bytes=m.fwd_mem_bytes + fwd_mem, kernels_fwd=m.kernels_fwd + fwd_kernels,
+                fwd_workspace_bytes=m.fwd_workspace_bytes + fwd_ws)
+    if m.input_grad:
+        m = replace(m, bwd_mem_bytes=m.bwd_mem_bytes + dequant, kernels_bwd=m.kernels_bwd + kernels,
+                    bwd_workspace_bytes=m.bwd_workspace + weight.numel * a)
+    return m
+
+
+def _rebuild(wl, training, frozen, targets, saved, weight_grad, input_grad, keeps_input, quantized) -> Workload:
+    lora = training.lora
     params: list[Param] = []
     new_id: dict[int, int] = {}
     a = wl.act_dtype_bytes
@@ -132,7 +173,12 @@ def _rebuild(wl, lora, frozen, targets, saved, weight_grad, input_grad, keeps_in
         if pid not in new_id:
             p = wl.params[pid]
             name = p.name.replace(rename[0], rename[1], 1) if rename and p.name.startswith(rename[0] + ".") else p.name
-            params.append(replace(p, name=name, trainable=pid not in frozen))
+            p = replace(p, name=name, trainable=pid not in frozen)
+            if pid in quantized:
+                q, rows = training.quantization, quantized[pid].gemm[1]
+                p = replace(p, packed_bytes=quant.packed_bytes(p.numel, q),
+                            quant_state_bytes=quant.quant_state_bytes(p.numel, rows, q, training.double_quant))
+            params.append(p)
             new_id[pid] = len(params) - 1
         return new_id[pid]
 
@@ -143,6 +189,8 @@ def _rebuild(wl, lora, frozen, targets, saved, weight_grad, input_grad, keeps_in
     modules: list[Module] = []
     for i, m in enumerate(wl.modules):
         m = _backward_of(m, input_grad[i], weight_grad[i], a, i in keeps_input)
+        if m.params and m.params[0] in quantized:
+            m = _dequantizing(m, wl.params[m.params[0]], training, a)
         if i in targets:
             base = f"{m.name}.base_layer"
             ids = tuple(own(p, (m.name, base)) for p in m.params)

@@ -6,6 +6,7 @@ say which modules a model has.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -28,6 +29,17 @@ class Param:
     # fused_layer_norm.py, tensor_parallel/layers.py RowParallelLinear), and the qk layernorms
     # (shared by the heads the ranks split). finalize_model_grads sums them over the TP group
     tensor_partial_grad: bool = False
+    # a bitsandbytes-quantized frozen weight (see [Note: bitsandbytes quantized base weights]): the
+    # bytes of its packed tensor, which ZeRO partitions and gathers, and of its quantization
+    # statistics, which stay whole on every rank; None: stored in the run's dtype
+    packed_bytes: float | None = None
+    quant_state_bytes: float = 0.0
+
+    def stored_numel(self, dtype_bytes: int) -> int:
+        """Elements of the run's dtype that hold the parameter as DeepSpeed sees it (its ds_numel
+        when a packed 4-bit weight is stored in the compute dtype): the one place a parameter's
+        stored size is decided."""
+        return self.numel if self.packed_bytes is None else math.ceil(self.packed_bytes / dtype_bytes)
 
 
 class ModuleKind(StrEnum):
@@ -117,6 +129,15 @@ class Workload:
     @property
     def n_params(self) -> int:
         return sum(p.numel for p in self.params)
+
+    def stored_numels(self, dtype_bytes: int) -> list[int]:
+        """Each param's stored elements (Param.stored_numel)."""
+        return [p.stored_numel(dtype_bytes) for p in self.params]
+
+    @property
+    def quant_state_bytes(self) -> float:
+        """The quantized weights' statistics, whole on every rank."""
+        return sum(p.quant_state_bytes for p in self.params)
 
     @property
     def model_flops(self) -> float:
