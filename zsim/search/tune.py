@@ -516,207 +516,250 @@ def tune(base: Base, objective: str = "tokens_per_s", budget: int | None = 60,
     exact (at least 3, the ones refined; None: no point is skipped by it); `headroom`: the margin
     (`--headroom`) a result must fit with to count there. `space`: what may be proposed (the
     framework's layouts, the user's --fix pins; see [Note: framework search space])."""
-    t0 = time.perf_counter()
-    exhaustive = budget is None
-    budget = sys.maxsize if budget is None else budget
-    seen: dict = {}    # point key -> (point, Outcome), in evaluation order
-    pruned: list[TunePoint] = []
-    rejected = 0
-    base_sc = base.scenario(())
-    capacity = base_sc.cluster.hbm_capacity_bytes
+    return Tuner(base, objective, budget, keep, headroom, space).run(other_layouts)
 
-    by_structure: dict = {}   # structural_key -> Outcome of the first point simulated with it
-    keep = None if keep is None else max(keep, 3)
-    # the objective over a constant shared by every candidate: work / step time, with work the
-    # model FLOPs per GPU for MFU, 1 for tokens/s and the step time (see `summarize`)
-    mfu = objective == "mfu"
-    # of the fitting results that rank apart (`distinct_key`), ascending (negated: the best first)
-    best_rates: list[float] = []
-    ranked_apart: set = set()
-    bounded: dict = {}   # point key -> (point, its step-time lower bound in s), skipped
-    pricer = ComputePricer(base_sc.cluster, base_sc.precision, base_sc.matmul_dtype == "tf32")
-    stage_s: dict = {}   # (workload id, checkpointing, pipeline, ZeRO-3) -> each stage's compute per micro-step
-    layer_s: dict = {}   # (workload id, checkpointing) -> (its layers, each one's compute per micro-step)
-    interleaved = base_sc.parallelism.virtual_stages > 1   # the candidates' pipelines keep the scenario's
-    workloads: dict = {}    # candidates share workloads: their tensor-parallel shape, ZeRO-3's linear and the
-    # micro-batch decide them (not the pipeline: a stage is a slice of one), checkpointing too where LoRA
-    # or frozen weights make the workload depend on it
-    by_mode = base_sc.training.lora is not None or bool(base_sc.training.frozen)
 
-    def workload(c: TunePoint, micro_batch: int = 1):
+class Tuner:
+    """One search (see `tune`), in four parts: `candidates` (the structural points the memory
+    lower bound leaves), `bound` (the step-time lower bound that skips a point that cannot place
+    among the best), `evaluate` (a point simulated once, or sharing the simulation of a point of
+    the same structure), `refine` (the knobs of the best three). `run` spends the budget on the
+    candidates layout by layout, then on the rest, then refines."""
+
+    def __init__(self, base: Base, objective: str, budget: int | None, keep: int | None, headroom: float,
+                 space: Space):
+        self.t0 = time.perf_counter()
+        self.base, self.objective, self.headroom, self.space = base, objective, headroom, space
+        self.exhaustive = budget is None
+        self.budget = sys.maxsize if budget is None else budget
+        self.keep = None if keep is None else max(keep, 3)
+        self.seen: dict = {}    # point key -> (point, Outcome), in evaluation order
+        self.pruned: list[TunePoint] = []
+        self.rejected = 0
+        self.sc = sc = base.scenario(())
+        self.by_structure: dict = {}   # structural_key -> Outcome of the first point simulated with it
+        # the objective over a constant shared by every candidate: work / step time, with work the
+        # model FLOPs per GPU for MFU, 1 for tokens/s and the step time (see `summarize`)
+        self.mfu = objective == "mfu"
+        # of the fitting results that rank apart (`distinct_key`), ascending (negated: the best first)
+        self.best_rates: list[float] = []
+        self.ranked_apart: set = set()
+        self.bounded: dict = {}   # point key -> (point, its step-time lower bound in s), skipped
+        self.pricer = ComputePricer(sc.cluster, sc.precision, sc.matmul_dtype == "tf32")
+        self.stage_s: dict = {}   # (workload id, checkpointing, pipeline, ZeRO-3) -> each stage's compute per micro-step
+        self.layer_s: dict = {}   # (workload id, checkpointing) -> (its layers, each one's compute per micro-step)
+        self.interleaved = sc.parallelism.virtual_stages > 1   # the candidates' pipelines keep the scenario's
+        self.workloads: dict = {}    # candidates share workloads: their tensor-parallel shape, ZeRO-3's linear and
+        # the micro-batch decide them (not the pipeline: a stage is a slice of one), checkpointing too where
+        # LoRA or frozen weights make the workload depend on it
+        self.by_mode = sc.training.lora is not None or bool(sc.training.frozen)
+        self.fitted: list[Layout] = []
+
+    def workload(self, c: TunePoint, micro_batch: int = 1):
         key = (c.layout.tensor, c.layout.sequence_parallel, c.layout.expert, c.stage == 3,
-               c.checkpointing if by_mode else None, micro_batch)
-        if key not in workloads:
-            workloads[key] = point_workload(base_sc, c, micro_batch)
-        return workloads[key]
+               c.checkpointing if self.by_mode else None, micro_batch)
+        if key not in self.workloads:
+            self.workloads[key] = point_workload(self.sc, c, micro_batch)
+        return self.workloads[key]
 
-    def step_bound_s(c: TunePoint) -> float:
+    # -- bound ---------------------------------------------------------------------------------
+
+    def step_bound_s(self, c: TunePoint) -> float:
         """see [Note: step-time lower bound]"""
-        wl = workload(c, c.micro_batch)
+        sc = self.sc
+        wl = self.workload(c, c.micro_batch)
         key = (id(wl), c.checkpointing, c.layout.pipeline, c.stage == 3)   # `workloads` keeps each alive
-        if key not in stage_s:
-            tensor = tensor_collectives(c.layout, wl, base_sc.precision)
-            if key[:2] not in layer_s:
-                layer_s[key[:2]] = layer_compute_s(wl, c.checkpointing, pricer, tensor)
-            host_s = zero3_host_s(base_sc, wl, c.checkpointing, c.stage, c.layout.pipeline,
-                                  base_sc.cluster.world_size // c.layout.model_parallel, tensor)
-            stage_s[key] = stage_compute_s(*layer_s[key[:2]], c.layout.pipeline, base_sc.parallelism.partition_method,
-                                           host_s)
-        return step_time_lower_bound_s(stage_s[key], c.gas, c.layout.pipeline > 1 and interleaved)
+        if key not in self.stage_s:
+            tensor = tensor_collectives(c.layout, wl, sc.precision)
+            if key[:2] not in self.layer_s:
+                self.layer_s[key[:2]] = layer_compute_s(wl, c.checkpointing, self.pricer, tensor)
+            host_s = zero3_host_s(sc, wl, c.checkpointing, c.stage, c.layout.pipeline,
+                                  sc.cluster.world_size // c.layout.model_parallel, tensor)
+            self.stage_s[key] = stage_compute_s(*self.layer_s[key[:2]], c.layout.pipeline,
+                                                sc.parallelism.partition_method, host_s)
+        return step_time_lower_bound_s(self.stage_s[key], c.gas, c.layout.pipeline > 1 and self.interleaved)
 
-    def best_rate(c: TunePoint) -> float:
+    def best_rate(self, c: TunePoint) -> float:
         """The most `rate` the point can reach: its work over its step-time lower bound."""
-        bound_s = step_bound_s(c)
+        bound_s = self.step_bound_s(c)
         if bound_s <= 0.0:
             return float("inf")
-        if not mfu:
+        if not self.mfu:
             return 1.0 / bound_s
-        return model_flops_per_gpu(workload(c, c.micro_batch).model_flops, c.gas, c.layout.pipeline) / bound_s
+        return model_flops_per_gpu(self.workload(c, c.micro_batch).model_flops, c.gas, c.layout.pipeline) / bound_s
 
-    def rate(r: Result) -> float:
-        return (r.model_flops_per_gpu if mfu else 1.0) / r.step_time_s
+    def rate(self, r: Result) -> float:
+        return (r.model_flops_per_gpu if self.mfu else 1.0) / r.step_time_s
 
-    def cannot_place(c: TunePoint) -> bool:
+    def cannot_place(self, c: TunePoint) -> bool:
         """The point's bound keeps it from beating the `keep`-th best fitting result (then it
         never will: that only improves); recorded as bounded."""
-        if c.key() in seen:
+        if c.key() in self.seen:
             return False
-        if c.key() in bounded:
+        if c.key() in self.bounded:
             return True
-        if keep is None or len(best_rates) < keep:
+        if self.keep is None or len(self.best_rates) < self.keep:
             return False
-        if best_rate(c) > -best_rates[keep - 1]:
+        if self.best_rate(c) > -self.best_rates[self.keep - 1]:
             return False
-        bounded[c.key()] = (c, step_bound_s(c))
+        self.bounded[c.key()] = (c, self.step_bound_s(c))
         return True
 
-    def evaluate(c: TunePoint) -> Result | None:
-        nonlocal rejected
-        if cannot_place(c):
-            return None
-        if c.key() not in seen:
-            skey = structural_key(base_sc, c, workload(c))
-            prior = by_structure.get(skey)
-            out = base.run(c.variant) if prior is None else replace(prior, variant=c.variant, shared=True)
-            by_structure.setdefault(skey, out)
-            rejected += not out.ok
-            seen[c.key()] = (c, out)
-            # results that simulate alike rank as one row (`distinct_key`): counted once
-            if out.ok and out.result.fits_with(headroom) and distinct_key(c, out.result) not in ranked_apart:
-                ranked_apart.add(distinct_key(c, out.result))
-                bisect.insort(best_rates, -rate(out.result))
-        return seen[c.key()][1].result
+    # -- evaluate ------------------------------------------------------------------------------
 
-    def lookahead(points):
+    def evaluate(self, c: TunePoint) -> Result | None:
+        if self.cannot_place(c):
+            return None
+        if c.key() not in self.seen:
+            skey = structural_key(self.sc, c, self.workload(c))
+            prior = self.by_structure.get(skey)
+            out = self.base.run(c.variant) if prior is None else replace(prior, variant=c.variant, shared=True)
+            self.by_structure.setdefault(skey, out)
+            self.rejected += not out.ok
+            self.seen[c.key()] = (c, out)
+            # results that simulate alike rank as one row (`distinct_key`): counted once
+            if out.ok and out.result.fits_with(self.headroom) and distinct_key(c, out.result) not in self.ranked_apart:
+                self.ranked_apart.add(distinct_key(c, out.result))
+                bisect.insort(self.best_rates, -self.rate(out.result))
+        return self.seen[c.key()][1].result
+
+    def lookahead(self, points):
         """Prefetch (Base.prefetch) the next points this search may simulate, one per worker."""
         todo = []
-        room = base.workers if exhaustive else min(base.workers, budget - used())
+        room = self.base.workers if self.exhaustive else min(self.base.workers, self.budget - self.used())
         for c in points:
             if len(todo) >= room:
                 break
-            if (c.key() not in seen and structural_key(base_sc, c, workload(c)) not in by_structure
-                    and not cannot_place(c)):
+            if (c.key() not in self.seen and structural_key(self.sc, c, self.workload(c)) not in self.by_structure
+                    and not self.cannot_place(c)):
                 todo.append(c.variant)
-        base.prefetch(todo)
+        self.base.prefetch(todo)
 
-    def ranked():
-        ok = [(c, out.result) for c, out in seen.values() if out.fits]
-        return sorted(ok, key=lambda cr: -score(cr[1], objective))
+    def ranked(self):
+        ok = [(c, out.result) for c, out in self.seen.values() if out.fits]
+        return sorted(ok, key=lambda cr: -score(cr[1], self.objective))
 
-    survivors = []
-    terms: dict = {}    # (workload, checkpointing) -> workload_terms, computed once for the candidates sharing them
-    cpu_checkpointing = base_sc.deepspeed.activation_checkpointing.cpu_checkpointing
-    own = own_layout(base_sc)
-    for c in structural_candidates(base_sc, space):
-        if other_layouts and c.layout == own:
-            continue
-        wl = workload(c)
-        if (id(wl), c.checkpointing) not in terms:
-            terms[id(wl), c.checkpointing] = workload_terms(wl, c.checkpointing, cpu_checkpointing)
-        if point_lower_bound(base_sc, c, wl, terms[id(wl), c.checkpointing]) > capacity:
-            pruned.append(c)
-        else:
-            survivors.append(c)
-    # half the budget on structures (if nothing fits, keep going until one does), layout by layout in
-    # `layouts` order: the scenario's own (up to a quarter of the budget), then a few tries each
-    # until one fits. A layout whose tensor size already fits with fewer stages is skipped: more
-    # stages add bubble and sends for memory it does not need (Narayanan et al. 2021, takeaway #1),
-    # and a pipeline of many stages costs the most to simulate
-    queues: dict[Layout, list] = {}
-    for c in survivors:
-        queues.setdefault(c.layout, []).append(c)
-    # the scenario's own configuration is simulated first, whatever the budget: the ranking always
-    # has what the user runs to compare with (it does not end its layout's tries: those go
-    # cheapest-looking first as below)
-    mine = own_point(base_sc)   # (left out by `space` when outside it: no survivor has its key)
-    for c in survivors:   # none of its layout with other_layouts
-        if c.key() == mine.key():
-            evaluate(c)
-            break
-    fitted: list[Layout] = []
-
-    def used() -> int:
+    def used(self) -> int:
         """Points of the budget spent: a configuration refused as invalid costs no simulation."""
-        return len(seen) - rejected
+        return len(self.seen) - self.rejected
 
-    def spent() -> bool:
-        return not exhaustive and (used() >= budget or (used() >= max(1, budget // 2) and bool(fitted)))
+    def spent(self) -> bool:
+        return not self.exhaustive and (self.used() >= self.budget
+                                        or (self.used() >= max(1, self.budget // 2) and bool(self.fitted)))
 
-    def covered(layout, fits) -> bool:
-        return any(f.tensor == layout.tensor and f.pipeline < layout.pipeline for f in fits)
+    # -- candidates ----------------------------------------------------------------------------
 
-    order = list(queues.items()) if not exhaustive else []
-    if exhaustive:   # best-first: the first point the bound skips ends the search
-        survivors.sort(key=lambda c: -best_rate(c))
-    for j, (layout, queue) in enumerate(order):
-        if covered(layout, fitted):
-            continue
-        tries = queue[:max(1, budget // 4) if layout == own else 3]
-        for c in tries:
-            if spent():
-                break
-            # what comes next if this try fits: the first try of each later layout it leaves uncovered
-            lookahead(itertools.chain([c], (q[0] for later, q in order[j + 1:]
-                                            if not covered(later, fitted + [layout]))))
-            r = evaluate(c)
-            if r is not None and r.fits:
-                fitted.append(layout)
-                break
-    best = {c.layout for c, _ in ranked()[:2]}
+    def candidates(self, other_layouts: bool) -> list[TunePoint]:
+        """The structural candidates of the space whose memory lower bound fits (the rest in
+        `pruned`); with `other_layouts` none of the scenario's own layout."""
+        survivors = []
+        terms: dict = {}    # (workload, checkpointing) -> workload_terms, once for the candidates sharing them
+        cpu_checkpointing = self.sc.deepspeed.activation_checkpointing.cpu_checkpointing
+        own = own_layout(self.sc)
+        capacity = self.sc.cluster.hbm_capacity_bytes
+        for c in structural_candidates(self.sc, self.space):
+            if other_layouts and c.layout == own:
+                continue
+            wl = self.workload(c)
+            if (id(wl), c.checkpointing) not in terms:
+                terms[id(wl), c.checkpointing] = workload_terms(wl, c.checkpointing, cpu_checkpointing)
+            if point_lower_bound(self.sc, c, wl, terms[id(wl), c.checkpointing]) > capacity:
+                self.pruned.append(c)
+            else:
+                survivors.append(c)
+        return survivors
 
-    def wanted(c: TunePoint) -> bool:
-        return c.layout in best or not fitted or exhaustive
+    def structures(self, survivors: list[TunePoint]) -> None:
+        """Half the budget on structures (if nothing fits, keep going until one does), layout by
+        layout in `layouts` order: the scenario's own (up to a quarter of the budget), then a few
+        tries each until one fits. A layout whose tensor size already fits with fewer stages is
+        skipped: more stages add bubble and sends for memory it does not need (Narayanan et al.
+        2021, takeaway #1), and a pipeline of many stages costs the most to simulate."""
+        own = own_layout(self.sc)
+        queues: dict[Layout, list] = {}
+        for c in survivors:
+            queues.setdefault(c.layout, []).append(c)
 
-    for i, c in enumerate(survivors):
-        if spent():
-            break
-        if exhaustive and c.key() not in seen and cannot_place(c):
-            for x in survivors[i + 1:]:   # their bounds are no lower: skipped alike
-                cannot_place(x)
-            break
-        if wanted(c):
-            lookahead(x for x in survivors[i:] if wanted(x))
-            evaluate(c)
-            if c.key() in seen and seen[c.key()][1].fits and c.layout not in fitted:
-                fitted.append(c.layout)
+        def covered(layout, fits) -> bool:
+            return any(f.tensor == layout.tensor and f.pipeline < layout.pipeline for f in fits)
 
-    for c, r in ranked()[:3]:
-        best_c, best_r = c, r
-        knobs = dict(KNOBS)
-        if c.stage == 3:
-            knobs.update(KNOBS_STAGE3)
-        knobs = {k: v for k, v in knobs.items() if k not in space.knobs}
-        for name, values in knobs.items():
-            for i in range(len(values)):
-                if used() >= budget:
+        order = list(queues.items()) if not self.exhaustive else []
+        for j, (layout, queue) in enumerate(order):
+            if covered(layout, self.fitted):
+                continue
+            tries = queue[:max(1, self.budget // 4) if layout == own else 3]
+            for c in tries:
+                if self.spent():
                     break
-                trials = [TunePoint(best_c.stage, best_c.offload, best_c.micro_batch, best_c.gas, best_c.checkpointing,
-                                    {**best_c.knobs, name: x}, best_c.layout, best_c.fixed) for x in values[i:]]
-                lookahead(trials)
-                trial = trials[0]
-                r = evaluate(trial)
-                if r is not None and r.fits and score(r, objective) > score(best_r, objective):
-                    best_c, best_r = trial, r
-    return TuneResult(ranked(), list(seen.values()), pruned, list(bounded.values()), rejected,
-                      time.perf_counter() - t0, objective)
+                # what comes next if this try fits: the first try of each later layout it leaves uncovered
+                self.lookahead(itertools.chain([c], (q[0] for later, q in order[j + 1:]
+                                                     if not covered(later, self.fitted + [layout]))))
+                r = self.evaluate(c)
+                if r is not None and r.fits:
+                    self.fitted.append(layout)
+                    break
 
+    def rest(self, survivors: list[TunePoint]) -> None:
+        """The remaining budget on the points of the two best layouts (all of them when nothing
+        fitted yet, or when exhaustive: best bound first, the first point the bound skips ending
+        the search)."""
+        best = {c.layout for c, _ in self.ranked()[:2]}
+
+        def wanted(c: TunePoint) -> bool:
+            return c.layout in best or not self.fitted or self.exhaustive
+
+        for i, c in enumerate(survivors):
+            if self.spent():
+                break
+            if self.exhaustive and c.key() not in self.seen and self.cannot_place(c):
+                for x in survivors[i + 1:]:   # their bounds are no lower: skipped alike
+                    self.cannot_place(x)
+                break
+            if wanted(c):
+                self.lookahead(x for x in survivors[i:] if wanted(x))
+                self.evaluate(c)
+                if c.key() in self.seen and self.seen[c.key()][1].fits and c.layout not in self.fitted:
+                    self.fitted.append(c.layout)
+
+    # -- refine --------------------------------------------------------------------------------
+
+    def refine(self) -> None:
+        """The knobs (KNOBS, and KNOBS_STAGE3 at stage 3; not those the space pins) of the best
+        three, one knob at a time, each value kept when it scores better."""
+        for c, r in self.ranked()[:3]:
+            best_c, best_r = c, r
+            knobs = dict(KNOBS)
+            if c.stage == 3:
+                knobs.update(KNOBS_STAGE3)
+            knobs = {k: v for k, v in knobs.items() if k not in self.space.knobs}
+            for name, values in knobs.items():
+                for i in range(len(values)):
+                    if self.used() >= self.budget:
+                        break
+                    trials = [TunePoint(best_c.stage, best_c.offload, best_c.micro_batch, best_c.gas,
+                                        best_c.checkpointing, {**best_c.knobs, name: x}, best_c.layout, best_c.fixed)
+                              for x in values[i:]]
+                    self.lookahead(trials)
+                    trial = trials[0]
+                    r = self.evaluate(trial)
+                    if r is not None and r.fits and score(r, self.objective) > score(best_r, self.objective):
+                        best_c, best_r = trial, r
+
+    def run(self, other_layouts: bool = False) -> TuneResult:
+        survivors = self.candidates(other_layouts)
+        # the scenario's own configuration is simulated first, whatever the budget: the ranking
+        # always has what the user runs to compare with (it does not end its layout's tries: those
+        # go cheapest-looking first as below); left out by `space` when outside it, and with
+        # other_layouts (no survivor has its key)
+        mine = own_point(self.sc)
+        for c in survivors:
+            if c.key() == mine.key():
+                self.evaluate(c)
+                break
+        if self.exhaustive:   # best-first: the first point the bound skips ends the search
+            survivors.sort(key=lambda c: -self.best_rate(c))
+        self.structures(survivors)
+        self.rest(survivors)
+        self.refine()
+        return TuneResult(self.ranked(), list(self.seen.values()), self.pruned, list(self.bounded.values()),
+                          self.rejected, time.perf_counter() - self.t0, self.objective)
