@@ -179,3 +179,19 @@ def test_launch_command_and_config_json(tmp_path, capsys):
     notes: list = []
     read_hf_config(tmp_path / "config.json", notes=notes)
     assert any("training.quantization=nf4 training.double_quant=true" in n for n in notes)
+
+
+def test_tune_memory_bound_counts_the_packed_weights():
+    """tune's and the doctor's memory lower bound (search/tune.py workload_terms) reads a QLoRA
+    weight at its stored size: it stays under the simulated peak, and under the 16-bit run's bound
+    by the bytes the packing saves (it used to count 16-bit weights, ruling out runs that fit)."""
+    from zsim.api import run_scenario
+    from zsim.search.tune import memory_lower_bound
+    q = _tiny(**{"training.lora": {"rank": 8, "target_modules": "all-linear"}})
+    plain = _tiny(**{"training.lora": {"rank": 8, "target_modules": "all-linear"}, "training.quantization": "none"})
+    bound_q, bound_16 = memory_lower_bound(q), memory_lower_bound(plain)
+    wl = workload_for(q)
+    saved = sum(2 * p.numel - 2 * p.stored_numel(2) for p in wl.params) - wl.quant_state_bytes
+    assert bound_16 - bound_q == pytest.approx(saved, rel=1e-9)
+    result, _ = run_scenario(q)
+    assert bound_q <= result.memory.peak_bytes

@@ -382,6 +382,8 @@ def point_workload(sc, c: "TunePoint", micro_batch: int = 1):
 def workload_terms(wl, mode: str, cpu_checkpointing: bool = False) -> tuple[float, float, float]:
     """(parameters, trained parameters, activation bytes one micro-batch holds at the end of its
     forward under checkpointing `mode`): the parts of the bound that depend on the workload only.
+    Parameters count as stored (Param.stored_numel: a QLoRA base weight's packed bytes in the
+    run's dtype; its statistics, whole on every rank, counted as if sharded: still a bound).
     With deepspeed.activation_checkpointing.cpu_checkpointing the block inputs go to host memory
     (passes.py _checkpoint_block_input): none need stay on the GPU."""
     if mode == "full" and cpu_checkpointing:
@@ -392,7 +394,9 @@ def workload_terms(wl, mode: str, cpu_checkpointing: bool = False) -> tuple[floa
         acts = sum(m.act_bytes - m.act_bytes_s2 for m in wl.modules)
     else:
         acts = sum(m.act_bytes for m in wl.modules)
-    return wl.n_params, trainable_params(wl), acts
+    a = wl.act_dtype_bytes
+    stored = sum(wl.stored_numels(a)) + wl.quant_state_bytes / a
+    return stored, trainable_params(wl), acts
 
 
 def _bound(terms, pp: int, dp: int, stage: int, optimizer_offload: str, param_offload: str, precision: str,
@@ -430,7 +434,7 @@ def structural_key(sc, c: TunePoint, wl) -> tuple:
     knobs = dict(c.knobs)
     if c.stage == 3:
         threshold = knobs.pop("stage3_param_persistence_threshold", sc.zero.param_persistence_threshold)
-        knobs["persistent"] = persistent_params([p.numel for p in wl.params], threshold,
+        knobs["persistent"] = persistent_params(wl.stored_numels(wl.act_dtype_bytes), threshold,
                                                 sc.zero.model_persistence_threshold)
     return (c.layout, c.stage, c.offload, c.micro_batch, c.gas, c.checkpointing, tuple(sorted(knobs.items())))
 
