@@ -446,4 +446,7 @@ def _liger(recipe: Recipe, keys: dict, where: str):
                             "elementwise kernels are priced as HF's (training.kernels hf)")
     if keys.get("liger_fused_linear_cross_entropy") is True:
         t["fused_cross_entropy"] = True
+        recipe.notes.append(f"{where}liger_fused_linear_cross_entropy: priced as a fused cross-entropy that keeps "
+                            "the 16-bit logits; Liger's chunked kernel never holds them whole, so the loss's memory "
+                            "here is an upper bound")
 
