@@ -90,14 +90,17 @@ def test_an_all_auto_file_runs_with_the_trainers_defaults_and_names_them(tmp_pat
     assert code == 0
     assert (res["micro_batch_size"], res["gradient_accumulation_steps"], res["global_batch_size"], res["precision"]) \
         == (8, 1, 64, "fp32")
-    assert err == ['zsim: note: "auto" filled with the HF Trainer\'s defaults: per_device_train_batch_size 8 '
+    assert err == ['zsim: note: training.framework: hf_trainer, as the ds_config\'s "auto" values say (the HF '
+                   'Trainer or accelerate fills them): HF\'s kernels and sdpa attention, tune\'s HF search space; '
+                   '--set training.framework=deepspeed to change it',
+                   'zsim: note: "auto" filled with the HF Trainer\'s defaults: per_device_train_batch_size 8 '
                    '(--set training.micro_batch_size=N), gradient_accumulation_steps 1 '
                    '(--set training.gradient_accumulation_steps=N), max_grad_norm 1 (--set training.max_grad_norm=X), '
                    'precision fp32 (neither --bf16 nor --fp16; --set training.precision=bf16)']
-    # the keys it names set them, and then nothing is a default
+    # the keys it names set them, and then nothing is a default (the framework stated too)
     code, err, res = _run(tmp_path, capsys, HF_ZERO3, "--set", "training.micro_batch_size=4", "--set",
                           "training.gradient_accumulation_steps=2", "--set", "training.precision=bf16",
-                          "--set", "training.max_grad_norm=0.5")
+                          "--set", "training.max_grad_norm=0.5", "--set", "training.framework=hf_trainer")
     assert code == 0 and err == []
     assert (res["micro_batch_size"], res["gradient_accumulation_steps"], res["global_batch_size"], res["precision"]) \
         == (4, 2, 64, "bf16")
@@ -137,7 +140,8 @@ def test_train_batch_size_auto_is_derived_from_numeric_micro_batch_and_gas(tmp_p
     sc = _load(_write(tmp_path, {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2,
                                  "gradient_accumulation_steps": 4}))
     assert (sc.global_batch_size, sc.micro_batch_size, sc.gradient_accumulation_steps) == (2 * 4 * 8, 2, 4)
-    assert sc.notes == ()
+    # the "auto" is the HF Trainer's (its run), and nothing else is a default
+    assert len(sc.notes) == 1 and sc.notes[0].startswith("training.framework: hf_trainer")
 
 
 def test_json_deepspeeds_loaders_refuse_is_refused_naming_file_line_and_column(tmp_path, capsys):
