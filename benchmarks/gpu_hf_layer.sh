@@ -8,12 +8,27 @@
 # Needs torch with CUDA on the machine; installs the hf extra. Estimated 3-6 minutes on one H100
 # (the 70B layer at s4096-b4: ~30 TFLOP per forward). Commit the two run directories and profiles.
 # Usage: bash benchmarks/gpu_hf_layer.sh [REPS]   (default 10 timed repetitions per unit)
+#
+# On the lent device machine (../.library/device: no network; its python3 has torch, transformers,
+# numpy, pyyaml, rich and matplotlib, not simpy): carry simpy as a wheel. Here, in the repo root:
+#   mkdir -p .git/info && echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux2014_x86_64 -d .whl simpy==4.1.1
+# then run(command="bash benchmarks/gpu_hf_layer.sh", carry=[".whl"], timeout_s=600). With $OUT set
+# (the device tool's folder that comes back) the two runs' records, fit reports and profiles are
+# copied there (6 files): commit them under calibration/runs/ and hardware_profiles/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 reps=${1:-10}
-python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" 
-python -c "import transformers" 2>/dev/null || pip install -q -e '.[hf]'
-gpu=$(python -c "import torch; n = torch.cuda.get_device_name(0); print('h200' if 'H200' in n else 'h100' if 'H100' in n else 'gpu')")
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'"
+python3 -c "import transformers" 2>/dev/null || python3 -m pip install -q -e '.[hf]'
+# the zsim command and its calibrate entry point, without fetching anything
+command -v zsim >/dev/null || python3 -m pip install -q --no-deps --no-build-isolation -e .
+gpu=$(python3 -c "import torch; n = torch.cuda.get_device_name(0); print('h200' if 'H200' in n else 'h100' if 'H100' in n else 'gpu')")
 # the profile whose compute figures are refitted (its peak and HBM bandwidth are kept): the H200's own
 # calibrated one on an H200 (4.8 TB/s HBM; dgx-h100's 3.35 would cap memory-bound efficiency at 1)
 base=${BASE:-$([ "$gpu" = h200 ] && echo h200-1gpu || echo dgx-h100)}
@@ -22,3 +37,9 @@ for m in llama3-8b llama3-70b; do
     --micro-batch 1,2,4 --dtype bf16 --attn-implementation sdpa --base "$base" --reps "$reps" \
     --out "$gpu-hf-$m" --force
 done
+if [ -n "${OUT:-}" ]; then
+  for m in llama3-8b llama3-70b; do
+    for f in records.json fit_report.json; do cp "calibration/runs/$gpu-hf-$m/$f" "$OUT/$gpu-hf-$m.$f"; done
+    cp "hardware_profiles/$gpu-hf-$m.yaml" "$OUT/"
+  done
+fi

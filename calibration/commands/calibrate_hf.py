@@ -119,8 +119,10 @@ def pricings(spec, shapes, dtype: str, attn: str, layer: int) -> dict:
     from zsim.workload.transformer import build_workload
     out = {}
     for s, b in shapes:
+        # the real layer runs transformers' modeling code: zsim's side prices it as training.kernels hf
+        # with the same attn_implementation (zsim/workload/hf_kernels.py)
         wl = build_workload(spec, micro_batch_size=b, seq_len=s, precision=dtype, flash_attention=attn != "eager",
-                            dropout=False)
+                            dropout=False, kernels="hf", attn_implementation=attn)
         out[(s, b)] = Pricing(wl.layer_modules(layer), spec.is_moe_layer(layer), dtype)
     return out
 
