@@ -10,6 +10,9 @@ figures (the large-message plateaus the profiles cite, hardware_profiles/*.yaml 
   DGX H100, 8 GPUs:        all_gather / reduce_scatter busbw ~350-370 GB/s at >= 256 MB
   DGX H100, 2+ nodes:      ~45 GB/s per 400 Gb/s rail, i.e. ~360 GB/s per 8-rail node (NCCL 2.18+
                            release notes, MLPerf Training v3.0 notes)
+  HGX H200, 8 GPUs:        DGX H100's band: the same NVLink4/NVSwitch (hardware_profiles/hgx-h200.yaml)
+  MI300X, 8 GPUs:          RCCL all_reduce busbw 313.7 at 1 GiB, 315.7 at 8 GiB (rccl-tests; hardware_profiles/
+                           mi300x-8.yaml [RCCLT], the measurement its tier table is derived from)
 The sources do not state the node count of their multi-node figures: the bands are checked from 2
 to 16 nodes. A row is flagged when a prediction at >= 1 GB leaves the band by more than 10%.
 Beyond 16 nodes NCCL's model keeps even GB-sized ring calls below the plateau (1000+ step latencies).
@@ -31,6 +34,9 @@ PUBLISHED = {
     ("dgx-h100", "reduce_scatter", True): (350, 370),
     ("dgx-h100", "all_gather", False): (340, 370),
     ("dgx-h100", "reduce_scatter", False): (340, 370),
+    ("hgx-h200", "all_gather", True): (350, 370),
+    ("hgx-h200", "reduce_scatter", True): (350, 370),
+    ("mi300x-8", "all_reduce", True): (313, 316),
 }
 SIZES = [8 * 4 ** i for i in range(16)]   # 8 B .. 8 GiB
 
