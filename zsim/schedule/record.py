@@ -11,9 +11,14 @@ define `__post_init__`: `record` refuses anything else rather than build it diff
 from __future__ import annotations
 
 import dataclasses
+from typing import TypeVar, dataclass_transform
+
+T = TypeVar("T")
 
 
-def record(cls):
+# a type checker sees a record as the frozen dataclass it is (PEP 681)
+@dataclass_transform(frozen_default=True)
+def record(cls: type[T]) -> type[T]:
     cls = dataclasses.dataclass(frozen=True, slots=True)(cls)
     if hasattr(cls, "__post_init__"):
         raise TypeError(f"record {cls.__name__}: __post_init__ is not supported")
