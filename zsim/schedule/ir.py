@@ -255,30 +255,32 @@ class Op:
 
 
 def label(op: Op) -> str:
+    """The op's display label, by its payload's type (and kind where one type serves several)."""
+    from zsim.schedule.payloads import Copy, CpuAdam, GradReduce, ModulePass, ParamGather, PipeTransfer, \
+        TensorComm, TokenExchange
     p, k = op.payload, op.kind
-    if k in (OpKind.FORWARD, OpKind.BACKWARD):
+    if isinstance(p, ModulePass) and k in (OpKind.FORWARD, OpKind.BACKWARD):
         return f"{op.phase} {p.module}" + (f" ({p.part})" if p.part else "")
-    if k == OpKind.PARAM_GATHER:
+    if isinstance(p, ParamGather) and k == OpKind.PARAM_GATHER:
         return f"all-gather prefetch from {p.visit}" if p.prefetch else f"all-gather {p.visit}"
-    if k == OpKind.PERSISTENT_GATHER:
+    if isinstance(p, ParamGather) and k == OpKind.PERSISTENT_GATHER:
         return f"all-gather persistent {p.visit}"
-    if k == OpKind.BUCKET_REDUCE:
+    if isinstance(p, GradReduce) and k == OpKind.BUCKET_REDUCE:
         name = f"{p.comm.collective.replace('_', '-')} bucket {p.bucket}"
         return f"{name} -> rank {p.dst}" if p.comm.collective == Collective.REDUCE else name
-    if k == OpKind.GRAD_ALLREDUCE:
+    if isinstance(p, GradReduce) and k == OpKind.GRAD_ALLREDUCE:
         return f"allreduce gradients {p.call}"
-    if k == OpKind.EXPERT_ALL_TO_ALL:
+    if isinstance(p, TokenExchange):
         return f"all-to-all {'combine' if p.combine else 'dispatch'} layer {p.layer}"
-    if k in (OpKind.CHECKPOINT_COPY, OpKind.PARAM_FETCH, OpKind.GRAD_COPY, OpKind.PARAM_UPLOAD,
-             OpKind.OPTIMIZER_SWAP):
+    if isinstance(p, Copy):
         return f"{_TRANSFER_LABELS[p.transfer]} {p.what}"
-    if k == OpKind.CPU_ADAM:
+    if isinstance(p, CpuAdam):
         return f"CPU Adam group {p.group}"
-    if k in (OpKind.SEND_ACTIVATION, OpKind.SEND_GRAD, OpKind.RECV_ACTIVATION, OpKind.RECV_GRAD):
+    if isinstance(p, PipeTransfer):
         send = k in (OpKind.SEND_ACTIVATION, OpKind.SEND_GRAD)
         chunk = "" if p.chunks is None else f" chunk {p.chunks[0 if send else 1]}"
         return f"{k.value} {op.micro_step}{chunk} {'->' if send else '<-'} stage {p.dst_stage if send else p.src_stage}"
-    if k in (OpKind.TP_ALL_REDUCE, OpKind.TP_REDUCE_SCATTER, OpKind.TP_ALL_GATHER):
+    if isinstance(p, TensorComm):
         return f"{k.value} {p.module}"
     return _FIXED_LABELS[k]
 
