@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from zsim.schedule.record import record
 
-from zsim.hardware.collectives import collective_cost, nccl_topo_for, ring_cost, tiers_for
+from zsim.hardware.collectives import Tier, collective_cost, nccl_topo_for, ring_cost, tiers_for
 from zsim.hardware.compute import (attention_time_s, fresh_alloc_time_s, gemm_time_s, grad_accumulate_time_s,
                                    kernel_overhead_s, memory_bound_time_s, optimizer_time_s, step_passes_time_s)
 from zsim.hardware.host import (CPU_ADAM_BYTES_PER_PARAM, aio_efficiency, cpu_adam_time_s, hook_visit_us,
                                 hook_visits_time_s, host_link_Bps, host_pass_time_s, nvme_time_s, pcie_time_s, rank_views_time_s)
 from zsim.hardware.placement import group_shape, rank_of, same_node, stage_links
 from zsim.schedule.ir import Collective, HostSettings, Op, Phase, PipelineLayout, Transfer
-from zsim.schedule.payloads import ComputeWork, Copy, CpuAdam, ModulePass, PipeTransfer, StepCompute
+from zsim.schedule.payloads import Comm, ComputeWork, Copy, CpuAdam, ModulePass, PipeTransfer, StepCompute
 from zsim.workload.module import DTYPE_BYTES
 
 COMPUTE = ("compute",)
@@ -159,12 +159,11 @@ class CostModel:
 
     def _op_cost(self, op: Op) -> OpCost:
         if isinstance(op.payload, PipeTransfer):
-            return self._p2p_cost(op)
+            return self._p2p_cost(op, op.payload)
         cost = self._rank_cost(op)
         return cost if op.stage == 0 else OpCost(cost.fixed_s, cost.work_s, stage_links(cost.links, op.stage))
 
-    def _p2p_cost(self, op: Op) -> OpCost:
-        p = op.payload
+    def _p2p_cost(self, op: Op, p: PipeTransfer) -> OpCost:
         fixed = self.host_fixed_s(op)
         if op.stage != p.src_stage:
             return OpCost(fixed, 0.0, stage_links(COMPUTE, op.stage))   # a recv: done when its send is
@@ -182,7 +181,7 @@ class CostModel:
     def _p2p_links(self, tier: str, sender: bool) -> tuple[str, ...]:
         """One direction of the tier (a NIC that shares the GPU's PCIe link also crosses it, up at
         the sender, down at the receiver)."""
-        side = (f"{tier}_out",) if sender else (f"{tier}_in",)
+        side: tuple[str, ...] = (f"{tier}_out",) if sender else (f"{tier}_in",)
         if tier == "inter_node" and len(self.nic_links) > 1:
             side += ("gpu_link_up",) if sender else ("gpu_link_down",)
         return side
@@ -190,17 +189,18 @@ class CostModel:
     def _tier_links(self, tier: str) -> tuple[str, ...]:
         return self.nic_links if tier == "inter_node" else (tier,)
 
-    def _between(self, stage_a: int, stage_b: int) -> tuple[str, object]:
+    def _between(self, stage_a: int, stage_b: int) -> tuple[str, Tier]:
         """The tier (name, Tier) between the representative ranks of two stages."""
+        assert self.pipeline is not None   # only a pipeline's sends cross stages
         dp, g = self.pipeline.data_parallel, self.cluster.gpus_per_node
         if same_node(rank_of(stage_a, dp, tensor=self.tensor), rank_of(stage_b, dp, tensor=self.tensor), g):
             return "intra_node", self.intra
         return "inter_node", self.inter
 
-    def _comm_cost(self, op: Op):
+    def _comm_cost(self, op: Op, comm: Comm):
         cl = self.cluster
         dp = cl.world_size // self.tensor if self.pipeline is None else self.pipeline.data_parallel
-        return collective_op_cost(op.comm, cl, op.stage, dp, self.tensor, self.intra, self.inter, self.nccl)
+        return collective_op_cost(comm, cl, op.stage, dp, self.tensor, self.intra, self.inter, self.nccl)
 
     def _rank_cost(self, op: Op) -> OpCost:
         """The cost on the op's own rank, its links named as stage 0's."""
@@ -208,7 +208,7 @@ class CostModel:
         comm, p = op.comm, op.payload
         cl = self.cluster
         if comm is not None:
-            cost = self._comm_cost(op)
+            cost = self._comm_cost(op, comm)
             buffer_s, latency_s, transfer_s = collective_op_s(comm, cost, self.gpu)
             fixed += buffer_s
             return OpCost(fixed + latency_s, transfer_s, self._tier_links(cost.tier))
@@ -232,4 +232,6 @@ class CostModel:
         if isinstance(p, StepCompute):   # see [Note: launch-bound step passes]
             host_s, device_s = step_passes_time_s(p.work.kernels, self.compute_work_s(p.work), self.gpu)
             return OpCost(fixed - kernel_overhead_s(p.work.kernels, self.gpu) + host_s, device_s, COMPUTE)
-        return OpCost(fixed, self.compute_work_s(op.work), COMPUTE)
+        work = op.work
+        assert work is not None, f"{op.kind} has no compute work"
+        return OpCost(fixed, self.compute_work_s(work), COMPUTE)

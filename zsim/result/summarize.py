@@ -89,8 +89,9 @@ def _comm_facts(op, sched, cl) -> tuple[str, float, tuple | None, float]:
     bandwidth of the tier it crosses) of an op that communicates."""
     p, comm = op.payload, op.comm
     if isinstance(p, PipeTransfer):
-        ranks = (rank_of(s, sched.data_parallel, tensor=sched.tensor) for s in (p.src_stage, p.dst_stage))
-        return P2P, p.size_bytes, None, send_busbw_Bps(cl, same_node(*ranks, cl.gpus_per_node))
+        src, dst = (rank_of(s, sched.data_parallel, tensor=sched.tensor) for s in (p.src_stage, p.dst_stage))
+        return P2P, p.size_bytes, None, send_busbw_Bps(cl, same_node(src, dst, cl.gpus_per_node))
+    assert comm is not None
     collective = comm.collective.value
     ranks, nodes, per_node = _group_placement(comm, op, sched, cl.gpus_per_node)
     # the tensor-parallel activations' collectives are shown apart from ZeRO's
@@ -125,21 +126,23 @@ def _op_totals(trace: Trace, cl) -> _OpTotals:
         p = op.payload
         cls = type(p)
         n = 1 if weight is None else weight(op)
-        if cls is Copy or cls is CpuAdam:
-            key = p.transfer.value if cls is Copy else "cpu_adam"
+        if type(p) is Copy or type(p) is CpuAdam:
+            key = p.transfer.value if type(p) is Copy else "cpu_adam"
             host_time[key] = host_time.get(key, 0.0) + n * (t.end_s - t.start_s)
         if op.host_views and view_us:
             host_time[ZERO3_RANK_LOOPS] = (host_time.get(ZERO3_RANK_LOOPS, 0.0)
                                            + n * rank_views_time_s(op.host_views, view_us))
         comm = getattr(p, "comm", None)
-        if comm is not None or cls is PipeTransfer:
-            if cls is PipeTransfer and op.stage != p.src_stage:
+        if comm is not None or type(p) is PipeTransfer:
+            if type(p) is PipeTransfer and op.stage != p.src_stage:
                 continue            # the recv's side of a send counted once, at the send
             f = by_payload.get((id(p), op.stage))    # a payload is often one object for the step
             if f is None:
-                if cls is PipeTransfer:
+                fkey: tuple
+                if type(p) is PipeTransfer:
                     fkey = (cls, p.src_stage, p.dst_stage, p.size_bytes)
                 else:
+                    assert comm is not None
                     fkey = (cls is TensorComm, comm.collective, comm.size_bytes, comm.coalesced, comm.group, op.stage)
                 f = facts.get(fkey)
                 if f is None:
@@ -158,7 +161,8 @@ def _op_totals(trace: Trace, cl) -> _OpTotals:
             # a copy issued on the compute stream (ZeRO-Offload without overlap_comm) holds
             # the stream but is host traffic, counted above
             compute_iv[op.stage].append((t.start_s, t.end_s))
-            hw_flops += n * p.work.model_flops   # op.work, without the property call
+            work = getattr(p, "work")    # op.work, without the property call: every compute op has one
+            hw_flops += n * work.model_flops
     return _OpTotals(compute_iv, comm_iv, hw_flops, comm_bytes, comm_count, comm_time, comm_calls, host_time, peak_s)
 
 
@@ -247,8 +251,8 @@ def _pipeline(sc: Scenario, trace: Trace, clipped) -> Pipeline | None:
                     peak_bytes=[peak + reserved for peak in trace.stage_peaks_bytes],
                     worst_stage=trace.worst_stage,
                     bubble_fraction=1.0 - sum(busy) / (len(busy) * step) if step > 0 else 0.0,
-                    **({} if layout.virtual_stages == 1 else
-                       {"schedule": sc.parallelism.pipeline_schedule, "virtual_stages": layout.virtual_stages}))
+                    schedule=None if layout.virtual_stages == 1 else sc.parallelism.pipeline_schedule,
+                    virtual_stages=None if layout.virtual_stages == 1 else layout.virtual_stages)
 
 
 def summarize(sc: Scenario, wl: Workload, trace: Trace) -> Result:

@@ -60,7 +60,7 @@ def attention_core(bld: Builder, name: str, layer: int, b: int, s: int, shape: C
     extra_kf = rope.kernels_fwd * 2 if rope_elems else 0
     extra_kb = rope.kernels_bwd * 2 if rope_elems else 0
     qkv = shape.q + shape.k + shape.v
-    qkv_saved = t * qkv * a
+    qkv_saved: float = t * qkv * a
     # HF's repeat_kv (see [Note: SDPA with a padding mask]): eager always, sdpa under a padding mask
     masked_sdpa = bld.attn == "sdpa" and bld.padding_mask
     kv_heads = m.n_kv_heads if m.mla is None else m.heads
@@ -143,6 +143,7 @@ def _mla_projections(bld: Builder, pfx: str, layer: int) -> CoreShape:
     broadcast to every head) and values of v_head_dim."""
     m, h = bld.m, bld.m.hidden
     mla, heads = m.mla, m.heads
+    assert mla is not None
     qk = mla.qk_head_dim
     if mla.q_lora_rank is not None:
         bld.linear(f"{pfx}.q_a_proj", layer, h, mla.q_lora_rank, m.attn_bias)

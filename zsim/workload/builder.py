@@ -99,7 +99,7 @@ class Builder:
             role, width = TensorRole.EXIT, n_out
             n_in //= self.tp
             extra_act, fwd_mem, bwd_mem = extra_act / self.seq, fwd_mem / self.seq, bwd_mem / self.seq
-        ids = (weight if weight is not None else self.param(f"{name}.weight", n_in * n_out),)
+        ids: tuple[int, ...] = (weight if weight is not None else self.param(f"{name}.weight", n_in * n_out),)
         if bias:   # a row-parallel bias added on the sequence shard (Param.tensor_partial_grad)
             ids += (self.param(f"{name}.bias", n_out, split == Split.ROW and self.seq > 1),)
         flops = 2.0 * t * n_in * n_out
@@ -123,17 +123,16 @@ class Builder:
         m, a, h = self.m, self.a, self.m.hidden
         t = self.t if tokens is None else tokens
         bias, f = m.mlp_proj_bias, width
-        rows = dict(tokens=tokens, model_tokens=model_tokens)
         # the dense MLP of a layer is Megatron's ParallelMLP: fc1 (gate/up) column-, fc2 row-parallel
         col, row = (Split.COLUMN, Split.ROW) if residual_add else (None, None)
         fr = f // self.tp if residual_add else f     # the rank's MLP width
         if m.glu:
             if m.fused_gate_up:
-                self.linear(f"{pfx}.gate_up_proj", layer, h, 2 * f, bias, split=col, **rows)
+                self.linear(f"{pfx}.gate_up_proj", layer, h, 2 * f, bias, split=col, tokens=tokens, model_tokens=model_tokens)
             else:
-                self.linear(f"{pfx}.gate_proj", layer, h, f, bias, split=col, **rows)
+                self.linear(f"{pfx}.gate_proj", layer, h, f, bias, split=col, tokens=tokens, model_tokens=model_tokens)
                 # shares gate's input
-                self.linear(f"{pfx}.up_proj", layer, h, f, bias, saves_input=False, split=col, **rows)
+                self.linear(f"{pfx}.up_proj", layer, h, f, bias, saves_input=False, split=col, tokens=tokens, model_tokens=model_tokens)
             if self.hf:    # SiLU, then mul: hf_kernels.swiglu
                 c = hf_kernels.swiglu(a)
                 self.activation(f"{pfx}.act", layer, flops=4.0 * t * fr, fwd_mem=c.fwd * t * fr,
@@ -144,7 +143,7 @@ class Builder:
                 self.activation(f"{pfx}.act", layer, flops=4.0 * t * fr, fwd_mem=3 * t * fr * a,
                                 bwd_mem=5 * t * fr * a, act=2 * t * fr * a)
         else:
-            self.linear(f"{pfx}.fc_in", layer, h, f, bias, split=col, **rows)
+            self.linear(f"{pfx}.fc_in", layer, h, f, bias, split=col, tokens=tokens, model_tokens=model_tokens)
             # one pass each way, as Megatron's bias_gelu_fusion runs it (fc1's bias added inside the
             # GeLU kernel, fused_bias_gelu.py); the bias gradient's reduction is not charged
             self.activation(f"{pfx}.act", layer, flops=8.0 * t * fr, fwd_mem=2 * t * fr * a, bwd_mem=3 * t * fr * a,
@@ -152,6 +151,6 @@ class Builder:
         if residual_add:
             # bias + dropout + residual add in one kernel's passes (Megatron's bias_dropout_add_fused_train)
             self.linear(f"{pfx}.fc_out", layer, f, h, bias, extra_act=self.drop * t * h, fwd_mem=3 * t * h * a,
-                        bwd_mem=2 * t * h * a, split=row, **rows)
+                        bwd_mem=2 * t * h * a, split=row, tokens=tokens, model_tokens=model_tokens)
         else:
-            self.linear(f"{pfx}.fc_out", layer, f, h, bias, **rows)
+            self.linear(f"{pfx}.fc_out", layer, f, h, bias, tokens=tokens, model_tokens=model_tokens)

@@ -89,10 +89,10 @@ def _targets(modules, lora: LoraSpec) -> set[int]:
 def _input_groups(wl: Workload) -> list[int]:
     """The module whose input each module reads: k/v_proj (and up_proj) read q_proj's (gate_proj's)
     input; they save none of it themselves (build_workload's saves_input=False)."""
-    start = []
+    start: list[int] = []
     for i, m in enumerate(wl.modules):
         shared = (m.kind == ModuleKind.LINEAR and i > 0 and wl.modules[i - 1].kind == ModuleKind.LINEAR
-                  and m.act_bytes < m.gemm[0] * m.gemm[2] * wl.act_dtype_bytes)
+                  and m.gemm is not None and m.act_bytes < m.gemm[0] * m.gemm[2] * wl.act_dtype_bytes)
         start.append(start[i - 1] if shared else i)
     return start
 
@@ -148,6 +148,7 @@ def _dequantizing(m: Module, weight: Param, training: TrainingSpec, a: int) -> M
     GEMM dequantizes it to a transient 16-bit copy; LLM.int8's forward quantizes its input instead
     (see [Note: bitsandbytes quantized base weights])."""
     q, dq = training.quantization, training.double_quant
+    assert m.gemm is not None
     tokens, rows, n_in = m.gemm
     dequant = quant.dequant_bytes(weight.numel, rows, q, dq, a)
     kernels = quant.dequant_kernels(q, dq)
@@ -218,6 +219,7 @@ def _backward_of(m: Module, input_grad: bool, weight_grad: bool, a: int, keeps_i
                        act_bytes=0.0, act_bytes_s2=0.0, bwd_workspace_bytes=0.0)
     if m.kind != ModuleKind.LINEAR:
         return replace(m, input_grad=input_grad, weight_grad=weight_grad)
+    assert m.gemm is not None
     tokens, _, n_in = m.gemm
     gemm_flops = m.fwd_flops
     saved_input = tokens * n_in * a if m.act_bytes >= tokens * n_in * a else 0.0
@@ -234,6 +236,7 @@ def _adapters(base: Module, lora: LoraSpec, a: int, new) -> list[Module]:
     FLOPs count the routed tokens as the base's do; their params are dense to DeepSpeed, as
     Experts marks only the params it was built with as MoE params (moe/experts.py sets
     allreduce=False and group_name; moe/utils.py is_moe_param)."""
+    assert base.gemm is not None
     t, n_out, n_in = base.gemm
     model_share = base.model_fwd_flops / base.fwd_flops if base.fwd_flops else 1.0
     r = lora.rank

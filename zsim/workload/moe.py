@@ -50,6 +50,7 @@ def expert_tokens(moe: MoESpec, tokens: int, ep_size: int) -> int:
 def moe_mlp(bld: Builder, layer_pfx: str, layer: int, ep_size: int) -> None:
     """The MoE block in the MLP slot of block `layer` (modules named `layer_pfx`.mlp.*)."""
     m, moe, t, a = bld.m, bld.m.moe, bld.t, bld.a
+    assert moe is not None
     h, k, n_experts = m.hidden, moe.top_k, moe.experts
     pfx = f"{layer_pfx}.mlp"
     local = n_experts // ep_size
