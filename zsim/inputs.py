@@ -22,6 +22,11 @@ from zsim.errors import ZsimInputError
 MAX_NESTING = 64
 
 
+def mapping_or_empty(value) -> dict:
+    """`value` when it is a mapping, else {} (a block a file may leave out or write as null)."""
+    return value if isinstance(value, dict) else {}
+
+
 def read_text(path: Path, field: str, what: str) -> str:
     """The file's text; `field` names the argument or key it came from, `what` the kind of file."""
     if not path.is_file():

@@ -64,9 +64,12 @@ def estimator_report(args) -> dict:
     sc = None
     if args.total_params is None or args.gpus_per_node is None or args.nodes is None or args.stage is None:
         sc = load_scenario(args.scenario, scenario_overrides(args))
+    def scenario():
+        assert sc is not None    # loaded above whenever a flag leaves a figure to it
+        return sc
     if args.total_params is not None:
         total, largest, mode = args.total_params, args.largest_layer_params, "cold"
-        stage_now = args.stage if args.stage is not None else sc.zero.stage
+        stage_now = args.stage if args.stage is not None else scenario().zero.stage
         if largest is None and stage_now == 3:
             # estimate_zero3_model_states_mem_needs_all_cold(total_params, largest_layer_params, ...):
             # the largest layer's gathered 16-bit copy is part of the ZeRO-3 row
@@ -74,11 +77,11 @@ def estimator_report(args) -> dict:
                                  "layer's parameter count; give --largest-layer-params N")
         largest = largest or 0
     else:
-        total, largest = params_like_deepspeed(workload_for(sc))
+        total, largest = params_like_deepspeed(workload_for(scenario()))
         mode = "live"
-    gpn = args.gpus_per_node or sc.cluster.gpus_per_node
-    nodes = args.nodes or sc.cluster.nodes
-    stage = args.stage if args.stage is not None else sc.zero.stage
+    gpn = args.gpus_per_node or scenario().cluster.gpus_per_node
+    nodes = args.nodes or scenario().cluster.nodes
+    stage = args.stage if args.stage is not None else scenario().zero.stage
     rows = deepspeed_rows(stage, total, largest, gpn, nodes, args.buffer_factor)
     rep = {"mode": mode, "estimator": "zero3" if stage == 3 else "zero2", "total_params": total,
            "largest_layer_params": largest, "num_gpus_per_node": gpn, "num_nodes": nodes,

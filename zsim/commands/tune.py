@@ -112,15 +112,16 @@ def batch_overrides(path: str, overrides: tuple[str, ...], global_batch: int | N
     raw = load_raw(Path(path))
     for a in overrides:
         raw = apply_set(raw, a)
-    ds = raw.get("deepspeed") if isinstance(raw.get("deepspeed"), dict) else {}
-    training = raw.get("training") if isinstance(raw.get("training"), dict) else {}
+    ds_raw, training_raw = raw.get("deepspeed"), raw.get("training")
+    ds: dict = ds_raw if isinstance(ds_raw, dict) else {}
+    training: dict = training_raw if isinstance(training_raw, dict) else {}
     auto = [key for ds_key, key in (("train_micro_batch_size_per_gpu", "micro_batch_size"),
                                     ("gradient_accumulation_steps", "gradient_accumulation_steps"))
             if ds.get(ds_key) == "auto" and training.get(key) is None]
     if not auto and global_batch is None:
         return (), ""
-    file_batch = ds.get("train_batch_size")
-    file_batch = file_batch if isinstance(file_batch, int) and not isinstance(file_batch, bool) else None
+    given_batch = ds.get("train_batch_size")
+    file_batch = given_batch if isinstance(given_batch, int) and not isinstance(given_batch, bool) else None
     # the data-parallel size the batch divides by: the base's layout, with any batch (the probe's)
     probe = raw
     for a in ("training.micro_batch_size=1", "training.gradient_accumulation_steps=1",
@@ -130,7 +131,8 @@ def batch_overrides(path: str, overrides: tuple[str, ...], global_batch: int | N
     dp = scenario_from_mapping(probe, Path(path).parent, name_default=Path(path).stem).data_parallel_size
     # the one of micro-batch and GAS the run fixes where the other is "auto": a training key (the
     # Trainer's argument), else the ds_config's number, which the search's start must keep
-    known = [(key, training.get(key), False) if training.get(key) is not None else (key, ds.get(ds_key), True)
+    known: list[tuple[str, int, bool]] = [
+             (key, training[key], False) if training.get(key) is not None else (key, ds[ds_key], True)
              for ds_key, key in (("train_micro_batch_size_per_gpu", "micro_batch_size"),
                                  ("gradient_accumulation_steps", "gradient_accumulation_steps"))
              if key not in auto and _count_or_none(training.get(key) if training.get(key) is not None
@@ -140,14 +142,14 @@ def batch_overrides(path: str, overrides: tuple[str, ...], global_batch: int | N
         if file_batch is not None:
             global_batch = file_batch
         elif not known:
-            micro = TRAINER_DEFAULTS["micro_batch_size"][0]
+            micro = int(TRAINER_DEFAULTS["micro_batch_size"][0])
             global_batch = micro * dp
             note = (f"the global batch is {global_batch} (the HF Trainer's default per_device_train_batch_size "
                     f"{micro} x gradient_accumulation_steps 1 x {dp} data-parallel ranks: "
                     "train_batch_size is \"auto\"); --global-batch N to choose it")
         else:
             key, value, _ = known[0]
-            micro = value if key == "micro_batch_size" else TRAINER_DEFAULTS["micro_batch_size"][0]
+            micro = value if key == "micro_batch_size" else int(TRAINER_DEFAULTS["micro_batch_size"][0])
             gas = value if key == "gradient_accumulation_steps" else 1
             global_batch = micro * gas * dp
             note = (f"the global batch is {global_batch} (per_device_train_batch_size {micro} x "
@@ -156,6 +158,7 @@ def batch_overrides(path: str, overrides: tuple[str, ...], global_batch: int | N
     elif file_batch is not None and file_batch != global_batch and auto:
         raise ZsimInputError("--global-batch", global_batch, f"disagrees with the ds_config's train_batch_size "
                              f"{file_batch}; drop one (the HF Trainer refuses the mismatch)")
+    assert global_batch is not None
     if global_batch % dp:
         raise ZsimInputError("--global-batch" if note == "" else "deepspeed.train_batch_size", global_batch,
                              f"does not divide over the {dp} data-parallel ranks; give a multiple of {dp}")
@@ -384,6 +387,7 @@ def _write_recipe(args, base, best, cfg) -> list[str]:
     from zsim.report.writers import save
 
     recipe, kind = Path(args.recipe), _recipe_kind(args)
+    assert kind is not None    # _write_paths chose a recipe's writer
     start = base.scenario(())
     notes = []
     checkpointing = None

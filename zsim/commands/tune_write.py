@@ -40,13 +40,13 @@ def write_accelerate(args, base, best, cfg: dict) -> list[str]:
     ds_config written as a file the plugin's deepspeed_config_file names."""
     from zsim.config import accelerate_writer as aw
     from zsim.config.recipe_writer import set_nested, set_top_level
-    from zsim.inputs import parse_yaml, read_text
+    from zsim.inputs import mapping_or_empty, parse_yaml, read_text
     from zsim.report.writers import save
 
     recipe, out = Path(args.recipe), Path(args.out)
     text = read_text(recipe, "recipe", "an accelerate config")
     data = parse_yaml(text, "recipe", str(recipe))
-    plugin = data.get(aw.PLUGIN) if isinstance(data.get(aw.PLUGIN), dict) else {}
+    plugin = mapping_or_empty(data.get(aw.PLUGIN))
     start, base_ds = base.scenario(()), base.raw.get("deepspeed") or {}
     notes, written = [], []
     ref = plugin.get("deepspeed_config_file")

@@ -13,6 +13,7 @@ switched to deepspeed_config_file.
 from __future__ import annotations
 
 from zsim.config.recipe_writer import drop_nested, set_nested, set_top_level
+from zsim.inputs import mapping_or_empty
 
 PLUGIN = "deepspeed_config"
 # ds_config path -> the plugin key that sets it (DeepSpeedPlugin's plugin_to_config_mapping)
@@ -76,7 +77,7 @@ def inline_plugin(text: str, keys: dict) -> tuple[str, list[str]]:
 def file_plugin(text: str, data: dict, ref: str) -> tuple[str, list[str], list[str]]:
     """The YAML with its plugin pointed at the ds_config file `ref` (see [Note: accelerate's
     plugin keys beside a deepspeed_config_file]): (text, what was written, the keys moved)."""
-    plugin = data.get(PLUGIN) if isinstance(data.get(PLUGIN), dict) else {}
+    plugin = mapping_or_empty(data.get(PLUGIN))
     moved = [k for k in FILE_EXCLUDES if k in plugin]
     for key in moved:
         text = drop_nested(text, PLUGIN, key)
@@ -101,10 +102,10 @@ def file_config(cfg: dict, data: dict) -> dict:
     precision = str(data.get("mixed_precision") or "no").lower()
     if precision in ("fp16", "bf16"):
         for name in ("fp16", "bf16"):
-            block = out.get(name) if isinstance(out.get(name), dict) else {}
+            block = mapping_or_empty(out.get(name))
             if block.get("enabled", "auto") == "auto":
                 out[name] = {**block, "enabled": name == precision}
-    plugin = data.get(PLUGIN) if isinstance(data.get(PLUGIN), dict) else {}
+    plugin = mapping_or_empty(data.get(PLUGIN))
     if "zero3_save_16bit_model" in plugin:
         zero = out.setdefault("zero_optimization", {})
         zero.setdefault("stage3_gather_16bit_weights_on_model_save",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 
+from zsim.inputs import mapping_or_empty
 from zsim.schema import SCIENTIFIC, accepted_keys
 from zsim.specs.deepspeed import ZeroConfig
 from zsim.specs.scenario import Scenario
@@ -47,7 +48,7 @@ def _numbers(node):
     return node
 
 
-def tuned_ds_config(user_ds: dict, base: Scenario, tuned: Scenario, knobs,
+def tuned_ds_config(user_ds: dict | None, base: Scenario, tuned: Scenario, knobs,
                     resolve_auto: bool = False) -> tuple[dict, list[str]]:
     """(ds_config, notes): `user_ds` as written (None/absent: {}), changed where `tuned` differs
     from `base` in the batch, the stage, the offload devices or the ZeRO `knobs` searched.
@@ -75,7 +76,7 @@ def tuned_ds_config(user_ds: dict, base: Scenario, tuned: Scenario, knobs,
     if tuned.pipeline_stages != base.pipeline_stages:
         # DeepSpeed's "pipeline" block (runtime/config.py get_pipeline_config); the
         # PipelineModule's num_stages in the model code must match it
-        pipe = cfg.get("pipeline") if isinstance(cfg.get("pipeline"), dict) else {}
+        pipe = mapping_or_empty(cfg.get("pipeline"))
         cfg["pipeline"] = {**pipe, "stages": tuned.pipeline_stages}
         notes.append(f"build the model as a PipelineModule with num_stages={tuned.pipeline_stages}")
     if tuned.expert_parallel_size != base.expert_parallel_size:
@@ -85,7 +86,7 @@ def tuned_ds_config(user_ds: dict, base: Scenario, tuned: Scenario, knobs,
     if tuned.tensor_parallel_size != base.tensor_parallel_size:
         # DeepSpeed's AutoTP training key (runtime/tensor_parallel/config.py TPTrainingConfig);
         # the seeds' tensor_parallel.size, if written, is replaced by it
-        tp = cfg.get("tensor_parallel") if isinstance(cfg.get("tensor_parallel"), dict) else {}
+        tp = mapping_or_empty(cfg.get("tensor_parallel"))
         tp = {k: v for k, v in tp.items() if k != "size"}
         cfg["tensor_parallel"] = {**tp, "autotp_size": tuned.tensor_parallel_size}
         sp = " with sequence parallelism (Megatron-LM's --sequence-parallel)" if tuned.parallelism.sequence_parallel else ""

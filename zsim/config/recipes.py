@@ -146,7 +146,7 @@ def _plugin(plugin: dict, bases: list[Path], recipe: Recipe, where: str):
     if ref not in (None, "", "none"):
         recipe.ds_config = _find(str(ref), bases, where + "deepspeed_config_file")
         return
-    zero = {"stage": as_int(where + "zero_stage", plugin.get("zero_stage", 2))}
+    zero: dict = {"stage": as_int(where + "zero_stage", plugin.get("zero_stage", 2))}
     for key in ("offload_optimizer", "offload_param"):
         device = str(plugin.get(f"{key}_device", "none")).lower()
         if device not in ("none", "cpu", "nvme"):
@@ -157,8 +157,8 @@ def _plugin(plugin: dict, bases: list[Path], recipe: Recipe, where: str):
             if device == "nvme" and nvme not in (None, "none"):
                 zero[key]["nvme_path"] = str(nvme)
     # the plugin's batch keys are "auto" (the Trainer fills them); its GAS too when not given
-    ds = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-          "zero_optimization": zero}
+    ds: dict = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                "zero_optimization": zero}
     if plugin.get("gradient_accumulation_steps") not in (None, "auto"):
         ds["gradient_accumulation_steps"] = as_int(where + "gradient_accumulation_steps",
                                                    plugin["gradient_accumulation_steps"])
@@ -248,7 +248,7 @@ def read_axolotl(data: dict, path: Path, bases: list[Path], recipe: Recipe) -> R
     if data.get("max_grad_norm") is not None:
         t["max_grad_norm"] = as_float(where + "max_grad_norm", data["max_grad_norm"])
     if adapter in ("lora", "qlora"):
-        lora = {}
+        lora: dict = {}
         if data.get("lora_r") is not None:
             lora["rank"] = as_int(where + "lora_r", data["lora_r"])
         if data.get("lora_alpha") is not None:
@@ -401,7 +401,7 @@ def read_llama_factory(data: dict, path: Path, bases: list[Path], recipe: Recipe
     t.pop("lora", None)
     if kind == "lora":
         rank = as_int(where + "lora_rank", data.get("lora_rank", 8))
-        lora = {"rank": rank, "alpha": as_float(where + "lora_alpha", data.get("lora_alpha") or rank * 2)}
+        lora: dict = {"rank": rank, "alpha": as_float(where + "lora_alpha", data.get("lora_alpha") or rank * 2)}
         if data.get("lora_dropout") is not None:
             lora["dropout"] = as_float(where + "lora_dropout", data["lora_dropout"])
         targets = as_names(data.get("lora_target", "all"))

@@ -50,7 +50,7 @@ def _peak_event(trace: Trace) -> tuple[int, int]:
     at = [i for i, e in enumerate(events) if rep.shift_s(e[0]) == peak_t]
     if at:
         return first_highest(at), 0
-    windows = getattr(rep, "windows", None) or getattr(getattr(rep, "layers", None), "windows", ())
+    windows = getattr(rep, "windows", None) or getattr(getattr(rep, "layers", None), "windows", None) or ()
     for w in windows:
         inside = [i for i, e in enumerate(events) if w.start_s <= e[0] < w.end_s]
         if inside and rep.shift_s(events[first_highest(inside)][0]) + w.skipped_s == peak_t:
@@ -70,7 +70,7 @@ def _op_at_peak(trace: Trace) -> dict:
         # a pipeline's ledger_events are the worst stage's (tags repeat across stages); an op
         # allocates at its start: the one of this tag that started at the event's time
         if op.stage == trace.worst_stage and start.get(op.id) == time_s and any(a.tag == tag for a in op.alloc):
-            where = {"op": op.name, "phase": op.phase.value, "micro_step": op.micro_step}
+            where: dict = {"op": op.name, "phase": op.phase.value, "micro_step": op.micro_step}
             if later:
                 where["op"] += f" ({later} layers later: the last copy of a repeated layer window)"
             return where
@@ -148,7 +148,7 @@ def playbook(raw: dict, sc: Scenario) -> list[Variant]:
             out.append(Variant(f"expert parallel size {ep} (DeepSpeed-MoE ep_size, {moe.experts // ep} experts a rank)",
                                (f"parallelism.expert={ep}",)))
     if z.optimizer_offload_device == "none":
-        sets = ("deepspeed.zero_optimization.offload_optimizer.device=cpu",
+        sets: tuple[str, ...] = ("deepspeed.zero_optimization.offload_optimizer.device=cpu",
                 "deepspeed.zero_optimization.offload_optimizer.pin_memory=true")
         offload_stage = 2 if pp == 1 else 1
         if z.stage == 0:
@@ -248,7 +248,7 @@ def doctor(base: Base, max_pairs: int = 40) -> dict:
     singles = playbook(base.raw, sc)
     base.prefetch(singles)    # simulated on the workers while the baseline runs here
     _, baseline, trace = base.simulate(scenario=sc)
-    report = {"scenario": sc.name, "baseline": {"fits": baseline.fits, "step_time_s": baseline.step_time_s,
+    report: dict = {"scenario": sc.name, "baseline": {"fits": baseline.fits, "step_time_s": baseline.step_time_s,
                                                 "tokens_per_s": baseline.tokens_per_s},
               "diagnosis": diagnose(baseline, trace)}
     evaluated = [evaluate(base, c, baseline) for c in singles]
@@ -270,8 +270,8 @@ def doctor(base: Base, max_pairs: int = 40) -> dict:
         # fit: it is not simulated (each costs a whole step, seconds for a large MoE)
         bounds = {p.assignments: _memory_bound(base, p) for p in pairs}
         base.prefetch([p for p in pairs if bounds[p.assignments] is None])
-        evaluated += [evaluate(base, cand, baseline) if bounds[cand.assignments] is None
-                      else _bounded_row(cand, bounds[cand.assignments], sc) for cand in pairs]
+        evaluated += [_bounded_row(cand, bound, sc) if (bound := bounds[cand.assignments]) is not None
+                      else evaluate(base, cand, baseline) for cand in pairs]
         evaluated = _prune_batches(evaluated)
         fitting = [e for e in evaluated if e["valid"] and e["fits"]]
     if len(fitting) < MIN_FITTING:
@@ -317,7 +317,7 @@ def _prune_batches(evaluated: list[dict]) -> list[dict]:
                      and "train_batch_size" not in o)
         if len(rest) != len(e["overrides"]):
             groups.setdefault(str(rest), []).append(e)
-    drop = set()
+    drop: set = set()
     for members in groups.values():
         fit = [m for m in members if m["valid"] and m["fits"]]
         if fit:

@@ -263,7 +263,10 @@ def make_space(fixes=(), framework: str | None = None, framework_from: str = "tr
     pinned, a ZeRO knob (under any of DeepSpeed's spellings) left out of the refinement, and
     every fix applied after each point's own assignments."""
     spellings = accepted_keys(ZeroConfig)
-    pins, fixed, knobs, seen = [], [], set(), {}
+    pins: list = []
+    fixed: list = []
+    knobs: set = set()
+    seen: dict = {}
     for text in fixes:
         key, assignment, attr, value = parse_fix(text)
         name = attr or key
@@ -579,7 +582,8 @@ class Tuner:
                 self.layer_s[key[:2]] = layer_compute_s(wl, c.checkpointing, self.pricer, tensor)
             host_s = zero3_host_s(sc, wl, c.checkpointing, c.stage, c.layout.pipeline,
                                   sc.cluster.world_size // c.layout.model_parallel, tensor)
-            self.stage_s[key] = stage_compute_s(*self.layer_s[key[:2]], c.layout.pipeline,
+            layers, layer_s = self.layer_s[key[:2]]
+            self.stage_s[key] = stage_compute_s(layers, layer_s, c.layout.pipeline,
                                                 sc.parallelism.partition_method, host_s)
         return step_time_lower_bound_s(self.stage_s[key], c.gas, c.layout.pipeline > 1 and self.interleaved)
 
@@ -622,9 +626,10 @@ class Tuner:
             self.rejected += not out.ok
             self.seen[c.key()] = (c, out)
             # results that simulate alike rank as one row (`distinct_key`): counted once
-            if out.ok and out.result.fits_with(self.headroom) and distinct_key(c, out.result) not in self.ranked_apart:
-                self.ranked_apart.add(distinct_key(c, out.result))
-                bisect.insort(self.best_rates, -self.rate(out.result))
+            r = out.result
+            if out.ok and r is not None and r.fits_with(self.headroom) and distinct_key(c, r) not in self.ranked_apart:
+                self.ranked_apart.add(distinct_key(c, r))
+                bisect.insort(self.best_rates, -self.rate(r))
         return self.seen[c.key()][1].result
 
     def lookahead(self, points):
