@@ -171,3 +171,24 @@ def test_tune_write_on_a_recipe_writes_the_recipe_beside_it(tmp_path, monkeypatc
         assert (tmp_path / "deepspeed_configs" / "zero3.tuned.json").is_file()
     # a second --write refuses to replace the first without --force
     assert main(["tune", "recipe.yml", "--gpus", "8", "--budget", "3", "--write"]) == 2
+
+
+def test_zero_plus_plus_keys_outside_stage_3_are_ignored_as_deepspeed_ignores_them():
+    """DeepSpeed 0.19.8 applies ZeRO++ at stage 3 only (tests/fixtures/deepspeed_zeropp/
+    stage2_hpz2_w2.json: stage 2's calls unchanged): zsim accepts the keys there with a warning,
+    and still refuses them at stage 3, which it does not model."""
+    from zsim.config.scenario import scenario_from_mapping
+    from zsim.errors import ZsimInputError
+
+    def load(stage, **zero):
+        return scenario_from_mapping({
+            "name": "t", "model": {"preset": "gpt2"}, "hardware": {"profile": "dgx-a100-80g", "nodes": 1},
+            "training": {"micro_batch_size": 1, "seq_len": 128},
+            "deepspeed": {"bf16": {"enabled": True}, "zero_optimization": {"stage": stage, **zero}}}, None)
+    sc = load(2, zero_hpz_partition_size=8, zero_quantized_gradients=True)
+    assert [w.split(":")[0] for w in sc.warnings] == ["deepspeed.zero_optimization.zero_hpz_partition_size",
+                                                      "deepspeed.zero_optimization.zero_quantized_gradients"]
+    assert "ignores it at stage 2" in sc.warnings[0]
+    with pytest.raises(ZsimInputError, match="zero_hpz_partition_size"):
+        load(3, zero_hpz_partition_size=8)
+    assert load(3, zero_quantized_nontrainable_weights=True).warnings == ()   # nothing frozen: no effect

@@ -350,6 +350,9 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
                     description=str(raw.get("description", "")),
                     notes=tuple(notes),
                     warnings=(ds.not_modelled(ds_raw) + ds.checkpointing_warnings(training.activation_checkpointing)
+                              + ds.zero_optimization.zero_plus_plus_warnings(
+                                  training.lora is not None or bool(training.frozen)
+                                  or training.quantization != "none")
                               + _hardware_warnings(hw, profile)))
 
 
