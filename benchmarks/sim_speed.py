@@ -12,7 +12,11 @@ trees (medians over repetitions; ratios against the first tree given):
 - `zsim tune scenarios/gpt3-175b-zero3.yaml` (target: >= 1,000 configurations in <= 10 s), and with
   `--budget all` (every candidate simulated or skipped by the step-time lower bound);
 - `zsim doctor` on a 70B model, 8 GPUs, DeepSpeed-Chat-like ZeRO-3 config (target <= 5 s);
-- `zsim sweep` points/s on 2 local workers over 175B-class points (target >= 100).
+- `zsim sweep` points/s on 2 local workers over 175B-class points (target >= 100);
+- issue 47's MoE figures, each `zsim run` as a process (its CPU time, start-up included): Mixtral-8x7B
+  (scenarios/mixtral-8x7b-zero3-16xh100.yaml) and Qwen3-30B-A3B (ZeRO-3 ds_config, 8 GPUs) (target
+  <= 1 s), DeepSeek-V3 under ZeRO-3 on 1,024 H100 (target <= 2 s), and `zsim doctor` on Qwen3-30B-A3B,
+  8 GPUs, micro-batch 16 (wall; target <= 10 s).
 Every figure runs in a subprocess with PYTHONPATH set to the tree, from the tree's root, the
 trees taking turns repetition by repetition.
 Usage: python benchmarks/sim_speed.py [--tree DIR ...] [--repeat N] [--only TEXT]
@@ -55,6 +59,11 @@ CHAT_70B = {
 PIPE = {**GPT3, "parallelism": {"pipeline": 16}, "deepspeed": {"zero_optimization": {"stage": 1}}}
 # issue 15's 3D case: Megatron-DeepSpeed's layout for 175B on 1024 GPUs (target <= 1 s)
 PIPE_TP = {**PIPE, "parallelism": {"pipeline": 16, "tensor": 8}}
+# issue 47's MoE cases: a plain ZeRO-3 ds_config (DeepSpeed's defaults otherwise) with a Hub config.json
+MOE_DS_CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+                 "zero_optimization": {"stage": 3, "overlap_comm": True}}
+QWEN3_MOE = ["--model", "scenarios/hub/Qwen--Qwen3-30B-A3B.json", "--gpus", "8"]
+DEEPSEEK_V3_1024 = ["--model", "deepseek-v3", "--profile", "dgx-h100", "--nodes", "128", "--gpus", "8"]
 SWEEP_VARY = ["hardware.nodes=16,32,64,128", "training.micro_batch_size=1,2",
               "deepspeed.zero_optimization.stage=1,2,3", "deepspeed.zero_optimization.overlap_comm=true,false"]
 
@@ -100,6 +109,15 @@ def _cli(tree: Path, args: list[str]) -> float:
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", "zsim.cli", *args], cwd=tree, env=_env(tree), capture_output=True, text=True)
     return time.perf_counter() - t0
+
+
+def _cli_cpu(tree: Path, args: list[str]) -> float:
+    """CPU seconds (user + system) of one `zsim` process, start-up included."""
+    before = os.times()
+    subprocess.run([sys.executable, "-m", "zsim.cli", *args], cwd=tree, env={**_env(tree), "HF_HUB_OFFLINE": "1"},
+                   capture_output=True, text=True)
+    after = os.times()
+    return (after.children_user - before.children_user) + (after.children_system - before.children_system)
 
 
 def _tune_configurations(out: Path) -> int | None:
@@ -167,6 +185,16 @@ def measure(trees: list[Path], repeat: int, tmp: Path, only: str = "") -> dict:
         chat = tmp / "chat70b.yaml"
         chat.write_text(yaml.safe_dump(CHAT_70B))
         figures["zsim doctor 70B 8 GPUs ZeRO-3 (s)"] = _interleaved(trees, slow, lambda t: _cli(t, ["doctor", str(chat)]))
+    ds_config = tmp / "moe-zero3.json"
+    ds_config.write_text(json.dumps(MOE_DS_CONFIG))
+    for name, args in (("zsim run Mixtral-8x7B ZeRO-3 16 GPUs (CPU s)", ["scenarios/mixtral-8x7b-zero3-16xh100.yaml"]),
+                       ("zsim run Qwen3-30B-A3B ZeRO-3 8 GPUs (CPU s)", [str(ds_config), *QWEN3_MOE]),
+                       ("zsim run DeepSeek-V3 ZeRO-3 1024 H100 (CPU s)", [str(ds_config), *DEEPSEEK_V3_1024])):
+        if want(name):
+            figures[name] = _interleaved(trees, repeat, lambda t: _cli_cpu(t, ["run", *args, "--quiet"]))
+    if want("zsim doctor Qwen3-30B-A3B 8 GPUs mb 16 (s)"):
+        figures["zsim doctor Qwen3-30B-A3B 8 GPUs mb 16 (s)"] = _interleaved(
+            trees, slow, lambda t: _cli(t, ["doctor", str(ds_config), *QWEN3_MOE, "--set", "training.micro_batch_size=16"]))
     if want("zsim sweep 175B points/s (2 workers)"):
         base = tmp / "gpt3.yaml"
         base.write_text(yaml.safe_dump({"name": "gpt3-sweep", **GPT3}))

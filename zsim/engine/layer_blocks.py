@@ -111,7 +111,7 @@ class _Places:
 _SPAN = 1 << 20
 
 
-def _canon(ops, sites, places: _Places) -> list:
+def _canon(ops, sites, places: _Places, n_ops: int | None = None) -> list:
     """Per op of a layer block, a number standing for what must be equal for it to be the same op
     one layer on: its shape, and each op it waits on or frees an allocation of, as the same op of
     a block as many layers away in the same pass (pos minus the layer's), or the very same op
@@ -119,7 +119,7 @@ def _canon(ops, sites, places: _Places) -> list:
     description is numbered once (so blocks compare as lists of ints, not of payloads)."""
     before, after = sites
     key, pos = places.key, places.pos
-    out: list = [None] * len(ops)
+    out: list = [None] * (len(ops) if n_ops is None else n_ops)
     numbers: dict = {}
     shapes: dict = {}
     for op in ops:
@@ -201,11 +201,15 @@ def _run(chunks, canon, p: int, descending: bool) -> tuple[int, int] | None:
     return None if best is None else best[1:]
 
 
-def _passes(schedule: Schedule, wl: Workload, sites, blocks=None):
-    """Each pass's (micro-step, direction) layer blocks in order, the canonical ops, where every op sits."""
+def _passes(schedule: Schedule, wl: Workload, sites, blocks=None, layers: bool = True):
+    """Each pass's (micro-step, direction) layer blocks in order, the canonical ops, where every op
+    sits; `layers=False`: only the post-step gathers' ops are numbered (the others left None)."""
     blocks = _blocks(schedule, wl) if blocks is None else blocks
     places = _Places(len(schedule.ops), blocks)
-    canon = _canon(schedule.ops, sites, places)
+    ops = schedule.ops
+    if not layers:
+        ops = [ops[x] for key, a, end in blocks if key[1] == "s" and key[2] >= 0 for x in range(a, end)]
+    canon = _canon(ops, sites, places, len(schedule.ops))
     return _layer_passes(blocks), canon, places
 
 
@@ -242,8 +246,14 @@ def _may_repeat(ops, blocks) -> bool:
     ZeRO-1/2 at scale is the case: each layer's reductions split at the partition boundaries,
     which fall elsewhere in every layer (175B on 1,024 GPUs: no two backward blocks alike)."""
     passes = _layer_passes(blocks)
-    if any(d == "s" for _, d in passes):
-        return True
+    return any(d == "s" for _, d in passes) or _layers_may_repeat(ops, passes)
+
+
+def _layers_may_repeat(ops, passes) -> bool:
+    """`_may_repeat` for the forward and backward passes alone: False when `_layer_gaps` would
+    find nothing. A many-expert model under ZeRO-3 is the case: its gradient bucket flushes a few
+    experts further into every layer's backward, so no two backward blocks are alike, while its
+    post-step gathers still repeat (`_gaps` then numbers only their ops)."""
     micros = sorted({m for m, _ in passes})
     if not micros or any((m, d) not in passes for m in micros for d in "fb"):
         return False
@@ -351,12 +361,13 @@ def _gap_name(m: int, d: str, g0: int, g1: int, p: int) -> str:
     return f"{name}, micro-step {m}"
 
 
-def _gaps(schedule: Schedule, wl: Workload, sites, blocks=None) -> tuple[list[Gap], _Places]:
-    """The blocks to drop: the layers of every micro-step's forward and backward, and of the
-    post-step gathers (one layer at a time)."""
-    passes, canon, places = _passes(schedule, wl, sites, blocks)
+def _gaps(schedule: Schedule, wl: Workload, sites, blocks=None, layers: bool = True) -> tuple[list[Gap], _Places]:
+    """The blocks to drop: the layers of every micro-step's forward and backward (unless
+    `layers` is False: `_layers_may_repeat` found none can drop), and of the post-step gathers
+    (one layer at a time)."""
+    passes, canon, places = _passes(schedule, wl, sites, blocks, layers)
     reach = _reach(schedule.ops, sites, places, passes)
-    gaps = _layer_gaps(passes, canon, reach)
+    gaps = _layer_gaps(passes, canon, reach) if layers else []
     for (m, d), blocks in passes.items():
         s = settle_chunks(reach[(m, d)], 1)
         run = _run(blocks, canon, 1, False) if d == "s" else None
@@ -417,12 +428,15 @@ def plan_gaps(schedule: Schedule, wl: Workload) -> GapPlan | None:
     if schedule.pipeline is not None:
         return None
     blocks = _blocks(schedule, wl)
-    if not _may_repeat(schedule.ops, blocks):
+    # _may_repeat, its two parts kept apart
+    passes = _layer_passes(blocks)
+    layers = _layers_may_repeat(schedule.ops, passes)
+    if not layers and not any(d == "s" for _, d in passes):
         return None
     sites = _alloc_sites(schedule.ops)
     if sites is None:
         return None
-    gaps, places = _gaps(schedule, wl, sites, blocks)
+    gaps, places = _gaps(schedule, wl, sites, blocks, layers)
     return GapPlan(tuple(gaps), sites, places) if gaps else None
 
 
@@ -455,8 +469,17 @@ def compress(schedule: Schedule, plan: GapPlan,
     before, after = sites
     out = []
     refused: set = set()
+    # an op before the first gap keeps its id, and what it waits on and frees keep theirs: it
+    # refers into no gap, and is rebuilt only where its deps are not in the sorted, distinct
+    # form every rebuilt op gets
+    unmoved = min(g.first for g in gaps)
     for i, x in enumerate(kept):
         op = ops[x]
+        if x < unmoved:
+            deps = op.deps
+            if all(a < b for a, b in zip(deps, deps[1:])):
+                out.append(op)
+                continue
         # a dropped op stands for its copy only within its own pass: a kept op of another pass
         # that refers to it (the backward below the gap to a forward block in it) would not fit
         for r in _refs(op, sites):

@@ -101,10 +101,12 @@ def zero3_leaves(wl, leaf_moe_block: bool) -> dict[str, tuple[int, ...]]:
     """`z3_leaf_blocks` of a ZeRO-3 run of `wl`; `leaf_moe_block`: `moe_blocks_are_leaves`."""
     if not leaf_moe_block:
         return {}
-    out = {}
-    for block in moe_blocks(wl).values():
-        out[block] = tuple(sorted({p for m in wl.modules if block in m.containers for p in m.params}))
-    return out
+    params: dict[str, set[int]] = {block: set() for block in moe_blocks(wl).values()}
+    for m in wl.modules:     # one walk over the modules, not one per block
+        for c in m.containers:
+            if c in params:
+                params[c].update(m.params)
+    return {block: tuple(sorted(ps)) for block, ps in params.items()}
 
 
 class TokenExchanges:

@@ -32,6 +32,8 @@ def _after(ctx: StepContext, module: Module, micro: int, phase: Phase, op: int) 
 
 def _overlapping_tensor(ctx: StepContext, module: Module) -> TensorCollectives | None:
     """The tensor-parallel exchange when it runs `module`'s backward beside its collectives."""
+    if not ctx.exchanges:    # asked for every module's backward: most runs have none
+        return None
     return next((x for x in ctx.exchanges if isinstance(x, TensorCollectives) and x.overlaps_backward(module)), None)
 
 

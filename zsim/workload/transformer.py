@@ -23,6 +23,8 @@ Sources:
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 from zsim.specs.model import ModelSpec
 from zsim.workload.attention import attention
 from zsim.workload.builder import Builder, Split, ceil_div
@@ -54,20 +56,32 @@ def _loss(logits: float, fwd_mem: float, bwd_mem: float, act: float, kernels: in
 
 def count_params(m: ModelSpec, seq_len: int | None = None) -> int:
     """Every parameter of the model (all experts, whatever the expert parallelism)."""
-    return build_workload(m, micro_batch_size=1, seq_len=seq_len or m.seq_len, precision="bf16",
-                          flash_attention=True, dropout=False).n_params
+    return _param_counts(m, seq_len or m.seq_len)[0]
 
 
 def count_active_params(m: ModelSpec, seq_len: int | None = None) -> int:
     """The parameters one token uses: all but the routed experts it is not sent to (top_k of
     experts in each MoE layer). Embedding tables count in full, as Mixtral's published 12.9B does."""
-    wl = build_workload(m, micro_batch_size=1, seq_len=seq_len or m.seq_len, precision="bf16",
-                        flash_attention=True, dropout=False)
-    routed = sum(p.numel for p in wl.params if p.expert)
+    n_params, routed = _param_counts(m, seq_len or m.seq_len)
     if not routed:
-        return wl.n_params
+        return n_params
     # every MoE layer has the same experts, so the active share of the routed weights is exact
-    return wl.n_params - routed + routed * m.moe.top_k // m.moe.experts
+    return n_params - routed + routed * m.moe.top_k // m.moe.experts
+
+
+def _param_counts(m: ModelSpec, seq_len: int) -> tuple[int, int]:
+    """(every parameter, the routed experts') of the whole model, from one build (a many-expert
+    model's workload takes a while to build), memoised where the spec is hashable."""
+    try:
+        return _param_counts_cached(m, seq_len)
+    except TypeError:   # a spec holding an unhashable value: counted, not memoised
+        return _param_counts_cached.__wrapped__(m, seq_len)
+
+
+@lru_cache(maxsize=16)
+def _param_counts_cached(m: ModelSpec, seq_len: int) -> tuple[int, int]:
+    wl = build_workload(m, micro_batch_size=1, seq_len=seq_len, precision="bf16", flash_attention=True, dropout=False)
+    return wl.n_params, sum(p.numel for p in wl.params if p.expert)
 
 
 def build_workload(m: ModelSpec, micro_batch_size: int, seq_len: int, precision: str,
