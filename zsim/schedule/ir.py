@@ -163,6 +163,7 @@ class Buffer(Enum):
     ALLREDUCE_FLAT = "arflat"        # allreduce_bucket's flat copy of the gradients it reduces (key: the call)
     OPT_FP32_GRADS = "opt/fp32_grads"
     OPT_FLAT16 = "opt/flat16_grads"
+    OPT_UPDATE = "opt/update"         # the optimizer's own temporaries while it updates (see [Note: torch Adam step temporaries])
     PIPE_OUTPUT = "pipe/output"      # a stage's output, kept until its gradient comes back (pipe_buffers['outputs'])
 
 

@@ -93,19 +93,69 @@ def optimizer_state_bytes(ds) -> float:
     return FP32_BYTES * ds.optimizer.state_tensors
 
 
+# [Note: torch Adam step temporaries] With "torch_adam": true an Adam/AdamW optimizer block builds
+# torch.optim.AdamW (torch.optim.Adam when adam_w_mode is false) from the block's params, its `foreach`
+# passed on (DeepSpeed 0.19.8 runtime/engine.py:2378-2382 get_optimizer_configuration, 2486-2493), as a
+# client torch optimizer handed to deepspeed.initialize is; without it DeepSpeed builds FusedAdam,
+# which updates in place. torch's update allocates beside the master (torch 2.13, measured on CPU with
+# calibration/core/memory.py's tracker, per fp32 element stepped): the for-loop (_single_tensor_adam,
+# foreach=False, and torch's default on a CPU) 8 bytes, `exp_avg_sq.sqrt()` and its quotient alive
+# together (adam.py:544 `denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)`), 12 for Adam
+# with an L2 weight_decay (`grad.add(param, alpha=weight_decay)` as well); foreach (_multi_tensor_adam,
+# torch's default on a CUDA device: `torch._foreach_sqrt`) 4, over every tensor of the step at once;
+# fused=True none. zsim simulates a CUDA device: an unset foreach is foreach there; a CPU rank's
+# default, the for-loop, is written foreach: false. The ZeRO optimizers step one flat fp32 tensor at a
+# time (stage3.py:1235-1262 _optimizer_step, stage_1_and_2.py:2967-2983), so these sit beside that
+# sub-group's fp32 gradient; the flat 16-bit copy of the conversion is gone by then, so the step holds
+# the larger of the two. Stage 0 steps the separate fp32 params: the for-loop's temporaries are the
+# largest param's.
+# Traced on DeepSpeed 0.19.8 (CPU/gloo, 26.3M-param GPT, bf16, world 4, ZeRO-3 with prefetch 0,
+# reuse 0 and a 1e6 bucket, client torch.optim.AdamW(lr=1e-3);
+# tests/fixtures/deepspeed_zeropp/stage3_prefetch_0_reuse_0_reduce_bucket_1e6_w4.json): the peak,
+# 186,343,593 bytes, is inside adam.py:544 with the sub-group's fp32 gradient (26,334,208,
+# stage3.py:2686) and two 26,334,208-byte fp32 temporaries beside the model states and the IPG buffer.
+ADAM_FOR_LOOP_TEMP_TENSORS = 2
+ADAM_FOREACH_TEMP_TENSORS = 1
+
+
+def update_temp_bytes_per_param(ds) -> float:
+    """Bytes the optimizer's update allocates per fp32 element of the tensors it steps (see
+    [Note: torch Adam step temporaries]); 0 for DeepSpeed's fused optimizers."""
+    opt = ds.optimizer
+    params = opt.params
+    if opt.name not in ("adam", "adamw") or not params.get("torch_adam"):
+        return 0.0
+    if params.get("fused") is True:
+        return 0.0
+    if params.get("foreach") is False:
+        adam_w = opt.name == "adamw" or params.get("adam_w_mode", True) is not False
+        weight_decay = params.get("weight_decay") or 0
+        l2 = not adam_w and isinstance(weight_decay, (int, float)) and weight_decay > 0
+        return FP32_BYTES * (ADAM_FOR_LOOP_TEMP_TENSORS + (1 if l2 else 0))
+    return FP32_BYTES * ADAM_FOREACH_TEMP_TENSORS
+
+
 def optimizer_step(ctx: StepContext, shard_params: float, deps, flatten: bool = True, sub_group: int = 0,
-                   per_tensor: int = 0) -> int:
+                   per_tensor: int = 0, largest_tensor: float | None = None) -> int:
     """Fused Adam over the local shard, or over one ZeRO-3 sub-group of it; the fp32 gradient
-    copy (the flattened partition, converted if 16-bit) lives during the step. `per_tensor`:
+    copy (the flattened partition, converted if 16-bit) lives during the step, and so do the
+    optimizer's own temporaries (see [Note: torch Adam step temporaries]). `per_tensor`:
     the gradients DeepSpeed's stage-0 16-bit wrapper converts, unscales and copies back one at a
-    time (see [Note: stage-0 16-bit step])."""
+    time (see [Note: stage-0 16-bit step]); `largest_tensor`: the elements of the largest tensor
+    a step over separate tensors (stage 0) updates, where a for-loop optimizer's temporaries peak."""
     temp = FP32_BYTES * shard_params if (ctx.param_bytes < FP32_BYTES or flatten) else 0.0
     allocs = [Alloc(Tag(Buffer.OPT_FP32_GRADS, key=sub_group), Category.OPTIMIZER_TEMPORARIES, temp)] if temp else []
-    if flatten and ctx.param_bytes < FP32_BYTES:
-        # self.flatten(averaged_gradients).to(fp32): the flat 16-bit copy is alive while it is
-        # converted (stage_1_and_2.py step, stage3.py _prepare_fp32_grad_for_sub_group)
-        allocs.append(Alloc(Tag(Buffer.OPT_FLAT16, key=sub_group), Category.OPTIMIZER_TEMPORARIES,
-                            ctx.param_bytes * shard_params))
+    # self.flatten(averaged_gradients).to(fp32): the flat 16-bit copy is alive while it is
+    # converted (stage_1_and_2.py step, stage3.py _prepare_fp32_grad_for_sub_group)
+    flat16 = ctx.param_bytes * shard_params if flatten and ctx.param_bytes < FP32_BYTES else 0.0
+    update_per_param = update_temp_bytes_per_param(ctx.sc.deepspeed)
+    for_loop = update_per_param > FP32_BYTES * ADAM_FOREACH_TEMP_TENSORS
+    update = update_per_param * (largest_tensor if for_loop and not flatten and largest_tensor is not None
+                          else shard_params)
+    if update > flat16:
+        allocs.append(Alloc(Tag(Buffer.OPT_UPDATE, key=sub_group), Category.OPTIMIZER_TEMPORARIES, update))
+    elif flat16:
+        allocs.append(Alloc(Tag(Buffer.OPT_FLAT16, key=sub_group), Category.OPTIMIZER_TEMPORARIES, flat16))
     # the stage-0 wrapper unscales every gradient whether it clips or not (unscale_and_clip_grads,
     # apply_scale=True)
     per_param = step_bytes_per_param(ctx.param_bytes, ctx.sc.deepspeed.gradient_clipping > 0 or per_tensor > 0,

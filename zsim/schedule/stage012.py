@@ -234,7 +234,8 @@ def optimizer_boundary(ctx: StepContext, hooks: Zero012Hooks, last: int) -> int:
         elif wrapped:
             step_deps = [stage0_16bit_check_ops(ctx, n_trainable, len(buckets.trainable), step_deps)]
         last = optimizer_step(ctx, n_trainable, step_deps, flatten=False,
-                              per_tensor=len(buckets.trainable) if wrapped else 0)
+                              per_tensor=len(buckets.trainable) if wrapped else 0,
+                              largest_tensor=max((buckets.numels[p] for p in buckets.trainable), default=0))
         if buckets.lazy_grads:
             # [Note: ZeRO-0 gradient lifetime] without a ZeRO optimizer, _take_model_step ends in
             # the engine's zero_grad (fp32: param.grad = None, engine.py:3495-3500) or
