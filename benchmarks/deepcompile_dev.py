@@ -7,7 +7,9 @@ llama3-70b preset (80 layers, hidden 8192, GQA 64/8, ffn 28672, vocab 128256), d
 (the network is not stated: the profile's 8 x NDR), bf16, HF gradient checkpointing (every
 decoder layer re-run: activation_checkpointing full), ZeRO-3 with sub_group_size 1e8 and
 DeepSpeed's defaults otherwise (the suite's ds_config.json.template sets no other ZeRO key),
-run through accelerate (training.framework hf_trainer). No figure is fitted to these rows.
+run through accelerate (training.framework hf_trainer) with its client torch.optim.AdamW and
+the batch padded to max_length (run_bench_lm.py: training.padding_mask). No figure is fitted to
+these rows.
 Usage: python benchmarks/deepcompile_dev.py [--csv PATH]
 """
 from __future__ import annotations
@@ -32,7 +34,10 @@ def scenario_mapping(row: dict) -> dict:
                      "gradient_accumulation_steps": int(row["grad_accum"]), "seq_len": int(row["seq_len"]),
                      "precision": "bf16", "activation_checkpointing": "full", "framework": "hf_trainer",
                      "padding_mask": True},
+        # the suite's client torch.optim.AdamW(lr=2e-5) (run_bench_lm.py), torch's defaults otherwise
+        # (foreach on CUDA, weight_decay 1e-2): the block DeepSpeed turns into that optimizer
         "deepspeed": {"bf16": {"enabled": True},
+                      "optimizer": {"type": "AdamW", "params": {"lr": 2e-5, "torch_adam": True}},
                       "zero_optimization": {"stage": int(row["zero_stage"]), "sub_group_size": 100_000_000}},
     }
 

@@ -113,3 +113,16 @@ def test_stage0_steps_separate_tensors(foreach, expected):
     numels = [p.numel for p in wl.params]
     assert update == [8 * max(numels) if expected == "largest" else 4 * sum(numels)]
     assert max(numels) < sum(numels) / 4
+
+
+def test_torch_adam_update_traffic_is_one_pass_per_operation():
+    """OptimizerConfig.step_bytes_per_param: FusedAdam's 28 bytes a parameter against torch's
+    unfused AdamW (torch/optim/adam.py: lerp 12, mul 8, addcmul 12, sqrt 8, div 8, add 8,
+    addcdiv 16, decoupled weight decay 8), as the client torch.optim.AdamW of an HF/accelerate run."""
+    from zsim.specs.deepspeed import OptimizerConfig
+    assert OptimizerConfig(type="AdamW").step_bytes_per_param == 28.0
+    assert OptimizerConfig(type="AdamW", params={"torch_adam": True}).step_bytes_per_param == 80.0   # wd 1e-2
+    assert OptimizerConfig(type="AdamW", params={"torch_adam": True, "weight_decay": 0.0}).step_bytes_per_param == 72.0
+    assert OptimizerConfig(type="Adam", params={"torch_adam": True, "adam_w_mode": False,
+                                                "weight_decay": 0.1}).step_bytes_per_param == 84.0
+    assert OptimizerConfig(type="AdamW", params={"torch_adam": True, "fused": True}).step_bytes_per_param == 28.0

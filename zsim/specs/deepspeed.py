@@ -262,9 +262,20 @@ class OptimizerConfig:
 
     @property
     def step_bytes_per_param(self) -> float:
-        """Traffic per parameter of the optimizer's fused update: fp32 master read and written,
-        the fp32 gradient read, each state read and written (Adam: 28, FusedAdam's
-        multi_tensor_apply)."""
+        """Traffic per parameter of the optimizer's update: a fused one (FusedAdam's
+        multi_tensor_apply, torch's fused=True) reads and writes the fp32 master, reads the fp32
+        gradient and reads and writes each state (Adam: 28); torch's unfused Adam/AdamW ("torch_adam":
+        true, see [Note: torch Adam step temporaries]) runs one pass per operation (torch/optim/adam.py
+        _multi_tensor_adam, and _single_tensor_adam alike): exp_avg.lerp_(grad) 12, exp_avg_sq.mul_ 8
+        and .addcmul_(grad, grad) 12, sqrt 8, the bias correction's div 8, add_(eps) 8,
+        param.addcdiv_(exp_avg, denom) 16, and with a weight decay AdamW's param.mul_ 8 or Adam's L2
+        grad.add(param) 12: 72-84 bytes."""
+        if self.name in ("adam", "adamw") and self.params.get("torch_adam") and self.params.get("fused") is not True:
+            decoupled = self.name == "adamw" or self.params.get("adam_w_mode", True) is not False
+            # torch's defaults when the block gives none: AdamW 1e-2, Adam 0
+            wd = self.params.get("weight_decay", 1e-2 if decoupled else 0.0)
+            decay = 0.0 if not wd else 8.0 if decoupled else 12.0
+            return 72.0 + decay
         return 12.0 + 8.0 * self.state_tensors
 
     def __post_init__(self):
