@@ -50,9 +50,8 @@ _workload = lru_cache(maxsize=16)(training_workload)
 
 def with_micro_steps(sc: Scenario, micro_steps: int) -> Scenario:
     """`sc` accumulating `micro_steps` micro-steps (the batch triple kept consistent)."""
-    ds = sc.deepspeed
-    ds = replace(ds, gradient_accumulation_steps=micro_steps,
-                 train_batch_size=ds.train_micro_batch_size_per_gpu * micro_steps * sc.data_parallel_size)
+    ds = replace(sc.deepspeed, gradient_accumulation_steps=micro_steps,
+                 train_batch_size=sc.micro_batch_size * micro_steps * sc.data_parallel_size)
     return replace(sc, deepspeed=ds)
 
 

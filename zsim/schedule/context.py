@@ -3,11 +3,15 @@ forward/backward passes call so each ZeRO stage adds its own collectives and mem
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from zsim.specs.scenario import Scenario
 from zsim.schedule.builder import Builder
 from zsim.schedule.ir import Phase, Stream
 from zsim.workload.module import Module, Workload
+
+if TYPE_CHECKING:   # layer_skip.py builds on this module
+    from zsim.schedule.layer_skip import LayerSkip
 
 
 @dataclass
@@ -29,7 +33,7 @@ class StepContext:
     # the passes may skip layers that repeat (see [Note: layers the builder skips]): asked by the
     # caller, and where stage3.py supports it, its layer_skip.LayerSkip (None: build every layer)
     skip_layers: bool = False
-    layer_skip: object = None
+    layer_skip: LayerSkip | None = None
 
     def for_slice(self, wl: Workload) -> StepContext:
         """A pipeline stage's (or model chunk's) context: this step's settings over its slice of

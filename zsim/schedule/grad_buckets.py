@@ -292,7 +292,7 @@ class Zero12Buckets(_Buckets):
         before = self.micro_flush[1] if self.micro_flush and self.micro_flush[0] == micro else after
         last = after
         for call, (collective, dst, numel, g) in enumerate(self._calls()):
-            alloc = ()
+            alloc: tuple[Alloc, ...] = ()
             if self.nocg:
                 # allreduce_bucket flattens the bucket's grads into one new tensor
                 # (stage_1_and_2.py allreduce_and_copy), freed once copied back
@@ -413,8 +413,9 @@ class Zero3Buckets(_Buckets):
         # gradients and a bucket within reduce_bucket_size (one param larger than it fills a
         # bucket alone); anything else goes through __avg_scatter_grads' reduce_scatter_coalesced
         elements = sum(self.numels[p] for p in self.bucket)
+        allocs: tuple[Alloc, ...] = ()
         if not z.reduce_scatter and z.contiguous_gradients and elements <= z.reduce_bucket_size:
-            comm, allocs = Comm(Collective.ALL_REDUCE, numel, size_bytes, dtype=ctx.reduce_dtype), ()
+            comm = Comm(Collective.ALL_REDUCE, numel, size_bytes, dtype=ctx.reduce_dtype)
         else:
             interleaved = not (len(self.bucket) == 1 and self.numels[self.bucket[0]] % ctx.world == 0)
             ctx.b.add_host_views(after, scatter_views(ctx.world, len(self.bucket), interleaved))

@@ -179,18 +179,25 @@ class Scenario:
     notes: tuple[str, ...] = ()
     parallelism: ParallelismSpec = ParallelismSpec()
 
-    # Resolved values (DeepSpeed's batch rule, precision): the simulator reads these.
+    # Resolved values (DeepSpeed's batch rule, precision): the simulator reads these; the loader
+    # (zsim.config.scenario) resolves every one before a Scenario is made.
     @property
     def micro_batch_size(self) -> int:
-        return self.deepspeed.train_micro_batch_size_per_gpu
+        value = self.deepspeed.train_micro_batch_size_per_gpu
+        assert value is not None, "batch not resolved"
+        return value
 
     @property
     def gradient_accumulation_steps(self) -> int:
-        return self.deepspeed.gradient_accumulation_steps
+        value = self.deepspeed.gradient_accumulation_steps
+        assert value is not None, "batch not resolved"
+        return value
 
     @property
     def global_batch_size(self) -> int:
-        return self.deepspeed.train_batch_size
+        value = self.deepspeed.train_batch_size
+        assert value is not None, "batch not resolved"
+        return value
 
     @property
     def seq_len(self) -> int:
@@ -198,12 +205,14 @@ class Scenario:
 
     @property
     def precision(self) -> str:
-        return self.training.precision
+        value = self.training.precision
+        assert value is not None, "precision not resolved"
+        return value
 
     @property
     def matmul_dtype(self) -> str:
         """The dtype matmuls run in: the precision's, or tf32 for fp32 with training.tf32."""
-        return "tf32" if self.training.precision == "fp32" and self.training.tf32 else self.training.precision
+        return "tf32" if self.precision == "fp32" and self.training.tf32 else self.precision
 
     @property
     def expert_parallel_size(self) -> int:
