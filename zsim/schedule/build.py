@@ -80,7 +80,7 @@ def _build(sc: Scenario, wl: Workload | None, micro_steps: int | None, templates
     # first backward allocates; see [Note: pass templates]): fewer would only pay for recording it
     templates = templates and sc.gradient_accumulation_steps >= 3
     # every ZeRO collective of a stage runs over its data-parallel group (of its tensor-parallel rank)
-    ctx = StepContext(sc=sc, wl=wl, b=Builder(), param_bytes=DTYPE_BYTES[sc.precision], world=sc.data_parallel_size,
+    ctx = StepContext(sc=sc, wl=wl, b=Builder(), param_bytes=DTYPE_BYTES[sc.precision], dp_size=sc.data_parallel_size,
                       reduce_bytes=DTYPE_BYTES[sc.deepspeed.reduction_dtype], pass_templates={} if templates else None,
                       skip_layers=skip_layers)
     ctx.exchanges = exchanges(ctx)

@@ -20,7 +20,7 @@ class StepContext:
     wl: Workload
     b: Builder
     param_bytes: int            # 16-bit (2) or fp32 (4) model/gradient width
-    world: int
+    dp_size: int                # the data-parallel ranks ZeRO partitions over (Scenario.data_parallel_size)
     reduce_bytes: int           # width of a reduced gradient element (DeepSpeedConfig.reduction_dtype)
     ckpt_offload_ops: dict = field(default_factory=dict)   # (micro, layer) -> D2H op of its checkpoint
     # what the passes add around the modules: moe.TokenExchanges (the MoE all-to-alls) and
@@ -38,7 +38,7 @@ class StepContext:
     def for_slice(self, wl: Workload) -> StepContext:
         """A pipeline stage's (or model chunk's) context: this step's settings over its slice of
         the model, with its own checkpoint ops and no exchanges yet (the caller sets them)."""
-        return StepContext(sc=self.sc, wl=wl, b=self.b, param_bytes=self.param_bytes, world=self.world,
+        return StepContext(sc=self.sc, wl=wl, b=self.b, param_bytes=self.param_bytes, dp_size=self.dp_size,
                            reduce_bytes=self.reduce_bytes, pass_templates=None if self.pass_templates is None else {})
 
     @property

@@ -120,7 +120,7 @@ class Zero12Buckets(_Buckets):
 
     def __init__(self, ctx: StepContext, lazy_grads: bool, walk_at_boundary: bool):
         super().__init__(ctx)
-        self.groups = moe_param_groups(ctx.sc, ctx.wl, ctx.world)   # see [Note: MoE parameter groups]
+        self.groups = moe_param_groups(ctx.sc, ctx.wl, ctx.dp_size)   # see [Note: MoE parameter groups]
         # trainable params only: a frozen one is in no group (see [Note: frozen parameters under ZeRO])
         self.group_of = {pid: g for g, group in enumerate(self.groups) for pid in group.pids}
         self.trainable = sorted(self.group_of)   # registration order
@@ -401,12 +401,12 @@ class Zero3Buckets(_Buckets):
         b, r = self.ctx.param_bytes, self.ctx.reduce_bytes
         interleave = 2.0 * numel * r if interleaved else 0.0
         predivide = 2.0 * numel * r
-        partition = (r + b + (b if micro else 0)) * numel / self.ctx.world
+        partition = (r + b + (b if micro else 0)) * numel / self.ctx.dp_size
         return interleave + predivide + partition
 
     def _flush(self, micro: int, after: int):
         ctx = self.ctx
-        numel = sum(padded(self.numels[p], ctx.world) for p in self.bucket)
+        numel = sum(padded(self.numels[p], ctx.dp_size) for p in self.bucket)
         size_bytes = numel * ctx.reduce_bytes
         z = ctx.sc.zero
         # stage3.py __reduce_and_partition_ipg_grads: the all-reduce path needs contiguous
@@ -417,8 +417,8 @@ class Zero3Buckets(_Buckets):
         if not z.reduce_scatter and z.contiguous_gradients and elements <= z.reduce_bucket_size:
             comm = Comm(Collective.ALL_REDUCE, numel, size_bytes, dtype=ctx.reduce_dtype)
         else:
-            interleaved = not (len(self.bucket) == 1 and self.numels[self.bucket[0]] % ctx.world == 0)
-            ctx.b.add_host_views(after, scatter_views(ctx.world, len(self.bucket), interleaved))
+            interleaved = not (len(self.bucket) == 1 and self.numels[self.bucket[0]] % ctx.dp_size == 0)
+            ctx.b.add_host_views(after, scatter_views(ctx.dp_size, len(self.bucket), interleaved))
             comm = Comm(Collective.REDUCE_SCATTER, numel, size_bytes,
                         buffer_bytes=self._scatter_traffic_bytes(numel, micro, interleaved), dtype=ctx.reduce_dtype)
             # [Note: gloo reduce-scatter copy] gloo has no native reduce-scatter: ProcessGroupGloo's
@@ -443,5 +443,5 @@ class Zero3Buckets(_Buckets):
         ctx.b.add_free(self.last_reduce, *(a.tag for a in allocs), *self.pending)
         self.pending = []
         if ctx.optimizer_offloaded:
-            self.last_d2h = offload.grads_to_host(ctx, numel / ctx.world, micro, self.last_reduce,
+            self.last_d2h = offload.grads_to_host(ctx, numel / ctx.dp_size, micro, self.last_reduce,
                                                   f"bucket {self.flushes}")

@@ -40,7 +40,7 @@ def expert_parallel_group(ctx) -> ProcessGroup:
 def expert_data_parallel_group(ctx) -> ProcessGroup:
     """groups.py _create_expert_and_data_parallel (E + D ordering): ranks i, i+ep, i+2ep, ..."""
     ep = ctx.sc.expert_parallel_size
-    return ProcessGroup(Group.EXPERT_DATA, ctx.world // ep, ep)
+    return ProcessGroup(Group.EXPERT_DATA, ctx.dp_size // ep, ep)
 
 
 def moe_param_groups(sc, wl, world: int) -> list[FlatGroup]:

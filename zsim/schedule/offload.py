@@ -41,7 +41,7 @@ def host_load_bytes(ctx: StepContext) -> float:
     model on the CPU first (HF from_pretrained in the training dtype) before moving it to the GPU."""
     n = sum(ctx.wl.stored_numels(ctx.param_bytes))
     if ctx.sc.zero.stage == 3:
-        return math.ceil(n / ctx.world) * ctx.param_bytes
+        return math.ceil(n / ctx.dp_size) * ctx.param_bytes
     return n * ctx.param_bytes
 
 
@@ -79,7 +79,7 @@ def place_states(ctx: StepContext, states: dict[str, float], shard: float) -> di
         else:
             o = z.offload_optimizer
             # the swapper's buffers hold the largest sub-group (stage3.py:851 largest_numel)
-            sub = (max(sub_group_sizes(trainable_numels(ctx.wl), ctx.world, z.sub_group_size))
+            sub = (max(sub_group_sizes(trainable_numels(ctx.wl), ctx.dp_size, z.sub_group_size))
                    if z.stage == 3 else shard)
             ctx.b.host_alloc("NVMe swap buffers (optimizer)", (o.buffer_count if o else 4) * sub * FP32_BYTES)
         if z.stage == 3:

@@ -153,7 +153,7 @@ class ParamCoordinator:
         self.last_compute: int | None = None
         # a fetched param holds memory of its own unless it is a view of its one-rank partition
         # (see [Note: one-rank ZeRO-3 fetch])
-        self.allocates = ctx.world > 1 or ctx.params_offloaded
+        self.allocates = ctx.dp_size > 1 or ctx.params_offloaded
         self.dry = False
         # per visit index, the params its release frees in every micro-step, decided at its first
         # release (see [Note: release sets frozen at the first complete trace]); without
@@ -243,10 +243,10 @@ class ParamCoordinator:
                 self.n_available += self.numels[p]
             return None
         ctx = self.ctx
-        numel = sum(padded(self.numels[p], ctx.world) for p in pids)
+        numel = sum(padded(self.numels[p], ctx.dp_size) for p in pids)
         what = f"prefetch from {visit}" if prefetch else visit
         deps = [self.last_compute]
-        if ctx.world == 1:   # see [Note: one-rank ZeRO-3 fetch]
+        if ctx.dp_size == 1:   # see [Note: one-rank ZeRO-3 fetch]
             op = None
             if ctx.params_offloaded:
                 op = offload.params_to_device(ctx, numel, micro, phase, deps, what, allocs=tuple(
@@ -259,7 +259,7 @@ class ParamCoordinator:
                 self.n_available += self.numels[p]
             return op
         if ctx.params_offloaded:
-            deps = [offload.params_to_device(ctx, numel / ctx.world, micro, phase, deps, what)]
+            deps = [offload.params_to_device(ctx, numel / ctx.dp_size, micro, phase, deps, what)]
         allocs = tuple(Alloc(Tag(Buffer.GATHERED, micro, p), Category.GATHERED, self.numels[p] * ctx.param_bytes)
                        for p in pids)
         if len(pids) > 1:
@@ -267,7 +267,7 @@ class ParamCoordinator:
             allocs += (Alloc(Tag(Buffer.GATHER_FLAT, micro, flat), Category.GATHERED, numel * ctx.param_bytes),)
             self.unwaited[flat] = set(pids)
             self.inflight.update((p, flat) for p in pids)
-            launch, self.wait_views[flat] = coalesced_gather_views(ctx.world, len(pids))
+            launch, self.wait_views[flat] = coalesced_gather_views(ctx.dp_size, len(pids))
             self.pending_views += launch
         op = ctx.b.add(OpKind.PARAM_GATHER, Stream.ALLGATHER, phase, micro,
                        ParamGather(Comm(Collective.ALL_GATHER, numel, numel * ctx.param_bytes), tuple(pids), visit,

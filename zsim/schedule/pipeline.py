@@ -248,11 +248,11 @@ def _aggregate_total_loss(ranks: list[_Stage], finished: list[int]):
     last = ranks[-1]
     b = last.ctx.b
     src = finished[-1]
-    if last.ctx.world > 1:
+    if last.ctx.dp_size > 1:
         b.stage = last.index
         src = b.add(OpKind.LOSS_ALLREDUCE, Stream.COMPUTE, Phase.STEP, last.ctx.last_micro,
                     ScalarAllReduce(Comm(Collective.ALL_REDUCE, 1, 4)), [src])
-    pipe = ProcessGroup(Group.PIPE, len(ranks), last.ctx.world)
+    pipe = ProcessGroup(Group.PIPE, len(ranks), last.ctx.dp_size)
     for rank, done in zip(ranks, finished):
         b.stage = rank.index
         b.add(OpKind.LOSS_BROADCAST, Stream.COMPUTE, Phase.STEP, rank.ctx.last_micro,
@@ -273,7 +273,7 @@ def _reduce_tied_grads(rank: _Stage, ranks: list[_Stage], numel: int) -> int:
     dtype = "fp32" if rank.hooks.inner.bf16_optimizer else ctx.sc.precision
     peer = ranks[-1] if rank.index == 0 else ranks[0]
     # the tie group: the same data-parallel rank of the first and the last stage
-    tied = ProcessGroup(Group.TIED, 2, (len(ranks) - 1) * ctx.world)
+    tied = ProcessGroup(Group.TIED, 2, (len(ranks) - 1) * ctx.dp_size)
     comm = Comm(Collective.ALL_REDUCE, numel, numel * DTYPE_BYTES[dtype], group=tied, dtype=dtype)
     return ctx.b.add(OpKind.TIED_ALLREDUCE, Stream.COMPUTE, Phase.BACKWARD, ctx.last_micro, GradReduce(comm),
                      [rank.hooks.boundary_last, peer.hooks.boundary_last])

@@ -96,16 +96,16 @@ def build(ctx: StepContext):
     # parallelism's collectives hold none (TensorCollectives: per module only), nor do the
     # offloaded copies (offload.params_to_device per gather, grads_to_host per bucket after its
     # reduction; the bucket's last copy is in the state)
-    if (ctx.skip_layers and ctx.world > 1
+    if (ctx.skip_layers and ctx.dp_size > 1
             and all(isinstance(x, TensorCollectives) for x in ctx.exchanges)
             and not ctx.cpu_checkpointing and not hooks.fetch.leaves):
         skip = LayerSkip(ctx, hooks)
         ctx.layer_skip = skip if skip.active else None
-    shard = shard_numel(numels, ctx.world)
+    shard = shard_numel(numels, ctx.dp_size)
     # every param is partitioned; gradients and optimizer states cover the trainable ones
     # (see [Note: frozen parameters under ZeRO])
     trained = trainable_numels(ctx.wl)
-    train_shard = shard_numel(trained, ctx.world)
+    train_shard = shard_numel(trained, ctx.dp_size)
     states = offload.place_states(ctx, model_state_bytes(sum(numels), shard, 3, ctx.param_bytes,
                                                          trainable=(sum(trained), train_shard),
                                                          state_bytes=optimizer_state_bytes(ctx.sc.deepspeed)),
@@ -115,7 +115,7 @@ def build(ctx: StepContext):
         ctx.b.static_alloc(cat, size)
     # persistent params hold a gathered copy, except one rank's views of its partitions
     # (see [Note: one-rank ZeRO-3 fetch])
-    if ctx.world > 1 or ctx.params_offloaded:
+    if ctx.dp_size > 1 or ctx.params_offloaded:
         ctx.b.static_alloc(Category.PERSISTENT, sum(numels[p] for p in persistent) * ctx.param_bytes)
     if z.contiguous_gradients:
         # stage3.py:780-784: one IPG buffer of the full reduce_bucket_size elements, in
@@ -133,18 +133,18 @@ def build(ctx: StepContext):
                          norm_size_bytes=FP32_BYTES if ctx.optimizer_offloaded else NORM_DTYPE_BYTES)
     if ctx.optimizer_offloaded:
         last = offload.offloaded_step(ctx, train_shard, [last, hooks.buckets.last_d2h],
-                                      sub_group_sizes(trained, ctx.world, z.sub_group_size))
+                                      sub_group_sizes(trained, ctx.dp_size, z.sub_group_size))
     else:
         # [Note: ZeRO-3 optimizer sub-groups] stage3.py step() updates one sub-group at a time:
         # _prepare_fp32_grad_for_sub_group flattens and converts that group's gradients, the
         # optimizer steps it, and _release_sub_group drops its fp32 gradient before the next, so
         # the temporaries peak at the largest sub-group, not the whole shard
-        for g, numel in enumerate(sub_group_sizes(trained, ctx.world, z.sub_group_size)):
+        for g, numel in enumerate(sub_group_sizes(trained, ctx.dp_size, z.sub_group_size)):
             last = optimizer_step(ctx, numel, [last], sub_group=g)
     # [Note: coalesced post-step gathers] _post_step: persistent params re-gathered one call each,
     # in registration order, all launched async before any is waited
     # (partition_parameters.py _allgather_params_coalesced)
-    gathered = persistent if ctx.world > 1 else ()   # one rank gathers nothing (see [Note: one-rank ZeRO-3 fetch])
+    gathered = persistent if ctx.dp_size > 1 else ()   # one rank gathers nothing (see [Note: one-rank ZeRO-3 fetch])
     # see [Note: layers the builder skips]: the middle layers' gathers repeat one layer on
     skipped = ctx.layer_skip.post_step(gathered) if ctx.layer_skip is not None and gathered else None
     i = 0
@@ -154,7 +154,7 @@ def build(ctx: StepContext):
             i = skipped[1]
         p = gathered[i]
         i += 1
-        n = padded(numels[p], ctx.world)
+        n = padded(numels[p], ctx.dp_size)
         last = ctx.b.add(OpKind.PERSISTENT_GATHER, Stream.COMPUTE, Phase.STEP, ctx.last_micro,
                          ParamGather(Comm(Collective.ALL_GATHER, n, n * ctx.param_bytes,
                                           coalesced=len(persistent) > 1), (p,), ctx.wl.params[p].name),
