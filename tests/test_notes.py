@@ -46,11 +46,12 @@ ARCHITECTURE = ROOT / "docs" / "architecture.md"
 
 
 def note_table() -> str:
-    """Every note with the file that holds it and how many places cite it, by file then title."""
-    defined, cited = _notes()
-    rows = sorted((where[0].split(":")[0], title, len(cited.get(title, []))) for title, where in defined.items())
-    lines = [BEGIN, "", "| note | written in | cited |", "| --- | --- | --- |"]
-    lines += [f"| {title} | `{path}` | {n} |" for path, title, n in rows]
+    """Every note with the file that holds it, by file then title (no citation counts: a new
+    citation elsewhere must not make the table stale)."""
+    defined, _ = _notes()
+    rows = sorted((where[0].split(":")[0], title) for title, where in defined.items())
+    lines = [BEGIN, "", "| note | written in |", "| --- | --- |"]
+    lines += [f"| {title} | `{path}` |" for path, title in rows]
     return "\n".join(lines + ["", END])
 
 
