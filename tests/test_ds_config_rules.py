@@ -69,7 +69,9 @@ def test_keys_deepspeed_does_not_read_are_ignored_in_one_note(tmp_path, capsys):
     ({"wandb": {"enabled": False, "entity": "me"}}, "deepspeed.wandb.entity"),
     ({"torch_autocast": {"enabled": True}}, "deepspeed.torch_autocast"),     # would price fp32: verdict changes
     ({"communication_data_type": "auto"}, "deepspeed.communication_data_type"),
-    ({"activation_checkpointing": {"partition_activations": "auto"}}, "activation_checkpointing.partition_activations"),
+    # ("auto" makes it an HF Trainer file, which accelerate refuses without a zero_optimization block)
+    ({"activation_checkpointing": {"partition_activations": "auto"}, "zero_optimization": {"stage": 2}},
+     "activation_checkpointing.partition_activations"),
 ])
 def test_what_deepspeed_refuses_is_refused_in_one_line(tmp_path, capsys, ds, where):
     line = _refused(tmp_path, capsys, {"train_micro_batch_size_per_gpu": 1, **ds})
@@ -138,7 +140,7 @@ def test_stage_auto_is_accelerates_default_and_zero_true_is_the_old_stage_1(tmp_
 
 def test_train_batch_size_auto_is_derived_from_numeric_micro_batch_and_gas(tmp_path):
     sc = _load(_write(tmp_path, {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2,
-                                 "gradient_accumulation_steps": 4}))
+                                 "gradient_accumulation_steps": 4, "zero_optimization": {"stage": 2}}))
     assert (sc.global_batch_size, sc.micro_batch_size, sc.gradient_accumulation_steps) == (2 * 4 * 8, 2, 4)
     # the "auto" is the HF Trainer's (its run), and nothing else is a default
     assert len(sc.notes) == 1 and sc.notes[0].startswith("training.framework: hf_trainer")

@@ -166,8 +166,9 @@ def _check_top_level_ds(ds: dict) -> tuple[str, ...]:
             if key not in keys:
                 raise UnknownKeyError(f"deepspeed.{block}.{key}", key, f"unknown key{did_you_mean(str(key), keys)}; "
                                       f"DeepSpeed refuses it (its {block} config forbids other keys); remove it")
+    # each predicate reads the value and the whole ds_config (see [Note: torch_autocast over 16-bit weights])
     for key, (on, why) in NOT_MODELLED_REFUSED.items():
-        if key in ds and on(ds[key]):
+        if key in ds and on(ds[key], ds):
             raise ZsimInputError(f"deepspeed.{key}", _short(ds[key]), why)
     known = set(accepted_keys(DeepSpeedConfig)) | IGNORED_TOP_LEVEL | {"sequence_parallel_size"}
     unread = [f"{k}{_typo(str(k), known)}" for k in ds if k not in known]
@@ -315,6 +316,14 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
         notes.append("training.framework: hf_trainer, as the ds_config's \"auto\" values say (the HF Trainer or "
                      "accelerate fills them): HF's kernels and sdpa attention, tune's HF search space; "
                      "--set training.framework=deepspeed to change it")
+    if training.framework == "hf_trainer" and ds_raw and "zero_optimization" not in ds_raw:
+        # the HF Trainer hands its ds_config to accelerate's DeepSpeedPlugin, which raises "Please
+        # specify the ZeRO optimization config in the DeepSpeed config." without this block
+        # (accelerate/utils/dataclasses.py DeepSpeedPlugin.__post_init__); DeepSpeed's own
+        # launcher would run stage 0
+        raise ZsimInputError("deepspeed.zero_optimization", None, "the HF Trainer and accelerate refuse a ds_config "
+                             "without it (accelerate's DeepSpeedPlugin: \"Please specify the ZeRO optimization "
+                             "config\"); add \"zero_optimization\": {\"stage\": 0} (or 1-3)")
     ds_raw, filled = fill_framework_autos(ds_raw)
     notes += filled
     par = resolve_parallelism(raw.get("parallelism"), ds_raw.get("pipeline"), cluster.world_size, model.layers,

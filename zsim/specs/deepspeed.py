@@ -382,26 +382,45 @@ def _enabled(block) -> bool:
     return isinstance(block, dict) and block.get("enabled") is True
 
 
+def _on(block, raw) -> bool:
+    """A block switched on by its `enabled: true` (the predicate of the tables below: (value, whole ds_config))."""
+    return _enabled(block)
+
+
+# [Note: torch_autocast over 16-bit weights] DeepSpeed 0.19.8 casts the module's parameters to
+# the fp16/bf16 block's dtype whatever torch_autocast says (engine.py _configure_distributed_model:
+# _mixed_precision_dtypes, _cast_module_mixed_precision); autocast then runs its matmuls in that
+# same dtype. Only with neither block enabled are the weights fp32 and the step autocast's alone.
+def _half_enabled(raw) -> bool:
+    """The ds_config enables its fp16 or bf16 block (the older name bfloat16 included)."""
+    return isinstance(raw, dict) and any(_enabled(raw.get(k)) for k in ("fp16", "bf16", "bfloat16"))
+
+
 # Accepted keys that do change a real run but that zsim does not simulate: the result carries a
 # warning that says what the prediction leaves out, instead of silently pretending.
 NOT_MODELLED_TOP_LEVEL = {
-    "hybrid_engine": (_enabled, "the hybrid (RLHF) engine's generation is not modelled; the prediction is the "
-                                "training step alone"),
-    "wall_clock_breakdown": (lambda v: v is True, "its timers synchronize the device around forward, backward and "
-                                                  "step; the prediction leaves those waits out"),
-    "comms_logger": (_enabled, "the comms logger synchronizes every collective to time it; the prediction leaves "
-                               "those waits out"),
-    "compile": (lambda v: isinstance(v, dict) and v.get("deepcompile") is True,
+    "hybrid_engine": (_on, "the hybrid (RLHF) engine's generation is not modelled; the prediction is the "
+                           "training step alone"),
+    "wall_clock_breakdown": (lambda v, raw: v is True, "its timers synchronize the device around forward, "
+                                                       "backward and step; the prediction leaves those waits out"),
+    "comms_logger": (_on, "the comms logger synchronizes every collective to time it; the prediction leaves "
+                          "those waits out"),
+    "compile": (lambda v, raw: isinstance(v, dict) and v.get("deepcompile") is True,
                 "DeepCompile is not modelled; the prediction is DeepSpeed's eager ZeRO"),
-    "data_efficiency": (_enabled, "data efficiency (curriculum, random-LTD) is not modelled; the prediction trains "
-                                  "every token of every sample"),
+    "data_efficiency": (_on, "data efficiency (curriculum, random-LTD) is not modelled; the prediction trains "
+                             "every token of every sample"),
+    "torch_autocast": (lambda v, raw: _enabled(v) and _half_enabled(raw),
+                       "torch autocast over the bf16/fp16 block's weights: the ops autocast runs in fp32 "
+                       "(softmax, norms, the loss) are priced at the weights' precision"),
 }
 # Keys DeepSpeed knows whose effect zsim leaves out only at the cost of the verdict itself: refused
+# (torch_autocast: see [Note: torch_autocast over 16-bit weights])
 NOT_MODELLED_REFUSED = {
-    "torch_autocast": (_enabled, "torch autocast (fp32 weights, lower-precision compute) is not modelled: zsim "
-                                 "would price the step in fp32 throughout; use the bf16 or fp16 block instead"),
-    "expert_parallel": (_enabled, "AutoEP (expert_parallel) is not modelled; use an MoE model with "
-                                  "parallelism.expert (DeepSpeed-MoE ep_size) instead"),
+    "torch_autocast": (lambda v, raw: _enabled(v) and not _half_enabled(raw),
+                       "torch autocast (fp32 weights, lower-precision compute) is not modelled: zsim "
+                       "would price the step in fp32 throughout; use the bf16 or fp16 block instead"),
+    "expert_parallel": (_on, "AutoEP (expert_parallel) is not modelled; use an MoE model with "
+                             "parallelism.expert (DeepSpeed-MoE ep_size) instead"),
 }
 
 
@@ -450,7 +469,7 @@ class DeepSpeedConfig:
     def not_modelled(raw: dict) -> tuple[str, ...]:
         """A warning per key DeepSpeed acts on and zsim does not model (see [Note: DeepSpeed's top-level keys])."""
         return tuple(f"deepspeed.{k}: {msg}" for k, (on, msg) in NOT_MODELLED_TOP_LEVEL.items()
-                     if k in raw and on(raw[k]))
+                     if k in raw and on(raw[k], raw))
 
     def checkpointing_warnings(self, mode: str) -> tuple[str, ...]:
         """The activation_checkpointing block acts on the blocks deepspeed.checkpointing.checkpoint
