@@ -202,9 +202,20 @@ def accelerate_launch(opts: dict, cwd: Path, recipe: Recipe):
                             "zsim does not; give --config_file or --num_processes")
 
 
+def _preference_refusal(field: str, value, simulated: str) -> ZsimInputError:
+    """Preference and RL training (DPO, KTO, PPO, GRPO, ORPO...): TRL's trainers score chosen and
+    rejected sequences, most beside a reference model, and GRPO generates; none is modelled."""
+    return ZsimInputError(field, value, "preference training (a reference or reward model beside the trained one, "
+                          f"chosen and rejected sequences) is not modelled; zsim simulates {simulated}")
+
+
 def read_axolotl(data: dict, path: Path, bases: list[Path], recipe: Recipe) -> Recipe:
     """axolotl's config (axolotl/utils/schemas/config.py AxolotlInputConfig)."""
     where = f"{path.name}: "
+    if data.get("rl") not in (None, False, ""):
+        # AxolotlInputConfig.rl (schemas/enums.py RLType: dpo, ipo, kto, orpo, simpo, grpo, ...):
+        # TRL's preference trainers, simulated as nothing but SFT they would be wrong without a word
+        raise _preference_refusal(f"{where}rl", data["rl"], "supervised fine-tuning (no rl:)")
     t = recipe.training
     adapter = data.get("adapter")
     if adapter not in (None, "", "lora", "qlora"):
@@ -367,17 +378,26 @@ def read_llama_factory(data: dict, path: Path, bases: list[Path], recipe: Recipe
     where = f"{path.name}: "
     stage = data.get("stage", "sft")
     if stage in ("dpo", "kto", "ppo"):
-        raise ZsimInputError(f"{where}stage", stage, "preference training (a reference or reward model beside the "
-                             "trained one) is not modelled; zsim simulates stage sft, pt and rm")
+        raise _preference_refusal(f"{where}stage", stage, "stage sft, pt and rm")
     kind = data.get("finetuning_type", "lora")      # FinetuningArguments' default
     if kind == "freeze":
         raise ZsimInputError(f"{where}finetuning_type", kind, "freeze (training the last layers only) is not "
                              "modelled; use full or lora")
     if kind not in ("full", "lora"):
         raise ZsimInputError(f"{where}finetuning_type", kind, "choose full, lora or freeze (LLaMA-Factory's values)")
-    args = {k: v for k, v in data.items() if k not in LF_OWN}
+    args = {k: v for k, v in data.items() if k not in LF_OWN and k not in LF_NOT_MODELLED and k != "pure_bf16"}
     read_trainer_args(args, recipe, where=where)
     t = recipe.training
+    for key, (switch, what) in LF_NOT_MODELLED.items():
+        if key == switch and data.get(key) not in (None, False):
+            recipe.ignored.append(f"{key} {data[key]} ({what})")
+    if as_bool(where + "pure_bf16", data.get("pure_bf16", False)):
+        # FinetuningArguments.pure_bf16: the model is loaded and trained in bf16 without AMP
+        # (hparams/parser.py sets compute_dtype bf16; model/loader casts the weights)
+        t["precision"] = "bf16"
+        recipe.notes.append(f"{where}pure_bf16: bf16 weights; zsim keeps fp32 master weights and AdamW states "
+                            "beside them (DeepSpeed's bf16 mode), which pure bf16 training does not: an upper bound "
+                            "on memory")
     if "cutoff_len" not in data:
         t["seq_len"] = 2048
         recipe.notes.append(f"{where}cutoff_len not given: LLaMA-Factory's default 2048")
@@ -427,6 +447,26 @@ LF_OWN = frozenset({"stage", "finetuning_type", "lora_rank", "lora_alpha", "lora
                     "pissa_init", "create_new_adapter", "adapter_name_or_path", "export_dir", "infer_backend",
                     "quantization_bit", "quantization_method", "quantization_type", "double_quantization",
                     "upcast_layernorm"})
+
+
+# LLaMA-Factory's FinetuningArguments switches that change the step zsim does not model: key ->
+# (the switch that turns the group on, what the prediction leaves out); the group's other keys are
+# read by the switch's line and not listed again
+LF_NOT_MODELLED = {
+    "use_galore": ("use_galore", "GaLore's low-rank optimizer states are not modelled: AdamW's full states priced"),
+    "use_apollo": ("use_apollo", "APOLLO's low-rank optimizer states are not modelled: AdamW's full states priced"),
+    "use_badam": ("use_badam", "BAdam's block-wise updates are not modelled: every block priced as trained"),
+    "use_muon": ("use_muon", "Muon's optimizer (one momentum buffer, Newton-Schulz steps) is not modelled: AdamW "
+                             "priced"),
+    "use_adam_mini": ("use_adam_mini", "Adam-mini's reduced second moments are not modelled: AdamW priced"),
+    "fp8": ("fp8", "FP8 GEMMs are not modelled: the step is priced in the run's 16-bit precision"),
+    **{k: ("", "") for k in ("galore_layerwise", "galore_target", "galore_rank", "galore_scale",
+                             "galore_update_interval", "galore_proj_type", "apollo_layerwise", "apollo_target",
+                             "apollo_rank", "apollo_scale", "apollo_update_interval", "apollo_proj",
+                             "apollo_proj_type", "apollo_scale_type", "badam_mode", "badam_start_block",
+                             "badam_switch_mode", "badam_switch_interval", "badam_update_ratio", "badam_mask_mode",
+                             "badam_verbose", "fp8_backend", "fp8_enable_fsdp_float8_all_gather")},
+}
 
 
 def _liger(recipe: Recipe, keys: dict, where: str):

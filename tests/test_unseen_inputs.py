@@ -1,0 +1,83 @@
+"""Rules found by running public files zsim had not seen (tests/fixtures/real_inputs/, the second
+batch of SOURCES.csv): each as DeepSpeed, accelerate, axolotl or LLaMA-Factory reads it."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from zsim.cli import main
+
+DS_BF16_AUTOCAST = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+                    "zero_optimization": {"stage": 3}, "torch_autocast": {"enabled": True, "dtype": "torch.bfloat16"}}
+
+
+@pytest.fixture(autouse=True)
+def offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.chdir(tmp_path)
+
+
+def run(capsys, *argv) -> tuple[int, list[str], dict | None]:
+    out = Path("result.json")
+    out.unlink(missing_ok=True)
+    rc = main(["run", *argv, "--quiet", "--json", str(out)])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    return rc, err, json.loads(out.read_text()) if rc == 0 else None
+
+
+def write(name: str, text: str) -> str:
+    Path(name).write_text(text)
+    return name
+
+
+def test_torch_autocast_beside_bf16_is_a_warning_not_a_refusal(capsys):
+    # DeepSpeedExamples training/bf16_master_weight/configs/bf16_full.json: DeepSpeed casts the
+    # weights to bf16 whatever torch_autocast says (engine.py _cast_module_mixed_precision)
+    rc, err, res = run(capsys, write("ds.json", json.dumps(DS_BF16_AUTOCAST)), "--model", "gpt3-1.3b", "--gpus", "8")
+    assert rc == 0 and res["precision"] == "bf16"
+    assert any(w.startswith("deepspeed.torch_autocast: ") for w in res["warnings"]), res["warnings"]
+    # without a 16-bit block the weights stay fp32: still refused (the verdict would change)
+    fp32 = {k: v for k, v in DS_BF16_AUTOCAST.items() if k != "bf16"}
+    rc, err, _ = run(capsys, write("ds32.json", json.dumps(fp32)), "--model", "gpt3-1.3b", "--gpus", "8")
+    assert rc == 2 and len(err) == 1 and "deepspeed.torch_autocast" in err[0]
+
+
+def test_an_hf_trainer_ds_config_without_zero_optimization_is_refused_as_accelerate_refuses_it(capsys):
+    # DeepSpeedExamples training/autotuning/hf/dsconfigs/ds_config_tune.json: "auto" makes it the
+    # HF Trainer's, whose accelerate DeepSpeedPlugin raises "Please specify the ZeRO optimization config"
+    auto = {"train_micro_batch_size_per_gpu": "auto", "autotuning": {"enabled": True}}
+    rc, err, _ = run(capsys, write("hf.json", json.dumps(auto)), "--model", "gpt3-1.3b", "--gpus", "8")
+    assert rc == 2 and len(err) == 1 and err[0].startswith("zsim: error: deepspeed.zero_optimization:")
+    # DeepSpeed's own launcher runs the same settings without the block at stage 0
+    rc, err, res = run(capsys, write("ds.json", json.dumps({"train_micro_batch_size_per_gpu": 1})),
+                       "--model", "gpt3-1.3b", "--gpus", "8")
+    assert rc == 0 and res["stage"] == 0
+
+
+def test_a_recipe_without_deepspeed_still_runs_as_ddp(capsys):
+    rc, err, res = run(capsys, write("r.yaml", "model_name_or_path: gpt3-1.3b\nstage: sft\nfinetuning_type: full\n"
+                                               "per_device_train_batch_size: 1\nbf16: true\n"), "--gpus", "8")
+    assert rc == 0 and res["stage"] == 0, err
+
+
+def test_axolotl_rl_is_refused_not_simulated_as_sft(capsys):
+    # axolotl examples/qwen2/dpo.yaml (rl: dpo) had simulated as plain SFT without a word
+    recipe = write("dpo.yaml", "base_model: gpt3-1.3b\nrl: dpo\nmicro_batch_size: 1\nsequence_len: 512\n")
+    rc, err, _ = run(capsys, recipe, "--gpus", "8")
+    assert rc == 2 and len(err) == 1 and err[0].startswith("zsim: error: dpo.yaml: rl: 'dpo' is invalid")
+
+
+def test_llama_factory_pure_bf16_and_galore_are_said_not_dropped(capsys):
+    # LLaMA-Factory examples/extras/galore/llama3_full_sft.yaml: pure_bf16 loads bf16 weights (it had
+    # been priced as fp32, neither bf16 nor fp16 being set); GaLore's states are named as left out
+    recipe = write("galore.yaml", "model_name_or_path: gpt3-1.3b\nstage: sft\nfinetuning_type: full\n"
+                                  "use_galore: true\ngalore_rank: 128\npure_bf16: true\n"
+                                  "per_device_train_batch_size: 1\n")
+    rc, err, res = run(capsys, recipe, "--gpus", "8")
+    assert rc == 0 and res["precision"] == "bf16", err
+    text = "\n".join(err)
+    assert "pure_bf16" in text and "use_galore True (GaLore's low-rank optimizer states are not modelled" in text
+    assert "galore_rank" not in text      # read with its switch, not listed as unknown
