@@ -80,7 +80,7 @@ _PENDING_BY_REASON = {
     "its config.json found yet)": (
         "axolotl/reward-model.yaml", "axolotl/mistral_mixtral_mixtral_22.yml",
         "axolotl/mistral_bigstral_bigstral-ds-zero3.yaml", "axolotl/mistral_lora.yml", "axolotl/mistral_config.yml",
-        "axolotl/qwen2_dpo.yaml", "axolotl/qwen2_reward-model.yaml", "axolotl/phi_phi3-ft.yml"),
+        "axolotl/qwen2_reward-model.yaml", "axolotl/phi_phi3-ft.yml"),
     "a model family zsim does not model (gpt_oss: attention sinks and MXFP4 experts; jamba: Mamba layers), and "
     "its Hub id is not catalogued either": (
         "axolotl/gpt-oss_gpt-oss-20b-fft-deepspeed-zero3.yaml", "axolotl/jamba_qlora_deepspeed.yaml"),
@@ -90,9 +90,9 @@ _PENDING_BY_REASON = {
     "model_name_or_path models/Qwen2.5-7B is a placeholder for the user's local folder: no config.json exists to "
     "read (LLaMA-Factory would fail the same way); refused in one line": (
         "llama_factory/extras_asft_qwen2_full_asft.yaml",),
-    "LLaMA-Factory stage dpo: the reference model's forward passes (and, for full fine-tuning, its weights) are "
+    "preference training (LLaMA-Factory stage dpo, axolotl rl: dpo): the reference model's forward passes (and, for full fine-tuning, its weights) are "
     "not modelled, which changes the verdict; refused in one line": (
-        "llama_factory/train_lora_qwen3_lora_dpo.yaml",),
+        "llama_factory/train_lora_qwen3_lora_dpo.yaml", "axolotl/qwen2_dpo.yaml"),
     "LLaMA-Factory finetuning_type freeze (train the last freeze_trainable_layers blocks) is not mapped onto "
     "training.frozen yet; refused in one line": (
         "llama_factory/extras_llama_pro_llama3_freeze_sft.yaml",),
