@@ -55,7 +55,7 @@ def stage_calls(schedule: Schedule, stage: int, element_bytes: int,
     tensor-parallel runner checks, see tensor_and_pipe_calls)."""
     out = []
     for op in schedule.ops:
-        if op.stage != stage:
+        if op.pipe_stage != stage:
             continue
         if tensor_and_pipe and op.kind not in P2P_CALLS and op.kind != OpKind.GRAD_ALLREDUCE and not (
                 op.comm and op.comm.group is not None and op.comm.group.kind == Group.TENSOR):

@@ -179,11 +179,11 @@ def test_a_batched_call_sends_both_ways_at_once():
     together = 0
     for op in second:
         first = ops[op.id - 1]    # the call's first send, on the compute stream
-        assert first.stage == op.stage and first.stream == Stream.COMPUTE and first.kind != op.kind
+        assert first.pipe_stage == op.pipe_stage and first.stream == Stream.COMPUTE and first.kind != op.kind
         # both wait for the rank's last op before the call
-        assert any(ops[d].stage == op.stage for d in set(first.deps) & set(op.deps))
+        assert any(ops[d].pipe_stage == op.pipe_stage for d in set(first.deps) & set(op.deps))
         together += timings[op.id].start_s < timings[first.id].end_s
-        waits = [o for o in ops if op.id in o.deps and o.stage == op.stage]
+        waits = [o for o in ops if op.id in o.deps and o.pipe_stage == op.pipe_stage]
         assert len(waits) == 1 and waits[0].kind in (OpKind.RECV_ACTIVATION, OpKind.RECV_GRAD)
         assert timings[waits[0].id].start_s >= timings[op.id].end_s
     assert together > len(second) / 2
@@ -195,7 +195,7 @@ def test_a_batched_call_sends_both_ways_at_once():
 
 
 def _ops(sched, stage, kind):
-    return [op for op in sched.ops if op.stage == stage and op.kind == kind]
+    return [op for op in sched.ops if op.pipe_stage == stage and op.kind == kind]
 
 
 def test_sends_cross_chunk_boundaries():
@@ -263,7 +263,7 @@ def test_chunks_placed_as_megatron_and_shown():
     assert result.to_dict()["pipeline"]["virtual_stages"] == 2
     # the embedding on rank 0's first chunk, the tied head on the last rank's last chunk
     tied = [op for op in trace.schedule.ops if op.kind == OpKind.TIED_ALLREDUCE]
-    assert sorted(op.stage for op in tied) == [0, p - 1]
+    assert sorted(op.pipe_stage for op in tied) == [0, p - 1]
     assert all(op.comm.group == ProcessGroup(Group.TIED, 2, (p - 1) * trace.schedule.pipeline.data_parallel)
                for op in tied)
     from zsim.report.writers import chrome_trace

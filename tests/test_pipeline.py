@@ -144,7 +144,7 @@ def test_batch_divides_by_data_parallel_only():
 
 
 def _stage_ops(sched, stage, kind):
-    return [op for op in sched.ops if op.stage == stage and op.kind == kind]
+    return [op for op in sched.ops if op.pipe_stage == stage and op.kind == kind]
 
 
 def test_sends_pair_with_recvs_and_tied_grads_are_reduced():
@@ -159,7 +159,7 @@ def test_sends_pair_with_recvs_and_tied_grads_are_reduced():
         assert sends[0].payload == PipeTransfer(sc.micro_batch_size * sc.seq_len * 256 * 2, s, s + 1)
         assert len(_stage_ops(sched, s + 1, OpKind.SEND_GRAD)) == gas
     tied = [op for op in sched.ops if op.kind == OpKind.TIED_ALLREDUCE]
-    assert sorted(op.stage for op in tied) == [0, 3]
+    assert sorted(op.pipe_stage for op in tied) == [0, 3]
     assert all(op.comm.group == ProcessGroup(Group.TIED, 2, 3 * sched.pipeline.data_parallel)
                and op.comm.numel == 1024 * 256 for op in tied)
 
@@ -170,7 +170,7 @@ def _tp_calls(sched, stage: int) -> list[tuple]:
             OpKind.FORWARD, OpKind.BACKWARD)
     out = []
     for op in sched.ops:
-        if op.stage == stage and op.kind in keep:
+        if op.pipe_stage == stage and op.kind in keep:
             size = op.comm.size_bytes if op.kind == OpKind.TP_ALL_GATHER else getattr(op.payload, "size_bytes", 0)
             entry = (op.kind, op.micro_step, size)
             if not (out and op.kind in (OpKind.FORWARD, OpKind.BACKWARD) and out[-1] == entry):
@@ -207,16 +207,16 @@ def test_tensor_parallel_ranks_send_their_part_and_all_gather_it():
                 recv = calls.index((OpKind.RECV_GRAD, m, meta))
                 assert calls[recv + 1] == (OpKind.RECV_GRAD, m, part) and recv < bwd - 2
                 assert calls[bwd - 2:bwd] == [(G, m, act), (G, m, act)]
-                assert [op.payload.module for op in sched.ops if op.stage == s and op.kind == G
+                assert [op.payload.module for op in sched.ops if op.pipe_stage == s and op.kind == G
                         and op.micro_step == m][-2:] == ["pipe output", "p2p recv grad"]
             if s > 0:
                 send = calls.index((OpKind.SEND_GRAD, m, meta))
                 assert send > bwd and calls[send + 1] == (OpKind.SEND_GRAD, m, part)
-        gathers = [op for op in sched.ops if op.stage == s and op.kind == G]
+        gathers = [op for op in sched.ops if op.pipe_stage == s and op.kind == G]
         assert len(gathers) == gas * ((s > 0) + 2 * (s < p - 1))
         assert all(op.comm.group.kind == Group.TENSOR and op.comm.group.size == t for op in gathers)
     # a stage keeps only its part of each in-flight output (the output's data is dropped)
-    pipe_out = [a for op in sched.ops if op.stage == 0 for a in op.alloc if a.tag.buffer == Buffer.PIPE_OUTPUT]
+    pipe_out = [a for op in sched.ops if op.pipe_stage == 0 for a in op.alloc if a.tag.buffer == Buffer.PIPE_OUTPUT]
     assert pipe_out and all(a.size_bytes == part for a in pipe_out)
 
 
@@ -329,7 +329,7 @@ def _zsim_calls(sched, stage: int, world: int) -> list[tuple]:
     (op, numel, group size); a point-to-point call's group is the default (world) group."""
     out = []
     for op in sched.ops:
-        if op.stage != stage:
+        if op.pipe_stage != stage:
             continue
         if op.kind in _P2P:
             out.append((_P2P[op.kind], op.payload.size_bytes // 2, world))   # bf16 activations
@@ -385,7 +385,7 @@ def test_partitioned_sends_are_deepspeed_pipeline_engines(case):
                     and (c["op"] in ("send", "recv") or c["op"] == "all_gather" and c["caller"].endswith(":full"))]
         ours = []
         for op in sched.ops:
-            if op.stage != rank["stage"]:
+            if op.pipe_stage != rank["stage"]:
                 continue
             if op.kind in _P2P:
                 ours.append((_P2P[op.kind], int(op.payload.size_bytes) // (8 if op.payload.meta else 2)))

@@ -43,7 +43,7 @@ def stage_plan(sc, stage: int):
 
     _, sched = build_schedule(sc)
     wl = stage_slices(workload_for(sc), sc.pipeline_stages, sc.parallelism.partition_method)[stage][0]
-    plan = plan_for(sc, wl, [op for op in sched.ops if op.stage == stage], sc.data_parallel_size,
+    plan = plan_for(sc, wl, [op for op in sched.ops if op.pipe_stage == stage], sc.data_parallel_size,
                     EXECUTABLE | PIPE_KINDS)
     plan.expected = [c[:3] for c in stage_calls(sched, stage, DTYPE_BYTES[sc.precision])]
     return wl, plan

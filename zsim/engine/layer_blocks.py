@@ -140,7 +140,7 @@ def _canon(ops, sites, places: _Places, n_ops: int | None = None) -> list:
         p = op.payload
         shape = getattr(p, "comm", None) or getattr(p, "work", None) or op_shape(op)
         shape_no = shapes.setdefault(shape, len(shapes))
-        c = (op.kind, op.stream, op.phase, op.micro_step, op.stage, op.hook_visits, op.grad_hooks, op.host_views,
+        c = (op.kind, op.stream, op.phase, op.micro_step, op.pipe_stage, op.hook_visits, op.grad_hooks, op.host_views,
              shape_no, tuple([(a.category, a.size_bytes, a.touched_bytes) for a in op.alloc]) if op.alloc else None,
              tuple(refs))
         out[x] = numbers.setdefault(c, len(numbers))
@@ -494,7 +494,7 @@ def compress(schedule: Schedule, plan: GapPlan,
         free = tuple(ops[target[s[0]]].alloc[s[1]].tag for s in after[x])
         free_before = tuple(ops[target[s[0]]].alloc[s[1]].tag for s in before[x])
         out.append(Op(i, op.kind, op.stream, op.phase, op.micro_step, op.payload, deps, op.alloc, free,
-                      op.hook_visits, op.grad_hooks, op.stage, free_before, op.host_views))
+                      op.hook_visits, op.grad_hooks, op.pipe_stage, free_before, op.host_views))
     if refused:
         raise Refused(frozenset(refused))
     return replace(schedule, ops=tuple(out)), gaps, kept

@@ -42,10 +42,10 @@ class ReplayConflict(Exception):
 
 class Block:
     """One pass of one stage: ops contiguous in the stage's program order."""
-    __slots__ = ("index", "stage", "ops", "first_id", "external", "outside_awaited", "key", "pos", "awaited_ids")
+    __slots__ = ("index", "pipe_stage", "ops", "first_id", "external", "outside_awaited", "key", "pos", "awaited_ids")
 
-    def __init__(self, index: int, stage: int, ops: list[Op]):
-        self.index, self.stage, self.ops = index, stage, ops
+    def __init__(self, index: int, pipe_stage: int, ops: list[Op]):
+        self.index, self.pipe_stage, self.ops = index, pipe_stage, ops
         self.first_id = ops[0].id
         self.pos = {op.id: j for j, op in enumerate(ops)}
         self.external: tuple[int, ...] = ()        # ops outside it that its ops wait on
@@ -101,13 +101,13 @@ def find_blocks(schedule: Schedule, serial: bool, sized: bool) -> tuple[list[Blo
     for op in ops:
         phase = op.phase
         p = None if id(op.kind) in outside or phase is step else (op.micro_step, phase is forward)
-        cur = runs.get(op.stage)
+        cur = runs.get(op.pipe_stage)
         if cur is not None and cur[0] == p:
             cur[1].append(op)
             continue
         if cur is not None and cur[0] is not None:
             found.append(cur[1])
-        runs[op.stage] = (p, [op])
+        runs[op.pipe_stage] = (p, [op])
     found += [run for p, run in runs.values() if p is not None]
     found.sort(key=lambda run: run[0].id)
     block_of = [-1] * len(ops)
@@ -122,7 +122,7 @@ def find_blocks(schedule: Schedule, serial: bool, sized: bool) -> tuple[list[Blo
                 continue
         for op in run:
             block_of[op.id] = b
-        blocks.append(Block(b, run[0].stage, run))
+        blocks.append(Block(b, run[0].pipe_stage, run))
     external: list[set] = [set() for _ in blocks]
     awaited: list[set] = [set() for _ in blocks]
     for op in ops:

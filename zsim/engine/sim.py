@@ -226,7 +226,7 @@ class _StreamRun:
         """The end of a replayed pass: its ops' times and memory effects as recorded, from its
         start; the stage's streams past its ops; its ends signalled in the recorded order."""
         eng, ledger = self.engine, self.ledger
-        rec = eng.active.pop(self.ops[self.i].stage)    # this stream waits at the pass's first op
+        rec = eng.active.pop(self.ops[self.i].pipe_stage)    # this stream waits at the pass's first op
         block, tpl, t0 = rec.block, rec.template, rec.t0
         ops = block.ops
         alloc, free = ledger.alloc, ledger.free
@@ -245,7 +245,7 @@ class _StreamRun:
             x = op.id
             timings[x] = new(OpTiming, (x, t0 + s, t0 + e))
         replayed = eng.replayed
-        for other in eng.stage_runs[block.stage]:
+        for other in eng.stage_runs[block.pipe_stage]:
             while other.i < len(other.ops) and replayed[other.ops[other.i].id]:
                 other.i += 1
         done, soon, outside = eng.done, eng.clock.soon, block.awaited_ids
@@ -267,7 +267,7 @@ class _Engine:
     (see [Note: pipeline pass replay])."""
 
     def __init__(self, schedule: Schedule, cluster, precision: str, replay: bool):
-        cost = CostModel(cluster, precision, schedule.stage, schedule.host, schedule.pipeline, schedule.tensor,
+        cost = CostModel(cluster, precision, schedule.zero_stage, schedule.host, schedule.pipeline, schedule.tensor,
                          schedule.tf32)
         self.clock = Clock()
         self.fluid = Fluid(self.clock, cost.compute_slowdown)
@@ -294,7 +294,7 @@ class _Engine:
     def begin(self, block: Block, run: _StreamRun) -> bool:
         """At the first op of `block`: replay it (True) when a pass of its shape was recorded,
         else record it; neither unless it starts isolated (see [Note: pipeline pass replay])."""
-        s = block.stage
+        s = block.pipe_stage
         if s in self.active or self.fluid.touching.get(s):
             return False
         for other in self.stage_runs[s]:
@@ -321,7 +321,7 @@ class _Engine:
         """A recording of `block`'s shape whose ops cost what `block`'s cost on its stage."""
         for tpl in self.templates.get(block.key, ()):
             if all(cost_shape(self.op_cost(op)) == cost for op, cost in zip(block.ops, tpl.costs)):
-                self.placed[(block.key, block.stage)] = tpl
+                self.placed[(block.key, block.pipe_stage)] = tpl
                 return tpl
         return None
 
@@ -338,11 +338,11 @@ class _Engine:
         touches its stage spoils the recording or ends the replay (ReplayConflict)."""
         bi = self.block_of[op.id]
         active = self.active
-        ranks = self._ranks(cost.links, op.stage)
+        ranks = self._ranks(cost.links, op.pipe_stage)
         self._guard(op, ranks, bi)
-        rec = active.get(op.stage)
+        rec = active.get(op.pipe_stage)
         if rec is not None and rec.block.index == bi:
-            if ranks != (op.stage,):
+            if ranks != (op.pipe_stage,):
                 rec.spoiled = True      # the pass itself reaches another stage's rank
             j = rec.block.pos[op.id]
             rec.starts[j] = start_s
@@ -361,10 +361,10 @@ class _Engine:
     def watch_work(self, op: Op, links: tuple[str, ...]):
         """An op's work starts after its fixed time while passes are recorded or replayed: the
         same check as at its start (it may have started before the pass did)."""
-        self._guard(op, self._ranks(links, op.stage), self.block_of[op.id])
+        self._guard(op, self._ranks(links, op.pipe_stage), self.block_of[op.id])
 
     def watch_end(self, op: Op, end_s: float):
-        rec = self.active.get(op.stage)
+        rec = self.active.get(op.pipe_stage)
         if rec is None or rec.replay or rec.block.index != self.block_of[op.id]:
             return
         j = rec.block.pos[op.id]
@@ -372,11 +372,11 @@ class _Engine:
         rec.effects.append((True, j, end_s))
         rec.ended += 1
         if rec.ended == len(rec.block.ops):
-            del self.active[op.stage]
+            del self.active[op.pipe_stage]
             tpl = finish(rec, end_s)
             if tpl is not None:
                 self.templates.setdefault(rec.block.key, []).append(tpl)
-                self.placed[(rec.block.key, rec.block.stage)] = tpl
+                self.placed[(rec.block.key, rec.block.pipe_stage)] = tpl
 
 
 def run_ops(schedule: Schedule, cluster, precision: str) -> tuple[list[OpTiming], list[Ledger]]:
@@ -430,7 +430,7 @@ def _run_ops(schedule: Schedule, cluster, precision: str, replay: bool) -> tuple
     # a device without concurrent streams (a CPU rank) runs every op in program order
     serial = not cluster.profile.gpu.concurrent_streams
     for op in schedule.ops:
-        by_stream.setdefault((op.stage, Stream.COMPUTE if serial else nccl_queue(op)), []).append(op)
+        by_stream.setdefault((op.pipe_stage, Stream.COMPUTE if serial else nccl_queue(op)), []).append(op)
     # every stream starts at time 0, in this order, before any other event is processed
     for stage in range(schedule.stages):
         for stream in STREAMS:

@@ -123,7 +123,7 @@ def _shifted(pairs, timings, period: float, tol: float) -> bool:
     """Every (earlier, later) pair of ops is the same op one period later."""
     for a, b in pairs:
         ta, tb = timings[a.id], timings[b.id]
-        if (a.kind != b.kind or a.stream != b.stream or a.stage != b.stage
+        if (a.kind != b.kind or a.stream != b.stream or a.pipe_stage != b.pipe_stage
                 or abs(tb.start_s - ta.start_s - period) > tol or abs(tb.end_s - ta.end_s - period) > tol):
             return False
     return True
@@ -214,7 +214,7 @@ def _opens(schedule: Schedule, timings, kind: OpKind) -> dict[int, float]:
     """Per micro-step, the start of stage 0's first op of `kind` (in program order)."""
     opens: dict[int, float] = {}
     for op in schedule.ops:
-        if op.stage == 0 and op.kind == kind and op.micro_step not in opens:
+        if op.pipe_stage == 0 and op.kind == kind and op.micro_step not in opens:
             opens[op.micro_step] = timings[op.id].start_s
     return opens
 
@@ -240,7 +240,7 @@ def _window_repeat(schedule: Schedule, timings, stage_events, opens: dict[int, f
         elif start < lo - period and end > lo:
             return None     # still running from before: the window's state would differ
     def order(op):
-        return op.stage, op.stream, timings[op.id].start_s, op.id
+        return op.pipe_stage, op.stream, timings[op.id].start_s, op.id
     before.sort(key=order)
     window.sort(key=order)
     if len(before) != len(window) or not window:

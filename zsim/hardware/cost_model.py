@@ -55,10 +55,10 @@ def compute_work_s(work: ComputeWork, gpu, gpu_fp32, peak_flops: float, dtype_by
     return t
 
 
-def collective_op_cost(comm, cluster, stage: int, data_parallel: int, tensor: int, intra, inter, nccl):
+def collective_op_cost(comm, cluster, pipe_stage: int, data_parallel: int, tensor: int, intra, inter, nccl):
     """A collective priced over the ranks its own process group spans (zsim.hardware.placement):
     collectives.collective_cost's latency, transfer and tier."""
-    nodes, per_node = group_shape(comm.group, stage, data_parallel, cluster.gpus_per_node, tensor)
+    nodes, per_node = group_shape(comm.group, pipe_stage, data_parallel, cluster.gpus_per_node, tensor)
     return collective_cost(comm.collective.value, comm.size_bytes, nodes, per_node, intra, inter,
                            comm.coalesced, nccl, comm.dtype)
 
@@ -77,11 +77,11 @@ class OpCost:
 
 
 class CostModel:
-    def __init__(self, cluster, precision: str, stage: int, host: HostSettings,
+    def __init__(self, cluster, precision: str, zero_stage: int, host: HostSettings,
                  pipeline: PipelineLayout | None = None, tensor: int = 1, tf32: bool = False):
         prof = cluster.profile
         self.pipeline, self.tensor = pipeline, tensor
-        self.cluster, self.stage, self.host = cluster, stage, host
+        self.cluster, self.zero_stage, self.host = cluster, zero_stage, host
         self.gpu = prof.gpu.for_dtype(precision)   # the run's dtype's compute figures (gpu.by_dtype)
         self.gpu_fp32 = prof.gpu.for_dtype("fp32")   # kernels in fp32 whatever the precision (the loss's)
         self.cpu = prof.cpu
@@ -117,7 +117,7 @@ class CostModel:
         if op.hook_visits:
             fixed += hook_visits_time_s(op.hook_visits, hook_visit_us(self.cpu, op.phase == Phase.BACKWARD))
         if op.grad_hooks:
-            fixed += op.grad_hooks * 1e-6 * self.cpu.grad_hook_us(self.stage)
+            fixed += op.grad_hooks * 1e-6 * self.cpu.grad_hook_us(self.zero_stage)
         if op.host_views:
             fixed += rank_views_time_s(op.host_views, self.cpu.zero3_rank_view_us)
         if op.alloc and self.gpu.fresh_alloc_GBps:
@@ -140,7 +140,7 @@ class CostModel:
         fast = None
         if type(p) is ModulePass and not (op.alloc and self.gpu.fresh_alloc_GBps):
             # the schedule holds the payload for the whole simulation, so its id is not reused
-            fast = (id(p), op.phase if op.hook_visits else None, op.hook_visits, op.grad_hooks, op.host_views, op.stage)
+            fast = (id(p), op.phase if op.hook_visits else None, op.hook_visits, op.grad_hooks, op.host_views, op.pipe_stage)
             cost = self._by_pass.get(fast)
             if cost is not None:
                 return cost
@@ -149,7 +149,7 @@ class CostModel:
             shape = (p.transfer, p.size_bytes, p.pinned) if isinstance(p, Copy) else p
         sizes = (tuple((a.size_bytes, a.touched_bytes) for a in op.alloc) if op.alloc and self.gpu.fresh_alloc_GBps
                  else ())
-        key = (shape, op.phase if op.hook_visits else None, op.hook_visits, op.grad_hooks, op.host_views, sizes, op.stage)
+        key = (shape, op.phase if op.hook_visits else None, op.hook_visits, op.grad_hooks, op.host_views, sizes, op.pipe_stage)
         cost = self._cache.get(key)
         if cost is None:
             cost = self._cache[key] = self._op_cost(op)
@@ -161,12 +161,12 @@ class CostModel:
         if isinstance(op.payload, PipeTransfer):
             return self._p2p_cost(op, op.payload)
         cost = self._rank_cost(op)
-        return cost if op.stage == 0 else OpCost(cost.fixed_s, cost.work_s, stage_links(cost.links, op.stage))
+        return cost if op.pipe_stage == 0 else OpCost(cost.fixed_s, cost.work_s, stage_links(cost.links, op.pipe_stage))
 
     def _p2p_cost(self, op: Op, p: PipeTransfer) -> OpCost:
         fixed = self.host_fixed_s(op)
-        if op.stage != p.src_stage:
-            return OpCost(fixed, 0.0, stage_links(COMPUTE, op.stage))   # a recv: done when its send is
+        if op.pipe_stage != p.src_stage:
+            return OpCost(fixed, 0.0, stage_links(COMPUTE, op.pipe_stage))   # a recv: done when its send is
         # p2p.send: one message between two ranks, priced as a two-rank broadcast (what p2p.py
         # falls back to). Links are full duplex: it occupies the sender's outgoing side and the
         # receiver's incoming side, so a rank that sends to one peer while it receives from
@@ -200,7 +200,7 @@ class CostModel:
     def _comm_cost(self, op: Op, comm: Comm):
         cl = self.cluster
         dp = cl.world_size // self.tensor if self.pipeline is None else self.pipeline.data_parallel
-        return collective_op_cost(comm, cl, op.stage, dp, self.tensor, self.intra, self.inter, self.nccl)
+        return collective_op_cost(comm, cl, op.pipe_stage, dp, self.tensor, self.intra, self.inter, self.nccl)
 
     def _rank_cost(self, op: Op) -> OpCost:
         """The cost on the op's own rank, its links named as stage 0's."""

@@ -126,7 +126,7 @@ def chrome_trace(trace: Trace, name: str) -> dict:
         events.append({"ph": "M", "pid": stage + 1, "tid": 0, "name": "process_name",
                        "args": {"name": f"zsim: {name} ({label})"}})
     tids = {s: i + 1 for i, s in enumerate(STREAMS)}
-    used = {(op.stage, op.stream) for op in trace.schedule.ops}
+    used = {(op.pipe_stage, op.stream) for op in trace.schedule.ops}
     for stage in range(stages):
         for s in STREAMS:
             if (stage, s) in used:
@@ -143,7 +143,7 @@ def chrome_trace(trace: Trace, name: str) -> dict:
         if repeat is not None:
             args.update(repeat.marks(op))
         start, end = shift(t.start_s), shift(t.end_s)
-        events.append({"ph": "X", "pid": op.stage + 1, "tid": tids[op.stream], "name": op.name,
+        events.append({"ph": "X", "pid": op.pipe_stage + 1, "tid": tids[op.stream], "name": op.name,
                        "cat": "comm" if comm is not None else op.phase.value,
                        "ts": round(start * 1e6, 3), "dur": round((end - start) * 1e6, 3), "args": args})
     if repeat is not None:

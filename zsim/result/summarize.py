@@ -81,7 +81,7 @@ def _group_placement(comm, op, sched, gpus_per_node: int) -> tuple[int, int, int
     stage's data-parallel group unless the call names its own (CostModel's rule)."""
     dp = sched.data_parallel
     size = dp if comm.group is None else comm.group.size
-    return (size, *group_shape(comm.group, op.stage, dp, gpus_per_node, sched.tensor))
+    return (size, *group_shape(comm.group, op.pipe_stage, dp, gpus_per_node, sched.tensor))
 
 
 def _comm_facts(op, sched, cl) -> tuple[str, float, tuple | None, float]:
@@ -134,33 +134,33 @@ def _op_totals(trace: Trace, cl) -> _OpTotals:
                                            + n * rank_views_time_s(op.host_views, view_us))
         comm = getattr(p, "comm", None)
         if comm is not None or type(p) is PipeTransfer:
-            if type(p) is PipeTransfer and op.stage != p.src_stage:
+            if type(p) is PipeTransfer and op.pipe_stage != p.src_stage:
                 continue            # the recv's side of a send counted once, at the send
-            f = by_payload.get((id(p), op.stage))    # a payload is often one object for the step
+            f = by_payload.get((id(p), op.pipe_stage))    # a payload is often one object for the step
             if f is None:
                 fkey: tuple
                 if type(p) is PipeTransfer:
                     fkey = (cls, p.src_stage, p.dst_stage, p.size_bytes)
                 else:
                     assert comm is not None
-                    fkey = (cls is TensorComm, comm.collective, comm.size_bytes, comm.coalesced, comm.group, op.stage)
+                    fkey = (cls is TensorComm, comm.collective, comm.size_bytes, comm.coalesced, comm.group, op.pipe_stage)
                 f = facts.get(fkey)
                 if f is None:
                     f = facts[fkey] = _comm_facts(op, sched, cl)
-                by_payload[(id(p), op.stage)] = f
+                by_payload[(id(p), op.pipe_stage)] = f
             kind, sent, call, peak = f
             if call is not None:
                 comm_calls[call] = comm_calls.get(call, 0) + n
             start, end = t.start_s, t.end_s
             peak_s[kind] = peak_s.get(kind, 0.0) + n * sent / peak
-            comm_iv[op.stage].append((start, end))
+            comm_iv[op.pipe_stage].append((start, end))
             comm_bytes[kind] = comm_bytes.get(kind, 0.0) + n * sent
             comm_count[kind] = comm_count.get(kind, 0) + n
             comm_time[kind] = comm_time.get(kind, 0.0) + n * (end - start)
         elif op.stream == compute and cls is not Copy:
             # a copy issued on the compute stream (ZeRO-Offload without overlap_comm) holds
             # the stream but is host traffic, counted above
-            compute_iv[op.stage].append((t.start_s, t.end_s))
+            compute_iv[op.pipe_stage].append((t.start_s, t.end_s))
             work = getattr(p, "work")    # op.work, without the property call: every compute op has one
             hw_flops += n * work.model_flops
     return _OpTotals(compute_iv, comm_iv, hw_flops, comm_bytes, comm_count, comm_time, comm_calls, host_time, peak_s)

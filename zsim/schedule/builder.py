@@ -14,11 +14,11 @@ class _Draft:
     """One op before `build`. The lists a hook may extend start as the shared empty tuple and
     become lists on the first addition (most ops never get one)."""
     __slots__ = ("kind", "stream", "phase", "micro", "payload", "deps", "alloc", "free", "free_before",
-                 "hook_visits", "grad_hooks", "host_views", "bucketed", "stage")
+                 "hook_visits", "grad_hooks", "host_views", "bucketed", "pipe_stage")
 
-    def __init__(self, kind, stream, phase, micro, payload, deps, alloc, stage):
+    def __init__(self, kind, stream, phase, micro, payload, deps, alloc, pipe_stage):
         self.kind, self.stream, self.phase, self.micro, self.payload = kind, stream, phase, micro, payload
-        self.stage = stage
+        self.pipe_stage = pipe_stage
         self.deps, self.alloc, self.free, self.free_before = deps, alloc, (), ()
         self.hook_visits = self.grad_hooks = self.host_views = 0
         self.bucketed = ()
@@ -26,7 +26,7 @@ class _Draft:
     @classmethod
     def of(cls, op: Op) -> _Draft:
         """The draft of a frozen op (without bucketed params: a copied op has none)."""
-        d = cls(op.kind, op.stream, op.phase, op.micro_step, op.payload, op.deps, op.alloc, op.stage)
+        d = cls(op.kind, op.stream, op.phase, op.micro_step, op.payload, op.deps, op.alloc, op.pipe_stage)
         d.free, d.free_before = list(op.free), list(op.free_before)
         d.hook_visits, d.grad_hooks, d.host_views = op.hook_visits, op.grad_hooks, op.host_views
         return d
@@ -45,7 +45,7 @@ class PassTemplate:
 class Builder:
     def __init__(self):
         self._ops: list[_Draft] = []
-        self.stage = 0      # the pipeline stage that ops and static buffers go to (pipeline.py sets it)
+        self.pipe_stage = 0      # the pipeline stage that ops and static buffers go to (pipeline.py sets it)
         self._static: dict[int, list[Alloc]] = {}
         self._host_static: dict[int, list[Alloc]] = {}
 
@@ -55,7 +55,7 @@ class Builder:
             deps = () if deps[0] is None else (deps[0],)
         else:
             deps = tuple(sorted({d for d in deps if d is not None}))
-        self._ops.append(_Draft(kind, stream, phase, micro, payload, deps, tuple(alloc), self.stage))
+        self._ops.append(_Draft(kind, stream, phase, micro, payload, deps, tuple(alloc), self.pipe_stage))
         return len(self._ops) - 1
 
     @property
@@ -126,11 +126,11 @@ class Builder:
 
     def static_alloc(self, category: str, size_bytes: float):
         if size_bytes > 0:
-            self._static.setdefault(self.stage, []).append(Alloc(Tag(Buffer.STATE, key=category), category, float(size_bytes)))
+            self._static.setdefault(self.pipe_stage, []).append(Alloc(Tag(Buffer.STATE, key=category), category, float(size_bytes)))
 
     def host_alloc(self, category: str, size_bytes: float):
         if size_bytes > 0:
-            self._host_static.setdefault(self.stage, []).append(Alloc(Tag(Buffer.STATE, key=category), category, float(size_bytes)))
+            self._host_static.setdefault(self.pipe_stage, []).append(Alloc(Tag(Buffer.STATE, key=category), category, float(size_bytes)))
 
     def pass_template(self, first: int, micro: int, after: int | None, last: int) -> PassTemplate | None:
         """The ops added since `first` by a pass at `micro` that ran after op `after` and ended
@@ -159,7 +159,7 @@ class Builder:
 
         ops = []
         for d in drafts:
-            if d.stage != self.stage or d.micro != micro or any(x < first and x != after for x in d.deps):
+            if d.pipe_stage != self.pipe_stage or d.micro != micro or any(x < first and x != after for x in d.deps):
                 return None
             refs = [tuple(ref(t) for t in tags_) for tags_ in ([a.tag for a in d.alloc], d.free, d.free_before)]
             if any(None in r for r in refs):
@@ -172,23 +172,23 @@ class Builder:
     def replay_pass(self, tpl: PassTemplate, micro: int, after: int | None) -> int:
         """Add `tpl`'s ops at `micro`, after op `after`, frozen (a later change makes one a
         draft again); returns its last op's id."""
-        base, stage, out = len(self._ops), self.stage, self._ops
+        base, pipe_stage, out = len(self._ops), self.pipe_stage, self._ops
         tags = [spec if type(spec) is Tag else Tag(spec[0], micro, spec[1], spec[2]) for spec in tpl.tags]
         for kind, stream, phase, payload, rel, alloc, free, free_before, visits, hooks, views, bucketed in tpl.ops:
             deps = tuple([after if x < 0 else base + x for x in rel]) if rel else ()
             allocs = tuple([Alloc(tags[i], category, size, touched) for i, category, size, touched in alloc]) if alloc else ()
             if bucketed:    # build() makes its payload: a draft
-                d = _Draft(kind, stream, phase, micro, payload, deps, allocs, stage)
+                d = _Draft(kind, stream, phase, micro, payload, deps, allocs, pipe_stage)
                 d.free, d.free_before = [tags[i] for i in free], [tags[i] for i in free_before]
                 d.hook_visits, d.grad_hooks, d.host_views, d.bucketed = visits, hooks, views, list(bucketed)
                 out.append(d)
                 continue
             out.append(Op(len(out), kind, stream, phase, micro, payload, deps, allocs,
-                          tuple([tags[i] for i in free]) if free else (), visits, hooks, stage,
+                          tuple([tags[i] for i in free]) if free else (), visits, hooks, pipe_stage,
                           tuple([tags[i] for i in free_before]) if free_before else (), views))
         return base + tpl.last
 
-    def build(self, stage: int, world_size: int, host: HostSettings,
+    def build(self, zero_stage: int, world_size: int, host: HostSettings,
               stage_layers: tuple[tuple[int, int], ...] = (), tensor: int = 1, virtual_stages: int = 1) -> Schedule:
         """Freeze the drafts; `stage_layers` (one [first, end) layer range per pipeline stage,
         per virtual stage when each stage holds `virtual_stages` model chunks) makes it a
@@ -203,15 +203,15 @@ class Builder:
                 assert isinstance(payload, ModulePass)
                 payload = ModulePass(payload.module, payload.work, tuple(d.bucketed), payload.part)
             ops.append(Op(i, d.kind, d.stream, d.phase, d.micro, payload, d.deps, tuple(d.alloc), tuple(d.free),
-                          d.hook_visits, d.grad_hooks, d.stage, tuple(d.free_before), d.host_views))
+                          d.hook_visits, d.grad_hooks, d.pipe_stage, tuple(d.free_before), d.host_views))
         if not stage_layers:
-            return Schedule(stage=stage, world_size=world_size, ops=tuple(ops), static=tuple(self._static.get(0, ())),
+            return Schedule(zero_stage=zero_stage, world_size=world_size, ops=tuple(ops), static=tuple(self._static.get(0, ())),
                             host=host, host_static=tuple(self._host_static.get(0, ())), tensor=tensor)
         n = len(stage_layers) // virtual_stages
         layout = PipelineLayout(stages=n, data_parallel=world_size // (n * tensor), layers=tuple(stage_layers),
                                 static=tuple(tuple(self._static.get(s, ())) for s in range(n)),
                                 host_static=tuple(tuple(self._host_static.get(s, ())) for s in range(n)),
                                 virtual_stages=virtual_stages)
-        return Schedule(stage=stage, world_size=world_size, ops=tuple(ops), static=(), host=host, pipeline=layout,
+        return Schedule(zero_stage=zero_stage, world_size=world_size, ops=tuple(ops), static=(), host=host, pipeline=layout,
                         tensor=tensor)
 

@@ -193,7 +193,7 @@ def build(ctx0: StepContext) -> tuple[tuple[tuple[int, int], ...], HostSettings]
     progs = programs(p, v, ctx0.gas)
     ranks = []
     for r, (rank_wl, chunks) in enumerate(slices):
-        b.stage = r
+        b.pipe_stage = r
         ctx = ctx0.for_slice(rank_wl)
         # no token exchanges: an MoE model under a pipeline is refused (config/parallel.py)
         ctx.exchanges = exchanges(ctx)
@@ -224,7 +224,7 @@ def _run(ranks: list[_Rank], act_bytes: float, wire: Wire):
     while True:
         before = (sum(rank.pos for rank in ranks), len(posts), len(sent))
         for rank in ranks:
-            b.stage = rank.index
+            b.pipe_stage = rank.index
             while rank.pos < len(rank.program):
                 item = rank.program[rank.pos]
                 if isinstance(item, Step):

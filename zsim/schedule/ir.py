@@ -237,7 +237,7 @@ class Op:
     free: tuple[Tag, ...] = ()
     hook_visits: int = 0            # ZeRO-3 module visits whose hooks run on the host before it
     grad_hooks: int = 0             # ZeRO-0/1/2 params whose gradients DeepSpeed handles after it
-    stage: int = 0                  # the pipeline stage whose representative rank runs it
+    pipe_stage: int = 0             # the pipeline stage whose representative rank runs it
     free_before: tuple[Tag, ...] = ()   # freed when the op starts, before its allocations (a hook's wait)
     host_views: int = 0             # per-rank views ZeRO-3's host loops make before it, see [Note: per-rank host loops]
 
@@ -343,7 +343,7 @@ class SkippedLayers:
 
 @dataclass(frozen=True)
 class Schedule:
-    stage: int
+    zero_stage: int
     world_size: int
     ops: tuple[Op, ...]
     static: tuple[Alloc, ...]       # allocated for the whole step (model states, persistent buffers)

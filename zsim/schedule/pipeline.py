@@ -128,7 +128,7 @@ def build(ctx0: StepContext) -> tuple[tuple[tuple[int, int], ...], HostSettings]
     slices = stage_slices(ctx0.wl, stages, sc.parallelism.partition_method)
     ranks = []
     for s, (wl, _) in enumerate(slices):
-        b.stage = s
+        b.pipe_stage = s
         ctx = ctx0.for_slice(wl)
         # no token exchanges: an MoE model under a pipeline is refused (config/parallel.py)
         ctx.exchanges = exchanges(ctx)
@@ -147,7 +147,7 @@ def finish(ctx0: StepContext, ranks: list, tied: int) -> HostSettings:
     b, stages = ctx0.b, len(ranks)
     finished = []
     for rank in ranks:
-        b.stage = rank.index
+        b.pipe_stage = rank.index
         last = rank.hooks.boundary_last
         tied_op = _reduce_tied_grads(rank, ranks, tied) if tied and rank.index in (0, stages - 1) else None
         first = b.next_id
@@ -159,7 +159,7 @@ def finish(ctx0: StepContext, ranks: list, tied: int) -> HostSettings:
         finished.append(stage012.optimizer_boundary(rank.ctx, rank.hooks.inner,
                                                     tied_op if tied_op is not None else last))
     _aggregate_total_loss(ranks, finished)
-    b.stage = 0
+    b.pipe_stage = 0
     load = max(offload.host_load_bytes(rank.ctx) for rank in ranks)
     return replace(offload.host_settings(ctx0), host_load_bytes_per_gpu=load)
 
@@ -177,7 +177,7 @@ def _run_programs(ranks: list[_Stage], wires: tuple[Wire, Wire]):
                 kind, micro = cmd
                 if kind in (Cmd.RECV_ACTIVATION, Cmd.RECV_GRAD):
                     break                       # emitted with its send
-                b.stage = rank.index
+                b.pipe_stage = rank.index
                 first, last = rank.index == 0, rank.index == rank.stages - 1
                 if kind == Cmd.LOAD:
                     pass
@@ -228,15 +228,15 @@ def _send(b, rank: _Stage, ranks: list[_Stage], kind: Cmd, micro: int, wires: tu
     if kind == Cmd.SEND_GRAD and w.gather is None:
         # _exec_recv_grads with pipe_partitioned only: the output made whole before the whole
         # gradient comes (nothing when the activation went whole too)
-        b.stage = peer.index
+        b.pipe_stage = peer.index
         _gather(b, peer, acts, micro, phase, "pipe output")
-        b.stage = rank.index
+        b.pipe_stage = rank.index
     parts = [PipeTransfer(w.meta_bytes, rank.index, peer.index, meta=True)] if w.meta_bytes else []
     for payload in parts + [PipeTransfer(w.size_bytes, rank.index, peer.index)]:
         rank.last = b.add(send_kind, Stream.COMPUTE, phase, micro, payload, [rank.last, peer.last])
-        b.stage = peer.index
+        b.pipe_stage = peer.index
         peer.last = b.add(recv_kind, Stream.COMPUTE, phase, micro, payload, [rank.last, peer.last])
-        b.stage = rank.index
+        b.pipe_stage = rank.index
     peer.pos += 1
     return True
 
@@ -249,12 +249,12 @@ def _aggregate_total_loss(ranks: list[_Stage], finished: list[int]):
     b = last.ctx.b
     src = finished[-1]
     if last.ctx.dp_size > 1:
-        b.stage = last.index
+        b.pipe_stage = last.index
         src = b.add(OpKind.LOSS_ALLREDUCE, Stream.COMPUTE, Phase.STEP, last.ctx.last_micro,
                     ScalarAllReduce(Comm(Collective.ALL_REDUCE, 1, 4)), [src])
     pipe = ProcessGroup(Group.PIPE, len(ranks), last.ctx.dp_size)
     for rank, done in zip(ranks, finished):
-        b.stage = rank.index
+        b.pipe_stage = rank.index
         b.add(OpKind.LOSS_BROADCAST, Stream.COMPUTE, Phase.STEP, rank.ctx.last_micro,
               ScalarAllReduce(Comm(Collective.BROADCAST, 2, 8, group=pipe)), [done, src])
 

@@ -69,13 +69,13 @@ def _op_at_peak(trace: Trace) -> dict:
     for op in trace.schedule.ops:
         # a pipeline's ledger_events are the worst stage's (tags repeat across stages); an op
         # allocates at its start: the one of this tag that started at the event's time
-        if op.stage == trace.worst_stage and start.get(op.id) == time_s and any(a.tag == tag for a in op.alloc):
+        if op.pipe_stage == trace.worst_stage and start.get(op.id) == time_s and any(a.tag == tag for a in op.alloc):
             where: dict = {"op": op.name, "phase": op.phase.value, "micro_step": op.micro_step}
             if later:
                 where["op"] += f" ({later} layers later: the last copy of a repeated layer window)"
             return where
     for op in trace.schedule.ops:   # (timings that do not give the start: the tag alone)
-        if op.stage == trace.worst_stage and any(a.tag == tag for a in op.alloc):
+        if op.pipe_stage == trace.worst_stage and any(a.tag == tag for a in op.alloc):
             return {"op": op.name, "phase": op.phase.value, "micro_step": op.micro_step}
     return {"op": "model states (allocated before the step)", "phase": "static", "micro_step": 0}
 
