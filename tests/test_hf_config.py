@@ -209,3 +209,27 @@ def test_zsim_run_with_a_70b_class_config_is_quick():
                         "model.hf_config=scenarios/models/qwen2-72b.json"], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     assert time.perf_counter() - start < 5    # the target is under a second; the margin is for a loaded CI
+
+
+def test_gemma3_text_reads_its_local_global_pattern_and_qk_norm(tmp_path):
+    """Gemma3TextConfig: layer i slides unless (i + 1) % sliding_window_pattern == 0 (default 6),
+    or as layer_types lists; Gemma-2's four norms plus q_norm/k_norm; tied, head_dim 256."""
+    import json as _json
+    from zsim.config.hf_config import read_hf_config
+    from zsim.schema import build as _build
+    from zsim.specs.model import ModelSpec as _Spec
+    from zsim.workload.transformer import count_params
+    base = {"model_type": "gemma3_text", "hidden_size": 1152, "intermediate_size": 6912, "num_attention_heads": 4,
+            "num_key_value_heads": 1, "head_dim": 256, "num_hidden_layers": 26, "vocab_size": 262144,
+            "max_position_embeddings": 32768, "sliding_window": 512}
+    path = tmp_path / "config.json"
+    path.write_text(_json.dumps(base))
+    m = _build(_Spec, read_hf_config(path), "model")
+    assert (m.qk_norm, m.post_norms, m.tied_embeddings, m.sliding_window_pattern) == (True, True, True, 6)
+    assert [i for i in range(26) if not m.has_window(i)] == [5, 11, 17, 23]
+    # google/gemma-3-1b-it: 999,885,952 parameters (its model card's safetensors count)
+    assert count_params(m) == 999_885_952
+    types = ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(26)]
+    path.write_text(_json.dumps(dict(base, layer_types=types)))
+    m4 = _build(_Spec, read_hf_config(path), "model")
+    assert [i for i in range(26) if not m4.has_window(i)] == [3, 7, 11, 15, 19, 23]

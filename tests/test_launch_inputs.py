@@ -294,6 +294,7 @@ def test_huggingface_hub_downloads_only_when_online(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "huggingface_hub", types.SimpleNamespace(hf_hub_download=hf_hub_download))
     assert hub.from_hub("acme/tiny") is None and calls == []          # HF_HUB_OFFLINE=1
     monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(hub, "hub_reachable", lambda: True)          # online (the sandbox has no network)
     assert hub.resolve("acme/tiny")[0] == downloaded
     assert calls == [("acme/tiny", "config.json")]
     assert hub.from_hub("acme/broken") is None                        # a failure falls through quietly
@@ -338,3 +339,26 @@ def test_the_catalogue_keeps_each_fixtures_architecture_fields():
                 model_from_hf(kept, "config.json")
             continue
         assert model_from_hf(kept, "config.json") == expected, repo_id
+
+
+def test_an_unreachable_hub_is_not_waited_for(monkeypatch):
+    """See [Note: no network, no wait]: with huggingface_hub installed and no network, the download
+    (which would retry for 23 s) is never called; the catalogue answers at once."""
+    import socket
+    import sys
+    import types
+
+    from zsim.config import hub
+    calls = []
+    fake = types.ModuleType("huggingface_hub")
+    fake.hf_hub_download = lambda **kw: calls.append(kw)
+    monkeypatch.setitem(sys.modules, "huggingface_hub", fake)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+
+    def refuse(*args, **kwargs):
+        raise OSError("no route")
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    assert hub.hub_reachable() is False
+    assert hub.from_hub("google/gemma-3-1b-it") is None and calls == []
+    path, where = hub.resolve("google/gemma-3-1b-it")
+    assert where.startswith("zsim's catalogue") and path.name == "google--gemma-3-1b-it.json"

@@ -84,9 +84,6 @@ _PENDING_BY_REASON = {
     "a model family zsim does not model (gpt_oss: attention sinks and MXFP4 experts; jamba: Mamba layers), and "
     "its Hub id is not catalogued either": (
         "axolotl/gpt-oss_gpt-oss-20b-fft-deepspeed-zero3.yaml", "axolotl/jamba_qlora_deepspeed.yaml"),
-    "model_type gemma3_text (Gemma-3's 5 local : 1 global attention, QK-norm) has no reader in "
-    "zsim/config/hf_config.py; refused in one line naming it": (
-        "axolotl/gemma3_gemma-3-1b-qlora.yml", "axolotl/eaft_eaft-example.yml"),
     "model_name_or_path models/Qwen2.5-7B is a placeholder for the user's local folder: no config.json exists to "
     "read (LLaMA-Factory would fail the same way); refused in one line": (
         "llama_factory/extras_asft_qwen2_full_asft.yaml",),

@@ -153,20 +153,32 @@ def _llama_like(c: _Config, tied: bool, default_head_dim: int | None = None) -> 
     return out
 
 
-def _window(c: _Config, out: dict, pattern: str = "all") -> dict:
-    """sliding_window (null: full attention); a layer_types list must be one zsim models."""
+def _window(c: _Config, out: dict, pattern: str = "all", every: int | None = None) -> dict:
+    """sliding_window (null: full attention) on all layers, the even ones, or all but every
+    `every`-th (pattern); a layer_types list names its own, which must be one of those."""
     window = c.data.get("sliding_window")
     if window is not None:
         out.update(sliding_window=c.get("sliding_window"), sliding_window_layers=pattern)
+        if pattern == "pattern":
+            out["sliding_window_pattern"] = every
     types = c.data.get("layer_types")
     if types is not None:
         sliding = [t == "sliding_attention" for t in types] if isinstance(types, list) else None
         n = out["layers"]
-        patterns = {"all": [True] * n, "even": [i % 2 == 0 for i in range(n)]}
         if sliding == [False] * n:
-            out.pop("sliding_window", None), out.pop("sliding_window_layers", None)
-        elif window is None or sliding != patterns.get(out.get("sliding_window_layers")):
-            raise c.error("layer_types", "...", "zsim models a window on all layers or on the even ones only")
+            for key in ("sliding_window", "sliding_window_layers", "sliding_window_pattern"):
+                out.pop(key, None)
+            return out
+        candidates = [("all", None, [True] * n), ("even", None, [i % 2 == 0 for i in range(n)])]
+        candidates += [("pattern", p, [(i + 1) % p != 0 for i in range(n)]) for p in range(3, 65)]
+        match = next(((name, p) for name, p, layout in candidates if layout == sliding), None)
+        if window is None or match is None:
+            raise c.error("layer_types", "...", "zsim models a window on all layers, on the even ones, or on all "
+                                                "but every N-th")
+        out.pop("sliding_window_pattern", None)
+        out["sliding_window_layers"] = match[0]
+        if match[1] is not None:
+            out["sliding_window_pattern"] = match[1]
     return out
 
 
@@ -233,6 +245,14 @@ def _gemma2(c: _Config) -> dict:
     # Gemma2DecoderLayer: input, post_attention, pre_feedforward and post_feedforward norms;
     # even layers slide (is_sliding = not bool(layer_idx % 2))
     return _window(c, dict(_gemma(c), post_norms=True), pattern="even")
+
+
+def _gemma3_text(c: _Config) -> dict:
+    # Gemma3DecoderLayer: Gemma-2's four norms, plus q_norm/k_norm (Gemma3RMSNorm of head_dim) on
+    # every head; Gemma3TextConfig: layer i slides unless (i + 1) % sliding_window_pattern == 0
+    # (default 6: five local blocks, one global), or as its layer_types list says
+    every = c.get("sliding_window_pattern", 6)
+    return _window(c, dict(_gemma(c), post_norms=True, qk_norm=True), pattern="pattern", every=every)
 
 
 def _phi3(c: _Config) -> dict:
@@ -366,7 +386,7 @@ def _deepseek(c: _Config) -> dict:
 
 READERS = {"llama": _llama, "mistral": _llama, "mixtral": _mixtral, "qwen2": _qwen2, "qwen2_moe": _qwen2_moe,
            "qwen3": _qwen3, "qwen3_moe": _qwen3_moe,
-           "gemma": _gemma, "gemma2": _gemma2, "phi3": _phi3, "gpt2": _gpt2, "gpt_neox": _gpt_neox,
+           "gemma": _gemma, "gemma2": _gemma2, "gemma3_text": _gemma3_text, "phi3": _phi3, "gpt2": _gpt2, "gpt_neox": _gpt_neox,
            "falcon": _falcon, "bloom": _bloom, "opt": _opt, "deepseek_v2": _deepseek, "deepseek_v3": _deepseek}
 # encoder and encoder-decoder families: not decoder-only language models
 NOT_DECODERS = {"bert", "roberta", "deberta", "deberta-v2", "distilbert", "albert", "electra", "xlm-roberta",

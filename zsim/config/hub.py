@@ -73,6 +73,27 @@ def from_cache(repo_id: str, revision: str = "main") -> Path | None:
         return None
 
 
+# [Note: no network, no wait] huggingface_hub retries a download whose connection fails (its
+# http_backoff: five retries, 1+2+4+8+8 s, each logged as a warning): without a network a run
+# would wait 23 s and print ten lines before reaching the catalogue. One TCP connection to the
+# endpoint with a short timeout says first whether the Hub can be reached at all.
+HUB_PROBE_TIMEOUT_S = 2.0
+
+
+def hub_reachable() -> bool:
+    """Whether a TCP connection to the Hub's endpoint (HF_ENDPOINT, default huggingface.co:443)
+    opens within HUB_PROBE_TIMEOUT_S (see [Note: no network, no wait])."""
+    import socket
+    from urllib.parse import urlparse
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=HUB_PROBE_TIMEOUT_S).close()
+        return True
+    except OSError:
+        return False
+
+
 def from_hub(repo_id: str) -> Path | None:
     """hf_hub_download's path, or None: huggingface_hub absent, offline, no network, gated or
     unknown repo (each falls through to the catalogue)."""
@@ -81,6 +102,8 @@ def from_hub(repo_id: str) -> Path | None:
     try:
         from huggingface_hub import hf_hub_download
     except ImportError:
+        return None
+    if not hub_reachable():
         return None
     try:
         return Path(hf_hub_download(repo_id=repo_id, filename="config.json"))

@@ -91,7 +91,12 @@ class ModelSpec:
     qk_norm: bool = spec(False, doc="RMSNorm over each head's query and key, q_norm and k_norm of head_dim weights (Qwen3)")
     post_norms: bool = spec(False, doc="a norm on the attention and on the MLP output before each residual add (Gemma-2: 4 norms per block)")
     sliding_window: Optional[int] = spec(None, gt=0, le=MAX_SEQ_LEN, doc="each query attends to the last sliding_window positions (Mistral, Gemma-2); absent: full causal attention")
-    sliding_window_layers: Literal["all", "even"] = spec("all", doc="the blocks with the window: all (Mistral) or the even-numbered ones (Gemma-2 alternates local and global)")
+    sliding_window_layers: Literal["all", "even", "pattern"] = spec(
+        "all", doc="the blocks with the window: all (Mistral), the even-numbered ones (Gemma-2 alternates local "
+                   "and global), or pattern: all but every sliding_window_pattern-th (Gemma-3: 5 local, 1 global)")
+    sliding_window_pattern: Optional[int] = spec(None, gt=1, le=64, doc="with sliding_window_layers pattern: block i "
+                                                 "is global when (i + 1) % pattern == 0 (HF Gemma3TextConfig's "
+                                                 "layer_types rule), local otherwise")
     post_layernorm: bool = spec(False, doc="norms after each residual add, none at the end (OPT-350m's do_layer_norm_before false)")
     embed_proj_dim: Optional[int] = spec(None, gt=0, le=MAX_HIDDEN, doc="token embedding and lm_head of this width, with project_in/project_out to hidden (OPT-350m's word_embed_proj_dim)")
     position_offset: int = spec(0, ge=0, le=MAX_SEQ_LEN, doc="extra rows of the learned position table (OPT: 2)")
@@ -147,7 +152,11 @@ class ModelSpec:
         return moe is not None and layer >= moe.first_dense_layers and layer % moe.layer_freq == 0
 
     def has_window(self, layer: int) -> bool:
-        return self.sliding_window is not None and (self.sliding_window_layers == "all" or layer % 2 == 0)
+        if self.sliding_window is None:
+            return False
+        if self.sliding_window_layers == "pattern":
+            return (layer + 1) % (self.sliding_window_pattern or 1) != 0
+        return self.sliding_window_layers == "all" or layer % 2 == 0
 
 
 _GPT2 = dict(vocab=50257, seq_len=1024, position="learned", tied_embeddings=True, norm="layernorm",
