@@ -170,3 +170,20 @@ def test_an_auto_ds_config_is_an_hf_trainer_run():
         "training": {"micro_batch_size": 1, "seq_len": 1024, "framework": "deepspeed"},
         "deepspeed": {"bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 3}}}, None)
     assert stated.training.framework == "deepspeed" and stated.training.kernels_used == "fused"
+
+
+def test_the_trainers_optim_builds_the_optimizer_only_without_a_block():
+    """training.optim (HF TrainingArguments.optim): adamw_torch is torch AdamW (foreach, weight
+    decay 0.0) when the ds_config has no optimizer block; a block wins, as in the HF Trainer."""
+    base = {"name": "t", "model": {"preset": "llama3-8b"}, "hardware": {"profile": "dgx-h100", "nodes": 1},
+            "training": {"micro_batch_size": 1, "seq_len": 1024, "optim": "adamw_torch"},
+            "deepspeed": {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}}
+    sc = scenario_from_mapping(base, None)
+    assert sc.deepspeed.optimizer.params == {"torch_adam": True, "weight_decay": 0.0}
+    assert sc.deepspeed.optimizer.step_bytes_per_param == 72.0
+    with_block = dict(base, deepspeed=dict(base["deepspeed"], optimizer={"type": "AdamW", "params": {"lr": 1e-5}}))
+    sc = scenario_from_mapping(with_block, None)
+    assert sc.deepspeed.optimizer.step_bytes_per_param == 28.0
+    assert any(n.startswith("training.optim adamw_torch: not used") for n in sc.notes)
+    fused = scenario_from_mapping(dict(base, training=dict(base["training"], optim="adamw_torch_fused")), None)
+    assert fused.deepspeed.optimizer.step_bytes_per_param == 28.0

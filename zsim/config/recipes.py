@@ -274,6 +274,8 @@ def read_axolotl(data: dict, path: Path, bases: list[Path], recipe: Recipe) -> R
             lora["modules_to_save"] = as_names(data["lora_modules_to_save"])
         t["lora"] = lora
     optimizer = data.get("optimizer")
+    if optimizer in ("adamw_torch", "adamw_torch_fused"):
+        t["optim"] = optimizer   # axolotl passes it to the HF Trainer's optim
     if optimizer not in (None, "adamw_torch", "adamw_torch_fused", "adamw_hf"):
         recipe.ignored.append(f"optimizer {optimizer} (zsim prices AdamW's states)")
     # axolotl features that change the step but that zsim does not model yet: said, never dropped

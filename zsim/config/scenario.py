@@ -23,7 +23,7 @@ from zsim.errors import UnknownKeyError, ZsimInputError, did_you_mean, unknown_k
 from zsim.inputs import TrailingCommaJSON, check_nesting, parse_json, parse_yaml, read_text, too_deep
 from zsim.schema import _number, accepted_keys, build
 from zsim.specs.deepspeed import (COMM_DATA_TYPES, IGNORED_TOP_LEVEL, NOT_MODELLED_REFUSED, REMOVED_TOP_LEVEL,
-                                  REMOVED_ZERO, STRICT_IGNORED_BLOCKS, DeepSpeedConfig)
+                                  REMOVED_ZERO, STRICT_IGNORED_BLOCKS, DeepSpeedConfig, OptimizerConfig)
 from zsim.specs.hardware import Cluster
 from zsim.specs.model import PRESETS, ModelSpec
 from zsim.specs.scenario import MAX_WORLD_SIZE, HardwareSpec, Scenario, TrainingSpec
@@ -257,6 +257,27 @@ def _resolve_batch(ds: dict, training: TrainingSpec, world_size: int) -> dict:
     return ds
 
 
+def _trainer_optimizer(ds: DeepSpeedConfig, ds_raw: dict, training: TrainingSpec, notes: list) -> DeepSpeedConfig:
+    """The HF Trainer's optim (training.optim) builds the optimizer when the ds_config has no
+    optimizer block (transformers integrations/deepspeed.py deepspeed_optim_sched: the Trainer's
+    create_optimizer otherwise); with a block DeepSpeed builds that one and optim is not used.
+    adamw_torch is torch.optim.AdamW with the Trainer's weight_decay (0.0 by default), foreach
+    on a GPU: the block DeepSpeed turns into that optimizer (see [Note: torch Adam step
+    temporaries]); adamw_torch_fused is priced as the fused AdamW it is."""
+    if training.optim is None:
+        return ds
+    if "optimizer" in ds_raw:
+        notes.append(f"training.optim {training.optim}: not used, the ds_config's optimizer block builds the "
+                     "optimizer (as the HF Trainer does)")
+        return ds
+    if training.optim == "adamw_torch":
+        block = OptimizerConfig(type="AdamW", params={"torch_adam": True, "weight_decay": 0.0})
+        notes.append("deepspeed.optimizer: the HF Trainer's optim adamw_torch (torch.optim.AdamW, foreach, "
+                     "weight_decay 0.0), as its ds_config has no optimizer block")
+        return replace(ds, optimizer=block)
+    return ds
+
+
 def _resolve_precision(ds: DeepSpeedConfig, training: TrainingSpec) -> tuple[DeepSpeedConfig, TrainingSpec]:
     ds_prec = "fp16" if ds.fp16.enabled else "bf16" if ds.bf16.enabled else None
     if training.precision is None:
@@ -343,6 +364,7 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
     prefixed = {k: v for k, v in ds_raw.items() if k in accepted_keys(DeepSpeedConfig)}
     ds = build(DeepSpeedConfig, prefixed, "deepspeed")
     ds, training = _resolve_precision(ds, training)
+    ds = _trainer_optimizer(ds, ds_raw, training, notes)
     if context_only and training.seq_len is None and model.seq_len > FINE_TUNE_SEQ_LEN:
         training = replace(training, seq_len=FINE_TUNE_SEQ_LEN)
         notes.append(f"seq_len {FINE_TUNE_SEQ_LEN}, not the config.json's context of {model.seq_len:,} "

@@ -200,8 +200,11 @@ def read_trainer_args(args: dict, recipe: Recipe, where: str = "") -> Recipe:
             if BNB_FLAGS[name] is not None:   # storage and compute dtypes change no byte zsim counts
                 bnb[BNB_FLAGS[name]] = _one(key, value) if BNB_FLAGS[name] == "type" else as_bool(key, value)
         elif name == "optim":
-            if _one(key, value) not in ADAMW:
-                unknown.append(f"{name} {_one(key, value)} (zsim prices AdamW's states)")
+            optim = _one(key, value)
+            if optim in ("adamw_torch", "adamw_torch_fused"):
+                t["optim"] = optim       # used when the ds_config has no optimizer block
+            elif optim not in ADAMW:
+                unknown.append(f"{name} {optim} (zsim prices AdamW's states)")
         elif name not in NO_EFFECT:
             unknown.append(name)
     if lora_switch or (lora_switch is None and lora):

@@ -105,6 +105,11 @@ class TrainingSpec:
                    "accumulates into the fp32 main_grad itself, so no micro-step adds into a kept .grad "
                    "(see [Note: gradient accumulation add]); DeepSpeed and HF models have no such fusion")
     max_grad_norm: float = spec(1.0, ge=0, doc="HF Trainer's max_grad_norm, used for gradient_clipping: auto")
+    optim: Optional[Literal["adamw_torch", "adamw_torch_fused"]] = spec(
+        None, doc="the HF Trainer's optim (TrainingArguments.optim), which builds the optimizer when the ds_config "
+                  "has no optimizer block: adamw_torch (torch.optim.AdamW, foreach on a GPU; "
+                  "see [Note: torch Adam step temporaries]) or adamw_torch_fused; default: the ds_config's block, else a fused AdamW "
+                  "(DeepSpeed's FusedAdam, and the HF Trainer's own default adamw_torch_fused on torch >= 2.8)")
     lora: Optional[LoraSpec] = spec(None, doc="PEFT LoRA: frozen base model, trained adapters (zsim/workload/lora.py)")
     frozen: tuple[str, ...] = spec((), doc="module-name suffixes whose parameters are frozen (requires_grad=False)")
     quantization: Quantization = spec(
