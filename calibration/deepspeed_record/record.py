@@ -16,6 +16,16 @@ from calibration.deepspeed_record.recorder import MODULE_NAME, PARAM_INDEX, RECO
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def write_fixture(doc: dict, out_dir: str, name: str) -> str:
+    """One case's fixture, out_dir/name.json (sorted keys, one-space indent): its path."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}.json")
+    with open(path, "w") as fh:
+        json.dump(doc, fh, indent=1, sort_keys=True)
+        fh.write("\n")
+    return path
+
+
 def run_case(name, out_dir):
     install_recorder()
 
@@ -98,11 +108,7 @@ def run_case(name, out_dir):
             "ranks_identical_trace": identical,
             "collectives": RECORDS,
         }
-        os.makedirs(out_dir, exist_ok=True)
-        path = os.path.join(out_dir, f"{name}.json")
-        with open(path, "w") as fh:
-            json.dump(doc, fh, indent=1, sort_keys=True)
-            fh.write("\n")
+        path = write_fixture(doc, out_dir, name)
         print(f"[record] {name}: {len(RECORDS)} collectives, identical={identical}, "
               f"loss={losses[-1]:.4f} -> {path}", flush=True)
     td.barrier()

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import subprocess
 import sys
@@ -262,11 +261,8 @@ def run_case(name, out_dir):
             "ranks_identical_trace": identical,
             "collectives": RECORDS,
         }
-        os.makedirs(out_dir, exist_ok=True)
-        path = os.path.join(out_dir, f"{name}.json")
-        with open(path, "w") as fh:
-            json.dump(doc, fh, indent=1, sort_keys=True)
-            fh.write("\n")
+        from calibration.deepspeed_record.record import write_fixture
+        path = write_fixture(doc, out_dir, name)
         print(f"[zeropp] {name}: {len(RECORDS)} collectives, error={error and error['type']}, "
               f"peaks={doc['peak_bytes_per_rank']}, identical={identical} -> {path}", flush=True)
     td.barrier()
