@@ -76,7 +76,7 @@ def _read_keys() -> set:
 
 
 def _get(ds: dict, path):
-    node = ds
+    node: object = ds
     for k in path:
         if not isinstance(node, dict):
             return None

@@ -127,7 +127,7 @@ READS_MLP_BIAS = {"llama"}
 
 def _kv_heads(c: _Config) -> int:
     heads = c.get("num_attention_heads")
-    default = KV_HEADS_DEFAULT.get(c.model_type)
+    default = KV_HEADS_DEFAULT.get(c.model_type or "")
     if "num_key_value_heads" in c.data or default is None:
         return c.get("num_key_value_heads", heads)
     if heads % default:
@@ -169,7 +169,8 @@ def _window(c: _Config, out: dict, pattern: str = "all", every: int | None = Non
             for key in ("sliding_window", "sliding_window_layers", "sliding_window_pattern"):
                 out.pop(key, None)
             return out
-        candidates = [("all", None, [True] * n), ("even", None, [i % 2 == 0 for i in range(n)])]
+        candidates: list[tuple[str, int | None, list[bool]]] = [("all", None, [True] * n),
+                                                                ("even", None, [i % 2 == 0 for i in range(n)])]
         candidates += [("pattern", p, [(i + 1) % p != 0 for i in range(n)]) for p in range(3, 65)]
         match = next(((name, p) for name, p, layout in candidates if layout == sliding), None)
         if window is None or match is None:
@@ -358,7 +359,7 @@ def _deepseek(c: _Config) -> dict:
     # (DEEPSEEK_DEFAULTS: a config without q_lora_rank has q_a_proj/q_b_proj of 1536, one
     # without n_routed_experts 64 or 256 routed experts); an explicit null q_lora_rank is one
     # q_proj, a null n_routed_experts a dense MLP in every block (DeepSeek's own code).
-    c.data = {**DEEPSEEK_DEFAULTS[c.model_type], **c.data}     # what a config leaves out (null stays null)
+    c.data = {**DEEPSEEK_DEFAULTS[c.model_type or ""], **c.data}     # what a config leaves out (null stays null)
     # DeepseekV2MLP's mlp_bias puts biases on the dense and shared-expert MLPs but not on the
     # routed experts (one fused tensor each), which zsim's model cannot say
     if c.model_type == "deepseek_v2":

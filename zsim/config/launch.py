@@ -175,7 +175,8 @@ def _python_launch(words: list[str]) -> bool:
 def _options(words: list[str], i: int, known: dict, takes_value: dict) -> tuple[dict, int, list[str]]:
     """A launcher's options from words[i] up to the training script: (name -> value, index of
     the script, options it ignores). `known` names the options zsim reads, with their arity."""
-    got, ignored = {}, []
+    got: dict[str, str | bool] = {}
+    ignored: list[str] = []
     while i < len(words):
         w = words[i]
         if not w.startswith("-") or w == "-":

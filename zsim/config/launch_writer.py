@@ -156,7 +156,7 @@ def tuned_launch(text: str, line_no: int, launch: list[str], script_index: int, 
         written.append(f"--{name} {value}")
         # [Note: a shell variable the tuner changes] the tuned value is written literally in place
         # of the variable, which may feed other lines too: zsim does not guess where it is set
-        if old and "$" in old:
+        if old and "$" in old and flag is not None and flag.value is not None:
             now = values[flag.value] if values else None
             now = now.partition("=")[2] if now is not None and flag.inline else now
             was = f" (= {now})" if now is not None else ""
@@ -170,9 +170,10 @@ def tuned_launch(text: str, line_no: int, launch: list[str], script_index: int, 
     if checkpointing == "full" and flag is None:
         edits.append.append("--gradient_checkpointing")
         written.append("--gradient_checkpointing")
-    elif checkpointing is not None and not (checkpointing == "full" and flag.value is None):
+    elif checkpointing is not None and flag is not None and not (checkpointing == "full" and flag.value is None):
         # HfArgumentParser reads a bool flag bare (on) or with a value; the value keeps the user's case
-        old = launch[flag.value].partition("=")[2] if flag.inline else launch[flag.value] if flag.value else ""
+        old = (launch[flag.value].partition("=")[2] if flag.inline else launch[flag.value]) \
+            if flag.value is not None else ""
         on = checkpointing == "full"
         put("gradient_checkpointing", (str(on) if old[:1].isupper() else str(on).lower()))
     if deepspeed is not None:

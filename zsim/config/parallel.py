@@ -131,6 +131,7 @@ def check_parallelism(par: ParallelismSpec, ds: DeepSpeedConfig, training: Train
     _check_tensor(par, model, training)
     _check_expert(par, ds, model, world_size // (par.pipeline * par.tensor))
     gas = ds.gradient_accumulation_steps
+    assert gas is not None    # resolved (zsim.config.scenario._resolve_batch) before these checks
     if par.pipeline_schedule == "interleaved" and gas % par.pipeline:
         # schedules.py forward_backward_pipelining_with_interleaving: micro-batch groups of
         # microbatch_group_size_per_vp_stage (default: the pipeline size) micro-batches, the

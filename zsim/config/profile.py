@@ -29,7 +29,7 @@ def read_profile_mapping(ref: str, base_dir: Path | None = None) -> tuple[dict, 
         candidates.append(profiles_dir() / f"{ref}.yaml")
     for c in candidates:
         if c.is_file():
-            return _parsed(c), str(c)
+            return _parsed(c) or {}, str(c)
     names = available_profiles()
     if p.suffix not in (".yaml", ".yml") and ("/" in ref or p.exists()):
         raise ZsimInputError("hardware.profile", ref, "a profile is a name or the path of a .yaml/.yml file; give one "

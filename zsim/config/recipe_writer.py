@@ -63,7 +63,7 @@ def tuned_recipe(text: str, kind: str, micro_batch: int | None = None, gas: int 
     """(the recipe's text with the given settings, the `key: value` written for each); None: unchanged.
     `checkpointing` is none or full (a recipe cannot say selective)."""
     keys = RECIPE_KEYS[kind]
-    changes = []
+    changes: list[tuple[str, object]] = []
     if micro_batch is not None:
         changes.append((keys["micro_batch"], micro_batch))
     if gas is not None:
@@ -119,7 +119,7 @@ def set_nested(text: str, parent: str, key: str, value) -> str:
         from zsim.errors import ZsimInputError
         raise ZsimInputError(parent, flow, "is written on one line; write it as an indented block to let zsim tune "
                              "--write edit it line by line")
-    if flow:
+    if flow and inline is not None:
         lines[i] = f"{parent}:{inline.group('comment') or ''}\n"
     pattern = _child_pattern(indent, key)
     for j in range(i + 1, end):

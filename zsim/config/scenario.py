@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 from dataclasses import replace
 from pathlib import Path
+from typing import Literal
 
 import yaml
 
@@ -72,7 +73,7 @@ def anchor_hf_config(raw: dict, base_dir: Path) -> dict:
     in the file, the working directory for one given by --set or --model); absolute paths stay."""
     model = raw.get("model")
     ref = model.get("hf_config") if isinstance(model, dict) else None
-    if isinstance(ref, str) and ref and not Path(ref).is_absolute():
+    if isinstance(model, dict) and isinstance(ref, str) and ref and not Path(ref).is_absolute():
         model["hf_config"] = str(base_dir / ref)
     return raw
 
@@ -279,7 +280,7 @@ def _trainer_optimizer(ds: DeepSpeedConfig, ds_raw: dict, training: TrainingSpec
 
 
 def _resolve_precision(ds: DeepSpeedConfig, training: TrainingSpec) -> tuple[DeepSpeedConfig, TrainingSpec]:
-    ds_prec = "fp16" if ds.fp16.enabled else "bf16" if ds.bf16.enabled else None
+    ds_prec: Literal["fp16", "bf16"] | None = "fp16" if ds.fp16.enabled else "bf16" if ds.bf16.enabled else None
     if training.precision is None:
         return ds, replace(training, precision=ds_prec or "fp32")
     if ds_prec is not None and ds_prec != training.precision:
