@@ -35,8 +35,8 @@ def _blocks(schedule: Schedule, wl: Workload) -> list[tuple[tuple, int, int]]:
     module_layer = {m.name: m.layer for m in wl.modules}
     param_layer: dict[int, int] = {}
     for m in wl.modules:
-        for p in m.params:
-            param_layer.setdefault(p, m.layer)
+        for pid in m.params:
+            param_layer.setdefault(pid, m.layer)
     blocks: list[tuple[tuple, int, int]] = []
     key, start, end = None, 0, 0
     for op in schedule.ops:

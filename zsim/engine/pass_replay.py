@@ -137,13 +137,13 @@ def find_blocks(schedule: Schedule, serial: bool, sized: bool) -> tuple[list[Blo
                 if bd >= 0:
                     awaited[bd].add(d)
     shapes: dict = {}
-    for b in blocks:
-        b.external = tuple(sorted(external[b.index]))
-        ds = awaited[b.index]
-        b.outside_awaited = tuple(sorted(b.pos[d] for d in ds))
-        b.awaited_ids = frozenset(ds)
+    for block in blocks:
+        block.external = tuple(sorted(external[block.index]))
+        ds = awaited[block.index]
+        block.outside_awaited = tuple(sorted(block.pos[d] for d in ds))
+        block.awaited_ids = frozenset(ds)
         # which of its ops others wait on is part of its shape: they must end last (finish)
-        b.key = (b.outside_awaited, _key(b, shapes, sized))
+        block.key = (block.outside_awaited, _key(block, shapes, sized))
     return blocks, block_of
 
 
