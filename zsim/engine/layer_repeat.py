@@ -77,7 +77,8 @@ class LayerRepeat:
     def _skips(self) -> tuple[list[float], list]:
         """The windows' ends (ascending: they are in time order and do not overlap) and the
         time skipped before each, summed in order: shift_s in a bisection, the same sums."""
-        ends, skipped = [], [0]
+        ends: list[float] = []
+        skipped: list[float] = [0]
         for w in self.windows:
             ends.append(w.end_s)
             skipped.append(skipped[-1] + w.skipped_s)
@@ -221,10 +222,10 @@ def _window(gap: Gap, schedule: Schedule, new_id: dict[int, int], timings, event
 
     def order(op):
         return op.stream, timings[op.id].start_s, op.id
-    for ops in periods:
-        if len(ops) != length:
+    for started in periods:
+        if len(started) != length:
             return None
-        ops.sort(key=order)
+        started.sort(key=order)
     for earlier, later in zip(periods, periods[1:]):
         for x, y in zip(earlier, later):
             tx, ty = timings[x.id], timings[y.id]
@@ -266,12 +267,12 @@ def _layer_repeat(short: Schedule, gaps: list[Gap], kept: list[int], timings, ev
         windows.append(w)
     if failed:
         return None, frozenset(failed), frozenset(unsettled)
-    windows.sort(key=lambda w: w.start_s)
-    if any(a.end_s > b.start_s for a, b in zip(windows, windows[1:])):
+    settled = sorted((w for w in windows if isinstance(w, LayerWindow)), key=lambda w: w.start_s)
+    if any(a.end_s > b.start_s for a, b in zip(settled, settled[1:])):
         return None, frozenset(), frozenset()
-    if len(short.ops) + sum((w.copies - 1) * len(w.ops) for w in windows) != full_ops:
+    if len(short.ops) + sum((w.copies - 1) * len(w.ops) for w in settled) != full_ops:
         return None, frozenset(), frozenset()
-    return LayerRepeat(tuple(windows)), frozenset(), frozenset()
+    return LayerRepeat(tuple(settled)), frozenset(), frozenset()
 
 
 # shortened steps simulated before every op is: a pass whose window did not run alike has its
@@ -320,6 +321,7 @@ def run_layers(schedule: Schedule, wl: Workload, cluster, precision: str):
     whole: frozenset = frozenset()
     narrowed: set = set()    # the directions ("f", "b") whose gaps were narrowed
     for _ in range(_TRIES if plan is not None else 0):
+        assert plan is not None and first is not None
         try:
             compressed = compress(schedule, plan, whole)
         except Refused as refused:
