@@ -27,7 +27,7 @@ def split_values(text: str) -> list[str]:
 
 
 def parse_vary(items: list[str]) -> list[tuple[str, list[str]]]:
-    axes = []
+    axes: list[tuple[str, list[str]]] = []
     for item in items:
         if "=" not in item:
             raise ZsimInputError("--vary", item, "use --vary KEY=V1,V2,... (e.g. --vary hardware.nodes=1,2,4)")

@@ -51,7 +51,7 @@ class Block:
         self.external: tuple[int, ...] = ()        # ops outside it that its ops wait on
         self.outside_awaited: tuple[int, ...] = ()  # its ops (positions) that ops outside it wait on
         self.awaited_ids: frozenset[int] = frozenset()   # the same, as op ids
-        self.key = None
+        self.key: tuple | None = None
 
 
 class Template:

@@ -218,7 +218,7 @@ def _hiding_panel(ax, data: dict):
     ax.legend(fontsize=7)
 
 
-def scaling_plot(data: dict, title: str, path: str, failed: list[dict] = ()):
+def scaling_plot(data: dict, title: str, path: str, failed: tuple[dict, ...] | list[dict] = ()):
     """`failed`: `failed_points` of the rows, listed under the figure (they have no GPU count)."""
     timed = all(p.get("compute_s") is not None for pts in data.values() for p in pts)
     fig, axes = plt.subplots(1, 3 if timed else 2, figsize=(19 if timed else 13, 5))
@@ -323,7 +323,7 @@ def memory_data(kind: str, results) -> list[dict]:
         return [{"label": r["scenario"], "breakdown": r["memory"]["breakdown"],
                  "capacity_bytes": r["memory"]["capacity_bytes"]}]
     keys = varied_keys(results)
-    out = []
+    out: list[dict] = []
     for r in results:
         if _failed(r):   # a slot marked failed, in its place among the points
             out.append({"label": _label(r, keys), "breakdown": {}, "capacity_bytes": None,

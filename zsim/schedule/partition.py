@@ -84,7 +84,8 @@ def flat_groups(numels: list[int], expert: list[bool], trainable: list[bool], wo
     optimized = [p for p in range(len(numels)) if trainable[p]]
     dense = [p for p in optimized if not expert[p]]
     groups = [flat_group(dense, numels, world)]
-    chunk, size = [], 0
+    chunk: list[int] = []
+    size = 0
     for p in (p for p in optimized if expert[p]):
         if chunk and size + numels[p] > MOE_MAX_GROUP_NUMEL:
             groups.append(flat_group(chunk, numels, world // expert_parallel_size, expert=True))
@@ -147,7 +148,7 @@ def sub_group_sizes(numels: list[int], world: int, sub_group_size: int) -> list[
 def bucket_pieces(pids, starts: list[int], numels: list[int], partition: int) -> list[tuple[int, int, int, int]]:
     """ZeRO-1/2: (destination rank, pid, start within the param, elements) pieces of a bucket in
     bucket order, cut at partition boundaries."""
-    out = []
+    out: list[tuple[int, int, int, int]] = []
     for pid in pids:
         start, end = starts[pid], starts[pid] + numels[pid]
         while start < end:

@@ -149,7 +149,7 @@ def build(ctx: StepContext):
     skipped = ctx.layer_skip.post_step(gathered) if ctx.layer_skip is not None and gathered else None
     i = 0
     while i < len(gathered):
-        if skipped is not None and i == skipped[0]:
+        if skipped is not None and i == skipped[0] and ctx.layer_skip is not None:
             ctx.layer_skip.note_post_step(ctx.last_micro, ctx.b.next_id)
             i = skipped[1]
         p = gathered[i]

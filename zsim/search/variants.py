@@ -205,6 +205,7 @@ def _set_worker_base(base: Base):
 
 def _simulate_variant(assignments: tuple[str, ...]) -> Result | None:
     """In a worker: the variant's Result (None when it is invalid: `run` says why in the parent)."""
+    assert _WORKER_BASE is not None    # set by the pool's initializer
     try:
         scenario = _WORKER_BASE.resolve(Variant("", assignments))[0]
         return _WORKER_BASE.simulate(scenario=scenario)[1]
