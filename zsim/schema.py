@@ -79,7 +79,7 @@ def _coerce(tp, value, path: str):
             hint = did_you_mean(str(value), [str(c) for c in choices])
             raise ZsimInputError(path, value, f"choose one of {', '.join(map(str, choices))}{hint}")
         return value
-    if dataclasses.is_dataclass(tp):
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         if isinstance(value, tp):
             return value
         return build(tp, value, path)

@@ -18,7 +18,7 @@ def stage(n: int) -> str:
 
 def variants(has_nvme: bool) -> list[tuple[str, str, tuple[str, ...]]]:
     """(label, offload mode, assignments). Offload modes group the bars of the plot."""
-    out = [(f"ZeRO-{n}", "none", (stage(n),) + NONE) for n in range(4)]
+    out: list[tuple[str, str, tuple[str, ...]]] = [(f"ZeRO-{n}", "none", (stage(n),) + NONE) for n in range(4)]
     out += [
         ("ZeRO-2 + CPU optimizer", "optimizer cpu", (stage(2), OPT_CPU, NONE[1])),
         ("ZeRO-3 + CPU optimizer", "optimizer cpu", (stage(3), OPT_CPU, NONE[1])),

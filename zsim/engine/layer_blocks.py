@@ -43,8 +43,8 @@ def _blocks(schedule: Schedule, wl: Workload) -> list[tuple[tuple, int, int]]:
         p = op.payload
         if isinstance(p, ModulePass):
             k = (op.micro_step, "f" if op.phase == Phase.FORWARD else "b", module_layer.get(p.module, -3))
-        elif op.phase == Phase.STEP and getattr(p, "pids", ()):
-            k = (op.micro_step, "s", param_layer.get(p.pids[0], -3))
+        elif op.phase == Phase.STEP and (pids := getattr(p, "pids", None)):
+            k = (op.micro_step, "s", param_layer.get(pids[0], -3))
         else:
             continue
         if k != key:

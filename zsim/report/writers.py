@@ -136,7 +136,7 @@ def chrome_trace(trace: Trace, name: str) -> dict:
                 events.append({"ph": "M", "pid": pid, "tid": tids[s], "name": "thread_sort_index",
                                "args": {"sort_index": tids[s]}})
     for op, t in zip(trace.schedule.ops, trace.timings):
-        args = {"phase": op.phase.value, "micro_step": op.micro_step}
+        args: dict[str, object] = {"phase": op.phase.value, "micro_step": op.micro_step}
         comm = op.comm
         if comm is not None:
             args.update(collective=comm.collective.value, numel=comm.numel, bytes=comm.size_bytes)

@@ -254,6 +254,7 @@ def _compute(b, rank: _Rank, s: Step, act_bytes: float, p: int):
         return
     inner = hooks.inner
     inner.ipg_micro = -1           # a new backward: its first gradient hook allocates the IPG buffer
+    assert rank.last is not None     # the micro-batch's forward ran first
     rank.last = backward(ctx, hooks, s.micro, rank.last)
     if sends_output:
         b.add_free(rank.last, tag)

@@ -248,7 +248,7 @@ def offloaded_step(ctx: StepContext, shard: float, deps, sub_groups: list[int] |
                  [last_h2d, prev_write, gpu_part])
 
 
-def params_to_device(ctx: StepContext, numel_shard: float, micro: int, phase: str, deps, label: str,
+def params_to_device(ctx: StepContext, numel_shard: float, micro: int, phase: Phase, deps, label: str,
                      allocs=()) -> int:
     """Stage 3 offload_param: bring this rank's partitions to the GPU before the all-gather
     (`allocs`: what the copy itself allocates; on one rank the param's GPU data)."""

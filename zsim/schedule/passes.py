@@ -2,6 +2,8 @@
 each checkpointing mode. Stage behaviour plugs in through StageHooks (context.py)."""
 from __future__ import annotations
 
+from typing import overload
+
 from zsim.schedule.context import StageHooks, StepContext
 from zsim.schedule.ir import Alloc, Buffer, Category, OpKind, Phase, Stream, Tag, Transfer
 from zsim.schedule.moe import TokenExchanges
@@ -17,8 +19,13 @@ def exchanges(ctx: StepContext) -> tuple:
                  if x.active)
 
 
-def _before(ctx: StepContext, module: Module, micro: int, phase: Phase, last: int | None) -> int | None:
-    """The communication the passes add before `module` (ctx.exchanges: MoE, tensor parallel)."""
+@overload
+def _before(ctx: StepContext, module: Module, micro: int, phase: Phase, last: int) -> int: ...
+@overload
+def _before(ctx: StepContext, module: Module, micro: int, phase: Phase, last: None) -> int | None: ...
+def _before(ctx, module, micro, phase, last):
+    """The communication the passes add before `module` (ctx.exchanges: MoE, tensor parallel);
+    the op it ends with (`last` when it adds none)."""
     for exchange in ctx.exchanges:
         last = exchange.before(ctx, module, micro, phase, last)
     return last
@@ -208,6 +215,7 @@ def _forward(ctx: StepContext, hooks: StageHooks, micro: int, after: int | None)
     if ctx.cpu_checkpointing and micro == 0:
         # .to("cpu") tensors: pageable host memory, one micro-step's block inputs at a time
         ctx.b.host_alloc("activation checkpoints (cpu_checkpointing)", ctx.wl.layers * ctx.wl.layer_input_bytes)
+    assert last is not None    # a workload has modules: the pass added ops
     return last
 
 

@@ -108,13 +108,13 @@ def partition(specs: list[LayerSpec], stages: int, method: str) -> list[int]:
 def stage_workload(wl: Workload, specs: list[LayerSpec]) -> Workload:
     """The workload of one stage: its modules, with its own params re-indexed (a tied head's
     weight is the stage's own copy)."""
-    modules = [m for s in specs for m in s.modules]
+    picked = [m for s in specs for m in s.modules]
     index: dict[int, int] = {}
-    for m in modules:
+    for m in picked:
         for pid in m.params:
             index.setdefault(pid, len(index))
     params = tuple(wl.params[pid] for pid in index)
-    modules = tuple(replace(m, params=tuple(index[p] for p in m.params)) for m in modules)
+    modules = tuple(replace(m, params=tuple(index[p] for p in m.params)) for m in picked)
     layers = sum(1 for s in specs if s.typename == "TransformerLayer")
     return replace(wl, params=params, modules=modules, layers=layers)
 

@@ -193,6 +193,7 @@ def _run_programs(ranks: list[_Stage], wires: tuple[Wire, Wire]):
                     if not last and grads.gather is not None:   # _exec_backward_pass
                         _gather(b, rank, acts, micro, Phase.BACKWARD, "pipe output")
                         _gather(b, rank, grads, micro, Phase.BACKWARD, "p2p recv grad")
+                    assert rank.last is not None     # the micro-batch's forward ran first
                     rank.last = backward(rank.ctx, rank.hooks, micro, rank.last)
                     if not last:
                         b.add_free(rank.last, Tag(Buffer.PIPE_OUTPUT, micro))

@@ -260,13 +260,13 @@ def optimizer_boundary(ctx: StepContext, hooks: Zero012Hooks, last: int) -> int:
         # before the next group's, so only one group's temporaries are alive at a time
         # (see [Note: MoE parameter groups]); the partition buffer itself (grads_in_partition) is
         # one allocation for all groups, freed after the last
-        last = step_deps
+        chain = step_deps
         for g, group in enumerate(buckets.groups):
-            before = last[0]
-            last = [optimizer_step(ctx, group.partition, last, sub_group=g)]
+            before = chain[0]
+            chain = [optimizer_step(ctx, group.partition, chain, sub_group=g)]
             if buckets.keeps_all_grads:
-                buckets.release_stage1_grads(g, before, last[0])
-        last = last[0]
+                buckets.release_stage1_grads(g, before, chain[0])
+        last = chain[0]
         if buckets.partition_live:
             ctx.b.add_free(last, buckets.partition_tag, *((buckets.held_partition,) if buckets.held_partition else ()))
         if buckets.nocg:
@@ -294,4 +294,5 @@ def build(ctx: StepContext):
         last = backward(ctx, hooks, micro, last)
         if sync and hooks.last_reduce is not None:
             last = hooks.last_reduce
+    assert last is not None     # GAS >= 1: the step has its passes
     optimizer_boundary(ctx, hooks, last)

@@ -63,7 +63,7 @@ def count_active_params(m: ModelSpec, seq_len: int | None = None) -> int:
     """The parameters one token uses: all but the routed experts it is not sent to (top_k of
     experts in each MoE layer). Embedding tables count in full, as Mixtral's published 12.9B does."""
     n_params, routed = _param_counts(m, seq_len or m.seq_len)
-    if not routed:
+    if not routed or m.moe is None:
         return n_params
     # every MoE layer has the same experts, so the active share of the routed weights is exact
     return n_params - routed + routed * m.moe.top_k // m.moe.experts
