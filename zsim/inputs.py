@@ -10,6 +10,7 @@ import copy
 import functools
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
@@ -98,7 +99,13 @@ class DuplicateKey(yaml.YAMLError):
         self.key, self.lines = key, lines
 
 
-class _UniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+if TYPE_CHECKING:
+    _SafeLoader = yaml.SafeLoader
+else:     # libyaml's loader where PyYAML was built with it
+    _SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class _UniqueKeyLoader(_SafeLoader):
     """yaml.safe_load (libyaml's parser where installed, several times faster than the pure-Python
     one) that refuses a mapping with a key twice, where PyYAML keeps the last silently: a user's
     second `zero_optimization:` block would otherwise replace the first without a word.

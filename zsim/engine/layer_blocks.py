@@ -166,6 +166,7 @@ class Gap:
         (layers [g0 + low p, g1 - high p)): a forward, layers ascending, starts its gap `low`
         chunks later (its window with it), a backward, descending, `high` chunks later."""
         m, d = self.region
+        assert self.dropped is not None     # a forward's or backward's gap (_layer_gaps)
         g0, g1 = self.dropped[0] + low * self.layers, self.dropped[1] - high * self.layers
         shift = (low if d == "f" else high) * self.length
         return replace(self, name=_gap_name(m, d, g0, g1, self.layers), first=self.first + shift,
@@ -206,7 +207,7 @@ def _passes(schedule: Schedule, wl: Workload, sites, blocks=None, layers: bool =
     sits; `layers=False`: only the post-step gathers' ops are numbered (the others left None)."""
     blocks = _blocks(schedule, wl) if blocks is None else blocks
     places = _Places(len(schedule.ops), blocks)
-    ops = schedule.ops
+    ops: tuple[Op, ...] | list[Op] = schedule.ops
     if not layers:
         ops = [ops[x] for key, a, end in blocks if key[1] == "s" and key[2] >= 0 for x in range(a, end)]
     canon = _canon(ops, sites, places, len(schedule.ops))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import gc
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 from zsim.engine.fluid import Clock, Fluid
 from zsim.engine.ledger import Ledger, peak_and_breakdown, timeline
@@ -319,6 +319,7 @@ class _Engine:
 
     def _recorded_alike(self, block: Block) -> Template | None:
         """A recording of `block`'s shape whose ops cost what `block`'s cost on its stage."""
+        assert block.key is not None      # find_blocks keys every block
         for tpl in self.templates.get(block.key, ()):
             if all(cost_shape(self.op_cost(op)) == cost for op, cost in zip(block.ops, tpl.costs)):
                 self.placed[(block.key, block.pipe_stage)] = tpl
@@ -375,6 +376,7 @@ class _Engine:
             del self.active[op.pipe_stage]
             tpl = finish(rec, end_s)
             if tpl is not None:
+                assert rec.block.key is not None
                 self.templates.setdefault(rec.block.key, []).append(tpl)
                 self.placed[(rec.block.key, rec.block.pipe_stage)] = tpl
 
@@ -446,7 +448,7 @@ def _run_ops(schedule: Schedule, cluster, precision: str, replay: bool) -> tuple
         raise RuntimeError(f"schedule deadlock: {len(missing)} ops never ran, first {missing[0]!r}")
     for stage, ledger in enumerate(ledgers):
         ledger.close(schedule.static_of(stage))
-    return timings, ledgers
+    return cast("list[OpTiming]", timings), ledgers    # every op ran (checked above)
 
 
 def stage_peaks(per_stage) -> tuple[tuple[float, ...], int]:

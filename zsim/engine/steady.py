@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import sys
 
-from zsim.engine.layer_repeat import nest, run_layers, simulate_layers
+from zsim.engine.layer_repeat import LayeredRepeat, nest, run_layers, simulate_layers
 from zsim.engine.sim import Repeat, Trace, collector_paused, run_ops, simulate, stage_peaks
 from zsim.schedule.build import build_schedule
 from zsim.schedule.ir import OpKind, Schedule
@@ -94,6 +94,7 @@ def _simulate(sc: Scenario, steady: bool) -> tuple[Workload, Trace]:
             out = run_layers(reduced, wl, sc.cluster, sc.precision)
         simulated, timings, ledgers, layers = out
         events = tuple(ledger.events() for ledger in ledgers)
+        repeat: Repeat | LayeredRepeat | None
         if pipeline:
             repeat = find_pipeline_repeat(simulated, timings, events, micro_steps, gas, stride)
         else:
@@ -115,6 +116,7 @@ def _simulate(sc: Scenario, steady: bool) -> tuple[Workload, Trace]:
         if trace is None:   # layers the builder left out did not run alike: every layer built
             wl, schedule = build_schedule(sc, wl)
             trace = simulate_layers(schedule, wl, sc.cluster, sc.precision)
+        assert trace is not None    # every layer built: nothing left out to disagree
         return wl, trace
     return wl, simulate(schedule, sc.cluster, sc.precision)
 

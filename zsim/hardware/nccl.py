@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from zsim.errors import ZsimInputError
@@ -176,7 +177,7 @@ def _lat_bw(func: str, algo: str, p: int, n_ranks: int, n_nodes: int, topo: Nccl
     return lat, bus
 
 
-def _candidates(func: str, n_ranks: int, n_nodes: int, topo: NcclTopo):
+def _candidates(func: str, n_ranks: int, n_nodes: int, topo: NcclTopo) -> Iterator[tuple[str, int]]:
     """The (algorithm, protocol index) pairs ncclTopoTuneModel prices for `func` and NCCL_ALGO/PROTO leave on."""
     algos, protos = dict(topo.algos)[func], dict(topo.protos)[func]
     ppn = n_ranks // n_nodes

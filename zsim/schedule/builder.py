@@ -144,6 +144,8 @@ class Builder:
         tags: list = []
 
         def ref(tag: Tag) -> int | None:
+            k: object
+            spec: object
             if tag.micro == micro:
                 k = (id(tag.buffer), tag.key, tag.phase)   # an Enum hashes in Python
                 spec = (tag.buffer, tag.key, tag.phase)

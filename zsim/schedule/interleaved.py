@@ -305,8 +305,8 @@ def _exchange(b, rank: _Rank, ex: Exchange, posts, sent, wire: Wire, p: int) -> 
                           payload, [op, rank.last, *rank.batch])
         rank.batch = []
     for msg in ex.recvs if wire.gather is not None else ():
-        payload = TensorComm(wire.gather, "p2p recv activation" if msg.forward else "p2p recv grad")
+        gather = TensorComm(wire.gather, "p2p recv activation" if msg.forward else "p2p recv grad")
         rank.last = b.add(OpKind.TP_ALL_GATHER, Stream.COMPUTE, Phase.FORWARD if msg.forward else Phase.BACKWARD,
-                          msg.micro, payload, [rank.last])
+                          msg.micro, gather, [rank.last])
     rank.posted = False
     return True

@@ -167,7 +167,7 @@ class LayerSkip:
         self.ctx, self.hooks = ctx, hooks
         self.geo = _Geometry(ctx, hooks.fetch, hooks.ready)
         self.skipped: list[SkippedLayers] = []
-        self.gaps: dict[int, tuple[int, int]] = {}     # micro-step -> layers [a, b) its passes drop
+        self.gaps: dict[int, tuple[int, int, int]] = {}   # micro-step -> layers [a, b) its passes drop, period
         self._history: list = []        # this pass: (layer, fingerprint, op id, flushes, reach) per boundary
         self._pass_start = 0
         self.whole = False              # the first micro-step's forward did not repeat: build every layer

@@ -341,6 +341,7 @@ class ParamCoordinator:
                 self._drop(p)
                 tag_pid = self.tag_pid.pop(p, p)
                 if self.allocates and not self.dry:
+                    assert op is not None     # a real (not dry) release follows its module's op
                     self.ctx.b.add_free(op, Tag(Buffer.GATHERED, micro, tag_pid))
 
     def release_all(self, micro: int, op: int):

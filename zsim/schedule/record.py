@@ -11,7 +11,7 @@ define `__post_init__`: `record` refuses anything else rather than build it diff
 from __future__ import annotations
 
 import dataclasses
-from typing import TypeVar, dataclass_transform
+from typing import Any, TypeVar, dataclass_transform
 
 T = TypeVar("T")
 
@@ -19,13 +19,13 @@ T = TypeVar("T")
 # a type checker sees a record as the frozen dataclass it is (PEP 681)
 @dataclass_transform(frozen_default=True)
 def record(cls: type[T]) -> type[T]:
-    cls = dataclasses.dataclass(frozen=True, slots=True)(cls)
-    if hasattr(cls, "__post_init__"):
-        raise TypeError(f"record {cls.__name__}: __post_init__ is not supported")
-    fields = [f for f in dataclasses.fields(cls) if f.init]
-    if len(fields) != len(dataclasses.fields(cls)) or any(f.default_factory is not dataclasses.MISSING
+    klass: Any = dataclasses.dataclass(frozen=True, slots=True)(cls)   # slots: a new class
+    if hasattr(klass, "__post_init__"):
+        raise TypeError(f"record {klass.__name__}: __post_init__ is not supported")
+    fields = [f for f in dataclasses.fields(klass) if f.init]
+    if len(fields) != len(dataclasses.fields(klass)) or any(f.default_factory is not dataclasses.MISSING
                                                          or f.kw_only for f in fields):
-        raise TypeError(f"record {cls.__name__}: only positional fields with plain defaults (no default_factory, no kw_only) are supported")
+        raise TypeError(f"record {klass.__name__}: only positional fields with plain defaults (no default_factory, no kw_only) are supported")
     names = [f.name for f in fields]
     params = ", ".join(n if f.default is dataclasses.MISSING else f"{n}=_d_{n}" for n, f in zip(names, fields))
     body = "".join(f"        _s_{n}(self, {n})\n" for n in names) or "        pass\n"
@@ -34,8 +34,8 @@ def record(cls: type[T]) -> type[T]:
            f"    return __init__\n")
     namespace: dict = {}
     exec(src, namespace)   # noqa: S102 - the source is built from the class's own field names
-    init = namespace["_make"](*(getattr(cls, n).__set__ for n in names), *(f.default for f in fields))
-    init.__qualname__ = f"{cls.__qualname__}.__init__"
-    init.__module__ = cls.__module__
-    cls.__init__ = init
-    return cls
+    init = namespace["_make"](*(getattr(klass, n).__set__ for n in names), *(f.default for f in fields))
+    init.__qualname__ = f"{klass.__qualname__}.__init__"
+    init.__module__ = klass.__module__
+    klass.__init__ = init
+    return klass

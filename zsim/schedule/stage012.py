@@ -260,13 +260,17 @@ def optimizer_boundary(ctx: StepContext, hooks: Zero012Hooks, last: int) -> int:
         # before the next group's, so only one group's temporaries are alive at a time
         # (see [Note: MoE parameter groups]); the partition buffer itself (grads_in_partition) is
         # one allocation for all groups, freed after the last
-        chain = step_deps
+        chain: list[int | None] = step_deps
+        stepped = None
         for g, group in enumerate(buckets.groups):
             before = chain[0]
-            chain = [optimizer_step(ctx, group.partition, chain, sub_group=g)]
+            assert before is not None     # the backward's last op (or the TP gradient reduction)
+            stepped = optimizer_step(ctx, group.partition, chain, sub_group=g)
+            chain = [stepped]
             if buckets.keeps_all_grads:
-                buckets.release_stage1_grads(g, before, chain[0])
-        last = chain[0]
+                buckets.release_stage1_grads(g, before, stepped)
+        assert stepped is not None        # the flat groups: the dense one at least
+        last = stepped
         if buckets.partition_live:
             ctx.b.add_free(last, buckets.partition_tag, *((buckets.held_partition,) if buckets.held_partition else ()))
         if buckets.nocg:
