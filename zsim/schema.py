@@ -86,12 +86,12 @@ def _coerce(tp, value, path: str):
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise ZsimInputError(path, value, "expected a list")
-        args = get_args(tp)
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_coerce(args[0], v, f"{path}[{i}]") for i, v in enumerate(value))
-        if len(value) != len(args):
-            raise ZsimInputError(path, value, f"expected a list of {len(args)} items")
-        return tuple(_coerce(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+        items = get_args(tp)
+        if len(items) == 2 and items[1] is Ellipsis:
+            return tuple(_coerce(items[0], v, f"{path}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(items):
+            raise ZsimInputError(path, value, f"expected a list of {len(items)} items")
+        return tuple(_coerce(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(items, value)))
     if origin is dict:
         if not isinstance(value, dict):
             raise ZsimInputError(path, value, "expected a mapping")

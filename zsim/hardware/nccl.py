@@ -124,7 +124,7 @@ def _nvls_lat_bw(func: str, algo: str, ppn: float, n_nodes: int, topo: NcclTopo)
     return BASE_LAT_US[algo][2] + intra_lat + 2 * int(math.log2(n_nodes)) * inter_lat, bus
 
 
-def _lat_bw(func: str, algo: str, p: int, n_ranks: int, n_nodes: int, topo: NcclTopo) -> tuple[float, float] | None:
+def _lat_bw(func: str, algo: str, p: int, n_ranks: int, n_nodes: int, topo: NcclTopo) -> tuple[float, float]:
     """One cell of ncclTopoTuneModel: (latency us, algorithm bandwidth GB/s), None when unused."""
     if algo in ("NVLS", "NVLSTree"):
         return _nvls_lat_bw(func, algo, n_ranks / n_nodes, n_nodes, topo)

@@ -14,7 +14,8 @@ from zsim.result import ZERO3_RANK_LOOPS, row_fits  # noqa: E402
 from zsim.units import GiB  # noqa: E402
 
 FORMATS = (".png", ".svg")
-PALETTE = plt.get_cmap("tab20").colors
+# tab20 is a ListedColormap: its 20 RGB tuples (matplotlib's stubs type Colormap without them)
+PALETTE = plt.get_cmap("tab20").colors   # type: ignore[attr-defined]
 
 
 def check_image_path(path: str, field: str):
@@ -303,7 +304,7 @@ def throughput_plot(data: list[dict], title: str, path: str):
     ax.set_ylabel("tokens/s per GPU")
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
-    handles = [Patch(color=PALETTE[4], label="fits"), Patch(color=PALETTE[6], label="OOM")]
+    handles: list[Patch | Line2D] = [Patch(color=PALETTE[4], label="fits"), Patch(color=PALETTE[6], label="OOM")]
     failed = [i for i, d in enumerate(data) if "error" in d]
     if failed:
         ax.plot(failed, [0.0] * len(failed), "X", color="red", markersize=10, clip_on=False, zorder=5)

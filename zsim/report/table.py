@@ -149,10 +149,10 @@ def render(r: Result, console: Console | None = None):
 def compare_table(name: str, rows: list[dict], console: Console | None = None):
     console = console or make_console()
     t = Table(title=f"{name}: ZeRO stages and offload variants (per GPU)")
-    for col, just in (("variant", "left"), ("fits", "center"), ("peak/cap GiB", "right"), ("host GiB/node", "right"),
-                      ("step s", "right"), ("tok/s/GPU", "right"), ("MFU", "right"),
-                      ("comm GiB", "right"), ("exposed s", "right")):
-        t.add_column(col, justify=just)
+    t.add_column("variant", justify="left")
+    t.add_column("fits", justify="center")
+    for col in ("peak/cap GiB", "host GiB/node", "step s", "tok/s/GPU", "MFU", "comm GiB", "exposed s"):
+        t.add_column(col, justify="right")
     for r in rows:
         if r.get("error"):
             t.add_row(r["variant"], "[red]error[/red]", r["error"][:60], "", "", "", "", "", "")

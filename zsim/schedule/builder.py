@@ -5,6 +5,7 @@ micro-steps (see [Note: pass templates])."""
 from __future__ import annotations
 
 import dataclasses
+from typing import cast
 
 from zsim.schedule.ir import Alloc, Buffer, HostSettings, Op, OpKind, Phase, PipelineLayout, Schedule, Stream, Tag
 from zsim.schedule.payloads import ModulePass
@@ -174,10 +175,12 @@ class Builder:
     def replay_pass(self, tpl: PassTemplate, micro: int, after: int | None) -> int:
         """Add `tpl`'s ops at `micro`, after op `after`, frozen (a later change makes one a
         draft again); returns its last op's id."""
-        base, pipe_stage, out = len(self._ops), self.pipe_stage, self._ops
+        # the drafts' list also holds the frozen ops a replay adds (build() and drafts_since tell them apart)
+        base, pipe_stage, out = len(self._ops), self.pipe_stage, cast("list[_Draft | Op]", self._ops)
         tags = [spec if type(spec) is Tag else Tag(spec[0], micro, spec[1], spec[2]) for spec in tpl.tags]
         for kind, stream, phase, payload, rel, alloc, free, free_before, visits, hooks, views, bucketed in tpl.ops:
-            deps = tuple([after if x < 0 else base + x for x in rel]) if rel else ()
+            # a template's ops wait on `after` (x < 0) only where a replay has one
+            deps = cast("tuple[int, ...]", tuple([after if x < 0 else base + x for x in rel]) if rel else ())
             allocs = tuple([Alloc(tags[i], category, size, touched) for i, category, size, touched in alloc]) if alloc else ()
             if bucketed:    # build() makes its payload: a draft
                 d = _Draft(kind, stream, phase, micro, payload, deps, allocs, pipe_stage)

@@ -304,8 +304,10 @@ def _exchange(b, rank: _Rank, ex: Exchange, posts, sent, wire: Wire, p: int) -> 
         rank.last = b.add(kind, Stream.COMPUTE, Phase.FORWARD if msg.forward else Phase.BACKWARD, msg.micro,
                           payload, [op, rank.last, *rank.batch])
         rank.batch = []
-    for msg in ex.recvs if wire.gather is not None else ():
-        gather = TensorComm(wire.gather, "p2p recv activation" if msg.forward else "p2p recv grad")
+    tp_gather = wire.gather
+    for msg in ex.recvs if tp_gather is not None else ():
+        assert tp_gather is not None
+        gather = TensorComm(tp_gather, "p2p recv activation" if msg.forward else "p2p recv grad")
         rank.last = b.add(OpKind.TP_ALL_GATHER, Stream.COMPUTE, Phase.FORWARD if msg.forward else Phase.BACKWARD,
                           msg.micro, gather, [rank.last])
     rank.posted = False

@@ -145,7 +145,8 @@ def sub_group_sizes(numels: list[int], world: int, sub_group_size: int) -> list[
     return groups
 
 
-def bucket_pieces(pids, starts: list[int], numels: list[int], partition: int) -> list[tuple[int, int, int, int]]:
+def bucket_pieces(pids, starts: list[int] | dict[int, int], numels: list[int],
+                  partition: int) -> list[tuple[int, int, int, int]]:
     """ZeRO-1/2: (destination rank, pid, start within the param, elements) pieces of a bucket in
     bucket order, cut at partition boundaries."""
     out: list[tuple[int, int, int, int]] = []

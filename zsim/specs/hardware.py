@@ -65,7 +65,7 @@ class GpuProfile:
         factory=dict, doc="the vendor's dense peak per dtype (fp32, tf32, fp16, bf16), MFU's and HFU's denominator "
                           "where a calibrated profile's peak_tflops_* is its fitted GEMM law's asymptote instead; "
                           "a dtype not listed uses its peak_tflops_*")
-    by_dtype: dict[str, DtypeCompute] = spec(
+    by_dtype: dict[str, DtypeCompute] = spec(   # type: ignore[valid-type]  # a make_dataclass class (below)
         factory=dict, doc="per training precision (fp32, fp16, bf16): compute figures that replace the fields "
                           "above for a run in that dtype (zsim calibrate --dtype fp32,bf16 writes them); a dtype "
                           "not listed, or a field not set, uses the fields above")
