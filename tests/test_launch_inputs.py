@@ -225,8 +225,8 @@ def test_a_llama_factory_recipe_applies_its_own_defaults(capsys):
 
 
 def test_llama_factory_refuses_what_it_cannot_model_in_one_line(capsys):
-    Path("dpo.yaml").write_text("model_name_or_path: gpt2\nstage: dpo\nfinetuning_type: lora\n")
-    rc, _, err = run(capsys, "dpo.yaml", "--gpus", "2")
+    Path("kto.yaml").write_text("model_name_or_path: gpt2\nstage: kto\nfinetuning_type: lora\n")
+    rc, _, err = run(capsys, "kto.yaml", "--gpus", "2")
     assert rc == 2 and "stage" in one_error(err)
 
 

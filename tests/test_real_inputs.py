@@ -72,27 +72,15 @@ REJECT_FIELDS = {
     "deepspeed/dsx_configs_autosp_config.json": ("train_batch_size", "sequence_parallel_size"),
 }
 
-# What each file needs that has not landed yet (issue 46; 46A: DeepSpeed's acceptance rules and
-# "auto"; 46B: launch/recipe readers and hub ids). strict: a case that starts passing fails here
-# until its mark is removed.
+# What each file needs that has not landed yet (issue 46). strict: a case that starts passing
+# fails here until its mark is removed.
 _PENDING_BY_REASON = {
-    "46B item 4: the recipe's Hub id is not in the empty test cache or scenarios/hub/ (no verbatim public copy of "
-    "its config.json found yet)": (
-        "axolotl/reward-model.yaml", "axolotl/mistral_mixtral_mixtral_22.yml",
-        "axolotl/mistral_bigstral_bigstral-ds-zero3.yaml", "axolotl/mistral_lora.yml", "axolotl/mistral_config.yml",
-        "axolotl/qwen2_reward-model.yaml", "axolotl/phi_phi3-ft.yml"),
-    "a model family zsim does not model (gpt_oss: attention sinks and MXFP4 experts; jamba: Mamba layers), and "
-    "its Hub id is not catalogued either": (
+    "the recipe's Hub id is not in the empty test cache or scenarios/hub/ (no verbatim public copy of its "
+    "config.json found yet)": (
+        "axolotl/reward-model.yaml",),
+    "a model family zsim does not model (gpt_oss: attention sinks, alternating sliding windows and MXFP4 experts; "
+    "jamba: Mamba layers): refused in one line": (
         "axolotl/gpt-oss_gpt-oss-20b-fft-deepspeed-zero3.yaml", "axolotl/jamba_qlora_deepspeed.yaml"),
-    "model_name_or_path models/Qwen2.5-7B is a placeholder for the user's local folder: no config.json exists to "
-    "read (LLaMA-Factory would fail the same way); refused in one line": (
-        "llama_factory/extras_asft_qwen2_full_asft.yaml",),
-    "preference training (LLaMA-Factory stage dpo, axolotl rl: dpo): the reference model's forward passes (and, for full fine-tuning, its weights) are "
-    "not modelled, which changes the verdict; refused in one line": (
-        "llama_factory/train_lora_qwen3_lora_dpo.yaml", "axolotl/qwen2_dpo.yaml"),
-    "LLaMA-Factory finetuning_type freeze (train the last freeze_trainable_layers blocks) is not mapped onto "
-    "training.frozen yet; refused in one line": (
-        "llama_factory/extras_llama_pro_llama3_freeze_sft.yaml",),
 }
 PENDING: dict[str, str] = {f: reason for reason, files in _PENDING_BY_REASON.items() for f in files}
 
@@ -122,6 +110,31 @@ def launch_args(row: dict) -> list[str]:
     if kind != "accelerate_yaml":
         args += ["--gpus", GPUS]
     return args
+
+
+# Recipes whose model_name_or_path is a folder of the user's (the project's documentation makes it
+# first): the launch finds it there, as the user's machine has it. file -> (folder, the Hub config
+# it holds, what the documented step changed in it)
+LOCAL_MODELS = {
+    # LLaMA-Factory examples/README.md runs examples/extras/asft/ on a local copy of Qwen2.5-7B
+    "llama_factory/extras_asft_qwen2_full_asft.yaml": ("models/Qwen2.5-7B", "Qwen--Qwen2.5-7B.json", {}),
+    # examples/extras/llama_pro/expand.sh: scripts/llama_pro.py --model_name_or_path
+    # meta-llama/Meta-Llama-3-8B-Instruct --output_dir models/llama3-8b-pro --num_expand 8, which
+    # saves the config with num_hidden_layers + num_expand (32 + 8)
+    "llama_factory/extras_llama_pro_llama3_freeze_sft.yaml": (
+        "models/llama3-8b-pro", "meta-llama--Meta-Llama-3-8B-Instruct.json", {"num_hidden_layers": 40}),
+}
+
+
+def local_model(row: dict, root: Path):
+    """Lay out the user's local model folder a recipe names (LOCAL_MODELS)."""
+    if row["file"] not in LOCAL_MODELS:
+        return
+    folder, config, changes = LOCAL_MODELS[row["file"]]
+    data = json.loads((CORPUS / "models" / config).read_text())
+    data.update(changes)
+    (root / folder).mkdir(parents=True, exist_ok=True)
+    (root / folder / "config.json").write_text(json.dumps(data))
 
 
 def launch_folder(row: dict, root: Path) -> Path:
@@ -160,6 +173,7 @@ def run_case(row: dict, all_rows: list[dict], tmp: Path, capture) -> Outcome:
     from zsim.cli import main
     root = tmp / "repo"
     path = lay_out(row, all_rows, root)
+    local_model(row, root)
     out_json = tmp / "result.json"
     argv = ["run", str(path), *launch_args(row), "--json", str(out_json), "--width", "160"]
     cwd = os.getcwd()

@@ -63,11 +63,17 @@ def test_a_recipe_without_deepspeed_still_runs_as_ddp(capsys):
     assert rc == 0 and res["stage"] == 0, err
 
 
-def test_axolotl_rl_is_refused_not_simulated_as_sft(capsys):
-    # axolotl examples/qwen2/dpo.yaml (rl: dpo) had simulated as plain SFT without a word
+def test_axolotl_rl_is_simulated_as_preference_training_or_refused(capsys):
+    # axolotl examples/qwen2/dpo.yaml (rl: dpo) had simulated as plain SFT without a word; it is
+    # now TRL's DPO step (see [Note: preference training]), and what zsim does not model is refused
     recipe = write("dpo.yaml", "base_model: gpt3-1.3b\nrl: dpo\nmicro_batch_size: 1\nsequence_len: 512\n")
+    rc, err, res = run(capsys, recipe, "--gpus", "8")
+    assert rc == 0 and "dpo: chosen and rejected sequences" in res["implementation"], err
+    assert res["reference_params"] == res["n_params"]          # full fine-tuning: a frozen copy
+    assert any("rl dpo: each example's chosen and rejected sequences" in line for line in err)
+    recipe = write("kto.yaml", "base_model: gpt3-1.3b\nrl: kto\nmicro_batch_size: 1\nsequence_len: 512\n")
     rc, err, _ = run(capsys, recipe, "--gpus", "8")
-    assert rc == 2 and len(err) == 1 and err[0].startswith("zsim: error: dpo.yaml: rl: 'dpo' is invalid")
+    assert rc == 2 and len(err) == 1 and err[0].startswith("zsim: error: kto.yaml: rl: 'kto' is invalid")
 
 
 def test_llama_factory_pure_bf16_and_galore_are_said_not_dropped(capsys):

@@ -98,14 +98,20 @@ def _frozen_note(sc) -> str | None:
     from zsim.schedule.build import workload_for
 
     from zsim.workload.lora import trainable_params
+    from zsim.workload.preference import reference_params
 
     wl = workload_for(sc)
     trained = trainable_params(wl)
-    if trained == wl.n_params:
-        return None
+    reference = reference_params(wl)
+    model = wl.n_params - reference
+    ref = (f"the preference run's {reference / 1e6:.0f}M-param reference copy is another engine: DeepSpeed's "
+           "estimate leaves it out, zsim's ledger holds its 16-bit weights (at stage 3, their partition)"
+           if reference else "")
+    if trained == model:
+        return (ref[0].upper() + ref[1:]) if ref else None
     return (f"DeepSpeed's estimator ignores frozen parameters: it charges gradients and optimizer states for all "
-            f"{wl.n_params / 1e6:.0f}M params, of which {trained / 1e6:.2f}M are trained (training.lora / "
-            "training.frozen); `zsim memory` without --like-deepspeed simulates the frozen ones")
+            f"{model / 1e6:.0f}M params, of which {trained / 1e6:.2f}M are trained (training.lora / "
+            f"training.frozen / training.freeze); `zsim memory` without --like-deepspeed simulates the frozen ones{'; ' + ref if ref else ''}")
 
 
 def print_like_deepspeed(rep: dict):

@@ -203,19 +203,32 @@ def accelerate_launch(opts: dict, cwd: Path, recipe: Recipe):
 
 
 def _preference_refusal(field: str, value, simulated: str) -> ZsimInputError:
-    """Preference and RL training (DPO, KTO, PPO, GRPO, ORPO...): TRL's trainers score chosen and
-    rejected sequences, most beside a reference model, and GRPO generates; none is modelled."""
-    return ZsimInputError(field, value, "preference training (a reference or reward model beside the trained one, "
-                          f"chosen and rejected sequences) is not modelled; zsim simulates {simulated}")
+    """The preference and RL trainers zsim does not model: KTO (unpaired completions beside a KL
+    batch the policy scores without grad), PPO and GRPO (they generate)."""
+    return ZsimInputError(field, value, f"is not modelled (KTO's KL batch, PPO's and GRPO's generation); zsim "
+                          f"simulates {simulated}")
+
+
+def _preference(recipe: Recipe, method: str, where: str, how: str):
+    """training.preference for a paired method (see [Note: preference training]), with the note
+    that says what the step runs."""
+    recipe.training["preference"] = {"method": method}
+    ref = "no reference model" if method in ("orpo", "simpo") else (
+        "the reference forward is the model with its adapters disabled" if "lora" in recipe.training
+        else "the reference is a frozen copy of the model (ZeRO-3 partitions it at stage 3, else a whole 16-bit "
+             "copy on every GPU)")
+    recipe.notes.append(f"{where}{how}: each example's chosen and rejected sequences in one forward (2 x micro-batch "
+                        f"sequences, counted in tokens/s); {ref}")
 
 
 def read_axolotl(data: dict, path: Path, bases: list[Path], recipe: Recipe) -> Recipe:
     """axolotl's config (axolotl/utils/schemas/config.py AxolotlInputConfig)."""
     where = f"{path.name}: "
-    if data.get("rl") not in (None, False, ""):
-        # AxolotlInputConfig.rl (schemas/enums.py RLType: dpo, ipo, kto, orpo, simpo, grpo, ...):
-        # TRL's preference trainers, simulated as nothing but SFT they would be wrong without a word
-        raise _preference_refusal(f"{where}rl", data["rl"], "supervised fine-tuning (no rl:)")
+    rl = data.get("rl")
+    if rl not in (None, False, "") and rl not in AXOLOTL_PAIRED:
+        # AxolotlInputConfig.rl (schemas/enums.py RLType: dpo, ipo, kto, orpo, simpo, grpo, ...)
+        raise _preference_refusal(f"{where}rl", rl, "rl: " + ", ".join(AXOLOTL_PAIRED) + " and supervised "
+                                  "fine-tuning (no rl:)")
     t = recipe.training
     adapter = data.get("adapter")
     if adapter not in (None, "", "lora", "qlora"):
@@ -290,11 +303,19 @@ def read_axolotl(data: dict, path: Path, bases: list[Path], recipe: Recipe) -> R
     others = [str(x) for x in data.get("plugins") or () if "liger" not in str(x).lower()]
     if others:
         recipe.ignored.append(f"plugins {', '.join(others)} (their fused kernels are not modelled)")
+    if rl:
+        # axolotl's rl trainers (core/trainers/dpo, builders/rl.py): TRL's DPOTrainer for dpo and
+        # ipo (loss_type ipo), ORPOTrainer, CPOTrainer with loss_type simpo
+        _preference(recipe, AXOLOTL_PAIRED[rl], where, f"rl {rl}")
     if data.get("deepspeed"):
         recipe.ds_config = _find(str(data["deepspeed"]), bases, where + "deepspeed")
     elif data.get("fsdp") or data.get("fsdp_config"):
         raise fsdp_refusal(data.get("fsdp_config") or {}, where)
     return recipe
+
+
+# axolotl's rl values zsim models -> training.preference.method
+AXOLOTL_PAIRED = {"dpo": "dpo", "ipo": "ipo", "orpo": "orpo", "simpo": "simpo"}
 
 
 def _axolotl_bnb(data: dict, adapter, recipe: Recipe, where: str):
@@ -379,13 +400,10 @@ def read_llama_factory(data: dict, path: Path, bases: list[Path], recipe: Recipe
     Seq2SeqTrainingArguments and FinetuningArguments (src/llamafactory/hparams/)."""
     where = f"{path.name}: "
     stage = data.get("stage", "sft")
-    if stage in ("dpo", "kto", "ppo"):
-        raise _preference_refusal(f"{where}stage", stage, "stage sft, pt and rm")
+    if stage in ("kto", "ppo"):
+        raise _preference_refusal(f"{where}stage", stage, "stage sft, pt, rm and dpo")
     kind = data.get("finetuning_type", "lora")      # FinetuningArguments' default
-    if kind == "freeze":
-        raise ZsimInputError(f"{where}finetuning_type", kind, "freeze (training the last layers only) is not "
-                             "modelled; use full or lora")
-    if kind not in ("full", "lora"):
+    if kind not in ("full", "lora", "freeze"):
         raise ZsimInputError(f"{where}finetuning_type", kind, "choose full, lora or freeze (LLaMA-Factory's values)")
     args = {k: v for k, v in data.items() if k not in LF_OWN and k not in LF_NOT_MODELLED and k != "pure_bf16"}
     read_trainer_args(args, recipe, where=where)
@@ -431,10 +449,40 @@ def read_llama_factory(data: dict, path: Path, bases: list[Path], recipe: Recipe
         if data.get("additional_target"):
             lora["modules_to_save"] = as_names(data["additional_target"])
         t["lora"] = lora
+    if kind == "freeze":
+        t["freeze"] = _llama_factory_freeze(data, where)
+    if stage == "dpo":
+        # FinetuningArguments.pref_loss (sigmoid, hinge, ipo, kto_pair, orpo, simpo): use_ref_model
+        # unless orpo or simpo; create_ref_model gives None under lora (the adapters disabled)
+        loss = str(data.get("pref_loss", "sigmoid"))
+        method = LF_PREF_LOSS.get(loss)
+        if method is None:
+            raise ZsimInputError(f"{where}pref_loss", loss, "choose " + ", ".join(LF_PREF_LOSS)
+                                 + " (LLaMA-Factory's values)")
+        _preference(recipe, method, where, f"stage dpo, pref_loss {loss}")
     if recipe.ds_config is not None:
         recipe.ds_config = _find(str(recipe.ds_config), bases, where + "deepspeed")
     _llama_factory_bnb(data, recipe, bases, where)
     return recipe
+
+
+# LLaMA-Factory's pref_loss -> training.preference.method (the losses differ in a few scalar ops;
+# the step is the same: hinge and kto_pair run DPO's reference forward too)
+LF_PREF_LOSS = {"sigmoid": "dpo", "hinge": "dpo", "ipo": "ipo", "kto_pair": "dpo", "orpo": "orpo", "simpo": "simpo"}
+
+
+def _llama_factory_freeze(data: dict, where: str) -> dict:
+    """FreezeArguments (hparams/finetuning_args.py): freeze_trainable_layers (2),
+    freeze_trainable_modules (all), freeze_extra_modules (none), use_llama_pro."""
+    freeze: dict = {"trainable_layers": as_int(where + "freeze_trainable_layers",
+                                               data.get("freeze_trainable_layers", 2))}
+    if data.get("freeze_trainable_modules") is not None:
+        freeze["trainable_modules"] = as_names(data["freeze_trainable_modules"])
+    if data.get("freeze_extra_modules"):
+        freeze["extra_modules"] = as_names(data["freeze_extra_modules"])
+    if data.get("use_llama_pro") is not None:
+        freeze["llama_pro"] = as_bool(where + "use_llama_pro", data["use_llama_pro"])
+    return freeze
 
 
 # LLaMA-Factory's own keys (read above, or changing nothing zsim prices)
@@ -443,7 +491,8 @@ LF_OWN = frozenset({"stage", "finetuning_type", "lora_rank", "lora_alpha", "lora
                     "eval_dataset", "template", "max_samples", "val_size", "dataset_dir", "plot_loss",
                     "enable_liger_kernel", "use_unsloth", "tokenized_path", "mix_strategy", "interleave_probs",
                     "media_dir", "image_max_pixels", "video_max_pixels", "trust_remote_code", "freeze_vision_tower",
-                    "freeze_multi_modal_projector", "train_mm_proj_only", "pref_beta", "pref_loss", "packing",
+                    "freeze_multi_modal_projector", "train_mm_proj_only", "pref_beta", "pref_loss", "pref_ftx", "freeze_trainable_layers", "freeze_trainable_modules",
+                    "freeze_extra_modules", "use_llama_pro", "packing",
                     "neat_packing", "buffer_size", "default_system", "enable_thinking", "resize_vocab",
                     "split_special_tokens", "new_special_tokens", "rope_scaling", "shift_attn", "use_dora",
                     "pissa_init", "create_new_adapter", "adapter_name_or_path", "export_dir", "infer_backend",

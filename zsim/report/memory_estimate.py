@@ -16,6 +16,7 @@ functions). They cover model states only; zsim's ledger adds what they leave out
 from __future__ import annotations
 
 from zsim.workload.module import Workload
+from zsim.workload.preference import reference_params
 
 
 def ds_zero2_estimate(total_params: int, num_gpus_per_node: int = 1, num_nodes: int = 1, cpu_offload: bool = True,
@@ -64,10 +65,13 @@ def ds_zero3_estimate(total_params: int, largest_layer_params: int, num_gpus_per
 def params_like_deepspeed(wl: Workload) -> tuple[int, int]:
     """(total_params, largest_layer_params) as DeepSpeed's model_to_params counts the same
     module tree: tied weights once; per module only its direct parameters (containers hold none)."""
-    total = wl.n_params   # Workload.params already lists a tied tensor once
+    # the trained model's: a preference run's reference copy is another engine (see [Note:
+    # preference training]); Workload.params already lists a tied tensor once
+    total = wl.n_params - reference_params(wl)
     largest = 0
     for m in wl.modules:
-        largest = max(largest, sum(wl.params[p].numel for p in dict.fromkeys(m.params)))
+        if not m.no_grad:
+            largest = max(largest, sum(wl.params[p].numel for p in dict.fromkeys(m.params)))
     return total, largest
 
 

@@ -22,9 +22,10 @@ def make_console(width: int | None = None) -> Console:
 
 
 def _trainable(r: Result) -> str:
+    ref = "" if r.reference_params is None else f" + a {r.reference_params / 1e9:.2f} B reference copy"
     if r.trainable_params is None:
-        return ""
-    return f" ({r.trainable_params / 1e6:.2f} M trainable, {100 * r.trainable_params / r.n_params:.2f}%)"
+        return ref
+    return f" ({r.trainable_params / 1e6:.2f} M trainable, {100 * r.trainable_params / r.n_params:.2f}%){ref}"
 
 
 def tensor_parallel_line(tp, nodes_shown: int = 4) -> str:

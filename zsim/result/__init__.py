@@ -155,6 +155,9 @@ class Result:
     # params with requires_grad (LoRA adapters, what training.frozen leaves); None when all are
     # trained, and then left out of the JSON
     trainable_params: int | None = None
+    # a preference run's reference model, when it is a copy of its own (see [Note: preference
+    # training]): its params, besides n_params; None otherwise, and then left out of the JSON
+    reference_params: int | None = None
     moe: MoE | None = None              # MoE models only (absent from the JSON of dense ones)
     pipeline: Pipeline | None = None    # only for a pipeline-parallel run (and only then in the JSON)
     tensor_parallel: TensorParallel | None = None   # only for a tensor-parallel run (likewise)
@@ -173,6 +176,8 @@ class Result:
         out["warnings"] = list(self.warnings)
         if self.trainable_params is None:
             del out["trainable_params"]
+        if self.reference_params is None:
+            del out["reference_params"]
         if self.moe is None:
             del out["moe"]
         if self.pipeline is None:

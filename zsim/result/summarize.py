@@ -16,6 +16,7 @@ from zsim.schedule.payloads import Copy, CpuAdam, PipeTransfer, TensorComm
 from zsim.units import TFLOP
 from zsim.workload.lora import trainable_params
 from zsim.workload.module import Workload
+from zsim.workload.preference import is_reference, reference_params, sequences_per_example
 from zsim.workload.transformer import count_active_params, count_params
 
 RESERVED = "CUDA context + allocator reserve"
@@ -271,7 +272,10 @@ def _summarize(sc: Scenario, wl: Workload, trace: Trace) -> Result:
     world = cl.world_size
     step = trace.step_time_s
     samples = sc.global_batch_size
-    tokens = samples * sc.seq_len
+    # every sequence a forward takes counts: a preference example's chosen and rejected both
+    tokens = samples * sc.seq_len * sequences_per_example(sc.training)
+    reference = reference_params(wl)
+    n_params = wl.n_params - reference
     stages = trace.schedule.stages
     model_flops_gpu = model_flops_per_gpu(wl.model_flops, sc.gradient_accumulation_steps, stages)
     ops = _op_totals(trace, cl)
@@ -289,7 +293,7 @@ def _summarize(sc: Scenario, wl: Workload, trace: Trace) -> Result:
         gpus_per_node=cl.gpus_per_node,
         hardware_profile=cl.profile.name,
         precision=sc.precision,
-        n_params=wl.n_params,
+        n_params=n_params,
         micro_batch_size=sc.micro_batch_size,
         gradient_accumulation_steps=sc.gradient_accumulation_steps,
         global_batch_size=samples,
@@ -316,7 +320,8 @@ def _summarize(sc: Scenario, wl: Workload, trace: Trace) -> Result:
         events=trace.events_processed,
         warnings=tuple(sc.warnings),
         implementation=sc.training.implementation,
-        trainable_params=None if trained == wl.n_params else trained,
+        trainable_params=None if trained == n_params else trained,
+        reference_params=reference or None,
         moe=_moe(sc, wl),
         pipeline=_pipeline(sc, trace, clipped),
         tensor_parallel=_tensor_parallel(sc),
@@ -340,4 +345,4 @@ def _moe(sc: Scenario, wl: Workload) -> MoE | None:
         return None
     return MoE(experts=moe.experts, top_k=moe.top_k, expert_parallel_size=sc.expert_parallel_size,
                total_params=count_params(sc.model, sc.seq_len), active_params=count_active_params(sc.model, sc.seq_len),
-               rank_expert_params=sum(p.numel for p in wl.params if p.expert))
+               rank_expert_params=sum(p.numel for p in wl.params if p.expert and not is_reference(p)))

@@ -13,6 +13,7 @@ from zsim.schedule.layer_skip import Abort
 from zsim.schedule.passes import exchanges
 from zsim.workload.lora import apply_training
 from zsim.workload.module import DTYPE_BYTES, Workload
+from zsim.workload.preference import sequences_per_example, with_reference
 from zsim.workload.transformer import build_workload
 
 
@@ -31,8 +32,11 @@ def workload_for(sc: Scenario) -> Workload:
 def training_workload(model, micro_batch_size: int, seq_len: int, precision: str, training, expert_parallel_size: int,
                       tensor: int, sequence_parallel: bool, zero3_linear: bool) -> Workload:
     """The per-rank workload of these inputs (every input it depends on): the model's modules,
-    then the training spec's frozen parameters and LoRA adapters."""
-    wl = build_workload(model, micro_batch_size=micro_batch_size, seq_len=seq_len,
+    a preference run's reference forward, then the training spec's frozen parameters and LoRA
+    adapters."""
+    # preference training puts the chosen and the rejected sequence of each example through
+    # every forward (see [Note: preference training])
+    wl = build_workload(model, micro_batch_size=micro_batch_size * sequences_per_example(training), seq_len=seq_len,
                         precision=precision, flash_attention=training.flash_attention,
                         dropout=training.dropout,
                         fused_cross_entropy=training.fused_cross_entropy,
@@ -40,7 +44,7 @@ def training_workload(model, micro_batch_size: int, seq_len: int, precision: str
                         padding_mask=training.padding_mask,
                         expert_parallel_size=expert_parallel_size, tensor=tensor,
                         sequence_parallel=sequence_parallel)
-    return apply_training(wl, training, zero3_linear=zero3_linear)
+    return apply_training(with_reference(wl, training), training, zero3_linear=zero3_linear)
 
 
 # the variants of a search (and the attempts of the steady-state engine) that share the inputs

@@ -62,16 +62,20 @@ def flat_group_process_group(ctx, group: FlatGroup) -> ProcessGroup | None:
     return expert_data_parallel_group(ctx) if group.expert else None
 
 
-def moe_blocks(wl) -> dict[int, str]:
-    """Layer -> its MoE block container: the deepest container of the layer's first expert module
-    that also holds a dense module of the layer (the router), e.g. layers.3.mlp (Mixtral's
-    block_sparse_moe, a MixtralSparseMoeBlock)."""
-    out: dict[int, str] = {}
+def moe_blocks(wl) -> dict[str, str]:
+    """Block -> its MoE block container: the deepest container of the block's first expert module
+    that also holds a dense module of the block (the router), e.g. layers.3.mlp (Mixtral's
+    block_sparse_moe, a MixtralSparseMoeBlock). A block is named by its outermost container
+    (layers.3; a preference run's reference.layers.3, which sits outside the layer numbering)."""
+    dense: dict[str, set[str]] = {}
+    for d in wl.modules:
+        if d.expert is None and d.containers:
+            dense.setdefault(d.containers[0], set()).update(d.containers)
+    out: dict[str, str] = {}
     for m in wl.modules:
-        if m.expert is None or m.layer in out:
+        if m.expert is None or not m.containers or m.containers[0] in out:
             continue
-        dense = {c for d in wl.layer_modules(m.layer) if d.expert is None for c in d.containers}
-        out[m.layer] = next(c for c in reversed(m.containers) if c in dense)
+        out[m.containers[0]] = next(c for c in reversed(m.containers) if c in dense.get(m.containers[0], ()))
     return out
 
 

@@ -197,7 +197,8 @@ def _forward(ctx: StepContext, hooks: StageHooks, micro: int, after: int | None)
         last = _before(ctx, module, micro, Phase.FORWARD, last)
         deps = hooks.pre_module(ctx, module, micro, Phase.FORWARD) + [last]
         checkpointed = full and _is_layer(module)
-        op = _forward_op(ctx, module, micro, Phase.FORWARD, deps, keep=not checkpointed)
+        # a module run under no_grad keeps nothing for a backward (see [Note: preference training])
+        op = _forward_op(ctx, module, micro, Phase.FORWARD, deps, keep=not checkpointed and not module.no_grad)
         if checkpointed:
             if module.name == ctx.wl.layer_modules(module.layer)[0].name:
                 _checkpoint_block_input(ctx, module.layer, micro, op)
@@ -273,6 +274,8 @@ def _backward_modules(ctx: StepContext, hooks: StageHooks, micro: int, after: in
             if layer != module.layer:
                 i = skip.geo.last_module[layer]
                 module = mods[i]
+        if module.no_grad:    # autograd recorded nothing for it
+            continue
         checkpointed = full and _is_layer(module)
         if checkpointed and module.layer not in recomputed:
             recomputed.add(module.layer)

@@ -59,6 +59,51 @@ class LoraSpec:
                                                   "or 'all-linear'")
 
 
+# LLaMA-Factory's FinetuningArguments defaults (hparams/finetuning_args.py FreezeArguments)
+LF_FREEZE_TRAINABLE_LAYERS = 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class FreezeSpec:
+    """LLaMA-Factory's freeze tuning (finetuning_type: freeze; model/adapter.py _setup_freeze_tuning):
+    the blocks it names train in full, everything else is frozen (zsim/workload/lora.py resolves it
+    against the model's layer count)."""
+    trainable_layers: int = spec(LF_FREEZE_TRAINABLE_LAYERS, doc="freeze_trainable_layers: the last N blocks "
+                                 "train (a negative N: the first -N); with llama_pro, N blocks evenly spaced")
+    trainable_modules: tuple[str, ...] = spec(("all",), doc="freeze_trainable_modules: the sub-modules of those "
+                                              "blocks that train, by HF name (self_attn, mlp, input_layernorm, "
+                                              "post_attention_layernorm) or all")
+    extra_modules: tuple[str, ...] = spec((), doc="freeze_extra_modules: modules outside the blocks that train "
+                                          "too (embed_tokens, norm, lm_head)")
+    llama_pro: bool = spec(False, doc="use_llama_pro: the trainable blocks are every (layers/N)-th, the ones "
+                                      "LLaMA-Pro's expansion added")
+
+    def __post_init__(self):
+        if self.trainable_layers == 0:
+            raise ValueError("trainable_layers", 0, "trains no block; give the number of blocks to train")
+
+
+# the preference losses zsim models, by the trainer's name (TRL DPOTrainer loss_type sigmoid/ipo,
+# ORPOTrainer, CPOTrainer with loss_type simpo)
+PreferenceMethod = Literal["dpo", "ipo", "orpo", "simpo"]
+REFERENCE_FREE = ("orpo", "simpo")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreferenceSpec:
+    """Preference training on chosen and rejected sequences (TRL's DPOTrainer and its kin; see
+    [Note: preference training] in zsim/workload/preference.py)."""
+    method: PreferenceMethod = spec("dpo", doc="dpo or ipo (TRL DPOTrainer: a reference model's log-probs in "
+                                               "the loss), orpo or simpo (reference-free)")
+    reference: Optional[bool] = spec(None, doc="whether each step runs the reference model's forward (no grad); "
+                                               "default: true for dpo and ipo, false for orpo and simpo; false "
+                                               "for DPO with precompute_ref_log_probs")
+
+    @property
+    def runs_reference(self) -> bool:
+        return self.method not in REFERENCE_FREE if self.reference is None else self.reference
+
+
 # HF's attn_implementation values (TrainingSpec.attn_implementation) and the elementwise kernels
 AttnImplementation = Literal["eager", "sdpa", "flash_attention_2", "flash_attention_3"]
 Kernels = Literal["hf", "fused"]
@@ -112,6 +157,11 @@ class TrainingSpec:
                   "(DeepSpeed's FusedAdam, and the HF Trainer's own default adamw_torch_fused on torch >= 2.8)")
     lora: Optional[LoraSpec] = spec(None, doc="PEFT LoRA: frozen base model, trained adapters (zsim/workload/lora.py)")
     frozen: tuple[str, ...] = spec((), doc="module-name suffixes whose parameters are frozen (requires_grad=False)")
+    freeze: Optional[FreezeSpec] = spec(None, doc="LLaMA-Factory's freeze tuning: only some blocks train "
+                                                   "(finetuning_type: freeze)")
+    preference: Optional[PreferenceSpec] = spec(
+        None, doc="preference training (DPO and kin): chosen and rejected sequences in each forward, and the "
+                  "reference model's forward (see [Note: preference training])")
     quantization: Quantization = spec(
         "none", doc="bitsandbytes storage of the frozen base model's linears under LoRA (QLoRA): nf4 or fp4 "
                     "(load_in_4bit, bnb_4bit_quant_type), int8 (load_in_8bit, LLM.int8); embeddings, norms, lm_head "
@@ -167,7 +217,12 @@ class TrainingSpec:
             bits = "int8 (LLM.int8)" if self.quantization == "int8" else \
                 f"4-bit {self.quantization}{' with double quant' if self.double_quant else ''}"
             base = f"; base linears {bits} (bitsandbytes, dequantized at each use)"
-        return f"implementation: attention {attn}; kernels {kernels}{base}"
+        pref = ""
+        if self.preference is not None:
+            ref = ("with the reference model's forward (no grad)" if self.preference.runs_reference
+                   else "no reference model")
+            pref = f"; {self.preference.method}: chosen and rejected sequences per example, {ref}"
+        return f"implementation: attention {attn}; kernels {kernels}{base}{pref}"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -40,7 +40,7 @@ from collections import Counter
 from dataclasses import replace
 
 from zsim.errors import ZsimInputError
-from zsim.specs.scenario import LoraSpec, TrainingSpec
+from zsim.specs.scenario import FreezeSpec, LoraSpec, TrainingSpec
 from zsim.workload import quant
 from zsim.workload.module import Module, ModuleKind, Param, Workload
 
@@ -66,7 +66,7 @@ def _matches(name: str, suffix: str) -> bool:
 
 def _select(modules, key: str, path: str, linear_only: bool, containers: bool = False) -> set[int]:
     found = {i for i, m in enumerate(modules)
-             if (m.kind == ModuleKind.LINEAR or not linear_only) and m.params
+             if (m.kind == ModuleKind.LINEAR or not linear_only) and m.params and not m.no_grad
              and any(_matches(n, s) for s in PEFT_NAMES.get(key, (key,))
                      for n in ((m.name,) + (m.containers if containers else ())))}
     if not found:
@@ -79,7 +79,8 @@ def _select(modules, key: str, path: str, linear_only: bool, containers: bool = 
 def _targets(modules, lora: LoraSpec) -> set[int]:
     keys = lora.target_modules
     if keys == ALL_LINEAR:   # PEFT's shorthand: every linear but the output layer
-        return {i for i, m in enumerate(modules) if m.kind == ModuleKind.LINEAR and m.name != "lm_head"}
+        return {i for i, m in enumerate(modules)
+                if m.kind == ModuleKind.LINEAR and m.name != "lm_head" and not m.no_grad}
     if keys is None:         # PEFT's default for llama/mistral/opt (q_proj, v_proj), gpt2/neox/bloom (c_attn)
         fused = any(_matches(m.name, "attn.qkv") for m in modules)
         keys = ("attn.qkv",) if fused else ("q_proj", "v_proj")
@@ -106,29 +107,75 @@ def apply_training(wl: Workload, training: TrainingSpec, zero3_linear: bool) -> 
         raise ZsimInputError("training.quantization", training.quantization, "quantized base weights train only "
                              "under adapters (transformers refuses fine-tuning a purely quantized model); set "
                              "training.lora")
-    if lora is None and not training.frozen:
+    if lora is None and not training.frozen and training.freeze is None:
         return wl
     frozen = {pid for pid, _ in enumerate(wl.params)} if lora else set()
     for key in training.frozen:
         frozen.update(p for i in _select(mods, key, "training.frozen", False, containers=True) for p in mods[i].params)
+    if training.freeze is not None:
+        frozen.update(_freeze_tuning(wl, training.freeze))
+    # a preference run's reference model trains nothing (see [Note: preference training])
+    frozen.update(p for m in mods if m.no_grad for p in m.params)
     targets = _targets(mods, lora) if lora else set()
     saved = set().union(*(_select(mods, k, "training.lora.modules_to_save", False) for k in lora.modules_to_save)) \
         if lora else set()
     if targets & saved:
         raise ZsimInputError("training.lora.modules_to_save", mods[min(targets & saved)].name,
                              "is also a LoRA target; PEFT wraps a module one way, keep it in one list")
-    weight_grad = [i in saved or any(p not in frozen for p in m.params) for i, m in enumerate(mods)]
+    weight_grad = [not m.no_grad and (i in saved or any(p not in frozen for p in m.params))
+                   for i, m in enumerate(mods)]
     trains = [weight_grad[i] or i in targets for i in range(len(mods))]
     if not any(trains):
         raise ZsimInputError("training.frozen", list(training.frozen), "freezes every parameter; nothing to train")
     group = _input_groups(wl)
     full_ckpt = training.activation_checkpointing == "full"
     before = [any(trains[:i]) for i in range(len(mods))]
-    input_grad = [m.kind != ModuleKind.EMBEDDING and (full_ckpt or before[group[i]]) for i, m in enumerate(mods)]
+    input_grad = [m.kind != ModuleKind.EMBEDDING and not m.no_grad and (full_ckpt or before[group[i]])
+                  for i, m in enumerate(mods)]
     keeps_input = {group[i] for i in range(len(mods))
                    if mods[i].kind == ModuleKind.LINEAR and (trains[i] or (zero3_linear and input_grad[i]))}
     quantized = _quantized(wl, training, frozen, saved)
     return _rebuild(wl, training, frozen, targets, saved, weight_grad, input_grad, keeps_input, quantized)
+
+
+# LLaMA-Factory's freeze_trainable_modules / freeze_extra_modules (HF names) -> zsim's
+HF_BLOCK_MODULES = {"self_attn": "attn", "attention": "attn", "mlp": "mlp", "block_sparse_moe": "mlp",
+                    "input_layernorm": "ln_1", "post_attention_layernorm": "ln_2"}
+HF_EXTRA_MODULES = {"embed_tokens": "wte", "norm": "ln_f", "lm_head": "lm_head"}
+
+
+def trainable_layer_ids(layers: int, freeze: FreezeSpec) -> range:
+    """The blocks LLaMA-Factory's freeze tuning trains (model/adapter.py _setup_freeze_tuning)."""
+    n = freeze.trainable_layers
+    if freeze.llama_pro:
+        if n < 0 or layers % n:
+            raise ZsimInputError("training.freeze.trainable_layers", n, f"LLaMA-Pro needs the model's {layers} "
+                                 "layers divisible by it (LLaMA-Factory: \"num_layers should be divisible by "
+                                 "num_layer_trainable\")")
+        stride = layers // n
+        return range(stride - 1, layers + stride - 1, stride)
+    if n > 0:
+        return range(max(0, layers - n), layers)
+    return range(min(-n, layers))
+
+
+def _freeze_tuning(wl: Workload, freeze: FreezeSpec) -> set[int]:
+    """The params freeze tuning leaves frozen: all but those of the trainable blocks' named
+    sub-modules and the extra modules."""
+    names = []
+    for key in freeze.trainable_modules:
+        if key != "all" and key not in HF_BLOCK_MODULES:
+            raise ZsimInputError("training.freeze.trainable_modules", key, "choose all or a block's sub-module: "
+                                 + ", ".join(HF_BLOCK_MODULES))
+        names += [f"layers.{i}" + ("" if key == "all" else "." + HF_BLOCK_MODULES[key])
+                  for i in trainable_layer_ids(wl.layers, freeze)]
+    mods = wl.modules
+    trained = {i for i, m in enumerate(mods) if not m.no_grad and m.params
+               and any(_matches(n, k) for k in names for n in (m.name,) + m.containers)}
+    for key in freeze.extra_modules:
+        trained |= _select(mods, HF_EXTRA_MODULES.get(key, key), "training.freeze.extra_modules", False)
+    kept = {p for i in trained for p in mods[i].params}
+    return {pid for pid in range(len(wl.params)) if pid not in kept}
 
 
 def _quantized(wl: Workload, training: TrainingSpec, frozen: set[int], saved: set[int]) -> dict[int, Module]:
@@ -137,9 +184,10 @@ def _quantized(wl: Workload, training: TrainingSpec, frozen: set[int], saved: se
     bitsandbytes quantized base weights]); modules_to_save keep theirs 16-bit."""
     if training.quantization == "none":
         return {}
-    uses = Counter(p for m in wl.modules for p in m.params)
+    # a PEFT reference forward uses the same weights (see [Note: preference training]): not a tie
+    uses = Counter(p for m in wl.modules if not m.no_grad for p in m.params)
     return {m.params[0]: m for i, m in enumerate(wl.modules)
-            if m.kind == ModuleKind.LINEAR and m.name != "lm_head" and i not in saved and m.params
+            if m.kind == ModuleKind.LINEAR and m.name != "lm_head" and i not in saved and m.params and not m.no_grad
             and m.params[0] in frozen and uses[m.params[0]] == 1}
 
 

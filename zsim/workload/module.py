@@ -106,6 +106,9 @@ class Module:
     # that carry no gradient): a linear's dgrad needs input_grad, its wgrad weight_grad
     input_grad: bool = True
     weight_grad: bool = True
+    # run under torch.no_grad (a preference run's reference model, see [Note: preference
+    # training]): autograd records nothing, so it keeps no activations and has no backward
+    no_grad: bool = False
     # its tensor-parallel communication, and the width of the activation tensor it moves
     tensor_role: TensorRole | None = None
     tensor_width: int = 0
@@ -141,8 +144,9 @@ class Workload:
 
     @property
     def model_flops(self) -> float:
-        """Model FLOPs of one micro-batch, forward + backward (3x forward)."""
-        return 3.0 * sum(m.model_fwd_flops for m in self.modules)
+        """Model FLOPs of one micro-batch, forward + backward (3x forward; a module run without
+        grad, its forward only)."""
+        return sum(m.model_fwd_flops * (1.0 if m.no_grad else 3.0) for m in self.modules)
 
     def layer_modules(self, layer: int) -> tuple[Module, ...]:
         by_layer = self.__dict__.get("_by_layer")
