@@ -233,3 +233,47 @@ def test_gemma3_text_reads_its_local_global_pattern_and_qk_norm(tmp_path):
     path.write_text(_json.dumps(dict(base, layer_types=types)))
     m4 = _build(_Spec, read_hf_config(path), "model")
     assert [i for i in range(26) if not m4.has_window(i)] == [3, 7, 11, 15, 19, 23]
+
+
+def test_gpt_oss_reads_as_transformers_builds_it():
+    """openai/gpt-oss-20b's config.json (scenarios/hub/): modeling_gpt_oss.py's GptOssAttention
+    (q/k/v/o_proj with bias, head_dim 64, a sink logit per head), layer_types alternating sliding
+    (128) and full, GptOssExperts (gate_up_proj of 2 x intermediate_size and down_proj, with biases)
+    under a router; its parameters counted from those modules' shapes. zsim leaves out the sinks
+    and the router's bias (one scalar per head and per expert: 2,304 of 20.9 B)."""
+    import json as _json
+    from zsim.config.hf_config import read_hf_config
+    from zsim.schema import build as _build
+    from zsim.specs.model import ModelSpec as _Spec
+    from zsim.workload.transformer import count_params
+    from tests.helpers import ROOT
+    path = ROOT / "scenarios" / "hub" / "openai--gpt-oss-20b.json"
+    m = _build(_Spec, read_hf_config(path), "model")
+    assert (m.attention_sinks, m.attn_bias, m.mlp_proj_bias, m.fused_gate_up, m.head_size) == (True, True, True, True, 64)
+    assert (m.moe.experts, m.moe.top_k, m.moe.dispatch, m.sliding_window) == (32, 4, "dropless", 128)
+    assert [i for i in range(24) if m.has_window(i)] == list(range(0, 24, 2))
+    c = _json.loads(path.read_text())
+    V, H, L, nh, nkv, hd = (c["vocab_size"], c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"],
+                            c["num_key_value_heads"], c["head_dim"])
+    E, inter = c["num_local_experts"], c["intermediate_size"]
+    attention = (H * nh * hd + nh * hd) + 2 * (H * nkv * hd + nkv * hd) + (nh * hd * H + H) + nh   # + sinks
+    experts = E * H * 2 * inter + E * 2 * inter + E * inter * H + E * H
+    layer = 2 * H + attention + (E * H + E) + experts
+    total = 2 * V * H + L * layer + H
+    assert total == 20_914_757_184                       # the 20.9 B of OpenAI's model card
+    assert count_params(m) == total - L * (nh + E)
+
+
+def test_a_model_with_attention_sinks_runs_eager_by_default_and_refuses_sdpa():
+    """GptOssPreTrainedModel._supports_sdpa is False: from_pretrained's default falls back to eager
+    under the HF Trainer, and an explicit sdpa is refused as transformers refuses it."""
+    from tests.helpers import ROOT, scenario
+    gpt_oss = {"hf_config": str(ROOT / "scenarios" / "hub" / "openai--gpt-oss-20b.json")}
+    sc = scenario(**{"model": gpt_oss, "training.framework": "hf_trainer", "training.seq_len": 512})
+    assert sc.training.attn_implementation_used == "eager"
+    assert any("attention: eager" in n for n in sc.notes)
+    fa3 = scenario(**{"model": gpt_oss, "training.framework": "hf_trainer", "training.seq_len": 512,
+                      "training.attn_implementation": "flash_attention_3"})
+    assert fa3.training.attn_implementation_used == "flash_attention_3"
+    with pytest.raises(ZsimInputError, match="attention sinks"):
+        scenario(**{"model": gpt_oss, "training.attn_implementation": "sdpa", "training.seq_len": 512})

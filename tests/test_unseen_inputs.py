@@ -87,3 +87,18 @@ def test_llama_factory_pure_bf16_and_galore_are_said_not_dropped(capsys):
     text = "\n".join(err)
     assert "pure_bf16" in text and "use_galore True (GaLore's low-rank optimizer states are not modelled" in text
     assert "galore_rank" not in text      # read with its switch, not listed as unknown
+
+
+def test_axolotl_attn_implementation_and_cut_cross_entropy_are_read(capsys):
+    # axolotl examples/gpt-oss/*.yaml: attn_implementation names a Hub kernel, the CCE plugin
+    # computes the loss without materialising the logits
+    recipe = write("oss.yaml", "base_model: gpt3-1.3b\nmicro_batch_size: 1\nsequence_len: 512\n"
+                               "attn_implementation: kernels-community/vllm-flash-attn3\n"
+                               "plugins:\n  - axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin\n")
+    rc, err, res = run(capsys, recipe, "--gpus", "8")
+    assert rc == 0 and res["implementation"].startswith("implementation: attention flash_attention_3"), err
+    assert any("CutCrossEntropyPlugin: the loss priced as a fused" in line for line in err)
+    assert not any("plugins" in line and "not modelled" in line for line in err)
+    recipe = write("bad.yaml", "base_model: gpt3-1.3b\nmicro_batch_size: 1\nattn_implementation: paged_attention\n")
+    rc, err, _ = run(capsys, recipe, "--gpus", "8")
+    assert rc == 2 and err[-1].startswith("zsim: error: bad.yaml: attn_implementation: 'paged_attention' is invalid")

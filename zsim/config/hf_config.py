@@ -121,7 +121,7 @@ class _Config:
 # the model_types whose modeling file reads attention_bias (q/k/v/o_proj) and mlp_bias
 # (gate/up/down_proj); the others hard-code bias=False (Mistral, Mixtral, Phi-3, the Qwen2s,
 # whose q/k/v biases are their own) and ignore the keys
-READS_ATTENTION_BIAS = {"llama", "qwen3", "qwen3_moe", "gemma", "gemma2"}
+READS_ATTENTION_BIAS = {"llama", "qwen3", "qwen3_moe", "gemma", "gemma2", "gpt_oss"}
 READS_MLP_BIAS = {"llama"}
 
 
@@ -235,6 +235,18 @@ def _qwen3_moe(c: _Config) -> dict:
     c.refuse("mlp_only_layers", bool, "dense MLPs on listed layers")
     c.refuse("decoder_sparse_step", lambda v: v != 1, "MoE on every decoder_sparse_step-th layer")
     return dict(_qwen3(c, default_head_dim=None), moe=_moe_fields(c, "num_experts", "moe_intermediate_size"))
+
+
+def _gpt_oss(c: _Config) -> dict:
+    # modeling_gpt_oss.py: GptOssAttention q/k/v/o_proj with bias (attention_bias), head_dim from the
+    # config (64 x 64 heads over hidden 2880), a learned sink logit per head; layer_types alternate
+    # sliding (sliding_window 128) and full attention. GptOssMLP: a router (Linear with bias) and
+    # GptOssExperts, every expert's gate_up_proj (hidden -> 2 x intermediate_size, one GEMM) and
+    # down_proj with biases, run expert by expert in training (the loop over expert_hit); its
+    # clamped GLU ((up + 1) * gate * sigmoid(1.702 gate)) is priced as SwiGLU's SiLU and mul
+    out = _window(c, _llama_like(c, tied=False))
+    out.update(mlp_bias=True, fused_gate_up=True, attention_sinks=True)
+    return dict(out, moe=_moe_fields(c, "num_local_experts", None))
 
 
 def _gemma(c: _Config) -> dict:
@@ -387,7 +399,7 @@ def _deepseek(c: _Config) -> dict:
 
 READERS = {"llama": _llama, "mistral": _llama, "mixtral": _mixtral, "qwen2": _qwen2, "qwen2_moe": _qwen2_moe,
            "qwen3": _qwen3, "qwen3_moe": _qwen3_moe,
-           "gemma": _gemma, "gemma2": _gemma2, "gemma3_text": _gemma3_text, "phi3": _phi3, "gpt2": _gpt2, "gpt_neox": _gpt_neox,
+           "gemma": _gemma, "gemma2": _gemma2, "gemma3_text": _gemma3_text, "gpt_oss": _gpt_oss, "phi3": _phi3, "gpt2": _gpt2, "gpt_neox": _gpt_neox,
            "falcon": _falcon, "bloom": _bloom, "opt": _opt, "deepseek_v2": _deepseek, "deepseek_v3": _deepseek}
 # encoder and encoder-decoder families: not decoder-only language models
 NOT_DECODERS = {"bert", "roberta", "deberta", "deberta-v2", "distilbert", "albert", "electra", "xlm-roberta",

@@ -267,6 +267,8 @@ def read_axolotl(data: dict, path: Path, bases: list[Path], recipe: Recipe) -> R
             if key in ("xformers_attention", "flex_attention"):
                 recipe.notes.append(f"{where}{key}: priced as flash_attention_2 (an IO-aware causal kernel)")
             break
+    if data.get("attn_implementation") is not None:
+        _axolotl_attn_implementation(recipe, str(data["attn_implementation"]), where)
     _liger(recipe, {k: data.get(k) for k in ("liger_rms_norm", "liger_glu_activation", "liger_rope",
                                              "liger_fused_linear_cross_entropy")}, where)
     if data.get("max_grad_norm") is not None:
@@ -300,7 +302,14 @@ def read_axolotl(data: dict, path: Path, bases: list[Path], recipe: Recipe) -> R
     for key in ("tiled_mlp", "activation_offloading", "sample_packing"):
         if data.get(key) not in (None, False):
             recipe.ignored.append(f"{key} {data[key]} (not modelled)")
-    others = [str(x) for x in data.get("plugins") or () if "liger" not in str(x).lower()]
+    if any(str(x).endswith("CutCrossEntropyPlugin") for x in data.get("plugins") or ()):
+        # Cut Cross-Entropy (Wijmans et al. 2024): the loss from hidden states and lm_head's weight
+        # without materialising the logits, as Liger's fused linear cross-entropy
+        t["fused_cross_entropy"] = True
+        recipe.notes.append(f"{where}CutCrossEntropyPlugin: the loss priced as a fused linear cross-entropy "
+                            "(training.fused_cross_entropy)")
+    others = [str(x) for x in data.get("plugins") or ()
+              if "liger" not in str(x).lower() and not str(x).endswith("CutCrossEntropyPlugin")]
     if others:
         recipe.ignored.append(f"plugins {', '.join(others)} (their fused kernels are not modelled)")
     if rl:
@@ -312,6 +321,22 @@ def read_axolotl(data: dict, path: Path, bases: list[Path], recipe: Recipe) -> R
     elif data.get("fsdp") or data.get("fsdp_config"):
         raise fsdp_refusal(data.get("fsdp_config") or {}, where)
     return recipe
+
+
+# axolotl's attn_implementation (passed to from_pretrained): HF's names, and Hub kernels by repo id
+AXOLOTL_ATTN = {"eager": "eager", "sdpa": "sdpa", "flash_attention_2": "flash_attention_2",
+                "flash_attention_3": "flash_attention_3", "flex_attention": "flash_attention_2",
+                "kernels-community/vllm-flash-attn3": "flash_attention_3",
+                "kernels-community/flash-attn3": "flash_attention_3", "kernels-community/flash-attn": "flash_attention_2"}
+
+
+def _axolotl_attn_implementation(recipe: Recipe, value: str, where: str):
+    attn = AXOLOTL_ATTN.get(value)
+    if attn is None:
+        raise ZsimInputError(f"{where}attn_implementation", value, "zsim prices " + ", ".join(AXOLOTL_ATTN))
+    recipe.training["attn_implementation"] = attn
+    if attn != value:
+        recipe.notes.append(f"{where}attn_implementation {value}: priced as {attn} (an IO-aware causal kernel)")
 
 
 # axolotl's rl values zsim models -> training.preference.method

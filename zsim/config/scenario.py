@@ -371,6 +371,7 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
         notes.append(f"seq_len {FINE_TUNE_SEQ_LEN}, not the config.json's context of {model.seq_len:,} "
                      "(TRL SFTConfig's max_length default; --set training.seq_len=N)")
     training = check_parallelism(par, ds, training, model, cluster.world_size)
+    training = _attention_for_model(model, training, notes)
     notes += quantization_notes(training.quantization, ds.zero_optimization.stage, par.tensor, par.pipeline)
     if training.seq_len and model.position == "learned" and training.seq_len > model.seq_len:
         raise ZsimInputError("training.seq_len", training.seq_len,
@@ -386,6 +387,25 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
                                   training.lora is not None or bool(training.frozen)
                                   or training.quantization != "none")
                               + _hardware_warnings(hw, profile)))
+
+
+def _attention_for_model(model, training, notes: list) -> TrainingSpec:
+    """The attention transformers runs for this model: a model with attention sinks (GPT-OSS) has
+    no sdpa path (GptOssPreTrainedModel._supports_sdpa = False, modular_gpt_oss.py), so
+    from_pretrained's default falls back to eager, and asking for sdpa is refused as transformers
+    refuses it."""
+    if not model.attention_sinks:
+        return training
+    if training.attn_implementation == "sdpa":
+        raise ZsimInputError("training.attn_implementation", "sdpa", "a model with attention sinks (GPT-OSS) has no "
+                             "sdpa path in transformers; use eager, flash_attention_2 (flash-attn >= 2.8.3) or "
+                             "flash_attention_3 (the kernels-community/vllm-flash-attn3 Hub kernel)")
+    if training.attn_implementation is None and training.attn_implementation_used == "sdpa":
+        notes.append("attention: eager, transformers' default for a model with attention sinks (GPT-OSS has no sdpa "
+                     "path): the scores are materialised; --set training.attn_implementation=flash_attention_3 for "
+                     "the kernels-community/vllm-flash-attn3 kernel")
+        return replace(training, attn_implementation="eager")
+    return training
 
 
 def _hardware_warnings(hw: HardwareSpec, profile) -> tuple[str, ...]:

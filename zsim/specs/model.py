@@ -89,6 +89,9 @@ class ModelSpec:
     parallel_residual: bool = spec(False, doc="attention and MLP both read the block input, x + attn(ln_1(x)) + mlp(ln_2(x)) (GPT-NeoX, Falcon)")
     shared_norm: bool = spec(False, doc="with parallel_residual: one LayerNorm feeds both (Falcon-7B); no ln_2")
     qk_norm: bool = spec(False, doc="RMSNorm over each head's query and key, q_norm and k_norm of head_dim weights (Qwen3)")
+    attention_sinks: bool = spec(False, doc="a learned logit per head joins each softmax's denominator (GPT-OSS): "
+                                            "transformers runs it in eager attention or a FlashAttention kernel that "
+                                            "takes sinks, never torch's sdpa; its one scalar per head is not counted")
     post_norms: bool = spec(False, doc="a norm on the attention and on the MLP output before each residual add (Gemma-2: 4 norms per block)")
     sliding_window: Optional[int] = spec(None, gt=0, le=MAX_SEQ_LEN, doc="each query attends to the last sliding_window positions (Mistral, Gemma-2); absent: full causal attention")
     sliding_window_layers: Literal["all", "even", "pattern"] = spec(
