@@ -277,3 +277,37 @@ def test_a_model_with_attention_sinks_runs_eager_by_default_and_refuses_sdpa():
     assert fa3.training.attn_implementation_used == "flash_attention_3"
     with pytest.raises(ZsimInputError, match="attention sinks"):
         scenario(**{"model": gpt_oss, "training.attn_implementation": "sdpa", "training.seq_len": 512})
+
+
+@pytest.mark.parametrize("model_type, extra, per_layer, outside", [
+    # glm4 (modeling_glm4.py): q/k/v_proj with bias, o_proj without, gate_up_proj, down_proj, 4 RMSNorms
+    ("glm4", {"head_dim": 16, "attention_bias": True, "tie_word_embeddings": False},
+     lambda H, q, kv, f: (H * q + q) + 2 * (H * kv + kv) + q * H + H * 2 * f + f * H + 4 * H,
+     lambda V, H: 2 * V * H + H),
+    # granite (Llama's modules): q/k/v/o, gate/up/down, 2 RMSNorms; tied
+    ("granite", {"tie_word_embeddings": True},
+     lambda H, q, kv, f: H * q + 2 * H * kv + q * H + 3 * H * f + 2 * H, lambda V, H: V * H + H),
+    ("smollm3", {"tie_word_embeddings": True},
+     lambda H, q, kv, f: H * q + 2 * H * kv + q * H + 3 * H * f + 2 * H, lambda V, H: V * H + H),
+    # starcoder2: LayerNorms with bias, every projection with bias (use_bias), c_fc/c_proj GeLU MLP; tied
+    ("starcoder2", {"tie_word_embeddings": True, "use_bias": True},
+     lambda H, q, kv, f: 2 * H + (H * q + q) + 2 * (H * kv + kv) + (q * H + H) + 2 * H + (H * f + f) + (f * H + H),
+     lambda V, H: V * H + 2 * H),
+])
+def test_more_llama_like_families_count_their_modules(model_type, extra, per_layer, outside):
+    from zsim.schema import build as _build
+    from zsim.specs.model import ModelSpec as _Spec
+    from zsim.workload.transformer import count_params
+    H, heads, kv, f, V, L = 64, 4, 2, 128, 100, 3
+    config = {"model_type": model_type, "hidden_size": H, "num_attention_heads": heads, "num_key_value_heads": kv,
+              "intermediate_size": f, "num_hidden_layers": L, "vocab_size": V, "max_position_embeddings": 256, **extra}
+    m = _build(_Spec, model_from_hf(config, "config.json"), "model")
+    hd = config.get("head_dim", H // heads)
+    assert count_params(m) == L * per_layer(H, heads * hd, kv * hd, f) + outside(V, H)
+
+
+def test_new_families_need_the_keys_whose_defaults_moved():
+    config = {"model_type": "granite", "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
+              "num_hidden_layers": 2, "vocab_size": 100, "max_position_embeddings": 256, "tie_word_embeddings": True}
+    with pytest.raises(ZsimInputError, match="num_key_value_heads"):
+        model_from_hf(config, "config.json")

@@ -51,7 +51,7 @@ ALIASES: dict[str, dict[str, str]] = {
 # num_key_value_heads when a config.json leaves it out: the class default (MistralConfig 8,
 # Qwen2Config 32, ...); LlamaConfig and Phi3Config default to None, i.e. num_attention_heads,
 # as does an explicit null in every class (their __post_init__)
-KV_HEADS_DEFAULT = {"mistral": 8, "mixtral": 8, "qwen2": 32, "qwen2_moe": 16, "qwen3": 32, "qwen3_moe": 4,
+KV_HEADS_DEFAULT = {"mistral": 8, "mixtral": 8, "glm4": 2, "qwen2": 32, "qwen2_moe": 16, "qwen3": 32, "qwen3_moe": 4,
                     "gemma": 16, "gemma2": 4}
 
 
@@ -121,8 +121,8 @@ class _Config:
 # the model_types whose modeling file reads attention_bias (q/k/v/o_proj) and mlp_bias
 # (gate/up/down_proj); the others hard-code bias=False (Mistral, Mixtral, Phi-3, the Qwen2s,
 # whose q/k/v biases are their own) and ignore the keys
-READS_ATTENTION_BIAS = {"llama", "qwen3", "qwen3_moe", "gemma", "gemma2", "gpt_oss"}
-READS_MLP_BIAS = {"llama"}
+READS_ATTENTION_BIAS = {"llama", "qwen3", "qwen3_moe", "gemma", "gemma2", "gpt_oss", "granite", "smollm3"}
+READS_MLP_BIAS = {"llama", "granite", "smollm3"}
 
 
 def _kv_heads(c: _Config) -> int:
@@ -247,6 +247,46 @@ def _gpt_oss(c: _Config) -> dict:
     out = _window(c, _llama_like(c, tied=False))
     out.update(mlp_bias=True, fused_gate_up=True, attention_sinks=True)
     return dict(out, moe=_moe_fields(c, "num_local_experts", None))
+
+
+def _strict(c: _Config, *keys: str):
+    """Keys a reader needs given (their class defaults differ between releases)."""
+    for key in keys:
+        c.get(key, kind=bool if key == "tie_word_embeddings" else int)
+
+
+def _granite(c: _Config) -> dict:
+    # modeling_granite.py (modular on Llama): LlamaAttention's and LlamaMLP's shapes, attention_bias
+    # and mlp_bias read; embedding/residual/attention/logits multipliers are scalars
+    _strict(c, "num_key_value_heads", "tie_word_embeddings")
+    return _llama(c)
+
+
+def _smollm3(c: _Config) -> dict:
+    # modeling_smollm3.py (modular on Llama): Llama's modules; no_rope_layers drop RoPE on some
+    # blocks (no parameter); use_sliding_window refused as for Qwen2
+    _strict(c, "num_key_value_heads", "tie_word_embeddings")
+    c.refuse("use_sliding_window", bool, "a sliding window from layer max_window_layers on")
+    return _llama_like(c, tied=False)
+
+
+def _glm4(c: _Config) -> dict:
+    # modeling_glm4.py: q/k/v_proj with bias (attention_bias, Glm4Config default true), o_proj
+    # without; one gate_up_proj; four RMSNorms a block (input, post_self_attn, post_attention,
+    # post_mlp: Gemma-2's placement); head_dim default 128; partial rotary (no parameter)
+    out = _llama_like(c, tied=False, default_head_dim=128)
+    return dict(out, qkv_bias=c.get("attention_bias", True, bool), fused_gate_up=True, post_norms=True)
+
+
+def _starcoder2(c: _Config) -> dict:
+    # modeling_starcoder2.py: LayerNorm (with bias), q/k/v/o_proj and c_fc/c_proj with bias
+    # (use_bias), a GeLU MLP of intermediate_size, RoPE, GQA, sliding_window on every block
+    _strict(c, "num_key_value_heads", "tie_word_embeddings")
+    bias = c.get("use_bias", True, bool)
+    out = dict(_llama_like(c, tied=False), glu=False, norm="layernorm", bias=bias)
+    out.pop("attention_bias", None)
+    out.pop("mlp_bias", None)
+    return _window(c, out)
 
 
 def _gemma(c: _Config) -> dict:
@@ -399,7 +439,8 @@ def _deepseek(c: _Config) -> dict:
 
 READERS = {"llama": _llama, "mistral": _llama, "mixtral": _mixtral, "qwen2": _qwen2, "qwen2_moe": _qwen2_moe,
            "qwen3": _qwen3, "qwen3_moe": _qwen3_moe,
-           "gemma": _gemma, "gemma2": _gemma2, "gemma3_text": _gemma3_text, "gpt_oss": _gpt_oss, "phi3": _phi3, "gpt2": _gpt2, "gpt_neox": _gpt_neox,
+           "gemma": _gemma, "gemma2": _gemma2, "gemma3_text": _gemma3_text, "gpt_oss": _gpt_oss, "phi3": _phi3,
+           "granite": _granite, "smollm3": _smollm3, "glm4": _glm4, "starcoder2": _starcoder2, "gpt2": _gpt2, "gpt_neox": _gpt_neox,
            "falcon": _falcon, "bloom": _bloom, "opt": _opt, "deepseek_v2": _deepseek, "deepseek_v3": _deepseek}
 # encoder and encoder-decoder families: not decoder-only language models
 NOT_DECODERS = {"bert", "roberta", "deberta", "deberta-v2", "distilbert", "albert", "electra", "xlm-roberta",
