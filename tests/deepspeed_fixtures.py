@@ -30,7 +30,9 @@ def scenario_for(fx: dict):
                   "seq_len": m["seq_len"], "ffn_hidden": m["ffn"], "tied_embeddings": False,
                   "position": "learned", "norm": "layernorm", "bias": True, "glu": False, "fused_qkv": True},
         "hardware": {"profile": "dgx-a100-80g", "nodes": 1, "gpus_per_node": fx["world_size"]},
-        "training": {"seq_len": m["seq_len"], "precision": precision},
+        "training": {"seq_len": m["seq_len"], "precision": precision,
+                     **({"preference": fx["preference"]} if "preference" in fx else {}),
+                     **({"lora": fx["lora"]} if "lora" in fx else {})},
         "deepspeed": ds,
     }
     return scenario_from_mapping(raw, ROOT)

@@ -165,3 +165,17 @@ def test_recipes_map_onto_preference_and_freeze(tmp_path, capsys):
     res = json.loads(out.read_text())
     assert 0 < res["trainable_params"] < res["n_params"] / 10      # 2 of gpt3-1.3b's 24 blocks
     assert (ROOT / "docs" / "scenario.md").read_text().count("training.preference") >= 1
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_every_engine_path_gives_the_same_step(stage):
+    """The steady-state and layer-repeat engines against every op simulated, for a PEFT DPO run at
+    DeepSpeed's default persistence (ZeRO-3: its untraced coordinator releases and re-fetches
+    persistent parameters; see [Note: a PEFT reference under ZeRO-3]) and a reference copy."""
+    for extra in ({"training.lora": LORA}, {}):
+        sc = dpo(**{"deepspeed.zero_optimization.stage": stage, "training.gradient_accumulation_steps": 4,
+                    "model.hidden": 512, "model.heads": 8, "model.layers": 4}, **extra)
+        fast, _ = run_scenario(sc)
+        full, _ = run_scenario(sc, steady=False)
+        assert fast.step_time_s == pytest.approx(full.step_time_s, rel=1e-9)
+        assert fast.memory.peak_bytes == pytest.approx(full.memory.peak_bytes, rel=1e-9)

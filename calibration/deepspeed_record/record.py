@@ -26,6 +26,78 @@ def write_fixture(doc: dict, out_dir: str, name: str) -> str:
     return path
 
 
+def ranks_identical() -> bool:
+    """Number the records, then compare every rank's trace (identical apart from per-rank
+    content); the comparison's own collective is not kept."""
+    import torch.distributed as td
+
+    for i, r in enumerate(RECORDS):
+        r["idx"] = i
+
+    def _key(r):
+        return (r["op"], r["fn"], r["numel"], r["dtype"], r["phase"], r["micro_step"], r["opt_step"])
+
+    mine = [list(_key(r)) for r in RECORDS]
+    gathered = [None] * td.get_world_size()
+    STATE["phase"] = "post"
+    n_before = len(RECORDS)
+    td.all_gather_object(gathered, mine)
+    del RECORDS[n_before:]
+    return all(x == gathered[0] for x in gathered)
+
+
+def train_steps(engine, gas: int, rows: int, forward, rank: int) -> list[float]:
+    """OPT_STEPS optimizer steps of `gas` micro-steps, each `rows` random sequences through
+    `forward(idx, tgt) -> loss` (the engine, or a step built on it), the recorder's phases set."""
+    import torch
+
+    g = torch.Generator().manual_seed(4321 + rank)
+    losses = []
+    for s in range(OPT_STEPS):
+        for m in range(gas):
+            idx = torch.randint(0, MODEL.vocab, (rows, MODEL.seq_len), generator=g)
+            tgt = torch.randint(0, MODEL.vocab, (rows, MODEL.seq_len), generator=g)
+            STATE.update(opt_step=s, micro_step=m, phase="forward")
+            loss = forward(idx, tgt)
+            STATE["phase"] = "backward"
+            engine.backward(loss)
+            STATE["phase"] = "step"
+            engine.step()
+            STATE.update(phase="post", micro_step=None, opt_step=None)
+            losses.append(float(loss.detach().float()))
+    return losses
+
+
+def fixture_doc(name: str, cfg: dict, engine, param_list: list, total_params: int, losses: list[float],
+                identical: bool, **extra) -> dict:
+    """A recorded case's fixture document (its collectives: RECORDS)."""
+    import deepspeed
+    import torch
+    import torch.distributed as td
+
+    return {
+        "case": name,
+        "world_size": td.get_world_size(),
+        "backend": td.get_backend(),
+        "versions": {"deepspeed": deepspeed.__version__, "torch": torch.__version__,
+                     "python": sys.version.split()[0]},
+        "accelerator": type(deepspeed.get_accelerator()).__name__,
+        "ds_config": cfg,
+        **extra,
+        "model": {"vocab": MODEL.vocab, "seq_len": MODEL.seq_len, "layers": MODEL.layers,
+                  "hidden": MODEL.hidden, "heads": MODEL.heads, "ffn": MODEL.ffn,
+                  "tied_lm_head": MODEL.tied_embeddings, "total_params": total_params},
+        "params": param_list,
+        "optimizer": {"class": type(engine.optimizer).__name__, "client": "torch.optim.AdamW(lr=1e-3)"},
+        "gradient_accumulation_steps": cfg["gradient_accumulation_steps"],
+        "optimizer_steps": OPT_STEPS,
+        "losses": losses,
+        "final_loss": losses[-1],
+        "ranks_identical_trace": identical,
+        "collectives": RECORDS,
+    }
+
+
 def run_case(name, out_dir):
     install_recorder()
 
@@ -55,59 +127,11 @@ def run_case(name, out_dir):
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
     engine.train()
 
-    g = torch.Generator().manual_seed(4321 + rank)
-    losses = []
-    for s in range(OPT_STEPS):
-        for m in range(gas):
-            idx = torch.randint(0, MODEL.vocab, (MICRO_BATCH, MODEL.seq_len), generator=g)
-            tgt = torch.randint(0, MODEL.vocab, (MICRO_BATCH, MODEL.seq_len), generator=g)
-            STATE.update(opt_step=s, micro_step=m, phase="forward")
-            loss = engine(idx, tgt)
-            STATE["phase"] = "backward"
-            engine.backward(loss)
-            STATE["phase"] = "step"
-            engine.step()
-            STATE.update(phase="post", micro_step=None, opt_step=None)
-            losses.append(float(loss.detach().float()))
-
-    for i, r in enumerate(RECORDS):
-        r["idx"] = i
-
-    # compare with rank 1 (traces must be identical apart from per-rank content)
-    def _key(r):
-        return (r["op"], r["fn"], r["numel"], r["dtype"], r["phase"], r["micro_step"], r["opt_step"])
-
-    mine = [list(_key(r)) for r in RECORDS]
-    gathered = [None] * td.get_world_size()
-    STATE["phase"] = "post"
-    n_before = len(RECORDS)
-    td.all_gather_object(gathered, mine)
-    del RECORDS[n_before:]
-    identical = all(x == gathered[0] for x in gathered)
+    losses = train_steps(engine, gas, MICRO_BATCH, engine, rank)
+    identical = ranks_identical()
 
     if rank == 0:
-        doc = {
-            "case": name,
-            "world_size": td.get_world_size(),
-            "backend": td.get_backend(),
-            "versions": {"deepspeed": deepspeed.__version__, "torch": torch.__version__,
-                         "python": sys.version.split()[0]},
-            "accelerator": type(deepspeed.get_accelerator()).__name__,
-            "ds_config": cfg,
-            "model": {"vocab": MODEL.vocab, "seq_len": MODEL.seq_len, "layers": MODEL.layers,
-                      "hidden": MODEL.hidden, "heads": MODEL.heads, "ffn": MODEL.ffn,
-                      "tied_lm_head": MODEL.tied_embeddings,
-                      "total_params": sum(p["numel"] for p in param_list)},
-            "params": param_list,
-            "optimizer": {"class": type(engine.optimizer).__name__,
-                          "client": "torch.optim.AdamW(lr=1e-3)"},
-            "gradient_accumulation_steps": gas,
-            "optimizer_steps": OPT_STEPS,
-            "losses": losses,
-            "final_loss": losses[-1],
-            "ranks_identical_trace": identical,
-            "collectives": RECORDS,
-        }
+        doc = fixture_doc(name, cfg, engine, param_list, sum(p["numel"] for p in param_list), losses, identical)
         path = write_fixture(doc, out_dir, name)
         print(f"[record] {name}: {len(RECORDS)} collectives, identical={identical}, "
               f"loss={losses[-1]:.4f} -> {path}", flush=True)

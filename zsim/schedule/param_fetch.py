@@ -61,6 +61,7 @@ from zsim.schedule.payloads import Comm, ParamGather
 from zsim.schedule.moe import z3_leaf_blocks
 from zsim.schedule.partition import coalesced_gather_views, padded
 from zsim.workload.module import Module
+from zsim.workload.preference import REFERENCE, reference_engine
 
 NOT_AVAILABLE, AVAILABLE = 0, 1
 
@@ -97,17 +98,24 @@ def _visits_of(mods, phase: Phase, leaves: dict[str, tuple[int, ...]]) -> list[V
     return seq
 
 
-def visit_sequence(ctx: StepContext) -> list[Visit]:
-    """The recorded module trace of one micro-step: forward, then backward (with recompute)."""
-    return module_visits(ctx.wl, ctx.checkpointing, z3_leaf_blocks(ctx))
+def visit_sequence(ctx: StepContext, engine: frozenset[str] | None = None) -> list[Visit]:
+    """The recorded module trace of one micro-step: forward, then backward (with recompute);
+    `engine`: the modules of a second engine (a preference run's reference copy), whose own
+    coordinator traces only them, or none: every module but a second engine's."""
+    return module_visits(ctx.wl, ctx.checkpointing, z3_leaf_blocks(ctx), engine)
 
 
-def module_visits(wl, checkpointing: str, leaves: dict[str, tuple[int, ...]]) -> list[Visit]:
+def module_visits(wl, checkpointing: str, leaves: dict[str, tuple[int, ...]],
+                  engine: frozenset[str] | None = None) -> list[Visit]:
     """`visit_sequence` of the workload `wl` under `checkpointing` with ZeRO-3 leaf containers
     `leaves` (moe.zero3_leaves)."""
     # only nn.Modules with parameters get ZeRO hooks in zsim's model; functional pieces
     # (attention core, activation, loss) are not visits
-    mods = [m for m in wl.modules if m.params]
+    if engine is not None:     # a reference engine: its forward under no_grad, nothing more
+        mods = [m for m in wl.modules if m.params and m.name in engine]
+        return [Visit(REFERENCE, (), Phase.FORWARD)] + _visits_of(mods, Phase.FORWARD, leaves)
+    second = reference_engine(wl)
+    mods = [m for m in wl.modules if m.params and m.name not in second]
     seq = ([Visit("<root>", (), Phase.FORWARD)] + _visits_of(mods, Phase.FORWARD, leaves)
            + [Visit("<root>", (), Phase.BACKWARD)])
     recomputed: set[int] = set()
@@ -136,12 +144,16 @@ class ParamCoordinator:
     """The coordinator's state over one micro-step; `visit` and `release` add the gathers and
     the frees to the schedule."""
 
-    def __init__(self, ctx: StepContext, persistent: tuple[int, ...]):
+    def __init__(self, ctx: StepContext, persistent: tuple[int, ...], engine: frozenset[str] | None = None,
+                 traced: bool = True):
         self.ctx = ctx
+        # whether the coordinator's trace is ever complete (see [Note: a PEFT reference under
+        # ZeRO-3]): without it nothing is prefetched and a module's params go right after it
+        self.traced = traced
         self.numels = ctx.wl.stored_numels(ctx.param_bytes)
         self.persistent = set(persistent)
         self.leaves = z3_leaf_blocks(ctx)
-        self.visits = visit_sequence(ctx)
+        self.visits = visit_sequence(ctx, engine)
         self.trace = [(pid, k) for k, v in enumerate(self.visits) for pid in sorted(v.params)]
         # prefix sums of visited numel and each param's visit positions, for the reuse-distance scan
         self.visit_prefix = [0]
@@ -190,6 +202,8 @@ class ParamCoordinator:
         z = self.ctx.sc.zero
         params = self.visits[visit_index].params
         step_id = visit_index + 1
+        if not self.traced:    # persistent ones too: the post-step gather brings them back
+            return tuple(params)
         candidates = [p for p in params if p not in self.persistent and self.most_recent[p] <= step_id]
         if z.max_reuse_distance > 0 and candidates:
             kept = self.reused_within(visit_index)
@@ -251,7 +265,7 @@ class ParamCoordinator:
             if ctx.params_offloaded:
                 op = offload.params_to_device(ctx, numel, micro, phase, deps, what, allocs=tuple(
                     Alloc(Tag(Buffer.GATHERED, micro, p), Category.GATHERED, self.numels[p] * ctx.param_bytes)
-                    for p in pids))
+                    for p in pids if p not in self.persistent))
             for p in pids:
                 self.status[p] = AVAILABLE
                 if op is not None:
@@ -260,8 +274,10 @@ class ParamCoordinator:
             return op
         if ctx.params_offloaded:
             deps = [offload.params_to_device(ctx, numel / ctx.dp_size, micro, phase, deps, what)]
+        # a persistent param fetched again (an untraced coordinator released it) comes back into
+        # the persistent region it holds for the whole run
         allocs = tuple(Alloc(Tag(Buffer.GATHERED, micro, p), Category.GATHERED, self.numels[p] * ctx.param_bytes)
-                       for p in pids)
+                       for p in pids if p not in self.persistent)
         if len(pids) > 1:
             flat = ctx.b.next_id
             allocs += (Alloc(Tag(Buffer.GATHER_FLAT, micro, flat), Category.GATHERED, numel * ctx.param_bytes),)
@@ -295,7 +311,7 @@ class ParamCoordinator:
             pid, used_at = self.queue.popleft()
             self.most_recent[pid] = used_at
             popped += 1
-        if z.prefetch_bucket_size > 0:
+        if z.prefetch_bucket_size > 0 and self.traced:
             limit = min(z.max_live_parameters - self.n_available, z.prefetch_bucket_size)
             chosen, numel = [], 0
             while self.queue and numel < limit:
@@ -340,7 +356,7 @@ class ParamCoordinator:
             if self.status[p] == AVAILABLE:
                 self._drop(p)
                 tag_pid = self.tag_pid.pop(p, p)
-                if self.allocates and not self.dry:
+                if self.allocates and not self.dry and p not in self.persistent:
                     assert op is not None     # a real (not dry) release follows its module's op
                     self.ctx.b.add_free(op, Tag(Buffer.GATHERED, micro, tag_pid))
 

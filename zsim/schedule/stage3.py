@@ -18,11 +18,39 @@ from zsim.schedule.partition import (grads_ready_at, padded, persistent_params, 
 from zsim.schedule.passes import backward, forward
 from zsim.schedule.tensor import TensorCollectives, sequence_parallel_grads
 from zsim.workload.module import Module
+from zsim.workload.preference import is_reference, reference_engine, runs_peft_reference
 
 
+# [Note: a reference engine under ZeRO-3] A preference run's frozen reference copy is an engine
+# of its own (TRL prepare_deepspeed: deepspeed.initialize(model=ref, config=<the trainer's>), no
+# optimizer; see [Note: preference training]): its own parameter coordinator, whose trace is its
+# forward alone, so neither engine prefetches the other's parameters. Recorded on DeepSpeed 0.19.8
+# (tests/fixtures/deepspeed_dpo/stage3_dpo*.json): it gathers every one of its parameters in each
+# forward, those under the persistence threshold too (without a ZeRO-3 optimizer nothing gathers
+# them once and keeps them), and has no step, so no post-step gather.
+#
+# [Note: a PEFT reference under ZeRO-3] With PEFT and no ref_model the reference forward is the
+# trained engine's own modules with the adapters disabled (TRL null_ref_context): each micro-step
+# the coordinator sees two forwards whose module orders differ (the adapters run in one, not the
+# other), so the trace it records never repeats (partitioned_param_coordinator.py: "Invalidate
+# trace cache"), is never complete, and the coordinator runs as it does while recording: no
+# prefetch, and release_sub_module frees every parameter of a module after it ran (no reuse
+# distance; the persistent ones too, which the post-step gather brings back). Recorded
+# (tests/fixtures/deepspeed_dpo/stage3_dpo_lora*.json): every base weight fetched on demand in
+# both forwards and again in backward; zsim's gathered elements agree within 0.5% a phase with
+# prefetch off. Not modelled: the adapter-disabled forward still fetches each lora_A (32 small
+# calls here), and at DeepSpeed's default prefetch bucket the reference forward also issues one
+# prefetch at its root (26.9 M elements here) besides its on-demand fetches, so the recorded
+# forward gathers 78.3 M elements to zsim's 52.5 M.
 class Zero3Hooks(StageHooks):
     def __init__(self, ctx: StepContext, persistent: tuple[int, ...]):
-        self.fetch = ParamCoordinator(ctx, persistent)
+        peft_reference = runs_peft_reference(ctx.wl)
+        self.fetch = ParamCoordinator(ctx, persistent, traced=not peft_reference)
+        # see [Note: a reference engine under ZeRO-3]
+        self.ref_engine = reference_engine(ctx.wl)
+        self.ref_fetch = ParamCoordinator(ctx, (), self.ref_engine) if self.ref_engine else None
+        self.ref_last = next((m.name for m in reversed(ctx.wl.modules) if m.name in self.ref_engine), None)
+        self.visit_fetch = self.fetch      # the coordinator of the open visit
         self.buckets = Zero3Buckets(ctx)
         self.ready = grads_ready_at(ctx.wl)
         self.pending_visits = 0
@@ -37,7 +65,7 @@ class Zero3Hooks(StageHooks):
         self.leaf: tuple[str, int] | None = None     # the open leaf container and its visit
 
     def pre_module(self, ctx, module: Module, micro, phase):
-        f = self.fetch
+        f = self.visit_fetch = self.ref_fetch if module.name in self.ref_engine and self.ref_fetch else self.fetch
         if self.leaf is not None and self.leaf[0] in module.containers:
             self.current_visit = None
             return []
@@ -63,19 +91,22 @@ class Zero3Hooks(StageHooks):
         return []
 
     def post_module(self, ctx, module: Module, micro, phase, op):
-        self.fetch.module_ran(op)
+        f = self.visit_fetch
+        f.module_ran(op)
         # the hooks of the visits since the last module (containers, this module) run on the host
         # before the module computes; their cost is the profile's (engine), the count is data
         if self.pending_visits:
             ctx.b.add_hook_visits(op, self.pending_visits)
             self.pending_visits = 0
         if self.current_visit is not None:
-            self.fetch.release(self.current_visit, micro, op)
+            f.release(self.current_visit, micro, op)
         if self.leaf is not None:
             first, last = self.leaf_span[self.leaf[0]]
             if module.name == (first if phase == Phase.BACKWARD else last):
-                self.fetch.release(self.leaf[1], micro, op)
+                f.release(self.leaf[1], micro, op)
                 self.leaf = None
+        if module.name == self.ref_last and self.ref_fetch is not None:
+            self.ref_fetch.release_all(micro, op)     # the reference engine's forward ends
         if phase == Phase.BACKWARD:
             # see [Note: gradient hook order]
             for pid in self.ready[module.name]:
@@ -89,7 +120,10 @@ class Zero3Hooks(StageHooks):
 def build(ctx: StepContext):
     z = ctx.sc.zero
     numels = ctx.wl.stored_numels(ctx.param_bytes)   # a 4-bit weight's packed elements (see [Note: bitsandbytes quantized base weights])
-    persistent = persistent_params(numels, z.param_persistence_threshold, z.model_persistence_threshold)
+    # the trained engine's (a reference copy's engine keeps none: see [Note: a reference engine under ZeRO-3])
+    reference = {i for i, p in enumerate(ctx.wl.params) if is_reference(p)}
+    persistent = tuple(p for p in persistent_params(numels, z.param_persistence_threshold,
+                                                    z.model_persistence_threshold) if p not in reference)
     hooks = Zero3Hooks(ctx, persistent)
     # layers the builder skips: one dense stack on a data-parallel group, nothing per layer
     # that the hooks' state does not hold (MoE's exchanges, CPU checkpoints, leaves); tensor

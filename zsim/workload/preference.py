@@ -82,6 +82,20 @@ def _no_grad(m: Module, params: tuple[int, ...]) -> Module:
                    kernels_bwd=0, bwd_workspace_bytes=0.0)
 
 
+def reference_engine(wl: Workload) -> frozenset[str]:
+    """The modules of the reference copy's own DeepSpeed engine (its own ZeRO-3 coordinator; see
+    [Note: a reference engine under ZeRO-3] in zsim/schedule/stage3.py); none for a PEFT reference
+    (the trained engine's own modules) or no reference."""
+    if not any(is_reference(p) for p in wl.params):
+        return frozenset()
+    return frozenset(m.name for m in wl.modules if m.no_grad)
+
+
+def runs_peft_reference(wl: Workload) -> bool:
+    """The reference forward runs the trained model's own modules (PEFT, adapters disabled)."""
+    return any(m.no_grad for m in wl.modules) and not any(is_reference(p) for p in wl.params)
+
+
 def is_reference(p: Param) -> bool:
     """A parameter of the reference model's own copy."""
     return p.name.startswith(REFERENCE + ".")
