@@ -102,3 +102,45 @@ def test_axolotl_attn_implementation_and_cut_cross_entropy_are_read(capsys):
     recipe = write("bad.yaml", "base_model: gpt3-1.3b\nmicro_batch_size: 1\nattn_implementation: paged_attention\n")
     rc, err, _ = run(capsys, recipe, "--gpus", "8")
     assert rc == 2 and err[-1].startswith("zsim: error: bad.yaml: attn_implementation: 'paged_attention' is invalid")
+
+
+def test_axolotl_canonical_attention_names_and_offloaded_checkpointing(capsys):
+    # axolotl schemas/enums.py CANONICAL_ATTN_IMPLS (xformers, sage, ...), its short forms refused;
+    # gradient_checkpointing: offload (examples/llama-4, examples/qwen3/32b-qlora.yaml)
+    recipe = write("x.yaml", "base_model: gpt3-1.3b\nmicro_batch_size: 1\nsequence_len: 512\n"
+                             "attn_implementation: xformers\ngradient_checkpointing: offload\n")
+    rc, err, res = run(capsys, recipe, "--gpus", "8")
+    assert rc == 0 and "attention flash_attention_2" in res["implementation"], err
+    assert any("gradient_checkpointing offload (the checkpoints' offload is not modelled" in line for line in err)
+    recipe = write("y.yaml", "base_model: gpt3-1.3b\nmicro_batch_size: 1\nattn_implementation: flash\n")
+    rc, err, _ = run(capsys, recipe, "--gpus", "8")
+    assert rc == 2 and "use the canonical name flash_attention_2" in err[-1]
+
+
+LF_V1_DS = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "bf16": {"enabled": "auto"},
+            "zero_optimization": {"stage": 2}}
+
+
+def test_llama_factory_v1_recipes(capsys):
+    # LLaMA-Factory examples/v1/ (src/llamafactory/v1/config/): model, plugin blocks, the batch from
+    # global_batch_size / (dp x micro_batch_size)
+    write("ds_z2.json", json.dumps(LF_V1_DS))
+    recipe = write("v1.yaml", "model: gpt3-1.3b\nmodel_class: llm\nmicro_batch_size: 2\nglobal_batch_size: 64\n"
+                              "cutoff_len: 1024\npeft_config: {name: lora, r: 16, target_modules: all}\n"
+                              "quant_config: {name: bnb, quantization_bit: 4}\n"
+                              "dist_config: {name: deepspeed, config_file: ds_z2.json}\n")
+    rc, err, res = run(capsys, recipe, "--gpus", "8")
+    assert rc == 0, err
+    assert (res["micro_batch_size"], res["gradient_accumulation_steps"], res["seq_len"], res["stage"]) == (2, 4, 1024, 2)
+    assert "4-bit nf4 with double quant" in res["implementation"] and res["trainable_params"] < res["n_params"]
+    assert any("takes the trainer from its command" in line for line in err)
+    recipe = write("v1f.yaml", "model: gpt3-1.3b\nmodel_class: llm\npeft_config: {name: freeze}\n"
+                               "dist_config: {name: deepspeed, config_file: ds_z2.json}\n")
+    rc, err, res = run(capsys, recipe, "--gpus", "8")
+    assert rc == 0 and 0 < res["trainable_params"] < res["n_params"] / 10, err
+    recipe = write("v1s.yaml", "model: gpt3-1.3b\nmodel_class: llm\ndist_config: {name: fsdp2}\n")
+    rc, err, _ = run(capsys, recipe, "--gpus", "8")
+    assert rc == 2 and len(err) == 1 and "dist_config.name: 'fsdp2' is invalid" in err[0]
+    recipe = write("v1g.yaml", "model: gpt3-1.3b\nmodel_class: llm\nmicro_batch_size: 3\nglobal_batch_size: 64\n")
+    rc, err, _ = run(capsys, recipe, "--gpus", "8")
+    assert rc == 2 and "global_batch_size: 64 is invalid; must be divisible" in err[-1]

@@ -293,6 +293,12 @@ def _apply_recipe(args, recipe, sets: list[str]):
         setattr(args, gpu_attr, recipe.gpus_per_node)
     if getattr(args, "nodes", None) is None:
         args.nodes = recipe.nodes or 1
+    if recipe.global_batch_size is not None:
+        dp_micro = getattr(args, gpu_attr) * args.nodes * recipe.training.get("micro_batch_size", 1)
+        if recipe.global_batch_size % dp_micro:
+            raise ZsimInputError("global_batch_size", recipe.global_batch_size, f"must be divisible by the GPUs x "
+                                 f"micro_batch_size ({dp_micro}), as LLaMA-Factory requires")
+        sets = [*sets, f"training.gradient_accumulation_steps={recipe.global_batch_size // dp_micro}"]
     stem = Path(origin.split(" (")[-1].rstrip(")")).stem or "launch"
     args.recipe_set = (f"name={json.dumps(stem)}", *sets)
     for note in recipe.notes:

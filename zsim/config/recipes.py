@@ -31,7 +31,13 @@ def recipe_kind(data) -> str | None:
         return "axolotl"
     if "stage" in data or "finetuning_type" in data:
         return "llama_factory"
+    # LLaMA-Factory v1 (src/llamafactory/v1/config/): `model` a name, plugin blocks beside it
+    if isinstance(data.get("model"), str) and any(k in data for k in LF_V1_MARKS):
+        return "llama_factory_v1"
     return None
+
+
+LF_V1_MARKS = ("model_class", "dist_config", "peft_config", "kernel_config", "quant_config", "train_dataset")
 
 
 def _read(path: Path, field: str) -> dict:
@@ -56,6 +62,9 @@ def read_recipe_file(path: Path, cwd: Path, recipe: Recipe, overrides: dict | No
         return read_axolotl(data, path, base, recipe)
     if kind == "llama_factory":
         return read_llama_factory(data, path, base, recipe)
+    if kind == "llama_factory_v1":
+        from zsim.config.llama_factory_v1 import read_llama_factory_v1
+        return read_llama_factory_v1(data, path, base, recipe)
     # HfArgumentParser.parse_yaml_file / parse_json_file: the Trainer's arguments by name
     read_trainer_args(data, recipe, where=f"{path.name}: ")
     if recipe.ds_config is not None:
@@ -254,9 +263,14 @@ def read_axolotl(data: dict, path: Path, bases: list[Path], recipe: Recipe) -> R
     if data.get("tf32") is not None:
         t["tf32"] = as_bool(where + "tf32", data["tf32"])
     gc = data.get("gradient_checkpointing")
-    if gc is not None:
-        t["activation_checkpointing"] = "full" if gc == "unsloth" or as_bool(where + "gradient_checkpointing", gc) \
-            else "none"
+    if gc in ("offload", "offload_disk", "unsloth"):
+        # checkpointing whose saved block inputs go to host memory (or disk): priced as full
+        # checkpointing that keeps them on the GPU, said
+        t["activation_checkpointing"] = "full"
+        recipe.ignored.append(f"gradient_checkpointing {gc} (the checkpoints' offload is not modelled: they are "
+                              "priced in GPU memory)")
+    elif gc is not None:
+        t["activation_checkpointing"] = "full" if as_bool(where + "gradient_checkpointing", gc) else "none"
     # axolotl's attention switches (HF's sdpa when none is set); xformers' and flex attention's
     # causal kernels are priced as FlashAttention-2's
     for key, attn in (("eager_attention", "eager"), ("flash_attention", "flash_attention_2"),
@@ -323,17 +337,27 @@ def read_axolotl(data: dict, path: Path, bases: list[Path], recipe: Recipe) -> R
     return recipe
 
 
-# axolotl's attn_implementation (passed to from_pretrained): HF's names, and Hub kernels by repo id
+# axolotl's attn_implementation (schemas/enums.py CANONICAL_ATTN_IMPLS; a hub-kernel path with a
+# "/" passes through to from_pretrained): HF's own names as they are, the other IO-aware kernels
+# priced as FlashAttention's
 AXOLOTL_ATTN = {"eager": "eager", "sdpa": "sdpa", "flash_attention_2": "flash_attention_2",
                 "flash_attention_3": "flash_attention_3", "flex_attention": "flash_attention_2",
-                "kernels-community/vllm-flash-attn3": "flash_attention_3",
-                "kernels-community/flash-attn3": "flash_attention_3", "kernels-community/flash-attn": "flash_attention_2"}
+                "xformers": "flash_attention_2", "sage": "flash_attention_2", "fp8": "flash_attention_2"}
+# SHORT_FORM_ALIAS_TO_CANONICAL: refused by axolotl's validator
+AXOLOTL_ATTN_SHORT = {"flash": "flash_attention_2", "flex": "flex_attention", "sdp": "sdpa"}
 
 
 def _axolotl_attn_implementation(recipe: Recipe, value: str, where: str):
-    attn = AXOLOTL_ATTN.get(value)
-    if attn is None:
-        raise ZsimInputError(f"{where}attn_implementation", value, "zsim prices " + ", ".join(AXOLOTL_ATTN))
+    if value in AXOLOTL_ATTN_SHORT:
+        raise ZsimInputError(f"{where}attn_implementation", value, f"axolotl does not accept it: use the canonical "
+                             f"name {AXOLOTL_ATTN_SHORT[value]}")
+    if "/" in value:      # a Hub kernel: FlashAttention-3 by name, else priced as FlashAttention-2
+        attn = "flash_attention_3" if "attn3" in value else "flash_attention_2"
+    elif value in AXOLOTL_ATTN:
+        attn = AXOLOTL_ATTN[value]
+    else:
+        raise ZsimInputError(f"{where}attn_implementation", value, "axolotl takes " + ", ".join(AXOLOTL_ATTN)
+                             + " or a hub-kernel path (org/name)")
     recipe.training["attn_implementation"] = attn
     if attn != value:
         recipe.notes.append(f"{where}attn_implementation {value}: priced as {attn} (an IO-aware causal kernel)")

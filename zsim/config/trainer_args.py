@@ -50,6 +50,9 @@ class Recipe:
     ignored: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     script_index: int | None = None               # a launch command's words[i]: the training script
+    # LLaMA-Factory v1's global_batch_size: the accumulation steps follow from it once the GPU count is
+    # known (num_micro_batch = global / (dp x micro), core/utils/batching.py)
+    global_batch_size: int | None = None
 
 
 # HfArgumentParser's string_to_bool (transformers/hf_argparser.py)
