@@ -144,3 +144,30 @@ def test_llama_factory_v1_recipes(capsys):
     recipe = write("v1g.yaml", "model: gpt3-1.3b\nmodel_class: llm\nmicro_batch_size: 3\nglobal_batch_size: 64\n")
     rc, err, _ = run(capsys, recipe, "--gpus", "8")
     assert rc == 2 and "global_batch_size: 64 is invalid; must be divisible" in err[-1]
+
+
+def launched(capsys, *words) -> tuple[int, list[str], dict | None]:
+    """`zsim run --gpus 8 --quiet --json result.json -- <words>`."""
+    out = Path("result.json")
+    out.unlink(missing_ok=True)
+    rc = main(["run", "--gpus", "8", "--quiet", "--json", str(out), "--", *words])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    return rc, err, json.loads(out.read_text()) if rc == 0 else None
+
+
+def test_llama_factory_v1_dpo_command(capsys):
+    # `llamafactory-cli dpo` on a v1 recipe (v1/launcher.py, trainers/dpo_trainer.py): the pair in
+    # one row (no doubled batch), the reference the adapters disabled under lora
+    write("ds_z2.json", json.dumps(LF_V1_DS))
+    write("v1.yaml", "model: gpt3-1.3b\nmodel_class: llm\ncutoff_len: 1024\npeft_config: {name: lora}\n"
+                     "dist_config: {name: deepspeed, config_file: ds_z2.json}\n")
+    rc, err, sft = run(capsys, "v1.yaml", "--gpus", "8")
+    assert rc == 0, err
+    rc, err, dpo = launched(capsys, "llamafactory-cli", "dpo", "v1.yaml")
+    assert rc == 0 and "dpo: chosen and rejected completions in one sequence" in dpo["implementation"], err
+    assert dpo["tokens_per_s"] * dpo["step_time_s"] == pytest.approx(sft["tokens_per_s"] * sft["step_time_s"])
+    assert dpo["step_time_s"] > sft["step_time_s"]          # the reference forward
+    assert not any("takes the trainer from its command" in line for line in err)
+    rc, err, _ = launched(capsys, "llamafactory-cli", "dpo", write("v0.yaml", "model_name_or_path: gpt3-1.3b\n"
+                                                                      "stage: sft\n"))
+    assert rc == 2 and "take a v1 recipe" in err[-1]

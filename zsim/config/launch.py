@@ -283,10 +283,16 @@ def read_launch(words: list[str], cwd: Path, origin: str, env: dict | None = Non
         opts = {}
         recipe.gpus_per_node, recipe.nodes = 1, 1
     elif prog == "llamafactory-cli":
-        if len(words) < 3 or words[1] != "train":
-            raise ZsimInputError("launch command", " ".join(words[:3]), "zsim reads `llamafactory-cli train recipe.yaml`")
+        # v0: `train`; v1 (USE_V1=1, v1/launcher.py _DIST_TRAIN_COMMANDS): the command is the trainer
+        if len(words) < 3 or words[1] not in ("train", "sft", "dpo", "rm"):
+            raise ZsimInputError("launch command", " ".join(words[:3]), "zsim reads `llamafactory-cli train "
+                                 "recipe.yaml` (LLaMA-Factory v1: sft, dpo or rm)")
         _torchrun_env(env, recipe)
-        return _recipe_arg(words[2], words[3:], cwd, recipe)
+        out = _recipe_arg(words[2], words[3:], cwd, recipe)
+        if words[1] != "train":
+            from zsim.config.llama_factory_v1 import apply_command
+            apply_command(out, words[1], " ".join(words[:3]))
+        return out
     elif prog == "axolotl":
         if len(words) < 3 or words[1] != "train":
             raise ZsimInputError("launch command", " ".join(words[:3]), "zsim reads `axolotl train recipe.yml`")

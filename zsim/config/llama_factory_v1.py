@@ -70,8 +70,9 @@ def read_llama_factory_v1(data: dict, path: Path, bases: list[Path], recipe: Rec
     optim = _plugin(data, "optim_config", where)
     if optim is not None and optim["name"] not in ("adamw", "adam"):
         recipe.ignored.append(f"optim_config {optim['name']} (zsim prices AdamW's states)")
-    recipe.notes.append(f"{where}LLaMA-Factory v1 takes the trainer from its command (llamafactory-cli sft, dpo, rm): "
-                        "simulated as sft (--set training.preference.method=dpo for dpo)")
+    recipe.notes.append(COMMAND_NOTE.format(where=where))
+    if data.get("pref_loss") is not None:
+        recipe.pref_loss = str(data["pref_loss"])
     dist = _plugin(data, "dist_config", where)
     if dist is not None:
         if dist["name"] == "deepspeed":
@@ -87,6 +88,32 @@ def read_llama_factory_v1(data: dict, path: Path, bases: list[Path], recipe: Rec
             raise ZsimInputError(f"{where}dist_config.name", dist["name"], "LLaMA-Factory v1 takes deepspeed, fsdp2 "
                                  "or fsdpturbo")
     return recipe
+
+
+COMMAND_NOTE = ("{where}LLaMA-Factory v1 takes the trainer from its command (llamafactory-cli sft, dpo, rm): "
+                "simulated as sft (--set training.preference.method=dpo for dpo)")
+
+
+def apply_command(recipe: Recipe, command: str, launch: str):
+    """`llamafactory-cli sft|dpo|rm recipe.yaml` on a v1 recipe: the trainer the command names
+    (dpo: TRL-style DPO, the reference the adapters disabled under lora, else a frozen copy)."""
+    if not any(n.endswith(COMMAND_NOTE.format(where="")) for n in recipe.notes):
+        raise ZsimInputError("launch command", launch, "sft, dpo and rm are LLaMA-Factory v1's commands (USE_V1=1) "
+                             "and take a v1 recipe; a v0 recipe runs with `llamafactory-cli train`")
+    recipe.notes = [n for n in recipe.notes if not n.endswith(COMMAND_NOTE.format(where=""))]
+    if command == "dpo":
+        # trainers/dpo_trainer.py: the pair in one row (token_type_ids 1 chosen, 2 rejected); a
+        # reference for pref_loss sigmoid only (_init_ref_model): the adapters disabled under
+        # PEFT, else a frozen deep copy
+        loss = recipe.pref_loss or "sigmoid"
+        method = {"sigmoid": "dpo", "orpo": "orpo", "simpo": "simpo"}.get(loss)
+        if method is None:
+            raise ZsimInputError("pref_loss", loss, "LLaMA-Factory v1 takes sigmoid, orpo or simpo")
+        recipe.training["preference"] = {"method": method, "pair": "sequence"}
+        ref = ("no reference model" if method != "dpo" else "the reference forward is the model with its adapters "
+               "disabled" if "lora" in recipe.training else "the reference is a frozen copy of the model")
+        recipe.notes.append(f"{launch}: pref_loss {loss}: each example's chosen and rejected completions in one row "
+                            f"of cutoff_len; {ref}")
 
 
 def _peft(peft: dict | None, recipe: Recipe, where: str):

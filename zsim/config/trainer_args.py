@@ -53,6 +53,7 @@ class Recipe:
     # LLaMA-Factory v1's global_batch_size: the accumulation steps follow from it once the GPU count is
     # known (num_micro_batch = global / (dp x micro), core/utils/batching.py)
     global_batch_size: int | None = None
+    pref_loss: str | None = None                  # LLaMA-Factory v1's pref_loss, for its dpo command
 
 
 # HfArgumentParser's string_to_bool (transformers/hf_argparser.py)

@@ -98,6 +98,10 @@ class PreferenceSpec:
     reference: Optional[bool] = spec(None, doc="whether each step runs the reference model's forward (no grad); "
                                                "default: true for dpo and ipo, false for orpo and simpo; false "
                                                "for DPO with precompute_ref_log_probs")
+    pair: Literal["batch", "sequence"] = spec(
+        "batch", doc="where the chosen and rejected completions go: batch (TRL's concatenated_forward: 2 x "
+                     "micro-batch rows of seq_len), sequence (LLaMA-Factory v1: both in one row of seq_len, told "
+                     "apart by token_type_ids)")
 
     @property
     def runs_reference(self) -> bool:
@@ -221,7 +225,8 @@ class TrainingSpec:
         if self.preference is not None:
             ref = ("with the reference model's forward (no grad)" if self.preference.runs_reference
                    else "no reference model")
-            pref = f"; {self.preference.method}: chosen and rejected sequences per example, {ref}"
+            where = "sequences per example" if self.preference.pair == "batch" else "completions in one sequence"
+            pref = f"; {self.preference.method}: chosen and rejected {where}, {ref}"
         return f"implementation: attention {attn}; kernels {kernels}{base}{pref}"
 
 

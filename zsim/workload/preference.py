@@ -40,8 +40,8 @@ REFERENCE = "reference"     # the prefix of the reference model's module and par
 
 def sequences_per_example(training: TrainingSpec) -> int:
     """Sequences each example puts through a forward: 2 (chosen and rejected) under preference
-    training, else 1."""
-    return 2 if training.preference is not None else 1
+    training that concatenates the pair along the batch, else 1."""
+    return 2 if training.preference is not None and training.preference.pair == "batch" else 1
 
 
 def with_reference(wl: Workload, training: TrainingSpec) -> Workload:
