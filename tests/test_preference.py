@@ -179,3 +179,12 @@ def test_every_engine_path_gives_the_same_step(stage):
         full, _ = run_scenario(sc, steady=False)
         assert fast.step_time_s == pytest.approx(full.step_time_s, rel=1e-9)
         assert fast.memory.peak_bytes == pytest.approx(full.memory.peak_bytes, rel=1e-9)
+
+
+def test_the_doctor_offers_precomputed_reference_log_probs():
+    from tests.helpers import mapping
+    from zsim.search.doctor import playbook
+    names = [v.name for v in playbook(mapping(**{"training.preference": {"method": "dpo"}}), dpo())]
+    assert any(n.startswith("reference log-probs precomputed") for n in names)
+    orpo = scenario(**{"training.preference": {"method": "orpo"}})
+    assert not any(v.name.startswith("reference log-probs") for v in playbook(mapping(), orpo))

@@ -175,6 +175,11 @@ def playbook(raw: dict, sc: Scenario) -> list[Variant]:
                              (f"deepspeed.zero_optimization.stage3_prefetch_bucket_size={pf}",
                               f"deepspeed.zero_optimization.stage3_max_live_parameters={live}",
                               "deepspeed.zero_optimization.stage3_max_reuse_distance=0")))
+    if tr.preference is not None and tr.preference.runs_reference:
+        # TRL DPOConfig precompute_ref_log_probs: the reference runs once over the data before
+        # training, and the step reads its log-probs (no reference forward, no reference copy)
+        out.append(Variant("reference log-probs precomputed (TRL precompute_ref_log_probs: one pass over the data "
+                           "before training, not in the step)", ("training.preference.reference=false",)))
     if sc.precision == "fp32":
         gpu = sc.cluster.profile.gpu
         half = "bf16" if gpu.peak_tflops_bf16 > gpu.peak_tflops_fp32 else "fp16"
