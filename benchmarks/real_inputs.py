@@ -1,7 +1,7 @@
 """Issue 46's figure: of the real public files in tests/fixtures/real_inputs/, how many simulate as
 shipped, how many are refused correctly (one line, exit 2, naming the field, where DeepSpeed
 rejects them), and how many fail wrongly, each with its reason. The cases and the judgement are
-tests/test_real_inputs.py's (run_case, judge); PENDING marks are ignored here.
+tests/config/test_real_inputs.py's (run_case, judge); PENDING marks are ignored here.
 
     python benchmarks/real_inputs.py [--verbose]
 """
@@ -17,7 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.test_real_inputs import expectation, judge, rows, run_case  # noqa: E402
+from tests.config.test_real_inputs import expectation, judge, rows, run_case  # noqa: E402
 
 
 def main() -> int:

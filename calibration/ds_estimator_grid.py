@@ -1,4 +1,4 @@
-"""Record DeepSpeed's model-state memory estimators over a grid, for tests/test_memory_estimate.py.
+"""Record DeepSpeed's model-state memory estimators over a grid, for tests/workload/test_memory_estimate.py.
 
 Run with the DeepSpeed environment (CI has no deepspeed, so the outputs are committed):
     DS_ACCELERATOR=cpu /work/venv-ds/bin/python calibration/ds_estimator_grid.py tests/fixtures/ds_estimator_grid.json

@@ -4,7 +4,7 @@ import argparse
 import json
 import sys
 
-from tests.golden_util import GOLDEN, compute, scenario_files
+from tests.helpers import GOLDEN, compute, scenario_files
 from zsim.report.writers import write_atomic
 
 

@@ -4,7 +4,7 @@ It mirrors zsim/workload/transformer.py module for module: the same module names
 parameters in the same registration order (tied weights registered once), so the simulator's
 op names ("forward layers.0.attn.qkv") and its parameter ids map onto this model, and
 DeepSpeed's flat groups, buckets and ZeRO-3 module trace match what zsim schedules
-(tests/test_gpt.py checks the mirror for every model variant the workload supports).
+(tests/workload/test_gpt.py checks the mirror for every model variant the workload supports).
 
 It runs two ways, through the same code:
 - As an nn.Module, `GPT(spec)(ids, labels) -> loss`: what DeepSpeed, FSDP2 and DDP wrap

@@ -4,7 +4,7 @@ This is calibration tooling, not part of zsim: it imports torch and deepspeed an
 imported by the simulator or its tests. It produces the JSON fixtures under
 tests/fixtures/deepspeed/ that the simulator's tests compare against. The model is
 calibration's one GPT (calibration/core/model.py) built from `cases.MODEL`, the ModelSpec the
-fixture tests rebuild (tests/deepspeed_fixtures.py scenario_for).
+fixture tests rebuild (tests/helpers.py scenario_for).
 
 Usage, from the repository root (one case, 2 ranks, CPU/gloo):
 

@@ -8,7 +8,7 @@ from zsim.specs.model import ModelSpec
 WORLD_SIZE = 2
 MICRO_BATCH = 2
 OPT_STEPS = 2
-# GPT-2 style, untied lm_head (tests/deepspeed_fixtures.py scenario_for rebuilds it from the
+# GPT-2 style, untied lm_head (tests/helpers.py scenario_for rebuilds it from the
 # fixture's "model" block)
 MODEL = ModelSpec(layers=8, hidden=512, heads=8, vocab=1024, seq_len=128, ffn_hidden=2048, tied_embeddings=False,
                   position="learned", norm="layernorm", bias=True, glu=False, fused_qkv=True)

@@ -5,7 +5,7 @@ train_batch per step, every send/recv and collective logged per rank (recorder.p
     torchrun --standalone --nproc-per-node 4 -m calibration.deepspeed_record.pipeline \
         --stages 2 --out tests/fixtures/pipeline
 
-writes pp<stages>_world<world>.json (rank -> its calls), which tests/test_pipeline.py compares
+writes pp<stages>_world<world>.json (rank -> its calls), which tests/schedule/test_pipeline.py compares
 with zsim's schedule of the same run. `--tied`: the head shares the embedding's weight through
 TiedLayerSpec (the model without learned positions, so the tied copy is the word embedding
 alone), which adds ReduceTiedGrads (pp<stages>_world<world>_tied.json). `--tensor T`: a model-parallel

@@ -9,7 +9,7 @@ the class's __post_init__ makes of None), under either name its attribute_map al
 not read (Mistral's attention_bias, GPT-NeoX's head_dim) change nothing, as in transformers.
 Fields that change no parameter shape (rope_theta, rope_scaling, hidden_act, dropout, eps) are
 not needed; shape-changing options zsim does not model are refused by name. Reference:
-transformers 5.23.0 (AutoModelForCausalLM.from_config; tests/test_hf_param_counts.py holds the
+transformers 5.23.0 (AutoModelForCausalLM.from_config; tests/workload/test_hf_param_counts.py holds the
 counts it gives). The files in scenarios/models/ are presets named by their stem (docs/model.md).
 """
 from __future__ import annotations

@@ -17,7 +17,7 @@ found from the simulated events. Byte counts must be whole numbers, so their sum
 any order. A pass whose window does not run alike, or whose dropped blocks a kept op refers to
 where no kept copy stands in, is kept whole (with its micro-step's other pass) and the shortened
 step simulated again, every window checked anew; after a few tries, every op is simulated.
-Under steady.py's micro-step repeat the two nest (`LayeredRepeat`). tests/test_layer_repeat.py
+Under steady.py's micro-step repeat the two nest (`LayeredRepeat`). tests/engine/test_layer_repeat.py
 compares both with simulating every op.
 """
 from __future__ import annotations

@@ -24,7 +24,7 @@ when the period before it ran the same ops one period earlier (find_pipeline_rep
 Megatron's interleaved schedule repeats a group of `pipeline` micro-steps (each through every
 chunk): its step is built with 5 (then 7) groups, and the period of one group, opened the same
 way, stands for the full step's middle groups.
-tests/test_steady.py checks both paths agree for every stage, offload and checkpointing
+tests/engine/test_steady.py checks both paths agree for every stage, offload and checkpointing
 variant, and for pipelines, interleaved ones included.
 """
 from __future__ import annotations

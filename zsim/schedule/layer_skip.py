@@ -23,7 +23,7 @@ periods. The post-step gathers of the persistent params repeat layer by layer an
 middle layers likewise.
 The kept blocks before each gap (SETTLE periodic ones and the window) are what the engine
 compares; the schedule carries the gaps (Schedule.skipped) and the engine simulates it like
-one layer_blocks.compress shortened. tests/test_layer_skip.py compares both with building
+one layer_blocks.compress shortened. tests/schedule/test_layer_skip.py compares both with building
 every layer and with simulating every op.
 """
 from __future__ import annotations

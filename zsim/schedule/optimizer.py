@@ -75,7 +75,7 @@ def model_state_bytes(n_params: int, shard_params: float, stage: int, param_byte
     fp32 masters (stage 0's DDP_BFLOAT16 -> FP16_UnfusedOptimizer), but ZeRO-1's step flattens
     the 16-bit gradient partition before casting it to fp32 (the flat copy, +2 bytes a param,
     lives during the cast; see optimizer_step). Measured on one CPU rank
-    (tests/fixtures/single_rank, tests/test_one_rank_stages.py): bf16 70.89 -> 77.98 MiB,
+    (tests/fixtures/single_rank, tests/schedule/test_one_rank_stages.py): bf16 70.89 -> 77.98 MiB,
     fp32 70.89 -> 85.55 MiB of peak tensors for a 3.7M-param GPT."""
     n_train, train_shard = trainable if trainable is not None else (n_params, shard_params)
     master = FP32_BYTES if (param_bytes < FP32_BYTES or stage > 0) else 0

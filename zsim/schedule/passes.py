@@ -156,7 +156,7 @@ def _templated(ctx: StepContext, hooks: StageHooks, phase: Phase, micro: int, af
     across passes, a first micro-step's allocations, the boundary's reductions). Hooks that know
     a pass is free of that say so (StageHooks.stationary); the first such pass is built and kept
     (Builder.pass_template), the later ones copied from it (Builder.replay_pass): the same ops a
-    build would add, tested op for op (tests/test_pass_templates.py). CPU checkpointing keeps
+    build would add, tested op for op (tests/schedule/test_pass_templates.py). CPU checkpointing keeps
     per-micro-step state in the context (ckpt_offload_ops), so its passes are built."""
     templates = ctx.pass_templates
     if templates is None or ctx.cpu_checkpointing or not hooks.stationary(ctx, phase, micro):

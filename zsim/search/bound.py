@@ -26,7 +26,7 @@ reduce-scatters, is the fixed time of the compute op whose hook runs it (cost_mo
 host_fixed_s): counted too (`zero3_host_s`). Other communication, the other ops' launches and
 host time, the optimizer step and memory stalls only add to it. A configuration
 whose bound is not below a simulated step time cannot beat that step; `zsim tune` skips it
-(tests/test_bound.py checks the bound against simulations of a random sample).
+(tests/search/test_bound.py checks the bound against simulations of a random sample).
 """
 from __future__ import annotations
 

@@ -432,7 +432,7 @@ def structural_key(sc, c: TunePoint, wl) -> tuple:
     """`c.key()` with stage3_param_persistence_threshold replaced by the parameters it keeps
     gathered (partition.persistent_params on the point's workload `wl`): the one place the builder
     reads the threshold (zsim/schedule/stage3.py build), and summarize never does, so points with
-    the same key build the same schedule and get the same Result (tests/test_search.py compares
+    the same key build the same schedule and get the same Result (tests/search/test_search.py compares
     them with their own simulations)."""
     knobs = dict(c.knobs)
     if c.stage == 3:

@@ -1,6 +1,6 @@
 """The model: the scenario's `model:` block as a frozen dataclass, and the named presets.
 
-Each preset reproduces the parameter count its authors published (tests/test_workload.py
+Each preset reproduces the parameter count its authors published (tests/workload/test_workload.py
 checks them). Preset keys are those of the `model:` block.
 """
 from __future__ import annotations
