@@ -5,7 +5,7 @@ from pathlib import Path
 
 from zsim.config.scenario import load_scenario
 from zsim.engine.sim import Trace
-from zsim.engine.steady import simulate_scenario
+from zsim.simulate import simulate_scenario
 from zsim.result.summarize import summarize
 from zsim.result import Result
 from zsim.specs.scenario import Scenario
@@ -13,7 +13,7 @@ from zsim.specs.scenario import Scenario
 
 def run_scenario(sc: Scenario, steady: bool = True) -> tuple[Result, Trace]:
     """Simulate and summarize one step; `steady=False` simulates every micro-step instead of
-    reusing the repeating ones (the result is the same; see zsim/engine/steady.py)."""
+    reusing the repeating ones (the result is the same; see zsim/simulate.py)."""
     if not isinstance(sc, Scenario):
         raise TypeError(f"run_scenario takes a Scenario (zsim.config.scenario.load_scenario), not "
                         f"{type(sc).__name__}; for a file use zsim.api.run_file(path)")

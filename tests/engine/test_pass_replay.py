@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 import zsim.engine.sim as sim
-from tests.helpers import scenario
+from tests.helpers import ZERO, scenario
 from zsim.engine.ledger import peak_and_breakdown
+from zsim.engine.pass_replay import PassReplay
 from zsim.schedule.build import build_schedule
 
-ZERO = "deepspeed.zero_optimization"
 CASES = {
     "pp4-zero1-full": {"parallelism.pipeline": 4, "model.layers": 8, f"{ZERO}.stage": 1,
                        "training.activation_checkpointing": "full"},
@@ -31,14 +31,14 @@ CASES = {
 
 def _replays(monkeypatch) -> list:
     began = []
-    real = sim._Engine.begin
+    real = PassReplay.begin
 
     def begin(self, block, run):
         replayed = real(self, block, run)
         began.append(replayed)
         return replayed
 
-    monkeypatch.setattr(sim._Engine, "begin", begin)
+    monkeypatch.setattr(PassReplay, "begin", begin)
     return began
 
 

@@ -64,8 +64,16 @@ UNSETTLED = Unsettled()
 
 @dataclass(frozen=True)
 class LayerRepeat:
-    """A step whose identical layers were simulated once per window (windows in time order)."""
+    """A step whose identical layers were simulated once per window (windows in time order):
+    a sim.StepRepeat."""
     windows: tuple[LayerWindow, ...]
+
+    def layer_windows(self) -> tuple[LayerWindow, ...]:
+        return self.windows
+
+    def step_ops(self, simulated_ops: int) -> int:
+        """Ops of the full step, from those of the shortened step."""
+        return simulated_ops + sum((w.copies - 1) * len(w.ops) for w in self.windows)
 
     def weight(self, op: Op) -> int:
         for w in self.windows:
@@ -378,6 +386,9 @@ class LayeredRepeat:
     layer windows."""
     micro: Repeat
     layers: LayerRepeat
+
+    def layer_windows(self) -> tuple[LayerWindow, ...]:
+        return self.layers.windows
 
     def _inside(self, w: LayerWindow) -> bool:
         return self.micro.start_s <= w.start_s and w.end_s <= self.micro.end_s

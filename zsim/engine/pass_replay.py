@@ -27,6 +27,8 @@ simulation to float rounding (about 1e-14 of the step), not to the bit.
 """
 from __future__ import annotations
 
+from functools import partial
+
 from zsim.hardware.placement import base_link
 from zsim.schedule.ir import Op, OpKind, Phase, Schedule, Stream
 
@@ -195,3 +197,147 @@ def finish(rec: Recording, end_s: float) -> Template | None:
 def cost_shape(cost) -> tuple:
     """An op's cost with its links by their base names: the same on every stage that places it alike."""
     return cost.fixed_s, cost.work_s, tuple(map(base_link, cost.links))
+
+
+class PassReplay:
+    """The engine's observer of op starts and ends that records passes and replays them (see
+    [Note: pipeline pass replay]). `eng` is the engine whose clock, fluid model, cost model,
+    timings, op ends and stream runs it reads; its streams call `begin` at a pass's first op and
+    `watch_start` / `watch_work` / `watch_end` while a pass is active (`active` is not empty)."""
+
+    def __init__(self, eng, schedule: Schedule, cluster, timing_type):
+        self.eng, self.timing_type = eng, timing_type   # sim.OpTiming
+        self.active: dict[int, Recording] = {}          # stage -> its pass being recorded or replayed
+        self.templates: dict[tuple, list[Template]] = {}   # a pass's shape -> its recordings
+        self.placed: dict[tuple, Template] = {}            # (shape, stage) -> the recording it replays
+        self.touched: dict[tuple, tuple[int, ...]] = {}
+        gpu = cluster.profile.gpu
+        blocks, self.block_of = find_blocks(schedule, not gpu.concurrent_streams, bool(gpu.fresh_alloc_GBps))
+        self.firsts: dict[int, Block] = {b.first_id: b for b in blocks}
+
+    def begin(self, block: Block, run) -> bool:
+        """At the first op of `block`: replay it (True) when a pass of its shape was recorded,
+        else record it; neither unless it starts isolated (see [Note: pipeline pass replay])."""
+        s = block.pipe_stage
+        if s in self.active or self.eng.fluid.touching.get(s):
+            return False
+        for other in self.eng.stage_runs[s]:
+            if other is not run and other.i < len(other.ops) and (other.waited or other.ops[other.i].id < block.first_id):
+                return False
+        timings = self.eng.timings
+        if any(timings[d] is None for d in block.external):
+            return False
+        now = self.eng.clock.env.now
+        tpl = self.placed.get((block.key, s))
+        if tpl is None:
+            tpl = self._recorded_alike(block)
+        if tpl is None:
+            self.active[s] = Recording(block, now)
+            return False
+        self.active[s] = Recording(block, now, tpl)
+        replayed = self.eng.replayed
+        for op in block.ops:
+            replayed[op.id] = True
+        self.eng.clock.after(tpl.duration_s, partial(self.replayed, run))
+        return True
+
+    def _recorded_alike(self, block: Block) -> Template | None:
+        """A recording of `block`'s shape whose ops cost what `block`'s cost on its stage."""
+        assert block.key is not None      # find_blocks keys every block
+        for tpl in self.templates.get(block.key, ()):
+            if all(cost_shape(self.eng.op_cost(op)) == cost for op, cost in zip(block.ops, tpl.costs)):
+                self.placed[(block.key, block.pipe_stage)] = tpl
+                return tpl
+        return None
+
+    def _ranks(self, links: tuple[str, ...], stage: int) -> tuple[int, ...]:
+        """The ranks an op of `stage` over `links` touches: its own and those its links cross."""
+        key = (links, stage)
+        ranks = self.touched.get(key)
+        if ranks is None:
+            ranks = self.touched[key] = tuple(sorted({stage, *self.eng.fluid.ranks(links)}))
+        return ranks
+
+    def watch_start(self, op: Op, cost, start_s: float):
+        """An op starts while passes are recorded or replayed: one from outside a pass that
+        touches its stage spoils the recording or ends the replay (ReplayConflict)."""
+        bi = self.block_of[op.id]
+        active = self.active
+        ranks = self._ranks(cost.links, op.pipe_stage)
+        self._guard(op, ranks, bi)
+        rec = active.get(op.pipe_stage)
+        if rec is not None and rec.block.index == bi:
+            if ranks != (op.pipe_stage,):
+                rec.spoiled = True      # the pass itself reaches another stage's rank
+            j = rec.block.pos[op.id]
+            rec.starts[j] = start_s
+            rec.costs[j] = cost_shape(cost)
+            rec.effects.append((False, j, start_s))
+
+    def _guard(self, op: Op, ranks: tuple[int, ...], bi: int):
+        active = self.active
+        for r in ranks:
+            rec = active.get(r)
+            if rec is not None and rec.block.index != bi:
+                if rec.replay:
+                    raise ReplayConflict(f"stage {r}: op {op.id} touched it during a replayed pass")
+                rec.spoiled = True
+
+    def watch_work(self, op: Op, links: tuple[str, ...]):
+        """An op's work starts after its fixed time while passes are recorded or replayed: the
+        same check as at its start (it may have started before the pass did)."""
+        self._guard(op, self._ranks(links, op.pipe_stage), self.block_of[op.id])
+
+    def watch_end(self, op: Op, end_s: float):
+        rec = self.active.get(op.pipe_stage)
+        if rec is None or rec.replay or rec.block.index != self.block_of[op.id]:
+            return
+        j = rec.block.pos[op.id]
+        rec.ends[j] = end_s
+        rec.effects.append((True, j, end_s))
+        rec.ended += 1
+        if rec.ended == len(rec.block.ops):
+            del self.active[op.pipe_stage]
+            tpl = finish(rec, end_s)
+            if tpl is not None:
+                assert rec.block.key is not None
+                self.templates.setdefault(rec.block.key, []).append(tpl)
+                self.placed[(rec.block.key, rec.block.pipe_stage)] = tpl
+
+    def replayed(self, run, _event):
+        """The end of a replayed pass: its ops' times and memory effects as recorded, from its
+        start; the stage's streams past its ops; its ends signalled in the recorded order."""
+        eng, ledger = self.eng, run.ledger
+        rec = self.active.pop(run.ops[run.i].pipe_stage)    # this stream waits at the pass's first op
+        block, tpl, t0 = rec.block, rec.template, rec.t0
+        ops = block.ops
+        alloc, free = ledger.alloc, ledger.free
+        for is_end, j, off in tpl.effects:
+            op = ops[j]
+            if is_end:
+                for tag in op.free:
+                    free(t0 + off, tag)
+            else:
+                for tag in op.free_before:
+                    free(t0 + off, tag)
+                for a in op.alloc:
+                    alloc(t0 + off, a)
+        timings, new, timing = eng.timings, tuple.__new__, self.timing_type   # OpTiming's own __new__ is a Python call
+        for op, s, e in zip(ops, tpl.starts, tpl.ends):
+            x = op.id
+            timings[x] = new(timing, (x, t0 + s, t0 + e))
+        replayed = eng.replayed
+        for other in eng.stage_runs[block.pipe_stage]:
+            while other.i < len(other.ops) and replayed[other.ops[other.i].id]:
+                other.i += 1
+        done, soon, outside = eng.done, eng.clock.soon, block.awaited_ids
+        for j in tpl.signals:
+            x = ops[j].id
+            d = done[x]
+            if d is not None:
+                if d.waiters or x in outside:
+                    soon(d.signal)
+                else:       # awaited only inside the pass, by nobody now: no callback needed
+                    d.waiters = None
+        run.waited = 0
+        run.run()

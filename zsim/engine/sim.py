@@ -21,22 +21,58 @@ from __future__ import annotations
 import gc
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, cast
+from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
 
 from zsim.engine.fluid import Clock, Fluid
 from zsim.engine.ledger import Ledger, peak_and_breakdown, timeline
-from zsim.engine.pass_replay import Block, Recording, ReplayConflict, Template, cost_shape, find_blocks, finish
+from zsim.engine.pass_replay import Block, PassReplay, Recording, ReplayConflict
 from zsim.hardware.cost_model import COMPUTE, CostModel
 from zsim.schedule.ir import Group, Op, Schedule, Stream, STREAMS, Tag
 
 if TYPE_CHECKING:   # layer_repeat.py builds on this module
-    from zsim.engine.layer_repeat import LayeredRepeat, LayerRepeat
+    from zsim.engine.layer_repeat import LayerWindow
 
 
 class OpTiming(NamedTuple):
     op_id: int
     start_s: float
     end_s: float
+
+
+class StepRepeat(Protocol):
+    """What a shortened step's trace says of the full step (see zsim/simulate.py): the one type
+    every level of repeat answers, a repeated micro-step or 1F1B period (`Repeat`), repeated
+    layers (layer_repeat.LayerRepeat) or both nested (layer_repeat.LayeredRepeat). Every reader
+    of a trace (summarize, the writers, the doctor) asks only this."""
+
+    def weight(self, op: Op) -> int:
+        """How many ops of the full step this simulated op stands for."""
+
+    def shift_s(self, time_s: float) -> float:
+        """A simulated instant on the full step's clock."""
+
+    def segments(self) -> tuple[tuple[float, float, int], ...]:
+        """(start_s, end_s, copies): the simulated time split so that each piece stands for
+        `copies` pieces of the full step (a measure over the step is their weighted sum)."""
+
+    def peak_and_breakdown(self, events) -> tuple[float, float, dict[str, float]]:
+        """The full step's peak bytes, its time on the full step's clock, and its breakdown."""
+
+    def timeline(self, events) -> list[tuple[float, float]]:
+        """(time_s on the full step's clock, bytes in use) after each simulated event."""
+
+    def marks(self, op: Op) -> dict:
+        """What the trace writer notes on a simulated op that stands for several."""
+
+    def spans(self) -> tuple[tuple[str, float, float, float, int], ...]:
+        """(what, start_s and length_s on the full step's clock, period_s, copies) of the copies
+        not simulated."""
+
+    def step_ops(self, simulated_ops: int) -> int:
+        """Ops of the full step, from those of the shortened step."""
+
+    def layer_windows(self) -> tuple[LayerWindow, ...]:
+        """The repeated layer windows (in time order), none for a repeated micro-step alone."""
 
 
 @dataclass(frozen=True)
@@ -79,7 +115,7 @@ class Repeat:
         """How many ops of the full step this simulated op stands for."""
         return self.copies if op.id in self.ops else 1
 
-    # what summarize and the trace writer ask of a repeat (layer_repeat.LayerRepeat answers the same)
+    # StepRepeat
     def segments(self) -> tuple[tuple[float, float, int], ...]:
         """(start_s, end_s, copies): the simulated time split so that each piece stands for
         `copies` pieces of the full step (a measure over the step is their weighted sum)."""
@@ -105,6 +141,9 @@ class Repeat:
         """Ops of the full step, from those of the shortened step."""
         return simulated_ops + (self.copies - 1) * len(self.ops)
 
+    def layer_windows(self) -> tuple[LayerWindow, ...]:
+        return ()
+
 
 @dataclass(frozen=True)
 class Trace:
@@ -113,7 +152,7 @@ class Trace:
     ledger_events: tuple[tuple[float, float, str, Tag], ...]   # (time_s, delta_bytes, category, tag)
     step_time_s: float
     events_processed: int              # ops of the full step
-    repeat: Repeat | LayerRepeat | LayeredRepeat | None = None    # None: every op of the step was simulated
+    repeat: StepRepeat | None = None    # None: every op of the step was simulated
     # a pipeline: each stage's ledger events; ledger_events is the stage with the highest peak
     stage_ledger_events: tuple[tuple[tuple[float, float, str, Tag], ...], ...] = ()
     worst_stage: int = 0
@@ -183,7 +222,7 @@ class _StreamRun:
                     if waiters is not None:     # not signalled yet
                         waiters.append(self.run)
                         return
-                if firsts and op.id in firsts and eng.begin(firsts[op.id], self):
+                if firsts and op.id in firsts and eng.passes.begin(firsts[op.id], self):
                     return                      # a timer stands for the pass
                 self.start_s = start = env.now
                 for tag in op.free_before:
@@ -192,7 +231,7 @@ class _StreamRun:
                     ledger.alloc(start, a)
                 self.cost = c = eng.op_cost(op)
                 if eng.active:
-                    eng.watch_start(op, c, start)
+                    eng.passes.watch_start(op, c, start)
                 self.waited = 1
                 if c.fixed_s > 0:
                     if c.work_s > 0 and eng.fluid.is_compute(c.links):
@@ -206,7 +245,7 @@ class _StreamRun:
                 c = self.cost
                 if c.work_s > 0 or c.links != COMPUTE:
                     if eng.active:
-                        eng.watch_work(op, c.links)
+                        eng.passes.watch_work(op, c.links)
                     self.waited = 2
                     eng.fluid.submit(c.links, c.work_s, self.run)
                     return
@@ -215,56 +254,18 @@ class _StreamRun:
                 ledger.free(end, tag)
             eng.timings[op.id] = OpTiming(op.id, self.start_s, end)
             if eng.active:
-                eng.watch_end(op, end)
+                eng.passes.watch_end(op, end)
             d = done[op.id]
             if d is not None:
                 clock.soon(d.signal)
             self.waited = 0
             self.i += 1
 
-    def replayed(self, _event):
-        """The end of a replayed pass: its ops' times and memory effects as recorded, from its
-        start; the stage's streams past its ops; its ends signalled in the recorded order."""
-        eng, ledger = self.engine, self.ledger
-        rec = eng.active.pop(self.ops[self.i].pipe_stage)    # this stream waits at the pass's first op
-        block, tpl, t0 = rec.block, rec.template, rec.t0
-        ops = block.ops
-        alloc, free = ledger.alloc, ledger.free
-        for is_end, j, off in tpl.effects:
-            op = ops[j]
-            if is_end:
-                for tag in op.free:
-                    free(t0 + off, tag)
-            else:
-                for tag in op.free_before:
-                    free(t0 + off, tag)
-                for a in op.alloc:
-                    alloc(t0 + off, a)
-        timings, new = eng.timings, tuple.__new__   # OpTiming's own __new__ is a Python call
-        for op, s, e in zip(ops, tpl.starts, tpl.ends):
-            x = op.id
-            timings[x] = new(OpTiming, (x, t0 + s, t0 + e))
-        replayed = eng.replayed
-        for other in eng.stage_runs[block.pipe_stage]:
-            while other.i < len(other.ops) and replayed[other.ops[other.i].id]:
-                other.i += 1
-        done, soon, outside = eng.done, eng.clock.soon, block.awaited_ids
-        for j in tpl.signals:
-            x = ops[j].id
-            d = done[x]
-            if d is not None:
-                if d.waiters or x in outside:
-                    soon(d.signal)
-                else:       # awaited only inside the pass, by nobody now: no callback needed
-                    d.waiters = None
-        self.waited = 0
-        self.run()
-
 
 class _Engine:
     """What the streams share: the clock, the processor-sharing model, the cost model, the
-    ends of the ops others wait for and every op's timing; and the passes recorded and replayed
-    (see [Note: pipeline pass replay])."""
+    ends of the ops others wait for and every op's timing; and, for a 1F1B pipeline, the
+    observer that records and replays its passes (pass_replay.PassReplay)."""
 
     def __init__(self, schedule: Schedule, cluster, precision: str, replay: bool):
         cost = CostModel(cluster, precision, schedule.zero_stage, schedule.host, schedule.pipeline, schedule.tensor,
@@ -278,107 +279,12 @@ class _Engine:
         # only be another pass of the loop)
         awaited = {d for op in schedule.ops for d in op.deps}
         self.done = [_Done() if i in awaited else None for i in range(n)]
-        self.replayed = [False] * n
-        self.firsts: dict[int, Block] = {}
-        self.active: dict[int, Recording] = {}          # stage -> its pass being recorded or replayed
-        self.templates: dict[tuple, list[Template]] = {}   # a pass's shape -> its recordings
-        self.placed: dict[tuple, Template] = {}            # (shape, stage) -> the recording it replays
+        self.replayed = [False] * n      # ops whose pass was replayed: their streams skip them
         self.stage_runs: dict[int, list[_StreamRun]] = {}
-        self.touched: dict[tuple, tuple[int, ...]] = {}
-        self.block_of: list[int] = []
-        if replay:
-            gpu = cluster.profile.gpu
-            blocks, self.block_of = find_blocks(schedule, not gpu.concurrent_streams, bool(gpu.fresh_alloc_GBps))
-            self.firsts = {b.first_id: b for b in blocks}
-
-    def begin(self, block: Block, run: _StreamRun) -> bool:
-        """At the first op of `block`: replay it (True) when a pass of its shape was recorded,
-        else record it; neither unless it starts isolated (see [Note: pipeline pass replay])."""
-        s = block.pipe_stage
-        if s in self.active or self.fluid.touching.get(s):
-            return False
-        for other in self.stage_runs[s]:
-            if other is not run and other.i < len(other.ops) and (other.waited or other.ops[other.i].id < block.first_id):
-                return False
-        timings = self.timings
-        if any(timings[d] is None for d in block.external):
-            return False
-        now = self.clock.env.now
-        tpl = self.placed.get((block.key, s))
-        if tpl is None:
-            tpl = self._recorded_alike(block)
-        if tpl is None:
-            self.active[s] = Recording(block, now)
-            return False
-        self.active[s] = Recording(block, now, tpl)
-        replayed = self.replayed
-        for op in block.ops:
-            replayed[op.id] = True
-        self.clock.after(tpl.duration_s, run.replayed)
-        return True
-
-    def _recorded_alike(self, block: Block) -> Template | None:
-        """A recording of `block`'s shape whose ops cost what `block`'s cost on its stage."""
-        assert block.key is not None      # find_blocks keys every block
-        for tpl in self.templates.get(block.key, ()):
-            if all(cost_shape(self.op_cost(op)) == cost for op, cost in zip(block.ops, tpl.costs)):
-                self.placed[(block.key, block.pipe_stage)] = tpl
-                return tpl
-        return None
-
-    def _ranks(self, links: tuple[str, ...], stage: int) -> tuple[int, ...]:
-        """The ranks an op of `stage` over `links` touches: its own and those its links cross."""
-        key = (links, stage)
-        ranks = self.touched.get(key)
-        if ranks is None:
-            ranks = self.touched[key] = tuple(sorted({stage, *self.fluid.ranks(links)}))
-        return ranks
-
-    def watch_start(self, op: Op, cost, start_s: float):
-        """An op starts while passes are recorded or replayed: one from outside a pass that
-        touches its stage spoils the recording or ends the replay (ReplayConflict)."""
-        bi = self.block_of[op.id]
-        active = self.active
-        ranks = self._ranks(cost.links, op.pipe_stage)
-        self._guard(op, ranks, bi)
-        rec = active.get(op.pipe_stage)
-        if rec is not None and rec.block.index == bi:
-            if ranks != (op.pipe_stage,):
-                rec.spoiled = True      # the pass itself reaches another stage's rank
-            j = rec.block.pos[op.id]
-            rec.starts[j] = start_s
-            rec.costs[j] = cost_shape(cost)
-            rec.effects.append((False, j, start_s))
-
-    def _guard(self, op: Op, ranks: tuple[int, ...], bi: int):
-        active = self.active
-        for r in ranks:
-            rec = active.get(r)
-            if rec is not None and rec.block.index != bi:
-                if rec.replay:
-                    raise ReplayConflict(f"stage {r}: op {op.id} touched it during a replayed pass")
-                rec.spoiled = True
-
-    def watch_work(self, op: Op, links: tuple[str, ...]):
-        """An op's work starts after its fixed time while passes are recorded or replayed: the
-        same check as at its start (it may have started before the pass did)."""
-        self._guard(op, self._ranks(links, op.pipe_stage), self.block_of[op.id])
-
-    def watch_end(self, op: Op, end_s: float):
-        rec = self.active.get(op.pipe_stage)
-        if rec is None or rec.replay or rec.block.index != self.block_of[op.id]:
-            return
-        j = rec.block.pos[op.id]
-        rec.ends[j] = end_s
-        rec.effects.append((True, j, end_s))
-        rec.ended += 1
-        if rec.ended == len(rec.block.ops):
-            del self.active[op.pipe_stage]
-            tpl = finish(rec, end_s)
-            if tpl is not None:
-                assert rec.block.key is not None
-                self.templates.setdefault(rec.block.key, []).append(tpl)
-                self.placed[(rec.block.key, rec.block.pipe_stage)] = tpl
+        self.passes = PassReplay(self, schedule, cluster, OpTiming) if replay else None
+        # the streams' quick checks: a pass's first op, and a pass being recorded or replayed
+        self.firsts: dict[int, Block] = self.passes.firsts if self.passes else {}
+        self.active: dict[int, Recording] = self.passes.active if self.passes else {}
 
 
 def run_ops(schedule: Schedule, cluster, precision: str) -> tuple[list[OpTiming], list[Ledger]]:

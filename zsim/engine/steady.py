@@ -3,7 +3,7 @@ as a few periods past its warm-up.
 
 Micro-steps between the first and the last of an accumulation window are the same ops
 (DeepSpeed runs the same hooks, gathers and reductions every micro-step; only the first
-and the boundary micro-step differ). The step is built with four micro-steps (three first for
+and the boundary micro-step differ). The step is built (zsim/simulate.py) with four micro-steps (three first for
 ZeRO-2 with its optimizer on the GPU; five or six when the middle ones take longer to settle):
 the first, the middle ones, the boundary one. When the
 last middle micro-step runs exactly as the one before did, one period later (every op
@@ -31,25 +31,9 @@ from __future__ import annotations
 
 import sys
 
-from zsim.engine.layer_repeat import LayeredRepeat, nest, run_layers, simulate_layers
-from zsim.engine.sim import Repeat, Trace, collector_paused, run_ops, simulate, stage_peaks
-from zsim.schedule.build import build_schedule
+from zsim.engine.sim import Repeat
 from zsim.schedule.ir import OpKind, Schedule
-from zsim.specs.scenario import Scenario
-from zsim.workload.module import Workload
 
-# the first, two middle micro-steps (the second repeating the first), the boundary one; one or two
-# more when the first middle one is still settling from the first micro-step (a reduction of its
-# shape runs into it). Under ZeRO-3 with parameters on the GPU it always is for a window opened
-# by a forward (find_repeat: on every test variant four never sufficed), but a window opened by
-# the backward (find_backward_repeat) has settled by then: four sufficed on every test variant.
-# ZeRO-2 with its optimizer on the GPU (and the BF16_Optimizer) keeps no 16-bit .grad from one
-# micro-step to the next, and its first micro-step settles before the second one's backward:
-# three micro-steps (the first, one middle, the boundary) sufficed for 18 of 19 random ZeRO-2
-# configurations and every such test variant, none at ZeRO-1 or with an offloaded optimizer.
-# Only speed depends on this: a repeat is used only when checked exact.
-SIMULATED_MICRO_STEPS = (4, 5, 6)
-SHORT_SIMULATED_MICRO_STEPS = (3, 4, 5, 6)
 # two periods agree when every op's start and end agree to this fraction of the step
 _REL_TOL = 1e-12
 
@@ -61,64 +45,6 @@ def _tolerance(timings, window_ops: int) -> float:
     rounding reaches ~1e-11 of the step (Qwen3-30B-A3B, ZeRO-3, 8 GPUs: its middle micro-steps
     agree to 1.1e-11 s on an 11 s step); below ~4,500 ops a window has the plain _REL_TOL."""
     return max(_REL_TOL, window_ops * sys.float_info.epsilon) * max(max(t.end_s for t in timings), 1.0)
-
-
-def simulate_scenario(sc: Scenario, steady: bool = True) -> tuple[Workload, Trace]:
-    """Build and simulate the step of `sc`; `steady=False` simulates every micro-step."""
-    with collector_paused():
-        return _simulate(sc, steady)
-
-
-def _simulate(sc: Scenario, steady: bool) -> tuple[Workload, Trace]:
-    gas = sc.gradient_accumulation_steps
-    pipeline = sc.pipeline_stages > 1
-    wl = None
-    spent = 0   # micro-steps simulated in attempts: never more than the full step's
-    # Megatron's interleaved schedule runs micro-batches in groups of `pipeline` through every
-    # chunk: its period is a group of micro-steps, 1F1B's one micro-step
-    stride = sc.pipeline_stages if sc.parallelism.virtual_stages > 1 else 1
-    settles_early = ((sc.zero.stage == 2 or sc.deepspeed.uses_bf16_optimizer)
-                     and sc.zero.optimizer_offload_device == "none")
-    attempts = (_pipeline_micro_steps(sc.pipeline_stages, stride) if pipeline
-                else SHORT_SIMULATED_MICRO_STEPS if settles_early else SIMULATED_MICRO_STEPS)
-    for micro_steps in attempts if steady else ():
-        spent += micro_steps
-        if gas <= micro_steps or spent > gas:
-            break
-        wl, reduced = build_schedule(sc, wl, micro_steps=micro_steps, skip_layers=not pipeline)
-        # each micro-step's identical layers simulated once (layer_repeat.py)
-        out = (run_layers(reduced, wl, sc.cluster, sc.precision) if not pipeline
-               else (reduced, *run_ops(reduced, sc.cluster, sc.precision), None))
-        if out is None:     # layers the builder left out did not run alike: every layer built
-            wl, reduced = build_schedule(sc, wl, micro_steps=micro_steps)
-            out = run_layers(reduced, wl, sc.cluster, sc.precision)
-        simulated, timings, ledgers, layers = out
-        events = tuple(ledger.events() for ledger in ledgers)
-        repeat: Repeat | LayeredRepeat | None
-        if pipeline:
-            repeat = find_pipeline_repeat(simulated, timings, events, micro_steps, gas, stride)
-        else:
-            repeat = (find_repeat(simulated, timings, events, micro_steps, gas)
-                      or find_backward_repeat(simulated, timings, events, micro_steps, gas))
-        if repeat is not None and layers is not None:
-            repeat = nest(repeat, layers)
-        if repeat is not None:
-            end = repeat.shift_s(max(t.end_s for t in timings))
-            ops = repeat.step_ops(reduced.full_ops)
-            if not pipeline:
-                return wl, Trace(simulated, tuple(timings), events[0], end, ops, repeat)
-            peaks, worst = stage_peaks(events)
-            return wl, Trace(reduced, tuple(timings), events[worst], end, ops, repeat,
-                             stage_ledger_events=events, worst_stage=worst, stage_peaks_bytes=peaks)
-    wl, schedule = build_schedule(sc, wl, skip_layers=steady and not pipeline)
-    if steady and not pipeline:   # the step's identical layers, simulated once (layer_repeat.py)
-        trace = simulate_layers(schedule, wl, sc.cluster, sc.precision)
-        if trace is None:   # layers the builder left out did not run alike: every layer built
-            wl, schedule = build_schedule(sc, wl)
-            trace = simulate_layers(schedule, wl, sc.cluster, sc.precision)
-        assert trace is not None    # every layer built: nothing left out to disagree
-        return wl, trace
-    return wl, simulate(schedule, sc.cluster, sc.precision)
 
 
 def _shifted(pairs, timings, period: float, tol: float) -> bool:
@@ -161,26 +87,6 @@ def find_repeat(schedule: Schedule, timings, stage_events, micro_steps: int, gas
     if any(timings[op.id].end_s > lo for op in settling) or not _balanced(stage_events[0], lo, hi):
         return None
     return Repeat(micro, gas - micro_steps + 1, period, lo, hi, frozenset(op.id for op in repeated))
-
-
-def _pipeline_micro_steps(stages: int, stride: int) -> tuple[int, ...]:
-    """A pipeline of `stages` stages settles into its 1F1B period a micro-step after the last
-    stage's first backward (stage 0 then runs one forward and one backward per period), one
-    later where the first micro-step's backwards are shorter than the others (ZeRO-0/1 create
-    the .grads there that later micro-steps add into: see [Note: gradient accumulation add]):
-    the shortened step runs stages + 4 micro-steps, so that the window (stage 0's forward of
-    micro-step stages + 2 to that of stages + 3) and the period before it are both steady
-    (stages + 3 held on every 1F1B variant tried before the add, PP 2-8, checkpointing,
-    ZeRO-0/1, TP, fp16/bf16, 144 cases; with it PP 2 and 4 need stages + 4), and a step that
-    has not settled falls back to 2 x stages + 4. The interleaved schedule's
-    period is a group of `stride` (= stages) micro-steps: rank 0 warms up for
-    2 (p - 1) + (v - 1) p of its p v forwards per group (get_pp_rank_microbatches) and runs its
-    first backward of chunk 0 (the last chunk's to start its gradients) (v - 1) p backwards
-    later, in its second group of forwards; the period before the window starts in the third
-    group, the window ends at the fifth's first forward (five groups), or two groups later."""
-    if stride > 1:
-        return (5 * stride, 7 * stride)
-    return (stages + 4, 2 * stages + 4)
 
 
 def find_pipeline_repeat(schedule: Schedule, timings, stage_events, micro_steps: int, gas: int,
