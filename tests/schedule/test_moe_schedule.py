@@ -141,17 +141,27 @@ def _gathers(**changes):
     return [op.payload for op in comm_ops(sched, OpKind.PARAM_GATHER) if op.phase == Phase.FORWARD]
 
 
+V4 = {"training.experts_implementation": "modules"}
+NOT_LEAF = {"training.z3_leaf_moe_block": False}
+
+
 def test_zero3_leaf_moe_block_gathers_all_experts_at_once_else_per_expert_module():
-    leaf = [g.visit for g in _gathers()]
-    per_module = [g.visit for g in _gathers(**{"training.z3_leaf_moe_block": False})]
-    assert leaf.count("layers.0.mlp") == 1 and not [v for v in leaf if ".experts." in v]
-    experts = [v for v in per_module if v.startswith("layers.0.mlp.experts.")]
-    assert len(experts) == 4 * 3     # gate, up and down projection of each expert
-    assert "layers.0.mlp.gate" in per_module
-    block = next(g for g in _gathers() if g.visit == "layers.0.mlp")
-    per_expert_numel = sum(g.comm.numel for g in _gathers(**{"training.z3_leaf_moe_block": False})
-                           if g.visit.startswith("layers.0.mlp."))
-    assert block.comm.numel == per_expert_numel
+    for layout in ({}, V4):
+        leaf = [g.visit for g in _gathers(**layout)]
+        assert leaf.count("layers.0.mlp") == 1 and not [v for v in leaf if ".experts" in v]
+        block = next(g for g in _gathers(**layout) if g.visit == "layers.0.mlp")
+        apart = [g for g in _gathers(**layout, **NOT_LEAF) if g.visit.startswith("layers.0.mlp.")]
+        assert "layers.0.mlp.gate" in [g.visit for g in apart]
+        assert block.comm.numel == sum(g.comm.numel for g in apart)
+    # transformers 4: gate, up and down projection of each expert, each its own module's fetch
+    experts = [g.visit for g in _gathers(**V4, **NOT_LEAF) if g.visit.startswith("layers.0.mlp.experts.")]
+    assert len(experts) == 4 * 3
+    # transformers 5: the experts module's own hooks fetch its two 3D parameters in one visit
+    # (see [Note: transformers 5 MoE experts])
+    experts5 = [g for g in _gathers(**NOT_LEAF) if g.visit.startswith("layers.0.mlp.experts")]
+    assert [g.visit for g in experts5] == ["layers.0.mlp.experts"]
+    # 4 experts' gate_up (2 x 1024 x 256) and down (256 x 1024) weights and their biases (2 x 1024, 256)
+    assert experts5[0].comm.numel == 4 * (3 * 256 * 1024 + 2 * 1024 + 256)
 
 
 def test_zero3_leaf_block_memory_balances_in_every_phase():

@@ -129,3 +129,52 @@ def test_bad_moe_specs_are_refused():
         build(MoESpec, dict(experts=4, top_k=5), "model.moe")
     with pytest.raises(ZsimInputError, match="shared_experts"):
         build(MoESpec, dict(experts=4, top_k=1, shared_expert_gate=True), "model.moe")
+
+
+# -- transformers 5's experts (see [Note: transformers 5 MoE experts]) -------------------------
+def _layer0_mlp(impl: str, base=MIXTRAL, micro_batch: int = 1, seq_len: int = 4096):
+    wl = build_workload(_spec(base), micro_batch, seq_len, "bf16", flash_attention=True, dropout=False,
+                        experts_implementation=impl)
+    return wl, [m for m in wl.modules if m.name.startswith("layers.0.mlp.")]
+
+
+def test_grouped_experts_are_two_3d_parameters_a_block_with_the_same_counts_and_flops():
+    wl5, mods5 = _layer0_mlp("grouped_mm")
+    wl4, mods4 = _layer0_mlp("modules")
+    assert wl5.n_params == wl4.n_params == 46_702_792_704
+    experts = [m for m in mods5 if m.params and m.expert is not None]
+    assert [m.name for m in experts] == ["layers.0.mlp.experts.gate_up_proj", "layers.0.mlp.experts.fc_out"]
+    # gate_up_proj [8, 2 x 14336, 4096] and down_proj [8, 4096, 14336]
+    assert [wl5.params[m.params[0]].numel for m in experts] == [8 * 2 * 14336 * 4096, 8 * 4096 * 14336]
+    assert sum(m.fwd_flops for m in mods5) == pytest.approx(sum(m.fwd_flops for m in mods4), rel=1e-12)
+    assert sum(m.model_fwd_flops for m in mods5) == pytest.approx(sum(m.model_fwd_flops for m in mods4), rel=1e-12)
+    assert sum(m.act_bytes for m in mods5) == pytest.approx(sum(m.act_bytes for m in mods4), rel=1e-12)
+    # 3 params a expert under transformers 4 (w1, w3, w2), 2 a block under 5
+    assert sum(len(m.params) for m in mods4 if m.expert is not None) == 8 * 3
+
+
+def test_grouped_mm_is_one_gemm_per_projection_and_eager_one_per_expert():
+    from zsim.schedule.passes import linear_gemms
+    rows = 4096 * 2 // 8     # tokens x top-2 over 8 experts
+    (gate_up,) = [m for m in _layer0_mlp("grouped_mm")[1] if m.name.endswith("gate_up_proj")]
+    assert linear_gemms(gate_up, False) == ((8 * rows, 2 * 14336, 4096),)
+    # dgrad stacks the experts' rows, wgrad their weights, each reduced over its own rows
+    assert linear_gemms(gate_up, True) == ((8 * rows, 4096, 2 * 14336), (8 * 2 * 14336, 4096, rows))
+    assert (gate_up.kernels_fwd, gate_up.kernels_bwd) == (1, 2)
+    (eager,) = [m for m in _layer0_mlp("eager")[1] if m.name.endswith("gate_up_proj")]
+    assert linear_gemms(eager, False) == ((rows, 2 * 14336, 4096),) * 8
+    assert linear_gemms(eager, True) == ((rows, 4096, 2 * 14336),) * 8 + ((2 * 14336, 4096, rows),) * 8
+    assert (eager.kernels_fwd, eager.kernels_bwd) == (8, 16)
+
+
+def test_peft_and_bitsandbytes_see_no_linear_in_a_transformers_5_moe_block():
+    from zsim.specs.scenario import LoraSpec, TrainingSpec
+    from zsim.workload.lora import apply_training, trainable_params
+    lora = TrainingSpec(lora=LoraSpec(rank=8, target_modules="all-linear"))
+    wl5 = apply_training(_layer0_mlp("grouped_mm", seq_len=64)[0], lora, zero3_linear=False)
+    wl4 = apply_training(_layer0_mlp("modules", seq_len=64)[0], lora, zero3_linear=False)
+    adapters5 = {m.name.rsplit(".lora_", 1)[0] for m in wl5.modules if ".lora_" in m.name}
+    adapters4 = {m.name.rsplit(".lora_", 1)[0] for m in wl4.modules if ".lora_" in m.name}
+    assert not [n for n in adapters5 if ".mlp." in n]           # neither the router nor the experts
+    assert "layers.0.mlp.gate" in adapters4 and "layers.0.mlp.experts.0.fc_out" in adapters4
+    assert trainable_params(wl5) < trainable_params(wl4)

@@ -99,16 +99,26 @@ def test_zero3_gathers_the_packed_bytes():
 
 
 def test_mixtral_qlora_base_weights_one_gpu():
-    # Mixtral-8x7B (46.7 B) on one GPU, ZeRO-0: the QLoRA base weights hold 24.5 GB (22.8 GiB) against
-    # 93.4 GB (87.0 GiB) in bf16
+    # Mixtral-8x7B (46.7 B) on one GPU, ZeRO-0: under transformers 4 (experts as nn.Linear modules)
+    # the QLoRA base weights hold 24.5 GB (22.8 GiB) against 93.4 GB (87.0 GiB) in bf16
     base = {"model": {"hf_config": str(ROOT / "scenarios/hub/mistralai--Mixtral-8x7B-v0.1.json")}, "hardware.gpus_per_node": 1, "training.seq_len": 512,
             "training.micro_batch_size": 1, "deepspeed.zero_optimization.stage": 0,
             "training.lora": {"rank": 8, "target_modules": ["q_proj", "v_proj"]}}
-    wl = workload_for(scenario(**base, **{"training.quantization": "nf4", "training.double_quant": True}))
+    nf4 = {"training.quantization": "nf4", "training.double_quant": True}
+    wl = workload_for(scenario(**base, **nf4, **{"training.experts_implementation": "modules"}))
     stored = sum(wl.stored_numels(2)) * 2 + wl.quant_state_bytes
     assert 22.5 * 2**30 < stored < 23 * 2**30
     wl16 = workload_for(scenario(**base))
     assert 86 * 2**30 < wl16.n_params * 2 < 88 * 2**30
+    # transformers 5: bitsandbytes replaces nn.Linear modules only, and the experts are 3D
+    # parameters (see [Note: transformers 5 MoE experts]): 45.1 B of the 46.7 B stay bf16
+    wl5 = workload_for(scenario(**base, **nf4))
+    experts = sum(p.numel for p in wl5.params if p.expert)
+    assert experts == 32 * 8 * 3 * 4096 * 14336      # layers x experts x (w1, w3, w2) x hidden x ffn
+    assert all(p.packed_bytes is None for p in wl5.params if p.expert)
+    # 84.0 GiB of bf16 experts, and the attention's nf4 weights, the embeddings and norms (1.14 GiB)
+    stored5 = sum(wl5.stored_numels(2)) * 2 + wl5.quant_state_bytes
+    assert 85 * 2**30 < stored5 < 85.5 * 2**30
 
 
 def test_refusals_are_one_line(tmp_path, capsys):

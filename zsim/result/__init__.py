@@ -151,7 +151,7 @@ class Result:
     host_time_s: dict[str, float]       # offload busy time per transfer kind / cpu_adam; ZERO3_RANK_LOOPS
     events: int                         # ops simulated
     warnings: tuple[str, ...]
-    implementation: str                 # TrainingSpec.implementation: attention and elementwise kernels
+    implementation: str                 # Scenario.implementation: attention, elementwise kernels, MoE experts
     # params with requires_grad (LoRA adapters, what training.frozen leaves); None when all are
     # trained, and then left out of the JSON
     trainable_params: int | None = None

@@ -319,7 +319,7 @@ def _summarize(sc: Scenario, wl: Workload, trace: Trace) -> Result:
         host_time_s=dict(sorted(ops.host_time_s.items())),
         events=trace.events_processed,
         warnings=tuple(sc.warnings),
-        implementation=sc.training.implementation,
+        implementation=sc.implementation,
         trainable_params=None if trained == n_params else trained,
         reference_params=reference or None,
         moe=_moe(sc, wl),

@@ -41,7 +41,7 @@ def training_workload(model, micro_batch_size: int, seq_len: int, precision: str
                         dropout=training.dropout,
                         fused_cross_entropy=training.fused_cross_entropy,
                         kernels=training.kernels_used, attn_implementation=training.attn_implementation_used,
-                        padding_mask=training.padding_mask,
+                        padding_mask=training.padding_mask, experts_implementation=training.experts_implementation,
                         expert_parallel_size=expert_parallel_size, tensor=tensor,
                         sequence_parallel=sequence_parallel)
     return apply_training(with_reference(wl, training), training, zero3_linear=zero3_linear)

@@ -102,10 +102,16 @@ def moe_blocks_are_leaves(sc) -> bool:
 
 
 def zero3_leaves(wl, leaf_moe_block: bool) -> dict[str, tuple[int, ...]]:
-    """`z3_leaf_blocks` of a ZeRO-3 run of `wl`; `leaf_moe_block`: `moe_blocks_are_leaves`."""
-    if not leaf_moe_block:
-        return {}
-    params: dict[str, set[int]] = {block: set() for block in moe_blocks(wl).values()}
+    """`z3_leaf_blocks` of a ZeRO-3 run of `wl`; `leaf_moe_block`: `moe_blocks_are_leaves`. Without
+    leaf blocks, a transformers 5 experts module is still one fetch of its two 3D parameters (its
+    own hooks fetch its direct parameters; its act_fn holds none: see [Note: transformers 5 MoE
+    experts]), which zsim builds as three modules: their container is the leaf."""
+    if leaf_moe_block:
+        params: dict[str, set[int]] = {block: set() for block in moe_blocks(wl).values()}
+    else:
+        params = {m.containers[-1]: set() for m in wl.modules if m.groups > 1}
+        if not params:
+            return {}
     for m in wl.modules:     # one walk over the modules, not one per block
         for c in m.containers:
             if c in params:

@@ -2,6 +2,8 @@
 each checkpointing mode. Stage behaviour plugs in through StageHooks (context.py)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from typing import overload
 
 from zsim.schedule.context import StageHooks, StepContext
@@ -48,11 +50,16 @@ def linear_gemms(module: Module, backward: bool) -> tuple:
     if module.gemm is None:
         return ()
     m, n, k = module.gemm
+    g = module.groups
+    if g > 1 and not module.grouped_mm:     # one GEMM per expert (see [Note: transformers 5 MoE experts])
+        return tuple(x for gemm in linear_gemms(replace(module, gemm=(m // g, n, k), groups=1), backward)
+                     for x in (gemm,) * g)
     if not backward:
         return ((m, n, k),)
     # backward: dgrad (m x k from m x n . n x k) and wgrad (n x k from n x m . m x k), each only
-    # where autograd needs it (a frozen weight has no wgrad, an input without grad no dgrad)
-    return ((m, k, n),) * module.input_grad + ((n, k, m),) * module.weight_grad
+    # where autograd needs it (a frozen weight has no wgrad, an input without grad no dgrad);
+    # a grouped GEMM's wgrad is `g` weights, each over its own m / g rows
+    return ((m, k, n),) * module.input_grad + ((g * n, k, m // g),) * module.weight_grad
 
 
 def _saved_bytes(ctx: StepContext, module: Module) -> float:

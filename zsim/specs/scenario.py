@@ -180,10 +180,17 @@ class TrainingSpec:
                   "DeepSpeed-MoE), megatron_deepspeed (also Megatron tensor/sequence parallelism); default: "
                   "hf_trainer when the ds_config holds \"auto\" values (only the HF Trainer and accelerate "
                   "fill them), else not stated: every layout zsim models")
+    experts_implementation: Literal["grouped_mm", "eager", "modules"] = spec(
+        "grouped_mm", doc="a Hugging Face (dropless) MoE block's routed experts as transformers runs them (see "
+                          "[Note: transformers 5 MoE experts]): grouped_mm (transformers 5's default: two 3D "
+                          "parameters per block, one grouped GEMM per projection), eager (the same parameters, "
+                          "one GEMM per expert), modules (transformers 4: an nn.ModuleList of expert MLPs, three "
+                          "parameters each)")
     z3_leaf_moe_block: bool = spec(True, doc="ZeRO-3: each MoE block is a leaf module (deepspeed.utils."
                                    "set_z3_leaf_modules; DeepSpeed 0.19.8's default zero_optimization.leaf_module "
                                    "for Mixtral/Qwen2-MoE/Qwen3-MoE) and gathers all its experts at once; false: "
-                                   "one fetch per expert module")
+                                   "the router and the experts fetched apart (one fetch per expert module under "
+                                   "experts_implementation: modules)")
 
     def __post_init__(self):
         if self.attn_implementation not in (None, "eager") and not self.flash_attention:
@@ -246,6 +253,19 @@ class Scenario:
 
     # Resolved values (DeepSpeed's batch rule, precision): the simulator reads these; the loader
     # (zsim.config.scenario) resolves every one before a Scenario is made.
+    @property
+    def implementation(self) -> str:
+        """TrainingSpec.implementation, and a Hugging Face MoE's experts (see [Note: transformers 5
+        MoE experts]), as the table and JSON show it."""
+        moe = self.model.moe
+        if moe is None or moe.dispatch != "dropless":
+            return self.training.implementation
+        impl = self.training.experts_implementation
+        experts = {"grouped_mm": "grouped_mm (transformers 5: one grouped GEMM per projection)",
+                   "eager": "eager (transformers 5: one GEMM per expert)",
+                   "modules": "modules (transformers 4: one MLP module per expert)"}[impl]
+        return f"{self.training.implementation}; experts {experts}"
+
     @property
     def micro_batch_size(self) -> int:
         value = self.deepspeed.train_micro_batch_size_per_gpu

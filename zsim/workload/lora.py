@@ -60,13 +60,20 @@ PEFT_NAMES: dict[str, tuple[str, ...]] = {
 ALL_LINEAR = "all-linear"
 
 
+def _peft_linear(m: Module) -> bool:
+    """A module PEFT's target_modules can wrap (and bitsandbytes quantize): an nn.Linear, not a
+    transformers 5 MoE block's router or grouped experts (bare parameters: see [Note: transformers
+    5 MoE experts])."""
+    return m.kind == ModuleKind.LINEAR and m.nn_linear
+
+
 def _matches(name: str, suffix: str) -> bool:
     return name == suffix or name.endswith("." + suffix)
 
 
 def _select(modules, key: str, path: str, linear_only: bool, containers: bool = False) -> set[int]:
     found = {i for i, m in enumerate(modules)
-             if (m.kind == ModuleKind.LINEAR or not linear_only) and m.params and not m.no_grad
+             if (_peft_linear(m) or not linear_only) and m.params and not m.no_grad
              and any(_matches(n, s) for s in PEFT_NAMES.get(key, (key,))
                      for n in ((m.name,) + (m.containers if containers else ())))}
     if not found:
@@ -80,7 +87,7 @@ def _targets(modules, lora: LoraSpec) -> set[int]:
     keys = lora.target_modules
     if keys == ALL_LINEAR:   # PEFT's shorthand: every linear but the output layer
         return {i for i, m in enumerate(modules)
-                if m.kind == ModuleKind.LINEAR and m.name != "lm_head" and not m.no_grad}
+                if _peft_linear(m) and m.name != "lm_head" and not m.no_grad}
     if keys is None:         # PEFT's default for llama/mistral/opt (q_proj, v_proj), gpt2/neox/bloom (c_attn)
         fused = any(_matches(m.name, "attn.qkv") for m in modules)
         keys = ("attn.qkv",) if fused else ("q_proj", "v_proj")
@@ -187,7 +194,7 @@ def _quantized(wl: Workload, training: TrainingSpec, frozen: set[int], saved: se
     # a PEFT reference forward uses the same weights (see [Note: preference training]): not a tie
     uses = Counter(p for m in wl.modules if not m.no_grad for p in m.params)
     return {m.params[0]: m for i, m in enumerate(wl.modules)
-            if m.kind == ModuleKind.LINEAR and m.name != "lm_head" and i not in saved and m.params and not m.no_grad
+            if _peft_linear(m) and m.name != "lm_head" and i not in saved and m.params and not m.no_grad
             and m.params[0] in frozen and uses[m.params[0]] == 1}
 
 
@@ -273,7 +280,7 @@ def _backward_of(m: Module, input_grad: bool, weight_grad: bool, a: int, keeps_i
     saved_input = tokens * n_in * a if m.act_bytes >= tokens * n_in * a else 0.0
     act = m.act_bytes - (0.0 if keeps_input else saved_input)
     return replace(m, input_grad=input_grad, weight_grad=weight_grad, bwd_flops=gemm_flops * (input_grad + weight_grad),
-                   kernels_bwd=int(input_grad) + int(weight_grad), act_bytes=act,
+                   kernels_bwd=(int(input_grad) + int(weight_grad)) * (1 if m.grouped_mm else m.groups), act_bytes=act,
                    bwd_workspace_bytes=tokens * n_in * a if input_grad else 0.0)
 
 

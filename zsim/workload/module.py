@@ -112,6 +112,14 @@ class Module:
     # its tensor-parallel communication, and the width of the activation tensor it moves
     tensor_role: TensorRole | None = None
     tensor_width: int = 0
+    # a grouped linear (see [Note: transformers 5 MoE experts]): `groups` experts' weight
+    # matrices in one 3D parameter, each over its own rows (`gemm` counts the rows of all groups);
+    # grouped_mm: one kernel over every group (torch's grouped_mm), else one GEMM per group
+    groups: int = 1
+    grouped_mm: bool = True
+    # an nn.Linear (or Conv1D) in the model's code: the modules PEFT's target_modules and
+    # bitsandbytes replace; transformers 5's MoE routers and experts hold bare parameters
+    nn_linear: bool = True
 
     @property
     def bwd_workspace(self) -> float:

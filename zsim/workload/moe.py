@@ -47,6 +47,25 @@ def expert_tokens(moe: MoESpec, tokens: int, ep_size: int) -> int:
     return ep_size * math.ceil(tokens * moe.top_k / moe.experts)
 
 
+# [Note: transformers 5 MoE experts]
+# transformers 5 keeps a MoE block's routed experts as one module of 3D parameters, not v4's
+# nn.ModuleList of expert MLPs: gate_up_proj [experts, 2 x moe_intermediate, hidden] (gate and
+# up concatenated) and down_proj [experts, hidden, moe_intermediate], plus their biases in
+# gpt-oss (models/qwen3_moe/modeling_qwen3_moe.py Qwen3MoeExperts; Mixtral, Qwen2-MoE,
+# DeepSeek-V3 and gpt-oss alike). Its forward is picked by `experts_implementation`
+# (integrations/moe.py use_experts_implementation): from_pretrained's default is grouped_mm
+# wherever torch's grouped_mm runs (modeling_utils.get_correct_experts_implementation: CUDA
+# SM80+, CPU with torch >= 2.9; every zsim profile), which sorts the routed rows by expert and
+# runs each projection as ONE grouped GEMM over all experts (grouped_mm_experts_forward);
+# eager loops over the experts, one F.linear (and its elementwise kernels) per expert. To
+# DeepSpeed the experts are then two parameters per layer: ZeRO-3 gathers them with the block
+# and reduces two gradients, not three per expert; PEFT's target_modules cannot wrap them (no
+# nn.Linear; nor the router, a bare weight too: Qwen3MoeTopKRouter) and bitsandbytes leaves
+# them 16-bit. training.experts_implementation picks
+# grouped_mm (default), eager, or modules (transformers 4's per-expert modules). A grouped GEMM
+# is priced as one GEMM of all routed rows (passes.linear_gemms: forward and dgrad stack the
+# groups along the rows, wgrad along the output features, each reduced over its own rows),
+# every expert at the balanced mean load; the kernel's per-group tile padding is not charged.
 def moe_mlp(bld: Builder, layer_pfx: str, layer: int, ep_size: int) -> None:
     """The MoE block in the MLP slot of block `layer` (modules named `layer_pfx`.mlp.*)."""
     m, moe, t, a = bld.m, bld.m.moe, bld.t, bld.a
@@ -65,15 +84,23 @@ def moe_mlp(bld: Builder, layer_pfx: str, layer: int, ep_size: int) -> None:
                    extra_act=t * h * FP32_BYTES + t * n_experts * FP32_BYTES)
     else:
         # HF: router_logits in the activation dtype (kept for the load-balancing loss), the
-        # routing weights softmax(..., dtype=float) in fp32
-        bld.linear(f"{pfx}.gate", layer, h, n_experts, False, extra_act=t * n_experts * (a + FP32_BYTES))
+        # routing weights softmax(..., dtype=float) in fp32; transformers 5's router is a bare
+        # weight under F.linear (Qwen3MoeTopKRouter), 4's an nn.Linear
+        bld.linear(f"{pfx}.gate", layer, h, n_experts, False, extra_act=t * n_experts * (a + FP32_BYTES),
+                   nn_linear=bld.experts_implementation == "modules")
     # scatter the tokens into the per-expert rows (keeps only the int64 slots)
     bld.activation(f"{pfx}.dispatch", layer, flops=0.0, fwd_mem=t * h * a + routed_bytes,
                    bwd_mem=t * h * a + routed_bytes, act=t * k * INDEX_BYTES, fwd_workspace=routed_bytes)
     width = moe.expert_ffn_hidden or m.ffn
-    for j in range(local):
-        bld.scope, bld.expert = (layer_pfx, pfx, f"{pfx}.experts", f"{pfx}.experts.{j}"), j
-        bld.mlp(f"{pfx}.experts.{j}", layer, width, tokens=rows, model_tokens=mean_load, residual_add=False)
+    if moe.dispatch == "dropless" and bld.experts_implementation != "modules":
+        # see [Note: transformers 5 MoE experts]: every expert in two grouped linears
+        bld.scope, bld.expert = (layer_pfx, pfx, f"{pfx}.experts"), 0
+        bld.mlp(f"{pfx}.experts", layer, width, tokens=local * rows, model_tokens=local * mean_load,
+                residual_add=False, groups=local)
+    else:
+        for j in range(local):
+            bld.scope, bld.expert = (layer_pfx, pfx, f"{pfx}.experts", f"{pfx}.experts.{j}"), j
+            bld.mlp(f"{pfx}.experts.{j}", layer, width, tokens=rows, model_tokens=mean_load, residual_add=False)
     bld.scope, bld.expert = (layer_pfx, pfx), None
     # gate-weighted sum of the expert outputs back into token order, plus the residual add: keeps
     # the expert outputs and the fp32 combine weights (the gates' gradient needs both) and the

@@ -88,7 +88,7 @@ def build_workload(m: ModelSpec, micro_batch_size: int, seq_len: int, precision:
                    flash_attention: bool, dropout: bool, fused_cross_entropy: bool = False,
                    expert_parallel_size: int = 1, tensor: int = 1, sequence_parallel: bool = False,
                    kernels: str = "fused", attn_implementation: str | None = None,
-                   padding_mask: bool = False) -> Workload:
+                   padding_mask: bool = False, experts_implementation: str = "grouped_mm") -> Workload:
     """One rank's workload; with expert parallelism each MoE layer holds experts/ep_size experts
     (DeepSpeed-MoE's num_local_experts, deepspeed/moe/layer.py); with tensor parallelism the
     rank's slice of every split module (see the module docstring)."""
@@ -99,7 +99,7 @@ def build_workload(m: ModelSpec, micro_batch_size: int, seq_len: int, precision:
     a = DTYPE_BYTES[precision]
     attn = attn_implementation or ("flash_attention_2" if flash_attention else "eager")
     bld = Builder(m, t, a, dropout, tensor, sequence_parallel, kernels=kernels, attn_implementation=attn,
-                  padding_mask=padding_mask)
+                  padding_mask=padding_mask, experts_implementation=experts_implementation)
     drop = bld.drop
     # VocabParallelEmbedding and the vocab-parallel logits: each rank holds 1/tp of the
     # (padded) vocabulary (megatron/core/tensor_parallel/layers.py)
