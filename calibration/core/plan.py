@@ -64,6 +64,8 @@ def unsupported(sc) -> str | None:
         return "training.activation_checkpointing (the core runs without checkpointing; set none)"
     if sc.precision == "fp16":
         return "training.precision fp16 (no fp16 on CPU; use bf16 or fp32)"
+    if sc.model.mamba is not None:
+        return "model.mamba (the core has no Mamba mixer)"
     if sc.model.position not in ("learned",):
         return f"model.position {sc.model.position} (the core implements learned positions)"
     if sc.zero.offloaded:

@@ -78,8 +78,6 @@ _PENDING_BY_REASON = {
     "the recipe's Hub id is not in the empty test cache or scenarios/hub/ (no verbatim public copy of its "
     "config.json found yet)": (
         "axolotl/reward-model.yaml",),
-    "a model family zsim does not model (jamba: Mamba layers beside attention and MoE): refused in one line": (
-        "axolotl/jamba_qlora_deepspeed.yaml",),
 }
 PENDING: dict[str, str] = {f: reason for reason, files in _PENDING_BY_REASON.items() for f in files}
 

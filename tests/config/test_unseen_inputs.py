@@ -171,3 +171,22 @@ def test_llama_factory_v1_dpo_command(capsys):
     rc, err, _ = launched(capsys, "llamafactory-cli", "dpo", write("v0.yaml", "model_name_or_path: gpt3-1.3b\n"
                                                                       "stage: sft\n"))
     assert rc == 2 and "take a v1 recipe" in err[-1]
+
+
+def test_axolotl_experts_implementation_is_read(capsys):
+    # axolotl examples/expert_parallel/*.yaml (grouped_mm), examples/gemma4 (scattermoe,
+    # quantize_moe_experts): see [Note: transformers 5 MoE experts]
+    hub = str(Path(__file__).resolve().parents[2] / "scenarios/hub/Qwen--Qwen3-30B-A3B.json")
+    base = f"base_model: {hub}\nmicro_batch_size: 1\nsequence_len: 512\n"
+    rc, err, res = run(capsys, write("g.yaml", base + "experts_implementation: grouped_mm\n"), "--gpus", "8")
+    assert rc == 0 and res["implementation"].endswith("experts grouped_mm (transformers 5: one grouped GEMM per "
+                                                       "projection)"), err
+    rc, err, res = run(capsys, write("e.yaml", base + "experts_implementation: eager\n"), "--gpus", "8")
+    assert rc == 0 and "experts eager" in res["implementation"]
+    rc, err, res = run(capsys, write("s.yaml", base + "experts_implementation: scattermoe\n"
+                                     "quantize_moe_experts: true\n"), "--gpus", "8")
+    assert rc == 0 and "experts grouped_mm" in res["implementation"]
+    assert any("scattermoe: priced as grouped_mm" in line for line in err)
+    assert any("quantize_moe_experts" in line and "not modelled" in line for line in err)
+    rc, err, _ = run(capsys, write("b.yaml", base + "experts_implementation: batched_mm\n"), "--gpus", "8")
+    assert rc == 2 and err[-1].startswith("zsim: error: b.yaml: experts_implementation: 'batched_mm' is invalid")

@@ -20,8 +20,8 @@ from zsim.schedule.build import build_schedule
 ZERO = "deepspeed.zero_optimization"
 # a dropless many-expert model (Qwen3-MoE-like, small) as transformers 4 builds it: every expert
 # is four modules, so a micro-step holds thousands of ops; its gradient bucket flushes at another
-# expert in each layer (transformers 5's grouped experts are two modules a layer: see [Note:
-# transformers 5 MoE experts])
+# expert in each layer (transformers 5's grouped experts are two modules a layer:
+# see [Note: transformers 5 MoE experts])
 MANY_EXPERTS = {"training.experts_implementation": "modules", "model.layers": 6, "model.hidden": 256, "model.heads": 4, "model.glu": True, "model.norm": "rmsnorm",
                 "model.position": "rope", "model.bias": False,
                 "model.moe": {"experts": 64, "top_k": 8, "dispatch": "dropless", "expert_ffn_hidden": 128},

@@ -155,7 +155,18 @@ REAL = {
                          False),
     "DeepSeek-V3": (_shipped("deepseek-v3"), 671_026_404_352,
                     {0: 583_483_392, 2: 583_483_392, 3: 11_507_286_016}, False),
+    # Mamba mixers with a dense MLP (0), with the MoE block (1), attention with a dense MLP (4):
+    # transformers 5.25.0's JambaForCausalLM, the config.json's keys as the catalogue keeps them
+    # (the rest JambaConfig's defaults)
+    "Jamba-v0.1": (dict(model_type="jamba", architectures=["JambaForCausalLM"], attn_layer_offset=4,
+                        attn_layer_period=8, expert_layer_offset=1, expert_layer_period=2, hidden_size=4096,
+                        mamba_d_conv=4, mamba_d_state=16, mamba_expand=2, max_position_embeddings=262144,
+                        num_attention_heads=32, num_experts=16, num_experts_per_tok=2, num_hidden_layers=32,
+                        num_key_value_heads=8, vocab_size=65536),
+                   51_570_323_328, {0: 281_477_408, 1: 2_923_954_464, 4: 218_112_000, 5: 2_923_954_464}, False),
 }
+# kinds of block, where more than the dense/MoE two
+BLOCK_KINDS = {"Jamba-v0.1": 3}
 
 
 @pytest.mark.parametrize("name", sorted(REAL))
@@ -171,7 +182,7 @@ def test_public_config_counts_what_transformers_builds(name):
     per_layer = _per_layer(wl)
     assert wl.n_params + more * per_layer[max(per_layer)] == total
     assert {i: per_layer[i] for i in layers} == layers
-    assert len(set(per_layer.values())) == (2 if "n_routed_experts" in config else 1)
+    assert len(set(per_layer.values())) == BLOCK_KINDS.get(name, 2 if "n_routed_experts" in config else 1)
     assert _tied(wl) is tied
 
 
@@ -295,6 +306,9 @@ OPTIONS = {
     "falcon n_embed": ({**{k: v for k, v in TINY_FALCON.items() if k != "hidden_size"}, "n_embed": 64}, 150_400),
     "mixtral num_experts": ({**{k: v for k, v in TINY_MIXTRAL.items() if k != "num_local_experts"},
                              "num_experts": 6}, 448_576),
+    # decoder_sparse_step 2: block 1 MoE, block 0 a gated MLP of intermediate_size ((i + 1) % step == 0)
+    "qwen2_moe decoder_sparse_step 2": (dict(TINY_QWEN2_MOE, decoder_sparse_step=2), 239_488),
+    "qwen3_moe decoder_sparse_step 2": (dict(TINY_QWEN3_MOE, decoder_sparse_step=2), 255_680),
     "qwen3_moe num_local_experts (as transformers 5 saves it)": (
         {**{k: v for k, v in TINY_QWEN3_MOE.items() if k != "num_experts"}, "num_local_experts": 6}, 305_344),
     "gpt2 common names": (dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], hidden_size=64,
@@ -375,10 +389,10 @@ def test_lora_trainable_parameters_are_pefts(name, targets, trainable):
 
 
 def test_down_proj_reaches_every_gated_mlp_as_gate_proj_does():
-    # zsim's MoE block holds each expert as its own gate/up/down Linears (transformers 4.x's layout):
-    # down_proj reaches the experts' and the shared expert's down projections wherever gate_proj
-    # reaches their gate projections (a Qwen-MoE block has no dense mlp.fc_out, where down_proj
-    # matched nothing). Each of the three adds (hidden + width) x r per MLP.
+    # down_proj reaches the shared expert's down projection wherever gate_proj reaches its gate
+    # projection (a Qwen-MoE block has no dense mlp.fc_out, where down_proj matched nothing); the
+    # routed experts are 3D parameters PEFT's target_modules does not reach (see [Note:
+    # transformers 5 MoE experts]). Each of the three adds (hidden + width) x r per MLP.
     def trainable(targets):
         sc = scenario(**{"model": model_from_hf(TINY_QWEN2_MOE, "config.json"), "training.seq_len": 64,
                          "training.lora": {"rank": 8, "target_modules": targets}})

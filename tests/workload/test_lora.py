@@ -134,6 +134,17 @@ def test_bad_names_are_one_line_errors(changes, field):
     assert str(e.value).startswith(field)
 
 
+def test_target_modules_are_refused_only_when_none_matches():
+    # PEFT's inject_adapter: "Target modules ... not found in the base model" only when no module
+    # matched; the usual seven-projection list on a transformers 5 MoE matches no expert
+    # (see [Note: transformers 5 MoE experts]) and still trains the attention's adapters
+    some = workload_for(_tiny(**{"training.lora": {"target_modules": ["q_proj", "nothing"]}}))
+    alone = workload_for(_tiny(**{"training.lora": {"target_modules": ["q_proj"]}}))
+    assert [p.name for p in some.params if p.trainable] == [p.name for p in alone.params if p.trainable]
+    with pytest.raises(ZsimInputError, match="nothing, nope"):
+        workload_for(_tiny(**{"training.lora": {"target_modules": ["nothing", "nope"]}}))
+
+
 def test_frozen_patterns_and_modules_to_save():
     wl = workload_for(_tiny(**{"training.frozen": ["wte", "layers.0"]}))
     frozen = {p.name for p in wl.params if not p.trainable}

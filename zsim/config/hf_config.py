@@ -215,11 +215,17 @@ def _qwen2_moe(c: _Config) -> dict:
     # Qwen2MoeAttention: q/k/v_proj biases from qkv_bias (default true), o_proj without
     out = _qwen2(c, qkv_bias=c.get("qkv_bias", True, bool))
     c.refuse("mlp_only_layers", bool, "dense MLPs on listed layers")
-    c.refuse("decoder_sparse_step", lambda v: v != 1, "MoE on every decoder_sparse_step-th layer")
     # Qwen2MoeSparseMoeBlock: gate, experts, one shared_expert with its sigmoid shared_expert_gate
     moe = dict(_moe_fields(c, "num_experts", "moe_intermediate_size"), shared_experts=1,
                shared_ffn_hidden=c.get("shared_expert_intermediate_size"), shared_expert_gate=True)
-    return dict(out, moe=moe)
+    return dict(out, moe=dict(moe, **_sparse_step(c)))
+
+
+def _sparse_step(c: _Config) -> dict:
+    """Qwen2/3-MoE's decoder_sparse_step (default 1): block i is MoE when (i + 1) % step == 0
+    (Qwen2MoeDecoderLayer, Qwen3MoeDecoderLayer), a gated MLP of intermediate_size otherwise."""
+    step = c.get("decoder_sparse_step", 1)
+    return dict(layer_freq=step, layer_offset=step - 1) if step > 1 else {}
 
 
 def _qwen3(c: _Config, default_head_dim: int | None = 128) -> dict:
@@ -233,8 +239,8 @@ def _qwen3(c: _Config, default_head_dim: int | None = 128) -> dict:
 def _qwen3_moe(c: _Config) -> dict:
     # Qwen3MoeSparseMoeBlock: gate + experts, no shared expert
     c.refuse("mlp_only_layers", bool, "dense MLPs on listed layers")
-    c.refuse("decoder_sparse_step", lambda v: v != 1, "MoE on every decoder_sparse_step-th layer")
-    return dict(_qwen3(c, default_head_dim=None), moe=_moe_fields(c, "num_experts", "moe_intermediate_size"))
+    return dict(_qwen3(c, default_head_dim=None),
+                moe=dict(_moe_fields(c, "num_experts", "moe_intermediate_size"), **_sparse_step(c)))
 
 
 def _gpt_oss(c: _Config) -> dict:
@@ -437,11 +443,52 @@ def _deepseek(c: _Config) -> dict:
     return out
 
 
+# JambaConfig's defaults (transformers 5.25 models/jamba/configuration_jamba.py) for the keys a
+# config.json may leave out
+JAMBA_DEFAULTS = dict(vocab_size=65536, tie_word_embeddings=False, hidden_size=4096, intermediate_size=14336,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      max_position_embeddings=262144, num_experts_per_tok=2, num_experts=16,
+                      expert_layer_period=2, expert_layer_offset=1, attn_layer_period=8, attn_layer_offset=4,
+                      mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank="auto", mamba_conv_bias=True,
+                      mamba_proj_bias=False)
+
+
+def _jamba(c: _Config) -> dict:
+    # modeling_jamba.py: attention blocks (JambaAttention: q/k/v/o without bias, GQA, no position
+    # encoding) where i % attn_layer_period == attn_layer_offset, JambaMambaMixer elsewhere; the
+    # feed-forward a JambaSparseMoeBlock (router, experts of intermediate_size) where
+    # i % expert_layer_period == expert_layer_offset and num_experts > 1, else a JambaMLP
+    c.data = {**JAMBA_DEFAULTS, **{k: v for k, v in c.data.items() if v is not None}}
+    hidden = c.get("hidden_size")
+    dt_rank: int = -(-hidden // 16) if c.data["mamba_dt_rank"] == "auto" else c.get("mamba_dt_rank")
+    periods = {}
+    for period, offset in (("attn_layer_period", "attn_layer_offset"), ("expert_layer_period", "expert_layer_offset")):
+        n, at = c.get(period), c.data[offset]
+        if isinstance(at, bool) or not isinstance(at, int) or not 0 <= at < n:
+            raise c.error(offset, at, f"expected an integer from 0 to {period} - 1 ({n - 1})")
+        periods[period] = (n, at)
+    out = dict(layers=c.get("num_hidden_layers"), hidden=hidden, heads=c.get("num_attention_heads"),
+               kv_heads=c.get("num_key_value_heads"), vocab=c.get("vocab_size"),
+               seq_len=c.get("max_position_embeddings"), ffn_hidden=c.get("intermediate_size"),
+               tied_embeddings=c.get("tie_word_embeddings", kind=bool), position="none", norm="rmsnorm",
+               glu=True, fused_qkv=False, bias=False)
+    out["mamba"] = dict(d_state=c.get("mamba_d_state"), d_conv=c.get("mamba_d_conv"), expand=c.get("mamba_expand"),
+                        dt_rank=dt_rank, conv_bias=c.get("mamba_conv_bias", kind=bool),
+                        proj_bias=c.get("mamba_proj_bias", kind=bool),
+                        attn_layer_period=periods["attn_layer_period"][0],
+                        attn_layer_offset=periods["attn_layer_period"][1])
+    if c.get("num_experts") > 1:
+        freq, first = periods["expert_layer_period"]
+        out["moe"] = dict(_moe_fields(c, "num_experts", None), layer_freq=freq, layer_offset=first)
+    return out
+
+
 READERS = {"llama": _llama, "mistral": _llama, "mixtral": _mixtral, "qwen2": _qwen2, "qwen2_moe": _qwen2_moe,
            "qwen3": _qwen3, "qwen3_moe": _qwen3_moe,
            "gemma": _gemma, "gemma2": _gemma2, "gemma3_text": _gemma3_text, "gpt_oss": _gpt_oss, "phi3": _phi3,
            "granite": _granite, "smollm3": _smollm3, "glm4": _glm4, "starcoder2": _starcoder2, "gpt2": _gpt2, "gpt_neox": _gpt_neox,
-           "falcon": _falcon, "bloom": _bloom, "opt": _opt, "deepseek_v2": _deepseek, "deepseek_v3": _deepseek}
+           "falcon": _falcon, "bloom": _bloom, "opt": _opt, "deepseek_v2": _deepseek, "deepseek_v3": _deepseek,
+           "jamba": _jamba}
 # encoder and encoder-decoder families: not decoder-only language models
 NOT_DECODERS = {"bert", "roberta", "deberta", "deberta-v2", "distilbert", "albert", "electra", "xlm-roberta",
                 "t5", "mt5", "bart", "mbart", "pegasus", "whisper", "vit", "clip", "mpnet", "longformer"}

@@ -177,6 +177,8 @@ def _check_tensor(par: ParallelismSpec, model: ModelSpec, training: TrainingSpec
     key = "parallelism.tensor"
     if model.mla is not None:
         raise ZsimInputError(key, tp, "tensor parallelism of Multi-head Latent Attention is not modelled; use tensor: 1")
+    if model.mamba is not None:
+        raise ZsimInputError(key, tp, "tensor parallelism of Mamba mixers is not modelled; use tensor: 1")
     if model.moe is not None:
         raise ZsimInputError(key, tp, "tensor parallelism of an MoE model is not modelled; use tensor: 1 "
                              "(expert parallelism: parallelism.expert)")

@@ -285,6 +285,11 @@ def read_axolotl(data: dict, path: Path, bases: list[Path], recipe: Recipe) -> R
         _axolotl_attn_implementation(recipe, str(data["attn_implementation"]), where)
     _liger(recipe, {k: data.get(k) for k in ("liger_rms_norm", "liger_glu_activation", "liger_rope",
                                              "liger_fused_linear_cross_entropy")}, where)
+    if data.get("experts_implementation") is not None:
+        _axolotl_experts(recipe, str(data["experts_implementation"]), where)
+    if data.get("quantize_moe_experts") not in (None, False):
+        recipe.ignored.append("quantize_moe_experts (the experts' 4/8-bit storage is not modelled: they are priced "
+                              "16-bit, as bitsandbytes leaves transformers 5's 3D experts)")
     if data.get("max_grad_norm") is not None:
         t["max_grad_norm"] = as_float(where + "max_grad_norm", data["max_grad_norm"])
     if adapter in ("lora", "qlora"):
@@ -361,6 +366,23 @@ def _axolotl_attn_implementation(recipe: Recipe, value: str, where: str):
     recipe.training["attn_implementation"] = attn
     if attn != value:
         recipe.notes.append(f"{where}attn_implementation {value}: priced as {attn} (an IO-aware causal kernel)")
+
+
+def _axolotl_experts(recipe: Recipe, value: str, where: str):
+    """axolotl's experts_implementation (loaders/model.py _configure_experts_implementation:
+    model.set_experts_implementation): transformers 5's grouped_mm and eager as they are
+    (see [Note: transformers 5 MoE experts]); ScatterMoE's kernels (its plugin), one kernel per
+    projection over every expert, priced as grouped_mm; batched_mm (a bmm over weights gathered
+    per routed row) is not modelled."""
+    if value in ("grouped_mm", "eager"):
+        recipe.training["experts_implementation"] = value
+    elif value == "scattermoe":
+        recipe.training["experts_implementation"] = "grouped_mm"
+        recipe.notes.append(f"{where}experts_implementation scattermoe: priced as grouped_mm (one kernel per "
+                            "projection over every expert)")
+    else:
+        raise ZsimInputError(f"{where}experts_implementation", value, "zsim models grouped_mm (transformers 5's "
+                             "default), eager and scattermoe; drop the key for grouped_mm")
 
 
 # axolotl's rl values zsim models -> training.preference.method

@@ -33,6 +33,7 @@ class MoESpec:
     shared_ffn_hidden: Optional[int] = spec(None, gt=0, le=4 * MAX_HIDDEN, doc="MLP width of the shared experts together; default shared_experts * expert_ffn_hidden")
     shared_expert_gate: bool = spec(False, doc="sigmoid gate on the shared expert's output (Qwen-MoE)")
     layer_freq: int = spec(1, gt=0, le=MAX_LAYERS, doc="every layer_freq-th block is MoE (Qwen decoder_sparse_step, DeepSeek moe_layer_freq)")
+    layer_offset: int = spec(0, ge=0, le=MAX_LAYERS, doc="block i is MoE when i % layer_freq == layer_offset (Jamba expert_layer_offset)")
     first_dense_layers: int = spec(0, ge=0, le=MAX_LAYERS, doc="leading blocks with a dense MLP (DeepSeek first_k_dense_replace)")
     dispatch: Literal["capacity", "dropless"] = spec("capacity", doc="capacity: DeepSpeed-MoE's TopKGate with capacity buffers; dropless: Hugging Face's loop over the experts")
     capacity_factor: float = spec(1.0, gt=0, le=MAX_HIDDEN, doc="DeepSpeed-MoE training capacity factor")
@@ -46,6 +47,32 @@ class MoESpec:
             raise ValueError("top_k", self.top_k, f"must not exceed experts ({self.experts})")
         if not self.shared_experts and (self.shared_ffn_hidden or self.shared_expert_gate):
             raise ValueError("shared_experts", 0, "shared_ffn_hidden and shared_expert_gate need shared_experts >= 1")
+        if self.layer_offset >= self.layer_freq:
+            raise ValueError("layer_offset", self.layer_offset, f"must be below layer_freq ({self.layer_freq})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MambaSpec:
+    """Mamba mixers (Gu & Dao 2023, arXiv:2312.00752) in place of attention in most blocks of a
+    hybrid model: Jamba (Lieber et al. 2024; transformers models/jamba/modeling_jamba.py
+    JambaMambaMixer): in_proj (hidden -> 2 x inner), a causal depthwise conv1d of d_conv taps,
+    x_proj (inner -> dt_rank + 2 x d_state), dt_proj (dt_rank -> inner), the selective scan with
+    A_log (inner x d_state) and D, out_proj (inner -> hidden); block i has attention when
+    i % attn_layer_period == attn_layer_offset."""
+    d_state: int = spec(16, gt=0, le=MAX_HIDDEN, doc="SSM state per channel (mamba_d_state)")
+    d_conv: int = spec(4, gt=0, le=64, doc="conv1d taps (mamba_d_conv)")
+    expand: int = spec(2, gt=0, le=16, doc="inner width = expand x hidden (mamba_expand)")
+    dt_rank: int = spec(gt=0, le=MAX_HIDDEN, doc="the time step's low rank (mamba_dt_rank; 'auto' is ceil(hidden / 16))")
+    conv_bias: bool = spec(True, doc="conv1d bias (mamba_conv_bias)")
+    proj_bias: bool = spec(False, doc="in_proj and out_proj biases (mamba_proj_bias)")
+    inner_norms: bool = spec(True, doc="RMSNorms on dt, B and C (Jamba's dt_layernorm, b_layernorm, c_layernorm)")
+    attn_layer_period: int = spec(gt=0, le=MAX_LAYERS, doc="one attention block every attn_layer_period blocks")
+    attn_layer_offset: int = spec(0, ge=0, le=MAX_LAYERS, doc="the first attention block")
+
+    def __post_init__(self):
+        if self.attn_layer_offset >= self.attn_layer_period:
+            raise ValueError("attn_layer_offset", self.attn_layer_offset,
+                             f"must be below attn_layer_period ({self.attn_layer_period})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,7 +103,7 @@ class ModelSpec:
     ffn_hidden: Optional[int] = spec(None, gt=0, le=4 * MAX_HIDDEN, doc="default 4*hidden")
     glu: bool = spec(False, doc="gated MLP (SwiGLU): three projections")
     tied_embeddings: bool = spec(True)
-    position: Literal["learned", "rope", "alibi"] = spec("learned")
+    position: Literal["learned", "rope", "alibi", "none"] = spec("learned", doc="none: no position encoding (Jamba: its Mamba layers order the tokens)")
     norm: Literal["layernorm", "rmsnorm"] = spec("layernorm")
     bias: bool = spec(True)
     fused_qkv: bool = spec(True, doc="one QKV Linear (GPT-2/MPT/BLOOM) or q/k/v_proj modules (Llama)")
@@ -105,6 +132,8 @@ class ModelSpec:
     position_offset: int = spec(0, ge=0, le=MAX_SEQ_LEN, doc="extra rows of the learned position table (OPT: 2)")
     mla: Optional[MLASpec] = spec(None, doc="DeepSeek Multi-head Latent Attention instead of q/k/v projections")
     moe: Optional[MoESpec] = spec(None, doc="Mixture-of-Experts MLPs; absent: every MLP is dense")
+    mamba: Optional[MambaSpec] = spec(None, doc="Mamba mixers in place of attention in most blocks (Jamba); "
+                                                "absent: attention in every block")
     preset: Optional[str] = spec(None)
 
     def __post_init__(self):
@@ -152,7 +181,12 @@ class ModelSpec:
         i >= first_k_dense_replace and i % moe_layer_freq == 0; with layer_freq 1 every block from
         first_dense_layers on is (Mixtral, Qwen-MoE with decoder_sparse_step 1)."""
         moe = self.moe
-        return moe is not None and layer >= moe.first_dense_layers and layer % moe.layer_freq == 0
+        return moe is not None and layer >= moe.first_dense_layers and layer % moe.layer_freq == moe.layer_offset
+
+    def is_attention_layer(self, layer: int) -> bool:
+        """Block i mixes tokens by attention (else by a Mamba mixer): JambaConfig.layers_block_type."""
+        mb = self.mamba
+        return mb is None or layer % mb.attn_layer_period == mb.attn_layer_offset
 
     def has_window(self, layer: int) -> bool:
         if self.sliding_window is None:

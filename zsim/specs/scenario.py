@@ -181,8 +181,8 @@ class TrainingSpec:
                   "hf_trainer when the ds_config holds \"auto\" values (only the HF Trainer and accelerate "
                   "fill them), else not stated: every layout zsim models")
     experts_implementation: Literal["grouped_mm", "eager", "modules"] = spec(
-        "grouped_mm", doc="a Hugging Face (dropless) MoE block's routed experts as transformers runs them (see "
-                          "[Note: transformers 5 MoE experts]): grouped_mm (transformers 5's default: two 3D "
+        "grouped_mm", doc="a Hugging Face (dropless) MoE block's routed experts as transformers runs them "
+                          "(see [Note: transformers 5 MoE experts]): grouped_mm (transformers 5's default: two 3D "
                           "parameters per block, one grouped GEMM per projection), eager (the same parameters, "
                           "one GEMM per expert), modules (transformers 4: an nn.ModuleList of expert MLPs, three "
                           "parameters each)")

@@ -91,7 +91,20 @@ def _targets(modules, lora: LoraSpec) -> set[int]:
     if keys is None:         # PEFT's default for llama/mistral/opt (q_proj, v_proj), gpt2/neox/bloom (c_attn)
         fused = any(_matches(m.name, "attn.qkv") for m in modules)
         keys = ("attn.qkv",) if fused else ("q_proj", "v_proj")
-    return set().union(*(_select(modules, k, "training.lora.target_modules", True) for k in keys))
+    # PEFT's inject_adapter refuses target_modules only when no module matched at all; a name that
+    # matches nothing (gate_proj on a transformers 5 MoE, whose experts are no nn.Linear) is skipped
+    found: set[int] = set()
+    for k in keys:
+        try:
+            found |= _select(modules, k, "training.lora.target_modules", True)
+        except ZsimInputError:
+            if len(keys) == 1:
+                raise
+    if not found:
+        raise ZsimInputError("training.lora.target_modules", ", ".join(keys), "matches no linear module of the model "
+                             "(zsim names end in e.g. attn.q_proj, attn.qkv, mlp.fc_in, mlp.fc_out, lm_head, wte; "
+                             "see docs/scenario.md)")
+    return found
 
 
 def _input_groups(wl: Workload) -> list[int]:

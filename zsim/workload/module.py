@@ -49,6 +49,7 @@ class ModuleKind(StrEnum):
     ATTENTION = "attention"        # the attention core (no params)
     ACTIVATION = "activation"
     LOSS = "loss"
+    SSM = "ssm"                    # a Mamba mixer's depthwise conv or selective scan: memory-bound, with params
 
 
 class TensorRole(StrEnum):

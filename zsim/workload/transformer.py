@@ -29,6 +29,7 @@ from zsim.specs.model import ModelSpec
 from zsim.workload.attention import attention
 from zsim.workload.builder import Builder, Split, ceil_div
 from zsim.workload.module import DTYPE_BYTES, Module, ModuleKind, TensorRole, Workload
+from zsim.workload.mamba import mamba_mixer
 from zsim.workload.moe import moe_mlp
 
 
@@ -131,8 +132,12 @@ def build_workload(m: ModelSpec, micro_batch_size: int, seq_len: int, precision:
         bld.scope = (pfx,)
         if pre:
             bld.norm(f"{pfx}.ln_1", i)
-        bld.scope = (pfx, f"{pfx}.attn")
-        attention(bld, f"{pfx}.attn", i, b, s, flash_attention)
+        if m.is_attention_layer(i):
+            bld.scope = (pfx, f"{pfx}.attn")
+            attention(bld, f"{pfx}.attn", i, b, s, flash_attention)
+        else:
+            bld.scope = (pfx, f"{pfx}.mamba")
+            mamba_mixer(bld, f"{pfx}.mamba", i)
         bld.scope = (pfx,)
         if not pre:
             bld.norm(f"{pfx}.ln_1", i)
