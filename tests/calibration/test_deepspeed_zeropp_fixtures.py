@@ -1,6 +1,6 @@
 """DeepSpeed 0.19.8's ZeRO++ keys as recorded on CPU/gloo (calibration/deepspeed_record/zeropp.py,
-tests/fixtures/deepspeed_zeropp/, docs/zeropp.md): the recordings hold what the source says. zsim
-does not model these keys yet; these tests pin the ground truth the modelling will be held to."""
+tests/fixtures/deepspeed_zeropp/, docs/zeropp.md): the recordings hold what the source says; these
+tests pin the ground truth. zsim's hpZ is held to them in tests/calibration/test_zeropp.py."""
 import json
 from pathlib import Path
 

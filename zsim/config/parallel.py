@@ -130,6 +130,12 @@ def check_parallelism(par: ParallelismSpec, ds: DeepSpeedConfig, training: Train
     training spec with the pipeline's activation checkpointing applied."""
     _check_tensor(par, model, training)
     _check_expert(par, ds, model, world_size // (par.pipeline * par.tensor))
+    hpz = ds.zero_optimization.zero_hpz_partition_size
+    if ds.zero_optimization.stage == 3 and hpz > 1 and world_size % min(hpz, world_size):
+        # utils/groups.py _create_zero_param_parallel_group: _ensure_divisibility(world_size, group size)
+        raise ZsimInputError("deepspeed.zero_optimization.zero_hpz_partition_size", hpz,
+                             f"must divide the world size ({world_size}) as DeepSpeed asserts (groups.py:71); "
+                             "use the GPUs per node or another divisor")
     gas = ds.gradient_accumulation_steps
     assert gas is not None    # resolved (zsim.config.scenario._resolve_batch) before these checks
     if par.pipeline_schedule == "interleaved" and gas % par.pipeline:

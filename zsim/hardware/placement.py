@@ -43,9 +43,10 @@ def group_shape(group: ProcessGroup | None, stage: int, data_parallel: int, gpus
     but the tensor-parallel one is laid over whole tensor-parallel groups (its stride times tp)."""
     if group is None:
         return span(rank_of(stage, data_parallel, tensor=tensor), data_parallel, tensor, gpus_per_node)
-    own_stage = group.kind in STAGE_GROUPS or group.kind == Group.TENSOR
+    own_stage = group.kind in STAGE_GROUPS or group.kind in (Group.TENSOR, Group.HPZ)
     first = rank_of(stage if own_stage else 0, data_parallel, tensor=tensor)
-    stride = group.stride if group.kind == Group.TENSOR else group.stride * tensor
+    # the tensor-parallel group and hpZ's blocks of consecutive global ranks count single ranks
+    stride = group.stride if group.kind in (Group.TENSOR, Group.HPZ) else group.stride * tensor
     return span(first, group.size, stride, gpus_per_node)
 
 

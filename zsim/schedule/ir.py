@@ -35,6 +35,9 @@ class Stream(StrEnum):
     # the tensor-parallel group's NCCL stream: Megatron's asynchronous backward collectives
     # (see [Note: tensor-parallel backward overlap]); the blocking ones stay on the compute stream
     TENSOR = "tensor"
+    # the hpZ group's NCCL stream: ZeRO++'s secondary-partition all-gathers (see [Note: hpZ
+    # secondary partitions]), launched from the allgather stream and ordered with its gathers
+    HPZ = "hpz"
 
 
 STREAMS = tuple(Stream)
@@ -71,6 +74,9 @@ class Group(StrEnum):
     # Megatron-LM's tensor-model-parallel group (megatron/core/parallel_state.py): `tensor`
     # consecutive ranks inside a node, from the first rank of the op's stage and data-parallel index
     TENSOR = "tensor"
+    # ZeRO++ hpZ's zero_param_process_group (utils/groups.py _create_zero_param_parallel_group):
+    # consecutive blocks of zero_hpz_partition_size global ranks
+    HPZ = "hpz"
 
 
 # groups inside one pipeline stage's data-parallel group: their ranks start at the stage's first rank
@@ -165,6 +171,7 @@ class Buffer(Enum):
     OPT_FLAT16 = "opt/flat16_grads"
     OPT_UPDATE = "opt/update"         # the optimizer's own temporaries while it updates (see [Note: torch Adam step temporaries])
     PIPE_OUTPUT = "pipe/output"      # a stage's output, kept until its gradient comes back (pipe_buffers['outputs'])
+    SECONDARY = "hpz/secondary"      # a param's hpZ secondary partition, from its release to the step
 
 
 @record
@@ -200,6 +207,7 @@ class Category(StrEnum):
     CHECKPOINTS = "activation checkpoints"
     ACTIVATION_GRADIENTS = "activation gradients"
     GATHERED = "gathered params"
+    SECONDARY = "hpZ secondary partitions"
     PERSISTENT = "persistent params"
     BUCKETS = "gradient buckets"
     OPTIMIZER_TEMPORARIES = "optimizer temporaries"

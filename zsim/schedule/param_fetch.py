@@ -56,7 +56,7 @@ from dataclasses import dataclass
 
 from zsim.schedule import offload
 from zsim.schedule.context import StepContext
-from zsim.schedule.ir import Alloc, Buffer, Category, Collective, OpKind, Phase, Stream, Tag
+from zsim.schedule.ir import Alloc, Buffer, Category, Collective, Group, OpKind, Phase, ProcessGroup, Stream, Tag
 from zsim.schedule.payloads import Comm, ParamGather
 from zsim.schedule.moe import z3_leaf_blocks
 from zsim.schedule.partition import coalesced_gather_views, padded
@@ -140,6 +140,41 @@ def module_visits(wl, checkpointing: str, leaves: dict[str, tuple[int, ...]],
     return seq
 
 
+# [Note: hpZ secondary partitions]
+# ZeRO++'s hierarchical partitioning (zero_hpz_partition_size = h > 1, ZeRO-3 only; docs/zeropp.md,
+# DeepSpeed 0.19.8). groups._create_zero_param_parallel_group splits the global world into blocks
+# of min(h, world) consecutive ranks (one node when h = GPUs per node). Whenever a gathered
+# param is released (partition_parameters.py _partition -> _partition_param_sec, the post-module
+# release and release_and_reset_all at the end of backward), it keeps a secondary partition:
+# its padded numel / h elements in the param dtype, allocated once and held until the optimizer
+# step's _post_step drops every one (invalidate_secondary_tensor, stage3.py:755-759, 2846); the
+# persistent params are never released and get none. A later fetch of a param with a secondary
+# partition gathers over the hpZ group from it (all_gather_coalesced, partition_parameters.py:
+# 1571-1575): the same padded output, but each rank receives (h - 1) / h of it from inside its
+# block instead of (W - 1) / W across the data-parallel group. The coordinator splits each fetch
+# into the params with a secondary partition and those without, one coalesced gather each, in
+# that order (partitioned_param_coordinator.py:594-611). So a step's first forward gathers over
+# the data-parallel group, and the backward's gathers of params released after their forward,
+# and the later micro-steps' forwards, over the hpZ group; the gradients' reduce-scatter is
+# untouched. Recorded on CPU/gloo (tests/fixtures/deepspeed_zeropp/stage3_hpz2_*): the calls,
+# their sizes and their groups, held call for call by tests/calibration/test_zeropp.py. The hpZ
+# gathers run on the hpZ communicator's NCCL stream (Stream.HPZ), launched from the allgather
+# stream, so they are ordered with its data-parallel gathers but not queued behind the
+# reduce-scatters of the data-parallel communicator. A reference engine never steps: its
+# params keep their secondary partitions from the first step on (`secondary_kept`).
+def hpz_size(ctx: StepContext) -> int:
+    """The hpZ group's ranks (0: hpZ off, or one rank, which gathers nothing)."""
+    h = ctx.sc.zero.zero_hpz_partition_size
+    if h <= 1 or ctx.dp_size == 1 or ctx.sc.zero.stage != 3:
+        return 0
+    return min(h, ctx.sc.cluster.world_size)
+
+
+def secondary_bytes(numel: int, ctx: StepContext) -> float:
+    """One param's secondary partition: its numel padded to the data-parallel size, over h."""
+    return padded(numel, ctx.dp_size) / hpz_size(ctx) * ctx.param_bytes
+
+
 class ParamCoordinator:
     """The coordinator's state over one micro-step; `visit` and `release` add the gathers and
     the frees to the schedule."""
@@ -163,6 +198,15 @@ class ParamCoordinator:
             for p in v.params:
                 self.uses.setdefault(p, []).append(k)
         self.last_compute: int | None = None
+        # see [Note: hpZ secondary partitions]: the hpZ group's size (0: off), the params that hold
+        # a secondary partition (kept across micro-steps: the optimizer step drops them; a
+        # reference engine never steps, so its params keep theirs: `secondary_kept`), and the
+        # last gather launched on the allgather stream with whether it went over the hpZ group
+        self.hpz = hpz_size(ctx)
+        self.secondary_kept = engine is not None and self.hpz > 0
+        self.secondary: set[int] = ({p for v in self.visits for p in v.params if p not in self.persistent}
+                                    if self.secondary_kept else set())
+        self.last_gather: tuple[int, bool] | None = None
         # a fetched param holds memory of its own unless it is a view of its one-rank partition
         # (see [Note: one-rank ZeRO-3 fetch])
         self.allocates = ctx.dp_size > 1 or ctx.params_offloaded
@@ -247,9 +291,22 @@ class ParamCoordinator:
         self.step_id = 0
 
     def _gather(self, pids, micro: int, phase: Phase, visit: str, prefetch: bool) -> int | None:
+        """__all_gather_params: the fetch's params that hold an hpZ secondary partition in one
+        coalesced gather over the hpZ group, then the others over the data-parallel group
+        (partitioned_param_coordinator.py:594-611; see [Note: hpZ secondary partitions])."""
         pids = [p for p in pids if self.status[p] == NOT_AVAILABLE]
         if not pids:
             return None
+        if self.hpz and not self.dry:
+            with_secondary = [p for p in pids if p in self.secondary]
+            op = None
+            for group in (with_secondary, [p for p in pids if p not in self.secondary]):
+                if group:
+                    op = self._gather_group(group, micro, phase, visit, prefetch, bool(group is with_secondary))
+            return op
+        return self._gather_group(pids, micro, phase, visit, prefetch, False)
+
+    def _gather_group(self, pids, micro: int, phase: Phase, visit: str, prefetch: bool, secondary: bool) -> int | None:
         self.gathered.update(pids)
         if self.dry:
             for p in pids:
@@ -285,10 +342,17 @@ class ParamCoordinator:
             self.inflight.update((p, flat) for p in pids)
             launch, self.wait_views[flat] = coalesced_gather_views(ctx.dp_size, len(pids))
             self.pending_views += launch
-        op = ctx.b.add(OpKind.PARAM_GATHER, Stream.ALLGATHER, phase, micro,
-                       ParamGather(Comm(Collective.ALL_GATHER, numel, numel * ctx.param_bytes), tuple(pids), visit,
-                                   prefetch),
+        # an hpZ gather runs on its group's NCCL stream, launched in order with the allgather
+        # stream's other gathers (a gather after one on the other stream waits for it)
+        stream, group = (Stream.HPZ, ProcessGroup(Group.HPZ, self.hpz)) if secondary else (Stream.ALLGATHER, None)
+        if self.last_gather is not None and self.last_gather[1] != secondary:
+            deps.append(self.last_gather[0])
+        op = ctx.b.add(OpKind.PARAM_GATHER, stream, phase, micro,
+                       ParamGather(Comm(Collective.ALL_GATHER, numel, numel * ctx.param_bytes, group=group),
+                                   tuple(pids), visit, prefetch),
                        deps, allocs)
+        if self.hpz:
+            self.last_gather = (op, secondary)
         for p in pids:
             self.status[p] = AVAILABLE
             self.gather_op[p] = op
@@ -359,18 +423,35 @@ class ParamCoordinator:
                 if self.allocates and not self.dry and p not in self.persistent:
                     assert op is not None     # a real (not dry) release follows its module's op
                     self.ctx.b.add_free(op, Tag(Buffer.GATHERED, micro, tag_pid))
+                    self._keep_secondary(p, op)
 
     def release_all(self, micro: int, op: int):
         """release_and_reset_all at the end of backward."""
         for p, st in self.status.items():
             if st == AVAILABLE and p not in self.persistent and self.allocates:
                 self.ctx.b.add_free(op, Tag(Buffer.GATHERED, micro, self.tag_pid.get(p, p)))
+                self._keep_secondary(p, op)
         # the registry's leftovers are waited here; their flat buffers go with them
         self.ctx.b.add_free(op, *(Tag(Buffer.GATHER_FLAT, micro, flat) for flat in self.unwaited), *self.waited)
         views = self.pending_views + sum(self.wait_views.values())
         if views:
             self.ctx.b.add_host_views(op, views)
         self.reset()
+
+    def _keep_secondary(self, p: int, op: int):
+        """_partition_param_sec at a gathered param's release: its secondary partition (see
+        [Note: hpZ secondary partitions]), allocated once until the optimizer step drops it."""
+        if self.hpz and p not in self.secondary:
+            self.secondary.add(p)
+            self.ctx.b.add_alloc(op, Alloc(Tag(Buffer.SECONDARY, -1, p), Category.SECONDARY,
+                                           secondary_bytes(self.numels[p], self.ctx)))
+
+    def drop_secondaries(self, op: int):
+        """The optimizer step's _post_step invalidates every secondary partition (stage3.py:755-759,
+        2846): the next step's first gathers go over the data-parallel group again."""
+        if self.secondary and not self.secondary_kept:
+            self.ctx.b.add_free(op, *(Tag(Buffer.SECONDARY, -1, p) for p in sorted(self.secondary)))
+            self.secondary = set()
 
     def _drop(self, p: int):
         self.gathered.discard(p)

@@ -12,7 +12,7 @@ from zsim.schedule.ir import Category, Collective, OpKind, Phase, Stream
 from zsim.schedule.payloads import Comm, ParamGather
 from zsim.schedule.optimizer import (FP32_BYTES, NORM_DTYPE_BYTES, grad_norm_ops, model_state_bytes,
                                      optimizer_state_bytes, optimizer_step)
-from zsim.schedule.param_fetch import ParamCoordinator, leaf_of
+from zsim.schedule.param_fetch import ParamCoordinator, leaf_of, secondary_bytes
 from zsim.schedule.partition import (grads_ready_at, padded, persistent_params, shard_numel, sub_group_sizes,
                                      trainable_numels)
 from zsim.schedule.passes import backward, forward
@@ -132,7 +132,7 @@ def build(ctx: StepContext):
     # reduction; the bucket's last copy is in the state)
     if (ctx.skip_layers and ctx.dp_size > 1
             and all(isinstance(x, TensorCollectives) for x in ctx.exchanges)
-            and not ctx.cpu_checkpointing and not hooks.fetch.leaves):
+            and not ctx.cpu_checkpointing and not hooks.fetch.leaves and not hooks.fetch.hpz):
         skip = LayerSkip(ctx, hooks)
         ctx.layer_skip = skip if skip.active else None
     shard = shard_numel(numels, ctx.dp_size)
@@ -151,6 +151,9 @@ def build(ctx: StepContext):
     # (see [Note: one-rank ZeRO-3 fetch])
     if ctx.dp_size > 1 or ctx.params_offloaded:
         ctx.b.static_alloc(Category.PERSISTENT, sum(numels[p] for p in persistent) * ctx.param_bytes)
+    if hooks.ref_fetch is not None and hooks.ref_fetch.secondary_kept:
+        # see [Note: hpZ secondary partitions]: the reference engine's, held from its first step on
+        ctx.b.static_alloc(Category.SECONDARY, sum(secondary_bytes(numels[p], ctx) for p in hooks.ref_fetch.secondary))
     if z.contiguous_gradients:
         # stage3.py:780-784: one IPG buffer of the full reduce_bucket_size elements, in
         # communication_data_type (the key of ipg_buckets), not the model dtype
@@ -175,6 +178,7 @@ def build(ctx: StepContext):
         # the temporaries peak at the largest sub-group, not the whole shard
         for g, numel in enumerate(sub_group_sizes(trained, ctx.dp_size, z.sub_group_size)):
             last = optimizer_step(ctx, numel, [last], sub_group=g)
+    hooks.fetch.drop_secondaries(last)
     # [Note: coalesced post-step gathers] _post_step: persistent params re-gathered one call each,
     # in registration order, all launched async before any is waited
     # (partition_parameters.py _allgather_params_coalesced)

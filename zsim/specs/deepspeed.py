@@ -78,7 +78,9 @@ class ZeroConfig:
     legacy_stage1: bool = spec(False)
     round_robin_gradients: bool = spec(False)
     parameter_alignment: bool = spec(False)
-    zero_hpz_partition_size: int = spec(1, ge=0)
+    zero_hpz_partition_size: int = spec(1, ge=0, doc="ZeRO++ hpZ (stage 3): a secondary partition of each "
+                                        "released param over blocks of this many consecutive ranks, which later "
+                                        "gathers use (see [Note: hpZ secondary partitions]); 0 and 1 are off")
     zero_quantized_weights: bool = spec(False)
     zero_quantized_nontrainable_weights: bool = spec(False)
     zero_quantized_gradients: bool = spec(False)
@@ -134,7 +136,6 @@ class ZeroConfig:
 
     def __post_init__(self):
         unmodelled = {
-            "zero_hpz_partition_size": (self.zero_hpz_partition_size, 1),
             "zero_quantized_weights": (self.zero_quantized_weights, False),
             "zero_quantized_gradients": (self.zero_quantized_gradients, False),
         }
@@ -142,8 +143,14 @@ class ZeroConfig:
         # these keys at stages 0-2 (recorded: tests/fixtures/deepspeed_zeropp/stage2_hpz2_w2.json
         # issues stage 2's calls unchanged), and zsim with it (zero_plus_plus_warnings says so)
         for key, (value, neutral) in unmodelled.items():
-            if self.stage == 3 and value != neutral and not (key == "zero_hpz_partition_size" and value == 0):
+            if self.stage == 3 and value != neutral:
                 raise ValueError(key, value, f"ZeRO++ ({key}) is not modelled by zsim yet; remove it or set {neutral}")
+        if self.stage == 3 and self.zero_hpz_partition_size > 1 and self.param_offload_device != "none":
+            # partition_parameters.py:1166-1170, 1915-1920: the secondary partition goes to the
+            # offload device (an NVMe one cannot hold a torch tensor)
+            raise ValueError("zero_hpz_partition_size", self.zero_hpz_partition_size,
+                             "hpZ with offload_param (its secondary partitions on the offload device) is not "
+                             "modelled by zsim; remove one of the two")
         if self.offload_optimizer and self.offload_optimizer.ratio < 1.0 and self.stage != 3:
             raise ValueError("offload_optimizer.ratio", self.offload_optimizer.ratio,
                              "partial offloading is only supported for ZeRO stage 3 (DeepSpeed's rule)")

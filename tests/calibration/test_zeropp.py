@@ -1,0 +1,135 @@
+"""ZeRO++ hpZ (zero_hpz_partition_size; see [Note: hpZ secondary partitions]) held to DeepSpeed
+0.19.8's recorded runs on CPU/gloo (tests/fixtures/deepspeed_zeropp/): every collective of the
+steady step, its size and its group; the secondary partitions' bytes; hpZ's peak against the
+baseline's. And what it does to a multi-node run: gathers inside the node, their time falling
+more the slower the network, the secondaries' memory."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers import FIXTURES, ROOT, equal_results, scenario, scenario_for
+from zsim.api import run_scenario
+from zsim.config.scenario import scenario_from_mapping
+from zsim.errors import ZsimInputError
+from zsim.schedule.build import build_schedule
+from zsim.schedule.ir import MEASURED_PASS, Buffer, Category
+
+ZEROPP = FIXTURES / "deepspeed_zeropp"
+HPZ_CASES = sorted(p.stem for p in ZEROPP.glob("stage3_hpz2*.json")
+                   if json.loads(p.read_text())["expect"] != "error")
+
+
+def _load(name):
+    return json.loads((ZEROPP / f"{name}.json").read_text())
+
+
+def _recorded(fx):
+    """(phase, op, numel, group size) of the last optimizer step's collectives (the init calls
+    and the once-per-run trace-consistency broadcasts left out, as for the plain fixtures)."""
+    last = max(c["opt_step"] for c in fx["collectives"] if c["opt_step"] is not None)
+    return [(c["phase"], c["op"], c["numel"], c["group_size"]) for c in fx["collectives"]
+            if c["opt_step"] == last and c["phase"] != "init" and "zero/utils.py" not in c.get("caller", "")]
+
+
+def _simulated(fx):
+    _, sched = build_schedule(scenario_for(fx))
+    return [(MEASURED_PASS[op.phase], op.comm.collective.value, op.comm.numel,
+             fx["world_size"] if op.comm.group is None else op.comm.group.size) for op in sched.ops if op.comm]
+
+
+def test_the_cases_cover_released_and_kept_params():
+    assert len(HPZ_CASES) == 6
+    assert {_load(n)["world_size"] for n in HPZ_CASES} == {2, 4}
+
+
+@pytest.mark.parametrize("name", HPZ_CASES)
+def test_hpz_calls_and_groups_equal_deepspeeds(name):
+    fx = _load(name)
+    recorded, simulated = _recorded(fx), _simulated(fx)
+    assert simulated == recorded
+    # the cases where params are released between forward and backward gather over the hpZ group
+    if "prefetch_0" in name or "gas2" in name:
+        assert any(size == 2 for *_, size in recorded if fx["world_size"] == 4)
+
+
+@pytest.mark.parametrize("name", HPZ_CASES)
+def test_the_secondary_partitions_weigh_what_deepspeed_holds_after_the_backward(name):
+    fx = _load(name)
+    _, sched = build_schedule(scenario_for(fx))
+    held = sum(a.size_bytes for op in sched.ops for a in op.alloc if a.tag.buffer is Buffer.SECONDARY)
+    assert held == fx["secondary_tensor_bytes_after_backward"][0] == 26_214_400
+
+
+def _measured_peak(name):
+    """zsim's peak for a recorded case as zsim validate prices the CPU ranks."""
+    fx = _load(name)
+    m = fx["model"]
+    raw = {"name": name,
+           "model": {"layers": m["layers"], "hidden": m["hidden"], "heads": m["heads"], "vocab": m["vocab"],
+                     "seq_len": m["seq_len"], "ffn_hidden": m["ffn"], "tied_embeddings": False,
+                     "position": "learned", "norm": "layernorm", "bias": True, "glu": False, "fused_qkv": True},
+           "hardware": {"profile": "cpu-xeon-vm-4ranks", "nodes": 1, "gpus_per_node": fx["world_size"],
+                        "override": {"gpu": {"cuda_context_GiB": 0, "allocator_fragmentation_fraction": 0}}},
+           "training": {"seq_len": m["seq_len"], "precision": "bf16"}, "deepspeed": fx["ds_config"]}
+    return run_scenario(scenario_from_mapping(raw, ROOT))[0].memory.peak_bytes, fx["peak_bytes_per_rank"][0]
+
+
+@pytest.mark.parametrize("baseline, hpz", [
+    ("stage3_prefetch_0_reuse_0_w4", "stage3_hpz2_w4_prefetch_0_reuse_0"),
+    ("stage3_default_w4", "stage3_hpz2_w4"),
+    ("stage3_reduce_bucket_1e6_w4", "stage3_hpz2_reduce_bucket_1e6_w4"),
+    ("stage3_prefetch_0_reuse_0_reduce_bucket_1e6_w4", "stage3_hpz2_prefetch_0_reuse_0_reduce_bucket_1e6_w4"),
+])
+def test_hpz_adds_to_the_peak_what_deepspeed_measured(baseline, hpz):
+    (z0, d0), (z1, d1) = _measured_peak(baseline), _measured_peak(hpz)
+    # DeepSpeed's last pair holds 119,808 bytes more: the persistent params' secondaries, which
+    # the step's re-partition makes before _post_step drops them (docs/zeropp.md; not modelled)
+    assert z1 - z0 == pytest.approx(d1 - d0, abs=119_808)
+    if "prefetch_0_reuse_0_reduce" not in baseline:     # that baseline is 21% under (docs/zeropp.md)
+        assert z1 == pytest.approx(d1, rel=0.003)
+
+
+Z = "deepspeed.zero_optimization."
+# a ZeRO-3 run over 4 nodes whose params are released after their forward: the backward gathers
+MULTI_NODE = {"hardware.profile": "dgx-h100", "hardware.nodes": 4, "model.layers": 8, "model.hidden": 2048,
+              "model.heads": 16, "training.seq_len": 1024, "model.seq_len": 1024, f"{Z}stage": 3,
+              f"{Z}stage3_max_reuse_distance": 0, f"{Z}stage3_prefetch_bucket_size": 0,
+              f"{Z}reduce_bucket_size": 5e6, f"{Z}stage3_param_persistence_threshold": 1e3}
+
+
+def _gather_time(result):
+    return result.comm.time_s["all_gather"]
+
+
+def test_hpz_gathers_inside_the_node_and_gains_more_on_a_slower_network():
+    gains = []
+    for nic_Gbps in (400, 100):
+        net = {"hardware.override": {"inter_node": {"nic_bw_Gbps": nic_Gbps}}}
+        plain = run_scenario(scenario(**MULTI_NODE, **net))[0]
+        hpz = run_scenario(scenario(**MULTI_NODE, **net, **{f"{Z}zero_hpz_partition_size": 8}))[0]
+        assert hpz.comm.calls == plain.comm.calls
+        assert _gather_time(hpz) < _gather_time(plain)
+        assert hpz.step_time_s < plain.step_time_s
+        gains.append(plain.step_time_s - hpz.step_time_s)
+        # each GPU's secondaries: the released params' padded numel / 8 in bf16
+        assert hpz.memory.breakdown[Category.SECONDARY] > 0 and Category.SECONDARY not in plain.memory.breakdown
+    assert gains[1] > gains[0]
+
+
+@pytest.mark.parametrize("gas", [1, 2, 5])
+def test_hpz_steps_reused_equal_every_op_simulated(gas):
+    sc = scenario(**MULTI_NODE, **{f"{Z}zero_hpz_partition_size": 8, "training.gradient_accumulation_steps": gas})
+    reused, _ = run_scenario(sc)
+    full, _ = run_scenario(sc, steady=False)
+    equal_results(reused, full)
+
+
+def test_hpz_refusals_are_deepspeeds_or_say_what_is_not_modelled():
+    with pytest.raises(ZsimInputError, match="must divide the world size"):
+        scenario(**{f"{Z}stage": 3, f"{Z}zero_hpz_partition_size": 3})
+    with pytest.raises(ZsimInputError, match="offload_param"):
+        scenario(**{f"{Z}stage": 3, f"{Z}zero_hpz_partition_size": 8, f"{Z}offload_param": {"device": "cpu"}})
+    # stages 0-2: DeepSpeed ignores the key, and so does zsim (said in a warning)
+    assert scenario(**{f"{Z}stage": 2, f"{Z}zero_hpz_partition_size": 8}).warnings
