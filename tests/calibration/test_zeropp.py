@@ -133,3 +133,24 @@ def test_hpz_refusals_are_deepspeeds_or_say_what_is_not_modelled():
         scenario(**{f"{Z}stage": 3, f"{Z}zero_hpz_partition_size": 8, f"{Z}offload_param": {"device": "cpu"}})
     # stages 0-2: DeepSpeed ignores the key, and so does zsim (said in a warning)
     assert scenario(**{f"{Z}stage": 2, f"{Z}zero_hpz_partition_size": 8}).warnings
+
+
+def test_compare_and_the_doctor_offer_hpz_across_nodes(tmp_path):
+    from zsim.cli import main
+    from zsim.search.doctor import playbook
+    from tests.helpers import mapping
+    import yaml
+    raw = mapping(**MULTI_NODE)
+    path = tmp_path / "multi.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "rows.json"
+    assert main(["compare", str(path), "--quiet", "--json", str(out)]) == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())}
+    hpz, plain = rows["ZeRO-3 + hpZ (8 GPUs a node)"], rows["ZeRO-3"]
+    assert hpz["step_time_s"] < plain["step_time_s"] and hpz["peak_bytes"] > plain["peak_bytes"]
+    assert f"{Z}zero_hpz_partition_size=1" in plain["set"]
+    names = [v.name for v in playbook(raw, scenario(**MULTI_NODE))]
+    assert "ZeRO++ hpZ over each node (zero_hpz_partition_size 8)" in names
+    # one node, or hpZ already on: not offered
+    assert not [n for n in (v.name for v in playbook(raw, scenario(**{**MULTI_NODE, "hardware.nodes": 1})))
+                if "hpZ" in n]

@@ -1,4 +1,5 @@
-"""zsim compare: ZeRO stages 0-3 and the offload variants of one scenario, side by side."""
+"""zsim compare: ZeRO stages 0-3, the offload variants and, across nodes, ZeRO++ hpZ of one
+scenario, side by side."""
 from __future__ import annotations
 
 
@@ -16,16 +17,25 @@ def stage(n: int) -> str:
     return f"deepspeed.zero_optimization.stage={n}"
 
 
-def variants(has_nvme: bool) -> list[tuple[str, str, tuple[str, ...]]]:
-    """(label, offload mode, assignments). Offload modes group the bars of the plot."""
-    out: list[tuple[str, str, tuple[str, ...]]] = [(f"ZeRO-{n}", "none", (stage(n),) + NONE) for n in range(4)]
+def hpz(size: int) -> str:
+    return f"deepspeed.zero_optimization.zero_hpz_partition_size={size}"
+
+
+def variants(has_nvme: bool, gpus_per_node: int = 1, nodes: int = 1) -> list[tuple[str, str, tuple[str, ...]]]:
+    """(label, offload mode, assignments). Offload modes group the bars of the plot. Across nodes,
+    ZeRO-3 with hpZ over each node (see [Note: hpZ secondary partitions]) joins them; every other
+    variant runs without hpZ."""
+    out: list[tuple[str, str, tuple[str, ...]]] = [(f"ZeRO-{n}", "none", (stage(n), hpz(1)) + NONE) for n in range(4)]
+    if nodes > 1 and gpus_per_node > 1:
+        out.append((f"ZeRO-3 + hpZ ({gpus_per_node} GPUs a node)", "none (hpZ)", (stage(3), hpz(gpus_per_node)) + NONE))
     out += [
-        ("ZeRO-2 + CPU optimizer", "optimizer cpu", (stage(2), OPT_CPU, NONE[1])),
-        ("ZeRO-3 + CPU optimizer", "optimizer cpu", (stage(3), OPT_CPU, NONE[1])),
-        ("ZeRO-3 + CPU optimizer + params", "optimizer+params cpu", (stage(3), OPT_CPU, PARAM_CPU)),
+        ("ZeRO-2 + CPU optimizer", "optimizer cpu", (stage(2), hpz(1), OPT_CPU, NONE[1])),
+        ("ZeRO-3 + CPU optimizer", "optimizer cpu", (stage(3), hpz(1), OPT_CPU, NONE[1])),
+        ("ZeRO-3 + CPU optimizer + params", "optimizer+params cpu", (stage(3), hpz(1), OPT_CPU, PARAM_CPU)),
     ]
     if has_nvme:
-        out.append(("ZeRO-3 + NVMe optimizer + params", "optimizer+params nvme", (stage(3), OPT_NVME, PARAM_NVME)))
+        out.append(("ZeRO-3 + NVMe optimizer + params", "optimizer+params nvme",
+                    (stage(3), hpz(1), OPT_NVME, PARAM_NVME)))
     return out
 
 
@@ -33,7 +43,8 @@ def compare_rows(base) -> list[dict]:
     from zsim.search.variants import Variant
     sc = base.scenario(())
     rows = []
-    for label, mode, assignments in variants(sc.cluster.profile.nvme.drives_per_node > 0):
+    cl = sc.cluster
+    for label, mode, assignments in variants(cl.profile.nvme.drives_per_node > 0, cl.gpus_per_node, cl.nodes):
         out = base.run(Variant(label, assignments))
         row = {"variant": label, "stage": int(assignments[0].rsplit("=", 1)[1]), "offload": mode,
                "set": list(assignments), "error": out.error}
@@ -59,7 +70,7 @@ def compare_rows(base) -> list[dict]:
 
 
 def add_parser(sub):
-    p = sub.add_parser("compare", help="ZeRO stages 0-3 and offload variants side by side")
+    p = sub.add_parser("compare", help="ZeRO stages 0-3, offload variants and (across nodes) ZeRO++ hpZ side by side")
     add_scenario_args(p)
     p.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     p.add_argument("--csv", metavar="PATH", help="write the rows as CSV")

@@ -162,6 +162,13 @@ def playbook(raw: dict, sc: Scenario) -> list[Variant]:
         if z.stage != 3:
             sets = ("deepspeed.zero_optimization.stage=3",) + sets
         out.append(Variant("parameter + optimizer offload to CPU (ZeRO-Infinity, stage 3)", sets))
+    cl = sc.cluster
+    if (z.stage == 3 and cl.nodes > 1 and cl.gpus_per_node > 1 and z.zero_hpz_partition_size <= 1
+            and z.param_offload_device == "none"):
+        # ZeRO++ hpZ: later gathers inside the node, for a secondary partition of every released
+        # param (see [Note: hpZ secondary partitions])
+        out.append(Variant(f"ZeRO++ hpZ over each node (zero_hpz_partition_size {cl.gpus_per_node})",
+                           (f"deepspeed.zero_optimization.zero_hpz_partition_size={cl.gpus_per_node}",)))
     if z.stage >= 1:
         small = max(int(z.reduce_bucket_size // 4), 1)
         if small < z.reduce_bucket_size:
