@@ -188,3 +188,74 @@ def test_the_doctor_offers_precomputed_reference_log_probs():
     assert any(n.startswith("reference log-probs precomputed") for n in names)
     orpo = scenario(**{"training.preference": {"method": "orpo"}})
     assert not any(v.name.startswith("reference log-probs") for v in playbook(mapping(), orpo))
+
+
+# -- reward models (see [Note: reward model heads]) -----------------------------------------------
+def reward(head="score", **changes):
+    return scenario(**{"training.preference": {"method": "reward", "reward_head": head}, **changes})
+
+
+def test_a_score_head_replaces_lm_head_and_a_value_head_sits_beside_it():
+    sft, score, value = workload_for(scenario()), workload_for(reward()), workload_for(reward("value_head"))
+    h, V = 256, 1024
+    assert score.tokens == value.tokens == 2 * sft.tokens     # chosen and rejected in one forward
+    # AutoModelForSequenceClassification: no lm_head, `score` hidden -> 1 without bias
+    assert score.n_params == sft.n_params - V * h + h
+    assert "lm_head" not in {m.name for m in score.modules}
+    # AutoModelForCausalLMWithValueHead: lm_head computed without backward, v_head.summary hidden -> 1 + bias
+    assert value.n_params == sft.n_params + h + 1
+    (lm,) = [m for m in value.modules if m.name == "lm_head"]
+    assert lm.no_grad and lm.act_bytes == 0 and not lm.weight_grad
+    t, a = value.tokens, 2
+    assert lm.fwd_workspace_bytes == t * V * (a + 4)    # its bf16 logits and the wrapper's fp32 copy
+    # the loss holds one score a sequence, nothing vocabulary-sized
+    (loss,) = [m for m in score.modules if m.name == "loss"]
+    assert loss.act_bytes < 100
+
+
+def test_reward_heads_train_whole_under_lora():
+    lora = {"training.lora": {"rank": 8, "target_modules": "all-linear"}}
+    plain = trainable_params(workload_for(scenario(**lora)))
+    assert trainable_params(workload_for(reward(**lora))) == plain + 256
+    assert trainable_params(workload_for(reward("value_head", **lora))) == plain + 257
+
+
+def test_a_reward_step_has_no_logits_to_keep_but_the_value_head_s_transient():
+    long = {"training.seq_len": 1024, "model.seq_len": 1024, "model.vocab": 32768, "training.micro_batch_size": 2}
+    sft = run_scenario(scenario(**long))[0]
+    score = run_scenario(reward(**long))[0]
+    value = run_scenario(reward("value_head", **long))[0]
+    assert "logits/loss buffers" not in score.memory.breakdown or score.memory.breakdown["logits/loss buffers"] < 1e4
+    assert score.memory.peak_bytes < sft.memory.peak_bytes < value.memory.peak_bytes
+    assert "reward model, a score head in place of lm_head" in score.implementation
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_reward_steps_reused_equal_every_op_simulated(stage):
+    for head in ("score", "value_head"):
+        for gas in (1, 5):
+            sc = reward(head, **{"deepspeed.zero_optimization": dict(EACH_MODULE, stage=stage),
+                                 "training.gradient_accumulation_steps": gas})
+            reused, _ = run_scenario(sc)
+            full, _ = run_scenario(sc, steady=False)
+            assert reused.step_time_s == pytest.approx(full.step_time_s, rel=1e-9)
+            assert reused.memory.peak_bytes == full.memory.peak_bytes and reused.comm.calls == full.comm.calls
+
+
+def test_reward_recipes(tmp_path, capsys):
+    from zsim.cli import main
+    out = tmp_path / "r.json"
+    lf = tmp_path / "lf.yaml"
+    lf.write_text("model_name_or_path: gpt3-1.3b\nstage: rm\nfinetuning_type: lora\nper_device_train_batch_size: 1\n")
+    assert main(["run", str(lf), "--gpus", "8", "--json", str(out)]) == 0
+    assert "reward model, a value head beside lm_head" in json.loads(out.read_text())["implementation"]
+    axo = tmp_path / "axo.yaml"
+    axo.write_text("base_model: gpt3-1.3b\nmodel_type: AutoModelForSequenceClassification\nnum_labels: 1\n"
+                   "reward_model: true\nsequence_len: 512\nmicro_batch_size: 1\n")
+    assert main(["run", str(axo), "--gpus", "8", "--json", str(out)]) == 0
+    assert "reward model, a score head in place of lm_head" in json.loads(out.read_text())["implementation"]
+    axo.write_text("base_model: gpt3-1.3b\nprocess_reward_model: true\nmicro_batch_size: 1\n")
+    capsys.readouterr()
+    assert main(["run", str(axo), "--gpus", "8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "process_reward_model" in err[0]

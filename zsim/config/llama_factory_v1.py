@@ -91,7 +91,7 @@ def read_llama_factory_v1(data: dict, path: Path, bases: list[Path], recipe: Rec
 
 
 COMMAND_NOTE = ("{where}LLaMA-Factory v1 takes the trainer from its command (llamafactory-cli sft, dpo, rm): "
-                "simulated as sft (--set training.preference.method=dpo for dpo)")
+                "simulated as sft (--set training.preference.method=dpo for dpo, reward for rm)")
 
 
 def apply_command(recipe: Recipe, command: str, launch: str):
@@ -114,6 +114,12 @@ def apply_command(recipe: Recipe, command: str, launch: str):
                "disabled" if "lora" in recipe.training else "the reference is a frozen copy of the model")
         recipe.notes.append(f"{launch}: pref_loss {loss}: each example's chosen and rejected completions in one row "
                             f"of cutoff_len; {ref}")
+    elif command == "rm":
+        # trainers/rm_trainer.py: the model's `score` head (_init_score_head), the pair in one row
+        # told apart by token_type_ids (see [Note: reward model heads])
+        recipe.training["preference"] = {"method": "reward", "reward_head": "score", "pair": "sequence"}
+        recipe.notes.append(f"{launch}: a reward model with a score head; each example's chosen and rejected "
+                            "completions in one row of cutoff_len")
 
 
 def _peft(peft: dict | None, recipe: Recipe, where: str):

@@ -218,6 +218,15 @@ def _preference_refusal(field: str, value, simulated: str) -> ZsimInputError:
                           f"simulates {simulated}")
 
 
+def _reward(recipe: Recipe, head: str, where: str, how: str):
+    """training.preference for a reward model (see [Note: reward model heads]), said."""
+    recipe.training["preference"] = {"method": "reward", "reward_head": head}
+    what = ("the causal LM with a value head (lm_head's logits computed and dropped)" if head == "value_head"
+            else "a sequence-classification score head in place of lm_head")
+    recipe.notes.append(f"{where}{how}: a reward model, {what}; each example's chosen and rejected sequences in "
+                        "one forward (2 x micro-batch sequences, counted in tokens/s)")
+
+
 def _preference(recipe: Recipe, method: str, where: str, how: str):
     """training.preference for a paired method (see [Note: preference training]), with the note
     that says what the step runs."""
@@ -239,6 +248,10 @@ def read_axolotl(data: dict, path: Path, bases: list[Path], recipe: Recipe) -> R
         raise _preference_refusal(f"{where}rl", rl, "rl: " + ", ".join(AXOLOTL_PAIRED) + " and supervised "
                                   "fine-tuning (no rl:)")
     t = recipe.training
+    if data.get("process_reward_model") not in (None, False):
+        raise ZsimInputError(f"{where}process_reward_model", data["process_reward_model"], "a process reward model "
+                             "(token classification under TRL's PRMTrainer) is not modelled; zsim simulates "
+                             "reward_model (sequence classification) and supervised fine-tuning")
     adapter = data.get("adapter")
     if adapter not in (None, "", "lora", "qlora"):
         raise ZsimInputError(f"{where}adapter", adapter, "zsim models adapter: lora or qlora (or none: full "
@@ -331,6 +344,10 @@ def read_axolotl(data: dict, path: Path, bases: list[Path], recipe: Recipe) -> R
               if "liger" not in str(x).lower() and not str(x).endswith("CutCrossEntropyPlugin")]
     if others:
         recipe.ignored.append(f"plugins {', '.join(others)} (their fused kernels are not modelled)")
+    if data.get("reward_model") not in (None, False) and as_bool(where + "reward_model", data["reward_model"]):
+        # axolotl core/builders/causal.py: TRL's RewardTrainer on AutoModelForSequenceClassification
+        # (model_type, num_labels 1), chosen and rejected concatenated in one batch
+        _reward(recipe, "score", where, "reward_model")
     if rl:
         # axolotl's rl trainers (core/trainers/dpo, builders/rl.py): TRL's DPOTrainer for dpo and
         # ipo (loss_type ipo), ORPOTrainer, CPOTrainer with loss_type simpo
@@ -522,6 +539,10 @@ def read_llama_factory(data: dict, path: Path, bases: list[Path], recipe: Recipe
         t["lora"] = lora
     if kind == "freeze":
         t["freeze"] = _llama_factory_freeze(data, where)
+    if stage == "rm":
+        # train/rm/workflow.py: load_model(add_valuehead=True) (TRL's AutoModelForCausalLMWithValueHead)
+        # and PairwiseDataCollatorWithPadding (chosen and rejected in one batch)
+        _reward(recipe, "value_head", where, "stage rm")
     if stage == "dpo":
         # FinetuningArguments.pref_loss (sigmoid, hinge, ipo, kto_pair, orpo, simpo): use_ref_model
         # unless orpo or simpo; create_ref_model gives None under lora (the adapters disabled)

@@ -13,7 +13,7 @@ from zsim.schedule.layer_skip import Abort
 from zsim.schedule.passes import exchanges
 from zsim.workload.lora import apply_training
 from zsim.workload.module import DTYPE_BYTES, Workload
-from zsim.workload.preference import sequences_per_example, with_reference
+from zsim.workload.preference import reward_head_of, sequences_per_example, with_reference
 from zsim.workload.transformer import build_workload
 
 
@@ -42,6 +42,7 @@ def training_workload(model, micro_batch_size: int, seq_len: int, precision: str
                         fused_cross_entropy=training.fused_cross_entropy,
                         kernels=training.kernels_used, attn_implementation=training.attn_implementation_used,
                         padding_mask=training.padding_mask, experts_implementation=training.experts_implementation,
+                        head=reward_head_of(training),
                         expert_parallel_size=expert_parallel_size, tensor=tensor,
                         sequence_parallel=sequence_parallel)
     return apply_training(with_reference(wl, training), training, zero3_linear=zero3_linear)

@@ -85,8 +85,8 @@ class FreezeSpec:
 
 # the preference losses zsim models, by the trainer's name (TRL DPOTrainer loss_type sigmoid/ipo,
 # ORPOTrainer, CPOTrainer with loss_type simpo)
-PreferenceMethod = Literal["dpo", "ipo", "orpo", "simpo"]
-REFERENCE_FREE = ("orpo", "simpo")
+PreferenceMethod = Literal["dpo", "ipo", "orpo", "simpo", "reward"]
+REFERENCE_FREE = ("orpo", "simpo", "reward")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,7 +94,14 @@ class PreferenceSpec:
     """Preference training on chosen and rejected sequences (TRL's DPOTrainer and its kin; see
     [Note: preference training] in zsim/workload/preference.py)."""
     method: PreferenceMethod = spec("dpo", doc="dpo or ipo (TRL DPOTrainer: a reference model's log-probs in "
-                                               "the loss), orpo or simpo (reference-free)")
+                                               "the loss), orpo or simpo (reference-free), reward (a reward "
+                                               "model's Bradley-Terry loss on the pair's scores; "
+                                               "see [Note: reward model heads])")
+    reward_head: Literal["score", "value_head"] = spec(
+        "score", doc="with method reward: score (AutoModelForSequenceClassification: a Linear hidden -> 1 "
+                     "in place of lm_head; TRL RewardTrainer, axolotl reward_model) or value_head (TRL's "
+                     "AutoModelForCausalLMWithValueHead: lm_head still runs, its logits unused, and a v_head "
+                     "Linear hidden -> 1; LLaMA-Factory stage rm)")
     reference: Optional[bool] = spec(None, doc="whether each step runs the reference model's forward (no grad); "
                                                "default: true for dpo and ipo, false for orpo and simpo; false "
                                                "for DPO with precompute_ref_log_probs")
@@ -234,6 +241,10 @@ class TrainingSpec:
                    else "no reference model")
             where = "sequences per example" if self.preference.pair == "batch" else "completions in one sequence"
             pref = f"; {self.preference.method}: chosen and rejected {where}, {ref}"
+            if self.preference.method == "reward":
+                head = ("a value head beside lm_head (its logits computed, unused)"
+                        if self.preference.reward_head == "value_head" else "a score head in place of lm_head")
+                pref = f"; reward model, {head}: chosen and rejected {where}"
         return f"implementation: attention {attn}; kernels {kernels}{base}{pref}"
 
 

@@ -43,6 +43,7 @@ from zsim.errors import ZsimInputError
 from zsim.specs.scenario import FreezeSpec, LoraSpec, TrainingSpec
 from zsim.workload import quant
 from zsim.workload.module import Module, ModuleKind, Param, Workload
+from zsim.workload.transformer import REWARD_HEADS
 
 # PEFT / HF module names -> zsim module suffixes (zsim's own names match as they are)
 PEFT_NAMES: dict[str, tuple[str, ...]] = {
@@ -136,7 +137,10 @@ def apply_training(wl: Workload, training: TrainingSpec, zero3_linear: bool) -> 
         frozen.update(_freeze_tuning(wl, training.freeze))
     # a preference run's reference model trains nothing (see [Note: preference training])
     frozen.update(p for m in mods if m.no_grad for p in m.params)
-    targets = _targets(mods, lora) if lora else set()
+    # a reward model's head trains whole under LoRA (see [Note: reward model heads])
+    heads = {i for i, m in enumerate(mods) if m.name in REWARD_HEADS.values() and not m.no_grad}
+    frozen -= {p for i in heads for p in mods[i].params}
+    targets = _targets(mods, lora) - heads if lora else set()
     saved = set().union(*(_select(mods, k, "training.lora.modules_to_save", False) for k in lora.modules_to_save)) \
         if lora else set()
     if targets & saved:

@@ -44,6 +44,13 @@ def sequences_per_example(training: TrainingSpec) -> int:
     return 2 if training.preference is not None and training.preference.pair == "batch" else 1
 
 
+def reward_head_of(training: TrainingSpec) -> str:
+    """The head build_workload puts after the final norm: lm, or a reward model's
+    (see [Note: reward model heads])."""
+    pref = training.preference
+    return pref.reward_head if pref is not None and pref.method == "reward" else "lm"
+
+
 def with_reference(wl: Workload, training: TrainingSpec) -> Workload:
     """`wl` (the trained model, before training.lora and training.frozen apply) with the
     reference model's forward appended when the preference method runs one (see [Note:

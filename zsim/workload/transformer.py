@@ -23,6 +23,8 @@ Sources:
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from functools import lru_cache
 
 from zsim.specs.model import ModelSpec
@@ -53,6 +55,50 @@ def _loss(logits: float, fwd_mem: float, bwd_mem: float, act: float, kernels: in
                   fp32_fwd_mem_bytes=fp32_fwd_mem, fp32_bwd_mem_bytes=fp32_bwd_mem,
                   act_bytes=act, kernels_fwd=kernels, kernels_bwd=kernels, fwd_workspace_bytes=fwd_workspace,
                   bwd_workspace_bytes=bwd_workspace, tensor_role=TensorRole.VOCAB_LOSS, tensor_width=1)
+
+
+# [Note: reward model heads]
+# A reward model trains on chosen and rejected sequences (2 x micro-batch rows) and its loss is
+# -logsigmoid(r_chosen - r_rejected) on one score per sequence: nothing vocabulary-sized is
+# in the loss. Two heads produce the score:
+# - score: AutoModelForSequenceClassification (transformers' GenericForSequenceClassification;
+#   TRL RewardTrainer, axolotl reward_model): the model without lm_head, `score` a Linear
+#   hidden -> num_labels (1) without bias over every token, pooled at each sequence's last token.
+# - value_head: TRL's AutoModelForCausalLMWithValueHead (trl <= 0.24 models/modeling_value_head.py,
+#   LLaMA-Factory stage rm: train/rm/workflow.py load_model(add_valuehead=True)): the causal LM
+#   runs whole, so lm_head computes the t x vocab logits and the wrapper upcasts them to fp32
+#   (`lm_logits.float()`), both alive until the forward returns and then dropped unused (the
+#   PairwiseTrainer's compute_loss takes only the values): lm_head has no backward and its weight
+#   no gradient. zsim prices that weight frozen; under full fine-tuning DeepSpeed still keeps its
+#   fp32 master and Adam states (and fills its missing gradient with zeros), which zsim leaves
+#   out: vocab x hidden x 12 bytes over the ZeRO-1/2/3 partition (LoRA freezes it anyway). The
+#   v_head is dropout (summary_dropout_prob, default 0.1: its mask kept) and `summary`, a
+#   Linear hidden -> 1 with bias, over every token.
+# Either head trains under LoRA (PEFT's sequence-classification task keeps `score` trained; the
+# v_head sits outside the PEFT model).
+REWARD_HEADS = {"score": "score", "value_head": "v_head.summary"}
+
+
+def reward_head(bld: Builder, head: str, e: int, V: int, tied_wte: int | None, sequences: int) -> None:
+    """A reward model's head after the final norm (see [Note: reward model heads])."""
+    t, a = bld.t, bld.a
+    if head == "value_head":
+        # lm_head's logits, computed and dropped: a forward with nothing kept for backward, its
+        # output (a bytes) and the wrapper's fp32 copy (read a, write 4) transient together
+        bld.linear("lm_head", -2, e, V, False, weight=tied_wte, saves_input=False)
+        lm = bld.modules[-1]
+        if tied_wte is None:    # it gets no gradient: priced frozen (see the note)
+            bld.params[lm.params[0]] = replace(bld.params[lm.params[0]], trainable=False)
+        bld.modules[-1] = replace(lm, no_grad=True, input_grad=False, weight_grad=False,
+                                  fwd_mem_bytes=t * V * (a + 4), kernels_fwd=2, fwd_workspace_bytes=t * V * (a + 4))
+        # summary_dropout_prob 0.1: read x, write the dropped x and its mask (1 B), the mask kept
+        bld.linear("v_head.summary", -2, e, 1, True, extra_act=t * e, fwd_mem=t * e * (2 * a + 1),
+                   bwd_mem=t * e * (2 * a + 1))
+    else:
+        bld.linear("score", -2, e, 1, False)
+    # -logsigmoid(r_chosen - r_rejected) over the sequences' pooled scores
+    bld.modules.append(_loss(sequences, fwd_mem=0.0, bwd_mem=0.0, act=4.0 * sequences, kernels=2,
+                             fwd_workspace=0.0, bwd_workspace=0.0))
 
 
 def count_params(m: ModelSpec, seq_len: int | None = None) -> int:
@@ -89,10 +135,12 @@ def build_workload(m: ModelSpec, micro_batch_size: int, seq_len: int, precision:
                    flash_attention: bool, dropout: bool, fused_cross_entropy: bool = False,
                    expert_parallel_size: int = 1, tensor: int = 1, sequence_parallel: bool = False,
                    kernels: str = "fused", attn_implementation: str | None = None,
-                   padding_mask: bool = False, experts_implementation: str = "grouped_mm") -> Workload:
+                   padding_mask: bool = False, experts_implementation: str = "grouped_mm",
+                   head: str = "lm") -> Workload:
     """One rank's workload; with expert parallelism each MoE layer holds experts/ep_size experts
     (DeepSpeed-MoE's num_local_experts, deepspeed/moe/layer.py); with tensor parallelism the
-    rank's slice of every split module (see the module docstring)."""
+    rank's slice of every split module (see the module docstring). `head`: lm (the causal LM's
+    lm_head and loss), or a reward model's score or value_head (see [Note: reward model heads])."""
     if m.moe is not None and m.moe.experts % expert_parallel_size:
         raise ValueError(f"expert_parallel_size {expert_parallel_size} must divide the {m.moe.experts} experts")
     b, s, h, V = micro_batch_size, seq_len, m.hidden, m.vocab
@@ -162,6 +210,11 @@ def build_workload(m: ModelSpec, micro_batch_size: int, seq_len: int, precision:
         bld.norm("ln_f", -2)
     if m.embed_proj_dim:
         bld.linear("project_out", -2, h, e, False)
+    if head != "lm":
+        reward_head(bld, head, e, V, wte if m.tied_embeddings else None, b)
+        return Workload(params=tuple(bld.params), modules=tuple(bld.modules), layers=m.layers, tokens=t,
+                        micro_batch_size=b, seq_len=s, layer_input_bytes=float(t * h * a / bld.seq),
+                        act_dtype_bytes=a)
     # lm_head: a Linear whose weight is wte's when tied (DeepSpeed ZeRO-3 fetches it again here)
     # vocab-parallel logits (Megatron's parallel_lm_logits: a column-parallel linear over the vocabulary)
     bld.linear("lm_head", -2, e, V * tensor, False, weight=wte if m.tied_embeddings else None, split=Split.COLUMN)
