@@ -154,3 +154,24 @@ def test_compare_and_the_doctor_offer_hpz_across_nodes(tmp_path):
     # one node, or hpZ already on: not offered
     assert not [n for n in (v.name for v in playbook(raw, scenario(**{**MULTI_NODE, "hardware.nodes": 1})))
                 if "hpZ" in n]
+
+
+def test_tune_tries_hpz_on_a_multi_node_zero3_run(tmp_path):
+    from zsim.cli import main
+    from tests.helpers import mapping
+    import yaml
+    path = tmp_path / "multi.yaml"
+    path.write_text(yaml.safe_dump(mapping(**MULTI_NODE)))
+    out = tmp_path / "tune.json"
+    assert main(["tune", str(path), "--budget", "40", "--json", str(out),
+                 "--fix", f"{Z}stage=3", "--fix", "parallelism.tensor=1"]) in (0, 1)
+    ranked = json.loads(out.read_text())["candidates"]
+    hpz = [c for c in ranked if c["knobs"].get("zero_hpz_partition_size") == 8]
+    assert hpz, "refine tried hpZ over the node"
+    # the best with hpZ beats the same point without it (the gathers stay inside the node)
+    same = [c for c in ranked if {k: v for k, v in c["knobs"].items() if k != "zero_hpz_partition_size"}
+            == {k: v for k, v in hpz[0]["knobs"].items() if k != "zero_hpz_partition_size"}
+            and c["micro_batch_size"] == hpz[0]["micro_batch_size"] and not c["knobs"].get("zero_hpz_partition_size")]
+    assert same and hpz[0]["tokens_per_s_per_gpu"] > same[0]["tokens_per_s_per_gpu"]
+    with pytest.raises(ZsimInputError, match="tensor parallelism"):
+        scenario(**{**MULTI_NODE, f"{Z}zero_hpz_partition_size": 8, "parallelism.tensor": 2})

@@ -131,6 +131,12 @@ def check_parallelism(par: ParallelismSpec, ds: DeepSpeedConfig, training: Train
     _check_tensor(par, model, training)
     _check_expert(par, ds, model, world_size // (par.pipeline * par.tensor))
     hpz = ds.zero_optimization.zero_hpz_partition_size
+    if ds.zero_optimization.stage == 3 and hpz > 1 and par.tensor > 1:
+        # groups.py _create_zero_param_parallel_group blocks consecutive global ranks, which under
+        # tensor parallelism hold different shards of each weight
+        raise ZsimInputError("deepspeed.zero_optimization.zero_hpz_partition_size", hpz,
+                             "hpZ with tensor parallelism is not modelled (its groups of consecutive ranks mix "
+                             "the tensor-parallel shards); use tensor: 1 or drop hpZ")
     if ds.zero_optimization.stage == 3 and hpz > 1 and world_size % min(hpz, world_size):
         # utils/groups.py _create_zero_param_parallel_group: _ensure_divisibility(world_size, group size)
         raise ZsimInputError("deepspeed.zero_optimization.zero_hpz_partition_size", hpz,

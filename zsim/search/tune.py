@@ -334,6 +334,9 @@ class TunePoint:
                f"training.gradient_accumulation_steps={self.gas}",
                "deepspeed.train_micro_batch_size_per_gpu=null", "deepspeed.gradient_accumulation_steps=null",
                f"training.activation_checkpointing={self.checkpointing}"]
+        if "params" in self.offload:
+            # hpZ keeps its secondary partitions on the offload device, which zsim does not model
+            out.append(f"{Z}.zero_hpz_partition_size=1")
         out += [f"{Z}.{k}={fmt_setting(v)}" for k, v in sorted(self.knobs.items())]
         return tuple(out) + self.fixed
 
@@ -740,6 +743,10 @@ class Tuner:
             knobs = dict(KNOBS)
             if c.stage == 3:
                 knobs.update(KNOBS_STAGE3)
+                cl = self.sc.cluster
+                if cl.nodes > 1 and cl.gpus_per_node > 1 and "params" not in c.offload and c.layout.tensor == 1:
+                    # ZeRO++ hpZ over each node (see [Note: hpZ secondary partitions])
+                    knobs["zero_hpz_partition_size"] = (1, cl.gpus_per_node)
             knobs = {k: v for k, v in knobs.items() if k not in self.space.knobs}
             for name, values in knobs.items():
                 for i in range(len(values)):
