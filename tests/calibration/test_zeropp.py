@@ -175,3 +175,20 @@ def test_tune_tries_hpz_on_a_multi_node_zero3_run(tmp_path):
     assert same and hpz[0]["tokens_per_s_per_gpu"] > same[0]["tokens_per_s_per_gpu"]
     with pytest.raises(ZsimInputError, match="tensor parallelism"):
         scenario(**{**MULTI_NODE, f"{Z}zero_hpz_partition_size": 8, "parallelism.tensor": 2})
+
+
+def test_the_scaling_plot_draws_zero3_with_and_without_hpz_apart(tmp_path):
+    from zsim.cli import main
+    from zsim.report import plots
+    from tests.helpers import mapping
+    import yaml
+    path = tmp_path / "multi.yaml"
+    path.write_text(yaml.safe_dump(mapping(**MULTI_NODE)))
+    rows = tmp_path / "sweep.json"
+    assert main(["sweep", str(path), "--quiet", "--workers", "1", "--json", str(rows), "--vary", "hardware.nodes=2,4",
+                 "--vary", f"{Z}zero_hpz_partition_size=1,8"]) == 0
+    data = plots.scaling_data(plots.load_results(str(rows))[1])
+    assert set(data) == {3, "3 + hpZ 8"}
+    for plain, hpz in zip(data[3], data["3 + hpZ 8"]):
+        assert plain["gpus"] == hpz["gpus"] and hpz["tokens_per_s"] > plain["tokens_per_s"]
+    assert main(["plot", str(rows), "--kind", "scaling", "--out", str(tmp_path / "s.png")]) == 0

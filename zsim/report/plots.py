@@ -164,16 +164,29 @@ def _need(kind: str, have: str, want: tuple[str, ...]):
 
 # ---- scaling ---------------------------------------------------------------------------
 
+HPZ_KEY = "deepspeed.zero_optimization.zero_hpz_partition_size"
+
+
+def _curve(r: dict) -> int | str:
+    """A scaling curve's key: the ZeRO stage, or at stage 3 with ZeRO++ hpZ swept "3 + hpZ h"
+    (drawn as ZeRO-<key>)."""
+    stage, hpz = int(r["stage"]), r.get(HPZ_KEY)
+    if stage == 3 and isinstance(hpz, (int, float)) and hpz > 1:
+        return f"3 + hpZ {int(hpz)}"
+    return stage
+
+
 def scaling_data(rows: list[dict]) -> dict:
-    """Per stage: the best configuration at each GPU count (the fitting one with the most
-    tokens/s; if none fits, the fastest, flagged OOM)."""
-    curves: dict[int, list[dict]] = {}
+    """Per stage (ZeRO-3 with and without hpZ apart, where a sweep varies it): the best
+    configuration at each GPU count (the fitting one with the most tokens/s; if none fits, the
+    fastest, flagged OOM)."""
+    curves: dict[int | str, list[dict]] = {}
     for r in rows:
         if not r.get("ok", True) or "world_size" not in r:
             continue
-        curves.setdefault(int(r["stage"]), []).append(r)
+        curves.setdefault(_curve(r), []).append(r)
     out = {}
-    for stage, rs in sorted(curves.items()):
+    for stage, rs in sorted(curves.items(), key=lambda kv: str(kv[0])):
         pts = []
         for ws in sorted({int(r["world_size"]) for r in rs}):
             at = [r for r in rs if int(r["world_size"]) == ws]
