@@ -192,3 +192,66 @@ def test_the_scaling_plot_draws_zero3_with_and_without_hpz_apart(tmp_path):
     for plain, hpz in zip(data[3], data["3 + hpZ 8"]):
         assert plain["gpus"] == hpz["gpus"] and hpz["tokens_per_s"] > plain["tokens_per_s"]
     assert main(["plot", str(rows), "--kind", "scaling", "--out", str(tmp_path / "s.png")]) == 0
+
+
+# -- qwZ (see [Note: qwZ quantized gathers]): modelled from DeepSpeed's source; its quantizer is a
+# CUDA op, so no CPU recording holds it
+def test_the_quantizer_groups_follow_cuda_quantizer():
+    from zsim.schedule.param_fetch import quant_groups
+    # CUDAQuantizer.quantize: ceil(n / 8000) groups, raised until n % (8 g) == 0, doubled while
+    # n % (16 g) == 0 and the groups stay above 8,000 elements
+    assert [quant_groups(n) for n in (4096, 8000, 16000, 1_000_000)] == [1, 1, 2, 125]
+    # 8 x 8191 (a prime): no group count below 8191 divides it in multiples of 8, so groups of 8
+    assert quant_groups(8 * 8191) == 8191
+    assert quant_groups(12) is None and quant_groups(7) is None     # its asserts: a multiple of 8
+
+
+def _qwz_calls(**changes):
+    sc = scenario(**{**MULTI_NODE, f"{Z}zero_quantized_weights": True, **changes})
+    _, sched = build_schedule(sc)
+    return sc, sched
+
+
+def test_qwz_gathers_int8_and_scales_and_dequantizes_at_the_wait():
+    from zsim.schedule.ir import OpKind, Stream
+    from zsim.schedule.param_fetch import quant_groups
+    sc, sched = _qwz_calls()
+    _, plain = build_schedule(scenario(**MULTI_NODE))
+    gathers = [op for op in sched.ops if op.kind is OpKind.PARAM_GATHER]
+    plain_gathers = [op for op in plain.ops if op.kind is OpKind.PARAM_GATHER]
+    assert len(gathers) == 2 * len(plain_gathers)
+    world = sc.data_parallel_size
+    for data, scales, base in zip(gathers[::2], gathers[1::2], plain_gathers):
+        n = base.comm.numel
+        assert (data.comm.numel, data.comm.size_bytes, data.comm.dtype) == (n, n, "int8")
+        assert base.comm.size_bytes == 2 * n
+        g = quant_groups(n // world)
+        assert (scales.comm.numel, scales.comm.size_bytes) == (g * world, 4 * g * world)
+    dequant = [op for op in sched.ops if op.kind is OpKind.DEQUANTIZE]
+    assert dequant and all(op.stream is Stream.COMPUTE for op in dequant)
+    # bf16: read the int8 flat, write fp16 (3 B), cast each param to bf16 (4 B)
+    assert sorted(op.work.mem_bytes for op in dequant) == sorted(7.0 * b.comm.numel for b in plain_gathers)
+    # the post-step gathers of the persistent params go unquantized
+    _, kept = _qwz_calls(**{f"{Z}stage3_param_persistence_threshold": 1e4})
+    post = [op for op in kept.ops if op.kind is OpKind.PERSISTENT_GATHER]
+    assert post and all(op.comm.dtype != "int8" for op in post)
+
+
+def test_qwz_halves_the_gathered_bytes_and_helps_on_a_slow_network():
+    big = {**MULTI_NODE, "hardware.override": {"inter_node": {"nic_bw_Gbps": 100}}, "model.layers": 4,
+           "model.hidden": 4096, "model.heads": 32}
+    plain = run_scenario(scenario(**big))[0]
+    qwz = run_scenario(scenario(**big, **{f"{Z}zero_quantized_weights": True}))[0]
+    assert qwz.comm.bytes_per_gpu["all_gather"] < 0.51 * plain.comm.bytes_per_gpu["all_gather"]
+    assert qwz.comm.time_s["all_gather"] < plain.comm.time_s["all_gather"]
+    assert qwz.step_time_s < plain.step_time_s
+
+
+@pytest.mark.parametrize("gas", [1, 3])
+def test_qwz_steps_reused_equal_every_op_simulated(gas):
+    for hpz in (1, 8):
+        sc = scenario(**MULTI_NODE, **{f"{Z}zero_quantized_weights": True, f"{Z}zero_hpz_partition_size": hpz,
+                                       "training.gradient_accumulation_steps": gas})
+        reused, _ = run_scenario(sc)
+        full, _ = run_scenario(sc, steady=False)
+        equal_results(reused, full)

@@ -110,6 +110,7 @@ class OpKind(Enum):
     GRAD_NORM = "grad norm"                  # local overflow check and norm passes
     OPTIMIZER_STEP = "optimizer step"        # fused Adam over the local shard
     STEP_DONE = "step done"                  # the offloaded step's join point (no work)
+    DEQUANTIZE = "dequantize"                # ZeRO++ qwZ: a quantized gather's int8 flat back to 16 bits, at its wait
     # collectives (payload ParamGather / GradReduce / ScalarAllReduce)
     PARAM_GATHER = "param gather"            # ZeRO-3 fetch of partitioned params (own or prefetch)
     PERSISTENT_GATHER = "persistent gather"  # ZeRO-3 post-step gather of one persistent param

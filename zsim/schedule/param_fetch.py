@@ -57,10 +57,11 @@ from dataclasses import dataclass
 from zsim.schedule import offload
 from zsim.schedule.context import StepContext
 from zsim.schedule.ir import Alloc, Buffer, Category, Collective, Group, OpKind, Phase, ProcessGroup, Stream, Tag
-from zsim.schedule.payloads import Comm, ParamGather
+from zsim.errors import ZsimInputError
+from zsim.schedule.payloads import Comm, ComputeWork, ParamGather, StepCompute
 from zsim.schedule.moe import z3_leaf_blocks
 from zsim.schedule.partition import coalesced_gather_views, padded
-from zsim.workload.module import Module
+from zsim.workload.module import DTYPE_BYTES, Module
 from zsim.workload.preference import REFERENCE, reference_engine
 
 NOT_AVAILABLE, AVAILABLE = 0, 1
@@ -162,6 +163,44 @@ def module_visits(wl, checkpointing: str, leaves: dict[str, tuple[int, ...]],
 # stream, so they are ordered with its data-parallel gathers but not queued behind the
 # reduce-scatters of the data-parallel communicator. A reference engine never steps: its
 # params keep their secondary partitions from the first step on (`secondary_kept`).
+# [Note: qwZ quantized gathers]
+# ZeRO++'s quantized weights (zero_quantized_weights, ZeRO-3; docs/zeropp.md, DeepSpeed 0.19.8,
+# modelled from the source: the quantizer is a CUDA op, so DeepSpeed cannot run it on a CPU and
+# nothing here is checked against a recording). The coordinator passes quantize=True to every
+# fetch, forward and backward, primary and hpZ (partitioned_param_coordinator.py:569-580), not to
+# the post-step gathers of the persistent params. A fetch of the rank's partitions (S elements
+# a rank, N = S x the group's ranks gathered) is cast to fp16 and quantized to int8 with one fp32
+# scale per group of up to 8,000 elements (CUDAQuantizer.quantize, partition_parameters.py:
+# 867-894: `quant_groups`; it asserts S a multiple of 8), then gathered as two all-gathers in the
+# same group: the int8 data (N bytes) and the scales (4 x groups x ranks bytes), instead of one
+# gather of 2N bytes (_all_gather_coalesced 1479-1538; a one-param fetch goes through
+# _all_gather_sequential, 1373-1444, the same two calls). Its wait (AllGatherCoalescedHandle.wait,
+# 761-797), on the compute stream at the hook of the module that uses it, dequantizes the int8
+# flat into an fp16 flat (read N + scales, write 2N) and each param's copy is cast to its dtype
+# (bf16: read 2, write 2 a element; fp16: none). zsim charges the quantize pass (read 2S, write
+# 2S; read 2S, write S and the scales) to the int8 call's own buffer passes, the dequantize and
+# cast to a DEQUANTIZE op on the compute stream at the first wait on the fetch, holding the fp16
+# flat while it runs; the int8 flat and the scales replace the 16-bit flat buffer until the wait.
+QUANT_TARGET_GROUP = 8000     # CUDAQuantizer.target_group_size
+FP16_BYTES, FP32_BYTES = DTYPE_BYTES["fp16"], DTYPE_BYTES["fp32"]
+QUANT_MAX_GROUP = 16000
+
+
+def quant_groups(n: int) -> int | None:
+    """CUDAQuantizer.quantize's group count for `n` elements; None where its asserts fail (n not a
+    multiple of 8 groups of fewer than 16,000 elements)."""
+    g = -(-n // QUANT_TARGET_GROUP)
+    while g < n:
+        if n % (8 * g) == 0:
+            break
+        g += 1
+    while n % (16 * g) == 0 and n / g > QUANT_TARGET_GROUP:
+        g *= 2
+    if n % (8 * g) or n / g >= QUANT_MAX_GROUP or n <= g:
+        return None
+    return g
+
+
 def hpz_size(ctx: StepContext) -> int:
     """The hpZ group's ranks (0: hpZ off, or one rank, which gathers nothing)."""
     h = ctx.sc.zero.zero_hpz_partition_size
@@ -207,6 +246,11 @@ class ParamCoordinator:
         self.secondary: set[int] = ({p for v in self.visits for p in v.params if p not in self.persistent}
                                     if self.secondary_kept else set())
         self.last_gather: tuple[int, bool] | None = None
+        # see [Note: qwZ quantized gathers]: whether the fetches go quantized, and per quantized
+        # flat buffer its scale gather (the wait's dependency) and, once waited, its dequantize op
+        self.qwz = ctx.sc.zero.stage == 3 and ctx.sc.zero.zero_quantized_weights and ctx.dp_size > 1
+        self.scales_of: dict[int, tuple[int, int]] = {}    # flat -> (scale gather op, numel gathered)
+        self.dequant_of: dict[int, int] = {}
         # a fetched param holds memory of its own unless it is a view of its one-rank partition
         # (see [Note: one-rank ZeRO-3 fetch])
         self.allocates = ctx.dp_size > 1 or ctx.params_offloaded
@@ -335,22 +379,37 @@ class ParamCoordinator:
         # the persistent region it holds for the whole run
         allocs = tuple(Alloc(Tag(Buffer.GATHERED, micro, p), Category.GATHERED, self.numels[p] * ctx.param_bytes)
                        for p in pids if p not in self.persistent)
-        if len(pids) > 1:
+        ranks = self.hpz if secondary else ctx.dp_size
+        groups = self._quant_groups(numel // ranks) if self.qwz else 0
+        if len(pids) > 1 or self.qwz:
             flat = ctx.b.next_id
-            allocs += (Alloc(Tag(Buffer.GATHER_FLAT, micro, flat), Category.GATHERED, numel * ctx.param_bytes),)
+            # see [Note: qwZ quantized gathers]: the int8 flat and the scales in place of the 16-bit flat
+            flat_bytes = numel + FP32_BYTES * groups * ranks if self.qwz else numel * ctx.param_bytes
+            allocs += (Alloc(Tag(Buffer.GATHER_FLAT, micro, flat), Category.GATHERED, flat_bytes),)
             self.unwaited[flat] = set(pids)
             self.inflight.update((p, flat) for p in pids)
-            launch, self.wait_views[flat] = coalesced_gather_views(ctx.dp_size, len(pids))
-            self.pending_views += launch
+            if len(pids) > 1:
+                launch, self.wait_views[flat] = coalesced_gather_views(ctx.dp_size, len(pids))
+                self.pending_views += launch
         # an hpZ gather runs on its group's NCCL stream, launched in order with the allgather
         # stream's other gathers (a gather after one on the other stream waits for it)
         stream, group = (Stream.HPZ, ProcessGroup(Group.HPZ, self.hpz)) if secondary else (Stream.ALLGATHER, None)
         if self.last_gather is not None and self.last_gather[1] != secondary:
             deps.append(self.last_gather[0])
-        op = ctx.b.add(OpKind.PARAM_GATHER, stream, phase, micro,
-                       ParamGather(Comm(Collective.ALL_GATHER, numel, numel * ctx.param_bytes, group=group),
-                                   tuple(pids), visit, prefetch),
+        if self.qwz:
+            # the cast to fp16 and the quantize pass over the rank's S elements, then the int8 data
+            s = numel // ranks
+            comm = Comm(Collective.ALL_GATHER, numel, float(numel), buffer_bytes=7.0 * s + FP32_BYTES * groups,
+                        group=group, dtype="int8")
+        else:
+            comm = Comm(Collective.ALL_GATHER, numel, numel * ctx.param_bytes, group=group)
+        op = ctx.b.add(OpKind.PARAM_GATHER, stream, phase, micro, ParamGather(comm, tuple(pids), visit, prefetch),
                        deps, allocs)
+        if self.qwz:
+            op = ctx.b.add(OpKind.PARAM_GATHER, stream, phase, micro,
+                           ParamGather(Comm(Collective.ALL_GATHER, groups * ranks, FP32_BYTES * groups * ranks,
+                                            group=group, dtype="fp32"), tuple(pids), visit, prefetch), [op])
+            self.scales_of[flat] = (op, numel)
         if self.hpz:
             self.last_gather = (op, secondary)
         for p in pids:
@@ -366,7 +425,14 @@ class ParamCoordinator:
         k = self.step_id
         own = list(visit.params)
         self._gather(sorted(own), micro, phase, visit.module, prefetch=False)
-        deps = [self.gather_op[p] for p in own if p in self.gather_op]
+        if self.qwz and not self.dry:
+            # the wait dequantizes each quantized fetch the module's params came in (once)
+            flats = sorted({self.inflight[p] for p in own if p in self.inflight})
+            waits = {f: self._dequantize(f, micro, phase) for f in flats}
+            deps = [waits[self.inflight[p]] if p in self.inflight else self.gather_op[p]
+                    for p in own if p in self.gather_op]
+        else:
+            deps = [self.gather_op[p] for p in own if p in self.gather_op]
         for p in own:
             self._wait(p, micro)
         not_fetched = [p for p in own if self.most_recent[p] < k]
@@ -388,6 +454,32 @@ class ParamCoordinator:
                 self._gather(sorted(chosen), micro, phase, visit.module, prefetch=True)
         self.step_id += 1
         return deps
+
+    def _quant_groups(self, s: int) -> int:
+        groups = quant_groups(s)
+        if groups is None:
+            raise ZsimInputError("deepspeed.zero_optimization.zero_quantized_weights", True,
+                                 f"DeepSpeed's quantizer asserts on a fetch of {s:,} elements a rank (a multiple of 8 "
+                                 "groups of under 16,000 elements: partition_parameters.py CUDAQuantizer); drop it")
+        return groups
+
+    def _dequantize(self, flat: int, micro: int, phase: Phase) -> int:
+        """The first wait on a quantized fetch: its int8 flat dequantized into an fp16 flat (held
+        while it runs), each param cast to its dtype (see [Note: qwZ quantized gathers])."""
+        op = self.dequant_of.get(flat)
+        if op is not None:
+            return op
+        ctx = self.ctx
+        scales, n = self.scales_of[flat]
+        cast = 0.0 if ctx.sc.precision == "fp16" else float(FP16_BYTES + ctx.param_bytes) * n
+        work = ComputeWork(mem_bytes=3.0 * n + cast, kernels=2 if cast else 1)
+        tag = Tag(Buffer.WORKSPACE, micro, flat, "dequant")
+        op = ctx.b.add(OpKind.DEQUANTIZE, Stream.COMPUTE, phase, micro, StepCompute(work),
+                       [scales, self.last_compute],
+                       (Alloc(tag, Category.GATHERED, FP16_BYTES * n),))
+        ctx.b.add_free(op, tag)
+        self.dequant_of[flat] = op
+        return op
 
     def _wait(self, p: int, micro: int):
         """The registry pops `p`; its flat buffer goes when no param of it is left in flight."""

@@ -132,7 +132,8 @@ def build(ctx: StepContext):
     # reduction; the bucket's last copy is in the state)
     if (ctx.skip_layers and ctx.dp_size > 1
             and all(isinstance(x, TensorCollectives) for x in ctx.exchanges)
-            and not ctx.cpu_checkpointing and not hooks.fetch.leaves and not hooks.fetch.hpz):
+            and not ctx.cpu_checkpointing and not hooks.fetch.leaves and not hooks.fetch.hpz
+            and not hooks.fetch.qwz):
         skip = LayerSkip(ctx, hooks)
         ctx.layer_skip = skip if skip.active else None
     shard = shard_numel(numels, ctx.dp_size)

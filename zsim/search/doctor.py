@@ -169,6 +169,10 @@ def playbook(raw: dict, sc: Scenario) -> list[Variant]:
         # param (see [Note: hpZ secondary partitions])
         out.append(Variant(f"ZeRO++ hpZ over each node (zero_hpz_partition_size {cl.gpus_per_node})",
                            (f"deepspeed.zero_optimization.zero_hpz_partition_size={cl.gpus_per_node}",)))
+    if z.stage == 3 and cl.nodes > 1 and not z.zero_quantized_weights:
+        # qwZ: int8 gathers with fp32 scales (see [Note: qwZ quantized gathers])
+        out.append(Variant("ZeRO++ qwZ (zero_quantized_weights: int8 parameter gathers)",
+                           ("deepspeed.zero_optimization.zero_quantized_weights=true",)))
     if z.stage >= 1:
         small = max(int(z.reduce_bucket_size // 4), 1)
         if small < z.reduce_bucket_size:

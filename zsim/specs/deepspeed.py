@@ -136,7 +136,6 @@ class ZeroConfig:
 
     def __post_init__(self):
         unmodelled = {
-            "zero_quantized_weights": (self.zero_quantized_weights, False),
             "zero_quantized_gradients": (self.zero_quantized_gradients, False),
         }
         # ZeRO++ acts at stage 3 only (partition_parameters.py, stage3.py): DeepSpeed 0.19.8 ignores
