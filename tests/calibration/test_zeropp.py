@@ -166,13 +166,11 @@ def test_tune_tries_hpz_on_a_multi_node_zero3_run(tmp_path):
     assert main(["tune", str(path), "--budget", "40", "--json", str(out),
                  "--fix", f"{Z}stage=3", "--fix", "parallelism.tensor=1"]) in (0, 1)
     ranked = json.loads(out.read_text())["candidates"]
-    hpz = [c for c in ranked if c["knobs"].get("zero_hpz_partition_size") == 8]
-    assert hpz, "refine tried hpZ over the node"
-    # the best with hpZ beats the same point without it (the gathers stay inside the node)
-    same = [c for c in ranked if {k: v for k, v in c["knobs"].items() if k != "zero_hpz_partition_size"}
-            == {k: v for k, v in hpz[0]["knobs"].items() if k != "zero_hpz_partition_size"}
-            and c["micro_batch_size"] == hpz[0]["micro_batch_size"] and not c["knobs"].get("zero_hpz_partition_size")]
-    assert same and hpz[0]["tokens_per_s_per_gpu"] > same[0]["tokens_per_s_per_gpu"]
+    # refine tries hpZ over the node and the quantized gathers and gradients on the best points
+    tried = {k: {c["knobs"][k] for c in ranked if k in c["knobs"]}
+             for k in ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients")}
+    assert 8 in tried["zero_hpz_partition_size"] and tried["zero_quantized_weights"] and \
+        tried["zero_quantized_gradients"]
     with pytest.raises(ZsimInputError, match="tensor parallelism"):
         scenario(**{**MULTI_NODE, f"{Z}zero_hpz_partition_size": 8, "parallelism.tensor": 2})
 
@@ -255,3 +253,51 @@ def test_qwz_steps_reused_equal_every_op_simulated(gas):
         reused, _ = run_scenario(sc)
         full, _ = run_scenario(sc, steady=False)
         equal_results(reused, full)
+
+
+# -- qgZ (see [Note: qgZ quantized gradient reduction]) ---------------------------------------------
+def test_qgz_on_one_node_is_the_plain_reduce_scatter_deepspeed_recorded():
+    fx = _load("stage3_qgz_w4_1node")
+    assert fx["ds_config"]["zero_optimization"]["zero_quantized_gradients"]
+    assert _simulated(fx) == _recorded(fx)
+
+
+def test_qgz_across_nodes_reduces_each_gradient_by_two_int4_all_to_alls():
+    from zsim.schedule.ir import OpKind
+    qgz = {f"{Z}zero_quantized_gradients": True}
+    sc = scenario(**MULTI_NODE, **qgz)
+    wl, sched = build_schedule(sc)
+    world, gpn = sc.data_parallel_size, sc.cluster.gpus_per_node
+    reduces = [op for op in sched.ops if op.kind is OpKind.BUCKET_REDUCE]
+    by_param: dict = {}
+    for op in reduces:
+        by_param.setdefault(op.payload.pids[op.payload.call // 4], []).append(op)
+    for pid, ops in by_param.items():
+        p = wl.params[pid]
+        if len(p.shape) < 2:
+            # a bias or norm: reduce_scatter_coalesced of it alone, over the whole world
+            assert [op.comm.collective.value for op in ops] == ["reduce_scatter"] and ops[0].comm.group is None
+            continue
+        q = max(p.shape[0], p.shape[1], world)
+        assert [(op.comm.collective.value, op.comm.group.kind.value, op.comm.size_bytes) for op in ops] == [
+            ("all_to_all", "qgz_local", p.numel / 2), ("all_to_all", "qgz_local", 4 * q),
+            ("all_to_all", "qgz_global", p.numel / (2 * gpn)), ("all_to_all", "qgz_global", 4 * q / gpn)]
+        assert ops[2].comm.group.size == world // gpn and ops[2].comm.group.stride == gpn
+    plain = run_scenario(scenario(**MULTI_NODE))[0]
+    quant = run_scenario(sc)[0]
+    assert sum(quant.comm.bytes_per_gpu.values()) < sum(plain.comm.bytes_per_gpu.values()) - 0.7 * \
+        plain.comm.bytes_per_gpu["reduce_scatter"]
+    assert quant.step_time_s < plain.step_time_s
+
+
+@pytest.mark.parametrize("gas", [1, 3])
+def test_qgz_steps_reused_equal_every_op_simulated(gas):
+    sc = scenario(**MULTI_NODE, **{f"{Z}zero_quantized_gradients": True, "training.gradient_accumulation_steps": gas})
+    reused, _ = run_scenario(sc)
+    full, _ = run_scenario(sc, steady=False)
+    equal_results(reused, full)
+
+
+def test_qgz_refusals_are_deepspeeds():
+    with pytest.raises(ZsimInputError, match="reduce_scatter"):
+        scenario(**MULTI_NODE, **{f"{Z}zero_quantized_gradients": True, f"{Z}reduce_scatter": False})

@@ -176,8 +176,7 @@ def test_tune_write_on_a_recipe_writes_the_recipe_beside_it(tmp_path, monkeypatc
 def test_zero_plus_plus_keys_outside_stage_3_are_ignored_as_deepspeed_ignores_them():
     """DeepSpeed 0.19.8 applies ZeRO++ at stage 3 only (tests/fixtures/deepspeed_zeropp/
     stage2_hpz2_w2.json: stage 2's calls unchanged): zsim accepts the keys there with a warning;
-    at stage 3 it models hpZ (tests/calibration/test_zeropp.py) and refuses qwZ and qgZ, which it
-    does not model yet."""
+    at stage 3 it models them (tests/calibration/test_zeropp.py)."""
     from zsim.config.scenario import scenario_from_mapping
     from zsim.errors import ZsimInputError
 
@@ -191,6 +190,7 @@ def test_zero_plus_plus_keys_outside_stage_3_are_ignored_as_deepspeed_ignores_th
                                                       "deepspeed.zero_optimization.zero_quantized_gradients"]
     assert "ignores it at stage 2" in sc.warnings[0]
     assert load(3, zero_hpz_partition_size=8).deepspeed.zero_optimization.zero_hpz_partition_size == 8
+    assert load(3, zero_quantized_gradients=True).deepspeed.zero_optimization.zero_quantized_gradients
     with pytest.raises(ZsimInputError, match="zero_quantized_gradients"):
-        load(3, zero_quantized_gradients=True)
+        load(3, zero_quantized_gradients=True, reduce_scatter=False)     # DeepSpeed's assert
     assert load(3, zero_quantized_nontrainable_weights=True).warnings == ()   # nothing frozen: no effect

@@ -25,17 +25,22 @@ def qwz(on: bool) -> str:
     return f"deepspeed.zero_optimization.zero_quantized_weights={'true' if on else 'false'}"
 
 
+def qgz(on: bool) -> str:
+    return f"deepspeed.zero_optimization.zero_quantized_gradients={'true' if on else 'false'}"
+
+
 def variants(has_nvme: bool, gpus_per_node: int = 1, nodes: int = 1) -> list[tuple[str, str, tuple[str, ...]]]:
     """(label, offload mode, assignments). Offload modes group the bars of the plot. Across nodes,
-    ZeRO-3 with hpZ over each node (see [Note: hpZ secondary partitions]) and ZeRO++ (hpZ and qwZ's
-    quantized gathers, see [Note: qwZ quantized gathers]) join them; every other variant runs
-    without ZeRO++."""
-    plain = (hpz(1), qwz(False))
+    ZeRO-3 with hpZ over each node (see [Note: hpZ secondary partitions]) and ZeRO++ (hpZ, qwZ's
+    quantized gathers and qgZ's quantized gradient reduction: see [Note: qwZ quantized gathers],
+    see [Note: qgZ quantized gradient reduction]) join them; every other variant runs without ZeRO++."""
+    plain = (hpz(1), qwz(False), qgz(False))
     out: list[tuple[str, str, tuple[str, ...]]] = [(f"ZeRO-{n}", "none", (stage(n),) + plain + NONE) for n in range(4)]
     if nodes > 1 and gpus_per_node > 1:
         out.append((f"ZeRO-3 + hpZ ({gpus_per_node} GPUs a node)", "none (hpZ)",
-                    (stage(3), hpz(gpus_per_node), qwz(False)) + NONE))
-        out.append((f"ZeRO++ (hpZ {gpus_per_node} + qwZ)", "none (ZeRO++)", (stage(3), hpz(gpus_per_node), qwz(True)) + NONE))
+                    (stage(3), hpz(gpus_per_node), qwz(False), qgz(False)) + NONE))
+        out.append((f"ZeRO++ (hpZ {gpus_per_node} + qwZ + qgZ)", "none (ZeRO++)",
+                    (stage(3), hpz(gpus_per_node), qwz(True), qgz(True)) + NONE))
     out += [
         ("ZeRO-2 + CPU optimizer", "optimizer cpu", (stage(2),) + plain + (OPT_CPU, NONE[1])),
         ("ZeRO-3 + CPU optimizer", "optimizer cpu", (stage(3),) + plain + (OPT_CPU, NONE[1])),

@@ -131,6 +131,10 @@ def check_parallelism(par: ParallelismSpec, ds: DeepSpeedConfig, training: Train
     _check_tensor(par, model, training)
     _check_expert(par, ds, model, world_size // (par.pipeline * par.tensor))
     hpz = ds.zero_optimization.zero_hpz_partition_size
+    if ds.zero_optimization.stage == 3 and ds.zero_optimization.zero_quantized_gradients and par.tensor > 1:
+        raise ZsimInputError("deepspeed.zero_optimization.zero_quantized_gradients", True,
+                             "qgZ with tensor parallelism is not modelled (its all-to-all groups are global ranks); "
+                             "use tensor: 1 or drop qgZ")
     if ds.zero_optimization.stage == 3 and hpz > 1 and par.tensor > 1:
         # groups.py _create_zero_param_parallel_group blocks consecutive global ranks, which under
         # tensor parallelism hold different shards of each weight

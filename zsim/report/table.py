@@ -206,7 +206,7 @@ def tune_table(res, top: int, console: Console | None = None):
              "optimizer+params nvme": "nvme"}
     abbrev = {"reduce_bucket_size": "rb", "overlap_comm": "ov", "stage3_prefetch_bucket_size": "pf",
               "stage3_param_persistence_threshold": "pt", "stage3_max_live_parameters": "ml",
-              "zero_hpz_partition_size": "hpz", "zero_quantized_weights": "qwz"}
+              "zero_hpz_partition_size": "hpz", "zero_quantized_weights": "qwz", "zero_quantized_gradients": "qgz"}
     for i, (c, r) in enumerate(res.ranked[:top]):
         knobs = " ".join(f"{abbrev.get(k, k)}={fmt_setting(v)}" for k, v in sorted(c.knobs.items())) or "-"
         tp = f"{c.layout.tensor}{' SP' if c.layout.sequence_parallel else ''}"
@@ -220,5 +220,6 @@ def tune_table(res, top: int, console: Console | None = None):
     if res.ranked:
         console.print("knobs: rb reduce_bucket_size, ov overlap_comm, pf stage3_prefetch_bucket_size, "
                       "pt stage3_param_persistence_threshold, ml stage3_max_live_parameters, "
-                      "hpz zero_hpz_partition_size (ZeRO++ hpZ), qwz zero_quantized_weights (ZeRO++ qwZ)")
+                      "hpz zero_hpz_partition_size (ZeRO++ hpZ), qwz zero_quantized_weights (qwZ), "
+                      "qgz zero_quantized_gradients (qgZ)")
         console.print("best: zsim run SCENARIO " + " ".join(f"--set '{a}'" for a in res.ranked[0][0].assignments()))

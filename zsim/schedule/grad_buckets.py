@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from zsim.schedule import offload
 from zsim.schedule.context import StepContext
-from zsim.schedule.ir import Alloc, Buffer, Category, Collective, OpKind, Phase, Stream, Tag
+from zsim.schedule.ir import Alloc, Buffer, Category, Collective, Group, OpKind, Phase, ProcessGroup, Stream, Tag
 from zsim.schedule.payloads import Comm, GradReduce
 from zsim.schedule.moe import flat_group_process_group, moe_param_groups
 from zsim.schedule.partition import (bucket_slices, call_sizes, grads_in_partition_numel, in_rank_partition, padded,
                                      scatter_views)
+
+FP32 = 4   # bytes of qgZ's fp32 scales
 
 
 def overflows(bucket_numel: int, numel: int, bucket_size: float) -> bool:
@@ -406,6 +408,9 @@ class Zero3Buckets(_Buckets):
 
     def _flush(self, micro: int, after: int):
         ctx = self.ctx
+        if qgz_nodes(ctx) > 1:
+            self._qgz_flush(micro, after)
+            return
         numel = sum(padded(self.numels[p], ctx.dp_size) for p in self.bucket)
         size_bytes = numel * ctx.reduce_bytes
         z = ctx.sc.zero
@@ -445,3 +450,82 @@ class Zero3Buckets(_Buckets):
         if ctx.optimizer_offloaded:
             self.last_d2h = offload.grads_to_host(ctx, numel / ctx.dp_size, micro, self.last_reduce,
                                                   f"bucket {self.flushes}")
+
+    def _qgz_flush(self, micro: int, after: int):
+        """The bucket's gradients through all_to_all_quant_reduce, one tensor at a time (see
+        [Note: qgZ quantized gradient reduction])."""
+        ctx = self.ctx
+        world, gpn = ctx.dp_size, ctx.sc.cluster.gpus_per_node
+        nodes = world // gpn
+        local, across = ProcessGroup(Group.QGZ_LOCAL, gpn), ProcessGroup(Group.QGZ_GLOBAL, nodes, gpn)
+        params = ctx.wl.params
+        last = after
+        for i, pid in enumerate(self.bucket):
+            n, shape = self.numels[pid], params[pid].shape
+            # the rank's slice into its gradient partition (partition_grads)
+            partition = (ctx.reduce_bytes + ctx.param_bytes + (ctx.param_bytes if micro else 0)) * n / world
+            comms: list[tuple[Comm, tuple[Alloc, ...]]]
+            if len(shape) < 2 or n % (2 * world):
+                # a 1-D tensor, or one the two-hop all-to-all cannot split: reduce_scatter_coalesced
+                # of it alone over the whole world, in the communication dtype
+                m = padded(n, world)
+                # reduce_scatter_coalesced pre-divides it in place (read + write)
+                comms = [(Comm(Collective.REDUCE_SCATTER, m, m * ctx.reduce_bytes,
+                               buffer_bytes=2.0 * m * ctx.reduce_bytes + partition, dtype=ctx.reduce_dtype), ())]
+            else:
+                q = max(shape[0], shape[1], world)          # intra_quant_group
+                work = qgz_work_bytes(n, q, gpn, world)
+                scratch = Tag(Buffer.SCATTER_COPY, micro, f"qgz {self.flushes}.{i}")
+                comms = [(Comm(Collective.ALL_TO_ALL, n // 2, n / 2, buffer_bytes=work[0], group=local, dtype="int4"),
+                          (Alloc(scratch, Category.BUCKETS, n + 8.0 * q),)),
+                         (Comm(Collective.ALL_TO_ALL, q, FP32 * q, group=local, dtype="fp32"), ()),
+                         (Comm(Collective.ALL_TO_ALL, n // (2 * gpn), n / (2 * gpn), buffer_bytes=work[1],
+                               group=across, dtype="int4"), ()),
+                         (Comm(Collective.ALL_TO_ALL, q // gpn, FP32 * q / gpn, buffer_bytes=work[2] + partition,
+                               group=across, dtype="fp32"), ())]
+            for call, (comm, alloc) in enumerate(comms):
+                last = self._reduce_op(micro, last, call + 4 * i, comm, alloc=alloc)
+            if len(comms) > 1:
+                ctx.b.add_free(last, Tag(Buffer.SCATTER_COPY, micro, f"qgz {self.flushes}.{i}"))
+        self.last_reduce = last
+        ctx.b.add_free(self.last_reduce, *self.pending)
+        self.pending = []
+        if ctx.optimizer_offloaded:
+            numel = sum(padded(self.numels[p], ctx.dp_size) for p in self.bucket)
+            self.last_d2h = offload.grads_to_host(ctx, numel / ctx.dp_size, micro, self.last_reduce,
+                                                  f"bucket {self.flushes}")
+
+
+# [Note: qgZ quantized gradient reduction]
+# ZeRO++'s quantized gradients (zero_quantized_gradients, ZeRO-3; docs/zeropp.md, DeepSpeed
+# 0.19.8, modelled from the source: its quantizer kernels are CUDA-only, and across nodes it
+# fails on a CPU, so only the one-node case is recorded). stage3.py __avg_scatter_grads hands a
+# reduced bucket to coalesced_collectives.py all_to_all_quant_reduce when the world spans more
+# than one node (world // device_count() > 1; on one node it is the plain reduce-scatter,
+# recorded: tests/fixtures/deepspeed_zeropp/stage3_qgz_w4_1node). It reduces the bucket one
+# gradient at a time: a 1-D tensor, or one whose numel does not divide by 2 x world, goes alone
+# through reduce_scatter_coalesced over the whole world; any other is quantized to int4 with
+# q = max(shape[0], shape[1], world) fp32 scales (swizzle_quant), exchanged by an all-to-all of
+# the data (numel / 2 bytes a rank) and one of the scales inside the node (local_i), reduced and
+# requantized (quantized_reduction: numel / (2 L) bytes, q / L scales), exchanged by two
+# all-to-alls across the nodes (global_j, one rank a node), dequantized to fp16 and averaged
+# over its node chunks into the rank's numel / world slice. zsim: the four calls on the reduce
+# stream, the kernels' passes as their buffer passes (`qgz_work_bytes`), the int4 buffers held
+# from the first call to the last.
+def qgz_nodes(ctx) -> int:
+    """The nodes qgZ reduces across (0: off; 1: one node, where it is the plain reduce-scatter)."""
+    z = ctx.sc.zero
+    if z.stage != 3 or not z.zero_quantized_gradients or ctx.dp_size == 1:
+        return 0
+    return ctx.dp_size // ctx.sc.cluster.gpus_per_node
+
+
+def qgz_work_bytes(n: int, q: int, gpn: int, world: int) -> tuple[float, float, float]:
+    """The memory passes of one tensor's quantized reduction, before each hop: swizzle_quant (read
+    16-bit n, write int4 n / 2 and q scales), quantized_reduction (read the int4 pieces and scales,
+    write n / (2 L) and q / L), dequantize and the mean over the node chunks (read n / (2 L), write
+    fp16 n / L; read it, write the n / world slice)."""
+    quant = 2.0 * n + n / 2 + FP32 * q
+    reduce = n / 2 + FP32 * q + n / (2 * gpn) + FP32 * q / gpn
+    dequant = n / (2 * gpn) + 2.0 * n / gpn + 2.0 * n / gpn + 2.0 * n / world
+    return quant, reduce, dequant

@@ -77,6 +77,10 @@ class Group(StrEnum):
     # ZeRO++ hpZ's zero_param_process_group (utils/groups.py _create_zero_param_parallel_group):
     # consecutive blocks of zero_hpz_partition_size global ranks
     HPZ = "hpz"
+    # ZeRO++ qgZ's all-to-all groups (utils/groups.py _get_local_all_to_all_group): local_i, the
+    # GPUs of node i; global_j, the j-th GPU of every node (stride: the GPUs per node)
+    QGZ_LOCAL = "qgz_local"
+    QGZ_GLOBAL = "qgz_global"
 
 
 # groups inside one pipeline stage's data-parallel group: their ranks start at the stage's first rank

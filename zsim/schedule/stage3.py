@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from zsim.schedule import offload
 from zsim.schedule.context import StageHooks, StepContext
-from zsim.schedule.grad_buckets import Zero3Buckets
+from zsim.schedule.grad_buckets import Zero3Buckets, qgz_nodes
 from zsim.schedule.layer_skip import LayerSkip
 from zsim.schedule.ir import Category, Collective, OpKind, Phase, Stream
 from zsim.schedule.payloads import Comm, ParamGather
@@ -133,7 +133,7 @@ def build(ctx: StepContext):
     if (ctx.skip_layers and ctx.dp_size > 1
             and all(isinstance(x, TensorCollectives) for x in ctx.exchanges)
             and not ctx.cpu_checkpointing and not hooks.fetch.leaves and not hooks.fetch.hpz
-            and not hooks.fetch.qwz):
+            and not hooks.fetch.qwz and qgz_nodes(ctx) <= 1):
         skip = LayerSkip(ctx, hooks)
         ctx.layer_skip = skip if skip.active else None
     shard = shard_numel(numels, ctx.dp_size)

@@ -173,6 +173,10 @@ def playbook(raw: dict, sc: Scenario) -> list[Variant]:
         # qwZ: int8 gathers with fp32 scales (see [Note: qwZ quantized gathers])
         out.append(Variant("ZeRO++ qwZ (zero_quantized_weights: int8 parameter gathers)",
                            ("deepspeed.zero_optimization.zero_quantized_weights=true",)))
+    if z.stage == 3 and cl.nodes > 1 and z.reduce_scatter and not z.zero_quantized_gradients:
+        # qgZ: int4 all-to-alls within and across the nodes (see [Note: qgZ quantized gradient reduction])
+        out.append(Variant("ZeRO++ qgZ (zero_quantized_gradients: int4 gradient all-to-alls)",
+                           ("deepspeed.zero_optimization.zero_quantized_gradients=true",)))
     if z.stage >= 1:
         small = max(int(z.reduce_bucket_size // 4), 1)
         if small < z.reduce_bucket_size:

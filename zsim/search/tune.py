@@ -747,8 +747,10 @@ class Tuner:
                 if cl.nodes > 1 and cl.gpus_per_node > 1 and "params" not in c.offload and c.layout.tensor == 1:
                     # ZeRO++ hpZ over each node (see [Note: hpZ secondary partitions])
                     knobs["zero_hpz_partition_size"] = (1, cl.gpus_per_node)
-                if cl.nodes > 1:   # qwZ's int8 gathers (see [Note: qwZ quantized gathers])
+                if cl.nodes > 1:   # ZeRO++'s quantized gathers and gradient reduction
                     knobs["zero_quantized_weights"] = (False, True)
+                    if c.layout.tensor == 1:
+                        knobs["zero_quantized_gradients"] = (False, True)
             knobs = {k: v for k, v in knobs.items() if k not in self.space.knobs}
             for name, values in knobs.items():
                 for i in range(len(values)):

@@ -135,15 +135,13 @@ class ZeroConfig:
         return self.optimizer_offload_device != "none" or self.param_offload_device != "none"
 
     def __post_init__(self):
-        unmodelled = {
-            "zero_quantized_gradients": (self.zero_quantized_gradients, False),
-        }
         # ZeRO++ acts at stage 3 only (partition_parameters.py, stage3.py): DeepSpeed 0.19.8 ignores
-        # these keys at stages 0-2 (recorded: tests/fixtures/deepspeed_zeropp/stage2_hpz2_w2.json
+        # its keys at stages 0-2 (recorded: tests/fixtures/deepspeed_zeropp/stage2_hpz2_w2.json
         # issues stage 2's calls unchanged), and zsim with it (zero_plus_plus_warnings says so)
-        for key, (value, neutral) in unmodelled.items():
-            if self.stage == 3 and value != neutral:
-                raise ValueError(key, value, f"ZeRO++ ({key}) is not modelled by zsim yet; remove it or set {neutral}")
+        if self.stage == 3 and self.zero_quantized_gradients and not self.reduce_scatter:
+            # stage3.py:389-390: assert reduce_scatter with zero_quantized_gradients
+            raise ValueError("zero_quantized_gradients", True, "qgZ needs reduce_scatter: true (DeepSpeed asserts "
+                             "it, stage3.py); set reduce_scatter true or drop qgZ")
         if self.stage == 3 and self.zero_hpz_partition_size > 1 and self.param_offload_device != "none":
             # partition_parameters.py:1166-1170, 1915-1920: the secondary partition goes to the
             # offload device (an NVMe one cannot hold a torch tensor)

@@ -45,9 +45,10 @@ class Builder:
         self.scope: tuple[str, ...] = ()
         self.expert: int | None = None
 
-    def param(self, name: str, numel: int, tensor_partial_grad: bool = False) -> int:
+    def param(self, name: str, numel: int, tensor_partial_grad: bool = False, shape: tuple[int, ...] = ()) -> int:
+        """A parameter of `numel` elements (`shape`: its dimensions; default one of numel)."""
         self.params.append(Param(name, int(numel), expert=self.expert is not None,
-                                 tensor_partial_grad=tensor_partial_grad))
+                                 tensor_partial_grad=tensor_partial_grad, shape=shape or (int(numel),)))
         return len(self.params) - 1
 
     def add(self, **fields) -> None:
@@ -104,9 +105,12 @@ class Builder:
             role, width = TensorRole.EXIT, n_out
             n_in //= self.tp
             extra_act, fwd_mem, bwd_mem = extra_act / self.seq, fwd_mem / self.seq, bwd_mem / self.seq
-        ids: tuple[int, ...] = (weight if weight is not None else self.param(f"{name}.weight", groups * n_in * n_out),)
+        lead = (groups,) if groups > 1 else ()
+        ids: tuple[int, ...] = (weight if weight is not None else
+                                self.param(f"{name}.weight", groups * n_in * n_out, shape=lead + (n_out, n_in)),)
         if bias:   # a row-parallel bias added on the sequence shard (Param.tensor_partial_grad)
-            ids += (self.param(f"{name}.bias", groups * n_out, split == Split.ROW and self.seq > 1),)
+            ids += (self.param(f"{name}.bias", groups * n_out, split == Split.ROW and self.seq > 1,
+                               shape=lead + (n_out,)),)
         flops = 2.0 * t * n_in * n_out
         model = flops if model_tokens is None else 2.0 * model_tokens * n_in * n_out
         kernels = 1 if grouped_mm else groups

@@ -255,8 +255,8 @@ def _rebuild(wl, training, frozen, targets, saved, weight_grad, input_grad, keep
             new_id[pid] = len(params) - 1
         return new_id[pid]
 
-    def new(name: str, numel: int) -> int:
-        params.append(Param(name, numel))
+    def new(name: str, numel: int, shape: tuple[int, ...] = ()) -> int:
+        params.append(Param(name, numel, shape=shape or (numel,)))
         return len(params) - 1
 
     modules: list[Module] = []
@@ -274,7 +274,7 @@ def _rebuild(wl, training, frozen, targets, saved, weight_grad, input_grad, keep
                 own(p, (m.name, f"{m.name}.original_module"))
             copy = f"{m.name}.modules_to_save.default"
             ids = tuple(new(wl.params[p].name.replace(m.name, copy, 1) if wl.params[p].name.startswith(m.name + ".")
-                            else f"{copy}.weight", wl.params[p].numel) for p in m.params)
+                            else f"{copy}.weight", wl.params[p].numel, wl.params[p].shape) for p in m.params)
             modules.append(replace(m, name=copy, params=ids, containers=m.containers + (m.name,)))
         else:
             modules.append(replace(m, params=tuple(own(p) for p in m.params)))
@@ -314,7 +314,7 @@ def _adapters(base: Module, lora: LoraSpec, a: int, new) -> list[Module]:
     r = lora.rank
     drop = lora.dropout > 0
     name_a, name_b = f"{base.name}.lora_A.default", f"{base.name}.lora_B.default"
-    pa, pb = new(f"{name_a}.weight", n_in * r), new(f"{name_b}.weight", r * n_out)
+    pa, pb = new(f"{name_a}.weight", n_in * r, (r, n_in)), new(f"{name_b}.weight", r * n_out, (n_out, r))
     inside = base.containers + (base.name,)
     fa, fb = 2.0 * t * n_in * r, 2.0 * t * r * n_out
     ig = base.input_grad

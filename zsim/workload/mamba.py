@@ -32,7 +32,8 @@ def mamba_mixer(bld: Builder, pfx: str, layer: int) -> None:
     bld.linear(f"{pfx}.in_proj", layer, h, 2 * e, mb.proj_bias)
     # depthwise causal conv with SiLU: read x, write u; backward reads du and x, writes dx and
     # the taps' gradient; keeps x (z, the other half of in_proj's output, is the scan's)
-    conv = (bld.param(f"{pfx}.conv1d.weight", e * k),) + ((bld.param(f"{pfx}.conv1d.bias", e),) if mb.conv_bias else ())
+    conv = (bld.param(f"{pfx}.conv1d.weight", e * k, shape=(e, 1, k)),) + \
+        ((bld.param(f"{pfx}.conv1d.bias", e),) if mb.conv_bias else ())
     bld.add(name=f"{pfx}.conv1d", kind=ModuleKind.SSM, layer=layer, params=conv, gemm=None,
             fwd_flops=2.0 * k * t * e, bwd_flops=4.0 * k * t * e, model_fwd_flops=2.0 * k * t * e,
             fwd_mem_bytes=2 * t * e * a, bwd_mem_bytes=3 * t * e * a, act_bytes=t * e * a)
@@ -45,7 +46,7 @@ def mamba_mixer(bld: Builder, pfx: str, layer: int) -> None:
     delta_bias = (bld.param(f"{pfx}.dt_proj.bias", e),)
     # the selective scan: reads u, delta, z, B, C, writes its pre-gate output and y; backward
     # reads them and dy, writes du, ddelta, dz, dB, dC; keeps delta, z, its output, B and C
-    scan = (bld.param(f"{pfx}.A_log", e * n), bld.param(f"{pfx}.D", e)) + delta_bias
+    scan = (bld.param(f"{pfx}.A_log", e * n, shape=(e, n)), bld.param(f"{pfx}.D", e)) + delta_bias
     bld.add(name=f"{pfx}.scan", kind=ModuleKind.SSM, layer=layer, params=scan, gemm=None,
             fwd_flops=9.0 * t * e * n, bwd_flops=18.0 * t * e * n, model_fwd_flops=9.0 * t * e * n,
             fwd_mem_bytes=(5 * t * e + 2 * t * n) * a, bwd_mem_bytes=(10 * t * e + 4 * t * n) * a,

@@ -29,6 +29,9 @@ class Param:
     # fused_layer_norm.py, tensor_parallel/layers.py RowParallelLinear), and the qk layernorms
     # (shared by the heads the ranks split). finalize_model_grads sums them over the TP group
     tensor_partial_grad: bool = False
+    # its dimensions, outermost first, where a rule reads them (ZeRO++ qgZ's quantization groups);
+    # () where no rule needs them
+    shape: tuple[int, ...] = ()
     # a bitsandbytes-quantized frozen weight (see [Note: bitsandbytes quantized base weights]): the
     # bytes of its packed tensor, which ZeRO partitions and gathers, and of its quantization
     # statistics, which stay whole on every rank; None: stored in the run's dtype

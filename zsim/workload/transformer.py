@@ -155,7 +155,7 @@ def build_workload(m: ModelSpec, micro_batch_size: int, seq_len: int, precision:
     V = ceil_div(V, tensor)
 
     e = m.embed_proj_dim or h          # the token embedding's width (OPT-350m: 512 with hidden 1024)
-    wte = bld.param("wte.weight", V * e)
+    wte = bld.param("wte.weight", V * e, shape=(V, e))
     # token embedding: gather rows (write t*e); backward scatter-adds into the fp32-width table.
     # Vocab-parallel: each rank's partial rows are all-reduced, or with SP and no learned
     # positions reduce-scattered (LanguageModelEmbedding's reduce_scatter_embeddings; TensorRole.EMBED)
@@ -166,7 +166,7 @@ def build_workload(m: ModelSpec, micro_batch_size: int, seq_len: int, precision:
     if m.embed_proj_dim:
         bld.linear("project_in", -1, e, h, False)
     if m.position == "learned":
-        wpe = bld.param("wpe.weight", (m.seq_len + m.position_offset) * h)
+        wpe = bld.param("wpe.weight", (m.seq_len + m.position_offset) * h, shape=(m.seq_len + m.position_offset, h))
         bld.add(name="wpe", kind=ModuleKind.EMBEDDING, layer=-1, params=(wpe,), gemm=None, fwd_flops=0.0,
                 bwd_flops=0.0, model_fwd_flops=0.0, fwd_mem_bytes=3 * t * h * a, bwd_mem_bytes=2 * t * h * a,
                 act_bytes=0.0, kernels_fwd=1, kernels_bwd=1)
