@@ -301,3 +301,13 @@ def test_qgz_steps_reused_equal_every_op_simulated(gas):
 def test_qgz_refusals_are_deepspeeds():
     with pytest.raises(ZsimInputError, match="reduce_scatter"):
         scenario(**MULTI_NODE, **{f"{Z}zero_quantized_gradients": True, f"{Z}reduce_scatter": False})
+
+
+def test_a_powersgd_compression_block_is_answered_with_the_nearest_deepspeed_option(tmp_path, capsys):
+    from zsim.cli import main
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+                               "zero_optimization": {"stage": 2}, "compression": {"type": "powerSGD"}}))
+    assert main(["run", str(cfg), "--model", "gpt2", "--gpus", "8", "--quiet"]) == 0
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "compression" in ln]
+    assert len(err) == 1 and "PyTorch DDP" in err[0] and "zero_quantized_gradients" in err[0]

@@ -187,9 +187,20 @@ def _check_top_level_ds(ds: dict) -> tuple[str, ...]:
         if value is not None and (not isinstance(value, str) or value.lower() not in COMM_DATA_TYPES):
             raise ZsimInputError(f"deepspeed.{key}", value, f"choose one of {', '.join(COMM_DATA_TYPES)}"
                                  f"{did_you_mean(str(value).lower(), COMM_DATA_TYPES)} (DeepSpeed rejects others)")
+    notes: tuple[str, ...] = ()
+    comp = ds.get("compression")
+    if isinstance(comp, dict) and str(comp.get("type", "")).lower() == "powersgd":
+        # PowerSGD (Vogels et al. 2019) is PyTorch DDP's communication hook
+        # (torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook), not a DeepSpeed feature:
+        # DeepSpeed reads no `compression` key (its compression library is compression_training)
+        unread = [k for k in unread if k != "compression"]
+        notes = ("deepspeed.compression: type powerSGD is PyTorch DDP's communication hook, not a DeepSpeed "
+                 "feature, and DeepSpeed ignores the key; the nearest DeepSpeed option is ZeRO++'s quantized "
+                 "gradients (zero_optimization.zero_quantized_gradients at stage 3: int4 reduction across nodes)",)
     if not unread:
-        return ()
-    return (f"deepspeed: ignored {'keys' if len(unread) > 1 else 'key'} DeepSpeed does not read: {', '.join(unread)}",)
+        return notes
+    return notes + (f"deepspeed: ignored {'keys' if len(unread) > 1 else 'key'} DeepSpeed does not read: "
+                    f"{', '.join(unread)}",)
 
 
 def _deprecated_zero_flag(ds: dict) -> dict:
