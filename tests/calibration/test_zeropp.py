@@ -311,3 +311,25 @@ def test_a_powersgd_compression_block_is_answered_with_the_nearest_deepspeed_opt
     assert main(["run", str(cfg), "--model", "gpt2", "--gpus", "8", "--quiet"]) == 0
     err = [ln for ln in capsys.readouterr().err.splitlines() if "compression" in ln]
     assert len(err) == 1 and "PyTorch DDP" in err[0] and "zero_quantized_gradients" in err[0]
+
+
+def test_the_curves_plot_draws_zeropp_across_nic_bandwidth(tmp_path):
+    from zsim.cli import main
+    from zsim.report import plots
+    from tests.helpers import mapping
+    import yaml
+    path = tmp_path / "multi.yaml"
+    path.write_text(yaml.safe_dump(mapping(**MULTI_NODE)))
+    rows = tmp_path / "sweep.json"
+    bw = "hardware.override.inter_node.nic_bw_Gbps"
+    assert main(["sweep", str(path), "--quiet", "--workers", "1", "--json", str(rows), "--vary", f"{bw}=50,400",
+                 "--vary", f"{Z}zero_hpz_partition_size=1,8"]) == 0
+    data = plots.curves_data(plots.load_results(str(rows))[1], bw)
+    plain, hpz = (data["curves"][f"zero_hpz_partition_size={h}"] for h in (1, 8))
+    assert [p["x"] for p in plain] == [50.0, 400.0]
+    # hpZ gains more on the slower network
+    gain = [h["tokens_per_s_per_gpu"] / p["tokens_per_s_per_gpu"] for p, h in zip(plain, hpz)]
+    assert gain[0] > gain[1] > 1.0
+    assert main(["plot", str(rows), "--kind", "curves", "--x", bw, "--out", str(tmp_path / "c.png")]) == 0
+    with pytest.raises(ZsimInputError, match="--x"):
+        plots.curves_data(plots.load_results(str(rows))[1], "hardware.nodes")

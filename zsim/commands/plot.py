@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-KINDS = ("scaling", "throughput", "memory", "timeline", "memory-timeline")
+KINDS = ("scaling", "throughput", "curves", "memory", "timeline", "memory-timeline")
 
 
 def add_parser(sub):
@@ -12,6 +12,8 @@ def add_parser(sub):
     p.add_argument("--kind", required=True, choices=KINDS)
     p.add_argument("--out", required=True, metavar="PATH", help="output image (.png or .svg)")
     p.add_argument("--title", help="figure title (default: from the input file name)")
+    p.add_argument("--x", metavar="KEY", help="--kind curves: the swept key on the x axis (e.g. "
+                   "hardware.override.inter_node.nic_bw_Gbps); a curve per combination of the other swept keys")
     p.set_defaults(func=main)
 
 
@@ -42,6 +44,13 @@ def main(args) -> int:
     if args.kind == "scaling":
         plots._need(args.kind, have, ("rows",))
         plots.scaling_plot(_extract(plots.scaling_data, args, data), title, args.out, plots.failed_points(data))
+    elif args.kind == "curves":
+        plots._need(args.kind, have, ("rows",))
+        if not args.x:
+            from zsim.errors import ZsimInputError
+            raise ZsimInputError("--x", None, "--kind curves needs the swept key for its x axis, e.g. "
+                                 "--x hardware.nodes")
+        plots.curves_plot(_extract(plots.curves_data, args, data, args.x), title, args.out)
     elif args.kind == "throughput":
         plots._need(args.kind, have, ("rows",))
         plots.throughput_plot(_extract(plots.throughput_data, args, data), title, args.out)

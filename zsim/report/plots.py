@@ -328,6 +328,45 @@ def throughput_plot(data: list[dict], title: str, path: str):
     _save(fig, path)
 
 
+# ---- curves over one swept key ----------------------------------------------------------
+
+def curves_data(rows: list[dict], x: str) -> dict:
+    """tokens/s per GPU against the swept key `x` (numeric), one curve per combination of the
+    other swept keys (e.g. ZeRO-3 with and without ZeRO++ across inter-node bandwidth)."""
+    keys = varied_keys(rows)
+    if x not in keys:
+        raise ZsimInputError("--x", x, "is not a key the sweep varies; choose one of " + (", ".join(keys) or
+                             "its --vary keys (this file varies none)"))
+    others = [k for k in keys if k != x]
+    curves: dict[str, list[dict]] = {}
+    for r in rows:
+        if _failed(r):
+            continue
+        value = r[x]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ZsimInputError("--x", x, f"takes {value!r}; a curve needs a number on its x axis")
+        curves.setdefault(_label(r, others) if others else "tokens/s per GPU", []).append(
+            {"x": float(value), "tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"], "fits": row_fits(r)})
+    return {"x": x, "curves": {k: sorted(v, key=lambda pt: pt["x"]) for k, v in curves.items()}}
+
+
+def curves_plot(data: dict, title: str, path: str):
+    fig, ax = plt.subplots(figsize=(9, 5))
+    markers = ("o-", "s--", "^-.", "D:")
+    for i, (label, pts) in enumerate(data["curves"].items()):
+        ax.plot([p["x"] for p in pts], [p["tokens_per_s_per_gpu"] for p in pts], markers[i % len(markers)],
+                color=PALETTE[(2 * i) % len(PALETTE)], label=label)
+        oom = [p for p in pts if not p["fits"]]
+        ax.plot([p["x"] for p in oom], [p["tokens_per_s_per_gpu"] for p in oom], "x", color="red", markersize=8)
+    ax.set_xlabel(data["x"])
+    ax.set_ylabel("tokens/s per GPU")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(title)
+    _save(fig, path)
+
+
 # ---- memory ----------------------------------------------------------------------------
 
 def memory_data(kind: str, results) -> list[dict]:
