@@ -333,3 +333,46 @@ def test_the_curves_plot_draws_zeropp_across_nic_bandwidth(tmp_path):
     assert main(["plot", str(rows), "--kind", "curves", "--x", bw, "--out", str(tmp_path / "c.png")]) == 0
     with pytest.raises(ZsimInputError, match="--x"):
         plots.curves_data(plots.load_results(str(rows))[1], "hardware.nodes")
+
+
+# -- quantized frozen weights (see [Note: quantized frozen weights]) ----------------------------
+LORA = {"training.lora": {"rank": 8, "target_modules": "all-linear"}, f"{Z}stage3_param_persistence_threshold": 1e4}
+
+
+def test_frozen_shards_are_stored_int8_and_gathered_first_as_stored():
+    from zsim.schedule.ir import OpKind
+    from zsim.schedule.param_fetch import stored_groups
+    qnt = {f"{Z}zero_quantized_nontrainable_weights": True}
+    sc = scenario(**{**MULTI_NODE, **LORA, **qnt})
+    wl, sched = build_schedule(sc)
+    plain = run_scenario(scenario(**{**MULTI_NODE, **LORA}))[0]
+    quant = run_scenario(sc)[0]
+    world = sc.data_parallel_size
+    frozen = [p for p in wl.params if not p.trainable]
+    shard16 = sum(-(-p.numel // world) for p in frozen) * 2
+    shard8 = sum(-(-p.numel // world) + 4 * stored_groups(p.numel, world, False, sc_ctx(sc)) for p in frozen)
+    assert plain.memory.breakdown["parameters"] - quant.memory.breakdown["parameters"] == pytest.approx(
+        shard16 - shard8)
+    gathers = [op for op in sched.ops if op.kind is OpKind.PARAM_GATHER]
+    # a fetch of a LoRA layer: the frozen base first, int8 and its scales, then the adapters in 16 bits
+    trainable = {i for i, p in enumerate(wl.params) if p.trainable}
+    kinds = [(op.comm.dtype, bool(set(op.payload.pids) & trainable)) for op in gathers]
+    assert ("int8", False) in kinds and ("fp32", False) in kinds and ("", True) in kinds
+    assert not [k for k in kinds if k[0] in ("int8", "fp32") and k[1]]     # trained params go 16-bit
+    assert quant.comm.calls["all_gather"] > plain.comm.calls["all_gather"]
+    assert quant.comm.bytes_per_gpu["all_gather"] < plain.comm.bytes_per_gpu["all_gather"]
+
+
+def sc_ctx(sc):
+    """The build context's view of a scenario the stored-scale rule reads (its data-parallel size)."""
+    from types import SimpleNamespace
+    return SimpleNamespace(dp_size=sc.data_parallel_size)
+
+
+@pytest.mark.parametrize("extra", [{}, {f"{Z}zero_hpz_partition_size": 8}, {f"{Z}zero_quantized_weights": True}])
+def test_quantized_frozen_steps_reused_equal_every_op_simulated(extra):
+    sc = scenario(**{**MULTI_NODE, **LORA, f"{Z}zero_quantized_nontrainable_weights": True, **extra,
+                     "training.gradient_accumulation_steps": 3})
+    reused, _ = run_scenario(sc)
+    full, _ = run_scenario(sc, steady=False)
+    equal_results(reused, full)

@@ -65,6 +65,8 @@ from zsim.workload.module import DTYPE_BYTES, Module
 from zsim.workload.preference import REFERENCE, reference_engine
 
 NOT_AVAILABLE, AVAILABLE = 0, 1
+# how a fetch goes: 16-bit, quantized at the fetch (qwZ), or as the int8 shards are stored
+NOT_QUANTIZED, QUANTIZED, STORED = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -209,9 +211,44 @@ def hpz_size(ctx: StepContext) -> int:
     return min(h, ctx.sc.cluster.world_size)
 
 
-def secondary_bytes(numel: int, ctx: StepContext) -> float:
-    """One param's secondary partition: its numel padded to the data-parallel size, over h."""
-    return padded(numel, ctx.dp_size) / hpz_size(ctx) * ctx.param_bytes
+def secondary_bytes(numel: int, ctx: StepContext, int8: bool = False) -> float:
+    """One param's secondary partition: its numel padded to the data-parallel size, over h (a
+    frozen shard stored int8: a byte an element and its scales, see [Note: quantized frozen weights])."""
+    h = hpz_size(ctx)
+    if int8:
+        return padded(numel, ctx.dp_size) / h + FP32_BYTES * stored_groups(numel, h, True, ctx)
+    return padded(numel, ctx.dp_size) / h * ctx.param_bytes
+
+
+# [Note: quantized frozen weights]
+# zero_quantized_nontrainable_weights (ZeRO-3; docs/zeropp.md, DeepSpeed 0.19.8, from the source:
+# CUDA-only): every param frozen when deepspeed.initialize partitions it has its shard stored int8
+# with fp32 scales (ds_quant_scale: the shard quantized alone by CUDAQuantizer, partition_parameters.py
+# 1836-1841; its hpZ secondary likewise, 1921-1924), a byte an element instead of the model
+# dtype's. Every fetch of such params goes quantized, whatever zero_quantized_weights says
+# (partitioned_param_coordinator.py:569-578): the coordinator gathers them apart and first, the
+# int8 data and the stored scales (`stored_groups` a param) as qwZ's two calls, dequantized at the
+# wait (see [Note: qwZ quantized gathers]). zsim: the frozen params of LoRA, training.frozen and a
+# preference run's reference copy; bitsandbytes-packed weights are stored as bitsandbytes packs
+# them (DeepSpeed's quantize_nontrainable_params asserts fp16 shards) and keep their own path.
+def stored_int8(ctx: StepContext) -> frozenset[int]:
+    """The params whose ZeRO-3 shards are stored int8 (see [Note: quantized frozen weights])."""
+    z = ctx.sc.zero
+    if z.stage != 3 or not z.zero_quantized_nontrainable_weights:
+        return frozenset()
+    return frozenset(i for i, p in enumerate(ctx.wl.params) if not p.trainable and p.packed_bytes is None)
+
+
+def stored_groups(numel: int, ranks: int, secondary: bool, ctx: StepContext) -> int:
+    """The scales a frozen param's stored int8 shard carries: its shard (ceil(numel / world), or
+    the hpZ secondary's padded numel / h) quantized alone."""
+    shard = padded(numel, ctx.dp_size) // ranks if secondary else -(-numel // ctx.dp_size)
+    groups = quant_groups(shard)
+    if groups is None:
+        raise ZsimInputError("deepspeed.zero_optimization.zero_quantized_nontrainable_weights", True,
+                             f"DeepSpeed's quantizer asserts on a frozen shard of {shard:,} elements (a multiple of "
+                             "8 groups of under 16,000 elements: partition_parameters.py CUDAQuantizer); drop it")
+    return groups
 
 
 class ParamCoordinator:
@@ -249,6 +286,7 @@ class ParamCoordinator:
         # see [Note: qwZ quantized gathers]: whether the fetches go quantized, and per quantized
         # flat buffer its scale gather (the wait's dependency) and, once waited, its dequantize op
         self.qwz = ctx.sc.zero.stage == 3 and ctx.sc.zero.zero_quantized_weights and ctx.dp_size > 1
+        self.stored_int8 = stored_int8(ctx) if ctx.dp_size > 1 else frozenset()
         self.scales_of: dict[int, tuple[int, int]] = {}    # flat -> (scale gather op, numel gathered)
         self.dequant_of: dict[int, int] = {}
         # a fetched param holds memory of its own unless it is a view of its one-rank partition
@@ -341,16 +379,23 @@ class ParamCoordinator:
         pids = [p for p in pids if self.status[p] == NOT_AVAILABLE]
         if not pids:
             return None
-        if self.hpz and not self.dry:
-            with_secondary = [p for p in pids if p in self.secondary]
-            op = None
-            for group in (with_secondary, [p for p in pids if p not in self.secondary]):
+        if self.dry:
+            return self._gather_group(pids, micro, phase, visit, prefetch, False, NOT_QUANTIZED)
+        # frozen shards stored int8 go first, quantized whatever zero_quantized_weights says
+        # (see [Note: quantized frozen weights]); then the others, quantized under qwZ
+        op = None
+        for quant, part in ((STORED, [p for p in pids if p in self.stored_int8]),
+                            (QUANTIZED if self.qwz else NOT_QUANTIZED, [p for p in pids if p not in self.stored_int8])):
+            if not part:
+                continue
+            with_secondary = [p for p in part if p in self.secondary] if self.hpz else []
+            for group in (with_secondary, [p for p in part if p not in with_secondary]):
                 if group:
-                    op = self._gather_group(group, micro, phase, visit, prefetch, bool(group is with_secondary))
-            return op
-        return self._gather_group(pids, micro, phase, visit, prefetch, False)
+                    op = self._gather_group(group, micro, phase, visit, prefetch, bool(group is with_secondary), quant)
+        return op
 
-    def _gather_group(self, pids, micro: int, phase: Phase, visit: str, prefetch: bool, secondary: bool) -> int | None:
+    def _gather_group(self, pids, micro: int, phase: Phase, visit: str, prefetch: bool, secondary: bool,
+                      quant: int) -> int | None:
         self.gathered.update(pids)
         if self.dry:
             for p in pids:
@@ -380,11 +425,15 @@ class ParamCoordinator:
         allocs = tuple(Alloc(Tag(Buffer.GATHERED, micro, p), Category.GATHERED, self.numels[p] * ctx.param_bytes)
                        for p in pids if p not in self.persistent)
         ranks = self.hpz if secondary else ctx.dp_size
-        groups = self._quant_groups(numel // ranks) if self.qwz else 0
-        if len(pids) > 1 or self.qwz:
+        # the scales a rank sends: one quantization of its whole slice (qwZ), or the ones each frozen
+        # shard is stored with (see [Note: quantized frozen weights])
+        groups = (self._quant_groups(numel // ranks) if quant == QUANTIZED else
+                  sum(stored_groups(self.numels[p], ranks if secondary else ctx.dp_size, secondary, ctx)
+                      for p in pids) if quant == STORED else 0)
+        if len(pids) > 1 or quant:
             flat = ctx.b.next_id
             # see [Note: qwZ quantized gathers]: the int8 flat and the scales in place of the 16-bit flat
-            flat_bytes = numel + FP32_BYTES * groups * ranks if self.qwz else numel * ctx.param_bytes
+            flat_bytes = numel + FP32_BYTES * groups * ranks if quant else numel * ctx.param_bytes
             allocs += (Alloc(Tag(Buffer.GATHER_FLAT, micro, flat), Category.GATHERED, flat_bytes),)
             self.unwaited[flat] = set(pids)
             self.inflight.update((p, flat) for p in pids)
@@ -396,16 +445,17 @@ class ParamCoordinator:
         stream, group = (Stream.HPZ, ProcessGroup(Group.HPZ, self.hpz)) if secondary else (Stream.ALLGATHER, None)
         if self.last_gather is not None and self.last_gather[1] != secondary:
             deps.append(self.last_gather[0])
-        if self.qwz:
-            # the cast to fp16 and the quantize pass over the rank's S elements, then the int8 data
+        if quant:
+            # the cast to fp16 and the quantize pass over the rank's S elements (a stored shard: the
+            # concatenation of its int8 slices), then the int8 data
             s = numel // ranks
-            comm = Comm(Collective.ALL_GATHER, numel, float(numel), buffer_bytes=7.0 * s + FP32_BYTES * groups,
-                        group=group, dtype="int8")
+            passes = 7.0 * s + FP32_BYTES * groups if quant == QUANTIZED else 2.0 * s
+            comm = Comm(Collective.ALL_GATHER, numel, float(numel), buffer_bytes=passes, group=group, dtype="int8")
         else:
             comm = Comm(Collective.ALL_GATHER, numel, numel * ctx.param_bytes, group=group)
         op = ctx.b.add(OpKind.PARAM_GATHER, stream, phase, micro, ParamGather(comm, tuple(pids), visit, prefetch),
                        deps, allocs)
-        if self.qwz:
+        if quant:
             op = ctx.b.add(OpKind.PARAM_GATHER, stream, phase, micro,
                            ParamGather(Comm(Collective.ALL_GATHER, groups * ranks, FP32_BYTES * groups * ranks,
                                             group=group, dtype="fp32"), tuple(pids), visit, prefetch), [op])
@@ -425,11 +475,11 @@ class ParamCoordinator:
         k = self.step_id
         own = list(visit.params)
         self._gather(sorted(own), micro, phase, visit.module, prefetch=False)
-        if self.qwz and not self.dry:
+        if self.scales_of and not self.dry:
             # the wait dequantizes each quantized fetch the module's params came in (once)
-            flats = sorted({self.inflight[p] for p in own if p in self.inflight})
+            flats = sorted({self.inflight[p] for p in own if p in self.inflight and self.inflight[p] in self.scales_of})
             waits = {f: self._dequantize(f, micro, phase) for f in flats}
-            deps = [waits[self.inflight[p]] if p in self.inflight else self.gather_op[p]
+            deps = [waits[self.inflight[p]] if self.inflight.get(p) in waits else self.gather_op[p]
                     for p in own if p in self.gather_op]
         else:
             deps = [self.gather_op[p] for p in own if p in self.gather_op]
@@ -536,7 +586,7 @@ class ParamCoordinator:
         if self.hpz and p not in self.secondary:
             self.secondary.add(p)
             self.ctx.b.add_alloc(op, Alloc(Tag(Buffer.SECONDARY, -1, p), Category.SECONDARY,
-                                           secondary_bytes(self.numels[p], self.ctx)))
+                                           secondary_bytes(self.numels[p], self.ctx, p in self.stored_int8)))
 
     def drop_secondaries(self, op: int):
         """The optimizer step's _post_step invalidates every secondary partition (stage3.py:755-759,

@@ -12,7 +12,8 @@ from zsim.schedule.ir import Category, Collective, OpKind, Phase, Stream
 from zsim.schedule.payloads import Comm, ParamGather
 from zsim.schedule.optimizer import (FP32_BYTES, NORM_DTYPE_BYTES, grad_norm_ops, model_state_bytes,
                                      optimizer_state_bytes, optimizer_step)
-from zsim.schedule.param_fetch import ParamCoordinator, leaf_of, secondary_bytes
+from zsim.schedule.param_fetch import (ParamCoordinator, leaf_of, secondary_bytes, stored_groups,
+                                       stored_int8)
 from zsim.schedule.partition import (grads_ready_at, padded, persistent_params, shard_numel, sub_group_sizes,
                                      trainable_numels)
 from zsim.schedule.passes import backward, forward
@@ -146,6 +147,11 @@ def build(ctx: StepContext):
                                                          state_bytes=optimizer_state_bytes(ctx.sc.deepspeed)),
                                   train_shard)
     states[Category.PARAMETERS] += ctx.wl.quant_state_bytes   # not parameters: whole on every rank
+    # see [Note: quantized frozen weights]: a frozen shard stored int8 with its scales
+    for p in stored_int8(ctx):
+        own = -(-numels[p] // ctx.dp_size)
+        states[Category.PARAMETERS] += own * (1 - ctx.param_bytes) + FP32_BYTES * stored_groups(numels[p], ctx.dp_size,
+                                                                                                False, ctx)
     for cat, size in states.items():
         ctx.b.static_alloc(cat, size)
     # persistent params hold a gathered copy, except one rank's views of its partitions
@@ -154,7 +160,8 @@ def build(ctx: StepContext):
         ctx.b.static_alloc(Category.PERSISTENT, sum(numels[p] for p in persistent) * ctx.param_bytes)
     if hooks.ref_fetch is not None and hooks.ref_fetch.secondary_kept:
         # see [Note: hpZ secondary partitions]: the reference engine's, held from its first step on
-        ctx.b.static_alloc(Category.SECONDARY, sum(secondary_bytes(numels[p], ctx) for p in hooks.ref_fetch.secondary))
+        ctx.b.static_alloc(Category.SECONDARY, sum(secondary_bytes(numels[p], ctx, p in hooks.ref_fetch.stored_int8)
+                                                   for p in hooks.ref_fetch.secondary))
     if z.contiguous_gradients:
         # stage3.py:780-784: one IPG buffer of the full reduce_bucket_size elements, in
         # communication_data_type (the key of ipg_buckets), not the model dtype
@@ -194,7 +201,18 @@ def build(ctx: StepContext):
         p = gathered[i]
         i += 1
         n = padded(numels[p], ctx.dp_size)
+        name = ctx.wl.params[p].name
+        if p in hooks.fetch.stored_int8:
+            # _all_gather's quantized path for a shard stored int8: its data, then its scales
+            # (see [Note: quantized frozen weights])
+            g = stored_groups(numels[p], ctx.dp_size, False, ctx) * ctx.dp_size
+            last = ctx.b.add(OpKind.PERSISTENT_GATHER, Stream.COMPUTE, Phase.STEP, ctx.last_micro,
+                             ParamGather(Comm(Collective.ALL_GATHER, n, float(n), dtype="int8"), (p,), name), [last])
+            last = ctx.b.add(OpKind.PERSISTENT_GATHER, Stream.COMPUTE, Phase.STEP, ctx.last_micro,
+                             ParamGather(Comm(Collective.ALL_GATHER, g, FP32_BYTES * g, dtype="fp32"), (p,), name),
+                             [last])
+            continue
         last = ctx.b.add(OpKind.PERSISTENT_GATHER, Stream.COMPUTE, Phase.STEP, ctx.last_micro,
                          ParamGather(Comm(Collective.ALL_GATHER, n, n * ctx.param_bytes,
-                                          coalesced=len(persistent) > 1), (p,), ctx.wl.params[p].name),
+                                          coalesced=len(persistent) > 1), (p,), name),
                          [last])

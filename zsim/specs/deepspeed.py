@@ -112,8 +112,7 @@ class ZeroConfig:
 
     def zero_plus_plus_warnings(self, has_frozen: bool) -> tuple[str, ...]:
         """ZeRO++ keys DeepSpeed accepts and zsim leaves out of the prediction: each at stages 0-2
-        (DeepSpeed ignores them there too), zero_quantized_nontrainable_weights at stage 3 (frozen
-        weights stored int8 with their scales, partition_parameters.py; zsim keeps them 16-bit)."""
+        (DeepSpeed ignores them there too)."""
         out = []
         if self.stage < 3:
             for key, on in (("zero_hpz_partition_size", self.zero_hpz_partition_size > 1),
@@ -123,10 +122,6 @@ class ZeroConfig:
                 if on:
                     out.append(f"deepspeed.zero_optimization.{key}: ZeRO++ acts at stage 3 only; DeepSpeed "
                                f"ignores it at stage {self.stage}, and so does this prediction")
-        elif self.zero_quantized_nontrainable_weights and has_frozen:
-            out.append("deepspeed.zero_optimization.zero_quantized_nontrainable_weights: DeepSpeed stores the "
-                       "frozen weights int8 with per-group scales; zsim prices them 16-bit (their memory and "
-                       "gathers are an upper bound)")
         return tuple(out)
 
     @property
