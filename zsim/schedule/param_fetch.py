@@ -243,11 +243,16 @@ def stored_groups(numel: int, ranks: int, secondary: bool, ctx: StepContext) -> 
     """The scales a frozen param's stored int8 shard carries: its shard (ceil(numel / world), or
     the hpZ secondary's padded numel / h) quantized alone."""
     shard = padded(numel, ctx.dp_size) // ranks if secondary else -(-numel // ctx.dp_size)
-    groups = quant_groups(shard)
+    return checked_quant_groups(shard, "zero_quantized_nontrainable_weights", "a frozen shard")
+
+
+def checked_quant_groups(n: int, key: str, what: str) -> int:
+    """quant_groups(n), refused in one line where DeepSpeed's quantizer asserts."""
+    groups = quant_groups(n)
     if groups is None:
-        raise ZsimInputError("deepspeed.zero_optimization.zero_quantized_nontrainable_weights", True,
-                             f"DeepSpeed's quantizer asserts on a frozen shard of {shard:,} elements (a multiple of "
-                             "8 groups of under 16,000 elements: partition_parameters.py CUDAQuantizer); drop it")
+        raise ZsimInputError(f"deepspeed.zero_optimization.{key}", True,
+                             f"DeepSpeed's quantizer asserts on {what} of {n:,} elements (a multiple of 8 groups of "
+                             "under 16,000 elements: partition_parameters.py CUDAQuantizer); drop it")
     return groups
 
 
@@ -427,7 +432,7 @@ class ParamCoordinator:
         ranks = self.hpz if secondary else ctx.dp_size
         # the scales a rank sends: one quantization of its whole slice (qwZ), or the ones each frozen
         # shard is stored with (see [Note: quantized frozen weights])
-        groups = (self._quant_groups(numel // ranks) if quant == QUANTIZED else
+        groups = (checked_quant_groups(numel // ranks, "zero_quantized_weights", "a rank's fetch") if quant == QUANTIZED else
                   sum(stored_groups(self.numels[p], ranks if secondary else ctx.dp_size, secondary, ctx)
                       for p in pids) if quant == STORED else 0)
         if len(pids) > 1 or quant:
@@ -504,14 +509,6 @@ class ParamCoordinator:
                 self._gather(sorted(chosen), micro, phase, visit.module, prefetch=True)
         self.step_id += 1
         return deps
-
-    def _quant_groups(self, s: int) -> int:
-        groups = quant_groups(s)
-        if groups is None:
-            raise ZsimInputError("deepspeed.zero_optimization.zero_quantized_weights", True,
-                                 f"DeepSpeed's quantizer asserts on a fetch of {s:,} elements a rank (a multiple of 8 "
-                                 "groups of under 16,000 elements: partition_parameters.py CUDAQuantizer); drop it")
-        return groups
 
     def _dequantize(self, flat: int, micro: int, phase: Phase) -> int:
         """The first wait on a quantized fetch: its int8 flat dequantized into an fp16 flat (held
