@@ -432,9 +432,12 @@ class ParamCoordinator:
         ranks = self.hpz if secondary else ctx.dp_size
         # the scales a rank sends: one quantization of its whole slice (qwZ), or the ones each frozen
         # shard is stored with (see [Note: quantized frozen weights])
-        groups = (checked_quant_groups(numel // ranks, "zero_quantized_weights", "a rank's fetch") if quant == QUANTIZED else
-                  sum(stored_groups(self.numels[p], ranks if secondary else ctx.dp_size, secondary, ctx)
-                      for p in pids) if quant == STORED else 0)
+        if quant == QUANTIZED:
+            groups = checked_quant_groups(numel // ranks, "zero_quantized_weights", "a rank's fetch")
+        elif quant == STORED:
+            groups = sum(stored_groups(self.numels[p], ranks, secondary, ctx) for p in pids)
+        else:
+            groups = 0
         if len(pids) > 1 or quant:
             flat = ctx.b.next_id
             # see [Note: qwZ quantized gathers]: the int8 flat and the scales in place of the 16-bit flat
