@@ -376,3 +376,14 @@ def test_quantized_frozen_steps_reused_equal_every_op_simulated(extra):
     reused, _ = run_scenario(sc)
     full, _ = run_scenario(sc, steady=False)
     equal_results(reused, full)
+
+
+def test_zeropp_gains_more_as_the_tokens_per_gpu_shrink():
+    """The gathers cost the same whatever the batch, the compute they hide behind shrinks with it."""
+    full = {f"{Z}zero_hpz_partition_size": 8, f"{Z}zero_quantized_gradients": True}
+    gains = []
+    for mb in (8, 1):
+        plain = run_scenario(scenario(**{**MULTI_NODE, "training.micro_batch_size": mb}))[0]
+        zpp = run_scenario(scenario(**{**MULTI_NODE, **full, "training.micro_batch_size": mb}))[0]
+        gains.append(plain.step_time_s / zpp.step_time_s)
+    assert gains[1] > gains[0] > 1.0
