@@ -1,5 +1,7 @@
 """Issue 46's figure: of the real public files in tests/fixtures/real_inputs/, how many simulate as
-shipped, how many are refused correctly (one line, exit 2, naming the field, where DeepSpeed
+shipped (with only launch arguments added: the GPU count, the model of a bare ds_config, and for a
+recipe whose Hub model has no public config.json copy, its architecture: test_real_inputs.MODEL_ARGS),
+how many are refused correctly (one line, exit 2, naming the field, where DeepSpeed
 rejects them), and how many fail wrongly, each with its reason. The cases and the judgement are
 tests/config/test_real_inputs.py's (run_case, judge); PENDING marks are ignored here.
 
