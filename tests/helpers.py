@@ -442,3 +442,28 @@ def tight_gpu(fraction: float) -> dict:
     peak = Base(raw, ROOT, "tight").run(Variant("base", ())).result.memory.peak_bytes
     raw["hardware"]["override"]["gpu"]["hbm_capacity_GiB"] = fraction * peak / 2**30
     return raw
+
+
+# -- DeepSpeed 0.19.8's ZeRO++ recordings (tests/fixtures/deepspeed_zeropp) ----------------------
+# the recorder's client optimizer, torch.optim.AdamW(lr=1e-3), as the ds_config block that builds it
+# (engine.py get_optimizer_configuration); on a CPU rank torch's default is the for-loop
+CLIENT_ADAMW_ON_CPU = {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True, "foreach": False}}
+
+
+def zeropp_fixture_scenario(fx: dict, optimizer: dict | None = CLIENT_ADAMW_ON_CPU):
+    """A ZeRO++ recording's run as `zsim validate` predicts one: the measured CPU profile of its
+    ranks, tensor memory only, the recorder's client optimizer unless told otherwise."""
+    from calibration.validation import prediction_overrides
+    from zsim.config.scenario import apply_set
+    m, ds = fx["model"], dict(fx["ds_config"])
+    if optimizer is not None:
+        ds["optimizer"] = optimizer
+    raw = {"name": fx["case"],
+           "model": {"layers": m["layers"], "hidden": m["hidden"], "heads": m["heads"], "vocab": m["vocab"],
+                     "seq_len": m["seq_len"], "ffn_hidden": m["ffn"], "tied_embeddings": False,
+                     "position": "learned", "norm": "layernorm", "bias": True, "glu": False, "fused_qkv": True},
+           "hardware": {"profile": "dgx-a100-80g", "nodes": 1, "gpus_per_node": fx["world_size"]},
+           "training": {"seq_len": m["seq_len"], "precision": "bf16"}, "deepspeed": ds}
+    for o in prediction_overrides(f"cpu-xeon-vm-{fx['world_size']}ranks", fx["world_size"]):
+        raw = apply_set(raw, o)
+    return scenario_from_mapping(raw, ROOT)

@@ -6,44 +6,22 @@ from pathlib import Path
 
 import pytest
 
-from calibration.validation import prediction_overrides
-from tests.helpers import ROOT
-from tests.helpers import scenario
+from tests.helpers import CLIENT_ADAMW_ON_CPU, scenario, zeropp_fixture_scenario
 from zsim.api import run_scenario
-from zsim.config.scenario import apply_set, scenario_from_mapping
 from zsim.schedule.build import build_schedule
 from zsim.schedule.ir import Buffer, OpKind
 from zsim.schedule.optimizer import update_temp_bytes_per_param
 
 ZEROPP = Path(__file__).parents[1] / "fixtures" / "deepspeed_zeropp"
-# the recorder's client optimizer, torch.optim.AdamW(lr=1e-3), as the ds_config block that builds it
-# (engine.py get_optimizer_configuration); on a CPU rank torch's default is the for-loop
-CLIENT_ADAMW_ON_CPU = {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True, "foreach": False}}
 FOUR_RANK = ["stage3_default_w4", "stage3_reduce_bucket_1e6_w4", "stage3_prefetch_0_reuse_0_w4",
              "stage3_prefetch_0_reuse_0_reduce_bucket_1e6_w4"]
-
-
-def _fixture_scenario(fx: dict, optimizer: dict | None):
-    """The fixture's run as `zsim validate` predicts one: the measured 4-rank CPU profile, tensor memory only."""
-    m, ds = fx["model"], dict(fx["ds_config"])
-    if optimizer is not None:
-        ds["optimizer"] = optimizer
-    raw = {"name": fx["case"],
-           "model": {"layers": m["layers"], "hidden": m["hidden"], "heads": m["heads"], "vocab": m["vocab"],
-                     "seq_len": m["seq_len"], "ffn_hidden": m["ffn"], "tied_embeddings": False,
-                     "position": "learned", "norm": "layernorm", "bias": True, "glu": False, "fused_qkv": True},
-           "hardware": {"profile": "dgx-a100-80g", "nodes": 1, "gpus_per_node": fx["world_size"]},
-           "training": {"seq_len": m["seq_len"], "precision": "bf16"}, "deepspeed": ds}
-    for o in prediction_overrides(f"cpu-xeon-vm-{fx['world_size']}ranks", fx["world_size"]):
-        raw = apply_set(raw, o)
-    return scenario_from_mapping(raw, ROOT)
 
 
 @pytest.mark.parametrize("name", FOUR_RANK)
 def test_zero3_peaks_against_deepspeed_with_the_client_optimizer(name):
     fx = json.loads((ZEROPP / f"{name}.json").read_text())
     assert fx["optimizer"]["client"] == "torch.optim.AdamW(lr=1e-3)" and "optimizer" not in fx["ds_config"]
-    result, _ = run_scenario(_fixture_scenario(fx, CLIENT_ADAMW_ON_CPU))
+    result, _ = run_scenario(zeropp_fixture_scenario(fx, CLIENT_ADAMW_ON_CPU))
     measured = fx["peak_bytes_per_rank"][0]
     assert result.memory.peak_bytes == pytest.approx(measured, rel=0.03)
 
@@ -53,8 +31,8 @@ def test_the_step_peak_is_the_for_loops_two_temporaries():
     the sub-group's fp32 gradient and two fp32 temporaries of it, where FusedAdam holds the fp32
     gradient and the conversion's flat bf16 copy (DeepSpeed's own optimizer for an AdamW block)."""
     fx = json.loads((ZEROPP / "stage3_prefetch_0_reuse_0_reduce_bucket_1e6_w4.json").read_text())
-    torch_adam, _ = run_scenario(_fixture_scenario(fx, CLIENT_ADAMW_ON_CPU))
-    fused, _ = run_scenario(_fixture_scenario(fx, None))
+    torch_adam, _ = run_scenario(zeropp_fixture_scenario(fx, CLIENT_ADAMW_ON_CPU))
+    fused, _ = run_scenario(zeropp_fixture_scenario(fx, None))
     shard = fx["model"]["total_params"] // fx["world_size"]
     temporaries = torch_adam.memory.breakdown["optimizer temporaries"]
     assert temporaries == 4 * shard + 2 * 4 * shard
