@@ -378,3 +378,23 @@ def test_zeropp_gains_more_as_the_tokens_per_gpu_shrink():
         zpp = run_scenario(scenario(**{**MULTI_NODE, **full, "training.micro_batch_size": mb}))[0]
         gains.append(plain.step_time_s / zpp.step_time_s)
     assert gains[1] > gains[0] > 1.0
+
+
+def test_tune_writes_the_zeropp_keys_it_chose_and_a_fix_pins_them(tmp_path):
+    from zsim.cli import main
+    from tests.helpers import mapping
+    import yaml
+    path = tmp_path / "multi.yaml"
+    path.write_text(yaml.safe_dump(mapping(**MULTI_NODE)))
+    out, scen = tmp_path / "t.json", tmp_path / "best.yaml"
+    assert main(["tune", str(path), "--budget", "40", "--json", str(out), "--scenario-out", str(scen),
+                 "--fix", f"{Z}stage=3", "--fix", "parallelism.tensor=1"]) == 0
+    best = json.loads(out.read_text())["candidates"][0]
+    written = yaml.safe_load(scen.read_text())["deepspeed"]["zero_optimization"]
+    assert "zero_hpz_partition_size" in best["knobs"]      # the best of this run takes hpZ
+    for key in ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients"):
+        if key in best["knobs"]:
+            assert written[key] == best["knobs"][key], key
+    assert main(["tune", str(path), "--budget", "40", "--json", str(out), "--fix", f"{Z}stage=3",
+                 "--fix", "parallelism.tensor=1", "--fix", f"{Z}zero_hpz_partition_size=1"]) in (0, 1)
+    assert not [c for c in json.loads(out.read_text())["candidates"] if "zero_hpz_partition_size" in c["knobs"]]

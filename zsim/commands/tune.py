@@ -257,7 +257,7 @@ def main(args) -> int:
     from zsim.report.table import make_console, tune_table
     from zsim.report.writers import dumps, save
     from zsim.config.ds_writer import tuned_ds_config
-    from zsim.search.tune import KNOBS, KNOBS_STAGE3, make_space, structural_candidates, tune
+    from zsim.search.tune import KNOBS, KNOBS_STAGE3, ZEROPP_KNOBS, make_space, structural_candidates, tune
     from zsim.search.variants import Base
 
     budget = None if args.budget == "all" else _int_or_none(args.budget)
@@ -332,7 +332,8 @@ def main(args) -> int:
         print(f"note: the best configuration uses {best.checkpointing} activation checkpointing; enable it in the "
               "model (e.g. model.gradient_checkpointing_enable() or deepspeed.checkpointing)", file=sys.stderr)
     if args.out or args.scenario_out:
-        ds_args = (base.raw.get("deepspeed"), base.scenario(()), base.scenario(best.assignments()), [*KNOBS, *KNOBS_STAGE3])
+        ds_args = (base.raw.get("deepspeed"), base.scenario(()), base.scenario(best.assignments()),
+                   [*KNOBS, *KNOBS_STAGE3, *ZEROPP_KNOBS])
         cfg, notes = tuned_ds_config(*ds_args)
         if batch and batch[0].startswith("training.micro_batch_size="):
             # the search chose micro-batch and GAS where the ds_config says "auto": the Trainer's

@@ -72,6 +72,8 @@ KNOBS_STAGE3 = {
     "stage3_param_persistence_threshold": (1e4, 1e5, 1e6),
     "stage3_max_live_parameters": (1e8, 1e9),
 }
+# ZeRO++ knobs the refinement tries on a multi-node ZeRO-3 point (Tuner.refine)
+ZEROPP_KNOBS = ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients")
 OBJECTIVES = {"tokens_per_s": True, "mfu": True, "step_time_s": False}
 
 
@@ -278,7 +280,7 @@ def make_space(fixes=(), framework: str | None = None, framework_from: str = "tr
             pins.append((attr, value))
         elif key.startswith(Z + ".") and key[len(Z) + 1:] in spellings:
             field_ = spellings[key[len(Z) + 1:]]
-            knobs.update(k for k in (*KNOBS, *KNOBS_STAGE3) if spellings.get(k) == field_)
+            knobs.update(k for k in (*KNOBS, *KNOBS_STAGE3, *ZEROPP_KNOBS) if spellings.get(k) == field_)
     return Space(framework, framework_from, tuple(pins), tuple(fixed), frozenset(knobs))
 
 
@@ -736,8 +738,8 @@ class Tuner:
     # -- refine --------------------------------------------------------------------------------
 
     def refine(self) -> None:
-        """The knobs (KNOBS, and KNOBS_STAGE3 at stage 3; not those the space pins) of the best
-        three, one knob at a time, each value kept when it scores better."""
+        """The knobs (KNOBS, and KNOBS_STAGE3 at stage 3 with ZEROPP_KNOBS across nodes; not those
+        the space pins) of the best three, one knob at a time, each value kept when it scores better."""
         for c, r in self.ranked()[:3]:
             best_c, best_r = c, r
             knobs = dict(KNOBS)
