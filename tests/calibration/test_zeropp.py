@@ -186,7 +186,7 @@ def test_the_scaling_plot_draws_zero3_with_and_without_hpz_apart(tmp_path):
 # -- qwZ (see [Note: qwZ quantized gathers]): modelled from DeepSpeed's source; its quantizer is a
 # CUDA op, so no CPU recording holds it
 def test_the_quantizer_groups_follow_cuda_quantizer():
-    from zsim.schedule.param_fetch import quant_groups
+    from zsim.schedule.zeropp import quant_groups
     # CUDAQuantizer.quantize: ceil(n / 8000) groups, raised until n % (8 g) == 0, doubled while
     # n % (16 g) == 0 and the groups stay above 8,000 elements
     assert [quant_groups(n) for n in (4096, 8000, 16000, 1_000_000)] == [1, 1, 2, 125]
@@ -203,7 +203,7 @@ def _qwz_calls(**changes):
 
 def test_qwz_gathers_int8_and_scales_and_dequantizes_at_the_wait():
     from zsim.schedule.ir import OpKind, Stream
-    from zsim.schedule.param_fetch import quant_groups
+    from zsim.schedule.zeropp import quant_groups
     sc, sched = _qwz_calls()
     _, plain = build_schedule(scenario(**MULTI_NODE))
     gathers = [op for op in sched.ops if op.kind is OpKind.PARAM_GATHER]
@@ -332,7 +332,7 @@ LORA = {"training.lora": {"rank": 8, "target_modules": "all-linear"}, f"{Z}stage
 
 def test_frozen_shards_are_stored_int8_and_gathered_first_as_stored():
     from zsim.schedule.ir import OpKind
-    from zsim.schedule.param_fetch import stored_groups
+    from zsim.schedule.zeropp import stored_groups
     qnt = {f"{Z}zero_quantized_nontrainable_weights": True}
     sc = scenario(**{**MULTI_NODE, **LORA, **qnt})
     wl, sched = build_schedule(sc)

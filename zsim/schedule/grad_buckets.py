@@ -13,11 +13,10 @@ from zsim.schedule import offload
 from zsim.schedule.context import StepContext
 from zsim.schedule.ir import Alloc, Buffer, Category, Collective, Group, OpKind, Phase, ProcessGroup, Stream, Tag
 from zsim.schedule.payloads import Comm, GradReduce
+from zsim.schedule.zeropp import FP32_BYTES as FP32, qgz_nodes, qgz_work_bytes
 from zsim.schedule.moe import flat_group_process_group, moe_param_groups
 from zsim.schedule.partition import (bucket_slices, call_sizes, grads_in_partition_numel, in_rank_partition, padded,
                                      scatter_views)
-
-FP32 = 4   # bytes of qgZ's fp32 scales
 
 
 def overflows(bucket_numel: int, numel: int, bucket_size: float) -> bool:
@@ -494,38 +493,3 @@ class Zero3Buckets(_Buckets):
             numel = sum(padded(self.numels[p], ctx.dp_size) for p in self.bucket)
             self.last_d2h = offload.grads_to_host(ctx, numel / ctx.dp_size, micro, self.last_reduce,
                                                   f"bucket {self.flushes}")
-
-
-# [Note: qgZ quantized gradient reduction]
-# ZeRO++'s quantized gradients (zero_quantized_gradients, ZeRO-3; docs/zeropp.md, DeepSpeed
-# 0.19.8, modelled from the source: its quantizer kernels are CUDA-only, and across nodes it
-# fails on a CPU, so only the one-node case is recorded). stage3.py __avg_scatter_grads hands a
-# reduced bucket to coalesced_collectives.py all_to_all_quant_reduce when the world spans more
-# than one node (world // device_count() > 1; on one node it is the plain reduce-scatter,
-# recorded: tests/fixtures/deepspeed_zeropp/stage3_qgz_w4_1node). It reduces the bucket one
-# gradient at a time: a 1-D tensor, or one whose numel does not divide by 2 x world, goes alone
-# through reduce_scatter_coalesced over the whole world; any other is quantized to int4 with
-# q = max(shape[0], shape[1], world) fp32 scales (swizzle_quant), exchanged by an all-to-all of
-# the data (numel / 2 bytes a rank) and one of the scales inside the node (local_i), reduced and
-# requantized (quantized_reduction: numel / (2 L) bytes, q / L scales), exchanged by two
-# all-to-alls across the nodes (global_j, one rank a node), dequantized to fp16 and averaged
-# over its node chunks into the rank's numel / world slice. zsim: the four calls on the reduce
-# stream, the kernels' passes as their buffer passes (`qgz_work_bytes`), the int4 buffers held
-# from the first call to the last.
-def qgz_nodes(ctx) -> int:
-    """The nodes qgZ reduces across (0: off; 1: one node, where it is the plain reduce-scatter)."""
-    z = ctx.sc.zero
-    if z.stage != 3 or not z.zero_quantized_gradients or ctx.dp_size == 1:
-        return 0
-    return ctx.dp_size // ctx.sc.cluster.gpus_per_node
-
-
-def qgz_work_bytes(n: int, q: int, gpn: int, world: int) -> tuple[float, float, float]:
-    """The memory passes of one tensor's quantized reduction, before each hop: swizzle_quant (read
-    16-bit n, write int4 n / 2 and q scales), quantized_reduction (read the int4 pieces and scales,
-    write n / (2 L) and q / L), dequantize and the mean over the node chunks (read n / (2 L), write
-    fp16 n / L; read it, write the n / world slice)."""
-    quant = 2.0 * n + n / 2 + FP32 * q
-    reduce = n / 2 + FP32 * q + n / (2 * gpn) + FP32 * q / gpn
-    dequant = n / (2 * gpn) + 2.0 * n / gpn + 2.0 * n / gpn + 2.0 * n / world
-    return quant, reduce, dequant

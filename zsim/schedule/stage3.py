@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from zsim.schedule import offload
 from zsim.schedule.context import StageHooks, StepContext
-from zsim.schedule.grad_buckets import Zero3Buckets, qgz_nodes
+from zsim.schedule.grad_buckets import Zero3Buckets
 from zsim.schedule.layer_skip import LayerSkip
 from zsim.schedule.ir import Category, Collective, OpKind, Phase, Stream
 from zsim.schedule.payloads import Comm, ParamGather
 from zsim.schedule.optimizer import (FP32_BYTES, NORM_DTYPE_BYTES, grad_norm_ops, model_state_bytes,
                                      optimizer_state_bytes, optimizer_step)
-from zsim.schedule.param_fetch import (ParamCoordinator, leaf_of, secondary_bytes, stored_groups,
-                                       stored_int8)
+from zsim.schedule.param_fetch import ParamCoordinator, leaf_of
+from zsim.schedule.zeropp import qgz_nodes, secondary_bytes, stored_groups, stored_int8
 from zsim.schedule.partition import (grads_ready_at, padded, persistent_params, shard_numel, sub_group_sizes,
                                      trainable_numels)
 from zsim.schedule.passes import backward, forward
