@@ -294,7 +294,7 @@ def recorded_steady_state(fx: dict) -> list[tuple[str, str, int]]:
     for c in fx["collectives"]:
         if c["opt_step"] != last or c["phase"] == "init":
             continue
-        if "zero/utils.py" in c.get("caller", ""):
+        if "zero/utils.py" in (c.get("caller") or ""):
             continue
         out.append((c["phase"], c["op"], c["numel"]))
     return out

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-import json
 import os
 import subprocess
 import sys
@@ -10,20 +9,11 @@ import sys
 from calibration.core.measured import exit_without_teardown
 from calibration.core.model import GPT
 from calibration.deepspeed_record.annotations import install_annotations
+from calibration.deepspeed_record.launch import write_fixture
 from calibration.deepspeed_record.cases import CASES, MICRO_BATCH, MODEL, OPT_STEPS, WORLD_SIZE
 from calibration.deepspeed_record.recorder import MODULE_NAME, PARAM_INDEX, RECORDS, STATE, install_recorder
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def write_fixture(doc: dict, out_dir: str, name: str) -> str:
-    """One case's fixture, out_dir/name.json (sorted keys, one-space indent): its path."""
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"{name}.json")
-    with open(path, "w") as fh:
-        json.dump(doc, fh, indent=1, sort_keys=True)
-        fh.write("\n")
-    return path
 
 
 def ranks_identical() -> bool:

@@ -24,13 +24,13 @@ the DeepSpeed frame that raised) and the collectives issued before it, instead o
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import os
-import subprocess
 import sys
 import traceback
 
+from calibration.deepspeed_record.launch import (PEAK_STEP, case_main, end_recording, index_model, start_recording,
+                                                 torchrun_each, write_fixture)
 from calibration.deepspeed_record.cases import MICRO_BATCH, MODEL, OPT_STEPS, _base, _with
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -100,33 +100,6 @@ def build_cases():
 CASES = build_cases()
 
 
-def _install_group_ranks():
-    """Add the members of each collective's process group (global ranks) to its record."""
-    import torch.distributed as td
-
-    from calibration.deepspeed_record import recorder
-
-    orig = recorder._record
-
-    def _record(name, sig, args, kwargs):
-        orig(name, sig, args, kwargs)
-        rec = recorder.RECORDS[-1]
-        group = None
-        if sig is not None:
-            try:
-                group = sig.bind(*args, **kwargs).arguments.get("group")
-            except TypeError:
-                group = kwargs.get("group")
-        else:
-            group = kwargs.get("group")
-        try:
-            rec["group_ranks"] = list(td.get_process_group_ranks(group or td.group.WORLD))
-        except Exception:  # pragma: no cover
-            rec["group_ranks"] = None
-
-    recorder._record = _record
-
-
 def _ds_error_frames(exc, depth=3):
     """The innermost DeepSpeed frames of the traceback, outermost first (file:line:function)."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/deepspeed/" in f.filename]
@@ -134,35 +107,20 @@ def _ds_error_frames(exc, depth=3):
 
 
 def run_case(name, out_dir):
-    from calibration.deepspeed_record.recorder import MODULE_NAME, PARAM_INDEX, RECORDS, STATE, install_recorder
-
-    install_recorder()
+    rank = start_recording()
+    import deepspeed
     import torch
     import torch.distributed as td
 
-    td.init_process_group("gloo")
-    _install_group_ranks()
-    rank = td.get_rank()
-
-    import deepspeed  # noqa: E402  (after the wrappers are installed)
-
-    from calibration.core.measured import exit_without_teardown
     from calibration.core.memory import TensorMemoryTracker
     from calibration.core.model import GPT
-    from calibration.deepspeed_record.annotations import install_annotations
+    from calibration.deepspeed_record.recorder import RECORDS, STATE
 
-    deepspeed.init_distributed(dist_backend="gloo")
     case = CASES[name]
     cfg = copy.deepcopy(case["ds_config"])
     gas = cfg["gradient_accumulation_steps"]
     model = GPT(MODEL).initialized(seed=1234)
-    param_list = [{"index": i, "name": n, "numel": int(p.numel()), "shape": list(p.shape)}
-                  for i, (n, p) in enumerate(model.named_parameters())]
-    for i, (n, p) in enumerate(model.named_parameters()):
-        PARAM_INDEX[id(p)] = i
-    for n, m in model.named_modules():
-        MODULE_NAME[id(m)] = n or "<root>"
-    install_annotations()
+    param_list = index_model(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(4321 + rank)
     losses, error, engine = [], None, None
@@ -255,64 +213,26 @@ def run_case(name, out_dir):
             "error": error,
             "errors_per_rank": [x["error"] for x in gathered],
             "peak_bytes_per_rank": [x["peak"] for x in gathered],
-            "peak_step": "optimizer step index OPT_STEPS (the third), under calibration/core/memory.py "
-                         "TensorMemoryTracker started after the recorded steps; its collectives are not kept",
+            "peak_step": PEAK_STEP,
             "secondary_tensor_bytes_after_backward": secondary_bytes,
             "ranks_identical_trace": identical,
             "collectives": RECORDS,
         }
-        from calibration.deepspeed_record.record import write_fixture
         path = write_fixture(doc, out_dir, name)
         print(f"[zeropp] {name}: {len(RECORDS)} collectives, error={error and error['type']}, "
               f"peaks={doc['peak_bytes_per_rank']}, identical={identical} -> {path}", flush=True)
-    td.barrier()
-    td.destroy_process_group()
-    exit_without_teardown()
+    end_recording()
 
 
 def run_all(names, out_dir):
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    failed = []
-    for n in names:
-        c = CASES[n]
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, (REPO_ROOT, env.get("PYTHONPATH"))))
-        env.setdefault("DS_ACCELERATOR", "cpu")
-        env.setdefault("OMP_NUM_THREADS", "1")
-        env.setdefault("TORCH_EXTENSIONS_DIR", "/tmp/ds48ext")
-        env.pop("LOCAL_SIZE", None)
-        if c["local_size"]:
-            env["LOCAL_SIZE"] = str(c["local_size"])
-        cmd = [torchrun, "--standalone", "--nproc-per-node", str(c["world_size"]), "-m",
-               "calibration.deepspeed_record.zeropp", "--case", n, "--out", out_dir]
-        print("+", " ".join(cmd), flush=True)
-        try:
-            rc = subprocess.call(cmd, env=env, timeout=600)
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        if rc != 0:
-            failed.append(n)
-    if failed:
-        print("FAILED:", failed)
-        sys.exit(1)
+    # LOCAL_SIZE: the ranks per node DeepSpeed's CPU accelerator reports (device_count)
+    local = {n: {"LOCAL_SIZE": str(CASES[n]["local_size"])} if CASES[n]["local_size"] else {} for n in names}
+    torchrun_each("calibration.deepspeed_record.zeropp", [(n, CASES[n]["world_size"], local[n]) for n in names], out_dir,
+                  "/tmp/ds48ext")
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--case")
-    ap.add_argument("--all", action="store_true")
-    ap.add_argument("--list", action="store_true")
-    ap.add_argument("--out", default=DEFAULT_OUT)
-    a = ap.parse_args()
-    if a.list:
-        print("\n".join(CASES))
-        return
-    if a.all:
-        run_all(list(CASES), os.path.abspath(a.out))
-        return
-    if a.case not in CASES:
-        ap.error(f"unknown case {a.case!r}; use --list")
-    run_case(a.case, os.path.abspath(a.out))
+    case_main(CASES, DEFAULT_OUT, run_case, run_all)
 
 
 if __name__ == "__main__":

@@ -311,8 +311,8 @@ def main(args) -> int:
     if args.json:
         rows = [{"rank": i + 1, "set": list(c.assignments()), "stage": c.stage,
                  "tensor_parallel_size": c.layout.tensor, "sequence_parallel": c.layout.sequence_parallel,
-                 "expert_parallel_size": c.layout.expert,
-                 "pipeline_stages": c.layout.pipeline, "data_parallel_size": r.world_size // c.layout.model_parallel,
+                 "expert_parallel_size": c.layout.expert, "ulysses_sequence_parallel_size": c.layout.sequence,
+                 "pipeline_stages": c.layout.pipeline, "data_parallel_size": r.world_size // c.layout.sample_parallel,
                  "offload": c.offload,
                  "micro_batch_size": c.micro_batch, "gradient_accumulation_steps": c.gas,
                  "activation_checkpointing": c.checkpointing, "knobs": c.knobs,

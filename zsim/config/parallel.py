@@ -22,10 +22,10 @@ from zsim.specs.scenario import TrainingSpec
 
 
 def resolve_parallelism(raw, ds_pipeline, world_size: int, layers: int, ds_tensor,
-                        gpus_per_node: int) -> ParallelismSpec:
-    """`raw`: the scenario's parallelism mapping (or None); `ds_pipeline`, `ds_tensor`: the
-    ds_config's pipeline and tensor_parallel mappings (or None). Checks what can be checked
-    before the workload exists."""
+                        gpus_per_node: int, ds_sequence=None) -> ParallelismSpec:
+    """`raw`: the scenario's parallelism mapping (or None); `ds_pipeline`, `ds_tensor`,
+    `ds_sequence`: the ds_config's pipeline and tensor_parallel mappings and its
+    sequence_parallel_size (or None). Checks what can be checked before the workload exists."""
     if raw is not None and not isinstance(raw, dict):
         raise ZsimInputError("parallelism", raw, "expected a mapping, e.g. {pipeline: 4}")
     raw = dict(raw or {})
@@ -43,6 +43,15 @@ def resolve_parallelism(raw, ds_pipeline, world_size: int, layers: int, ds_tenso
                                  f"disagrees with parallelism.{key}={raw[key]!r}; make them equal or drop one")
         raw[key] = value
     _tensor_from_ds(raw, ds_tensor)
+    if ds_sequence is not None:
+        value = _number(ds_sequence, "deepspeed.sequence_parallel_size", want_int=True)
+        if value < 1:
+            raise ZsimInputError("deepspeed.sequence_parallel_size", ds_sequence, "must be at least 1 (1: no sequence "
+                                 "parallelism)")
+        if "sequence" in raw and raw["sequence"] != value:
+            raise ZsimInputError("deepspeed.sequence_parallel_size", value, f"disagrees with parallelism.sequence="
+                                 f"{raw['sequence']!r}; make them equal or drop one")
+        raw["sequence"] = value
     par = build(ParallelismSpec, raw, "parallelism")
     pp, tp = par.pipeline, par.tensor
     if gpus_per_node % tp:
@@ -58,6 +67,10 @@ def resolve_parallelism(raw, ds_pipeline, world_size: int, layers: int, ds_tenso
     if pp > layers:
         raise ZsimInputError("parallelism.pipeline", pp, f"exceeds the model's {layers} transformer layers; "
                              f"use at most {layers} stages")
+    if world_size % par.sequence:
+        # parallel_state_sp.initialize_sequence_parallel raises the same
+        raise ZsimInputError("parallelism.sequence", par.sequence, f"must divide the world size ({world_size} GPUs), "
+                             "as DeepSpeed's parallel_state_sp requires; use a divisor")
     return _resolve_interleaving(par, layers)
 
 
@@ -129,6 +142,7 @@ def check_parallelism(par: ParallelismSpec, ds: DeepSpeedConfig, training: Train
     """DeepSpeed's PipelineEngine and DeepSpeed-MoE rules on the resolved config; returns the
     training spec with the pipeline's activation checkpointing applied."""
     _check_tensor(par, model, training)
+    _check_sequence(par, model, training)
     _check_expert(par, ds, model, world_size // (par.pipeline * par.tensor))
     hpz = ds.zero_optimization.zero_hpz_partition_size
     if ds.zero_optimization.stage == 3 and ds.zero_optimization.zero_quantized_gradients and par.tensor > 1:
@@ -212,6 +226,39 @@ def _check_tensor(par: ParallelismSpec, model: ModelSpec, training: TrainingSpec
     if par.sequence_parallel and (training.seq_len or model.seq_len) % tp:
         raise ZsimInputError("parallelism.sequence_parallel", True, f"the sequence length must divide by "
                              f"tensor={tp} to shard it; set sequence_parallel: false or change training.seq_len")
+
+
+def _check_sequence(par: ParallelismSpec, model: ModelSpec, training: TrainingSpec) -> None:
+    """DeepSpeed-Ulysses's refusals (runtime/sequence_parallel/ulysses_sp.py: UlyssesSPAttentionHF.
+    __init__, register_with_transformers, UlyssesSPDataLoaderAdapter; accelerate's
+    _refuse_recurrent_layers_under_sequence_parallelism)."""
+    sp = par.sequence
+    if sp == 1:
+        return
+    key = "parallelism.sequence"
+    if model.heads % sp:
+        raise ZsimInputError(key, sp, f"must divide the attention heads (model.heads={model.heads}): Ulysses gives "
+                             "each rank heads / sp of them (\"Attention head count ... is not divisible by SP size\"); "
+                             "use a divisor")
+    kv = model.n_kv_heads if model.mla is None else model.heads
+    if kv % sp and sp % kv:
+        raise ZsimInputError(key, sp, f"the key-value heads (model.kv_heads={kv}) must divide by it or divide it "
+                             "(ulysses_sp.py: \"KV attention head count ... is not divisible by SP size or vice "
+                             "versa\"); use another size")
+    seq = training.seq_len or model.seq_len
+    if seq % sp:
+        raise ZsimInputError("training.seq_len", seq, f"must divide by parallelism.sequence={sp}: "
+                             "UlyssesSPDataLoaderAdapter refuses \"batch's seqlen ... isn't divisible by sp-size\"; "
+                             "pad it to a multiple")
+    if training.attn_implementation_used == "eager":
+        raise ZsimInputError("training.attn_implementation", "eager", "Ulysses refuses eager attention "
+                             "(register_with_transformers: it needs a 4D mask, O(n^2) memory); use sdpa, "
+                             "flash_attention_2 or flash_attention_3")
+    if model.mamba is not None:
+        raise ZsimInputError(key, sp, "a model with recurrent (Mamba) layers under sequence parallelism is refused "
+                             "by accelerate (sp_allow_recurrent_layers) and not modelled; use sequence: 1")
+    if training.preference is not None:
+        raise ZsimInputError(key, sp, "preference training under Ulysses is not modelled; use sequence: 1")
 
 
 def _check_expert(par: ParallelismSpec, ds: DeepSpeedConfig, model: ModelSpec, data_parallel: int) -> None:

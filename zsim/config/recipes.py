@@ -111,10 +111,42 @@ def read_accelerate(data: dict, path: Path, bases: list[Path], recipe: Recipe) -
         if not isinstance(plugin, dict):
             raise ZsimInputError(f"{where}deepspeed_config", plugin, "expected a mapping of the DeepSpeed plugin's keys")
         _plugin(plugin, bases, recipe, where + "deepspeed_config.")
+        _parallelism_config(data.get("parallelism_config"), recipe, where + "parallelism_config.")
     else:
         recipe.notes.append(f"{path.name}: distributed_type {dist} runs PyTorch DDP; simulated as DeepSpeed ZeRO "
                             "stage 0 (data parallel, gradients all-reduced)")
     return recipe
+
+
+def _parallelism_config(pc, recipe: Recipe, where: str):
+    """accelerate's parallelism_config block (accelerate launch turns it into the
+    PARALLELISM_CONFIG_* variables ParallelismConfig reads): sp_size with sp_backend deepspeed is
+    DeepSpeed-Ulysses (ALST: accelerator.py hands UlyssesSPAttentionHF's mpu to
+    deepspeed.initialize), given to zsim as the ds_config's sequence_parallel_size;
+    sp_attn_implementation is the core attention it wraps (DeepSpeedSequenceParallelConfig refuses
+    eager and flex_attention)."""
+    if pc in (None, {}):
+        return
+    if not isinstance(pc, dict):
+        raise ZsimInputError(where.rstrip("."), pc, "expected a mapping of parallelism_config_* keys")
+    sp = as_int(where + "parallelism_config_sp_size", pc.get("parallelism_config_sp_size", 1))
+    if sp > 1:
+        backend = pc.get("parallelism_config_sp_backend", "deepspeed")
+        if backend != "deepspeed":
+            raise ZsimInputError(where + "parallelism_config_sp_backend", backend, "accelerate's only sequence-"
+                                 "parallel backend is deepspeed (ALST/Ulysses)")
+        recipe.ds_inline["sequence_parallel_size"] = sp
+        attn = pc.get("parallelism_config_sp_attn_implementation")
+        if attn not in (None, "None"):
+            if attn not in ("sdpa", "flash_attention_2", "flash_attention_3"):
+                raise ZsimInputError(where + "parallelism_config_sp_attn_implementation", attn,
+                                     "choose sdpa, flash_attention_2 or flash_attention_3 (accelerate refuses eager "
+                                     "and flex_attention under sequence parallelism)")
+            recipe.training.setdefault("attn_implementation", attn)
+    for key in ("parallelism_config_cp_size", "parallelism_config_tp_size", "parallelism_config_dp_replicate_size"):
+        value = pc.get(key)
+        if value is not None and as_int(where + key, value) > 1:
+            recipe.ignored.append(f"{where}{key} {value} (FSDP2's; not read under DeepSpeed by zsim)")
 
 
 def fsdp_refusal(fsdp: dict, where: str) -> ZsimInputError:
@@ -326,7 +358,7 @@ def read_axolotl(data: dict, path: Path, bases: list[Path], recipe: Recipe) -> R
     if optimizer not in (None, "adamw_torch", "adamw_torch_fused", "adamw_hf"):
         recipe.ignored.append(f"optimizer {optimizer} (zsim prices AdamW's states)")
     # axolotl features that change the step but that zsim does not model yet: said, never dropped
-    # silently (sequence/context parallelism (Ulysses, ALST) is issue 49's)
+    # silently (its sequence/context parallelism is ring-flash-attn's, not DeepSpeed-Ulysses)
     for key in ("context_parallel_size", "sequence_parallel_degree"):
         if isinstance(data.get(key), int) and data[key] > 1:
             recipe.ignored.append(f"{key} {data[key]} (not modelled: every GPU is simulated holding the whole "

@@ -173,13 +173,6 @@ def _check_top_level_ds(ds: dict) -> tuple[str, ...]:
             raise ZsimInputError(f"deepspeed.{key}", _short(ds[key]), why)
     known = set(accepted_keys(DeepSpeedConfig)) | IGNORED_TOP_LEVEL | {"sequence_parallel_size"}
     unread = [f"{k}{_typo(str(k), known)}" for k in ds if k not in known]
-    sp = ds.get("sequence_parallel_size")
-    if sp not in (None, 1):
-        # DeepSpeed-Ulysses (runtime/config.py get_sequence_parallel_size): its all-to-alls and the
-        # data-parallel group it divides are not simulated; 1, DeepSpeed's default, changes nothing
-        raise ZsimInputError("deepspeed.sequence_parallel_size", sp, "DeepSpeed-Ulysses sequence parallelism is not "
-                             "modelled by zsim yet; remove it or set 1 (Megatron's sequence parallelism is "
-                             "parallelism.sequence_parallel)")
     # DeepSpeed refuses a bad value at start-up (runtime/config.py get_communication_data_type:
     # fp16, bf16 or fp32, any case); the sequence-parallel one is accepted and ignored
     for key in ("communication_data_type", "seq_parallel_communication_data_type"):
@@ -360,14 +353,15 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
     ds_raw, filled = fill_framework_autos(ds_raw)
     notes += filled
     par = resolve_parallelism(raw.get("parallelism"), ds_raw.get("pipeline"), cluster.world_size, model.layers,
-                              ds_raw.get("tensor_parallel"), cluster.gpus_per_node)
+                              ds_raw.get("tensor_parallel"), cluster.gpus_per_node, ds_raw.get("sequence_parallel_size"))
     if isinstance(ds_raw.get("pipeline"), dict):
         # DeepSpeed's "auto" stages / partition: the PipelineModule's arguments decide (resolve_parallelism read them)
         ds_raw["pipeline"] = {k: v for k, v in ds_raw["pipeline"].items()
                               if not (k in ("stages", "partition") and v == "auto")}
     # batch sizes divide by the data-parallel size only (pipe/engine.py:104; Megatron's
-    # get_data_parallel_world_size excludes the tensor- and pipeline-parallel ranks)
-    data_parallel = cluster.world_size // (par.pipeline * par.tensor)
+    # get_data_parallel_world_size excludes the tensor- and pipeline-parallel ranks; DeepSpeedConfig
+    # divides the world by sequence_parallel_size)
+    data_parallel = cluster.world_size // (par.pipeline * par.tensor * par.sequence)
     # "auto" as the HF Trainer fills it: see [Note: HF Trainer auto values]
     given = set(raw["training"]) if isinstance(raw.get("training"), dict) else set()
     ds_raw, filled = resolve_trainer_autos(ds_raw, model.hidden, training, given, data_parallel)
@@ -376,6 +370,16 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
     prefixed = {k: v for k, v in ds_raw.items() if k in accepted_keys(DeepSpeedConfig)}
     ds = build(DeepSpeedConfig, prefixed, "deepspeed")
     ds, training = _resolve_precision(ds, training)
+    if par.sequence > 1:
+        # engine.py _configure_distributed_model: under sequence parallelism the engine's
+        # communication_data_type becomes seq_parallel_communication_data_type, whose default is
+        # fp32 (runtime/constants.py SEQ_PARALLEL_COMMUNICATION_DATA_TYPE_DEFAULT)
+        dtype = str(ds_raw.get("seq_parallel_communication_data_type") or "fp32").lower()
+        if dtype != ds.communication_data_type:
+            notes.append(f"deepspeed.communication_data_type: {dtype}, as DeepSpeed sets it under sequence "
+                         "parallelism (seq_parallel_communication_data_type, default fp32): gradients are reduced "
+                         "in it")
+        ds = replace(ds, communication_data_type=dtype)
     ds = _trainer_optimizer(ds, ds_raw, training, notes)
     if context_only and training.seq_len is None and model.seq_len > FINE_TUNE_SEQ_LEN:
         training = replace(training, seq_len=FINE_TUNE_SEQ_LEN)

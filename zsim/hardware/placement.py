@@ -43,7 +43,7 @@ def group_shape(group: ProcessGroup | None, stage: int, data_parallel: int, gpus
     but the tensor-parallel one is laid over whole tensor-parallel groups (its stride times tp)."""
     if group is None:
         return span(rank_of(stage, data_parallel, tensor=tensor), data_parallel, tensor, gpus_per_node)
-    global_ranks = group.kind in (Group.TENSOR, Group.HPZ, Group.QGZ_LOCAL, Group.QGZ_GLOBAL)
+    global_ranks = group.kind in (Group.TENSOR, Group.HPZ, Group.QGZ_LOCAL, Group.QGZ_GLOBAL, Group.SEQUENCE)
     own_stage = group.kind in STAGE_GROUPS or global_ranks
     first = rank_of(stage if own_stage else 0, data_parallel, tensor=tensor)
     # the tensor-parallel group and ZeRO++'s groups of global ranks count single ranks

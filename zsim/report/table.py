@@ -210,7 +210,8 @@ def tune_table(res, top: int, console: Console | None = None):
     for i, (c, r) in enumerate(res.ranked[:top]):
         knobs = " ".join(f"{abbrev.get(k, k)}={fmt_setting(v)}" for k, v in sorted(c.knobs.items())) or "-"
         tp = f"{c.layout.tensor}{' SP' if c.layout.sequence_parallel else ''}"
-        dp = f"{r.world_size // c.layout.model_parallel}" + (f" EP {c.layout.expert}" if c.layout.expert > 1 else "")
+        dp = (f"{r.world_size // c.layout.sample_parallel}" + (f" EP {c.layout.expert}" if c.layout.expert > 1 else "")
+              + (f" Ulysses {c.layout.sequence}" if c.layout.sequence > 1 else ""))
         t.add_row(str(i + 1), str(c.stage), tp, str(c.layout.pipeline), dp,
                   short.get(c.offload, c.offload),
                   f"{c.micro_batch}x{c.gas}",

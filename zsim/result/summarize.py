@@ -12,7 +12,7 @@ from zsim.hardware.host import rank_views_time_s
 from zsim.hardware.placement import group_shape, rank_map, rank_of, same_node
 from zsim.result import ZERO3_RANK_LOOPS, Comm, HostMemory, Memory, MoE, Pipeline, Result, TensorParallel
 from zsim.schedule.ir import Stream
-from zsim.schedule.payloads import Copy, CpuAdam, PipeTransfer, TensorComm
+from zsim.schedule.payloads import Copy, CpuAdam, PipeTransfer, SequenceExchange, TensorComm
 from zsim.units import TFLOP
 from zsim.workload.lora import trainable_params
 from zsim.workload.module import Workload
@@ -95,8 +95,9 @@ def _comm_facts(op, sched, cl) -> tuple[str, float, tuple | None, float]:
     assert comm is not None
     collective = comm.collective.value
     ranks, nodes, per_node = _group_placement(comm, op, sched, cl.gpus_per_node)
-    # the tensor-parallel activations' collectives are shown apart from ZeRO's
-    kind = f"tp {collective}" if isinstance(p, TensorComm) else collective
+    # the tensor-parallel and Ulysses activations' collectives are shown apart from ZeRO's
+    kind = f"tp {collective}" if isinstance(p, TensorComm) else \
+        f"sp {collective}" if isinstance(p, SequenceExchange) else collective
     return (kind, comm.size_bytes * bus_factor(collective, ranks),
             (kind, collective, comm.size_bytes, comm.coalesced, (nodes, per_node)), link_busbw_Bps(cl, nodes))
 
@@ -144,7 +145,7 @@ def _op_totals(trace: Trace, cl) -> _OpTotals:
                     fkey = (cls, p.src_stage, p.dst_stage, p.size_bytes)
                 else:
                     assert comm is not None
-                    fkey = (cls is TensorComm, comm.collective, comm.size_bytes, comm.coalesced, comm.group, op.pipe_stage)
+                    fkey = (cls, comm.collective, comm.size_bytes, comm.coalesced, comm.group, op.pipe_stage)
                 f = facts.get(fkey)
                 if f is None:
                     f = facts[fkey] = _comm_facts(op, sched, cl)

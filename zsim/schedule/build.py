@@ -21,7 +21,8 @@ def workload_for(sc: Scenario) -> Workload:
     """The scenario's workload: the model, then its frozen parameters and LoRA adapters."""
     z = sc.zero   # see [Note: ZeRO-3 linear saves its input]
     inputs = (sc.model, sc.micro_batch_size, sc.seq_len, sc.precision, sc.training, sc.expert_parallel_size,
-              sc.tensor_parallel_size, sc.parallelism.sequence_parallel, z.stage == 3 and z.memory_efficient_linear)
+              sc.tensor_parallel_size, sc.parallelism.sequence_parallel, z.stage == 3 and z.memory_efficient_linear,
+              sc.sequence_parallel_size)
     try:
         hash(inputs)
     except TypeError:   # a spec holding an unhashable value: built, not memoised
@@ -30,7 +31,8 @@ def workload_for(sc: Scenario) -> Workload:
 
 
 def training_workload(model, micro_batch_size: int, seq_len: int, precision: str, training, expert_parallel_size: int,
-                      tensor: int, sequence_parallel: bool, zero3_linear: bool) -> Workload:
+                      tensor: int, sequence_parallel: bool, zero3_linear: bool,
+                      sequence_parallel_size: int = 1) -> Workload:
     """The per-rank workload of these inputs (every input it depends on): the model's modules,
     a preference run's reference forward, then the training spec's frozen parameters and LoRA
     adapters."""
@@ -44,7 +46,7 @@ def training_workload(model, micro_batch_size: int, seq_len: int, precision: str
                         padding_mask=training.padding_mask, experts_implementation=training.experts_implementation,
                         head=reward_head_of(training),
                         expert_parallel_size=expert_parallel_size, tensor=tensor,
-                        sequence_parallel=sequence_parallel)
+                        sequence_parallel=sequence_parallel, sequence_parallel_size=sequence_parallel_size)
     return apply_training(with_reference(wl, training), training, zero3_linear=zero3_linear)
 
 
@@ -85,7 +87,7 @@ def _build(sc: Scenario, wl: Workload | None, micro_steps: int | None, templates
     # first backward allocates; see [Note: pass templates]): fewer would only pay for recording it
     templates = templates and sc.gradient_accumulation_steps >= 3
     # every ZeRO collective of a stage runs over its data-parallel group (of its tensor-parallel rank)
-    ctx = StepContext(sc=sc, wl=wl, b=Builder(), param_bytes=DTYPE_BYTES[sc.precision], dp_size=sc.data_parallel_size,
+    ctx = StepContext(sc=sc, wl=wl, b=Builder(), param_bytes=DTYPE_BYTES[sc.precision], dp_size=sc.seq_data_parallel_size,
                       reduce_bytes=DTYPE_BYTES[sc.deepspeed.reduction_dtype], pass_templates={} if templates else None,
                       skip_layers=skip_layers)
     ctx.exchanges = exchanges(ctx)

@@ -20,7 +20,7 @@ class StepContext:
     wl: Workload
     b: Builder
     param_bytes: int            # 16-bit (2) or fp32 (4) model/gradient width
-    dp_size: int                # the data-parallel ranks ZeRO partitions over (Scenario.data_parallel_size)
+    dp_size: int                # the data-parallel ranks ZeRO partitions over (Scenario.seq_data_parallel_size)
     reduce_bytes: int           # width of a reduced gradient element (DeepSpeedConfig.reduction_dtype)
     ckpt_offload_ops: dict = field(default_factory=dict)   # (micro, layer) -> D2H op of its checkpoint
     # what the passes add around the modules: moe.TokenExchanges (the MoE all-to-alls) and

@@ -81,6 +81,9 @@ class Group(StrEnum):
     # GPUs of node i; global_j, the j-th GPU of every node (stride: the GPUs per node)
     QGZ_LOCAL = "qgz_local"
     QGZ_GLOBAL = "qgz_global"
+    # DeepSpeed-Ulysses's sequence-parallel group (parallel_state_sp.py): `sequence` consecutive
+    # global ranks (see [Note: DeepSpeed-Ulysses])
+    SEQUENCE = "sequence"
 
 
 # groups inside one pipeline stage's data-parallel group: their ranks start at the stage's first rank
@@ -149,6 +152,10 @@ class OpKind(Enum):
     TP_ALL_REDUCE = "tp allreduce"           # _ReduceFromModelParallelRegion and its conjugate
     TP_REDUCE_SCATTER = "tp reduce-scatter"  # sequence parallel: _ReduceScatterToSequenceParallelRegion
     TP_ALL_GATHER = "tp all-gather"          # sequence parallel: _GatherFromSequenceParallelRegion
+    # DeepSpeed-Ulysses (payload SequenceExchange; see [Note: DeepSpeed-Ulysses]) over the
+    # sequence-parallel group, on the compute stream
+    SEQUENCE_ALL_TO_ALL = "sp all-to-all"    # ulysses_sp.py _dim_zero_all_to_all: q, k, v or the context
+    SEQUENCE_ALL_GATHER = "sp all-gather"    # UlyssesSPAttentionHF.forward: the position_ids
 
 
 # -- memory -----------------------------------------------------------------------------------
@@ -169,6 +176,7 @@ class Buffer(Enum):
     COLLECTIVE_TEMP = "colltmp"      # the communication backend's own copy of a call's input (gloo)
     GRAD_PARTITION = "grads"         # ZeRO-1/2 16-bit gradient partition (grads_in_partition)
     EXPERT_BUFFER = "moe"            # an MoE layer's capacity buffer around one all-to-all
+    SEQUENCE_BUFFER = "sp"           # a Ulysses all-to-all's output tensor during the call
     IPG = "ipg"                      # ZeRO-1/2 IPG bucket buffer of one backward
     SCATTER_COPY = "rs"              # reduce_scatter_coalesced's interleaved copy of a bucket
     ALLREDUCE_FLAT = "arflat"        # allreduce_bucket's flat copy of the gradients it reduces (key: the call)
@@ -271,7 +279,7 @@ class Op:
 def label(op: Op) -> str:
     """The op's display label, by its payload's type (and kind where one type serves several)."""
     from zsim.schedule.payloads import Copy, CpuAdam, GradReduce, ModulePass, ParamGather, PipeTransfer, \
-        TensorComm, TokenExchange
+        SequenceExchange, TensorComm, TokenExchange
     p, k = op.payload, op.kind
     if isinstance(p, ModulePass) and k in (OpKind.FORWARD, OpKind.BACKWARD):
         return f"{op.phase} {p.module}" + (f" ({p.part})" if p.part else "")
@@ -296,6 +304,8 @@ def label(op: Op) -> str:
         return f"{k.value} {op.micro_step}{chunk} {'->' if send else '<-'} stage {p.dst_stage if send else p.src_stage}"
     if isinstance(p, TensorComm):
         return f"{k.value} {p.module}"
+    if isinstance(p, SequenceExchange):
+        return f"{k.value} {p.tensor} layer {p.layer}"
     return _FIXED_LABELS[k]
 
 

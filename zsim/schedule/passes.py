@@ -10,14 +10,16 @@ from zsim.schedule.context import StageHooks, StepContext
 from zsim.schedule.ir import Alloc, Buffer, Category, OpKind, Phase, Stream, Tag, Transfer
 from zsim.schedule.moe import TokenExchanges
 from zsim.schedule.payloads import ComputeWork, Copy, ModulePass
+from zsim.schedule.sequence import UlyssesExchanges
 from zsim.schedule.tensor import TensorCollectives
 from zsim.workload.module import Module, Workload
 
 
 def exchanges(ctx: StepContext) -> tuple:
     """The communication the passes add around the modules (MoE all-to-alls, tensor-parallel
-    collectives): only the kinds the run has, so a module visit asks nothing of the others."""
-    return tuple(x for x in (TokenExchanges(ctx), TensorCollectives(ctx.sc.parallelism, ctx.wl, ctx.sc.precision))
+    collectives, Ulysses' exchanges): only the kinds the run has, so a module visit asks nothing of the others."""
+    return tuple(x for x in (TokenExchanges(ctx), TensorCollectives(ctx.sc.parallelism, ctx.wl, ctx.sc.precision),
+                             UlyssesExchanges(ctx))
                  if x.active)
 
 

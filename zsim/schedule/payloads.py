@@ -137,5 +137,15 @@ class TensorComm:
         return self.comm.size_bytes
 
 
+@record
+class SequenceExchange:
+    """One DeepSpeed-Ulysses call of attention layer `layer` over the sequence-parallel group: the
+    all-to-all of `tensor` (q, k, v or context; in backward its gradient), or the all-gather of the
+    position_ids; see [Note: DeepSpeed-Ulysses]."""
+    comm: Comm
+    layer: int
+    tensor: str
+
+
 Payload = (ModulePass | StepCompute | ParamGather | GradReduce | ScalarAllReduce | TokenExchange | Copy | CpuAdam
-           | PipeTransfer | TensorComm)
+           | PipeTransfer | TensorComm | SequenceExchange)

@@ -175,5 +175,5 @@ def scenario_step_time_bound_s(sc, wl: Workload | None = None) -> float:
     specs, layer_s = layer_compute_s(wl, checkpointing, pricer, tensor)
     stages = stage_compute_s(specs, layer_s, sc.pipeline_stages, sc.parallelism.partition_method,
                              zero3_host_s(sc, wl, checkpointing, sc.zero.stage, sc.pipeline_stages,
-                                          sc.data_parallel_size, tensor))
+                                          sc.seq_data_parallel_size, tensor))
     return step_time_lower_bound_s(stages, sc.gradient_accumulation_steps, sc.parallelism.virtual_stages > 1)

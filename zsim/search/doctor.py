@@ -116,6 +116,28 @@ def _batch_candidates(raw: dict, sc: Scenario) -> list[Variant]:
     return out
 
 
+def _ulysses_candidates(raw: dict, sc: Scenario) -> list[Variant]:
+    """DeepSpeed-Ulysses for a long sequence (zsim tune's sizes, inside a node first, at most
+    three): each rank holds 1/u of every sequence, so its activations shrink by u; the global
+    batch is kept by u times the GAS (the batch divides by world / u)."""
+    from zsim.search.tune import _sequence_sizes
+    if sc.tensor_parallel_size > 1 or sc.pipeline_stages > 1 or sc.expert_parallel_size > 1:
+        return []
+    sizes = [u for u in _sequence_sizes(sc) if u > sc.sequence_parallel_size
+             and u % sc.sequence_parallel_size == 0 and u <= sc.cluster.gpus_per_node][:3]
+    training = raw.get("training") or {}
+    out = []
+    for u in sizes:
+        gas = sc.gradient_accumulation_steps * u // sc.sequence_parallel_size
+        sets = [f"parallelism.sequence={u}", f"deepspeed.sequence_parallel_size={u}",
+                f"deepspeed.gradient_accumulation_steps={gas}", f"deepspeed.train_batch_size={sc.global_batch_size}"]
+        if training.get("gradient_accumulation_steps") is not None:
+            sets.append(f"training.gradient_accumulation_steps={gas}")
+        out.append(Variant(f"Ulysses sequence parallel {u} (DeepSpeed-Ulysses / ALST: 1/{u} of each sequence a "
+                           f"rank; GAS {gas} keeps the global batch)", tuple(sets)))
+    return out
+
+
 def playbook(raw: dict, sc: Scenario) -> list[Variant]:
     """Single changes an expert would try, in a fixed order (micro-batch candidates largest first)."""
     z, tr = sc.zero, sc.training
@@ -146,6 +168,7 @@ def playbook(raw: dict, sc: Scenario) -> list[Variant]:
                    if dp % e == 0 and moe.experts % e == 0][:3]:
             out.append(Variant(f"expert parallel size {ep} (DeepSpeed-MoE ep_size, {moe.experts // ep} experts a rank)",
                                (f"parallelism.expert={ep}",)))
+    out += _ulysses_candidates(raw, sc)
     if z.optimizer_offload_device == "none":
         sets: tuple[str, ...] = ("deepspeed.zero_optimization.offload_optimizer.device=cpu",
                 "deepspeed.zero_optimization.offload_optimizer.pin_memory=true")
@@ -323,8 +346,9 @@ def layout_fixes(base: Base, sc: Scenario) -> list[Variant]:
 def _layout_name(sc: Scenario, layout) -> str:
     sp = " (sequence parallel)" if layout.sequence_parallel else ""
     ep = f" (EP {layout.expert})" if layout.expert > 1 else ""
-    return (f"layout TP {layout.tensor}{sp} x PP {layout.pipeline}{ep} x DP "
-            f"{sc.cluster.world_size // layout.model_parallel}")
+    ulysses = f" x Ulysses SP {layout.sequence}" if layout.sequence > 1 else ""
+    return (f"layout TP {layout.tensor}{sp} x PP {layout.pipeline}{ep}{ulysses} x DP "
+            f"{sc.cluster.world_size // layout.sample_parallel}")
 
 
 def _prune_batches(evaluated: list[dict]) -> list[dict]:

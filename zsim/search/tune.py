@@ -87,11 +87,18 @@ class Layout:
     sequence_parallel: bool = False
     expert: int = 1     # DeepSpeed-MoE's ep_size: experts split inside the data-parallel group
     expert_searched: bool = False   # ep_size is a dimension of the search (DeepSpeed-MoE's layer)
+    sequence: int = 1   # DeepSpeed-Ulysses's sequence-parallel size (see [Note: DeepSpeed-Ulysses])
+    sequence_searched: bool = False   # it is a dimension of the search (see `_sequence_sizes`)
 
     @property
     def model_parallel(self) -> int:
-        """GPUs per data-parallel rank."""
+        """GPUs per ZeRO data-parallel rank (Ulysses' sequence ranks are inside ZeRO's group)."""
         return self.pipeline * self.tensor
+
+    @property
+    def sample_parallel(self) -> int:
+        """GPUs per sample: the global batch divides by world / this."""
+        return self.model_parallel * self.sequence
 
     @property
     def top_stage(self) -> int:
@@ -102,12 +109,16 @@ class Layout:
         return (f"parallelism.pipeline={self.pipeline}", f"parallelism.tensor={self.tensor}",
                 f"parallelism.sequence_parallel={str(self.sequence_parallel).lower()}",
                 # written wherever it is searched: an ep_size of 1 on a base with another is one
-                *((f"parallelism.expert={self.expert}",) if self.expert_searched else ()))
+                *((f"parallelism.expert={self.expert}",) if self.expert_searched else ()),
+                # under both its names, so a ds_config holding DeepSpeed's key agrees
+                *((f"parallelism.sequence={self.sequence}", f"deepspeed.sequence_parallel_size={self.sequence}")
+                  if self.sequence_searched else ()))
 
     def label(self) -> str:
         sp = " SP" if self.sequence_parallel else ""
         return ((f", TP {self.tensor}{sp}" if self.tensor > 1 else "") + (f", PP {self.pipeline}" if self.pipeline > 1 else "")
-                + (f", EP {self.expert}" if self.expert > 1 else ""))
+                + (f", EP {self.expert}" if self.expert > 1 else "")
+                + (f", Ulysses SP {self.sequence}" if self.sequence > 1 else ""))
 
 
 def _tensor_sizes(sc) -> list[int]:
@@ -123,7 +134,26 @@ def _tensor_sizes(sc) -> list[int]:
 
 def own_layout(sc) -> Layout:
     return Layout(sc.pipeline_stages, sc.tensor_parallel_size, sc.parallelism.sequence_parallel, sc.expert_parallel_size,
-                  _searches_expert(sc))
+                  _searches_expert(sc), sc.sequence_parallel_size, bool(_sequence_sizes(sc)))
+
+
+# the sequence length from which tune tries DeepSpeed-Ulysses: ALST's runs (Bekman et al. 2025,
+# arXiv:2506.13996) start at 32k tokens; half that leaves room for a run whose activations barely fit
+LONG_SEQUENCE = 16384
+
+
+def _sequence_sizes(sc) -> list[int]:
+    """Ulysses sizes tune tries, besides 1: for a sequence of LONG_SEQUENCE tokens or more (or a
+    scenario already using Ulysses), the divisors of the world that DeepSpeed accepts for this
+    model (zsim/config/parallel.py _check_sequence); none where zsim models no Ulysses."""
+    m, seq = sc.model, sc.seq_len
+    if sc.sequence_parallel_size == 1 and seq < LONG_SEQUENCE:
+        return []
+    if m.mamba is not None or sc.training.preference is not None or sc.training.attn_implementation_used == "eager":
+        return []
+    kv = m.n_kv_heads if m.mla is None else m.heads
+    return [u for u in _divisors(sc.cluster.world_size)
+            if u > 1 and m.heads % u == 0 and (kv % u == 0 or u % kv == 0) and seq % u == 0]
 
 
 def _searches_expert(sc) -> bool:
@@ -161,13 +191,15 @@ def own_point(sc) -> "TunePoint":
 # model adds the PipelineModule and DeepSpeed-MoE; only Megatron-DeepSpeed has Megatron's
 # tensor parallelism with --sequence-parallel. Not stated: every layout zsim models, as before.
 _SPACE_TEXT = {
-    "hf_trainer": "ZeRO stages, offload, micro-batch x GAS, checkpointing and DeepSpeed AutoTP "
-                  "(tensor_parallel.autotp_size); no Megatron sequence parallelism, pipeline or ep_size",
-    "deepspeed": "ZeRO stages, offload, micro-batch x GAS, checkpointing, AutoTP, PipelineModule pipelines and "
-                 "DeepSpeed-MoE ep_size; no Megatron sequence parallelism",
+    "hf_trainer": "ZeRO stages, offload, micro-batch x GAS, checkpointing, DeepSpeed AutoTP "
+                  "(tensor_parallel.autotp_size) and, for a long sequence, DeepSpeed-Ulysses (ALST); no Megatron "
+                  "sequence parallelism, pipeline or ep_size",
+    "deepspeed": "ZeRO stages, offload, micro-batch x GAS, checkpointing, AutoTP, PipelineModule pipelines, "
+                 "DeepSpeed-MoE ep_size and, for a long sequence, DeepSpeed-Ulysses; no Megatron sequence parallelism",
     "megatron_deepspeed": "every layout zsim models (Megatron TP with and without sequence parallelism, "
-                          "pipelines, ep_size)",
-    None: "every layout zsim models (Megatron TP with and without sequence parallelism, pipelines, ep_size)",
+                          "pipelines, ep_size, DeepSpeed-Ulysses for a long sequence)",
+    None: "every layout zsim models (Megatron TP with and without sequence parallelism, pipelines, ep_size, "
+          "DeepSpeed-Ulysses for a long sequence)",
 }
 
 # --fix keys that name a dimension of the search: the TunePoint attribute each pins (several
@@ -176,6 +208,7 @@ _PIN_FIELDS = {
     "parallelism.tensor": "tensor", "deepspeed.tensor_parallel.autotp_size": "tensor",
     "parallelism.pipeline": "pipeline", "deepspeed.pipeline.stages": "pipeline",
     "parallelism.sequence_parallel": "sequence_parallel", "parallelism.expert": "expert",
+    "parallelism.sequence": "sequence", "deepspeed.sequence_parallel_size": "sequence",
     f"{Z}.stage": "stage",
     "training.micro_batch_size": "micro_batch", "deepspeed.train_micro_batch_size_per_gpu": "micro_batch",
     "training.gradient_accumulation_steps": "gas", "deepspeed.gradient_accumulation_steps": "gas",
@@ -217,7 +250,7 @@ class Space:
     def allows_layout(self, layout: Layout) -> bool:
         return ((self.sequence_parallel or not layout.sequence_parallel) and (self.pipeline or layout.pipeline == 1)
                 and all(self._pinned(k, getattr(layout, k)) for k in ("tensor", "pipeline", "sequence_parallel",
-                                                                      "expert")))
+                                                                      "expert", "sequence")))
 
     def allows(self, c: "TunePoint") -> bool:
         opt, par = _OFFLOAD_DEVICES[c.offload]
@@ -301,6 +334,13 @@ def _layouts(sc, expert_search: bool = True) -> list[Layout]:
     seq = sc.seq_len
     own = own_layout(sc)
     out = [own]
+    # DeepSpeed-Ulysses composes with data parallelism only (parallel_state_sp): for a long sequence
+    # (the only runs it is tried on) next after the scenario's own, smallest first, the fewest
+    # all-to-all ranks that fit
+    for u in _sequence_sizes(sc):
+        layout = Layout(1, 1, False, 1, own.expert_searched, u, True)
+        if layout != own and batch % (world // u) == 0:
+            out.append(layout)
     # Megatron-LM's practice (Narayanan et al. 2021, takeaway #1): tensor parallel up to the GPUs
     # of a node, then the fewest pipeline stages that fit: tried in that order
     for tp in sorted(_tensor_sizes(sc), reverse=True):
@@ -312,7 +352,7 @@ def _layouts(sc, expert_search: bool = True) -> list[Layout]:
                 # largest expert-parallel size first: fewer experts a rank, the memory an MoE needs
                 eps = _expert_sizes(sc, world // (tp * pp), own.expert_searched) if expert_search else [own.expert]
                 for ep in sorted(eps, reverse=True):
-                    layout = Layout(pp, tp, sp, ep, own.expert_searched)
+                    layout = Layout(pp, tp, sp, ep, own.expert_searched, 1, own.sequence_searched)
                     if layout != own and not (sp and seq % tp):
                         out.append(layout)
     return out
@@ -359,7 +399,7 @@ def memory_lower_bound(sc, wl=None) -> float:
     z = sc.zero
     return _bound(workload_terms(wl or workload_for(sc), sc.training.activation_checkpointing,
                                  sc.deepspeed.activation_checkpointing.cpu_checkpointing), sc.pipeline_stages,
-                  sc.data_parallel_size, z.stage, z.optimizer_offload_device, z.param_offload_device, sc.precision,
+                  sc.seq_data_parallel_size, z.stage, z.optimizer_offload_device, z.param_offload_device, sc.precision,
                   sc.cluster.reserved_bytes, state_bytes=optimizer_state_bytes(sc.deepspeed),
                   gas=sc.gradient_accumulation_steps)
 
@@ -384,7 +424,8 @@ def point_workload(sc, c: "TunePoint", micro_batch: int = 1):
     `workload_for` builds for the scenario `c` sets, with that micro-batch)."""
     training = replace(sc.training, activation_checkpointing=c.checkpointing)
     return training_workload(sc.model, micro_batch, sc.seq_len, sc.precision, training, c.layout.expert,
-                             c.layout.tensor, c.layout.sequence_parallel, c.stage == 3 and sc.zero.memory_efficient_linear)
+                             c.layout.tensor, c.layout.sequence_parallel, c.stage == 3 and sc.zero.memory_efficient_linear,
+                             c.layout.sequence)
 
 
 def workload_terms(wl, mode: str, cpu_checkpointing: bool = False) -> tuple[float, float, float]:
@@ -455,7 +496,7 @@ def structural_candidates(sc, space: Space = Space()) -> list[TunePoint]:
     out = []
     for layout in layouts(sc, space):
         # the batch divides by the data-parallel size
-        per_rank = sc.global_batch_size // (sc.cluster.world_size // layout.model_parallel)
+        per_rank = sc.global_batch_size // (sc.cluster.world_size // layout.sample_parallel)
         for stage in range(layout.top_stage + 1):
             for off in OFFLOADS:
                 if off != "none" and stage == 0:
@@ -478,8 +519,11 @@ def structural_candidates(sc, space: Space = Space()) -> list[TunePoint]:
     ck_rank = {"none": 0, "selective": 1, "full": 2}
     order = {layout: i for i, layout in enumerate(layouts(sc, space))}
     # a pipeline's bubble is (p - 1) / GAS of its step (Narayanan et al. 2021): its micro-batches
-    # that leave at least 4 per stage come first, the largest of those first
-    out.sort(key=lambda c: (order[c.layout], off_rank[c.offload], ck_rank[c.checkpointing],
+    # that leave at least 4 per stage come first, the largest of those first. A Ulysses layout is
+    # tried for a sequence whose activations do not fit: micro-batch 1 first, as ALST runs it (the
+    # sequence is the batch), then checkpointing
+    out.sort(key=lambda c: (order[c.layout], off_rank[c.offload], c.layout.sequence > 1 and c.micro_batch > 1,
+                            ck_rank[c.checkpointing],
                             c.layout.pipeline > 1 and c.gas < 4 * c.layout.pipeline, -c.micro_batch, c.stage))
     return out
 
@@ -568,7 +612,7 @@ class Tuner:
         self.fitted: list[Layout] = []
 
     def workload(self, c: TunePoint, micro_batch: int = 1):
-        key = (c.layout.tensor, c.layout.sequence_parallel, c.layout.expert, c.stage == 3,
+        key = (c.layout.tensor, c.layout.sequence_parallel, c.layout.expert, c.layout.sequence, c.stage == 3,
                c.checkpointing if self.by_mode else None, micro_batch)
         if key not in self.workloads:
             self.workloads[key] = point_workload(self.sc, c, micro_batch)

@@ -334,7 +334,7 @@ IGNORED_TOP_LEVEL = frozenset({
     "csv_monitor", "comet", "flops_profiler", "comms_logger", "checkpoint", "autotuning",
     "data_efficiency", "memory_breakdown", "zero_force_ds_cpu_optimizer",
     "disable_allgather", "dataloader_drop_last", "gradient_predivide_factor", "prescale_gradients",
-    # sequence parallelism (Ulysses) is not modelled: its reduction dtype has no step to act on
+    # read by zsim/config/scenario.py under sequence parallelism (the engine's communication dtype then)
     "seq_parallel_communication_data_type", "timers", "hybrid_engine", "weight_quantization",
     "torch_autocast", "compile",
     "tensor_parallel",   # read by zsim/config/parallel.py into parallelism.tensor

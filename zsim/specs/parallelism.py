@@ -22,6 +22,14 @@ tokens by all-to-all); the ranks holding the same experts form the expert-data-p
 reduced (groups.py _create_expert_and_data_parallel, the default E + D ordering: expert groups
 are formed within the data-parallel group).
 
+DeepSpeed-Ulysses sequence parallelism (deepspeed/runtime/sequence_parallel/: parallel_state_sp.py,
+ulysses_sp.py UlyssesSPAttentionHF; the ds_config's `sequence_parallel_size`, accelerate's
+`parallelism_config.sp_size`): `sequence` consecutive ranks each hold 1/sequence of every sample's
+tokens, and around each attention core exchange the sequence for the heads by all-to-all
+(see [Note: DeepSpeed-Ulysses]). Not Megatron's `sequence_parallel` flag above. ZeRO partitions
+over the whole sequence-data-parallel group (the world: groups.py _get_sequence_data_parallel_group),
+while the batch divides by world / sequence (runtime/config.py: world_size / sequence_parallel_size).
+
 `pipeline_schedule: interleaved` is Megatron-LM's interleaved 1F1B (Narayanan et al. SC'21 2.2.2),
 which Megatron-DeepSpeed runs through Megatron's own schedule: DeepSpeed's PipelineEngine has no
 interleaving. Each rank holds `virtual_stages` model chunks (zsim/schedule/interleaved.py).
@@ -47,6 +55,9 @@ class ParallelismSpec:
                                              "DeepSpeed's tensor_parallel.autotp_size): ranks each layer is split over")
     sequence_parallel: bool = spec(False, doc="Megatron-LM sequence parallelism: norms and dropouts sharded by sequence "
                                               "over the tensor-parallel group (needs tensor > 1)")
+    sequence: int = spec(1, gt=0, le=4096, doc="DeepSpeed-Ulysses sequence-parallel size (ds_config "
+                                               "sequence_parallel_size, accelerate sp_size): consecutive ranks that "
+                                               "split each sample's tokens and all-to-all the heads around attention")
     pipeline: int = spec(1, gt=0, le=4096, doc="pipeline stages (PipelineModule num_stages); data parallel = world / (tensor x pipeline)")
     pipeline_schedule: Literal["1f1b", "interleaved"] = spec(
         "1f1b", doc="1f1b: DeepSpeed's TrainSchedule (runtime/pipe/schedule.py); interleaved: Megatron-LM's interleaved "
@@ -59,6 +70,11 @@ class ParallelismSpec:
         if self.sequence_parallel and self.tensor == 1:
             raise ValueError("sequence_parallel", True, "shards over the tensor-parallel group; "
                              "set parallelism.tensor > 1 or drop it")
+        if self.sequence > 1 and (self.tensor > 1 or self.pipeline > 1 or self.expert > 1):
+            # parallel_state_sp.py's mpu is sequence x data only, and aliases the model-parallel
+            # group to the sequence group: no tensor, pipeline or expert groups beside it
+            raise ValueError("sequence", self.sequence, "DeepSpeed-Ulysses (parallel_state_sp) composes sequence "
+                             "parallelism with data parallelism only; set tensor, pipeline and expert to 1")
         method = self.partition_method.lower()
         if method in ("parameters", "uniform"):
             return

@@ -323,10 +323,23 @@ class Scenario:
         return self.parallelism.tensor
 
     @property
-    def data_parallel_size(self) -> int:
-        """PipeDataParallelTopology and Megatron's parallel_state: the world splits into
-        pipeline x data x tensor."""
+    def sequence_parallel_size(self) -> int:
+        """DeepSpeed-Ulysses's sequence-parallel size (parallelism.sequence)."""
+        return self.parallelism.sequence
+
+    @property
+    def seq_data_parallel_size(self) -> int:
+        """The ranks ZeRO partitions over and reduces gradients across: PipeDataParallelTopology and
+        Megatron's parallel_state split the world into pipeline x data x tensor, and under
+        DeepSpeed-Ulysses the group spans the sequence ranks too (engine.py seq_data_parallel_group,
+        groups.py _get_sequence_data_parallel_group)."""
         return self.cluster.world_size // (self.parallelism.pipeline * self.parallelism.tensor)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The ranks that take distinct samples, which the batch divides by: world / (pipeline x
+        tensor x sequence) (DeepSpeedConfig.world_size under Ulysses, the HF Trainer's dp_world_size)."""
+        return self.seq_data_parallel_size // self.parallelism.sequence
 
     @property
     def zero(self):

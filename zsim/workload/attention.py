@@ -52,18 +52,26 @@ def attention_core(bld: Builder, name: str, layer: int, b: int, s: int, shape: C
                    window: int | None) -> None:
     m, a, t = bld.m, bld.a, bld.t
     heads = m.heads // bld.tp          # the rank's heads (Megatron: num_attention_heads_per_partition)
+    # DeepSpeed-Ulysses: after the all-to-alls the core holds the whole sequence (s x u) of 1/u of
+    # the heads, so the square's terms take the full length and the rank's heads and widths; the
+    # per-token terms (t x widths) are the same elements either way (see [Note: DeepSpeed-Ulysses])
+    u = bld.ulysses
+    s, heads, qv = s * u, heads // u, (shape.q + shape.v_heads) // u
     model_pairs, band_pairs = _pairs(s, window)
-    model_flops = 2.0 * b * model_pairs * (shape.q + shape.v_heads)
+    model_flops = 2.0 * b * model_pairs * qv
     rope = hf_kernels.rope(a) if bld.hf else hf_kernels.OpByOp(fwd=4 * a, bwd=4 * a, kernels_fwd=0, kernels_bwd=0)
     rope_elems = t * (shape.rope_q + shape.rope_k) if m.position == "rope" else 0.0
     rope_mem_f, rope_mem_b = rope.fwd * rope_elems, rope.bwd * rope_elems
     extra_kf = rope.kernels_fwd * 2 if rope_elems else 0
     extra_kb = rope.kernels_bwd * 2 if rope_elems else 0
-    qkv = shape.q + shape.k + shape.v
+    kv_heads = m.n_kv_heads if m.mla is None else m.heads
+    # Ulysses with fewer key-value heads than ranks repeats them to one a rank before the exchange
+    # (ulysses_sp.py kv_replication_factor): each rank's core holds u / kv_heads times its K and V share
+    kv_rep = max(1, u // kv_heads)
+    qkv = shape.q + (shape.k + shape.v) * kv_rep
     qkv_saved: float = t * qkv * a
     # HF's repeat_kv (see [Note: SDPA with a padding mask]): eager always, sdpa under a padding mask
     masked_sdpa = bld.attn == "sdpa" and bld.padding_mask
-    kv_heads = m.n_kv_heads if m.mla is None else m.heads
     if bld.hf and (masked_sdpa or not flash) and kv_heads < m.heads:
         rep = hf_kernels.repeat_kv(a, m.heads, kv_heads)
         kv_elems = t * (shape.k + shape.v)
@@ -74,15 +82,15 @@ def attention_core(bld: Builder, name: str, layer: int, b: int, s: int, shape: C
     if flash:
         # causal: lower triangle only; with a window only the band; the memory-efficient backend
         # under a padding mask: the full square
-        fwd = model_flops / 2 if band_pairs is None else 2.0 * b * band_pairs * (shape.q + shape.v_heads)
+        fwd = model_flops / 2 if band_pairs is None else 2.0 * b * band_pairs * qv
         if masked_sdpa:
-            fwd = 2.0 * b * s * s * (shape.q + shape.v_heads)
+            fwd = 2.0 * b * s * s * qv
         bwd = fwd * 2.5                # 5 matmuls vs 2 (FlashAttention-2)
         act, act_s2 = qkv_saved + 4 * b * heads * s, 0.0  # Q,K,V + logsumexp (fp32)
         mem_f, mem_b = rope_mem_f + 2 * t * qkv * a, rope_mem_b + 4 * t * qkv * a
         kf, kb = 1 + extra_kf, 2 + extra_kb
     else:
-        full = 2.0 * b * s * s * (shape.q + shape.v_heads)
+        full = 2.0 * b * s * s * qv
         fwd, bwd = full, 2 * full
         s2 = b * heads * s * s
         # softmax output (a bytes per score); with dropout also its mask (1 B) and output (a B)

@@ -31,7 +31,8 @@ class Builder:
 
     def __init__(self, m: ModelSpec, tokens: int, act_bytes: int, dropout: bool, tensor: int = 1,
                  sequence_parallel: bool = False, kernels: str = "fused", attn_implementation: str = "flash_attention_2",
-                 padding_mask: bool = False, experts_implementation: str = "grouped_mm"):
+                 padding_mask: bool = False, experts_implementation: str = "grouped_mm",
+                 sequence_parallel_size: int = 1):
         self.m, self.t, self.a, self.drop = m, tokens, act_bytes, 1 if dropout else 0
         # training.kernels: "hf" prices the norms, RoPE and SwiGLU op by op (zsim/workload/hf_kernels.py)
         self.hf = kernels == "hf"
@@ -40,6 +41,9 @@ class Builder:
         # Megatron tensor parallelism: `tp` ranks split the linears; `seq` shards the residual
         # stream's elementwise work and activations by sequence (sequence parallelism), else 1
         self.tp, self.seq = tensor, tensor if sequence_parallel else 1
+        # DeepSpeed-Ulysses: `tokens` is the rank's sequence shard; the attention core sees the whole
+        # sequence for 1/ulysses of the heads (see [Note: DeepSpeed-Ulysses])
+        self.ulysses = sequence_parallel_size
         self.params: list[Param] = []
         self.modules: list[Module] = []
         self.scope: tuple[str, ...] = ()

@@ -136,19 +136,23 @@ def build_workload(m: ModelSpec, micro_batch_size: int, seq_len: int, precision:
                    expert_parallel_size: int = 1, tensor: int = 1, sequence_parallel: bool = False,
                    kernels: str = "fused", attn_implementation: str | None = None,
                    padding_mask: bool = False, experts_implementation: str = "grouped_mm",
-                   head: str = "lm") -> Workload:
+                   head: str = "lm", sequence_parallel_size: int = 1) -> Workload:
     """One rank's workload; with expert parallelism each MoE layer holds experts/ep_size experts
     (DeepSpeed-MoE's num_local_experts, deepspeed/moe/layer.py); with tensor parallelism the
     rank's slice of every split module (see the module docstring). `head`: lm (the causal LM's
-    lm_head and loss), or a reward model's score or value_head (see [Note: reward model heads])."""
+    lm_head and loss), or a reward model's score or value_head (see [Note: reward model heads]).
+    `sequence_parallel_size` > 1 (DeepSpeed-Ulysses): every module runs on the rank's
+    seq_len / sequence_parallel_size tokens but the attention core, which sees the whole sequence
+    for heads / sequence_parallel_size heads (see [Note: DeepSpeed-Ulysses])."""
     if m.moe is not None and m.moe.experts % expert_parallel_size:
         raise ValueError(f"expert_parallel_size {expert_parallel_size} must divide the {m.moe.experts} experts")
-    b, s, h, V = micro_batch_size, seq_len, m.hidden, m.vocab
+    b, s, h, V = micro_batch_size, seq_len // sequence_parallel_size, m.hidden, m.vocab
     t = b * s
     a = DTYPE_BYTES[precision]
     attn = attn_implementation or ("flash_attention_2" if flash_attention else "eager")
     bld = Builder(m, t, a, dropout, tensor, sequence_parallel, kernels=kernels, attn_implementation=attn,
-                  padding_mask=padding_mask, experts_implementation=experts_implementation)
+                  padding_mask=padding_mask, experts_implementation=experts_implementation,
+                  sequence_parallel_size=sequence_parallel_size)
     drop = bld.drop
     # VocabParallelEmbedding and the vocab-parallel logits: each rank holds 1/tp of the
     # (padded) vocabulary (megatron/core/tensor_parallel/layers.py)

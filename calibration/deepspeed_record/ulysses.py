@@ -1,0 +1,247 @@
+"""Record DeepSpeed 0.19.8's Ulysses sequence parallelism (ALST's UlyssesSPAttentionHF, issue 49)
+on CPU/gloo: the collectives (op, size, dtype, process group, order) and each rank's peak tensor
+memory over a further optimizer step.
+
+Calibration tooling (imports torch and deepspeed; never imported by zsim or its tests). The model is
+calibration/deepspeed_record's GPT (cases.MODEL); each layer's attention core runs through
+deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF over sdpa, as
+register_with_transformers installs it in a Hugging Face model: the q, k and v all-to-alls, the
+position_ids all-gather, the context's all-to-all. The groups are DeepSpeed's
+(parallel_state_sp.initialize_sequence_parallel, passed to deepspeed.initialize as the mpu, as
+accelerate does); each rank feeds its 1/sp slice of every sample's tokens and position_ids
+(UlyssesSPDataLoaderAdapter's split), and the loss is the HF Trainer's
+(transformers integrations/deepspeed.py deepspeed_sp_compute_loss: the shard's loss sum and token
+count all-reduced over the sequence group). The learned position table is read at the shard's
+own offsets (the GPT adds rows 0..S/sp-1 on every rank, which changes values, not shapes).
+
+One case (from the repository root):
+
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 /tmp/dsvenv/bin/torchrun --standalone --nproc-per-node 2 \\
+      -m calibration.deepspeed_record.ulysses --case stage3_sp2_w2 --out tests/fixtures/deepspeed_ulysses
+
+Every case: /tmp/dsvenv/bin/python -m calibration.deepspeed_record.ulysses --all
+"""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+from calibration.deepspeed_record.launch import (PEAK_STEP, case_main, end_recording, index_model, start_recording,
+                                                 torchrun_each, write_fixture)
+from calibration.deepspeed_record.cases import MODEL, OPT_STEPS, _base, _with
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_OUT = os.path.join(REPO_ROOT, "tests", "fixtures", "deepspeed_ulysses")
+PREFETCH = {"stage3_prefetch_bucket_size": 50000000}   # as cases.py's stage3_default
+
+
+def _case(cfg, world_size, sp, why=""):
+    """sp 1: the same run without Ulysses (no mpu, the GPT's own core), a baseline."""
+    return {"ds_config": _with(cfg, sequence_parallel_size=sp) if sp > 1 else cfg, "world_size": world_size,
+            "sp": sp, "why": why}
+
+
+def build_cases():
+    c = {}
+    c["stage3_sp2_w2"] = _case(_base(3, **PREFETCH), 2, 2, why="ZeRO-3, one sequence group of 2")
+    # the default reduce_bucket_size makes stage 3's IPG buffer (fp32 under SP) most of the peak:
+    # with 1e6 the activations and the exchanges weigh
+    bucket = {"reduce_bucket_size": 1000000}
+    c["stage3_sp2_w2_bucket_1e6"] = _case(_base(3, **PREFETCH, **bucket), 2, 2,
+                                          why="ZeRO-3, one sequence group of 2, activations at the peak")
+    c["stage3_sp2_w4_bucket_1e6"] = _case(_base(3, **PREFETCH, **bucket), 4, 2,
+                                          why="ZeRO-3 over 4 ranks, two sequence groups of 2 (data parallel 2)")
+    c["stage3_sp4_w4_bucket_1e6"] = _case(_base(3, **PREFETCH, **bucket), 4, 4,
+                                          why="ZeRO-3, one sequence group of 4")
+    c["stage2_sp2_w2_bucket_1e6"] = _case(_base(2, **bucket), 2, 2, why="ZeRO-2, one sequence group of 2")
+    # baselines without Ulysses: ZeRO-2 reducing in fp32 (what SP makes it) and in bf16
+    c["stage2_sp1_w2_comm_fp32_bucket_1e6"] = _case(_with(_base(2, **bucket), communication_data_type="fp32"), 2, 1,
+                                                    why="ZeRO-2 without Ulysses, reducing in fp32 as SP does")
+    c["stage2_sp1_w2_bucket_1e6"] = _case(_base(2, **bucket), 2, 1, why="ZeRO-2 without Ulysses")
+    # micro-batch 16: the activations and the exchanges at the peak, with and without Ulysses
+    mb16 = {"train_micro_batch_size_per_gpu": 16}
+    c["stage3_sp2_w2_mb16_bucket_1e6"] = _case(_with(_base(3, **PREFETCH, **bucket), **mb16), 2, 2,
+                                               why="ZeRO-3, activations at the peak")
+    c["stage3_sp1_w2_mb16_bucket_1e6"] = _case(_with(_base(3, **PREFETCH, **bucket), communication_data_type="fp32",
+                                                     **mb16), 2, 1, why="its baseline without Ulysses")
+    c["stage2_sp2_w2_mb16_bucket_1e6"] = _case(_with(_base(2, **bucket), **mb16), 2, 2,
+                                               why="ZeRO-2, activations at the peak")
+    c["stage2_sp1_w2_mb16_bucket_1e6"] = _case(_with(_base(2, **bucket), communication_data_type="fp32", **mb16), 2, 1,
+                                               why="its baseline without Ulysses")
+    c["stage3_sp1_w2_bucket_1e6"] = _case(_with(_base(3, **PREFETCH, **bucket), communication_data_type="fp32"), 2, 1,
+                                          why="ZeRO-3 without Ulysses, reducing in fp32 as SP does")
+    c["stage1_sp2_w4_gas2_bucket_1e6"] = _case(_with(_base(1, **bucket), gradient_accumulation_steps=2), 4, 2,
+                                               why="ZeRO-1 with gradient accumulation, data parallel 2")
+    c["stage3_sp2_w2_comm_bf16_bucket_1e6"] = _case(
+        _with(_base(3, **PREFETCH, **bucket), seq_parallel_communication_data_type="bf16"), 2, 2,
+        why="the gradient reduction in bf16, not the SP default fp32")
+    return c
+
+
+CASES = build_cases()
+
+
+def _ulysses_cores(model, uattn):
+    """Each layer's attention core through UlyssesSPAttentionHF (the HF attention signature:
+    q, k, v as [batch, heads, seq, head_dim], the output [batch, seq, heads, head_dim])."""
+    import torch.nn.functional as F
+
+    m = MODEL
+    hd = m.hidden // m.heads
+    qd = m.heads * hd
+
+    def sdpa(module, q, k, v, mask, *args, **kwargs):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2), None
+
+    uattn.attn = sdpa
+
+    def core(module):
+        def run(qkv):
+            B, S, _ = qkv.shape
+            q, k, v = (t.reshape(B, S, m.heads, hd).transpose(1, 2) for t in qkv.split([qd, qd, qd], dim=-1))
+            pos = POSITIONS["ids"]
+            out, _ = uattn(module, q, k, v, None, position_ids=pos)
+            return out
+        return run
+
+    for layer in model.layers:
+        layer.attn.ops["core"] = core(layer.attn)
+
+
+POSITIONS = {"ids": None}
+
+
+def run_case(name, out_dir):
+    rank = start_recording()
+    import deepspeed
+    import deepspeed.runtime.sequence_parallel.parallel_state_sp as mpu
+    import torch
+    import torch.distributed as td
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    from calibration.core.memory import TensorMemoryTracker
+    from calibration.core.model import GPT
+    from calibration.deepspeed_record.recorder import RECORDS, STATE
+
+    case = CASES[name]
+    sp = case["sp"]
+    cfg = copy.deepcopy(case["ds_config"])
+    gas, mb = cfg["gradient_accumulation_steps"], cfg["train_micro_batch_size_per_gpu"]
+    STATE["phase"] = "init"
+    dp_rank = rank // sp
+    local = MODEL.seq_len // sp
+    model = GPT(MODEL).initialized(seed=1234)
+    sp_group, sp_rank = None, 0
+    if sp > 1:
+        mpu.initialize_sequence_parallel(sequence_parallel_size=sp)
+        sp_group, sp_rank = mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank()
+        uattn = UlyssesSPAttentionHF(attn=None, batch_size=mb, attn_head_count=MODEL.heads,
+                                     attn_head_size=MODEL.hidden // MODEL.heads, kv_head_count=MODEL.heads,
+                                     num_hidden_layers=MODEL.layers, process_group=sp_group,
+                                     seq_length_is_variable=False, local_seq_length=local,
+                                     global_seq_length=MODEL.seq_len)
+        uattn.core_attn_implementation = "sdpa"
+        _ulysses_cores(model, uattn)
+    param_list = index_model(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(4321 + dp_rank)     # the sequence group's ranks share their samples
+    losses = []
+    peak = None
+
+    def micro_batch():
+        idx = torch.randint(0, MODEL.vocab, (mb, MODEL.seq_len), generator=g)
+        tgt = torch.randint(0, MODEL.vocab, (mb, MODEL.seq_len), generator=g)
+        mine = slice(sp_rank * local, (sp_rank + 1) * local)
+        pos = torch.arange(MODEL.seq_len).expand(mb, -1)[:, mine].contiguous()
+        return idx[:, mine].contiguous(), tgt[:, mine].contiguous(), pos
+
+    def opt_step(s):
+        for m in range(gas):
+            idx, tgt, pos = micro_batch()
+            POSITIONS["ids"] = pos
+            STATE.update(opt_step=s, micro_step=m, phase="forward")
+            loss = engine(idx, tgt)
+            if sp > 1:
+                # deepspeed_sp_compute_loss: the token-weighted mean over the sequence group
+                good = torch.tensor(float(tgt.numel()))
+                local_sum = loss.float() * good
+                totals = torch.stack((local_sum.detach(), good))
+                td.all_reduce(totals, group=sp_group)
+                loss = (local_sum + (totals[0] - local_sum.detach())) / totals[1].clamp(min=1)
+            STATE["phase"] = "backward"
+            engine.backward(loss)
+            STATE["phase"] = "step"
+            engine.step()
+            STATE.update(phase="post", micro_step=None, opt_step=None)
+            losses.append(float(loss.detach().float()))
+
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg, mpu=mpu if sp > 1 else None)
+    engine.train()
+    for s in range(OPT_STEPS):
+        opt_step(s)
+    n_kept = len(RECORDS)
+    td.barrier()
+    tr = TensorMemoryTracker().start()
+    with tr:
+        opt_step(OPT_STEPS)
+    peak = tr.peak
+    del RECORDS[n_kept:]
+
+    for i, r in enumerate(RECORDS):
+        r["idx"] = i
+
+    def _key(r):
+        return (r["op"], r["fn"], r["numel"], r["dtype"], r["phase"], r["micro_step"], r["opt_step"], r["group_size"])
+
+    mine = {"trace": [list(_key(r)) for r in RECORDS], "peak": peak}
+    gathered = [None] * td.get_world_size()
+    n_before = len(RECORDS)
+    STATE["phase"] = "post"
+    td.all_gather_object(gathered, mine)
+    del RECORDS[n_before:]
+    if rank == 0:
+        identical = all(x["trace"] == gathered[0]["trace"] for x in gathered)
+        doc = {
+            "case": name, "why": case["why"], "world_size": td.get_world_size(), "sequence_parallel_size": sp,
+            "backend": td.get_backend(),
+            "versions": {"deepspeed": deepspeed.__version__, "torch": torch.__version__,
+                         "python": sys.version.split()[0]},
+            "accelerator": type(deepspeed.get_accelerator()).__name__,
+            "command": (f"DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node "
+                        f"{case['world_size']} -m calibration.deepspeed_record.ulysses --case {name}"),
+            "ds_config": cfg,
+            "model": {"vocab": MODEL.vocab, "seq_len": MODEL.seq_len, "layers": MODEL.layers,
+                      "hidden": MODEL.hidden, "heads": MODEL.heads, "ffn": MODEL.ffn,
+                      "tied_lm_head": MODEL.tied_embeddings,
+                      "total_params": sum(p["numel"] for p in param_list)},
+            "params": param_list,
+            "optimizer": {"class": type(engine.optimizer).__name__, "client": "torch.optim.AdamW(lr=1e-3)"},
+            "engine": {"communication_data_type": str(engine.communication_data_type),
+                       "seq_dp_world_size": engine.seq_dp_world_size,
+                       "train_batch_size": engine.train_batch_size()},
+            "gradient_accumulation_steps": gas,
+            "optimizer_steps": OPT_STEPS,
+            "losses": losses[:OPT_STEPS * gas],
+            "peak_bytes_per_rank": [x["peak"] for x in gathered],
+            "peak_step": PEAK_STEP,
+            "ranks_identical_trace": identical,
+            "collectives": RECORDS,
+        }
+        path = write_fixture(doc, out_dir, name)
+        print(f"[ulysses] {name}: {len(RECORDS)} collectives, peaks={doc['peak_bytes_per_rank']}, "
+              f"identical={identical} -> {path}", flush=True)
+    end_recording()
+
+
+def run_all(names, out_dir):
+    torchrun_each("calibration.deepspeed_record.ulysses", [(n, CASES[n]["world_size"], {}) for n in names], out_dir,
+                  "/tmp/ds49ext")
+
+
+def main():
+    case_main(CASES, DEFAULT_OUT, run_case, run_all)
+
+
+if __name__ == "__main__":
+    main()
