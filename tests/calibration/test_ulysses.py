@@ -197,6 +197,8 @@ def test_the_doctor_offers_ulysses_when_a_long_sequence_does_not_fit(tmp_path):
     report = doctor_file(path)
     names = [f["name"] for f in report["fixes"]]
     assert any(n.startswith("Ulysses sequence parallel") for n in names)
+    # 64k tokens x 128k vocabulary: the loss's logits weigh, and Liger's kernel is offered too
+    assert any(n.startswith("Liger's fused linear cross-entropy") for n in names)
 
 
 ACCELERATE_SP = """distributed_type: DEEPSPEED

@@ -1,4 +1,4 @@
-"""The datasheet profiles for today's GPUs (issue 49 item 4): hgx-h200, hgx-b200, mi300x-8. Each loads with its
+"""The datasheet profiles for today's GPUs (issue 49 item 4): hgx-h200, hgx-b200, mi300x-8, gb200-nvl72. Each loads with its
 datasheet figures, `zsim run` works on a shipped scenario with it, predictions are ordered as the hardware is,
 and the collectives land on the measurements the profiles cite (hardware_profiles/*.yaml comments)."""
 import json
@@ -121,3 +121,19 @@ def test_nccl_busbw_benchmark_prints_them(capsys):
     assert "0 large-message prediction(s) outside the published bands" in out
     rows = [line.split() for line in out.splitlines() if line.strip().startswith("8589934592 ")]
     assert len(rows) == 6 and all(math.isfinite(float(r[2])) and float(r[2]) > 100 for r in rows)
+
+
+def test_gb200_nvl72_is_one_nvlink_domain_of_72_gpus(tmp_path):
+    p = load_profile("gb200-nvl72")
+    # per GPU: the NVL72 rack's datasheet figures over 72 (dense: half the sparse ones)
+    assert (p.gpu.peak_tflops_bf16, p.gpu.peak_tflops_fp8, p.gpu.hbm_bw_GBps, p.gpus_per_node) == (2500, 5000, 8000, 72)
+    assert p.nccl is None     # the tier model prices its collectives (the profile says why)
+    # a 72-GPU all-gather stays on NVLink: the rack's bus bandwidth, not a NIC's
+    bw, _ = busbw_GBps("gb200-nvl72", "all_gather", 8 * GiB)
+    assert bw > 10 * 400 / 8
+    # a 64k-token Llama-3 8B step with Ulysses over 8 of its GPUs and FP8 linears runs on one rack
+    r = run_json(tmp_path, "gb200-nvl72", "hardware.gpus_per_node=72", "training.seq_len=65536",
+                 "parallelism.sequence=8", "training.activation_checkpointing=full", "training.fp8=true",
+                 "training.gradient_accumulation_steps=1", "deepspeed.gradient_accumulation_steps=1",
+                 "deepspeed.train_batch_size=9")
+    assert r["world_size"] == 72 and r["memory"]["fits"] and r["global_batch_size"] == 9

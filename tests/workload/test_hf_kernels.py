@@ -141,7 +141,7 @@ def test_axolotl_attention_switches_and_liger(tmp_path):
     impl, err = _run_recipe(tmp_path, base + "flash_attention: true\nplugins:\n  - axolotl.integrations.liger.LigerPlugin\n"
                             "liger_rms_norm: true\nliger_glu_activation: true\nliger_rope: true\n"
                             "liger_fused_linear_cross_entropy: true\n")
-    assert impl == "implementation: attention flash_attention_2; kernels fused"
+    assert impl == "implementation: attention flash_attention_2; kernels fused; loss Liger's fused linear cross-entropy"
     assert "LigerPlugin" not in err        # modelled, so not in the 'ignored' note
 
 
@@ -151,7 +151,7 @@ def test_llama_factory_flash_attn_and_liger(tmp_path):
     impl, _ = _run_recipe(tmp_path, base)
     assert impl.startswith("implementation: attention sdpa")
     impl, _ = _run_recipe(tmp_path, base + "flash_attn: disabled\nenable_liger_kernel: true\n")
-    assert impl == "implementation: attention eager; kernels fused"
+    assert impl == "implementation: attention eager; kernels fused; loss Liger's fused linear cross-entropy"
     impl, _ = _run_recipe(tmp_path, base + "flash_attn: fa2\n")
     assert impl == "implementation: attention flash_attention_2; kernels hf (op by op)"
 

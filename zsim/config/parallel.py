@@ -214,6 +214,9 @@ def _check_tensor(par: ParallelismSpec, model: ModelSpec, training: TrainingSpec
                              "(expert parallelism: parallelism.expert)")
     if training.lora is not None:
         raise ZsimInputError(key, tp, "LoRA under tensor parallelism is not modelled; use tensor: 1")
+    if training.fused_linear_cross_entropy:
+        raise ZsimInputError("training.fused_linear_cross_entropy", True, "Liger's fused linear cross-entropy over "
+                             "vocab-parallel logits is not modelled; use tensor: 1 or drop it")
     if model.heads % tp:
         raise ZsimInputError(key, tp, f"must divide the attention heads (model.heads={model.heads}): "
                              "each rank computes heads / tensor of them; use a divisor")

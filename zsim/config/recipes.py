@@ -105,7 +105,7 @@ def read_accelerate(data: dict, path: Path, bases: list[Path], recipe: Recipe) -
                              "(DEEPSPEED) and data-parallel GPU runs (MULTI_GPU, NO)")
     processes, machines = data.get("num_processes"), data.get("num_machines", 1)
     _world(recipe, processes, machines, where)
-    _mixed_precision(recipe, data.get("mixed_precision"), f"{where}mixed_precision")
+    _mixed_precision(recipe, data.get("mixed_precision"), f"{where}mixed_precision", data.get("fp8_config"))
     if dist == "DEEPSPEED":
         plugin = data.get("deepspeed_config") or {}
         if not isinstance(plugin, dict):
@@ -169,12 +169,23 @@ def _world(recipe: Recipe, processes, machines, where: str):
     recipe.gpus_per_node, recipe.nodes = total // nodes, nodes
 
 
-def _mixed_precision(recipe: Recipe, value, field: str):
+def _mixed_precision(recipe: Recipe, value, field: str, fp8_config=None):
     if value in (None, "no", "No", "NO"):
         return
     value = str(value).lower()
     if value == "fp8":
-        raise ZsimInputError(field, value, "FP8 training is not modelled by zsim; use bf16 or fp16")
+        # accelerate's fp8: its backend's FP8 linears, the rest under bf16 autocast (see [Note: FP8 linears])
+        backend = str((fp8_config or {}).get("backend", "TE")).upper() if isinstance(fp8_config, dict) else "TE"
+        if backend not in ("TE", "AO"):
+            raise ZsimInputError(field.replace("mixed_precision", "fp8_config.backend"), backend,
+                                 "zsim models FP8 linears as Transformer Engine (TE) runs them, and torchao's (AO) "
+                                 "priced alike; MS-AMP is not modelled")
+        recipe.training.setdefault("precision", "bf16")
+        recipe.training["fp8"] = True
+        if backend == "AO":
+            recipe.notes.append(f"{field} fp8 with backend AO (torchao Float8Linear): priced as Transformer Engine's "
+                                "FP8 linears")
+        return
     if value not in ("fp16", "bf16"):
         raise ZsimInputError(field, value, "choose no, fp16 or bf16 (accelerate's values)")
     recipe.training.setdefault("precision", value)
@@ -555,9 +566,9 @@ def read_llama_factory(data: dict, path: Path, bases: list[Path], recipe: Recipe
     t["attn_implementation"] = attn
     if as_bool(where + "enable_liger_kernel", data.get("enable_liger_kernel", False)):
         # LLaMA-Factory's apply_liger_kernel: RMSNorm, RoPE, SwiGLU and, for training without
-        # logits, the fused linear cross-entropy
+        # logits (require_logits: stage not pt or sft), the fused linear cross-entropy
         _liger(recipe, {"liger_rms_norm": True, "liger_glu_activation": True, "liger_rope": True,
-                        "liger_fused_linear_cross_entropy": True}, where)
+                        "liger_fused_linear_cross_entropy": stage in ("pt", "sft")}, where)
     t.pop("lora", None)
     if kind == "lora":
         rank = as_int(where + "lora_rank", data.get("lora_rank", 8))
@@ -647,7 +658,8 @@ LF_NOT_MODELLED = {
 def _liger(recipe: Recipe, keys: dict, where: str):
     """Liger's kernels (axolotl's liger_* keys, LLaMA-Factory's enable_liger_kernel): its RMSNorm
     and SwiGLU make the elementwise kernels fused (training.kernels), its fused linear
-    cross-entropy the loss (training.fused_cross_entropy); a partial set is said in a note."""
+    cross-entropy lm_head and the loss (training.fused_linear_cross_entropy); a partial set is said
+    in a note."""
     on = [k for k, v in keys.items() if v is True]
     if not on:
         return
@@ -660,8 +672,5 @@ def _liger(recipe: Recipe, keys: dict, where: str):
         recipe.notes.append(f"{where}{', '.join(on)}: without both liger_rms_norm and liger_glu_activation the "
                             "elementwise kernels are priced as HF's (training.kernels hf)")
     if keys.get("liger_fused_linear_cross_entropy") is True:
-        t["fused_cross_entropy"] = True
-        recipe.notes.append(f"{where}liger_fused_linear_cross_entropy: priced as a fused cross-entropy that keeps "
-                            "the 16-bit logits; Liger's chunked kernel never holds them whole, so the loss's memory "
-                            "here is an upper bound")
+        t["fused_linear_cross_entropy"] = True
 

@@ -385,6 +385,12 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
         training = replace(training, seq_len=FINE_TUNE_SEQ_LEN)
         notes.append(f"seq_len {FINE_TUNE_SEQ_LEN}, not the config.json's context of {model.seq_len:,} "
                      "(TRL SFTConfig's max_length default; --set training.seq_len=N)")
+    if training.fused_linear_cross_entropy and training.preference is not None:
+        # a preference or reward loss needs the logits (LLaMA-Factory's apply_liger_kernel: require_logits)
+        training = replace(training, fused_linear_cross_entropy=False)
+        notes.append("training.fused_linear_cross_entropy: not applied, the preference loss needs the logits (as "
+                     "LLaMA-Factory's apply_liger_kernel leaves it off there)")
+    _check_fp8(training, profile, par)
     training = check_parallelism(par, ds, training, model, cluster.world_size)
     training = _attention_for_model(model, training, notes)
     notes += quantization_notes(training.quantization, ds.zero_optimization.stage, par.tensor, par.pipeline)
@@ -402,6 +408,25 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
                                   training.lora is not None or bool(training.frozen)
                                   or training.quantization != "none")
                               + _hardware_warnings(hw, profile)))
+
+
+def _check_fp8(training: TrainingSpec, profile, par) -> None:
+    """What FP8 linears need and what zsim models of them (see [Note: FP8 linears])."""
+    if not training.fp8:
+        return
+    if profile.gpu.peak_tflops_fp8 is None:
+        raise ZsimInputError("training.fp8", True, f"profile {profile.name} gives no FP8 peak (gpu.peak_tflops_fp8: "
+                             "FP8 GEMMs need Hopper, Ada, Blackwell or MI300; A100 and V100 have none); use such a "
+                             "profile, set hardware.override.gpu.peak_tflops_fp8, or drop it")
+    if training.precision != "bf16":
+        raise ZsimInputError("training.precision", training.precision, "FP8 linears are modelled under bf16 (what "
+                             "accelerate's fp8 runs the rest in); use bf16")
+    if training.lora is not None or training.quantization != "none":
+        raise ZsimInputError("training.fp8", True, "FP8 linears beside LoRA adapters or quantized base weights are not "
+                             "modelled; drop one")
+    if par.tensor > 1 or par.pipeline > 1:
+        raise ZsimInputError("training.fp8", True, "FP8 under tensor or pipeline parallelism (Megatron's Transformer "
+                             "Engine layers) is not modelled; use tensor 1 and pipeline 1")
 
 
 def _attention_for_model(model, training, notes: list) -> TrainingSpec:

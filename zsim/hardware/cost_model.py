@@ -38,10 +38,14 @@ def matmul_peak_flops(cluster, precision: str, tf32: bool = False) -> float:
     return cluster.peak_flops("tf32" if tf32 and precision == "fp32" else precision)
 
 
-def compute_work_s(work: ComputeWork, gpu, gpu_fp32, peak_flops: float, dtype_bytes: int) -> float:
+def compute_work_s(work: ComputeWork, gpu, gpu_fp32, peak_flops: float, dtype_bytes: int,
+                   fp8_peak_flops: float = 0.0) -> float:
     """The compute link's work of `work` (the engine serves it at rate <= 1: zsim/engine/fluid.py).
-    `gpu`/`gpu_fp32`: the profile's figures for the run's dtype and for fp32 (gpu.for_dtype)."""
+    `gpu`/`gpu_fp32`: the profile's figures for the run's dtype and for fp32 (gpu.for_dtype);
+    `fp8_peak_flops`: the peak of its FP8 GEMMs (one byte an operand: see [Note: FP8 linears])."""
     t = sum(gemm_time_s(m, n, k, dtype_bytes, gpu, peak_flops) for m, n, k in work.gemms)
+    if work.fp8_gemms:
+        t += sum(gemm_time_s(m, n, k, 1, gpu, fp8_peak_flops) for m, n, k in work.fp8_gemms)
     if work.attention_flops:
         t += attention_time_s(work.attention_flops, work.attention_backward, gpu, peak_flops)
     if work.mem_bytes:
@@ -86,6 +90,7 @@ class CostModel:
         self.gpu_fp32 = prof.gpu.for_dtype("fp32")   # kernels in fp32 whatever the precision (the loss's)
         self.cpu = prof.cpu
         self.peak_flops = matmul_peak_flops(cluster, precision, tf32)
+        self.fp8_peak_flops = cluster.fp8_peak_flops()
         self.dtype_bytes = DTYPE_BYTES[precision]
         self.compute_slowdown = prof.interference.compute_slowdown_during_comm
         self.intra, self.inter = tiers_for(cluster)
@@ -129,7 +134,7 @@ class CostModel:
         return fixed
 
     def compute_work_s(self, work: ComputeWork) -> float:
-        return compute_work_s(work, self.gpu, self.gpu_fp32, self.peak_flops, self.dtype_bytes)
+        return compute_work_s(work, self.gpu, self.gpu_fp32, self.peak_flops, self.dtype_bytes, self.fp8_peak_flops)
 
     def op_cost(self, op: Op) -> OpCost:
         """The op's cost, computed once per op shape: a cost depends only on the shape's fields

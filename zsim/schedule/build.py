@@ -13,6 +13,7 @@ from zsim.schedule.layer_skip import Abort
 from zsim.schedule.passes import exchanges
 from zsim.workload.lora import apply_training
 from zsim.workload.module import DTYPE_BYTES, Workload
+from zsim.workload.fp8 import with_fp8
 from zsim.workload.preference import reward_head_of, sequences_per_example, with_reference
 from zsim.workload.transformer import build_workload
 
@@ -42,12 +43,14 @@ def training_workload(model, micro_batch_size: int, seq_len: int, precision: str
                         precision=precision, flash_attention=training.flash_attention,
                         dropout=training.dropout,
                         fused_cross_entropy=training.fused_cross_entropy,
+                        fused_linear_cross_entropy=training.fused_linear_cross_entropy,
                         kernels=training.kernels_used, attn_implementation=training.attn_implementation_used,
                         padding_mask=training.padding_mask, experts_implementation=training.experts_implementation,
                         head=reward_head_of(training),
                         expert_parallel_size=expert_parallel_size, tensor=tensor,
                         sequence_parallel=sequence_parallel, sequence_parallel_size=sequence_parallel_size)
-    return apply_training(with_reference(wl, training), training, zero3_linear=zero3_linear)
+    wl = apply_training(with_reference(wl, training), training, zero3_linear=zero3_linear)
+    return with_fp8(wl) if training.fp8 else wl
 
 
 # the variants of a search (and the attempts of the steady-state engine) that share the inputs

@@ -105,11 +105,19 @@ def _forward_pass(ctx: StepContext, module: Module) -> ModulePass:
 
 
 def forward_work(module: Module) -> ComputeWork:
-    """The compute of `module`'s forward (and of its recompute)."""
-    return ComputeWork(gemms=linear_gemms(module, False),
+    """The compute of `module`'s forward (and of its recompute); with the backward's GEMMs where
+    they run in it (see [Note: fused linear cross-entropy])."""
+    gemms, model_flops = linear_gemms(module, False), module.model_fwd_flops
+    if module.backward_in_forward:
+        gemms += linear_gemms(module, True)
+        model_flops += _backward_passes(module) * module.model_fwd_flops
+    if module.fp8:
+        return ComputeWork(fp8_gemms=gemms, mem_bytes=module.fwd_mem_bytes, fp32_mem_bytes=module.fp32_fwd_mem_bytes,
+                           kernels=module.kernels_fwd, model_flops=model_flops)
+    return ComputeWork(gemms=gemms,
                        attention_flops=module.fwd_flops if module.kind == "attention" else 0.0,
                        mem_bytes=module.fwd_mem_bytes, fp32_mem_bytes=module.fp32_fwd_mem_bytes,
-                       kernels=module.kernels_fwd, model_flops=module.model_fwd_flops)
+                       kernels=module.kernels_fwd, model_flops=model_flops)
 
 
 def _backward_pass(ctx: StepContext, module: Module, accumulated: tuple[int, ...] = ()) -> ModulePass:
@@ -137,12 +145,15 @@ def backward_work(module: Module, checkpointing: str, accumulate_bytes: float = 
     extra_attn = module.fwd_flops if selective_recompute else 0.0
     extra_mem, extra_kernels = (module.fwd_mem_bytes, module.kernels_fwd) if selective_recompute else (0.0, 0)
     extra_fp32 = module.fp32_fwd_mem_bytes if selective_recompute else 0.0
-    return ComputeWork(gemms=linear_gemms(module, True),
+    in_forward = module.backward_in_forward    # its GEMMs ran in the forward
+    gemms = () if in_forward else linear_gemms(module, True)
+    return ComputeWork(gemms=() if module.fp8 else gemms, fp8_gemms=gemms if module.fp8 else (),
                        attention_flops=(module.bwd_flops + extra_attn) if module.kind == "attention" else 0.0,
                        attention_backward=True, mem_bytes=module.bwd_mem_bytes + extra_mem,
                        fp32_mem_bytes=module.fp32_bwd_mem_bytes + extra_fp32,
                        accumulate_bytes=accumulate_bytes, kernels=module.kernels_bwd + extra_kernels + adds,
-                       model_flops=(_backward_passes(module) + (1 if extra_attn else 0)) * module.model_fwd_flops)
+                       model_flops=0.0 if in_forward else
+                       (_backward_passes(module) + (1 if extra_attn else 0)) * module.model_fwd_flops)
 
 
 def _backward_passes(module: Module) -> int:

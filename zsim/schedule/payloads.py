@@ -14,6 +14,7 @@ from zsim.schedule.ir import Collective, ProcessGroup, Transfer
 class ComputeWork:
     """What the cost model prices on the compute stream."""
     gemms: tuple[tuple[float, float, float], ...] = ()   # (m, n, k) each
+    fp8_gemms: tuple[tuple[float, float, float], ...] = ()   # run in FP8 (see [Note: FP8 linears])
     attention_flops: float = 0.0
     attention_backward: bool = False
     mem_bytes: float = 0.0          # memory-bound kernel traffic

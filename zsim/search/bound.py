@@ -53,7 +53,7 @@ class ComputePricer:
         gpu = cluster.profile.gpu
         self.cluster = cluster
         self._args = (gpu.for_dtype(precision), gpu.for_dtype("fp32"), matmul_peak_flops(cluster, precision, tf32),
-                      DTYPE_BYTES[precision])
+                      DTYPE_BYTES[precision], cluster.fp8_peak_flops())
         self._tiers = (*tiers_for(cluster), nccl_topo_for(cluster))
         self._cache: dict = {}
 

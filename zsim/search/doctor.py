@@ -116,6 +116,16 @@ def _batch_candidates(raw: dict, sc: Scenario) -> list[Variant]:
     return out
 
 
+def _logits_weigh(sc: Scenario) -> bool:
+    """The loss's fp32 log-softmax output (4 B per logit, what the HF loss keeps: see [Note: HF loss
+    memory]) is a tenth of the GPU or more, and Liger's fused linear cross-entropy could replace it."""
+    tr = sc.training
+    if tr.fused_linear_cross_entropy or tr.preference is not None or sc.tensor_parallel_size > 1:
+        return False
+    logits = sc.micro_batch_size * sc.seq_len // sc.sequence_parallel_size * sc.model.vocab * 4
+    return logits >= 0.1 * sc.cluster.hbm_capacity_bytes
+
+
 def _ulysses_candidates(raw: dict, sc: Scenario) -> list[Variant]:
     """DeepSpeed-Ulysses for a long sequence (zsim tune's sizes, inside a node first, at most
     three): each rank holds 1/u of every sequence, so its activations shrink by u; the global
@@ -169,6 +179,11 @@ def playbook(raw: dict, sc: Scenario) -> list[Variant]:
             out.append(Variant(f"expert parallel size {ep} (DeepSpeed-MoE ep_size, {moe.experts // ep} experts a rank)",
                                (f"parallelism.expert={ep}",)))
     out += _ulysses_candidates(raw, sc)
+    if _logits_weigh(sc):
+        # see [Note: fused linear cross-entropy]
+        out.append(Variant("Liger's fused linear cross-entropy (lm_head and the loss in chunks: the logits never "
+                           "whole)", ("training.fused_linear_cross_entropy=true",
+                                                "training.fused_cross_entropy=false")))
     if z.optimizer_offload_device == "none":
         sets: tuple[str, ...] = ("deepspeed.zero_optimization.offload_optimizer.device=cpu",
                 "deepspeed.zero_optimization.offload_optimizer.pin_memory=true")

@@ -26,6 +26,8 @@ class GpuProfile:
     peak_tflops_tf32: float = spec(gt=0)
     peak_tflops_fp16: float = spec(gt=0)
     peak_tflops_bf16: float = spec(gt=0)
+    peak_tflops_fp8: Optional[float] = spec(None, gt=0, doc="dense FP8 (E4M3/E5M2) tensor-core peak; unset: the GPU "
+                                                             "has no FP8 GEMMs (A100, V100) and training.fp8 is refused")
     hbm_capacity_GiB: float = spec(gt=0)
     hbm_bw_GBps: float = spec(gt=0)
     cuda_context_GiB: float = spec(0.5, ge=0, doc="CUDA context + NCCL/cuBLAS workspaces")
@@ -261,6 +263,10 @@ class Cluster:
     def peak_flops(self, dtype: str) -> float:
         """The GEMM law's peak a run in `dtype` ("tf32": fp32 matmuls on tensor cores) is priced at."""
         return getattr(self.profile.gpu, f"peak_tflops_{dtype}") * 1e12
+
+    def fp8_peak_flops(self) -> float:
+        """The FP8 GEMMs' peak (see [Note: FP8 linears]); 0 where the GPU has none."""
+        return (self.profile.gpu.peak_tflops_fp8 or 0.0) * 1e12
 
     def datasheet_flops(self, dtype: str) -> float:
         """MFU's denominator: the vendor's dense peak where the profile gives it."""

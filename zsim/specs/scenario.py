@@ -156,6 +156,15 @@ class TrainingSpec:
                                  "PyTorch's default since 1.12 is off")
     dropout: bool = spec(False, doc="dropout layers present (stores masks, Korthikanti 2022)")
     fused_cross_entropy: bool = spec(False, doc="fused loss kernel (no fp32 logits copies)")
+    fp8: bool = spec(False, doc="FP8 linears through NVIDIA Transformer Engine, as accelerate's mixed_precision fp8 "
+                                "runs them (te.Linear, DelayedScaling HYBRID): every nn.Linear whose dims divide by 16 "
+                                "runs its three GEMMs in FP8 and keeps FP8 copies for backward; the rest stays in "
+                                "precision (see [Note: FP8 linears])")
+    fused_linear_cross_entropy: bool = spec(
+        False, doc="Liger's fused linear cross-entropy (LigerFusedLinearCrossEntropy: axolotl's "
+                   "liger_fused_linear_cross_entropy, LLaMA-Factory's enable_liger_kernel): lm_head and the loss "
+                   "chunk by chunk, the gradients made in the forward, the logits never whole "
+                   "(see [Note: fused linear cross-entropy])")
     gradient_accumulation_fusion: bool = spec(
         False, doc="Megatron-LM's --gradient-accumulation-fusion (its default): each weight-gradient GEMM "
                    "accumulates into the fp32 main_grad itself, so no micro-step adds into a kept .grad "
@@ -200,8 +209,11 @@ class TrainingSpec:
                                    "experts_implementation: modules)")
 
     def __post_init__(self):
+        if self.fused_linear_cross_entropy and self.fused_cross_entropy:
+            raise ValueError("fused_cross_entropy", True, "fused_linear_cross_entropy replaces the loss "
+                             "kernel too; set one of the two")
         if self.attn_implementation not in (None, "eager") and not self.flash_attention:
-            raise ValueError("training.attn_implementation", self.attn_implementation,
+            raise ValueError("attn_implementation", self.attn_implementation,
                              "flash_attention: false is eager attention; drop one of the two")
         if self.attn_implementation == "eager":    # eager materialises the scores
             object.__setattr__(self, "flash_attention", False)
@@ -230,6 +242,10 @@ class TrainingSpec:
         elif attn == "flash_attention_3":
             attn += " (priced at the profile's FlashAttention figures)"
         kernels = "hf (op by op)" if self.kernels_used == "hf" else "fused"
+        if self.fused_linear_cross_entropy:
+            kernels += "; loss Liger's fused linear cross-entropy"
+        if self.fp8:
+            kernels += "; linears in FP8 (Transformer Engine)"
         base = ""
         if self.quantization != "none":
             bits = "int8 (LLM.int8)" if self.quantization == "int8" else \

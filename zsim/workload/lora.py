@@ -43,7 +43,7 @@ from zsim.errors import ZsimInputError
 from zsim.specs.scenario import FreezeSpec, LoraSpec, TrainingSpec
 from zsim.workload import quant
 from zsim.workload.module import Module, ModuleKind, Param, Workload
-from zsim.workload.transformer import REWARD_HEADS
+from zsim.workload.transformer import REWARD_HEADS, fused_linear_saved_bytes
 
 # PEFT / HF module names -> zsim module suffixes (zsim's own names match as they are)
 PEFT_NAMES: dict[str, tuple[str, ...]] = {
@@ -292,7 +292,10 @@ def _backward_of(m: Module, input_grad: bool, weight_grad: bool, a: int, keeps_i
     if m.kind != ModuleKind.LINEAR:
         return replace(m, input_grad=input_grad, weight_grad=weight_grad)
     assert m.gemm is not None
-    tokens, _, n_in = m.gemm
+    tokens, n_out, n_in = m.gemm
+    if m.backward_in_forward:    # the gradients it makes in the forward are what it keeps
+        return replace(m, input_grad=input_grad, weight_grad=weight_grad,
+                       act_bytes=fused_linear_saved_bytes(tokens, n_out, n_in, a, input_grad, weight_grad))
     gemm_flops = m.fwd_flops
     saved_input = tokens * n_in * a if m.act_bytes >= tokens * n_in * a else 0.0
     act = m.act_bytes - (0.0 if keeps_input else saved_input)

@@ -124,6 +124,11 @@ class Module:
     # an nn.Linear (or Conv1D) in the model's code: the modules PEFT's target_modules and
     # bitsandbytes replace; transformers 5's MoE routers and experts hold bare parameters
     nn_linear: bool = True
+    # the backward's GEMMs run in the forward and the backward runs none (Liger's fused linear
+    # cross-entropy on lm_head: see [Note: fused linear cross-entropy])
+    backward_in_forward: bool = False
+    # an nn.Linear Transformer Engine runs in FP8 (te.Linear: see [Note: FP8 linears])
+    fp8: bool = False
 
     @property
     def bwd_workspace(self) -> float:

@@ -57,6 +57,42 @@ def _loss(logits: float, fwd_mem: float, bwd_mem: float, act: float, kernels: in
                   bwd_workspace_bytes=bwd_workspace, tensor_role=TensorRole.VOCAB_LOSS, tensor_width=1)
 
 
+# [Note: fused linear cross-entropy]
+# Liger's LigerFusedLinearCrossEntropyFunction (liger_kernel/ops/fused_linear_cross_entropy.py
+# fused_linear_cross_entropy_forward), which axolotl's liger_fused_linear_cross_entropy and
+# LLaMA-Factory's enable_liger_kernel put in place of lm_head + loss: the BT tokens go through in
+# chunks of min(next_power_of_2(ceil(BT / ceil(V / H))), BT) rows, so one chunk's logits (rows x V,
+# the input's dtype) are about BT x H elements whatever the vocabulary; per chunk the logits GEMM,
+# the cross-entropy kernel (reads the row twice, writes its gradient in place), then the input's
+# gradient (grad_logits @ W) and the weight's (grad_weight.addmm_). Both gradients are made in
+# the forward, held to the backward (grad_input: BT x H; grad_weight: V x H in the weight's dtype,
+# only when the weight trains), which only scales them (element_mul_kernel when the loss is
+# scaled, as gradient accumulation does). So no logits are kept and lm_head's three GEMMs all run
+# in the forward. Not modelled: under ZeRO-3 the weight is read outside lm_head's forward (its
+# gather then happens on access) and has no backward to fetch it for; zsim gathers it as for lm_head.
+def liger_chunk_rows(tokens: int, vocab: int, hidden: int) -> int:
+    """The rows of one chunk (see [Note: fused linear cross-entropy])."""
+    inc = -(-vocab // hidden)
+    rows = 1 << max(0, (-(-tokens // inc) - 1).bit_length())
+    return min(rows, tokens)
+
+
+def fused_linear_head(lm_head: Module, a: int) -> Module:
+    """lm_head under Liger's fused linear cross-entropy: its dgrad and wgrad in the forward, the two
+    gradients kept to the backward, which scales them (see [Note: fused linear cross-entropy])."""
+    assert lm_head.gemm is not None
+    t, v, h = lm_head.gemm
+    return replace(lm_head, backward_in_forward=True, act_bytes=fused_linear_saved_bytes(t, v, h, a, True, True),
+                   bwd_flops=0.0, bwd_mem_bytes=2.0 * (t * h + v * h) * a, kernels_fwd=3, kernels_bwd=2,
+                   bwd_workspace_bytes=0.0)
+
+
+def fused_linear_saved_bytes(tokens: int, vocab: int, hidden: int, a: int, input_grad: bool, weight_grad: bool) -> float:
+    """What the fused linear cross-entropy keeps from forward to backward: grad_input and, when
+    lm_head's weight trains, grad_weight."""
+    return float(tokens * hidden * a * input_grad + vocab * hidden * a * weight_grad)
+
+
 # [Note: reward model heads]
 # A reward model trains on chosen and rejected sequences (2 x micro-batch rows) and its loss is
 # -logsigmoid(r_chosen - r_rejected) on one score per sequence: nothing vocabulary-sized is
@@ -133,6 +169,7 @@ def _param_counts_cached(m: ModelSpec, seq_len: int) -> tuple[int, int]:
 
 def build_workload(m: ModelSpec, micro_batch_size: int, seq_len: int, precision: str,
                    flash_attention: bool, dropout: bool, fused_cross_entropy: bool = False,
+                   fused_linear_cross_entropy: bool = False,
                    expert_parallel_size: int = 1, tensor: int = 1, sequence_parallel: bool = False,
                    kernels: str = "fused", attn_implementation: str | None = None,
                    padding_mask: bool = False, experts_implementation: str = "grouped_mm",
@@ -222,7 +259,11 @@ def build_workload(m: ModelSpec, micro_batch_size: int, seq_len: int, precision:
     # lm_head: a Linear whose weight is wte's when tied (DeepSpeed ZeRO-3 fetches it again here)
     # vocab-parallel logits (Megatron's parallel_lm_logits: a column-parallel linear over the vocabulary)
     bld.linear("lm_head", -2, e, V * tensor, False, weight=wte if m.tied_embeddings else None, split=Split.COLUMN)
-    if fused_cross_entropy:
+    if fused_linear_cross_entropy:
+        bld.modules[-1] = fused_linear_head(bld.modules[-1], a)
+        bld.modules.append(_loss(t * V, fwd_mem=3.0 * t * V * a, bwd_mem=0.0, act=0.0, kernels=1,
+                                 fwd_workspace=liger_chunk_rows(t, V, e) * V * a, bwd_workspace=0.0))
+    elif fused_cross_entropy:
         # fused kernel (e.g. flash-attn's CrossEntropyLoss): keeps the 16-bit logits and the
         # log-sum-exp, writes the gradient in place
         bld.modules.append(_loss(t * V, fwd_mem=t * V * a, bwd_mem=2 * t * V * a, act=t * V * a + 4 * t, kernels=1,
