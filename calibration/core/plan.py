@@ -80,6 +80,11 @@ def unsupported(sc) -> str | None:
         return "training.gradient_accumulation_fusion (Megatron-LM's fused wgrad accumulation; the core adds into .grad)"
     if sc.training.lora is not None and sc.training.lora.dropout > 0:
         return "training.lora.dropout (the core is deterministic, no dropout)"
+    if sc.sequence_parallel_size > 1:
+        return "parallelism.sequence (the core has no Ulysses exchanges; DeepSpeed's own runs are the check: " \
+               "calibration/deepspeed_record/ulysses.py)"
+    if sc.training.fp8 or sc.training.fused_linear_cross_entropy or sc.training.tiled_mlp:
+        return "training.fp8, fused_linear_cross_entropy or tiled_mlp (the core runs plain linears and loss)"
     moe = sc.model.moe
     if moe is not None:
         if sc.zero.stage not in (1, 2):

@@ -36,10 +36,11 @@ DEFAULT_OUT = os.path.join(REPO_ROOT, "tests", "fixtures", "deepspeed_ulysses")
 PREFETCH = {"stage3_prefetch_bucket_size": 50000000}   # as cases.py's stage3_default
 
 
-def _case(cfg, world_size, sp, why=""):
-    """sp 1: the same run without Ulysses (no mpu, the GPT's own core), a baseline."""
+def _case(cfg, world_size, sp, why="", tiled_mlp=0):
+    """sp 1: the same run without Ulysses (no mpu, the GPT's own core), a baseline. `tiled_mlp`:
+    each block's MLP through DeepSpeed's TiledMLP over that many shards (0: not)."""
     return {"ds_config": _with(cfg, sequence_parallel_size=sp) if sp > 1 else cfg, "world_size": world_size,
-            "sp": sp, "why": why}
+            "sp": sp, "why": why, "tiled_mlp": tiled_mlp}
 
 
 def build_cases():
@@ -69,6 +70,12 @@ def build_cases():
                                                why="ZeRO-2, activations at the peak")
     c["stage2_sp1_w2_mb16_bucket_1e6"] = _case(_with(_base(2, **bucket), communication_data_type="fp32", **mb16), 2, 1,
                                                why="its baseline without Ulysses")
+    # ALST's TiledMLP over 4 shards, with and without Ulysses, against the mb16 runs above
+    c["stage3_sp1_w2_mb16_bucket_1e6_tiled4"] = _case(
+        _with(_base(3, **PREFETCH, **bucket), communication_data_type="fp32", **mb16), 2, 1,
+        why="TiledMLP without Ulysses", tiled_mlp=4)
+    c["stage3_sp2_w2_mb16_bucket_1e6_tiled4"] = _case(_with(_base(3, **PREFETCH, **bucket), **mb16), 2, 2,
+                                                      why="TiledMLP with Ulysses", tiled_mlp=4)
     c["stage3_sp1_w2_bucket_1e6"] = _case(_with(_base(3, **PREFETCH, **bucket), communication_data_type="fp32"), 2, 1,
                                           why="ZeRO-3 without Ulysses, reducing in fp32 as SP does")
     c["stage1_sp2_w4_gas2_bucket_1e6"] = _case(_with(_base(1, **bucket), gradient_accumulation_steps=2), 4, 2,
@@ -112,6 +119,25 @@ def _ulysses_cores(model, uattn):
 POSITIONS = {"ids": None}
 
 
+def _tiled_mlps(model, shards: int):
+    """Each block's MLP through TiledMLP (the residual added outside it, as a Hugging Face block
+    adds it), its weights the compute_params whose gradients ZeRO takes at the last shard."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    def fn(mlp, x):
+        return mlp.fc_out(mlp.ops["act"](mlp.fc_in(x)))
+
+    def tiled(mlp):
+        params = [p for p in mlp.parameters()]
+
+        def forward(b, x1):
+            return x1 + TiledMLP.apply(fn, mlp, b, shards, params)
+        return forward
+
+    for layer in model.layers:
+        layer.mlp.forward = tiled(layer.mlp)
+
+
 def run_case(name, out_dir):
     rank = start_recording()
     import deepspeed
@@ -143,6 +169,8 @@ def run_case(name, out_dir):
                                      global_seq_length=MODEL.seq_len)
         uattn.core_attn_implementation = "sdpa"
         _ulysses_cores(model, uattn)
+    if case["tiled_mlp"]:
+        _tiled_mlps(model, case["tiled_mlp"])
     param_list = index_model(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(4321 + dp_rank)     # the sequence group's ranks share their samples
@@ -204,6 +232,7 @@ def run_case(name, out_dir):
         identical = all(x["trace"] == gathered[0]["trace"] for x in gathered)
         doc = {
             "case": name, "why": case["why"], "world_size": td.get_world_size(), "sequence_parallel_size": sp,
+            "tiled_mlp_shards": case["tiled_mlp"],
             "backend": td.get_backend(),
             "versions": {"deepspeed": deepspeed.__version__, "torch": torch.__version__,
                          "python": sys.version.split()[0]},

@@ -374,7 +374,12 @@ def read_axolotl(data: dict, path: Path, bases: list[Path], recipe: Recipe) -> R
         if isinstance(data.get(key), int) and data[key] > 1:
             recipe.ignored.append(f"{key} {data[key]} (not modelled: every GPU is simulated holding the whole "
                                   f"sequence_len, so memory and time are those of no sequence parallelism)")
-    for key in ("tiled_mlp", "activation_offloading", "sample_packing"):
+    if data.get("tiled_mlp") not in (None, False):
+        # axolotl's tiled_mlp: DeepSpeed's TiledMLP (ALST) on each dense MLP
+        t["tiled_mlp"] = True
+        if data.get("tiled_mlp_num_shards") is not None:
+            t["tiled_mlp_shards"] = as_int(where + "tiled_mlp_num_shards", data["tiled_mlp_num_shards"])
+    for key in ("activation_offloading", "sample_packing"):
         if data.get(key) not in (None, False):
             recipe.ignored.append(f"{key} {data[key]} (not modelled)")
     if any(str(x).endswith("CutCrossEntropyPlugin") for x in data.get("plugins") or ()):

@@ -391,6 +391,7 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
         notes.append("training.fused_linear_cross_entropy: not applied, the preference loss needs the logits (as "
                      "LLaMA-Factory's apply_liger_kernel leaves it off there)")
     _check_fp8(training, profile, par)
+    _check_tiled_mlp(training, model, par, notes)
     training = check_parallelism(par, ds, training, model, cluster.world_size)
     training = _attention_for_model(model, training, notes)
     notes += quantization_notes(training.quantization, ds.zero_optimization.stage, par.tensor, par.pipeline)
@@ -421,12 +422,29 @@ def _check_fp8(training: TrainingSpec, profile, par) -> None:
     if training.precision != "bf16":
         raise ZsimInputError("training.precision", training.precision, "FP8 linears are modelled under bf16 (what "
                              "accelerate's fp8 runs the rest in); use bf16")
+    _plain_linears_only("training.fp8", "FP8 linears", training, par)
+
+
+def _plain_linears_only(field: str, what: str, training: TrainingSpec, par) -> None:
+    """`what` is modelled over the model's own linears, without LoRA adapters or quantized base
+    weights, tensor or pipeline parallelism."""
     if training.lora is not None or training.quantization != "none":
-        raise ZsimInputError("training.fp8", True, "FP8 linears beside LoRA adapters or quantized base weights are not "
-                             "modelled; drop one")
+        raise ZsimInputError(field, True, f"{what} beside LoRA adapters or quantized base weights is not modelled; "
+                             "drop one")
     if par.tensor > 1 or par.pipeline > 1:
-        raise ZsimInputError("training.fp8", True, "FP8 under tensor or pipeline parallelism (Megatron's Transformer "
-                             "Engine layers) is not modelled; use tensor 1 and pipeline 1")
+        raise ZsimInputError(field, True, f"{what} under tensor or pipeline parallelism is not modelled; use tensor 1 "
+                             "and pipeline 1")
+
+
+def _check_tiled_mlp(training: TrainingSpec, model, par, notes: list) -> None:
+    """What zsim models of ALST's TiledMLP (see [Note: tiled MLP])."""
+    if not training.tiled_mlp:
+        if training.tiled_mlp_shards is not None:
+            notes.append("training.tiled_mlp_shards: not read, training.tiled_mlp is off")
+        return
+    _plain_linears_only("training.tiled_mlp", "a tiled MLP", training, par)
+    if model.moe is not None and all(model.is_moe_layer(i) for i in range(model.layers)):
+        notes.append("training.tiled_mlp: every layer's MLP is an MoE block, which zsim does not tile: no change")
 
 
 def _attention_for_model(model, training, notes: list) -> TrainingSpec:

@@ -14,6 +14,7 @@ from zsim.schedule.passes import exchanges
 from zsim.workload.lora import apply_training
 from zsim.workload.module import DTYPE_BYTES, Workload
 from zsim.workload.fp8 import with_fp8
+from zsim.workload.tiling import with_tiled_mlp
 from zsim.workload.preference import reward_head_of, sequences_per_example, with_reference
 from zsim.workload.transformer import build_workload
 
@@ -50,7 +51,8 @@ def training_workload(model, micro_batch_size: int, seq_len: int, precision: str
                         expert_parallel_size=expert_parallel_size, tensor=tensor,
                         sequence_parallel=sequence_parallel, sequence_parallel_size=sequence_parallel_size)
     wl = apply_training(with_reference(wl, training), training, zero3_linear=zero3_linear)
-    return with_fp8(wl) if training.fp8 else wl
+    wl = with_fp8(wl) if training.fp8 else wl
+    return with_tiled_mlp(wl, model.hidden, training.tiled_mlp_shards) if training.tiled_mlp else wl
 
 
 # the variants of a search (and the attempts of the steady-state engine) that share the inputs

@@ -177,6 +177,7 @@ class Buffer(Enum):
     GRAD_PARTITION = "grads"         # ZeRO-1/2 16-bit gradient partition (grads_in_partition)
     EXPERT_BUFFER = "moe"            # an MoE layer's capacity buffer around one all-to-all
     SEQUENCE_BUFFER = "sp"           # a Ulysses all-to-all's output tensor during the call
+    TILE = "tile"                    # a tiled MLP's one tile of activations, and x's gradient, in its backward
     IPG = "ipg"                      # ZeRO-1/2 IPG bucket buffer of one backward
     SCATTER_COPY = "rs"              # reduce_scatter_coalesced's interleaved copy of a bucket
     ALLREDUCE_FLAT = "arflat"        # allreduce_bucket's flat copy of the gradients it reduces (key: the call)

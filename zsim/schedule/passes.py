@@ -56,6 +56,9 @@ def linear_gemms(module: Module, backward: bool) -> tuple:
     if g > 1 and not module.grouped_mm:     # one GEMM per expert (see [Note: transformers 5 MoE experts])
         return tuple(x for gemm in linear_gemms(replace(module, gemm=(m // g, n, k), groups=1), backward)
                      for x in (gemm,) * g)
+    if module.tile_shards > 1:             # one tile's rows a GEMM (see [Note: tiled MLP])
+        s = module.tile_shards
+        return linear_gemms(replace(module, gemm=(m // s, n, k), tile_shards=0), backward) * s
     if not backward:
         return ((m, n, k),)
     # backward: dgrad (m x k from m x n . n x k) and wgrad (n x k from n x m . m x k), each only
@@ -65,6 +68,8 @@ def linear_gemms(module: Module, backward: bool) -> tuple:
 
 
 def _saved_bytes(ctx: StepContext, module: Module) -> float:
+    if module.tile_shards:     # a tiled MLP keeps its input alone (see [Note: tiled MLP])
+        return module.tile_input_bytes
     if ctx.checkpointing == "selective":
         return module.act_bytes - module.act_bytes_s2
     return module.act_bytes
@@ -271,6 +276,21 @@ def _recompute_block(ctx: StepContext, hooks: StageHooks, layer: int, micro: int
     return last
 
 
+def _recompute_tiles(ctx: StepContext, hooks: StageHooks, layer: int, group: str, micro: int, last: int) -> int:
+    """TiledMLP's backward: x's gradient allocated whole, then the MLP's forward again with grad,
+    holding one tile of each module's activations (see [Note: tiled MLP])."""
+    mlp = [m for m in ctx.wl.layer_modules(layer) if m.tile_shards and m.containers[-1] == group]
+    x_grad = Alloc(Tag(Buffer.TILE, micro, f"{group}/x_grad"), Category.ACTIVATION_GRADIENTS, mlp[0].tile_input_bytes)
+    for rm in mlp:
+        deps = hooks.pre_module(ctx, rm, micro, Phase.RECOMPUTE) + [last]
+        tile = Alloc(Tag(Buffer.TILE, micro, rm.name), Category.ACTIVATIONS, rm.act_bytes / rm.tile_shards)
+        op = ctx.b.add(OpKind.FORWARD, Stream.COMPUTE, Phase.RECOMPUTE, micro, _forward_pass(ctx, rm), deps,
+                       (x_grad, tile) if rm is mlp[0] else (tile,))
+        hooks.post_module(ctx, rm, micro, Phase.RECOMPUTE, op)
+        last = op
+    return last
+
+
 def backward(ctx: StepContext, hooks: StageHooks, micro: int, after: int) -> int:
     last = _templated(ctx, hooks, Phase.BACKWARD, micro, after, _backward_modules)
     hooks.end_backward(ctx, micro, last)
@@ -281,6 +301,7 @@ def _backward_modules(ctx: StepContext, hooks: StageHooks, micro: int, after: in
     full = ctx.checkpointing == "full"
     last = after
     recomputed: set[int] = set()
+    tiles_recomputed: set[str] = set()
     mods, skip = ctx.wl.modules, ctx.layer_skip
     if skip is not None:
         skip.start_pass()
@@ -300,9 +321,17 @@ def _backward_modules(ctx: StepContext, hooks: StageHooks, micro: int, after: in
         if checkpointed and module.layer not in recomputed:
             recomputed.add(module.layer)
             last = _recompute_block(ctx, hooks, module.layer, micro, last)
+        tile_group = module.containers[-1] if module.tile_shards else None
+        if tile_group is not None and tile_group not in tiles_recomputed:
+            tiles_recomputed.add(tile_group)
+            last = _recompute_tiles(ctx, hooks, module.layer, tile_group, micro, last)
         last = _before(ctx, module, micro, Phase.BACKWARD, last)
         deps = hooks.pre_module(ctx, module, micro, Phase.BACKWARD) + [last]
         frees = [Tag(Buffer.ACTIVATION, micro, module.name)]
+        if tile_group is not None:
+            frees.append(Tag(Buffer.TILE, micro, module.name))
+            if module.tile_input_bytes:    # the first of the MLP: x's gradient is complete
+                frees.append(Tag(Buffer.TILE, micro, f"{tile_group}/x_grad"))
         if checkpointed and ctx.wl.layer_modules(module.layer)[0].name == module.name:
             frees.append(Tag(Buffer.CHECKPOINT, micro, module.layer))
         workspace = Tag(Buffer.WORKSPACE, micro, module.name, Phase.BACKWARD)

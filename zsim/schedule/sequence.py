@@ -75,7 +75,7 @@ class UlyssesExchanges:
         if module.kind != ModuleKind.ATTENTION:
             return last
         if phase == Phase.BACKWARD:
-            return self._exchange(ctx, module, micro, phase, "context", last)
+            return self._exchange(ctx, module, micro, phase, "context", last, keep=False)
         last = ctx.b.add(OpKind.SEQUENCE_ALL_GATHER, Stream.COMPUTE, phase, micro,
                          SequenceExchange(self.positions, module.layer, "position_ids"), [last])
         for name in ("q", "k", "v"):
@@ -87,19 +87,29 @@ class UlyssesExchanges:
             if phase != Phase.BACKWARD:
                 return self._exchange(ctx, module, micro, phase, "context", op)
             for name in ("v", "k", "q"):
-                op = self._exchange(ctx, module, micro, phase, name, op)
+                op = self._exchange(ctx, module, micro, phase, name, op, keep=name != "q")
+            # the three exchanged gradients go on together to the projections' backward
+            ctx.b.add_free(op, *(self._output(micro, module.layer, name, phase) for name in ("v", "k")))
             return op
         if phase == Phase.FORWARD and module.name == self.loss_module:
             return ctx.b.add(OpKind.LOSS_ALLREDUCE, Stream.COMPUTE, phase, micro, ScalarAllReduce(self.loss), [op])
         return op
 
-    def _exchange(self, ctx, module: Module, micro: int, phase: Phase, tensor: str, after: int | None) -> int:
-        # the exchanged tensor is a new one (the all-to-all's output); what the core keeps of it is
-        # the core's own activation, so the buffer here lives for the call
+    @staticmethod
+    def _output(micro: int, layer: int, tensor: str, phase: Phase) -> Tag:
+        return Tag(Buffer.SEQUENCE_BUFFER, micro, f"{layer}/{tensor}", phase)
+
+    def _exchange(self, ctx, module: Module, micro: int, phase: Phase, tensor: str, after: int | None,
+                  keep: bool = False) -> int:
+        # _dim_zero_all_to_all sends a contiguous copy of its (rearranged) input and returns a new
+        # tensor: both live for the call. What the core keeps of a forward exchange is its own
+        # activation; in backward v's and k's exchanged gradients wait (`keep`) for q's, the three
+        # then going on to the projections' backward together
         comm = self.comms[tensor]
-        tag = Tag(Buffer.SEQUENCE_BUFFER, micro, f"{module.layer}/{tensor}", phase)
+        out = self._output(micro, module.layer, tensor, phase)
+        sent = Tag(Buffer.SEQUENCE_BUFFER, micro, f"{module.layer}/{tensor}/sent", phase)
         op = ctx.b.add(OpKind.SEQUENCE_ALL_TO_ALL, Stream.COMPUTE, phase, micro,
                        SequenceExchange(comm, module.layer, tensor), [after],
-                       (Alloc(tag, Category.ACTIVATIONS, comm.size_bytes),))
-        ctx.b.add_free(op, tag)
+                       (Alloc(sent, Category.ACTIVATIONS, comm.size_bytes), Alloc(out, Category.ACTIVATIONS, comm.size_bytes)))
+        ctx.b.add_free(op, sent, *(() if keep else (out,)))
         return op

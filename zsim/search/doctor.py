@@ -116,6 +116,16 @@ def _batch_candidates(raw: dict, sc: Scenario) -> list[Variant]:
     return out
 
 
+def _tiles_help(sc: Scenario) -> bool:
+    """A long sequence (zsim tune's Ulysses threshold) whose dense MLPs are not tiled yet: see
+    [Note: tiled MLP]."""
+    from zsim.search.tune import LONG_SEQUENCE
+    tr, m = sc.training, sc.model
+    return (not tr.tiled_mlp and sc.seq_len >= LONG_SEQUENCE and tr.lora is None and tr.quantization == "none"
+            and sc.tensor_parallel_size == 1 and sc.pipeline_stages == 1
+            and not (m.moe is not None and all(m.is_moe_layer(i) for i in range(m.layers))))
+
+
 def _logits_weigh(sc: Scenario) -> bool:
     """The loss's fp32 log-softmax output (4 B per logit, what the HF loss keeps: see [Note: HF loss
     memory]) is a tenth of the GPU or more, and Liger's fused linear cross-entropy could replace it."""
@@ -179,6 +189,9 @@ def playbook(raw: dict, sc: Scenario) -> list[Variant]:
             out.append(Variant(f"expert parallel size {ep} (DeepSpeed-MoE ep_size, {moe.experts // ep} experts a rank)",
                                (f"parallelism.expert={ep}",)))
     out += _ulysses_candidates(raw, sc)
+    if _tiles_help(sc):
+        out.append(Variant("ALST's tiled MLP (each MLP over sequence tiles, recomputed tile by tile)",
+                           ("training.tiled_mlp=true",)))
     if _logits_weigh(sc):
         # see [Note: fused linear cross-entropy]
         out.append(Variant("Liger's fused linear cross-entropy (lm_head and the loss in chunks: the logits never "

@@ -160,6 +160,11 @@ class TrainingSpec:
                                 "runs them (te.Linear, DelayedScaling HYBRID): every nn.Linear whose dims divide by 16 "
                                 "runs its three GEMMs in FP8 and keeps FP8 copies for backward; the rest stays in "
                                 "precision (see [Note: FP8 linears])")
+    tiled_mlp: bool = spec(False, doc="ALST's TiledMLP (DeepSpeed's ulysses_sp.py; axolotl's tiled_mlp): each dense MLP "
+                                      "runs over sequence tiles and is recomputed tile by tile in the backward, so it "
+                                      "keeps only its input (see [Note: tiled MLP])")
+    tiled_mlp_shards: Optional[int] = spec(None, gt=0, le=MAX_SEQ_LEN, doc="the tiles (axolotl's tiled_mlp_num_shards); "
+                                           "default ALST's ceil(the rank's sequence / hidden)")
     fused_linear_cross_entropy: bool = spec(
         False, doc="Liger's fused linear cross-entropy (LigerFusedLinearCrossEntropy: axolotl's "
                    "liger_fused_linear_cross_entropy, LLaMA-Factory's enable_liger_kernel): lm_head and the loss "
@@ -246,6 +251,8 @@ class TrainingSpec:
             kernels += "; loss Liger's fused linear cross-entropy"
         if self.fp8:
             kernels += "; linears in FP8 (Transformer Engine)"
+        if self.tiled_mlp:
+            kernels += "; MLPs tiled (ALST's TiledMLP)"
         base = ""
         if self.quantization != "none":
             bits = "int8 (LLM.int8)" if self.quantization == "int8" else \

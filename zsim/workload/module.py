@@ -129,6 +129,10 @@ class Module:
     backward_in_forward: bool = False
     # an nn.Linear Transformer Engine runs in FP8 (te.Linear: see [Note: FP8 linears])
     fp8: bool = False
+    # ALST's TiledMLP (see [Note: tiled MLP]): the tiles its MLP runs over (0: not tiled), and on
+    # the MLP's first module the input the tiled MLP keeps to its backward
+    tile_shards: int = 0
+    tile_input_bytes: float = 0.0
 
     @property
     def bwd_workspace(self) -> float:
