@@ -100,10 +100,18 @@ MISSES_3_PERCENT = {"stage3_sp2_w2_mb16_bucket_1e6_tiled4"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="3.2% under"))
-                                  if n in MISSES_3_PERCENT else n for n in CASES if n.startswith("stage3")])
-def test_zero3_peak_within_3_percent_of_deepspeeds(name):
+                                  if n in MISSES_3_PERCENT else n for n in CASES])
+def test_peak_within_3_percent_of_deepspeeds(name):
     zsim, deepspeed = _peak(name)
     assert zsim == pytest.approx(deepspeed, rel=0.03)
+
+
+def test_zero12s_optimizer_step_peak_is_deepspeeds():
+    """Where ZeRO-1/2's peak is a torch AdamW's for-loop step, DeepSpeed's order (see [Note: the
+    16-bit partition before the update]) gives its peak within kilobytes: it was 7.7% over before."""
+    for name in ("stage2_sp1_w2_bucket_1e6", "stage2_sp2_w2_bucket_1e6", "stage1_sp2_w4_gas2_bucket_1e6"):
+        zsim, deepspeed = _peak(name)
+        assert zsim == pytest.approx(deepspeed, rel=1e-4), name
 
 
 def test_ulysses_saves_the_activation_memory_deepspeed_measured():
@@ -120,15 +128,6 @@ def test_the_tiled_mlp_saves_what_deepspeeds_tiledmlp_saved(sp):
     (zt, dt), (z, d) = _peak(f"stage3_sp{sp}_w2_mb16_bucket_1e6_tiled4"), _peak(f"stage3_sp{sp}_w2_mb16_bucket_1e6")
     assert d - dt > 0.1 * d
     assert (z - zt) == pytest.approx(d - dt, rel=0.15)
-
-
-def test_zero2s_peak_error_is_the_same_with_and_without_ulysses():
-    """ZeRO-2's peak here is its optimizer step, which zsim puts 7.7% over DeepSpeed's with and without
-    Ulysses alike: DeepSpeed 0.19.8 drops the 16-bit gradient partition before _optimizer_step
-    (stage_1_and_2.py step), zsim after it (issue 49's closing note). Ulysses adds no error of its own."""
-    (z2, d2), (z1, d1) = _peak("stage2_sp2_w2_bucket_1e6"), _peak("stage2_sp1_w2_comm_fp32_bucket_1e6")
-    assert z2 / d2 == pytest.approx(z1 / d1, abs=0.001)
-    assert z2 / d2 - 1 < 0.08
 
 
 # -- the user's side ----------------------------------------------------------------------------

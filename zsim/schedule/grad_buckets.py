@@ -134,6 +134,7 @@ class Zero12Buckets(_Buckets):
         self.holds_triggering_tensors = (ctx.grad_stream == Stream.COMPUTE
                                          or not ctx.sc.cluster.profile.gpu.concurrent_streams)
         self.partition_tag = Tag(Buffer.GRAD_PARTITION)   # the live grads_in_partition
+        self.partition_bytes = 0.0                         # its size
         # [Note: a grads_in_partition per backward] copy_grads_in_partition allocates grads_in_partition
         # as the sum of `numel()` of the params with elements in the rank's partition, each whole
         # (stage_1_and_2.py:2184-2194): a param straddling the partition's edge counts on both ranks, so
@@ -302,7 +303,8 @@ class Zero12Buckets(_Buckets):
             elif self.lazy_grads and not ctx.optimizer_offloaded and call == 0 and self._new_partition(micro, last_rank):
                 # (offloaded, copy_grads_in_partition sends the slice to the host's fp32 gradients)
                 held = grads_in_partition_numel(self.groups, self.numels)   # whole params, largest rank
-                alloc = (Alloc(self.partition_tag, Category.GRADIENTS, held * width),)
+                self.partition_bytes = held * width
+                alloc = (Alloc(self.partition_tag, Category.GRADIENTS, self.partition_bytes),)
             # allreduce_bucket casts the flat bucket to communication_data_type (stage_1_and_2.py:2376)
             comm = Comm(collective, numel, numel * ctx.reduce_bytes, group=flat_group_process_group(ctx, self.groups[g]),
                         dtype=ctx.reduce_dtype)

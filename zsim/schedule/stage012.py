@@ -259,13 +259,16 @@ def optimizer_boundary(ctx: StepContext, hooks: Zero012Hooks, last: int) -> int:
         # one flat group's gradient partition, steps it (_optimizer_step(i)) and drops its copies
         # before the next group's, so only one group's temporaries are alive at a time
         # (see [Note: MoE parameter groups]); the partition buffer itself (grads_in_partition) is
-        # one allocation for all groups, freed after the last
+        # one allocation for all groups, gone once the last group has converted its slice
         chain: list[int | None] = step_deps
         stepped = None
         for g, group in enumerate(buckets.groups):
             before = chain[0]
             assert before is not None     # the backward's last op (or the TP gradient reduction)
-            stepped = optimizer_step(ctx, group.partition, chain, sub_group=g)
+            # see [Note: the 16-bit partition before the update]
+            dropped = (buckets.partition_bytes if g == len(buckets.groups) - 1 and buckets.partition_live
+                       and not buckets.held_partition else 0.0)
+            stepped = optimizer_step(ctx, group.partition, chain, sub_group=g, dropped_before_update=dropped)
             chain = [stepped]
             if buckets.keeps_all_grads:
                 buckets.release_stage1_grads(g, before, stepped)
