@@ -89,18 +89,14 @@ def test_the_reduction_dtype_and_batch_are_deepspeeds(name):
 
 
 def _peak(name):
+    """(zsim's peak, DeepSpeed's largest rank's): zsim sizes a rank's gradient partition by the
+    largest rank's (partition.py grads_in_partition_numel), and ZeRO-2's ranks differ by the
+    params straddling their edges (ZeRO-3's recorded ranks peak alike)."""
     fx = _load(name)
-    return run_scenario(_scenario(fx))[0].memory.peak_bytes, fx["peak_bytes_per_rank"][0]
+    return run_scenario(_scenario(fx))[0].memory.peak_bytes, max(fx["peak_bytes_per_rank"])
 
 
-# zsim's peak for this run is 3.2% under DeepSpeed's (2.9% in an earlier recording: the peaks move
-# ~0.25% run to run); its untiled twin is 2.3% under: about 1 MiB a layer of Ulysses' forward that
-# zsim does not find saved (the peak is the end of the forward), plus TiledMLP's concatenation
-MISSES_3_PERCENT = {"stage3_sp2_w2_mb16_bucket_1e6_tiled4"}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="3.2% under"))
-                                  if n in MISSES_3_PERCENT else n for n in CASES])
+@pytest.mark.parametrize("name", CASES)
 def test_peak_within_3_percent_of_deepspeeds(name):
     zsim, deepspeed = _peak(name)
     assert zsim == pytest.approx(deepspeed, rel=0.03)
@@ -150,10 +146,13 @@ def test_each_rank_runs_its_shard_and_the_core_the_whole_sequence_for_its_heads(
     assert sp.tokens * 4 == plain.tokens
     core = [m for m in sp.modules if m.kind == ModuleKind.ATTENTION]
     core0 = [m for m in plain.modules if m.kind == ModuleKind.ATTENTION]
+    out_bytes = sp.tokens * 512 * 2       # the kernel's output O, kept apart from o_proj's input under Ulysses
     for a, b in zip(core, core0):
-        assert a.fwd_flops * 4 == pytest.approx(b.fwd_flops) and a.act_bytes * 4 == pytest.approx(b.act_bytes)
+        assert a.fwd_flops * 4 == pytest.approx(b.fwd_flops)
+        assert a.act_bytes == pytest.approx(b.act_bytes / 4 + out_bytes)
     for a, b in zip(sp.modules, plain.modules):
-        assert a.act_bytes * 4 == pytest.approx(b.act_bytes)
+        if a.kind != ModuleKind.ATTENTION:
+            assert a.act_bytes * 4 == pytest.approx(b.act_bytes)
 
 
 def test_fewer_key_value_heads_than_ranks_are_repeated_to_one_a_rank():
