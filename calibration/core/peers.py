@@ -78,6 +78,11 @@ def ds_config(sc) -> dict:
            "zero_optimization": zero, "steps_per_print": 10**9, "wall_clock_breakdown": False}
     if sc.deepspeed.communication_data_type is not None:
         cfg["communication_data_type"] = sc.deepspeed.reduction_dtype
+    if sc.sequence_parallel_size > 1:
+        # the engine takes the size from the mpu; the reduction dtype from this key (see [Note: DeepSpeed-Ulysses])
+        cfg["sequence_parallel_size"] = sc.sequence_parallel_size
+        cfg["seq_parallel_communication_data_type"] = sc.deepspeed.reduction_dtype
+        cfg.pop("communication_data_type", None)
     if z.optimizer_offload_device != "none":
         zero["offload_optimizer"] = {"device": z.optimizer_offload_device, "pin_memory": z.offload_optimizer.pin_memory}
         o = sc.deepspeed.optimizer.params or {}
@@ -190,6 +195,11 @@ def main(args, sc) -> int:
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
         rank = dist.get_rank()
         model = _model(sc, args.seed, use_peft=True)
+        ulysses = None
+        if sc.sequence_parallel_size > 1:     # see [Note: DeepSpeed-Ulysses]
+            from calibration.core.ulysses import Ulysses
+            ulysses = Ulysses(sc.model, sc.sequence_parallel_size, sc.micro_batch_size, sc.seq_len)
+            ulysses.install(model)
         # the optimizer gets the trainable params, as HF Trainer / PEFT hand them over
         params = _trained(model)
         if sc.model.moe is not None:
@@ -201,9 +211,12 @@ def main(args, sc) -> int:
         # offloaded: DeepSpeed builds its own optimizer from the ds_config (DeepSpeedCPUAdam)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=None if offloaded else _optimizer(sc, params),
                                                model_parameters=params if offloaded else None,
-                                               config=ds_config(sc))
+                                               config=ds_config(sc), mpu=None if ulysses is None else ulysses.mpu)
 
         def fwd(ids, labels):
+            if ulysses is not None:
+                ids, labels = ulysses.shard(ids, labels)
+                return ulysses.loss(engine(ids, labels), labels.numel())
             return engine(ids, labels)
 
         def bwd(loss):
@@ -219,6 +232,8 @@ def main(args, sc) -> int:
     else:
         dist.init_process_group("nccl" if cuda else "gloo")
         rank = dist.get_rank()
+        if sc.sequence_parallel_size > 1:
+            raise SystemExit("--engine fsdp: DeepSpeed-Ulysses (parallelism.sequence) runs on --engine deepspeed")
         if sc.model.moe is not None:
             raise SystemExit("--engine fsdp: MoE models run on the own core or DeepSpeed")
         if offloaded:
@@ -259,7 +274,8 @@ def main(args, sc) -> int:
     def train_step(s, phases=None, around_step=contextlib.nullcontext):
         losses = []
         for micro in range(gas):
-            ids, labels = (t.to(device) for t in batch(sc, s, micro, rank, args.seed))
+            # the ranks of one sequence group train the same samples, each its own slice
+            ids, labels = (t.to(device) for t in batch(sc, s, micro, rank // sc.sequence_parallel_size, args.seed))
             for ph in ("forward", "backward"):
                 RECORD["phase"] = ph
                 t0 = time.perf_counter()

@@ -60,6 +60,8 @@ class Plan:
 
 def unsupported(sc) -> str | None:
     """Why the core cannot run this scenario (None when it can)."""
+    if sc.sequence_parallel_size > 1:
+        return "parallelism.sequence (the core has no Ulysses exchanges; validate it with --engine deepspeed)"
     if sc.training.activation_checkpointing != "none":
         return "training.activation_checkpointing (the core runs without checkpointing; set none)"
     if sc.precision == "fp16":
@@ -80,9 +82,6 @@ def unsupported(sc) -> str | None:
         return "training.gradient_accumulation_fusion (Megatron-LM's fused wgrad accumulation; the core adds into .grad)"
     if sc.training.lora is not None and sc.training.lora.dropout > 0:
         return "training.lora.dropout (the core is deterministic, no dropout)"
-    if sc.sequence_parallel_size > 1:
-        return "parallelism.sequence (the core has no Ulysses exchanges; DeepSpeed's own runs are the check: " \
-               "calibration/deepspeed_record/ulysses.py)"
     if sc.training.fp8 or sc.training.fused_linear_cross_entropy or sc.training.tiled_mlp:
         return "training.fp8, fused_linear_cross_entropy or tiled_mlp (the core runs plain linears and loss)"
     moe = sc.model.moe

@@ -11,8 +11,9 @@ position_ids all-gather, the context's all-to-all. The groups are DeepSpeed's
 accelerate does); each rank feeds its 1/sp slice of every sample's tokens and position_ids
 (UlyssesSPDataLoaderAdapter's split), and the loss is the HF Trainer's
 (transformers integrations/deepspeed.py deepspeed_sp_compute_loss: the shard's loss sum and token
-count all-reduced over the sequence group). The learned position table is read at the shard's
-own offsets (the GPT adds rows 0..S/sp-1 on every rank, which changes values, not shapes).
+count all-reduced over the sequence group): calibration/core/ulysses.py, which `zsim validate
+--engine deepspeed` uses too. The learned position table is read at rows 0..S/sp-1 on every rank
+(values differ from a real run's, not shapes).
 
 One case (from the repository root):
 
@@ -89,36 +90,6 @@ def build_cases():
 CASES = build_cases()
 
 
-def _ulysses_cores(model, uattn):
-    """Each layer's attention core through UlyssesSPAttentionHF (the HF attention signature:
-    q, k, v as [batch, heads, seq, head_dim], the output [batch, seq, heads, head_dim])."""
-    import torch.nn.functional as F
-
-    m = MODEL
-    hd = m.hidden // m.heads
-    qd = m.heads * hd
-
-    def sdpa(module, q, k, v, mask, *args, **kwargs):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2), None
-
-    uattn.attn = sdpa
-
-    def core(module):
-        def run(qkv):
-            B, S, _ = qkv.shape
-            q, k, v = (t.reshape(B, S, m.heads, hd).transpose(1, 2) for t in qkv.split([qd, qd, qd], dim=-1))
-            pos = POSITIONS["ids"]
-            out, _ = uattn(module, q, k, v, None, position_ids=pos)
-            return out
-        return run
-
-    for layer in model.layers:
-        layer.attn.ops["core"] = core(layer.attn)
-
-
-POSITIONS = {"ids": None}
-
-
 def _tiled_mlps(model, shards: int):
     """Each block's MLP through TiledMLP (the residual added outside it, as a Hugging Face block
     adds it), its weights the compute_params whose gradients ZeRO takes at the last shard."""
@@ -141,13 +112,12 @@ def _tiled_mlps(model, shards: int):
 def run_case(name, out_dir):
     rank = start_recording()
     import deepspeed
-    import deepspeed.runtime.sequence_parallel.parallel_state_sp as mpu
     import torch
     import torch.distributed as td
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
     from calibration.core.memory import TensorMemoryTracker
     from calibration.core.model import GPT
+    from calibration.core.ulysses import Ulysses
     from calibration.deepspeed_record.recorder import RECORDS, STATE
 
     case = CASES[name]
@@ -156,19 +126,11 @@ def run_case(name, out_dir):
     gas, mb = cfg["gradient_accumulation_steps"], cfg["train_micro_batch_size_per_gpu"]
     STATE["phase"] = "init"
     dp_rank = rank // sp
-    local = MODEL.seq_len // sp
     model = GPT(MODEL).initialized(seed=1234)
-    sp_group, sp_rank = None, 0
+    ulysses = None
     if sp > 1:
-        mpu.initialize_sequence_parallel(sequence_parallel_size=sp)
-        sp_group, sp_rank = mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank()
-        uattn = UlyssesSPAttentionHF(attn=None, batch_size=mb, attn_head_count=MODEL.heads,
-                                     attn_head_size=MODEL.hidden // MODEL.heads, kv_head_count=MODEL.heads,
-                                     num_hidden_layers=MODEL.layers, process_group=sp_group,
-                                     seq_length_is_variable=False, local_seq_length=local,
-                                     global_seq_length=MODEL.seq_len)
-        uattn.core_attn_implementation = "sdpa"
-        _ulysses_cores(model, uattn)
+        ulysses = Ulysses(MODEL, sp, mb, MODEL.seq_len)
+        ulysses.install(model)
     if case["tiled_mlp"]:
         _tiled_mlps(model, case["tiled_mlp"])
     param_list = index_model(model)
@@ -177,26 +139,16 @@ def run_case(name, out_dir):
     losses = []
     peak = None
 
-    def micro_batch():
-        idx = torch.randint(0, MODEL.vocab, (mb, MODEL.seq_len), generator=g)
-        tgt = torch.randint(0, MODEL.vocab, (mb, MODEL.seq_len), generator=g)
-        mine = slice(sp_rank * local, (sp_rank + 1) * local)
-        pos = torch.arange(MODEL.seq_len).expand(mb, -1)[:, mine].contiguous()
-        return idx[:, mine].contiguous(), tgt[:, mine].contiguous(), pos
-
     def opt_step(s):
         for m in range(gas):
-            idx, tgt, pos = micro_batch()
-            POSITIONS["ids"] = pos
+            idx = torch.randint(0, MODEL.vocab, (mb, MODEL.seq_len), generator=g)
+            tgt = torch.randint(0, MODEL.vocab, (mb, MODEL.seq_len), generator=g)
+            if ulysses is not None:
+                idx, tgt = ulysses.shard(idx, tgt)
             STATE.update(opt_step=s, micro_step=m, phase="forward")
             loss = engine(idx, tgt)
-            if sp > 1:
-                # deepspeed_sp_compute_loss: the token-weighted mean over the sequence group
-                good = torch.tensor(float(tgt.numel()))
-                local_sum = loss.float() * good
-                totals = torch.stack((local_sum.detach(), good))
-                td.all_reduce(totals, group=sp_group)
-                loss = (local_sum + (totals[0] - local_sum.detach())) / totals[1].clamp(min=1)
+            if ulysses is not None:
+                loss = ulysses.loss(loss, tgt.numel())
             STATE["phase"] = "backward"
             engine.backward(loss)
             STATE["phase"] = "step"
@@ -204,7 +156,8 @@ def run_case(name, out_dir):
             STATE.update(phase="post", micro_step=None, opt_step=None)
             losses.append(float(loss.detach().float()))
 
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg, mpu=mpu if sp > 1 else None)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg,
+                                           mpu=None if ulysses is None else ulysses.mpu)
     engine.train()
     for s in range(OPT_STEPS):
         opt_step(s)

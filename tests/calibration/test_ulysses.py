@@ -251,3 +251,16 @@ def test_accelerates_parallelism_config_is_read_as_ulysses(tmp_path):
     assert result["comm"]["calls"]["sp all_to_all"] == 32 * 12
     path.write_text(ACCELERATE_SP.replace("flash_attention_2", "eager"))
     assert main(["run", str(path), "--model", "llama3-8b"]) == 2
+
+
+def test_zsim_validate_runs_deepspeed_with_ulysses_as_zsim_predicts_it():
+    """`zsim validate --engine deepspeed` (calibration/core/peers.py) runs a Ulysses scenario through
+    calibration/core/ulysses.py, the wiring the recordings above used: its ds_config names the size
+    and the reduction dtype DeepSpeed then uses; the own core and FSDP refuse it in one line."""
+    from calibration.core.peers import ds_config
+    from calibration.core.plan import unsupported
+    sc = scenario(**{**LONG, "parallelism.sequence": 4})
+    cfg = ds_config(sc)
+    assert cfg["sequence_parallel_size"] == 4 and cfg["seq_parallel_communication_data_type"] == "fp32"
+    assert "communication_data_type" not in cfg
+    assert "--engine deepspeed" in unsupported(sc)
