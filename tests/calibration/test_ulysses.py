@@ -264,3 +264,39 @@ def test_zsim_validate_runs_deepspeed_with_ulysses_as_zsim_predicts_it():
     assert cfg["sequence_parallel_size"] == 4 and cfg["seq_parallel_communication_data_type"] == "fp32"
     assert "communication_data_type" not in cfg
     assert "--engine deepspeed" in unsupported(sc)
+
+
+def test_tune_writes_the_ulysses_size_back_into_accelerates_config(tmp_path, monkeypatch):
+    from zsim.cli import main
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "accelerate.yaml").write_text(ACCELERATE_SP.replace("parallelism_config_sp_size: 4",
+                                                                    "parallelism_config_sp_size: 8"))
+    sets = ["--set", "training.seq_len=65536", "--set", "training.activation_checkpointing=full"]
+    assert main(["tune", "accelerate.yaml", "--model", "llama3-8b", "--profile", "dgx-h100", *sets,
+                 "--json", "tune.json", "--write"]) == 0
+    best = json.loads((tmp_path / "tune.json").read_text())["candidates"][0]["ulysses_sequence_parallel_size"]
+    tuned = (tmp_path / "accelerate.tuned.yaml").read_text()
+    assert best != 8      # the base's size loses here (the write-back is what is tested)
+    assert f"parallelism_config_sp_size: {best}" in tuned
+    # the written file runs as the point tune chose: world / sp samples a micro-step
+    out = tmp_path / "r.json"
+    assert main(["run", "accelerate.tuned.yaml", "--model", "llama3-8b", "--profile", "dgx-h100", *sets,
+                 "--set", "training.micro_batch_size=1", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["global_batch_size"] == 8 // best * r["gradient_accumulation_steps"]
+
+
+def test_accelerate_launchs_parallelism_flags_beside_the_trainers_ds_config(tmp_path, monkeypatch):
+    """accelerate launch --parallelism_config_sp_size: Ulysses whichever ds_config the Trainer passes."""
+    from zsim.cli import main
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"},
+                                                  "train_micro_batch_size_per_gpu": "auto"}))
+    (tmp_path / "run.sh").write_text(
+        "accelerate launch --use_deepspeed --deepspeed_config_file ds.json --num_processes 8 \\\n"
+        "    --parallelism_config_sp_size 4 --parallelism_config_sp_backend deepspeed \\\n"
+        "    train.py --model_name_or_path llama3-8b --per_device_train_batch_size 1 --bf16 \\\n"
+        "    --gradient_checkpointing --max_seq_length 32768\n")
+    assert main(["run", "run.sh", "--profile", "dgx-h100", "--json", "r.json"]) == 0
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["global_batch_size"] == 2 and r["comm"]["calls"]["sp all_to_all"] > 0

@@ -76,6 +76,13 @@ def write_accelerate(args, base, best, cfg: dict) -> list[str]:
         else:
             text, inline = aw.inline_plugin(text, keys)
             written += inline
+    if best.layout.sequence != start.sequence_parallel_size:
+        # DeepSpeed-Ulysses is accelerate's parallelism_config, beside whichever ds_config the run
+        # passes (see [Note: DeepSpeed-Ulysses])
+        text = set_nested(text, "parallelism_config", "parallelism_config_sp_size", best.layout.sequence)
+        written.append(f"parallelism_config.parallelism_config_sp_size: {best.layout.sequence}")
+        if best.layout.sequence > 1:
+            text = set_nested(text, "parallelism_config", "parallelism_config_sp_backend", "deepspeed")
     save(args.recipe_out, text)
     notes.append(f"{args.recipe_out}: {recipe.name} with " + ("; ".join(written) if written else "no key changed")
                  + " (every other line as written)")

@@ -276,7 +276,10 @@ def read_launch(words: list[str], cwd: Path, origin: str, env: dict | None = Non
                                                "--deepspeed_config_file": 1, "--zero_stage": 1,
                                                "--offload_optimizer_device": 1, "--offload_param_device": 1,
                                                "--gradient_accumulation_steps": 1, "--gradient_clipping": 1,
-                                               "--cpu": 0, "--tpu": 0, "--use_megatron_lm": 0},
+                                               "--cpu": 0, "--tpu": 0, "--use_megatron_lm": 0,
+                                               "--use_parallelism_config": 0, "--parallelism_config_sp_size": 1,
+                                               "--parallelism_config_sp_backend": 1,
+                                               "--parallelism_config_sp_attn_implementation": 1},
                                     ACCELERATE_OPTS)
         recipes.accelerate_launch(opts, cwd, recipe)
     elif prog == "python":

@@ -122,7 +122,7 @@ def _parallelism_config(pc, recipe: Recipe, where: str):
     """accelerate's parallelism_config block (accelerate launch turns it into the
     PARALLELISM_CONFIG_* variables ParallelismConfig reads): sp_size with sp_backend deepspeed is
     DeepSpeed-Ulysses (ALST: accelerator.py hands UlyssesSPAttentionHF's mpu to
-    deepspeed.initialize), given to zsim as the ds_config's sequence_parallel_size;
+    deepspeed.initialize, whichever ds_config the run passes): parallelism.sequence;
     sp_attn_implementation is the core attention it wraps (DeepSpeedSequenceParallelConfig refuses
     eager and flex_attention)."""
     if pc in (None, {}):
@@ -135,7 +135,7 @@ def _parallelism_config(pc, recipe: Recipe, where: str):
         if backend != "deepspeed":
             raise ZsimInputError(where + "parallelism_config_sp_backend", backend, "accelerate's only sequence-"
                                  "parallel backend is deepspeed (ALST/Ulysses)")
-        recipe.ds_inline["sequence_parallel_size"] = sp
+        recipe.parallelism["sequence"] = sp
         attn = pc.get("parallelism_config_sp_attn_implementation")
         if attn not in (None, "None"):
             if attn not in ("sdpa", "flash_attention_2", "flash_attention_3"):
@@ -252,6 +252,9 @@ def accelerate_launch(opts: dict, cwd: Path, recipe: Recipe):
     elif ref is None and recipe.gpus_per_node is None:
         recipe.notes.append("accelerate launch without --config_file reads accelerate's default config, which "
                             "zsim does not; give --config_file or --num_processes")
+    # accelerate launch's --parallelism_config_* flags (launch.py: the PARALLELISM_CONFIG_* variables)
+    _parallelism_config({k[2:]: v for k, v in opts.items() if k.startswith("--parallelism_config_")}, recipe,
+                        "accelerate launch --")
 
 
 def _preference_refusal(field: str, value, simulated: str) -> ZsimInputError:

@@ -42,6 +42,8 @@ class Recipe:
     origin: str                                   # what the user gave: a file or "the launch command"
     ds_config: Path | None = None                 # the DeepSpeed config file the run reads
     ds_inline: dict = field(default_factory=dict)  # DeepSpeed settings given inline (accelerate's plugin)
+    # parallelism.* the launcher sets whatever ds_config the Trainer passes (accelerate's parallelism_config)
+    parallelism: dict = field(default_factory=dict)
     model: str | None = None                      # preset, config.json path or Hub id
     gpus_per_node: int | None = None
     nodes: int | None = None
@@ -236,9 +238,11 @@ def _one(key: str, value) -> str:
 
 
 def assignments(recipe: Recipe) -> list[str]:
-    """`--set` assignments for the recipe's training block, its inline DeepSpeed settings and framework."""
+    """`--set` assignments for the recipe's training block, its inline DeepSpeed settings, its
+    parallelism and framework."""
     out = [f"training.{k}={json.dumps(v)}" for k, v in recipe.training.items()]
     out += [f"deepspeed.{k}={json.dumps(v)}" for k, v in _flat(recipe.ds_inline)]
+    out += [f"parallelism.{k}={json.dumps(v)}" for k, v in recipe.parallelism.items()]
     if recipe.framework:
         out.append(f"training.framework={recipe.framework}")
     return out
