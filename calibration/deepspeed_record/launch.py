@@ -138,3 +138,41 @@ def write_fixture(doc: dict, out_dir: str, name: str) -> str:
         json.dump(doc, fh, indent=1, sort_keys=True)
         fh.write("\n")
     return path
+
+
+def gather_traces(**own) -> tuple[list[dict], bool]:
+    """Every rank's trace of the recorded collectives (numbered first), with `own` (its peak, its
+    error), gathered on every rank; and whether the traces are identical. The gather's own
+    collective is not kept."""
+    import torch.distributed as td
+
+    from calibration.deepspeed_record.recorder import RECORDS, STATE
+
+    for i, r in enumerate(RECORDS):
+        r["idx"] = i
+    key = ("op", "fn", "numel", "dtype", "phase", "micro_step", "opt_step", "group_size")
+    mine = {"trace": [[r[k] for k in key] for r in RECORDS], **own}
+    gathered: list = [None] * td.get_world_size()
+    n_kept = len(RECORDS)
+    STATE["phase"] = "post"
+    td.all_gather_object(gathered, mine)
+    del RECORDS[n_kept:]
+    return gathered, all(x["trace"] == gathered[0]["trace"] for x in gathered)
+
+
+def run_facts(model, param_list: list[dict]) -> dict:
+    """What a fixture says of the run that recorded it: backend, versions, accelerator, the model."""
+    import sys
+
+    import deepspeed
+    import torch
+    import torch.distributed as td
+
+    return {"backend": td.get_backend(),
+            "versions": {"deepspeed": deepspeed.__version__, "torch": torch.__version__,
+                         "python": sys.version.split()[0]},
+            "accelerator": type(deepspeed.get_accelerator()).__name__,
+            "model": {"vocab": model.vocab, "seq_len": model.seq_len, "layers": model.layers,
+                      "hidden": model.hidden, "heads": model.heads, "ffn": model.ffn,
+                      "tied_lm_head": model.tied_embeddings,
+                      "total_params": sum(p["numel"] for p in param_list)}}

@@ -26,10 +26,9 @@ from __future__ import annotations
 
 import copy
 import os
-import sys
 
-from calibration.deepspeed_record.launch import (PEAK_STEP, case_main, end_recording, index_model, start_recording,
-                                                 torchrun_each, write_fixture)
+from calibration.deepspeed_record.launch import (PEAK_STEP, case_main, end_recording, gather_traces, index_model,
+                                                 run_facts, start_recording, torchrun_each, write_fixture)
 from calibration.deepspeed_record.cases import MODEL, OPT_STEPS, _base, _with
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -169,34 +168,15 @@ def run_case(name, out_dir):
     peak = tr.peak
     del RECORDS[n_kept:]
 
-    for i, r in enumerate(RECORDS):
-        r["idx"] = i
-
-    def _key(r):
-        return (r["op"], r["fn"], r["numel"], r["dtype"], r["phase"], r["micro_step"], r["opt_step"], r["group_size"])
-
-    mine = {"trace": [list(_key(r)) for r in RECORDS], "peak": peak}
-    gathered = [None] * td.get_world_size()
-    n_before = len(RECORDS)
-    STATE["phase"] = "post"
-    td.all_gather_object(gathered, mine)
-    del RECORDS[n_before:]
+    gathered, identical = gather_traces(peak=peak)
     if rank == 0:
-        identical = all(x["trace"] == gathered[0]["trace"] for x in gathered)
         doc = {
             "case": name, "why": case["why"], "world_size": td.get_world_size(), "sequence_parallel_size": sp,
             "tiled_mlp_shards": case["tiled_mlp"],
-            "backend": td.get_backend(),
-            "versions": {"deepspeed": deepspeed.__version__, "torch": torch.__version__,
-                         "python": sys.version.split()[0]},
-            "accelerator": type(deepspeed.get_accelerator()).__name__,
+            **run_facts(MODEL, param_list),
             "command": (f"DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node "
                         f"{case['world_size']} -m calibration.deepspeed_record.ulysses --case {name}"),
             "ds_config": cfg,
-            "model": {"vocab": MODEL.vocab, "seq_len": MODEL.seq_len, "layers": MODEL.layers,
-                      "hidden": MODEL.hidden, "heads": MODEL.heads, "ffn": MODEL.ffn,
-                      "tied_lm_head": MODEL.tied_embeddings,
-                      "total_params": sum(p["numel"] for p in param_list)},
             "params": param_list,
             "optimizer": {"class": type(engine.optimizer).__name__, "client": "torch.optim.AdamW(lr=1e-3)"},
             "engine": {"communication_data_type": str(engine.communication_data_type),

@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import copy
 import os
-import sys
 import traceback
 
-from calibration.deepspeed_record.launch import (PEAK_STEP, case_main, end_recording, index_model, start_recording,
-                                                 torchrun_each, write_fixture)
+from calibration.deepspeed_record.launch import (PEAK_STEP, case_main, end_recording, gather_traces, index_model,
+                                                 run_facts, start_recording, torchrun_each, write_fixture)
 from calibration.deepspeed_record.cases import MICRO_BATCH, MODEL, OPT_STEPS, _base, _with
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -170,20 +169,8 @@ def run_case(name, out_dir):
                  "raised_at": _ds_error_frames(exc), "phase": STATE["phase"]}
         print(f"[zeropp] rank {rank}: {error}", flush=True)
 
-    for i, r in enumerate(RECORDS):
-        r["idx"] = i
-
-    def _key(r):
-        return (r["op"], r["fn"], r["numel"], r["dtype"], r["phase"], r["micro_step"], r["opt_step"], r["group_size"])
-
-    mine = {"trace": [list(_key(r)) for r in RECORDS], "peak": peak, "error": error}
-    gathered = [None] * td.get_world_size()
-    n_before = len(RECORDS)
-    STATE["phase"] = "post"
-    td.all_gather_object(gathered, mine)
-    del RECORDS[n_before:]
+    gathered, identical = gather_traces(peak=peak, error=error)
     if rank == 0:
-        identical = all(x["trace"] == gathered[0]["trace"] for x in gathered)
         doc = {
             "case": name,
             "why": case["why"],
@@ -191,19 +178,12 @@ def run_case(name, out_dir):
             "world_size": td.get_world_size(),
             "local_size": case["local_size"],
             "device_count": deepspeed.get_accelerator().device_count(),
-            "backend": td.get_backend(),
-            "versions": {"deepspeed": deepspeed.__version__, "torch": torch.__version__,
-                         "python": sys.version.split()[0]},
-            "accelerator": type(deepspeed.get_accelerator()).__name__,
+            **run_facts(MODEL, param_list),
             "command": ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1"
                         + (f" LOCAL_SIZE={case['local_size']}" if case["local_size"] else "")
                         + f" torchrun --standalone --nproc-per-node {case['world_size']}"
                         f" -m calibration.deepspeed_record.zeropp --case {name}"),
             "ds_config": cfg,
-            "model": {"vocab": MODEL.vocab, "seq_len": MODEL.seq_len, "layers": MODEL.layers,
-                      "hidden": MODEL.hidden, "heads": MODEL.heads, "ffn": MODEL.ffn,
-                      "tied_lm_head": MODEL.tied_embeddings,
-                      "total_params": sum(p["numel"] for p in param_list)},
             "params": param_list,
             "optimizer": {"class": type(engine.optimizer).__name__ if engine is not None else None,
                           "client": "torch.optim.AdamW(lr=1e-3)"},

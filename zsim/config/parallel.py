@@ -232,36 +232,43 @@ def _check_tensor(par: ParallelismSpec, model: ModelSpec, training: TrainingSpec
 
 
 def _check_sequence(par: ParallelismSpec, model: ModelSpec, training: TrainingSpec) -> None:
-    """DeepSpeed-Ulysses's refusals (runtime/sequence_parallel/ulysses_sp.py: UlyssesSPAttentionHF.
-    __init__, register_with_transformers, UlyssesSPDataLoaderAdapter; accelerate's
-    _refuse_recurrent_layers_under_sequence_parallelism)."""
-    sp = par.sequence
+    refusal = ulysses_refusal(par.sequence, model, training)
+    if refusal is not None:
+        raise refusal
+
+
+def ulysses_refusal(sp: int, model: ModelSpec, training: TrainingSpec) -> ZsimInputError | None:
+    """Why DeepSpeed-Ulysses of size `sp` does not run (or is not modelled) for this model and
+    training, None when it does: DeepSpeed's refusals (runtime/sequence_parallel/ulysses_sp.py:
+    UlyssesSPAttentionHF.__init__, register_with_transformers, UlyssesSPDataLoaderAdapter) and
+    accelerate's (_refuse_recurrent_layers_under_sequence_parallelism)."""
     if sp == 1:
-        return
+        return None
     key = "parallelism.sequence"
     if model.heads % sp:
-        raise ZsimInputError(key, sp, f"must divide the attention heads (model.heads={model.heads}): Ulysses gives "
-                             "each rank heads / sp of them (\"Attention head count ... is not divisible by SP size\"); "
-                             "use a divisor")
+        return ZsimInputError(key, sp, f"must divide the attention heads (model.heads={model.heads}): Ulysses gives "
+                              "each rank heads / sp of them (\"Attention head count ... is not divisible by SP size\"); "
+                              "use a divisor")
     kv = model.n_kv_heads if model.mla is None else model.heads
     if kv % sp and sp % kv:
-        raise ZsimInputError(key, sp, f"the key-value heads (model.kv_heads={kv}) must divide by it or divide it "
-                             "(ulysses_sp.py: \"KV attention head count ... is not divisible by SP size or vice "
-                             "versa\"); use another size")
+        return ZsimInputError(key, sp, f"the key-value heads (model.kv_heads={kv}) must divide by it or divide it "
+                              "(ulysses_sp.py: \"KV attention head count ... is not divisible by SP size or vice "
+                              "versa\"); use another size")
     seq = training.seq_len or model.seq_len
     if seq % sp:
-        raise ZsimInputError("training.seq_len", seq, f"must divide by parallelism.sequence={sp}: "
-                             "UlyssesSPDataLoaderAdapter refuses \"batch's seqlen ... isn't divisible by sp-size\"; "
-                             "pad it to a multiple")
+        return ZsimInputError("training.seq_len", seq, f"must divide by parallelism.sequence={sp}: "
+                              "UlyssesSPDataLoaderAdapter refuses \"batch's seqlen ... isn't divisible by sp-size\"; "
+                              "pad it to a multiple")
     if training.attn_implementation_used == "eager":
-        raise ZsimInputError("training.attn_implementation", "eager", "Ulysses refuses eager attention "
-                             "(register_with_transformers: it needs a 4D mask, O(n^2) memory); use sdpa, "
-                             "flash_attention_2 or flash_attention_3")
+        return ZsimInputError("training.attn_implementation", "eager", "Ulysses refuses eager attention "
+                              "(register_with_transformers: it needs a 4D mask, O(n^2) memory); use sdpa, "
+                              "flash_attention_2 or flash_attention_3")
     if model.mamba is not None:
-        raise ZsimInputError(key, sp, "a model with recurrent (Mamba) layers under sequence parallelism is refused "
-                             "by accelerate (sp_allow_recurrent_layers) and not modelled; use sequence: 1")
+        return ZsimInputError(key, sp, "a model with recurrent (Mamba) layers under sequence parallelism is refused "
+                              "by accelerate (sp_allow_recurrent_layers) and not modelled; use sequence: 1")
     if training.preference is not None:
-        raise ZsimInputError(key, sp, "preference training under Ulysses is not modelled; use sequence: 1")
+        return ZsimInputError(key, sp, "preference training under Ulysses is not modelled; use sequence: 1")
+    return None
 
 
 def _check_expert(par: ParallelismSpec, ds: DeepSpeedConfig, model: ModelSpec, data_parallel: int) -> None:

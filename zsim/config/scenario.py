@@ -443,7 +443,7 @@ def _check_tiled_mlp(training: TrainingSpec, model, par, notes: list) -> None:
             notes.append("training.tiled_mlp_shards: not read, training.tiled_mlp is off")
         return
     _plain_linears_only("training.tiled_mlp", "a tiled MLP", training, par)
-    if model.moe is not None and all(model.is_moe_layer(i) for i in range(model.layers)):
+    if not model.has_dense_mlp:
         notes.append("training.tiled_mlp: every layer's MLP is an MoE block, which zsim does not tile: no change")
 
 

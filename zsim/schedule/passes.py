@@ -116,10 +116,7 @@ def forward_work(module: Module) -> ComputeWork:
     if module.backward_in_forward:
         gemms += linear_gemms(module, True)
         model_flops += _backward_passes(module) * module.model_fwd_flops
-    if module.fp8:
-        return ComputeWork(fp8_gemms=gemms, mem_bytes=module.fwd_mem_bytes, fp32_mem_bytes=module.fp32_fwd_mem_bytes,
-                           kernels=module.kernels_fwd, model_flops=model_flops)
-    return ComputeWork(gemms=gemms,
+    return ComputeWork(gemms=() if module.fp8 else gemms, fp8_gemms=gemms if module.fp8 else (),
                        attention_flops=module.fwd_flops if module.kind == "attention" else 0.0,
                        mem_bytes=module.fwd_mem_bytes, fp32_mem_bytes=module.fp32_fwd_mem_bytes,
                        kernels=module.kernels_fwd, model_flops=model_flops)

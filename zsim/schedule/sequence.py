@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from zsim.schedule.ir import Alloc, Buffer, Category, Collective, Group, OpKind, Phase, ProcessGroup, Stream, Tag
 from zsim.schedule.payloads import Comm, ScalarAllReduce, SequenceExchange
+from zsim.workload.attention import ulysses_kv_heads
 from zsim.workload.module import Module, ModuleKind
 
 POSITION_ID_BYTES = 8     # position_ids: int64
@@ -48,7 +49,7 @@ def exchange_numels(model, tokens: int, sp: int) -> dict[str, int]:
     else:
         hd = model.head_size
         q = context = model.heads * hd
-        k = v = max(model.n_kv_heads, sp) * hd
+        k = v = ulysses_kv_heads(model.n_kv_heads, sp) * hd
     return {"q": tokens * q, "k": tokens * k, "v": tokens * v, "context": tokens * context}
 
 

@@ -123,7 +123,7 @@ def _tiles_help(sc: Scenario) -> bool:
     tr, m = sc.training, sc.model
     return (not tr.tiled_mlp and sc.seq_len >= LONG_SEQUENCE and tr.lora is None and tr.quantization == "none"
             and sc.tensor_parallel_size == 1 and sc.pipeline_stages == 1
-            and not (m.moe is not None and all(m.is_moe_layer(i) for i in range(m.layers))))
+            and m.has_dense_mlp)
 
 
 def _logits_weigh(sc: Scenario) -> bool:

@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from zsim.config.scenario import parse_value
+from zsim.config.parallel import ulysses_refusal
 from zsim.errors import ZsimInputError
 from zsim.report.format import fmt_setting
 from zsim.result import Result
@@ -145,15 +146,11 @@ LONG_SEQUENCE = 16384
 def _sequence_sizes(sc) -> list[int]:
     """Ulysses sizes tune tries, besides 1: for a sequence of LONG_SEQUENCE tokens or more (or a
     scenario already using Ulysses), the divisors of the world that DeepSpeed accepts for this
-    model (zsim/config/parallel.py _check_sequence); none where zsim models no Ulysses."""
-    m, seq = sc.model, sc.seq_len
-    if sc.sequence_parallel_size == 1 and seq < LONG_SEQUENCE:
+    model and zsim models (zsim/config/parallel.py ulysses_refusal)."""
+    if sc.sequence_parallel_size == 1 and sc.seq_len < LONG_SEQUENCE:
         return []
-    if m.mamba is not None or sc.training.preference is not None or sc.training.attn_implementation_used == "eager":
-        return []
-    kv = m.n_kv_heads if m.mla is None else m.heads
     return [u for u in _divisors(sc.cluster.world_size)
-            if u > 1 and m.heads % u == 0 and (kv % u == 0 or u % kv == 0) and seq % u == 0]
+            if u > 1 and ulysses_refusal(u, sc.model, sc.training) is None]
 
 
 def _searches_expert(sc) -> bool:

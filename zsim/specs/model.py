@@ -183,6 +183,11 @@ class ModelSpec:
         moe = self.moe
         return moe is not None and layer >= moe.first_dense_layers and layer % moe.layer_freq == moe.layer_offset
 
+    @property
+    def has_dense_mlp(self) -> bool:
+        """Some block's MLP is dense (not an MoE block)."""
+        return not all(self.is_moe_layer(i) for i in range(self.layers))
+
     def is_attention_layer(self, layer: int) -> bool:
         """Block i mixes tokens by attention (else by a Mamba mixer): JambaConfig.layers_block_type."""
         mb = self.mamba

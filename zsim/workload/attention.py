@@ -31,6 +31,13 @@ class CoreShape:
     rope_k: int
 
 
+def ulysses_kv_heads(kv_heads: int, sp: int) -> int:
+    """The key-value heads the `sp` ranks of a Ulysses group hold between them after the exchange:
+    all of them, or one a rank when fewer than sp, repeated before it (ulysses_sp.py
+    kv_replication_factor)."""
+    return max(kv_heads, sp)
+
+
 def _pairs(s: int, window: int | None) -> tuple[float, float | None]:
     """(model pairs per sequence, executed causal pairs with a window or None without one)."""
     if window is None or window >= s:
@@ -65,9 +72,8 @@ def attention_core(bld: Builder, name: str, layer: int, b: int, s: int, shape: C
     extra_kf = rope.kernels_fwd * 2 if rope_elems else 0
     extra_kb = rope.kernels_bwd * 2 if rope_elems else 0
     kv_heads = m.n_kv_heads if m.mla is None else m.heads
-    # Ulysses with fewer key-value heads than ranks repeats them to one a rank before the exchange
-    # (ulysses_sp.py kv_replication_factor): each rank's core holds u / kv_heads times its K and V share
-    kv_rep = max(1, u // kv_heads)
+    # each rank's core holds ulysses_kv_heads / kv_heads times its K and V share
+    kv_rep = ulysses_kv_heads(kv_heads, u) // kv_heads
     qkv = shape.q + (shape.k + shape.v) * kv_rep
     qkv_saved: float = t * qkv * a
     # HF's repeat_kv (see [Note: SDPA with a padding mask]): eager always, sdpa under a padding mask

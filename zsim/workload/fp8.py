@@ -32,8 +32,7 @@ def fp8_linear(m: Module, a: int) -> Module:
     """`m` (an nn.Linear of the run's 16-bit precision `a`) as te.Linear runs it."""
     assert m.gemm is not None
     t, n_out, n_in = m.gemm
-    saved_input = t * n_in * a if m.act_bytes >= t * n_in * a else 0.0
-    act = (m.act_bytes - saved_input + t * n_in * FP8_BYTES * m.weight_grad
+    act = (m.act_bytes - m.saved_input_bytes(a) + t * n_in * FP8_BYTES * m.weight_grad
            + n_in * n_out * FP8_BYTES * m.input_grad)
     runs_backward = m.input_grad or m.weight_grad
     return replace(m, fp8=True, act_bytes=act,

@@ -297,8 +297,7 @@ def _backward_of(m: Module, input_grad: bool, weight_grad: bool, a: int, keeps_i
         return replace(m, input_grad=input_grad, weight_grad=weight_grad,
                        act_bytes=fused_linear_saved_bytes(tokens, n_out, n_in, a, input_grad, weight_grad))
     gemm_flops = m.fwd_flops
-    saved_input = tokens * n_in * a if m.act_bytes >= tokens * n_in * a else 0.0
-    act = m.act_bytes - (0.0 if keeps_input else saved_input)
+    act = m.act_bytes - (0.0 if keeps_input else m.saved_input_bytes(a))
     return replace(m, input_grad=input_grad, weight_grad=weight_grad, bwd_flops=gemm_flops * (input_grad + weight_grad),
                    kernels_bwd=(int(input_grad) + int(weight_grad)) * (1 if m.grouped_mm else m.groups), act_bytes=act,
                    bwd_workspace_bytes=tokens * n_in * a if input_grad else 0.0)

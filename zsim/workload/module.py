@@ -138,6 +138,13 @@ class Module:
     def bwd_workspace(self) -> float:
         return self.act_bytes if self.bwd_workspace_bytes is None else self.bwd_workspace_bytes
 
+    def saved_input_bytes(self, a: int) -> float:
+        """The `a`-byte input a linear keeps for its wgrad, within act_bytes (0 where it reads one
+        another linear keeps, as k_proj reads q_proj's)."""
+        assert self.gemm is not None
+        tokens, _, n_in = self.gemm
+        return tokens * n_in * a if self.act_bytes >= tokens * n_in * a else 0.0
+
 
 @dataclass(frozen=True)
 class Workload:

@@ -42,13 +42,13 @@ def alst_shards(seq_len: int, hidden: int) -> int:
 def with_tiled_mlp(wl: Workload, hidden: int, shards: int | None = None) -> Workload:
     """The workload with every dense MLP tiled (see [Note: tiled MLP])."""
     n = shards or alst_shards(wl.seq_len, hidden)
+    x_bytes = float(wl.tokens * hidden * wl.act_dtype_bytes)    # the MLP's input, which TiledMLP keeps
     modules = list(wl.modules)
-    for indices in mlp_groups(wl).values():
-        first = modules[indices[0]]
-        x_bytes = float(wl.tokens * hidden * wl.act_dtype_bytes)
-        for j in indices:
-            modules[j] = _tiled(modules[j], n, x_bytes if j == indices[0] else 0.0)
-        assert first.kind == ModuleKind.LINEAR
+    for first, *rest in mlp_groups(wl).values():
+        assert modules[first].kind == ModuleKind.LINEAR
+        modules[first] = _tiled(modules[first], n, x_bytes)
+        for j in rest:
+            modules[j] = _tiled(modules[j], n, 0.0)
     return replace(wl, modules=tuple(modules))
 
 

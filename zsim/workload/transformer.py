@@ -169,11 +169,11 @@ def _param_counts_cached(m: ModelSpec, seq_len: int) -> tuple[int, int]:
 
 def build_workload(m: ModelSpec, micro_batch_size: int, seq_len: int, precision: str,
                    flash_attention: bool, dropout: bool, fused_cross_entropy: bool = False,
-                   fused_linear_cross_entropy: bool = False,
                    expert_parallel_size: int = 1, tensor: int = 1, sequence_parallel: bool = False,
                    kernels: str = "fused", attn_implementation: str | None = None,
                    padding_mask: bool = False, experts_implementation: str = "grouped_mm",
-                   head: str = "lm", sequence_parallel_size: int = 1) -> Workload:
+                   head: str = "lm", sequence_parallel_size: int = 1,
+                   fused_linear_cross_entropy: bool = False) -> Workload:
     """One rank's workload; with expert parallelism each MoE layer holds experts/ep_size experts
     (DeepSpeed-MoE's num_local_experts, deepspeed/moe/layer.py); with tensor parallelism the
     rank's slice of every split module (see the module docstring). `head`: lm (the causal LM's
