@@ -5,7 +5,8 @@ from pathlib import Path
 
 from zsim.config.scenario import load_scenario
 from zsim.engine.sim import Trace
-from zsim.simulate import simulate_scenario
+from zsim.result.generation import Generation, summarize_generation
+from zsim.simulate import simulate_generation, simulate_scenario
 from zsim.result.summarize import summarize
 from zsim.result import Result
 from zsim.specs.scenario import Scenario
@@ -30,3 +31,11 @@ def run_file(path: str | Path, overrides: tuple[str, ...] = (), steady: bool = T
     if isinstance(overrides, str) or not all(isinstance(o, str) for o in overrides):
         raise TypeError("overrides is a sequence of 'KEY=VALUE' strings, e.g. ('training.micro_batch_size=4',)")
     return run_scenario(load_scenario(path, tuple(overrides)), steady)
+
+
+def run_generation(sc: Scenario) -> tuple[Generation, Trace]:
+    """Simulate and summarize the scenario's generate() call (its `inference:` block)."""
+    if not isinstance(sc, Scenario) or sc.inference is None:
+        raise TypeError("run_generation takes a Scenario with an inference block (zsim.config.scenario.load_scenario)")
+    _, trace, forwards = simulate_generation(sc)
+    return summarize_generation(sc, trace, forwards), trace

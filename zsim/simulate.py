@@ -19,7 +19,10 @@ from zsim.engine.layer_repeat import LayeredRepeat, nest, run_layers, simulate_l
 from zsim.engine.sim import Repeat, Trace, collector_paused, run_ops, simulate, stage_peaks
 from zsim.engine.steady import find_backward_repeat, find_pipeline_repeat, find_repeat
 from zsim.schedule.build import build_schedule
+from zsim.schedule.generate import build_generation, simulated_forwards
+from zsim.specs.generation import generation_kernels
 from zsim.specs.scenario import Scenario
+from zsim.workload.generation import decode_workload, prefill_workload
 from zsim.workload.module import Workload
 
 # the first, two middle micro-steps (the second repeating the first), the boundary one; one or two
@@ -114,3 +117,17 @@ def _pipeline_micro_steps(stages: int, stride: int) -> tuple[int, ...]:
     if stride > 1:
         return (5 * stride, 7 * stride)
     return (stages + 4, 2 * stages + 4)
+
+
+def simulate_generation(sc: Scenario) -> tuple[Workload, Trace, tuple[int, ...]]:
+    """Build and simulate the scenario's generate() call (sc.inference): the decode step's
+    workload, the trace, and the forwards it simulated (0: the prefill; see [Note: generation])."""
+    gen = sc.inference
+    assert gen is not None, "not an inference scenario"
+    attn, kernels = generation_kernels(gen, sc.training)
+    prefill = prefill_workload(sc.model, gen.batch_size, gen.prompt_len, sc.precision, attn, kernels,
+                               gen.tensor_parallel)
+    decode = decode_workload(sc.model, gen.batch_size, sc.precision, attn, kernels, gen.tensor_parallel)
+    forwards = simulated_forwards(gen.new_tokens)
+    with collector_paused():
+        return decode, simulate(build_generation(sc, prefill, decode, forwards), sc.cluster, sc.precision), forwards

@@ -34,6 +34,8 @@ def main(args) -> int:
     headroom = headroom_fraction(args.headroom)
     table_width(args.width)
     sc = load_scenario(args.scenario, scenario_overrides(args))
+    if sc.inference is not None:
+        return _generation(sc, args, headroom)
     result, trace = run_scenario(sc, steady=not args.full_simulation)
     if not args.quiet:
         # rich (about 30 ms of imports) only when there is a table to draw
@@ -51,6 +53,29 @@ def main(args) -> int:
     if args.trace:
         save(args.trace, trace_json(trace, sc.name))
     if args.check and not fits:
+        print(f"zsim: check failed: {sc.name} is predicted not to fit"
+              f"{f' with {headroom:.0%} headroom' if headroom else ''} (exit {EXIT_OOM})", file=sys.stderr)
+        return EXIT_OOM
+    return 0
+
+
+def _generation(sc, args, headroom: float) -> int:
+    """`zsim run` on a scenario with an inference block: one generate() call."""
+    from zsim.api import run_generation
+    from zsim.result import fits_with_headroom
+
+    gen, trace = run_generation(sc)
+    if not args.quiet:
+        from zsim.report.table import make_console, render_generation
+        render_generation(gen, make_console(args.width))
+    if args.json or args.trace:
+        from zsim.report.writers import dumps, save, trace_json
+    if args.json:
+        save(args.json, dumps(gen.to_dict()))
+    if args.trace:
+        save(args.trace, trace_json(trace, sc.name))
+    mem = gen.memory
+    if args.check and not fits_with_headroom(mem.peak_bytes, mem.capacity_bytes, mem.host.fits, headroom):
         print(f"zsim: check failed: {sc.name} is predicted not to fit"
               f"{f' with {headroom:.0%} headroom' if headroom else ''} (exit {EXIT_OOM})", file=sys.stderr)
         return EXIT_OOM

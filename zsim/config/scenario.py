@@ -14,6 +14,7 @@ from typing import Literal
 
 import yaml
 
+from zsim.config.generation import check_inference, read_inference
 from zsim.config.hf_auto import fill_framework_autos, has_autos, resolve_trainer_autos
 from zsim.config.hf_config import FINE_TUNE_SEQ_LEN, model_files, preset_model, preset_names, read_hf_config
 from zsim.config.parallel import check_parallelism, resolve_parallelism
@@ -366,6 +367,7 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
     given = set(raw["training"]) if isinstance(raw.get("training"), dict) else set()
     ds_raw, filled = resolve_trainer_autos(ds_raw, model.hidden, training, given, data_parallel)
     notes += filled
+    inference = read_inference(raw.get("inference"), ds_raw, raw.get("training"), notes)
     ds_raw = _resolve_batch(ds_raw, training, data_parallel)
     prefixed = {k: v for k, v in ds_raw.items() if k in accepted_keys(DeepSpeedConfig)}
     ds = build(DeepSpeedConfig, prefixed, "deepspeed")
@@ -398,11 +400,13 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
     if training.seq_len and model.position == "learned" and training.seq_len > model.seq_len:
         raise ZsimInputError("training.seq_len", training.seq_len,
                              f"exceeds the model's learned position table (model.seq_len={model.seq_len}); raise model.seq_len")
+    if inference is not None:
+        check_inference(inference, model, training, par, ds.zero_optimization, cluster.world_size)
     name = raw.get("name", name_default)
     if not isinstance(name, str):
         raise ZsimInputError("name", name, "expected a string")
     return Scenario(name=name, model=model, cluster=cluster, training=training, deepspeed=ds, parallelism=par,
-                    description=str(raw.get("description", "")),
+                    inference=inference, description=str(raw.get("description", "")),
                     notes=tuple(notes),
                     warnings=(ds.not_modelled(ds_raw) + ds.checkpointing_warnings(training.activation_checkpointing)
                               + ds.zero_optimization.zero_plus_plus_warnings(

@@ -59,6 +59,62 @@ def _params(r: Result) -> str:
             "tensor-parallel slices)")
 
 
+def _speed_table() -> Table:
+    perf = Table(title="Speed", show_header=False)
+    perf.add_column("metric")
+    perf.add_column("value", justify="right")
+    return perf
+
+
+def memory_table(mem) -> Table:
+    """The peak's breakdown per GPU, with the verdict."""
+    verdict = "[green]fits[/green]" if mem.fits else "[bold red]OOM[/bold red]"
+    mt = Table(title=f"Peak memory per GPU: {fmt_bytes(mem.peak_bytes)} of {fmt_bytes(mem.capacity_bytes)} -> {verdict}")
+    mt.add_column("component")
+    mt.add_column("at peak", justify="right")
+    mt.add_column("share", justify="right")
+    for name, b in sorted(mem.breakdown.items(), key=lambda kv: -kv[1]):
+        mt.add_row(name, fmt_bytes(b), f"{100 * b / mem.peak_bytes:.1f}%")
+    return mt
+
+
+def print_host_memory(console: Console, host) -> None:
+    """The node's host memory, when the run holds any there, and a load-time OOM."""
+    if host.load_bytes_per_node > host.capacity_bytes:
+        console.print(f"[bold red]host OOM while loading the model: {fmt_bytes(host.load_bytes_per_node)} per node "
+                      f"of {fmt_bytes(host.capacity_bytes)} (every rank materialises it; ZeRO-3's zero.Init "
+                      "partitions it)[/bold red]")
+    if host.bytes_per_node > 0:
+        hv = "[green]fits[/green]" if host.fits else "[bold red]host OOM[/bold red]"
+        parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in host.breakdown.items())
+        console.print(f"Host memory per node: {fmt_bytes(host.bytes_per_node)} of {fmt_bytes(host.capacity_bytes)} "
+                      f"-> {hv} ({parts})")
+
+
+def render_generation(g, console: Console | None = None):
+    """The table of a generate() call (zsim/result/generation.py)."""
+    from zsim.result.generation import BOUNDS
+    console = console or make_console()
+    console.print(f"[bold]{g.scenario}[/bold]: generation on {g.gpus} GPU{'s' if g.gpus != 1 else ''} "
+                  f"({g.replicas} replica{'s' if g.replicas != 1 else ''} of {g.tensor_parallel}), {g.engine}; "
+                  f"batch {g.batch_size} x (prompt {g.prompt_len} + {g.new_tokens} new tokens) per replica")
+    console.print(f"implementation: {g.implementation}")
+    perf = _speed_table()
+    perf.add_row("prefill (time to first token)", fmt_time(g.prefill_time_s))
+    perf.add_row("decode step, first / last", f"{fmt_time(g.decode_step_first_s)} / {fmt_time(g.decode_step_last_s)}")
+    perf.add_row(f"decode ({g.decode_steps} steps, {g.decode_steps_simulated} simulated)", fmt_time(g.decode_time_s))
+    perf.add_row("generate() call", fmt_time(g.total_time_s))
+    perf.add_row("tokens/s (generated, all replicas)", f"{g.tokens_per_s:,.1f}")
+    perf.add_row("tokens/s during decode", f"{g.decode_tokens_per_s:,.1f}")
+    console.print(perf)
+    if g.decode_steps:
+        busy = ", ".join(f"{k} {fmt_time(v)}" for k, v in sorted(g.bound_busy_s.items(), key=lambda kv: -kv[1]) if v)
+        console.print(f"decode bound: {BOUNDS[g.bound]} (busy in the last step: {busy})")
+    console.print(memory_table(g.memory))
+    console.print(f"KV cache per GPU at the end: {fmt_bytes(g.kv_cache_bytes)}")
+    print_host_memory(console, g.memory.host)
+
+
 def render(r: Result, console: Console | None = None):
     console = console or make_console()
     head = (f"[bold]{r.scenario}[/bold]: ZeRO stage {r.stage}, {r.world_size} GPU{'s' if r.world_size != 1 else ''} "
@@ -87,9 +143,7 @@ def render(r: Result, console: Console | None = None):
         console.print(tensor_parallel_line(r.tensor_parallel))
     for w in r.warnings:
         console.print(f"[yellow]warning: {w}[/yellow]")
-    perf = Table(title="Speed", show_header=False)
-    perf.add_column("metric")
-    perf.add_column("value", justify="right")
+    perf = _speed_table()
     perf.add_row("step time", fmt_time(r.step_time_s))
     perf.add_row("samples/s", f"{r.samples_per_s:,.2f}")
     perf.add_row("tokens/s", f"{r.tokens_per_s:,.0f}")
@@ -100,28 +154,12 @@ def render(r: Result, console: Console | None = None):
     perf.add_row("exposed communication", fmt_time(r.comm.exposed_time_s))
     console.print(perf)
     mem = r.memory
-    verdict = "[green]fits[/green]" if mem.fits else "[bold red]OOM[/bold red]"
-    mt = Table(title=f"Peak memory per GPU: {fmt_bytes(mem.peak_bytes)} of {fmt_bytes(mem.capacity_bytes)} -> {verdict}")
-    mt.add_column("component")
-    mt.add_column("at peak", justify="right")
-    mt.add_column("share", justify="right")
-    for name, b in sorted(mem.breakdown.items(), key=lambda kv: -kv[1]):
-        mt.add_row(name, fmt_bytes(b), f"{100 * b / mem.peak_bytes:.1f}%")
-    console.print(mt)
+    console.print(memory_table(mem))
     if pp is not None:
         peaks = ", ".join(f"{fmt_bytes(b)}{' (worst)' if s == pp.worst_stage else ''}"
                           for s, b in enumerate(pp.peak_bytes))
         console.print(f"Peak memory per pipeline stage: {peaks}; the breakdown above is stage {pp.worst_stage}'s")
-    host = mem.host
-    if host.load_bytes_per_node > host.capacity_bytes:
-        console.print(f"[bold red]host OOM while loading the model: {fmt_bytes(host.load_bytes_per_node)} per node "
-                      f"of {fmt_bytes(host.capacity_bytes)} (every rank materialises it; ZeRO-3's zero.Init "
-                      "partitions it)[/bold red]")
-    if host.bytes_per_node > 0:
-        hv = "[green]fits[/green]" if host.fits else "[bold red]host OOM[/bold red]"
-        parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in host.breakdown.items())
-        console.print(f"Host memory per node: {fmt_bytes(host.bytes_per_node)} of {fmt_bytes(host.capacity_bytes)} "
-                      f"-> {hv} ({parts})")
+    print_host_memory(console, mem.host)
     ct = Table(title="Communication per GPU per step")
     ct.add_column("collective")
     ct.add_column("calls", justify="right")

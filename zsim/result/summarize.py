@@ -226,7 +226,8 @@ def _host_memory(sc: Scenario, trace: Trace) -> HostMemory:
                       fits=max(need, load) <= cl.host_memory_bytes, breakdown=dict(sorted(breakdown.items())))
 
 
-def _memory(sc: Scenario, trace: Trace) -> Memory:
+def memory_at_peak(sc: Scenario, trace: Trace) -> Memory:
+    """GPU memory at the trace's peak (on the full step's clock) and the host's, per GPU and per node."""
     cl = sc.cluster
     # on the full step's clock, the copies not simulated included
     peak_alloc, peak_t, breakdown = (peak_and_breakdown(trace.ledger_events) if trace.repeat is None
@@ -308,7 +309,7 @@ def _summarize(sc: Scenario, wl: Workload, trace: Trace) -> Result:
         hfu=ops.hw_flops / stages / step / peak_flops,
         compute_time_s=compute_s / stages,
         model_flops_per_gpu=model_flops_gpu,
-        memory=_memory(sc, trace),
+        memory=memory_at_peak(sc, trace),
         comm=Comm(bytes_per_gpu={k: v / stages for k, v in ops.comm_bytes.items()},
                   calls={k: round(v / stages) for k, v in ops.comm_count.items()},
                   time_s={k: v / stages for k, v in ops.comm_time_s.items()},

@@ -186,6 +186,8 @@ class Buffer(Enum):
     OPT_UPDATE = "opt/update"         # the optimizer's own temporaries while it updates (see [Note: torch Adam step temporaries])
     PIPE_OUTPUT = "pipe/output"      # a stage's output, kept until its gradient comes back (pipe_buffers['outputs'])
     SECONDARY = "hpz/secondary"      # a param's hpZ secondary partition, from its release to the step
+    KV_CACHE = "kv"                  # one attention layer's KV cache during generation (key: the layer)
+    HIDDEN = "hidden"                # generation: a forward's hidden states between its modules
 
 
 @record
@@ -225,6 +227,7 @@ class Category(StrEnum):
     PERSISTENT = "persistent params"
     BUCKETS = "gradient buckets"
     OPTIMIZER_TEMPORARIES = "optimizer temporaries"
+    KV_CACHE = "kv cache"
 
 
 MODEL_STATES = (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATES)

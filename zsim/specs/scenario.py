@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Optional, get_args
 
 from zsim.schema import spec
+from zsim.specs.generation import GenerationSpec
 from zsim.specs.deepspeed import MAX_GRADIENT_ACCUMULATION_STEPS, MAX_MICRO_BATCH_SIZE, DeepSpeedConfig
 from zsim.specs.hardware import Cluster
 from zsim.specs.model import MAX_SEQ_LEN, ModelSpec
@@ -284,6 +285,8 @@ class Scenario:
     # ignores): printed on stderr as `zsim: note:` lines, not part of the result
     notes: tuple[str, ...] = ()
     parallelism: ParallelismSpec = ParallelismSpec()
+    # a generate() call instead of a training step (zsim/specs/generation.py)
+    inference: GenerationSpec | None = None
 
     # Resolved values (DeepSpeed's batch rule, precision): the simulator reads these; the loader
     # (zsim.config.scenario) resolves every one before a Scenario is made.

@@ -1,0 +1,74 @@
+"""The scenario's `inference:` block (zsim/specs/generation.py): read, and refused where DeepSpeed
+would not run it or zsim does not model it, one line each."""
+from __future__ import annotations
+
+from zsim.errors import ZsimInputError
+from zsim.schema import build
+from zsim.specs.generation import GenerationSpec
+
+# the ds_config's batch keys: DeepSpeed's initialize needs one even for an inference engine
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu")
+
+
+def read_inference(raw, ds_raw: dict, training_raw, notes: list) -> GenerationSpec | None:
+    """The block, or None; a ds_config without a batch gets train_micro_batch_size_per_gpu 1 (what
+    DeepSpeed's ZeRO-Inference examples set: initialize asserts a batch, generation never reads it)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ZsimInputError("inference", raw, "expected a mapping (batch_size, prompt_len, new_tokens, ...)")
+    gen = build(GenerationSpec, raw, "inference")
+    given = isinstance(training_raw, dict) and training_raw.get("micro_batch_size") is not None
+    if not given and not any(ds_raw.get(k) is not None for k in _BATCH_KEYS):
+        ds_raw["train_micro_batch_size_per_gpu"] = 1
+        notes.append("deepspeed.train_micro_batch_size_per_gpu: 1 (DeepSpeed's initialize needs a batch; generation "
+                     "uses inference.batch_size)")
+    return gen
+
+
+def check_inference(gen: GenerationSpec, model, training, par, zero, world_size: int) -> None:
+    """What generate() under DeepSpeed can run and zsim models (see [Note: generation])."""
+    tp = gen.tensor_parallel
+    if model.moe is not None:
+        raise ZsimInputError("inference", "moe", "generation of a mixture-of-experts model is not modelled yet; "
+                             "simulate its training step (drop the inference block)")
+    if model.mamba is not None:
+        raise ZsimInputError("inference", "mamba", "generation with recurrent (Mamba) layers is not modelled (their "
+                             "state is not a KV cache); drop the inference block")
+    for field, on in (("lora", training.lora is not None), ("quantization", training.quantization != "none"),
+                      ("preference", training.preference is not None), ("fp8", training.fp8),
+                      ("tiled_mlp", training.tiled_mlp), ("fused_linear_cross_entropy", training.fused_linear_cross_entropy),
+                      ("frozen", bool(training.frozen)), ("freeze", training.freeze is not None)):
+        if on:
+            raise ZsimInputError(f"training.{field}", getattr(training, field), "is a training setting, not modelled "
+                                 "for generation; drop it from an inference scenario")
+    for field, value in (("pipeline", par.pipeline), ("tensor", par.tensor), ("sequence", par.sequence),
+                         ("expert", par.expert)):
+        if value > 1:
+            raise ZsimInputError(f"parallelism.{field}", value, "is a training layout; generation splits a replica "
+                                 "with inference.tensor_parallel")
+    if world_size % tp:
+        raise ZsimInputError("inference.tensor_parallel", tp, f"must divide the {world_size} GPUs (each replica "
+                             "takes tensor_parallel of them)")
+    if tp > 1 and (model.heads % tp or model.n_kv_heads % tp):
+        raise ZsimInputError("inference.tensor_parallel", tp, f"must divide the {model.heads} attention heads and "
+                             f"{model.n_kv_heads} KV heads (each GPU holds whole heads); choose a divisor")
+    if tp > 1 and model.mla is not None:
+        raise ZsimInputError("inference.tensor_parallel", tp, "tensor parallelism over Multi-head Latent Attention "
+                             "is not modelled; use 1")
+    if zero.stage == 3 and (tp > 1 or gen.kernel_inject):
+        field, value = ("inference.tensor_parallel", tp) if tp > 1 else ("inference.kernel_inject", True)
+        raise ZsimInputError(field, value, "ZeRO-Inference (zero_optimization.stage 3) runs the model's own code "
+                             "under deepspeed.initialize, with no inference tensor parallelism or kernel injection; "
+                             "drop it, or use stage 0 for DeepSpeed-Inference")
+    if gen.cuda_graph and not gen.kernel_inject:
+        raise ZsimInputError("inference.cuda_graph", True, "needs kernel_inject: the HF code's DynamicCache changes "
+                             "shape every step, so no graph replays; set inference.kernel_inject: true")
+    if gen.kernel_inject and gen.total_tokens > gen.max_out_tokens:
+        raise ZsimInputError("inference.max_out_tokens", gen.max_out_tokens,
+                             f"is below prompt_len + new_tokens = {gen.total_tokens}: the injected kernels' KV "
+                             "workspace holds max_out_tokens tokens; raise it")
+    if model.position == "learned" and gen.total_tokens > model.seq_len:
+        raise ZsimInputError("inference.new_tokens", gen.new_tokens,
+                             f"prompt_len + new_tokens = {gen.total_tokens} exceeds the model's learned position "
+                             f"table (model.seq_len={model.seq_len}); shorten them")

@@ -1,0 +1,121 @@
+"""Generation's workloads: the prefill (the prompt through the model once) and a decode step (one
+new token per sequence against the KV cache), built from the training workload's modules and run
+under torch.no_grad. See [Note: generation] (zsim/schedule/generate.py) for how they are scheduled.
+
+Sources: transformers 5's generate (GenerationMixin._sample: the prefill computes logits for the
+last position only, logits_to_keep=1; each later forward feeds one token per sequence), its
+DynamicCache (cache_utils.py DynamicLayer.update: torch.cat of the cache and the new key/value,
+so each step copies the whole cache), and DeepSpeed-Inference's injected kernels
+(deepspeed/ops/transformer/inference: the KV cache is a workspace preallocated for max_out_tokens,
+written in place).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from zsim.specs.model import ModelSpec
+from zsim.workload.module import Module, ModuleKind, Workload
+from zsim.workload.transformer import build_workload
+
+
+@dataclass(frozen=True)
+class KvShape:
+    """One attention layer's cache per token per sequence on one rank: key and value widths, and
+    the window a sliding-window layer keeps (None: every token)."""
+    key: int
+    value: int
+    query: int         # the query width the core reads (the rank's heads x head dim)
+    output: int        # the core's output width
+    window: int | None
+
+    def tokens(self, context: int) -> int:
+        """Tokens the cache holds at `context` tokens of sequence."""
+        return context if self.window is None else min(context, self.window)
+
+
+def kv_shapes(m: ModelSpec, tensor: int) -> dict[int, KvShape]:
+    """Each attention layer's cache shape (a Mamba layer keeps none). GQA caches its KV heads only;
+    MLA as HF's DeepseekV3Attention caches it: every head's key (nope + rope) and value after
+    kv_b_proj; tensor parallelism splits the heads."""
+    out = {}
+    for layer in range(m.layers):
+        if not m.is_attention_layer(layer):
+            continue
+        if m.mla is not None:
+            q = k = m.heads * m.mla.qk_head_dim
+            v = o = m.heads * m.mla.v_head_dim
+        else:
+            q = o = m.heads * m.head_size // tensor
+            k = v = m.n_kv_heads * m.head_size // tensor
+        out[layer] = KvShape(key=k, value=v, query=q, output=o,
+                             window=m.sliding_window if m.has_window(layer) else None)
+    return out
+
+
+def kv_cache_bytes(shape: KvShape, batch: int, context: int, dtype_bytes: int) -> float:
+    """One layer's cache (keys and values) for `batch` sequences of `context` tokens."""
+    return float(batch * shape.tokens(context) * (shape.key + shape.value) * dtype_bytes)
+
+
+def _inference(wl: Workload, batch: int, vocab_rows: int) -> Workload:
+    """A workload run under no_grad for generation: no loss, lm_head over the last position of each
+    sequence only (generate's logits_to_keep=1), which keeps its fp32 logits for sampling."""
+    mods = []
+    for m in wl.modules:
+        if m.kind == ModuleKind.LOSS:
+            continue
+        if m.name == "lm_head":
+            assert m.gemm is not None
+            _, n, k = m.gemm
+            a = wl.act_dtype_bytes
+            flops = 2.0 * batch * n * k
+            # the logits, then generate's .float() copy for the logits processors and sampling
+            m = replace(m, gemm=(batch, n, k), fwd_flops=flops, model_fwd_flops=flops,
+                        fwd_workspace_bytes=float(batch * vocab_rows * (a + 4)))
+        mods.append(replace(m, no_grad=True, act_bytes=0.0, act_bytes_s2=0.0))
+    return replace(wl, modules=tuple(mods))
+
+
+def prefill_workload(m: ModelSpec, batch: int, prompt_len: int, precision: str, attn_implementation: str,
+                     kernels: str, tensor: int) -> Workload:
+    """The prompt's forward: every module over batch x prompt_len tokens, the causal attention of
+    training's forward."""
+    wl = build_workload(m, micro_batch_size=batch, seq_len=prompt_len, precision=precision,
+                        flash_attention=attn_implementation != "eager", dropout=False, kernels=kernels,
+                        attn_implementation=attn_implementation, tensor=tensor)
+    return _inference(wl, batch, -(-m.vocab // tensor))
+
+
+def decode_workload(m: ModelSpec, batch: int, precision: str, attn_implementation: str, kernels: str,
+                    tensor: int) -> Workload:
+    """One decode step's modules over one token per sequence; the attention cores are priced per
+    step by `decode_core`, for the context they attend to."""
+    wl = build_workload(m, micro_batch_size=batch, seq_len=1, precision=precision,
+                        flash_attention=attn_implementation != "eager", dropout=False, kernels=kernels,
+                        attn_implementation=attn_implementation, tensor=tensor)
+    return _inference(wl, batch, -(-m.vocab // tensor))
+
+
+def prefill_core(core: Module, shape: KvShape, batch: int, prompt_len: int, dtype_bytes: int,
+                 copies_cache: bool) -> Module:
+    """The prefill's attention core, which also fills the cache with the prompt's keys and values:
+    DynamicCache's first update concatenates them onto an empty cache (a copy: read and write);
+    DeepSpeed's kernels write them into the workspace (a write)."""
+    cache = kv_cache_bytes(shape, batch, prompt_len, dtype_bytes)
+    return replace(core, fwd_mem_bytes=core.fwd_mem_bytes + (2.0 if copies_cache else 1.0) * cache,
+                   kernels_fwd=core.kernels_fwd + 2)
+
+
+def decode_core(core: Module, shape: KvShape, batch: int, context: int, dtype_bytes: int, copies_cache: bool) -> Module:
+    """The attention core of a decode step whose KV cache holds `context` tokens (the new one
+    included): one query per sequence against every cached key (no causal skip: the query is the
+    last position), Q.K^T and P.V at 2 FLOPs per multiply-add. It reads the whole cache; HF's
+    DynamicCache first concatenates the new key and value onto it, reading the old cache and
+    writing the new one (`copies_cache`), where DeepSpeed's kernels write the new token in place.
+    The per-token terms (RoPE, the q/k/v reads) are the one-token core's."""
+    tokens = shape.tokens(context)
+    cache = float(batch * tokens * (shape.key + shape.value) * dtype_bytes)
+    flops = 2.0 * batch * tokens * (shape.query + shape.output)
+    copy = 2.0 * cache if copies_cache else 0.0
+    return replace(core, fwd_flops=flops, model_fwd_flops=flops, fwd_mem_bytes=core.fwd_mem_bytes + cache + copy,
+                   kernels_fwd=core.kernels_fwd + (2 if copies_cache else 0))
