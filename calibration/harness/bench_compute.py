@@ -49,6 +49,41 @@ def bench_gemms(ctx: Ctx, dtype_name: str, L: LayerShape) -> list[dict]:
     return out
 
 
+# the rows of the decode GEMMs benchmarked: a decode step's linears run over one token per
+# sequence, so their time is their weights' read (zsim.hardware.compute.gemm_time_s's memory term)
+DECODE_ROWS = (1,)
+# the weights, (out, in): a 7B-class layer's (Llama-2-7B: hidden 4096, MLP 11008), whatever the
+# calibration's layers, whose small matrices would time the calls, not the reads
+DECODE_SHAPES = ((4096, 4096), (11008, 4096), (4096, 11008))
+# the weights one timed pass streams through: a decode step reads every layer's weights once, so
+# none stay in a cache between uses; a pool past any GPU's L2 and the VMs' reported L3 keeps the
+# benchmark there too
+DECODE_POOL_BYTES = 1 << 30
+
+
+def bench_decode_gemms(ctx: Ctx, dtype_name: str, L: LayerShape) -> list[dict]:
+    """DECODE_SHAPES' GEMMs over DECODE_ROWS rows, each weight a distinct matrix of a pool of
+    DECODE_POOL_BYTES, in one timed pass over the pool; the bytes are what zsim charges (every
+    operand read or written once). `L` names the record only. See [Note: one-row GEMMs]."""
+    dt = DTYPES[dtype_name]
+    a = torch.tensor([], dtype=dt).element_size()
+    per_set = sum(n * k for n, k in DECODE_SHAPES) * a
+    copies = max(1, DECODE_POOL_BYTES // per_set)
+    pool = [torch.randn(n, k, dtype=dt, device=ctx.device) for _ in range(copies) for n, k in DECODE_SHAPES]
+    out = []
+    for m in DECODE_ROWS:
+        xs = {k: torch.randn(m, k, dtype=dt, device=ctx.device) for _, k in DECODE_SHAPES}
+
+        def sweep(xs=xs):
+            for w in pool:
+                F.linear(xs[w.shape[1]], w)
+        st, inner = timed_everywhere(ctx, sweep)
+        nbytes = sum((m * w.shape[1] + w.shape[0] * w.shape[1] + m * w.shape[0]) * a for w in pool)
+        out.append({"kind": "gemm_decode", "dtype": dtype_name, "layer": L.label, "m": m, "gemms": len(pool),
+                    "bytes": float(nbytes), "inner": inner, **st})
+    return out
+
+
 def bench_attention(ctx: Ctx, dtype_name: str, L: LayerShape) -> list[dict]:
     dt = DTYPES[dtype_name]
     hd = L.hidden // L.heads

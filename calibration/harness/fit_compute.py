@@ -88,6 +88,14 @@ def fit_efficiency_ratio(work: list[float], time_s: list[float], rate: float) ->
     return float(sum(work) / (rate * sum(time_s)))
 
 
+def fit_gemm_memory(records: list[dict], overhead_s: float, hbm_GBps: float) -> float:
+    """gemm_memory_efficiency: the fraction of the device's bandwidth the decode GEMMs' operand
+    reads reach (bench_compute.bench_decode_gemms), one ratio over all of them."""
+    return min(1.0, fit_efficiency_ratio([r["bytes"] for r in records],
+                                         [max(fit_time_s(r) - r["gemms"] * overhead_s, 1e-9) for r in records],
+                                         hbm_GBps * 1e9))
+
+
 def fit_attention(rs: list[dict], time_s: list[float], peak_flops: float) -> tuple[float, float]:
     """(efficiency, fixed s per call) of t = flops / (peak * eff) + fixed over the layer shapes,
     least squares in relative error, eff <= 1 and fixed >= 0. On CPU a short sequence's
@@ -239,6 +247,9 @@ def _fit_dtype(records: list[dict], dtype: str, dev: dict) -> tuple[dict, dict]:
               "flash_attention_bwd_overhead_us": att_over_us.get("bwd", 0.0),
               "memory_bound_efficiency": mem_eff, "kernel_overhead_us": overhead_s * 1e6, **dev["fresh_alloc"],
               **dev["collective_memory"]}
+    dec = [r for r in usable(records, "gemm_decode") if r["dtype"] == dtype]
+    if dec:   # the decode GEMMs' operand reads, less a launch each (zsim.hardware.compute.gemm_time_s)
+        fields["gemm_memory_efficiency"] = fit_gemm_memory(dec, overhead_s, hbm_GBps)
     acc = [r for r in usable(records, "grad_accumulate") if r["dtype"] == dtype]
     if acc:   # bytes as zsim charges them (see [Note: gradient accumulation add]), less the add_ launches
         fields["grad_accumulate_efficiency"] = min(1.0, acc[0]["bytes"] / max(_optimizer_passes_s(acc[0], overhead_s),

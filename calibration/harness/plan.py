@@ -177,6 +177,7 @@ def items(plan: Plan, world_size: int, nodes: int) -> list[str]:
     for dt in plan.compute_dtypes:
         for L in plan.layers:
             names.append(f"gemm/{dt}/{L.label}")
+            names.append(f"gemm_decode/{dt}/{L.label}")
             names.append(f"attention/{dt}/{L.label}")
             names.append(f"membound/{dt}/{L.label}")
             names.append(f"layer/{dt}/{L.label}")

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from calibration.harness.bench_comm import bench_collective, bench_collective_memory, bench_interference
-from calibration.harness.bench_compute import bench_attention, bench_gemms, bench_layer, bench_membound, bench_overhead
+from calibration.harness.bench_compute import (bench_attention, bench_decode_gemms, bench_gemms, bench_layer, bench_membound,
+                                               bench_overhead)
 from calibration.harness.bench_host import bench_adam, bench_fresh_alloc, bench_io, bench_memcpy
 from calibration.harness.bench_zero import (bench_grad_accumulate, bench_optimizer_step, bench_rank_views,
                                             bench_zero3_hooks)
@@ -167,7 +168,7 @@ _CTX_BENCHES = {"overhead": bench_overhead, "memcpy": bench_memcpy, "fresh_alloc
                 "zero3_hooks": bench_zero3_hooks,
                 "rank_views": bench_rank_views, "collective_memory": bench_collective_memory,
                 "io": bench_io, "interference": bench_interference}
-_LAYER_BENCHES = {"gemm": bench_gemms, "attention": bench_attention, "membound": bench_membound,
+_LAYER_BENCHES = {"gemm": bench_gemms, "gemm_decode": bench_decode_gemms, "attention": bench_attention, "membound": bench_membound,
                   "layer": bench_layer}
 
 

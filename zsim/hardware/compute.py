@@ -20,10 +20,26 @@ def gemm_efficiency(m: float, n: float, k: float, gpu: GpuProfile) -> float:
 
 
 def gemm_time_s(m: float, n: float, k: float, dtype_bytes: int, gpu: GpuProfile, peak_flops: float) -> float:
+    """See [Note: one-row GEMMs]."""
     flops = 2.0 * m * n * k
-    t_compute = flops / (peak_flops * gemm_efficiency(m, n, k, gpu))
-    t_memory = (m * k + k * n + m * n) * dtype_bytes / (gpu.hbm_bw_GBps * 1e9 * gpu.memory_bound_efficiency)
-    return max(t_compute, t_memory)
+    eff = gpu.gemm_memory_efficiency or gpu.memory_bound_efficiency
+    t_memory = (m * k + k * n + m * n) * dtype_bytes / (gpu.hbm_bw_GBps * 1e9 * eff)
+    if m == 1 and gpu.gemm_memory_efficiency:
+        return max(flops / peak_flops, t_memory)
+    return max(flops / (peak_flops * gemm_efficiency(m, n, k, gpu)), t_memory)
+
+
+# [Note: one-row GEMMs]
+# A decode step's linears run over one token per sequence, so their time is their weights' read.
+# A profile that measured it (calibration's bench_decode_gemms: one-row GEMMs streaming a pool of
+# weights larger than any cache) prices a GEMM's operand reads at gemm_memory_efficiency, not at
+# the elementwise kernels' memory_bound_efficiency. A one-row product is a matrix-vector product,
+# which BLAS runs as one (OpenBLAS's GEMM_GEMV_FORWARD sends m == 1 to gemv; cuBLAS's heuristics
+# pick its gemv kernels), not as the tiled GEMM whose under-filled tiles the efficiency law
+# describes: where the profile measured it, its compute is the FLOPs at peak and the read bounds
+# it. Measured on the dev VM (runs/cpu-xeon-vm-2ranks/gemm_decode.json, fp32): one-row GEMMs read
+# 15.2 GB/s, 0.64 of the device's 23.7; the law at d_half 38 prices a 1 x 1024 x 2816 GEMM at
+# 1.42 ms where the read takes 0.91 ms.
 
 
 def memory_bound_time_s(bytes_moved: float, gpu: GpuProfile) -> float:
@@ -36,6 +52,12 @@ def optimizer_time_s(bytes_moved: float, gpu: GpuProfile) -> float:
     profile without the calibrated figure uses memory_bound_efficiency."""
     eff = gpu.optimizer_efficiency or gpu.memory_bound_efficiency
     return bytes_moved / (gpu.hbm_bw_GBps * 1e9 * eff)
+
+
+def copy_time_s(bytes_moved: float, gpu: GpuProfile) -> float:
+    """A plain device copy (torch.cat's, a KV cache grown by a token): the device's bandwidth, which
+    calibration measures as a copy (fit_compute: the best streaming rate, the memcpy's)."""
+    return bytes_moved / (gpu.hbm_bw_GBps * 1e9)
 
 
 def grad_accumulate_time_s(bytes_moved: float, gpu: GpuProfile) -> float:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from zsim.schedule.record import record
 
 from zsim.hardware.collectives import Tier, collective_cost, nccl_topo_for, ring_cost, tiers_for
-from zsim.hardware.compute import (attention_time_s, fresh_alloc_time_s, gemm_time_s, grad_accumulate_time_s,
+from zsim.hardware.compute import (attention_time_s, copy_time_s, fresh_alloc_time_s, gemm_time_s, grad_accumulate_time_s,
                                    kernel_overhead_s, memory_bound_time_s, optimizer_time_s, step_passes_time_s)
 from zsim.hardware.host import (CPU_ADAM_BYTES_PER_PARAM, aio_efficiency, cpu_adam_time_s, hook_visit_us,
                                 hook_visits_time_s, host_link_Bps, host_pass_time_s, nvme_time_s, pcie_time_s, rank_views_time_s)
@@ -56,6 +56,8 @@ def compute_work_s(work: ComputeWork, gpu, gpu_fp32, peak_flops: float, dtype_by
         t += optimizer_time_s(work.optimizer_bytes, gpu)
     if work.accumulate_bytes:
         t += grad_accumulate_time_s(work.accumulate_bytes, gpu)
+    if work.copy_bytes:
+        t += copy_time_s(work.copy_bytes, gpu)
     return t
 
 

@@ -119,7 +119,7 @@ def forward_work(module: Module) -> ComputeWork:
     return ComputeWork(gemms=() if module.fp8 else gemms, fp8_gemms=gemms if module.fp8 else (),
                        attention_flops=module.fwd_flops if module.kind == "attention" else 0.0,
                        mem_bytes=module.fwd_mem_bytes, fp32_mem_bytes=module.fp32_fwd_mem_bytes,
-                       kernels=module.kernels_fwd, model_flops=model_flops)
+                       copy_bytes=module.fwd_copy_bytes, kernels=module.kernels_fwd, model_flops=model_flops)
 
 
 def _backward_pass(ctx: StepContext, module: Module, accumulated: tuple[int, ...] = ()) -> ModulePass:

@@ -21,6 +21,7 @@ class ComputeWork:
     fp32_mem_bytes: float = 0.0     # memory-bound traffic in fp32 whatever the precision (the loss after its upcast)
     optimizer_bytes: float = 0.0    # optimizer-step traffic (fp32 master, moments, grad conversion)
     accumulate_bytes: float = 0.0   # AccumulateGrad's adds into existing .grads (see [Note: gradient accumulation add])
+    copy_bytes: float = 0.0         # plain copies (a KV cache concatenated: see [Note: generation]), at the device's copy rate
     kernels: int = 0
     model_flops: float = 0.0        # MFU convention (full attention); recompute included
 

@@ -48,6 +48,10 @@ class GpuProfile:
                                                        doc="fraction of HBM bandwidth reached by autograd's in-place "
                                                            "add of a new gradient into an existing .grad "
                                                            "(AccumulateGrad); unset: memory_bound_efficiency")
+    gemm_memory_efficiency: Optional[float] = spec(None, gt=0, le=1,
+                                                   doc="fraction of HBM bandwidth a GEMM reaches where reading its "
+                                                       "operands bounds it (a decode step's few-row GEMMs streaming "
+                                                       "their weights); unset: memory_bound_efficiency")
     kernel_overhead_us: float = spec(5.0, ge=0, doc="launch + framework time per kernel")
     step_kernel_overhead_us: Optional[float] = spec(
         None, ge=0, doc="host time per kernel of the optimizer step's per-gradient passes (DeepSpeed's "
@@ -100,7 +104,8 @@ TRAINING_DTYPES = ("fp32", "fp16", "bf16")
 DTYPE_COMPUTE_FIELDS = ("gemm_max_efficiency", "gemm_half_efficiency_dim", "flash_attention_fwd_efficiency",
                         "flash_attention_bwd_efficiency", "flash_attention_fwd_overhead_us",
                         "flash_attention_bwd_overhead_us", "memory_bound_efficiency", "optimizer_efficiency",
-                        "grad_accumulate_efficiency", "kernel_overhead_us", "step_kernel_overhead_us")
+                        "grad_accumulate_efficiency", "kernel_overhead_us", "step_kernel_overhead_us",
+                        "gemm_memory_efficiency")
 
 
 def _dtype_field(name: str) -> tuple:

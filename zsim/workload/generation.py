@@ -102,8 +102,7 @@ def prefill_core(core: Module, shape: KvShape, batch: int, prompt_len: int, dtyp
     DynamicCache's first update concatenates them onto an empty cache (a copy: read and write);
     DeepSpeed's kernels write them into the workspace (a write)."""
     cache = kv_cache_bytes(shape, batch, prompt_len, dtype_bytes)
-    return replace(core, fwd_mem_bytes=core.fwd_mem_bytes + (2.0 if copies_cache else 1.0) * cache,
-                   kernels_fwd=core.kernels_fwd + 2)
+    return replace(core, fwd_copy_bytes=(2.0 if copies_cache else 1.0) * cache, kernels_fwd=core.kernels_fwd + 2)
 
 
 def decode_core(core: Module, shape: KvShape, batch: int, context: int, dtype_bytes: int, copies_cache: bool) -> Module:
@@ -111,11 +110,12 @@ def decode_core(core: Module, shape: KvShape, batch: int, context: int, dtype_by
     included): one query per sequence against every cached key (no causal skip: the query is the
     last position), Q.K^T and P.V at 2 FLOPs per multiply-add. It reads the whole cache; HF's
     DynamicCache first concatenates the new key and value onto it, reading the old cache and
-    writing the new one (`copies_cache`), where DeepSpeed's kernels write the new token in place.
+    writing the new one (`copies_cache`: a copy, priced at the device's copy rate), where
+    DeepSpeed's kernels write the new token in place.
     The per-token terms (RoPE, the q/k/v reads) are the one-token core's."""
     tokens = shape.tokens(context)
     cache = float(batch * tokens * (shape.key + shape.value) * dtype_bytes)
     flops = 2.0 * batch * tokens * (shape.query + shape.output)
     copy = 2.0 * cache if copies_cache else 0.0
-    return replace(core, fwd_flops=flops, model_fwd_flops=flops, fwd_mem_bytes=core.fwd_mem_bytes + cache + copy,
-                   kernels_fwd=core.kernels_fwd + (2 if copies_cache else 0))
+    return replace(core, fwd_flops=flops, model_fwd_flops=flops, fwd_mem_bytes=core.fwd_mem_bytes + cache,
+                   fwd_copy_bytes=copy, kernels_fwd=core.kernels_fwd + (2 if copies_cache else 0))

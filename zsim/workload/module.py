@@ -93,6 +93,8 @@ class Module:
     # the part of the memory-bound traffic that runs in fp32 whatever the precision (the loss
     # after its upcast: see [Note: HF loss memory]), besides fwd/bwd_mem_bytes
     fp32_fwd_mem_bytes: float = 0.0
+    # plain copies in the forward (a generation's KV cache concatenated: zsim/workload/generation.py)
+    fwd_copy_bytes: float = 0.0
     fp32_bwd_mem_bytes: float = 0.0
     act_bytes: float           # activations this module keeps for backward
     act_bytes_s2: float = 0.0  # the s^2 part of act_bytes (dropped by selective checkpointing)
