@@ -6,6 +6,8 @@ from pathlib import Path
 from zsim.config.scenario import load_scenario
 from zsim.engine.sim import Trace
 from zsim.result.generation import Generation, summarize_generation
+from zsim.result.rlhf import Rlhf
+from zsim.rlhf import simulate_rlhf
 from zsim.simulate import simulate_generation, simulate_scenario
 from zsim.result.summarize import summarize
 from zsim.result import Result
@@ -39,3 +41,10 @@ def run_generation(sc: Scenario) -> tuple[Generation, Trace]:
         raise TypeError("run_generation takes a Scenario with an inference block (zsim.config.scenario.load_scenario)")
     _, trace, forwards = simulate_generation(sc)
     return summarize_generation(sc, trace, forwards), trace
+
+
+def run_rlhf(sc: Scenario) -> Rlhf:
+    """Simulate one PPO iteration of the scenario's DeepSpeed-Chat step 3 (its `rlhf:` block)."""
+    if not isinstance(sc, Scenario) or sc.rlhf is None:
+        raise TypeError("run_rlhf takes a Scenario with an rlhf block (zsim.config.scenario.load_scenario)")
+    return simulate_rlhf(sc)

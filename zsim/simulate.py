@@ -119,14 +119,16 @@ def _pipeline_micro_steps(stages: int, stride: int) -> tuple[int, ...]:
     return (stages + 4, 2 * stages + 4)
 
 
-def simulate_generation(sc: Scenario) -> tuple[Workload, Trace, tuple[int, ...]]:
+def simulate_generation(sc: Scenario, head: str = "lm", all_logits: bool = False) -> tuple[Workload, Trace, tuple[int, ...]]:
     """Build and simulate the scenario's generate() call (sc.inference): the decode step's
-    workload, the trace, and the forwards it simulated (0: the prefill; see [Note: generation])."""
+    workload, the trace, and the forwards it simulated (0: the prefill; see [Note: generation]).
+    `head` and `all_logits`: a one-token "generation" that is a PPO experience's forward
+    (workload.generation.prefill_workload)."""
     gen = sc.inference
     assert gen is not None, "not an inference scenario"
     attn, kernels = generation_kernels(gen, sc.training)
     prefill = prefill_workload(sc.model, gen.batch_size, gen.prompt_len, sc.precision, attn, kernels,
-                               gen.tensor_parallel)
+                               gen.tensor_parallel, head, all_logits)
     decode = decode_workload(sc.model, gen.batch_size, sc.precision, attn, kernels, gen.tensor_parallel)
     forwards = simulated_forwards(gen.new_tokens)
     with collector_paused():

@@ -36,6 +36,8 @@ def main(args) -> int:
     sc = load_scenario(args.scenario, scenario_overrides(args))
     if sc.inference is not None:
         return _generation(sc, args, headroom)
+    if sc.rlhf is not None:
+        return _rlhf(sc, args, headroom)
     result, trace = run_scenario(sc, steady=not args.full_simulation)
     if not args.quiet:
         # rich (about 30 ms of imports) only when there is a table to draw
@@ -76,6 +78,29 @@ def _generation(sc, args, headroom: float) -> int:
         save(args.trace, trace_json(trace, sc.name))
     mem = gen.memory
     if args.check and not fits_with_headroom(mem.peak_bytes, mem.capacity_bytes, mem.host.fits, headroom):
+        print(f"zsim: check failed: {sc.name} is predicted not to fit"
+              f"{f' with {headroom:.0%} headroom' if headroom else ''} (exit {EXIT_OOM})", file=sys.stderr)
+        return EXIT_OOM
+    return 0
+
+
+def _rlhf(sc, args, headroom: float) -> int:
+    """`zsim run` on a scenario with an rlhf block: one PPO iteration of DeepSpeed-Chat's step 3."""
+    from zsim.api import run_rlhf
+    from zsim.result import fits
+
+    r = run_rlhf(sc)
+    if not args.quiet:
+        from zsim.report.table import make_console, render_rlhf
+        render_rlhf(r, make_console(args.width))
+    if args.trace:
+        print("zsim: note: --trace: an RLHF iteration is several simulations; run a phase's scenario for its trace",
+              file=sys.stderr)
+    if args.json:
+        from zsim.report.writers import dumps, save
+        save(args.json, dumps(r.to_dict()))
+    ok = fits(r.peak_bytes <= r.capacity_bytes * (1.0 - headroom), r.host_bytes_per_node <= r.host_capacity_bytes)
+    if args.check and not ok:
         print(f"zsim: check failed: {sc.name} is predicted not to fit"
               f"{f' with {headroom:.0%} headroom' if headroom else ''} (exit {EXIT_OOM})", file=sys.stderr)
         return EXIT_OOM

@@ -68,7 +68,11 @@ def check_inference(gen: GenerationSpec, model, training, par, zero, world_size:
         raise ZsimInputError("inference.max_out_tokens", gen.max_out_tokens,
                              f"is below prompt_len + new_tokens = {gen.total_tokens}: the injected kernels' KV "
                              "workspace holds max_out_tokens tokens; raise it")
-    if model.position == "learned" and gen.total_tokens > model.seq_len:
-        raise ZsimInputError("inference.new_tokens", gen.new_tokens,
-                             f"prompt_len + new_tokens = {gen.total_tokens} exceeds the model's learned position "
-                             f"table (model.seq_len={model.seq_len}); shorten them")
+    check_positions(model, gen.total_tokens, "inference.new_tokens", gen.new_tokens, "prompt_len + new_tokens")
+
+
+def check_positions(model, tokens: int, field: str, value, what: str) -> None:
+    """A sequence of `tokens` (`what`) fits a learned position table."""
+    if model.position == "learned" and tokens > model.seq_len:
+        raise ZsimInputError(field, value, f"{what} = {tokens} exceeds the model's learned position table "
+                             f"(model.seq_len={model.seq_len}); shorten them")

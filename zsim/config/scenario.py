@@ -15,6 +15,7 @@ from typing import Literal
 import yaml
 
 from zsim.config.generation import check_inference, read_inference
+from zsim.config.rlhf import check_rlhf, read_rlhf
 from zsim.config.hf_auto import fill_framework_autos, has_autos, resolve_trainer_autos
 from zsim.config.hf_config import FINE_TUNE_SEQ_LEN, model_files, preset_model, preset_names, read_hf_config
 from zsim.config.parallel import check_parallelism, resolve_parallelism
@@ -314,6 +315,7 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
                              f"({cluster.gpus_per_node} per node); zsim simulates up to {MAX_WORLD_SIZE:,} "
                              "(2**18, above the largest clusters built)")
     training = build(TrainingSpec, raw.get("training") or {}, "training")
+    rlhf, training = read_rlhf(raw.get("rlhf"), training, notes)
     ds_raw = raw.get("deepspeed") or {}
     if isinstance(ds_raw, TrailingCommaJSON):
         # see [Note: trailing commas in a ds_config]: the run's reader decides
@@ -402,11 +404,15 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
                              f"exceeds the model's learned position table (model.seq_len={model.seq_len}); raise model.seq_len")
     if inference is not None:
         check_inference(inference, model, training, par, ds.zero_optimization, cluster.world_size)
+    if rlhf is not None:
+        critic = model if rlhf.critic_model is None else _resolve_model(rlhf.critic_model, base_dir, notes)[0]
+        rlhf = replace(rlhf, critic_model=critic)
+        check_rlhf(rlhf, model, critic, training, par, ds.zero_optimization, cluster.world_size, inference)
     name = raw.get("name", name_default)
     if not isinstance(name, str):
         raise ZsimInputError("name", name, "expected a string")
     return Scenario(name=name, model=model, cluster=cluster, training=training, deepspeed=ds, parallelism=par,
-                    inference=inference, description=str(raw.get("description", "")),
+                    inference=inference, rlhf=rlhf, description=str(raw.get("description", "")),
                     notes=tuple(notes),
                     warnings=(ds.not_modelled(ds_raw) + ds.checkpointing_warnings(training.activation_checkpointing)
                               + ds.zero_optimization.zero_plus_plus_warnings(

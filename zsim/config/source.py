@@ -16,7 +16,7 @@ from zsim.schema import accepted_keys
 from zsim.specs.deepspeed import IGNORED_TOP_LEVEL, REMOVED_TOP_LEVEL, DeepSpeedConfig
 from zsim.config.hf_config import preset_names
 
-SCENARIO_KEYS = ("name", "description", "model", "hardware", "training", "parallelism", "deepspeed", "inference")
+SCENARIO_KEYS = ("name", "description", "model", "hardware", "training", "parallelism", "deepspeed", "inference", "rlhf")
 # the profile a ds_config runs on when --profile is not given: the default scenario's
 DEFAULT_PROFILE = "dgx-a100-80g"
 

@@ -115,6 +115,35 @@ def render_generation(g, console: Console | None = None):
     print_host_memory(console, g.memory.host)
 
 
+def render_rlhf(r, console: Console | None = None):
+    """The table of a PPO iteration (zsim/result/rlhf.py)."""
+    console = console or make_console()
+    console.print(f"[bold]{r.scenario}[/bold]: DeepSpeed-Chat step 3 (PPO) on {r.gpus} GPU{'s' if r.gpus != 1 else ''}; "
+                  f"actor {r.actor_params / 1e9:.2f} B params, critic {r.critic_params / 1e9:.2f} B; per GPU "
+                  f"{r.generation_batches} x {r.generation_batch_size} prompts of {r.prompt_len} tokens, "
+                  f"{r.answer_len} generated, {r.ppo_epochs} PPO epoch{'s' if r.ppo_epochs != 1 else ''} of "
+                  f"micro-batch {r.training_batch_size}; hybrid engine {'on' if r.hybrid_engine else 'off'}")
+    t = Table(title=f"One PPO iteration: {fmt_time(r.iteration_time_s)}")
+    for col, right in (("phase", False), ("engine", False), ("runs", True), ("each", True), ("total", True),
+                       ("share", True), ("peak per GPU", True)):
+        t.add_column(col, justify="right" if right else "left")
+    for p in r.phases:
+        verdict = "" if p.fits else " [bold red]OOM[/bold red]"
+        t.add_row(p.name, p.engine, f"{p.runs:g}", fmt_time(p.time_s), fmt_time(p.total_s),
+                  f"{100 * p.total_s / r.iteration_time_s:.1f}%", fmt_bytes(p.peak_bytes) + verdict)
+    console.print(t)
+    console.print(f"generation: {r.generated_tokens_per_s:,.0f} tokens/s (all GPUs), {100 * r.generation_share:.1f}% "
+                  f"of the iteration; {r.samples_per_s:,.2f} experiences/s end to end")
+    verdict = "[green]fits[/green]" if r.fits else "[bold red]does not fit[/bold red]"
+    held = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in r.resident_bytes.items())
+    console.print(f"peak per GPU {fmt_bytes(r.peak_bytes)} of {fmt_bytes(r.capacity_bytes)} -> {verdict}; held "
+                  f"through the iteration: {held}")
+    if r.host_bytes_per_node:
+        console.print(f"host memory per node: {fmt_bytes(r.host_bytes_per_node)} of {fmt_bytes(r.host_capacity_bytes)}")
+    for s in r.suggestions:
+        console.print(f"doctor: {s}")
+
+
 def render(r: Result, console: Console | None = None):
     console = console or make_console()
     head = (f"[bold]{r.scenario}[/bold]: ZeRO stage {r.stage}, {r.world_size} GPU{'s' if r.world_size != 1 else ''} "

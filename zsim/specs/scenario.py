@@ -10,6 +10,7 @@ from typing import Any, Literal, Optional, get_args
 
 from zsim.schema import spec
 from zsim.specs.generation import GenerationSpec
+from zsim.specs.rlhf import RlhfSpec
 from zsim.specs.deepspeed import MAX_GRADIENT_ACCUMULATION_STEPS, MAX_MICRO_BATCH_SIZE, DeepSpeedConfig
 from zsim.specs.hardware import Cluster
 from zsim.specs.model import MAX_SEQ_LEN, ModelSpec
@@ -287,6 +288,9 @@ class Scenario:
     parallelism: ParallelismSpec = ParallelismSpec()
     # a generate() call instead of a training step (zsim/specs/generation.py)
     inference: GenerationSpec | None = None
+    # DeepSpeed-Chat's PPO iteration instead of a training step, the model and ds_config the actor's
+    # (zsim/specs/rlhf.py); its critic_model resolved to a ModelSpec
+    rlhf: RlhfSpec | None = None
 
     # Resolved values (DeepSpeed's batch rule, precision): the simulator reads these; the loader
     # (zsim.config.scenario) resolves every one before a Scenario is made.

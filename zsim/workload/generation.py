@@ -57,17 +57,23 @@ def kv_cache_bytes(shape: KvShape, batch: int, context: int, dtype_bytes: int) -
     return float(batch * shape.tokens(context) * (shape.key + shape.value) * dtype_bytes)
 
 
-def _inference(wl: Workload, batch: int, vocab_rows: int) -> Workload:
-    """A workload run under no_grad for generation: no loss, lm_head over the last position of each
-    sequence only (generate's logits_to_keep=1), which keeps its fp32 logits for sampling."""
+def _inference(wl: Workload, batch: int, vocab_rows: int, all_logits: bool) -> Workload:
+    """A workload run under no_grad: no loss; lm_head over the last position of each sequence only
+    (generate's logits_to_keep=1), which keeps its fp32 logits for sampling, or with `all_logits`
+    over every position (a PPO experience's forward: ppo_trainer.py gather_log_probs takes the
+    log-softmax of every position's logits, another tensor of their size)."""
     mods = []
+    a = wl.act_dtype_bytes
     for m in wl.modules:
         if m.kind == ModuleKind.LOSS:
             continue
-        if m.name == "lm_head":
+        if m.name == "lm_head" and all_logits:
+            assert m.gemm is not None
+            # the log-softmax beside the logits (the linear's output, counted by the schedule)
+            m = replace(m, fwd_workspace_bytes=float(m.gemm[0] * vocab_rows * a))
+        elif m.name == "lm_head":
             assert m.gemm is not None
             _, n, k = m.gemm
-            a = wl.act_dtype_bytes
             flops = 2.0 * batch * n * k
             # the logits, then generate's .float() copy for the logits processors and sampling
             m = replace(m, gemm=(batch, n, k), fwd_flops=flops, model_fwd_flops=flops,
@@ -77,13 +83,14 @@ def _inference(wl: Workload, batch: int, vocab_rows: int) -> Workload:
 
 
 def prefill_workload(m: ModelSpec, batch: int, prompt_len: int, precision: str, attn_implementation: str,
-                     kernels: str, tensor: int) -> Workload:
+                     kernels: str, tensor: int, head: str = "lm", all_logits: bool = False) -> Workload:
     """The prompt's forward: every module over batch x prompt_len tokens, the causal attention of
-    training's forward."""
+    training's forward; `head` lm or a value model's score head (see [Note: reward model heads]),
+    `all_logits` every position's logits kept (_inference)."""
     wl = build_workload(m, micro_batch_size=batch, seq_len=prompt_len, precision=precision,
                         flash_attention=attn_implementation != "eager", dropout=False, kernels=kernels,
-                        attn_implementation=attn_implementation, tensor=tensor)
-    return _inference(wl, batch, -(-m.vocab // tensor))
+                        attn_implementation=attn_implementation, tensor=tensor, head=head)
+    return _inference(wl, batch, -(-m.vocab // tensor), all_logits)
 
 
 def decode_workload(m: ModelSpec, batch: int, precision: str, attn_implementation: str, kernels: str,
@@ -93,7 +100,7 @@ def decode_workload(m: ModelSpec, batch: int, precision: str, attn_implementatio
     wl = build_workload(m, micro_batch_size=batch, seq_len=1, precision=precision,
                         flash_attention=attn_implementation != "eager", dropout=False, kernels=kernels,
                         attn_implementation=attn_implementation, tensor=tensor)
-    return _inference(wl, batch, -(-m.vocab // tensor))
+    return _inference(wl, batch, -(-m.vocab // tensor), False)
 
 
 def prefill_core(core: Module, shape: KvShape, batch: int, prompt_len: int, dtype_bytes: int,

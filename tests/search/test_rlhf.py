@@ -1,0 +1,121 @@
+"""DeepSpeed-Chat's PPO iteration (the scenario's rlhf block; see [Note: DeepSpeed-Chat's PPO
+iteration]): its phases are the training steps and generate() calls zsim simulates on their own,
+its memory adds every engine's resident states, and the doctor's variants are real ones."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from tests.helpers import ROOT, run_cli
+from zsim.api import run_rlhf
+from zsim.config.scenario import scenario_from_mapping
+from zsim.errors import ZsimInputError
+from zsim.rlhf import simulate_rlhf
+from zsim.simulate import simulate_scenario
+
+ACTOR = {"layers": 4, "hidden": 512, "heads": 8, "kv_heads": 8, "ffn_hidden": 1408, "vocab": 4096, "seq_len": 2048,
+         "position": "rope", "norm": "rmsnorm", "glu": True, "fused_qkv": False, "tied_embeddings": False,
+         "bias": False}
+CRITIC = {**ACTOR, "layers": 2, "hidden": 256, "heads": 4, "kv_heads": 4, "ffn_hidden": 704}
+
+
+def raw(stage: int = 3, **rlhf) -> dict:
+    return {"name": "ppo", "model": dict(ACTOR), "hardware": {"profile": "dgx-a100-80g", "nodes": 1, "gpus_per_node": 8},
+            "training": {"precision": "bf16"},
+            "deepspeed": {"bf16": {"enabled": True}, "zero_optimization": {"stage": stage}},
+            "rlhf": {"critic_model": dict(CRITIC), "per_device_generation_batch_size": 8,
+                     "per_device_training_batch_size": 4, "max_prompt_seq_len": 128, "max_answer_seq_len": 64, **rlhf}}
+
+
+def ppo(stage: int = 3, **rlhf):
+    return scenario_from_mapping(raw(stage, **rlhf), ROOT)
+
+
+def test_phases_are_the_training_steps_and_generation_zsim_simulates():
+    sc = ppo(generation_batches=2, ppo_epochs=3)
+    r = simulate_rlhf(sc, suggest=False)
+    names = [p.name for p in r.phases]
+    assert names == ["generation", "actor forward", "reference forward", "reward forward", "critic forward",
+                     "actor training", "critic training"]
+    by = {p.name: p for p in r.phases}
+    # 2 batches of 8 prompts, 3 epochs over them in micro-batches of 4: 12 micro-steps, GAS 1
+    assert by["actor training"].runs == 12 and by["generation"].runs == 2
+    # the actor's training step is the scenario's own, at the PPO micro-batch and prompt + answer
+    actor = sc.__class__(**{**sc.__dict__, "rlhf": None})
+    _, trace = simulate_scenario(actor)
+    assert by["actor training"].time_s == trace.step_time_s
+    assert actor.micro_batch_size == 4 and actor.seq_len == 192
+    assert r.iteration_time_s == pytest.approx(sum(p.total_s for p in r.phases))
+    assert r.samples_per_s == pytest.approx(2 * 8 * 8 / r.iteration_time_s)
+
+
+def test_every_phase_holds_every_engine():
+    r = simulate_rlhf(ppo(), suggest=False)
+    held = sum(r.resident_bytes.values())
+    assert set(r.resident_bytes) >= {"actor", "critic", "reference", "reward"}
+    assert all(p.peak_bytes > held for p in r.phases)
+    assert r.peak_bytes == max(p.peak_bytes for p in r.phases)
+    # the reference holds the actor's parameters, partitioned over 8 GPUs under ZeRO-3, 2 bytes each
+    from zsim.workload.transformer import count_params
+    assert r.resident_bytes["reference"] == pytest.approx(2 * count_params(ppo().model) / 8, rel=0.01)
+
+
+def test_reference_offloaded_leaves_the_gpu():
+    on = simulate_rlhf(ppo(offload_reference_model=True), suggest=False)
+    off = simulate_rlhf(ppo(), suggest=False)
+    assert on.resident_bytes["reference"] == 0.0 and on.host_bytes_per_node > off.host_bytes_per_node
+
+
+def test_hybrid_engine_generates_faster_than_zero3s_per_forward_gathers():
+    slow = simulate_rlhf(ppo(), suggest=False)
+    fast = simulate_rlhf(ppo(enable_hybrid_engine=True), suggest=False)
+    assert fast.phases[0].time_s < slow.phases[0].time_s
+    # pinned under ZeRO-3: the whole model gathered (2 bytes a parameter) on top of every engine's states
+    from zsim.workload.transformer import count_params
+    assert fast.phases[0].peak_bytes - sum(fast.resident_bytes.values()) > 2 * count_params(ppo().model)
+    assert "hybrid engine inference cache" in fast.resident_bytes
+    released = simulate_rlhf(ppo(enable_hybrid_engine=True, release_inference_cache=True), suggest=False)
+    assert "hybrid engine inference cache" not in released.resident_bytes
+
+
+def test_doctor_suggestions_are_runnable_settings(tmp_path):
+    path = tmp_path / "ppo.yaml"
+    path.write_text(yaml.safe_dump(raw(enable_hybrid_engine=True)))
+    r = run_rlhf(scenario_from_mapping(raw(enable_hybrid_engine=True), ROOT))
+    for s in r.suggestions:
+        setting = s.split(":", 1)[0].removeprefix("--set ")
+        out = run_cli(["run", str(path), "--set", setting, "--json", str(tmp_path / "v.json")])
+        assert out.code == 0, out.stderr
+        assert json.loads((tmp_path / "v.json").read_text())["iteration_time_s"] < r.iteration_time_s
+
+
+def test_cli_runs_the_iteration(tmp_path):
+    path = tmp_path / "ppo.yaml"
+    path.write_text(yaml.safe_dump(raw()))
+    out = run_cli(["run", str(path), "--json", str(tmp_path / "r.json")])
+    assert out.code == 0, out.stderr
+    assert "One PPO iteration" in out.stdout
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert [p["name"] for p in r["phases"]][0] == "generation" and r["fits"] is True
+
+
+@pytest.mark.parametrize("rlhf, field", [
+    ({"per_device_training_batch_size": 3}, "rlhf.per_device_training_batch_size"),
+    ({"inference_tp_size": 2}, "rlhf.inference_tp_size"),
+    ({"enable_hybrid_engine": True, "inference_tp_size": 3}, "rlhf.inference_tp_size"),
+    ({"ppo_epochs": 0}, "rlhf.ppo_epochs"),
+    ({"critic_model": "opt-350m"}, "rlhf.critic_model"),
+])
+def test_refusals_name_the_field(rlhf, field):
+    with pytest.raises(ZsimInputError) as err:
+        ppo(**rlhf)
+    assert field in str(err.value)
+
+
+def test_training_batch_must_agree():
+    bad = raw()
+    bad["training"]["micro_batch_size"] = 2
+    with pytest.raises(ZsimInputError, match="training.micro_batch_size"):
+        scenario_from_mapping(bad, ROOT)
