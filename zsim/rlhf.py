@@ -14,7 +14,7 @@ the whole run:
 - the reference: the actor's initial copy, get_eval_ds_config(stage = the actor's if 3, else 0;
   offload_param to the CPU with --offload_reference_model), no optimizer;
 - the reward model: the critic's initial copy, get_eval_ds_config(stage = the critic's if 3, else
-  0), no optimizer.
+  0; offload_param with --offload_reward_model), no optimizer.
 An iteration generates --generation_batches experience batches, each: generate_experience (the
 actor's generate() of max_answer_seq_len tokens per prompt, then four forwards under no_grad over
 prompt + answer: the actor's and the reference's, whose log-softmax over every position's logits
@@ -110,7 +110,6 @@ def simulate_rlhf(sc: Scenario, suggest: bool = True) -> Rlhf:
     ds = sc.deepspeed
     actor_stage = ds.zero_optimization.stage
     critic_stage = actor_stage if spec.critic_zero_stage is None else spec.critic_zero_stage
-    offload = ds.zero_optimization.optimizer_offload_device != "none" or ds.zero_optimization.param_offload_device != "none"
     gen_bs, train_bs, seq = spec.per_device_generation_batch_size, spec.per_device_training_batch_size, spec.seq_len
     hybrid, tp = spec.enable_hybrid_engine, spec.inference_tp_size
     gpn = sc.cluster.gpus_per_node
@@ -123,7 +122,7 @@ def simulate_rlhf(sc: Scenario, suggest: bool = True) -> Rlhf:
     critic_sc = replace(sc, rlhf=None, model=critic_model, training=critic_training,
                         deepspeed=_zero(ds, critic_stage, False, True))
     ref_ds = _zero(ds, 3 if actor_stage == 3 else 0, spec.offload_reference_model, False)
-    reward_ds = _zero(ds, 3 if critic_stage == 3 else 0, offload, False)
+    reward_ds = _zero(ds, 3 if critic_stage == 3 else 0, spec.offload_reward_model, False)
     pinned = hybrid and actor_stage == 3 and not spec.unpin_actor_parameters
     if hybrid and (actor_stage < 3 or pinned):
         # the inference containers over the actor's weights (its own, or the gathered copy)

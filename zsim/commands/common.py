@@ -299,6 +299,16 @@ def _apply_recipe(args, recipe, sets: list[str]):
             raise ZsimInputError("global_batch_size", recipe.global_batch_size, f"must be divisible by the GPUs x "
                                  f"micro_batch_size ({dp_micro}), as LLaMA-Factory requires")
         sets = [*sets, f"training.gradient_accumulation_steps={recipe.global_batch_size // dp_micro}"]
+    critic = recipe.rlhf.get("critic_model")
+    if isinstance(critic, str):
+        from zsim.config import hub
+        from zsim.config.hf_config import preset_names
+        from zsim.config.source import model_mapping
+        if hub.is_repo_id(critic) and critic not in preset_names():
+            path, where = hub.resolve(critic)
+            _note(args, f"critic model {critic}: config.json from {where}")
+            critic = str(path)
+        sets = [*sets, f"rlhf.critic_model={model_mapping(critic, '--critic_model_name_or_path')}"]
     stem = Path(origin.split(" (")[-1].rstrip(")")).stem or "launch"
     args.recipe_set = (f"name={json.dumps(stem)}", *sets)
     for note in recipe.notes:

@@ -22,6 +22,7 @@ import shlex
 from pathlib import Path
 
 from zsim.errors import ZsimInputError
+from zsim.config.dschat import is_dschat_step3, read_dschat
 from zsim.config.trainer_args import Recipe, as_bool, as_int, read_trainer_args
 
 # Launcher options that change nothing zsim prices, with whether each takes a value
@@ -313,7 +314,10 @@ def read_launch(words: list[str], cwd: Path, origin: str, env: dict | None = Non
     if first and ((module and script in RECIPE_MODULES) or first.endswith((".yaml", ".yml", ".json"))):
         return _recipe_arg(first, rest[1:], cwd, recipe)
     recipe.origin = f"{origin} ({script})"
-    read_trainer_args(script_flags(rest), recipe)
+    flags = script_flags(rest)
+    if is_dschat_step3(script, flags):
+        return read_dschat(flags, recipe)
+    read_trainer_args(flags, recipe)
     if recipe.ds_config is not None:
         recipe.ds_config = _at(cwd, str(recipe.ds_config))
     return recipe

@@ -58,6 +58,10 @@ def check_rlhf(spec: RlhfSpec, model, critic, training, par, zero, world_size: i
     if tp > 1 and not spec.enable_hybrid_engine:
         raise ZsimInputError("rlhf.inference_tp_size", tp, "applies to the hybrid engine's generation; set "
                              "rlhf.enable_hybrid_engine: true, or 1")
+    if tp > 1 and zero.stage != 3:
+        # main.py parse_args: "Zero stage 3 must be used to do Tensor sharding in the hybrid engine"
+        raise ZsimInputError("rlhf.inference_tp_size", tp, "needs the actor at ZeRO stage 3 (DeepSpeed-Chat asserts "
+                             "it); set zero_optimization.stage: 3 or 1")
     if world_size % tp or model.heads % tp or model.n_kv_heads % tp:
         raise ZsimInputError("rlhf.inference_tp_size", tp, f"must divide the {world_size} GPUs and the model's "
                              f"{model.heads} heads and {model.n_kv_heads} KV heads")

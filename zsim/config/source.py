@@ -36,19 +36,24 @@ def as_scenario(data: dict, path: Path) -> dict:
 def _model_assignment(model: str) -> str:
     """--model NAME (a preset), --model path/to/config.json (a Hugging Face config) or the
     model's folder holding its config.json (what from_pretrained is given)."""
+    return f"model={model_mapping(model, '--model')}"
+
+
+def model_mapping(model: str, flag: str) -> str:
+    """A model as `flag` names it (a preset, a config.json, its folder), as a model: mapping in YAML."""
     if Path(model).is_dir():
         config = Path(model) / "config.json"
         if not config.is_file():
-            raise ZsimInputError("--model", model, "is a folder without a config.json; give a preset, a Hugging Face "
+            raise ZsimInputError(flag, model, "is a folder without a config.json; give a preset, a Hugging Face "
                                  "config.json or the model folder that holds it")
         model = str(config)
     if model.endswith(".json") or Path(model).is_file():
-        return f"model={{hf_config: {json.dumps(model)}}}"
+        return f"{{hf_config: {json.dumps(model)}}}"
     names = preset_names()
     if model not in names:
-        raise ZsimInputError("--model", model, f"unknown preset{did_you_mean(model, names)}; available: "
+        raise ZsimInputError(flag, model, f"unknown preset{did_you_mean(model, names)}; available: "
                              f"{', '.join(names)} or the path of a Hugging Face config.json")
-    return f"model={{preset: {json.dumps(model)}}}"
+    return f"{{preset: {json.dumps(model)}}}"
 
 
 def cluster_overrides(source_is_ds_config: bool, source: str, model: str | None, gpus_per_node: int | None,

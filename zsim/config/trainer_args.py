@@ -56,6 +56,8 @@ class Recipe:
     # known (num_micro_batch = global / (dp x micro), core/utils/batching.py)
     global_batch_size: int | None = None
     pref_loss: str | None = None                  # LLaMA-Factory v1's pref_loss, for its dpo command
+    # rlhf.* (DeepSpeed-Chat's step 3, zsim/config/dschat.py); critic_model the name main.py was given
+    rlhf: dict = field(default_factory=dict)
 
 
 # HfArgumentParser's string_to_bool (transformers/hf_argparser.py)
@@ -243,6 +245,8 @@ def assignments(recipe: Recipe) -> list[str]:
     out = [f"training.{k}={json.dumps(v)}" for k, v in recipe.training.items()]
     out += [f"deepspeed.{k}={json.dumps(v)}" for k, v in _flat(recipe.ds_inline)]
     out += [f"parallelism.{k}={json.dumps(v)}" for k, v in recipe.parallelism.items()]
+    # the critic's model is resolved where the actor's is (zsim.commands.common)
+    out += [f"rlhf.{k}={json.dumps(v)}" for k, v in recipe.rlhf.items() if k != "critic_model"]
     if recipe.framework:
         out.append(f"training.framework={recipe.framework}")
     return out

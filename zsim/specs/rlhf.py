@@ -41,6 +41,8 @@ class RlhfSpec:
     offload_reference_model: bool = spec(False, doc="--offload_reference_model: the reference model's parameters "
                                                     "in CPU memory (ZeRO-3 offload_param; under stage 0 DeepSpeed "
                                                     "ignores it)")
+    offload_reward_model: bool = spec(False, doc="--offload_reward_model: the reward model's parameters in CPU "
+                                                 "memory (under ZeRO-3, as for the reference)")
     critic_gradient_checkpointing: bool = spec(False, doc="--critic_gradient_checkpointing (the actor's: "
                                                           "training.activation_checkpointing)")
 
