@@ -43,8 +43,10 @@ def run_generation(sc: Scenario) -> tuple[Generation, Trace]:
     return summarize_generation(sc, trace, forwards), trace
 
 
-def run_rlhf(sc: Scenario) -> Rlhf:
-    """Simulate one PPO iteration of the scenario's DeepSpeed-Chat step 3 (its `rlhf:` block)."""
+def run_rlhf(sc: Scenario) -> tuple[Rlhf, list[tuple[str, Trace]]]:
+    """Simulate one PPO iteration of the scenario's DeepSpeed-Chat step 3 (its `rlhf:` block): the
+    result and each phase's (name, trace) of one run."""
     if not isinstance(sc, Scenario) or sc.rlhf is None:
         raise TypeError("run_rlhf takes a Scenario with an rlhf block (zsim.config.scenario.load_scenario)")
-    return simulate_rlhf(sc)
+    traces: list[tuple[str, Trace]] = []
+    return simulate_rlhf(sc, traces=traces), traces

@@ -103,7 +103,9 @@ def _gather_s(sc: Scenario, layers_numel: list[int], rest_numel: int, group_laye
     return total
 
 
-def simulate_rlhf(sc: Scenario, suggest: bool = True) -> Rlhf:
+def simulate_rlhf(sc: Scenario, suggest: bool = True, traces: list | None = None) -> Rlhf:
+    """One PPO iteration of `sc`; `suggest`: with the doctor's variants; `traces`: a list the
+    phases' (name, Trace) are appended to, in the phases' order."""
     spec = sc.rlhf
     assert spec is not None, "not an rlhf scenario"
     critic_model = spec.critic_model
@@ -192,6 +194,9 @@ def simulate_rlhf(sc: Scenario, suggest: bool = True) -> Rlhf:
         phases.append(RlhfPhase(name, f"{engine} engine, ZeRO stage {stage}, micro-batch {train_bs} x GAS "
                                 f"{tsc.gradient_accumulation_steps}", steps, trace.step_time_s,
                                 steps * trace.step_time_s, peak, peak <= cap))
+    if traces is not None:
+        traces += [("generation", gen_trace), *((name, trace) for name, _, _, _, trace in fwd),
+                   ("actor training", actor_trace), ("critic training", critic_trace)]
     iteration = sum(p.total_s for p in phases)
     world = sc.cluster.world_size
     generated = spec.generation_batches * gen_bs * world * spec.max_answer_seq_len

@@ -22,7 +22,7 @@ from zsim.schedule.build import build_schedule
 from zsim.schedule.generate import build_generation, simulated_forwards
 from zsim.specs.generation import generation_kernels
 from zsim.specs.scenario import Scenario
-from zsim.workload.generation import decode_workload, prefill_workload
+from zsim.workload.generation import decode_workload, prefill_workload, with_quantized_weights
 from zsim.workload.module import Workload
 
 # the first, two middle micro-steps (the second repeating the first), the boundary one; one or two
@@ -130,6 +130,10 @@ def simulate_generation(sc: Scenario, head: str = "lm", all_logits: bool = False
     prefill = prefill_workload(sc.model, gen.batch_size, gen.prompt_len, sc.precision, attn, kernels,
                                gen.tensor_parallel, head, all_logits)
     decode = decode_workload(sc.model, gen.batch_size, sc.precision, attn, kernels, gen.tensor_parallel)
+    if gen.weight_bits < 16:   # see [Note: ZeRO-Inference quantized weights]
+        fp16 = sc.precision == "fp16"
+        prefill = with_quantized_weights(prefill, gen.weight_bits, gen.weight_group_size, fp16)
+        decode = with_quantized_weights(decode, gen.weight_bits, gen.weight_group_size, fp16)
     forwards = simulated_forwards(gen.new_tokens)
     with collector_paused():
         return decode, simulate(build_generation(sc, prefill, decode, forwards), sc.cluster, sc.precision), forwards

@@ -188,3 +188,43 @@ def test_run_generation_refuses_a_training_scenario():
     from tests.helpers import scenario
     with pytest.raises(TypeError):
         run_generation(scenario())
+
+
+def test_zero_inference_quantized_weights_stream_their_packed_bytes():
+    """See [Note: ZeRO-Inference quantized weights]: every nn.Linear and nn.Embedding weight is its
+    codes plus a scale and a minimum per group, and that is what crosses PCIe each forward."""
+    zero = {"stage": 3, "offload_param": {"device": "cpu"}}
+    full = gen_scenario({"batch_size": 2, "prompt_len": 32, "new_tokens": 3}, zero=zero)
+    raw = mapping()
+    raw.update(model=dict(MODEL), training={"precision": "bf16"}, inference={"batch_size": 2, "prompt_len": 32,
+                                                                               "new_tokens": 3})
+    raw["hardware"]["gpus_per_node"] = 1
+    raw["deepspeed"] = {"bf16": {"enabled": True}, "zero_optimization": zero,
+                        "weight_quantization": {"quantized_initialization": {"num_bits": 4, "group_size": 64,
+                                                                             "group_dim": 1, "symmetric": False}}}
+    int4 = scenario_from_mapping(raw, ROOT)
+    assert int4.inference.weight_bits == 4 and int4.inference.weight_group_size == 64
+    wl16, tr16, f16 = simulate_generation(full)
+    wl4, tr4, f4 = simulate_generation(int4)
+    q_proj = next(i for i, p in enumerate(wl4.params) if p.name == "layers.0.attn.q_proj.weight")
+    numel = 512 * 512
+    assert wl4.params[q_proj].packed_bytes == numel // 2 + 2 * (numel // 64) * 2
+    norm = next(i for i, p in enumerate(wl4.params) if p.name == "layers.0.ln_1.weight")
+    assert wl4.params[norm].packed_bytes is None      # only nn.Linear and nn.Embedding weights
+    h2d = lambda tr: sum(op.payload.size_bytes for op in tr.schedule.ops
+                         if op.micro_step == 1 and op.kind == OpKind.PARAM_FETCH)
+    assert h2d(tr4) == pytest.approx(2 * sum(p.stored_numel(2) for p in wl4.params))
+    assert h2d(tr4) < 0.35 * h2d(tr16)
+    g4, g16 = summarize_generation(int4, tr4, f4), summarize_generation(full, tr16, f16)
+    assert g4.decode_step_last_s < g16.decode_step_last_s
+
+
+def test_weight_quantization_outside_zero3():
+    with pytest.raises(ZsimInputError, match="inference.weight_bits"):
+        gen_scenario({"weight_bits": 4})
+    raw = mapping()
+    raw.update(model=dict(MODEL), training={"precision": "bf16"}, inference={"new_tokens": 2})
+    raw["deepspeed"] = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 0},
+                        "weight_quantization": {"quantized_initialization": {"num_bits": 4, "group_size": 64}}}
+    sc = scenario_from_mapping(raw, ROOT)      # DeepSpeed leaves them unquantized, and a note says so
+    assert sc.inference.weight_bits == 16 and any("quantized_initialization" in n for n in sc.notes)

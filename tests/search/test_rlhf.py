@@ -83,7 +83,8 @@ def test_hybrid_engine_generates_faster_than_zero3s_per_forward_gathers():
 def test_doctor_suggestions_are_runnable_settings(tmp_path):
     path = tmp_path / "ppo.yaml"
     path.write_text(yaml.safe_dump(raw(enable_hybrid_engine=True)))
-    r = run_rlhf(scenario_from_mapping(raw(enable_hybrid_engine=True), ROOT))
+    r, traces = run_rlhf(scenario_from_mapping(raw(enable_hybrid_engine=True), ROOT))
+    assert [name for name, _ in traces] == [p.name for p in r.phases]
     for s in r.suggestions:
         setting = s.split(":", 1)[0].removeprefix("--set ")
         out = run_cli(["run", str(path), "--set", setting, "--json", str(tmp_path / "v.json")])
@@ -94,9 +95,12 @@ def test_doctor_suggestions_are_runnable_settings(tmp_path):
 def test_cli_runs_the_iteration(tmp_path):
     path = tmp_path / "ppo.yaml"
     path.write_text(yaml.safe_dump(raw()))
-    out = run_cli(["run", str(path), "--json", str(tmp_path / "r.json")])
+    out = run_cli(["run", str(path), "--json", str(tmp_path / "r.json"), "--trace", str(tmp_path / "t.json")])
     assert out.code == 0, out.stderr
     assert "One PPO iteration" in out.stdout
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    phases = [e for e in events if e.get("cat") == "phase"]
+    assert [e["name"] for e in phases][0] == "generation" and len({e["pid"] for e in events}) == 1 + 7
     r = json.loads((tmp_path / "r.json").read_text())
     assert [p["name"] for p in r["phases"]][0] == "generation" and r["fits"] is True
 
@@ -119,3 +123,17 @@ def test_training_batch_must_agree():
     bad["training"]["micro_batch_size"] = 2
     with pytest.raises(ZsimInputError, match="training.micro_batch_size"):
         scenario_from_mapping(bad, ROOT)
+
+
+def test_the_actor_ds_configs_hybrid_engine_block_is_read():
+    r = raw()
+    r["deepspeed"]["hybrid_engine"] = {"enabled": True, "inference_tp_size": 2, "max_out_tokens": 192,
+                                       "pin_parameters": False, "release_inference_cache": True}
+    sc = scenario_from_mapping(r, ROOT)
+    s = sc.rlhf
+    assert (s.enable_hybrid_engine, s.inference_tp_size, s.unpin_actor_parameters, s.release_inference_cache) == \
+        (True, 2, True, True)
+    assert not any("hybrid_engine" in w for w in sc.warnings)
+    r["deepspeed"]["hybrid_engine"]["max_out_tokens"] = 128
+    with pytest.raises(ZsimInputError, match="max_out_tokens"):
+        scenario_from_mapping(r, ROOT)

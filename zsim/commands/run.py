@@ -89,16 +89,16 @@ def _rlhf(sc, args, headroom: float) -> int:
     from zsim.api import run_rlhf
     from zsim.result import fits
 
-    r = run_rlhf(sc)
+    r, traces = run_rlhf(sc)
     if not args.quiet:
         from zsim.report.table import make_console, render_rlhf
         render_rlhf(r, make_console(args.width))
-    if args.trace:
-        print("zsim: note: --trace: an RLHF iteration is several simulations; run a phase's scenario for its trace",
-              file=sys.stderr)
+    if args.json or args.trace:
+        from zsim.report.writers import dumps, rlhf_trace_json, save
     if args.json:
-        from zsim.report.writers import dumps, save
         save(args.json, dumps(r.to_dict()))
+    if args.trace:
+        save(args.trace, rlhf_trace_json(r, traces, sc.name))
     ok = fits(r.peak_bytes <= r.capacity_bytes * (1.0 - headroom), r.host_bytes_per_node <= r.host_capacity_bytes)
     if args.check and not ok:
         print(f"zsim: check failed: {sc.name} is predicted not to fit"

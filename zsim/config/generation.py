@@ -17,6 +17,7 @@ def read_inference(raw, ds_raw: dict, training_raw, notes: list) -> GenerationSp
         return None
     if not isinstance(raw, dict):
         raise ZsimInputError("inference", raw, "expected a mapping (batch_size, prompt_len, new_tokens, ...)")
+    raw = _weight_quantization(raw, ds_raw, notes)
     gen = build(GenerationSpec, raw, "inference")
     given = isinstance(training_raw, dict) and training_raw.get("micro_batch_size") is not None
     if not given and not any(ds_raw.get(k) is not None for k in _BATCH_KEYS):
@@ -24,6 +25,38 @@ def read_inference(raw, ds_raw: dict, training_raw, notes: list) -> GenerationSp
         notes.append("deepspeed.train_micro_batch_size_per_gpu: 1 (DeepSpeed's initialize needs a batch; generation "
                      "uses inference.batch_size)")
     return gen
+
+
+def _weight_quantization(raw: dict, ds_raw: dict, notes: list) -> dict:
+    """The inference block with the ds_config's weight_quantization read into it (see [Note:
+    ZeRO-Inference quantized weights]): quantized_initialization's num_bits and group_size, which
+    zero.Init applies, so under ZeRO-3 only (another stage: DeepSpeed leaves the weights as they
+    are, and a note says so)."""
+    wq = ds_raw.get("weight_quantization")
+    if not isinstance(wq, dict):
+        return raw
+    if wq.get("post_init_quant"):
+        notes.append("deepspeed.weight_quantization.post_init_quant: not modelled (init_inference's quantization "
+                     "after loading); the weights are priced unquantized")
+    qi = wq.get("quantized_initialization")
+    if not isinstance(qi, dict) or not qi:
+        return raw
+    zero = ds_raw.get("zero_optimization")
+    if not (isinstance(zero, dict) and zero.get("stage") == 3):
+        notes.append("deepspeed.weight_quantization.quantized_initialization: zero.Init applies it, i.e. under ZeRO "
+                     "stage 3; at this stage DeepSpeed leaves the weights unquantized")
+        return raw
+    if qi.get("symmetric", False) is not False:
+        raise ZsimInputError("deepspeed.weight_quantization.quantized_initialization.symmetric", qi["symmetric"],
+                             "DeepSpeed's Quantizer asserts asymmetric quantization; set it false")
+    out = dict(raw)
+    for key, name in (("num_bits", "weight_bits"), ("group_size", "weight_group_size")):
+        if key in qi:
+            if name in raw and raw[name] != qi[key]:
+                raise ZsimInputError(f"inference.{name}", raw[name], f"disagrees with the ds_config's "
+                                     f"weight_quantization.quantized_initialization.{key} = {qi[key]!r}; drop one")
+            out[name] = qi[key]
+    return out
 
 
 def check_inference(gen: GenerationSpec, model, training, par, zero, world_size: int) -> None:
@@ -61,6 +94,12 @@ def check_inference(gen: GenerationSpec, model, training, par, zero, world_size:
         raise ZsimInputError(field, value, "ZeRO-Inference (zero_optimization.stage 3) runs the model's own code "
                              "under deepspeed.initialize, with no inference tensor parallelism or kernel injection; "
                              "drop it, or use stage 0 for DeepSpeed-Inference")
+    if gen.weight_bits not in (4, 8, 16):
+        raise ZsimInputError("inference.weight_bits", gen.weight_bits, "DeepSpeed quantizes to 4 or 8 bits (16: "
+                             "not quantized)")
+    if gen.weight_bits < 16 and zero.stage != 3:
+        raise ZsimInputError("inference.weight_bits", gen.weight_bits, "ZeRO-Inference's weight quantization is "
+                             "applied by zero.Init, under zero_optimization.stage 3; set it, or 16")
     if gen.cuda_graph and not gen.kernel_inject:
         raise ZsimInputError("inference.cuda_graph", True, "needs kernel_inject: the HF code's DynamicCache changes "
                              "shape every step, so no graph replays; set inference.kernel_inject: true")

@@ -12,14 +12,46 @@ from zsim.specs.rlhf import RlhfSpec
 from zsim.specs.scenario import TrainingSpec
 
 
-def read_rlhf(raw, training: TrainingSpec, notes: list) -> tuple[RlhfSpec | None, TrainingSpec]:
-    """The block (its critic_model still the raw mapping), and the actor's training block with the
-    PPO micro-batch and the experience's length (prompt + answer) where it leaves them open."""
+# the actor ds_config's hybrid_engine block (runtime/config.py HybridEngineConfig, as DeepSpeed-Chat's
+# get_train_ds_config writes it) -> the rlhf keys it sets; pin_parameters is unpin_actor_parameters negated
+HYBRID_KEYS = {"enabled": "enable_hybrid_engine", "inference_tp_size": "inference_tp_size",
+               "tp_gather_partition_size": "tp_gather_partition_size",
+               "release_inference_cache": "release_inference_cache", "pin_parameters": "unpin_actor_parameters"}
+
+
+def _hybrid_engine(raw: dict, ds_raw: dict) -> dict:
+    """The rlhf block's keys with the ds_config's hybrid_engine block folded in (a key both give must agree)."""
+    block = ds_raw.get("hybrid_engine")
+    if not isinstance(block, dict):
+        return raw
+    out = dict(raw)
+    for key, name in HYBRID_KEYS.items():
+        if key not in block:
+            continue
+        value = (not block[key]) if key == "pin_parameters" and isinstance(block[key], bool) else block[key]
+        if name in raw and raw[name] != value:
+            raise ZsimInputError(f"rlhf.{name}", raw[name], f"disagrees with the ds_config's hybrid_engine.{key} = "
+                                 f"{block[key]!r}; drop one")
+        out[name] = value
+    return out
+
+
+def read_rlhf(raw, training: TrainingSpec, notes: list, ds_raw: dict) -> tuple[RlhfSpec | None, TrainingSpec]:
+    """The block (its critic_model still the raw mapping; the ds_config's hybrid_engine block read into
+    it), and the actor's training block with the PPO micro-batch and the experience's length (prompt +
+    answer) where it leaves them open."""
     if raw is None:
         return None, training
     if not isinstance(raw, dict):
         raise ZsimInputError("rlhf", raw, "expected a mapping (per_device_generation_batch_size, max_prompt_seq_len, ...)")
+    raw = _hybrid_engine(raw, ds_raw)
     spec = build(RlhfSpec, {k: v for k, v in raw.items() if k != "critic_model"}, "rlhf")
+    block = ds_raw.get("hybrid_engine")
+    out_tokens = block.get("max_out_tokens") if isinstance(block, dict) else None
+    if spec.enable_hybrid_engine and isinstance(out_tokens, int) and out_tokens < spec.seq_len:
+        raise ZsimInputError("deepspeed.hybrid_engine.max_out_tokens", out_tokens, f"is below max_prompt_seq_len + "
+                             f"max_answer_seq_len = {spec.seq_len}: the inference workspace holds max_out_tokens "
+                             "tokens (DeepSpeed-Chat sets it to their sum)")
     critic = raw.get("critic_model")
     if critic is not None and not isinstance(critic, dict):
         raise ZsimInputError("rlhf.critic_model", critic, "expected a model mapping (preset: NAME, or hf_config: PATH)")

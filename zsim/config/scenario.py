@@ -315,7 +315,6 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
                              f"({cluster.gpus_per_node} per node); zsim simulates up to {MAX_WORLD_SIZE:,} "
                              "(2**18, above the largest clusters built)")
     training = build(TrainingSpec, raw.get("training") or {}, "training")
-    rlhf, training = read_rlhf(raw.get("rlhf"), training, notes)
     ds_raw = raw.get("deepspeed") or {}
     if isinstance(ds_raw, TrailingCommaJSON):
         # see [Note: trailing commas in a ds_config]: the run's reader decides
@@ -370,6 +369,7 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
     ds_raw, filled = resolve_trainer_autos(ds_raw, model.hidden, training, given, data_parallel)
     notes += filled
     inference = read_inference(raw.get("inference"), ds_raw, raw.get("training"), notes)
+    rlhf, training = read_rlhf(raw.get("rlhf"), training, notes, ds_raw)
     ds_raw = _resolve_batch(ds_raw, training, data_parallel)
     prefixed = {k: v for k, v in ds_raw.items() if k in accepted_keys(DeepSpeedConfig)}
     ds = build(DeepSpeedConfig, prefixed, "deepspeed")
@@ -414,7 +414,10 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
     return Scenario(name=name, model=model, cluster=cluster, training=training, deepspeed=ds, parallelism=par,
                     inference=inference, rlhf=rlhf, description=str(raw.get("description", "")),
                     notes=tuple(notes),
-                    warnings=(ds.not_modelled(ds_raw) + ds.checkpointing_warnings(training.activation_checkpointing)
+                    # an rlhf block simulates what the hybrid_engine block switches on
+                    warnings=(tuple(w for w in ds.not_modelled(ds_raw)
+                                    if rlhf is None or not w.startswith("deepspeed.hybrid_engine"))
+                              + ds.checkpointing_warnings(training.activation_checkpointing)
                               + ds.zero_optimization.zero_plus_plus_warnings(
                                   training.lora is not None or bool(training.frozen)
                                   or training.quantization != "none")

@@ -163,5 +163,30 @@ def chrome_trace(trace: Trace, name: str) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
+def rlhf_trace_json(r, traces, name: str) -> str:
+    """A PPO iteration's Chrome trace: an "iteration" process with its phases back to back (each
+    its runs x its time), then one process per phase holding one run of it, op by op, placed where
+    the phase starts."""
+    events: list[dict] = [{"ph": "M", "pid": 1, "tid": 0, "name": "process_name",
+                           "args": {"name": f"zsim: {name} (one PPO iteration, per GPU)"}},
+                          {"ph": "M", "pid": 1, "tid": 1, "name": "thread_name", "args": {"name": "phases"}}]
+    start = 0.0
+    starts = {}
+    for p in r.phases:
+        starts[p.name] = start
+        events.append({"ph": "X", "pid": 1, "tid": 1, "name": p.name, "cat": "phase", "ts": round(start * 1e6, 3),
+                       "dur": round(p.total_s * 1e6, 3), "args": {"engine": p.engine, "runs": p.runs, "each_s": p.time_s,
+                                                                  "peak_bytes": p.peak_bytes}})
+        start += p.total_s
+    for k, (phase, trace) in enumerate(traces):
+        shift_us = starts[phase] * 1e6
+        for e in chrome_trace(trace, f"{name}: {phase}, one run")["traceEvents"]:
+            e = dict(e, pid=k + 2)
+            if "ts" in e:
+                e["ts"] = round(e["ts"] + shift_us, 3)
+            events.append(e)
+    return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}, separators=(",", ":")) + "\n"
+
+
 def trace_json(trace: Trace, name: str) -> str:
     return json.dumps(chrome_trace(trace, name), separators=(",", ":")) + "\n"

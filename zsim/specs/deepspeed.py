@@ -398,8 +398,9 @@ def _half_enabled(raw) -> bool:
 # Accepted keys that do change a real run but that zsim does not simulate: the result carries a
 # warning that says what the prediction leaves out, instead of silently pretending.
 NOT_MODELLED_TOP_LEVEL = {
-    "hybrid_engine": (_on, "the hybrid (RLHF) engine's generation is not modelled; the prediction is the "
-                           "training step alone"),
+    "hybrid_engine": (_on, "the hybrid (RLHF) engine's generation is simulated with an rlhf: block "
+                           "(DeepSpeed-Chat's PPO iteration, docs/scenario.md); this prediction is the training "
+                           "step alone"),
     "wall_clock_breakdown": (lambda v, raw: v is True, "its timers synchronize the device around forward, "
                                                        "backward and step; the prediction leaves those waits out"),
     "comms_logger": (_on, "the comms logger synchronizes every collective to time it; the prediction leaves "

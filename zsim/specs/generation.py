@@ -36,6 +36,12 @@ class GenerationSpec:
     max_out_tokens: int = spec(DS_INFERENCE_MAX_OUT_TOKENS, gt=0, le=MAX_SEQ_LEN,
                                doc="init_inference's max_out_tokens: the tokens (prompt + generated) the injected "
                                    "kernels' KV cache holds, allocated up front")
+    weight_bits: int = spec(16, doc="ZeRO-Inference's weight quantization (the ds_config's weight_quantization."
+                                    "quantized_initialization num_bits, read into it): 8 or 4 stores every nn.Linear "
+                                    "and nn.Embedding weight packed, dequantized at each use; 16: not quantized "
+                                    "(see [Note: ZeRO-Inference quantized weights])")
+    weight_group_size: int = spec(64, gt=0, le=2**16, doc="quantized_initialization group_size: one scale and "
+                                                            "one minimum per group of weights")
     cuda_graph: bool = spec(False, doc="init_inference's enable_cuda_graph (with kernel_inject): each decode step "
                                        "replayed as one graph, without a launch per kernel")
 

@@ -126,3 +126,39 @@ def decode_core(core: Module, shape: KvShape, batch: int, context: int, dtype_by
     copy = 2.0 * cache if copies_cache else 0.0
     return replace(core, fwd_flops=flops, model_fwd_flops=flops, fwd_mem_bytes=core.fwd_mem_bytes + cache,
                    fwd_copy_bytes=copy, kernels_fwd=core.kernels_fwd + (2 if copies_cache else 0))
+
+
+# [Note: ZeRO-Inference quantized weights]
+# DeepSpeed 0.19.8's weight_quantization.quantized_initialization (runtime/zero/partition_parameters.py
+# Init: _quantize_param on every nn.Linear and nn.Embedding weight as zero.Init partitions it;
+# inference/quantization/utils.py Quantizer, DeQuantizer, concat_to_compat_param,
+# wrap_quantized_functional): each weight becomes one tensor of its dtype holding the uint8 codes
+# (num_bits 4: two a byte) and, per group of group_size weights, the group's scale and minimum in
+# the weight's dtype; ZeRO-3 partitions, offloads and gathers that tensor. F.linear and F.embedding
+# are wrapped: every use dequantizes the whole weight first (read the codes and the statistics,
+# write a 16-bit copy, alive while the op runs), the embedding's whole table included. The
+# dequantization is one CUDA kernel for fp16 (dequantize_int4/int8_to_half_experimental); other
+# dtypes run it in torch ops (unpack for 4 bits, subtract, multiply, cast: 4 kernels here).
+def quantized_bytes(numel: int, bits: int, group_size: int, dtype_bytes: int) -> float:
+    """Bytes of one quantized weight: its codes and each group's scale and minimum."""
+    return float(-(-numel * bits // 8) + 2 * -(-numel // group_size) * dtype_bytes)
+
+
+def with_quantized_weights(wl: Workload, bits: int, group_size: int, fp16: bool) -> Workload:
+    """`wl` with every nn.Linear and nn.Embedding weight quantized (see [Note: ZeRO-Inference
+    quantized weights])."""
+    a = wl.act_dtype_bytes
+    quantized: set[int] = set()
+    mods = []
+    for m in wl.modules:
+        if (m.kind == ModuleKind.LINEAR and m.nn_linear) or m.kind == ModuleKind.EMBEDDING:
+            pid = m.params[0]
+            numel = wl.params[pid].numel
+            quantized.add(pid)
+            m = replace(m, fwd_mem_bytes=m.fwd_mem_bytes + quantized_bytes(numel, bits, group_size, a) + numel * a,
+                        kernels_fwd=m.kernels_fwd + (1 if fp16 else 4),
+                        fwd_workspace_bytes=m.fwd_workspace_bytes + numel * a)
+        mods.append(m)
+    params = tuple(replace(p, packed_bytes=quantized_bytes(p.numel, bits, group_size, a)) if i in quantized else p
+                   for i, p in enumerate(wl.params))
+    return replace(wl, params=params, modules=tuple(mods))
