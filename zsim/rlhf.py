@@ -42,7 +42,7 @@ from zsim.hardware.collectives import nccl_topo_for, tiers_for
 from zsim.hardware.cost_model import collective_op_cost
 from zsim.result import fits as fits_rule
 from zsim.result.generation import summarize_generation
-from zsim.result.rlhf import Rlhf, RlhfPhase
+from zsim.result.rlhf import PipelineStep, Rlhf, RlhfPhase
 from zsim.result.summarize import memory_at_peak
 from zsim.schedule.ir import Category, Collective
 from zsim.schedule.payloads import Comm
@@ -210,7 +210,43 @@ def simulate_rlhf(sc: Scenario, suggest: bool = True, traces: list | None = None
                samples_per_s=spec.generation_batches * gen_bs * world / iteration, resident_bytes=resident,
                host_bytes_per_node=host, host_capacity_bytes=host_cap, peak_bytes=peak, capacity_bytes=cap,
                fits=fits_rule(peak <= cap, host <= host_cap), suggestions=())
+    if spec.pipeline:
+        out = _with_pipeline(sc, out, critic_sc)
     return replace(out, suggestions=_suggestions(sc, out)) if suggest else out
+
+
+def _batch(sc: Scenario, micro: int, seq: int) -> Scenario:
+    """`sc` at micro-batch `micro` (the batch triple kept consistent) and sequence `seq`."""
+    ds = sc.deepspeed
+    gas = sc.gradient_accumulation_steps
+    ds = replace(ds, train_micro_batch_size_per_gpu=micro, train_batch_size=micro * gas * sc.data_parallel_size)
+    return replace(sc, deepspeed=ds, training=replace(sc.training, micro_batch_size=micro, seq_len=seq))
+
+
+def _with_pipeline(sc: Scenario, r: Rlhf, critic_sc: Scenario) -> Rlhf:
+    """Steps 1 and 2 as DeepSpeed-Chat runs them (step1_supervised_finetuning, step2_reward_model_finetuning:
+    one epoch over their data share), and step 3's epoch of PPO iterations."""
+    spec = sc.rlhf
+    assert spec is not None
+    world = sc.cluster.world_size
+    f1, f2, f3 = spec.split
+    n1, n2, n3 = (int(spec.dataset_samples * f) for f in (f1, f2, f3))
+    sft = _batch(replace(sc, rlhf=None), spec.sft_micro_batch_size, spec.sft_seq_len)
+    # step 2's RewardModel on chosen and rejected sequences, concatenated along the batch (DataCollatorReward)
+    reward = _batch(replace(critic_sc, training=replace(critic_sc.training, preference=PreferenceSpec(
+        method="reward", reward_head="score", pair="batch"))), spec.reward_micro_batch_size, spec.reward_seq_len)
+    steps = []
+    for name, tsc, n in (("step 1: supervised fine-tuning (actor)", sft, n1),
+                         ("step 2: reward model (critic)", reward, n2)):
+        _, trace = simulate_scenario(tsc)
+        count = n / (world * tsc.micro_batch_size * tsc.gradient_accumulation_steps)
+        peak = _peak(trace, tsc)
+        steps.append(PipelineStep(name, n, count, trace.step_time_s, count * trace.step_time_s, peak,
+                                  peak <= sc.cluster.hbm_capacity_bytes))
+    iterations = n3 / (world * spec.per_device_generation_batch_size * spec.generation_batches)
+    steps.append(PipelineStep("step 3: PPO (this iteration's phases)", n3, iterations, r.iteration_time_s,
+                              iterations * r.iteration_time_s, r.peak_bytes, r.fits))
+    return replace(r, pipeline=tuple(steps), pipeline_time_s=sum(s.total_s for s in steps))
 
 
 def _layer_numels(sc: Scenario) -> tuple[list[int], int]:

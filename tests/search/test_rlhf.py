@@ -137,3 +137,18 @@ def test_the_actor_ds_configs_hybrid_engine_block_is_read():
     r["deepspeed"]["hybrid_engine"]["max_out_tokens"] = 128
     with pytest.raises(ZsimInputError, match="max_out_tokens"):
         scenario_from_mapping(r, ROOT)
+
+
+def test_pipeline_adds_steps_one_and_two_over_their_data_share():
+    r = simulate_rlhf(ppo(pipeline=True, dataset_samples=10000, data_split="2,3,5", sft_micro_batch_size=8,
+                          reward_micro_batch_size=4), suggest=False)
+    s1, s2, s3 = r.pipeline
+    assert (s1.samples, s2.samples, s3.samples) == (2000, 3000, 5000)
+    # 8 GPUs, GAS 1: step 1 at micro-batch 8, step 2 at 4 pairs, step 3 at 8 prompts a GPU an iteration
+    assert s1.steps == pytest.approx(2000 / 64) and s2.steps == pytest.approx(3000 / 32)
+    assert s3.steps == pytest.approx(5000 / 64) and s3.step_time_s == r.iteration_time_s
+    assert r.pipeline_time_s == pytest.approx(s1.total_s + s2.total_s + s3.total_s)
+    # step 2 trains the critic's model on chosen and rejected rows: slower per pair than a plain sequence
+    assert s2.step_time_s > 0 and s1.step_time_s > 0
+    with pytest.raises(ZsimInputError, match="data_split"):
+        ppo(data_split="2,4")

@@ -9,6 +9,8 @@ from zsim.config.trainer_args import Recipe, as_bool, as_int
 from zsim.errors import ZsimInputError
 
 # main.py's integer arguments that the rlhf block takes as they are
+# main.py's string arguments the rlhf block takes
+RLHF_STRINGS = ("data_split",)
 RLHF_INTS = ("per_device_generation_batch_size", "per_device_training_batch_size", "generation_batches", "ppo_epochs",
              "max_prompt_seq_len", "max_answer_seq_len", "inference_tp_size", "tp_gather_partition_size")
 # its store_true flags the rlhf block takes
@@ -16,7 +18,7 @@ RLHF_FLAGS = ("enable_hybrid_engine", "unpin_actor_parameters", "release_inferen
               "offload_reward_model", "critic_gradient_checkpointing")
 # arguments that change nothing zsim prices (data, learning rates and schedules, logging, saving, testing)
 NO_EFFECT = frozenset({
-    "data_path", "data_split", "data_output_path", "unsup_coef", "num_padding_at_beginning", "actor_learning_rate",
+    "data_path", "data_output_path", "unsup_coef", "num_padding_at_beginning", "actor_learning_rate",
     "critic_learning_rate", "actor_weight_decay", "critic_weight_decay", "num_train_epochs", "lr_scheduler_type",
     "num_warmup_steps", "output_dir", "seed", "preprocessing_num_workers", "local_rank", "actor_dropout",
     "critic_dropout", "actor_lora_module_name", "critic_lora_module_name", "actor_lora_learning_rate",
@@ -47,6 +49,9 @@ def read_dschat(flags: dict, recipe: Recipe) -> Recipe:
     for name in RLHF_INTS:
         if name in flags:
             recipe.rlhf[name] = as_int(f"--{name}", flags[name])
+    for name in RLHF_STRINGS:
+        if name in flags:
+            recipe.rlhf[name] = _one(f"--{name}", flags[name])
     for name in RLHF_FLAGS:
         if _flag(flags, name):
             recipe.rlhf[name] = True
@@ -88,7 +93,7 @@ def read_dschat(flags: dict, recipe: Recipe) -> Recipe:
     unmodelled = [k for k in NOT_MODELLED if k in flags and str(flags[k]) != "0"]
     if unmodelled:
         recipe.notes.append("not modelled: " + ", ".join(f"--{k} ({NOT_MODELLED[k]})" for k in unmodelled))
-    known = set(RLHF_INTS) | set(RLHF_FLAGS) | NO_EFFECT | set(NOT_MODELLED) | {
+    known = set(RLHF_INTS) | set(RLHF_FLAGS) | set(RLHF_STRINGS) | NO_EFFECT | set(NOT_MODELLED) | {
         "actor_model_name_or_path", "critic_model_name_or_path", "actor_zero_stage", "critic_zero_stage", "dtype",
         "gradient_accumulation_steps", "actor_gradient_checkpointing", "actor_lora_dim", "only_optimize_lora",
         "offload"}

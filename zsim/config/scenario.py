@@ -337,6 +337,8 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
         ds_raw.setdefault("bf16", old)
     ds_raw = _deprecated_zero_flag(ds_raw)
     notes += _check_top_level_ds(ds_raw)
+    # the PPO micro-batch and length are the actor's before the HF Trainer's autos fill anything
+    rlhf, training = read_rlhf(raw.get("rlhf"), training, notes, ds_raw)
     if training.framework is None and has_autos(ds_raw):
         # "auto" is the HF Trainer's and accelerate's (they fill it; DeepSpeed's own models refuse
         # the string): their run, their model code and their search space
@@ -369,7 +371,6 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
     ds_raw, filled = resolve_trainer_autos(ds_raw, model.hidden, training, given, data_parallel)
     notes += filled
     inference = read_inference(raw.get("inference"), ds_raw, raw.get("training"), notes)
-    rlhf, training = read_rlhf(raw.get("rlhf"), training, notes, ds_raw)
     ds_raw = _resolve_batch(ds_raw, training, data_parallel)
     prefixed = {k: v for k, v in ds_raw.items() if k in accepted_keys(DeepSpeedConfig)}
     ds = build(DeepSpeedConfig, prefixed, "deepspeed")

@@ -140,6 +140,15 @@ def render_rlhf(r, console: Console | None = None):
                   f"through the iteration: {held}")
     if r.host_bytes_per_node:
         console.print(f"host memory per node: {fmt_bytes(r.host_bytes_per_node)} of {fmt_bytes(r.host_capacity_bytes)}")
+    if r.pipeline:
+        pt = Table(title=f"DeepSpeed-Chat's pipeline, one epoch each: {fmt_time(r.pipeline_time_s)}")
+        for col, right in (("step", False), ("samples", True), ("steps", True), ("each", True), ("total", True),
+                           ("peak per GPU", True)):
+            pt.add_column(col, justify="right" if right else "left")
+        for s in r.pipeline:
+            pt.add_row(s.name, f"{s.samples:,}", f"{s.steps:,.1f}", fmt_time(s.step_time_s), fmt_time(s.total_s),
+                       fmt_bytes(s.peak_bytes) + ("" if s.fits else " [bold red]OOM[/bold red]"))
+        console.print(pt)
     for s in r.suggestions:
         console.print(f"doctor: {s}")
 

@@ -17,6 +17,18 @@ class RlhfPhase:
 
 
 @dataclass(frozen=True)
+class PipelineStep:
+    """One step of DeepSpeed-Chat's pipeline over its share of the data, one epoch."""
+    name: str
+    samples: int             # rows of its data share (step 2: pairs; step 3: prompts)
+    steps: float             # optimizer steps (step 3: PPO iterations)
+    step_time_s: float
+    total_s: float
+    peak_bytes: float
+    fits: bool
+
+
+@dataclass(frozen=True)
 class Rlhf:
     scenario: str
     gpus: int
@@ -41,6 +53,8 @@ class Rlhf:
     capacity_bytes: float
     fits: bool
     suggestions: tuple[str, ...]      # doctor: variants that fit or run faster, as --set assignments
+    pipeline: tuple[PipelineStep, ...] = ()   # rlhf.pipeline: steps 1, 2 and 3 over one epoch each
+    pipeline_time_s: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)

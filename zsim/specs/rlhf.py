@@ -46,6 +46,34 @@ class RlhfSpec:
     critic_gradient_checkpointing: bool = spec(False, doc="--critic_gradient_checkpointing (the actor's: "
                                                           "training.activation_checkpointing)")
 
+    pipeline: bool = spec(False, doc="also estimate steps 1 (the actor's supervised fine-tuning) and 2 (the reward "
+                                     "model's training), one epoch each over the data split, and step 3's epoch: the "
+                                     "whole pipeline DeepSpeed-Chat's e2e script runs")
+    dataset_samples: int = spec(76256, gt=0, le=2**40, doc="rows of the training data (--data_path's train split; "
+                                                             "default Dahoas/rm-static's 76,256, DeepSpeed-Chat's "
+                                                             "default data)")
+    data_split: str = spec("2,4,4", doc="--data_split: the data's shares for steps 1, 2 and 3")
+    sft_micro_batch_size: int = spec(16, gt=0, le=2**14, doc="step 1's --per_device_train_batch_size (default 16)")
+    sft_seq_len: int = spec(512, gt=0, le=MAX_SEQ_LEN, doc="step 1's --max_seq_len (default 512)")
+    reward_micro_batch_size: int = spec(16, gt=0, le=2**14, doc="step 2's --per_device_train_batch_size: pairs "
+                                        "(chosen and rejected) per GPU (default 16)")
+    reward_seq_len: int = spec(512, gt=0, le=MAX_SEQ_LEN, doc="step 2's --max_seq_len (default 512)")
+
+    @property
+    def split(self) -> tuple[float, float, float]:
+        """The data's fractions for steps 1, 2 and 3 (create_prompt_dataset's proportions)."""
+        parts = [float(x) for x in self.data_split.split(",")]
+        return parts[0] / sum(parts), parts[1] / sum(parts), parts[2] / sum(parts)
+
+    def __post_init__(self):
+        parts = self.data_split.split(",")
+        try:
+            ok = len(parts) == 3 and all(float(x) >= 0 for x in parts) and sum(float(x) for x in parts) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError("data_split", self.data_split, "expected three comma-separated shares, e.g. 2,4,4")
+
     @property
     def seq_len(self) -> int:
         """The experience's length: prompt + answer (what every forward after generation reads)."""
