@@ -31,7 +31,9 @@ prompt + answer) is kept unless --release_inference_cache. Without the hybrid en
 HF module generates, under ZeRO-3 gathering every layer in every forward (the slow path zsim's
 generation simulates). Not modelled: the unpinned hybrid engine's per-layer gathers run with the
 injected kernels (zsim prices that case as the HF code's ZeRO-3 generation); EMA, the
-unsupervised loss, align_overflow's extra checks.
+unsupervised loss, align_overflow's extra checks. DeepSpeed 0.19.8's generate() slices the
+inference containers over the TP group only when the engine has an mpu (`if self.mpu is not
+None`), and DeepSpeed-Chat passes none: zsim prices the split the option exists for.
 """
 from __future__ import annotations
 
@@ -131,7 +133,7 @@ def simulate_rlhf(sc: Scenario, suggest: bool = True, traces: list | None = None
         gen_sc = replace(sc, rlhf=None, deepspeed=_zero(ds, 0, False, False),
                          inference=GenerationSpec(batch_size=gen_bs * tp, prompt_len=spec.max_prompt_seq_len,
                                                   new_tokens=spec.max_answer_seq_len, tensor_parallel=tp,
-                                                  kernel_inject=True, max_out_tokens=seq))
+                                                  kernel_inject=True, max_out_tokens=spec.max_out_tokens or seq))
     else:
         gen_sc = replace(sc, rlhf=None, inference=GenerationSpec(batch_size=gen_bs, prompt_len=spec.max_prompt_seq_len,
                                                                  new_tokens=spec.max_answer_seq_len))
@@ -143,18 +145,22 @@ def simulate_rlhf(sc: Scenario, suggest: bool = True, traces: list | None = None
     # simulate
     _, actor_trace = simulate_scenario(actor_sc)
     _, critic_trace = simulate_scenario(critic_sc)
-    _, gen_trace, gen_forwards = simulate_generation(gen_sc)
+    # the actor's own module generating under ZeRO-3 is a trained engine (its step keeps the persistent
+    # parameters gathered); the inference containers run without ZeRO
+    _, gen_trace, gen_forwards = simulate_generation(gen_sc, trained_engine=True)
     gen = summarize_generation(gen_sc, gen_trace, gen_forwards)
     fwd = []
     for name, fsc, head, engine in forwards:
-        _, trace, fw = simulate_generation(fsc, head=head, all_logits=head == "lm")
+        _, trace, fw = simulate_generation(fsc, head=head, all_logits=head == "lm",
+                                           trained_engine=engine in ("actor", "critic"))
         fwd.append((name, fsc, engine, summarize_generation(fsc, trace, fw), trace))
     fwd_trace = {engine: trace for _, _, engine, _, trace in fwd}
 
     # what each engine holds on the GPU through the iteration
     resident = {"actor": _static(actor_trace), "critic": _static(critic_trace),
                 "reference": _static(fwd_trace["reference"]), "reward": _static(fwd_trace["reward"])}
-    kv_workspace = sum(a.size_bytes for a in gen_trace.schedule.static if a.category == Category.KV_CACHE)
+    kv_workspace = sum(a.size_bytes for a in gen_trace.schedule.static
+                       if a.category in (Category.KV_CACHE, Category.INFERENCE_WORKSPACE)) if hybrid else 0.0
     if hybrid and not spec.release_inference_cache and kv_workspace:
         resident["hybrid engine inference cache"] = kv_workspace
     all_resident = sum(resident.values())
@@ -179,8 +185,12 @@ def simulate_rlhf(sc: Scenario, suggest: bool = True, traces: list | None = None
     gen_time = gather_s + gen.total_time_s
     phases.append(RlhfPhase("generation", how, float(spec.generation_batches), gen_time,
                             spec.generation_batches * gen_time, gen_peak, gen_peak <= cap))
+    # generate_experience keeps the actor's and the reference's logits (every position, 16-bit) to the
+    # log-probs after the four forwards
+    logits = float(gen_bs * seq * sc.model.vocab * (4 if sc.precision == "fp32" else 2))
+    kept = {"actor": 0.0, "reference": logits, "reward": 2 * logits, "critic": 2 * logits}
     for name, fsc, engine, g, trace in fwd:
-        peak = g.memory.peak_bytes - _static(trace) + all_resident
+        peak = g.memory.peak_bytes - _static(trace) + all_resident + kept[engine]
         stage = fsc.deepspeed.zero_optimization.stage
         phases.append(RlhfPhase(name, f"{engine} engine, ZeRO stage {stage}, no_grad over prompt + answer",
                                 float(spec.generation_batches), g.prefill_time_s,
@@ -278,8 +288,9 @@ def _variants(sc: Scenario) -> list[tuple[str, Scenario]]:
         out.append(("rlhf.enable_hybrid_engine=true", replace(sc, rlhf=replace(spec, enable_hybrid_engine=True))))
     else:
         for tp in (2, 4, 8):
-            if tp != spec.inference_tp_size and sc.cluster.gpus_per_node % tp == 0 and sc.model.heads % tp == 0 \
-                    and sc.model.n_kv_heads % tp == 0:
+            # DeepSpeed-Chat asserts the actor at ZeRO-3 for an inference TP (main.py parse_args)
+            if sc.zero.stage == 3 and tp != spec.inference_tp_size and sc.cluster.gpus_per_node % tp == 0 \
+                    and sc.model.heads % tp == 0 and sc.model.n_kv_heads % tp == 0:
                 out.append((f"rlhf.inference_tp_size={tp}", replace(sc, rlhf=replace(spec, inference_tp_size=tp))))
     if sc.zero.stage == 3 and not spec.offload_reference_model:
         out.append(("rlhf.offload_reference_model=true", replace(sc, rlhf=replace(spec, offload_reference_model=True))))

@@ -22,7 +22,8 @@ from zsim.schedule.build import build_schedule
 from zsim.schedule.generate import build_generation, simulated_forwards
 from zsim.specs.generation import generation_kernels
 from zsim.specs.scenario import Scenario
-from zsim.workload.generation import decode_workload, prefill_workload, with_quantized_weights
+from zsim.workload.generation import (decode_workload, deepspeed_tensor_parallel, prefill_workload,
+                                     with_quantized_weights)
 from zsim.workload.module import Workload
 
 # the first, two middle micro-steps (the second repeating the first), the boundary one; one or two
@@ -119,21 +120,26 @@ def _pipeline_micro_steps(stages: int, stride: int) -> tuple[int, ...]:
     return (stages + 4, 2 * stages + 4)
 
 
-def simulate_generation(sc: Scenario, head: str = "lm", all_logits: bool = False) -> tuple[Workload, Trace, tuple[int, ...]]:
+def simulate_generation(sc: Scenario, head: str = "lm", all_logits: bool = False,
+                        trained_engine: bool = False) -> tuple[Workload, Trace, tuple[int, ...]]:
     """Build and simulate the scenario's generate() call (sc.inference): the decode step's
     workload, the trace, and the forwards it simulated (0: the prefill; see [Note: generation]).
     `head` and `all_logits`: a one-token "generation" that is a PPO experience's forward
-    (workload.generation.prefill_workload)."""
+    (workload.generation.prefill_workload); `trained_engine`: the engine has a ZeRO-3 optimizer
+    (generate.build_generation)."""
     gen = sc.inference
     assert gen is not None, "not an inference scenario"
     attn, kernels = generation_kernels(gen, sc.training)
     prefill = prefill_workload(sc.model, gen.batch_size, gen.prompt_len, sc.precision, attn, kernels,
                                gen.tensor_parallel, head, all_logits)
     decode = decode_workload(sc.model, gen.batch_size, sc.precision, attn, kernels, gen.tensor_parallel)
+    prefill = deepspeed_tensor_parallel(prefill, sc.model, gen.tensor_parallel, gen.kernel_inject)
+    decode = deepspeed_tensor_parallel(decode, sc.model, gen.tensor_parallel, gen.kernel_inject)
     if gen.weight_bits < 16:   # see [Note: ZeRO-Inference quantized weights]
         fp16 = sc.precision == "fp16"
         prefill = with_quantized_weights(prefill, gen.weight_bits, gen.weight_group_size, fp16)
         decode = with_quantized_weights(decode, gen.weight_bits, gen.weight_group_size, fp16)
     forwards = simulated_forwards(gen.new_tokens)
     with collector_paused():
-        return decode, simulate(build_generation(sc, prefill, decode, forwards), sc.cluster, sc.precision), forwards
+        return decode, simulate(build_generation(sc, prefill, decode, forwards, trained_engine), sc.cluster,
+                                sc.precision), forwards

@@ -60,4 +60,5 @@ def test_zsim_run_on_the_launch(tmp_path):
     r = json.loads((tmp_path / "r.json").read_text())
     assert r["hybrid_engine"] is True and r["generation_batch_size"] == 8 and r["training_batch_size"] == 4
     assert r["phases"][0]["engine"].startswith("hybrid engine") and "tensor parallel 2" in r["phases"][0]["engine"]
-    assert r["resident_bytes"]["reference"] == 0.0      # offloaded to the CPU under ZeRO-3
+    # offloaded to the CPU under ZeRO-3: its persistent norms alone on the GPU
+    assert r["resident_bytes"]["reference"] < 1e-3 * r["resident_bytes"]["actor"]

@@ -73,8 +73,13 @@ def test_injected_kernels_preallocate_the_cache_for_max_out_tokens():
     sc = gen_scenario({"batch_size": 2, "prompt_len": 64, "new_tokens": 4, "kernel_inject": True,
                        "max_out_tokens": 512})
     _, trace, forwards = simulate_generation(sc)
+    # inference_context.h GenWorkSpace: every layer's keys and values over all 8 heads (not the 2 KV
+    # heads) of 64 dims, 2 sequences, 512 tokens, 2 bytes; the activations (10 x 512 a sequence) and the
+    # scores (8 heads) per token beside them
     kv = [a for a in trace.schedule.static if a.category == Category.KV_CACHE]
-    assert len(kv) == 1 and kv[0].size_bytes == 4 * 2 * 2 * 512 * 2 * 64 * 2
+    assert len(kv) == 1 and kv[0].size_bytes == 4 * 2 * 512 * 2 * 512 * 2
+    rest = [a for a in trace.schedule.static if a.category == Category.INFERENCE_WORKSPACE]
+    assert rest[0].size_bytes == (10 * 512 * 2 + 2 * 8 * 512) * 512 * 2
     assert not any(a.category == Category.KV_CACHE for op in trace.schedule.ops for a in op.alloc)
 
 
@@ -112,12 +117,15 @@ def test_sampled_decode_steps_stand_for_every_step(zero):
 def test_zero3_gathers_every_parameter_in_every_forward():
     sc = gen_scenario({"batch_size": 2, "prompt_len": 32, "new_tokens": 4}, zero={"stage": 3}, gpus=4)
     wl, trace, forwards = simulate_generation(sc)
+    small = {i for i, p in enumerate(wl.params) if p.numel <= sc.zero.param_persistence_threshold}
+    assert small     # the norms
     for f in forwards:
         gathered = [p for op in trace.schedule.ops if op.micro_step == f and op.kind == OpKind.PARAM_GATHER
                     for p in op.payload.pids]
-        # every parameter once (an inference engine keeps none persistent: see [Note: a reference
-        # engine under ZeRO-3])
-        assert sorted(gathered) == list(range(len(wl.params)))
+        # every parameter once; the persistent ones only until the trace is complete and they stay
+        # (see [Note: generation])
+        expected = range(len(wl.params)) if f < 2 else sorted(set(range(len(wl.params))) - small)
+        assert sorted(gathered) == list(expected)
     prefetched = [op for op in trace.schedule.ops if op.kind == OpKind.PARAM_GATHER and op.payload.prefetch]
     # the prefill records the trace (no prefetch); the decode steps prefetch along it
     assert prefetched and all(op.micro_step > 0 for op in prefetched)
@@ -128,12 +136,18 @@ def test_zero_inference_streams_every_parameter_from_the_host_each_step():
                       zero={"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}})
     wl, trace, forwards = simulate_generation(sc)
     total = sum(p.numel for p in wl.params) * 2
+    kept = sum(p.numel for p in wl.params if p.numel <= full_threshold(sc)) * 2
     for f in forwards:
         h2d = sum(op.payload.size_bytes for op in trace.schedule.ops if op.micro_step == f and op.kind == OpKind.PARAM_FETCH)
-        assert h2d == total
+        # the persistent ones stay on the GPU once the trace is complete (see [Note: generation])
+        assert h2d == (total if f < 2 else total - kept)
     g = summarize_generation(sc, trace, forwards)
     assert g.memory.host.breakdown["parameters (16-bit)"] == total
     assert "parameters" not in g.memory.breakdown
+
+
+def full_threshold(sc) -> float:
+    return sc.zero.param_persistence_threshold
 
 
 def test_tensor_parallel_all_reduces_each_row_parallel_output():
@@ -142,9 +156,18 @@ def test_tensor_parallel_all_reduces_each_row_parallel_output():
     step = [op for op in trace.schedule.ops if op.micro_step == 2]
     reduces = [op for op in step if op.kind == OpKind.TP_ALL_REDUCE]
     gathers = [op for op in step if op.kind == OpKind.TP_ALL_GATHER]
-    # o_proj and down_proj of each layer, the vocabulary-split embedding; the logits gathered once
-    assert len(reduces) == 2 * 4 + 1 and len(gathers) == 1
-    assert reduces[1].payload.comm.size_bytes == 2 * 512 * 2     # one token per sequence, hidden wide
+    # o_proj and down_proj of each layer, and AutoTP's lm_head (LmHeadLinearAllreduce: the logits);
+    # the embedding stays whole on every GPU
+    assert len(reduces) == 2 * 4 + 1 and not gathers
+    assert reduces[0].payload.comm.size_bytes == 2 * 512 * 2     # one token per sequence, hidden wide
+    assert reduces[-1].payload.module == "lm_head" and reduces[-1].payload.comm.size_bytes == 2 * 4096 * 2
+    inject = gen_scenario({"batch_size": 2, "prompt_len": 32, "new_tokens": 3, "tensor_parallel": 2,
+                           "kernel_inject": True}, gpus=2)
+    wl, trace, _ = simulate_generation(inject)
+    assert [op.payload.module for op in trace.schedule.ops if op.micro_step == 2 and op.kind == OpKind.TP_ALL_REDUCE][-1] \
+        == "layers.3.mlp.fc_out"     # the injected kernels leave lm_head whole
+    wte = next(p for p in wl.params if p.name == "wte.weight")
+    assert wte.numel == 4096 * 512
 
 
 def test_cli_table_json_and_determinism(tmp_path):
@@ -213,7 +236,7 @@ def test_zero_inference_quantized_weights_stream_their_packed_bytes():
     assert wl4.params[norm].packed_bytes is None      # only nn.Linear and nn.Embedding weights
     h2d = lambda tr: sum(op.payload.size_bytes for op in tr.schedule.ops
                          if op.micro_step == 1 and op.kind == OpKind.PARAM_FETCH)
-    assert h2d(tr4) == pytest.approx(2 * sum(p.stored_numel(2) for p in wl4.params))
+    assert h2d(tr4) == pytest.approx(2 * sum(p.stored_numel(2) for p in wl4.params))   # decode step 1: all
     assert h2d(tr4) < 0.35 * h2d(tr16)
     g4, g16 = summarize_generation(int4, tr4, f4), summarize_generation(full, tr16, f16)
     assert g4.decode_step_last_s < g16.decode_step_last_s
@@ -228,3 +251,9 @@ def test_weight_quantization_outside_zero3():
                         "weight_quantization": {"quantized_initialization": {"num_bits": 4, "group_size": 64}}}
     sc = scenario_from_mapping(raw, ROOT)      # DeepSpeed leaves them unquantized, and a note says so
     assert sc.inference.weight_bits == 16 and any("quantized_initialization" in n for n in sc.notes)
+
+
+def test_quantization_group_must_divide_the_weights():
+    zero = {"stage": 3, "offload_param": {"device": "cpu"}}
+    with pytest.raises(ZsimInputError, match="inference.weight_group_size"):
+        gen_scenario({"weight_bits": 4, "weight_group_size": 96}, zero=zero)   # 1408 % 96

@@ -65,7 +65,9 @@ def test_every_phase_holds_every_engine():
 def test_reference_offloaded_leaves_the_gpu():
     on = simulate_rlhf(ppo(offload_reference_model=True), suggest=False)
     off = simulate_rlhf(ppo(), suggest=False)
-    assert on.resident_bytes["reference"] == 0.0 and on.host_bytes_per_node > off.host_bytes_per_node
+    # only its persistent parameters (the norms) stay on the GPU
+    assert on.resident_bytes["reference"] < 0.01 * off.resident_bytes["reference"]
+    assert on.host_bytes_per_node > off.host_bytes_per_node
 
 
 def test_hybrid_engine_generates_faster_than_zero3s_per_forward_gathers():

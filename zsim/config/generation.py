@@ -100,6 +100,17 @@ def check_inference(gen: GenerationSpec, model, training, par, zero, world_size:
     if gen.weight_bits < 16 and zero.stage != 3:
         raise ZsimInputError("inference.weight_bits", gen.weight_bits, "ZeRO-Inference's weight quantization is "
                              "applied by zero.Init, under zero_optimization.stage 3; set it, or 16")
+    if gen.weight_bits < 16:
+        # Quantizer.quantize asserts the group size divides the grouped (input-feature) dimension of
+        # every weight, and 4 bits pack two codes a byte (inference/quantization/utils.py)
+        dims = {model.hidden, model.heads * model.head_size, model.ffn, model.embed_proj_dim or model.hidden}
+        if model.mla is not None:
+            dims |= {model.mla.kv_lora_rank, *((model.mla.q_lora_rank,) if model.mla.q_lora_rank else ())}
+        bad = sorted(d for d in dims if d % gen.weight_group_size)
+        if bad or (gen.weight_bits == 4 and gen.weight_group_size % 2):
+            raise ZsimInputError("inference.weight_group_size", gen.weight_group_size,
+                                 f"must divide every weight's input features ({', '.join(map(str, bad))} do not)"
+                                 if bad else "must be even for 4 bits (two codes a byte)")
     if gen.cuda_graph and not gen.kernel_inject:
         raise ZsimInputError("inference.cuda_graph", True, "needs kernel_inject: the HF code's DynamicCache changes "
                              "shape every step, so no graph replays; set inference.kernel_inject: true")

@@ -16,7 +16,8 @@ from zsim.specs.scenario import TrainingSpec
 # get_train_ds_config writes it) -> the rlhf keys it sets; pin_parameters is unpin_actor_parameters negated
 HYBRID_KEYS = {"enabled": "enable_hybrid_engine", "inference_tp_size": "inference_tp_size",
                "tp_gather_partition_size": "tp_gather_partition_size",
-               "release_inference_cache": "release_inference_cache", "pin_parameters": "unpin_actor_parameters"}
+               "release_inference_cache": "release_inference_cache", "pin_parameters": "unpin_actor_parameters",
+               "max_out_tokens": "max_out_tokens"}
 
 
 def _hybrid_engine(raw: dict, ds_raw: dict) -> dict:
@@ -46,12 +47,10 @@ def read_rlhf(raw, training: TrainingSpec, notes: list, ds_raw: dict) -> tuple[R
         raise ZsimInputError("rlhf", raw, "expected a mapping (per_device_generation_batch_size, max_prompt_seq_len, ...)")
     raw = _hybrid_engine(raw, ds_raw)
     spec = build(RlhfSpec, {k: v for k, v in raw.items() if k != "critic_model"}, "rlhf")
-    block = ds_raw.get("hybrid_engine")
-    out_tokens = block.get("max_out_tokens") if isinstance(block, dict) else None
-    if spec.enable_hybrid_engine and isinstance(out_tokens, int) and out_tokens < spec.seq_len:
-        raise ZsimInputError("deepspeed.hybrid_engine.max_out_tokens", out_tokens, f"is below max_prompt_seq_len + "
-                             f"max_answer_seq_len = {spec.seq_len}: the inference workspace holds max_out_tokens "
-                             "tokens (DeepSpeed-Chat sets it to their sum)")
+    if spec.enable_hybrid_engine and spec.max_out_tokens is not None and spec.max_out_tokens < spec.seq_len:
+        raise ZsimInputError("deepspeed.hybrid_engine.max_out_tokens", spec.max_out_tokens, f"is below "
+                             f"max_prompt_seq_len + max_answer_seq_len = {spec.seq_len}: the inference workspace "
+                             "holds max_out_tokens tokens (DeepSpeed-Chat sets it to their sum)")
     critic = raw.get("critic_model")
     if critic is not None and not isinstance(critic, dict):
         raise ZsimInputError("rlhf.critic_model", critic, "expected a model mapping (preset: NAME, or hf_config: PATH)")

@@ -16,16 +16,26 @@ k decode step k), with what generation adds:
   preallocated for max_out_tokens (a static buffer);
 - no_grad: nothing is kept for a backward; the forward's hidden states (the residual stream and
   the normed copy a block reads) live through it, and each linear's output while it runs;
-- tensor parallelism (init_inference's tp_size, AutoTP): the row-parallel linears' outputs and the
-  vocabulary-split embedding all-reduced over the replica's GPUs (Megatron's g, the plan
-  zsim/schedule/tensor.py holds), and the last position's logits all-gathered for sampling;
+- tensor parallelism (init_inference's tp_size, AutoTP, the injected kernels): the row-parallel
+  linears' outputs all-reduced over the replica's GPUs (Megatron's g, the plan
+  zsim/schedule/tensor.py holds); the token embedding whole on every GPU; lm_head whole under the
+  injected kernels, else AutoTP's LmHeadLinearAllreduce (its logits all-reduced:
+  workload.generation.deepspeed_tensor_parallel);
 - ZeRO-3 (ZeRO-Inference: deepspeed.initialize with stage 3 and no optimizer, then
   model.generate): every forward is a step of the engine's parameter coordinator, whose trace is
   that forward alone, as a preference run's reference engine is (see [Note: a reference engine
   under ZeRO-3]): every module's parameters are gathered in every forward (prefetched along the
   trace, released after use), with offload_param first copied from host memory or NVMe. The first
   forward (the prefill) records the trace: nothing is prefetched and each module's parameters go
-  right after it (reset_step's RECORD pass).
+  right after it (reset_step's RECORD pass). From the first decode step the trace is complete, so
+  the parameters under stage3_param_persistence_threshold are not released
+  (__params_to_release skips ds_persist): gathered in that step, kept from the next on (an engine
+  with a ZeRO-3 optimizer, the RLHF actor's, keeps them gathered from its step on);
+- DeepSpeed-Inference's injected kernels preallocate one workspace for max_out_tokens (inference_
+  context.h GenWorkSpace: every layer's keys and values over all heads, the activations and the
+  scores), held for the whole call.
+Not modelled: generate's synced_gpus (DeepSpeed-Chat passes it under ZeRO-3: an all-reduce of a flag
+each step), a sliding-window layer's prefill cache (kept whole until the first decode step).
 Decode steps differ only in the context their attention reads, and every op's price is affine in
 it (the cores' traffic and FLOPs; nothing else depends on it), so a long generation simulates a
 sample of its decode steps (the first and the last among them) and interpolates the others'
@@ -39,15 +49,17 @@ from dataclasses import replace
 from zsim.schedule import offload
 from zsim.schedule.builder import Builder
 from zsim.schedule.context import StepContext
-from zsim.schedule.ir import Alloc, Buffer, Category, Collective, OpKind, Phase, Schedule, Stream, Tag
+from zsim.schedule.ir import Alloc, Buffer, Category, OpKind, Phase, Schedule, Stream, Tag
 from zsim.schedule.param_fetch import ParamCoordinator
-from zsim.schedule.partition import shard_numel
+from zsim.schedule.partition import persistent_params, shard_numel
 from zsim.schedule.passes import forward_work
-from zsim.schedule.payloads import Comm, ModulePass, TensorComm
-from zsim.schedule.tensor import TensorCollectives, tensor_parallel_group
+from zsim.schedule.payloads import ModulePass
+from zsim.schedule.tensor import TensorCollectives
+from zsim.specs.generation import generation_kernels
 from zsim.specs.parallelism import ParallelismSpec
 from zsim.specs.scenario import Scenario
-from zsim.workload.generation import KvShape, decode_core, kv_cache_bytes, kv_shapes, prefill_core
+from zsim.workload.generation import (KvShape, decode_core, injected_workspace_bytes, kv_cache_bytes, kv_shapes,
+                                     prefill_core)
 from zsim.workload.module import DTYPE_BYTES, Module, ModuleKind, Workload
 
 # decode steps simulated one by one up to this many; a longer generation simulates SAMPLED_STEPS
@@ -70,9 +82,9 @@ class _EngineFetch:
     """ZeRO-3's parameter coordinator over one generation forward: its trace is the forward alone
     (param_fetch.module_visits with every module in the engine), as a reference engine's is."""
 
-    def __init__(self, ctx: StepContext, traced: bool):
+    def __init__(self, ctx: StepContext, traced: bool, persistent: tuple[int, ...]):
         names = frozenset(m.name for m in ctx.wl.modules if m.params)
-        self.fetch = ParamCoordinator(ctx, (), names, traced=traced)
+        self.fetch = ParamCoordinator(ctx, persistent, names, traced=traced)
         self.pending = 0
         self.current: int | None = None
 
@@ -114,7 +126,7 @@ def _output_bytes(module: Module, a: int) -> float:
 
 
 class _Generation:
-    def __init__(self, sc: Scenario, prefill: Workload, decode: Workload):
+    def __init__(self, sc: Scenario, prefill: Workload, decode: Workload, trained_engine: bool):
         gen = sc.inference
         assert gen is not None
         self.sc, self.gen, self.prefill, self.decode = sc, gen, prefill, decode
@@ -129,7 +141,15 @@ class _Generation:
                    id(decode): TensorCollectives(par, decode, sc.precision)}
         self.kv = kv_shapes(sc.model, gen.tensor_parallel)
         self.injected = gen.kernel_inject
+        self.eager = generation_kernels(gen, sc.training)[0] == "eager"
         self.passes: dict[tuple, ModulePass] = {}
+        # see [Note: generation]: the parameters under the persistence threshold stay gathered once the
+        # trace is complete (forward 2 on; an engine with an optimizer: always, its step gathers them)
+        numels = decode.stored_numels(self.a)
+        z = sc.zero
+        self.persistent = persistent_params(numels, z.param_persistence_threshold, z.model_persistence_threshold) \
+            if self.zero3 else ()
+        self.persistent_from = 0 if trained_engine else 2
 
     def build(self, forwards: tuple[int, ...]) -> Schedule:
         ctx, b = self.ctx, self.ctx.b
@@ -137,9 +157,14 @@ class _Generation:
         shard = shard_numel(numels, ctx.dp_size) if self.zero3 else sum(numels)
         states = offload.place_states(ctx, {Category.PARAMETERS: float(shard * self.a)}, shard)
         b.static_alloc(Category.PARAMETERS, states[Category.PARAMETERS])
-        if self.injected:   # the injected kernels' KV workspace, for max_out_tokens
-            b.static_alloc(Category.KV_CACHE, sum(kv_cache_bytes(s, self.gen.batch_size, self.gen.max_out_tokens, self.a)
-                                                  for s in self.kv.values()))
+        if self.persistent and (ctx.dp_size > 1 or ctx.params_offloaded):
+            # gathered whole once the trace is complete, and kept (held from the start: they are small)
+            b.static_alloc(Category.PERSISTENT, sum(numels[p] for p in self.persistent) * self.a)
+        if self.injected:   # the injected kernels' workspace, for max_out_tokens
+            cache, rest = injected_workspace_bytes(self.sc.model, self.gen.batch_size, self.gen.max_out_tokens,
+                                                   self.gen.tensor_parallel, self.a)
+            b.static_alloc(Category.KV_CACHE, cache)
+            b.static_alloc(Category.INFERENCE_WORKSPACE, rest)
         last: int | None = None
         previous: int | None = None
         for f in forwards:
@@ -154,7 +179,9 @@ class _Generation:
         copies = not self.injected
         if forward == 0:
             return prefill_core(module, shape, self.gen.batch_size, self.gen.prompt_len, self.a, copies)
-        return decode_core(module, shape, self.gen.batch_size, self.gen.context(forward), self.a, copies)
+        m = self.sc.model
+        repeat = m.heads // m.n_kv_heads if self.eager and m.mla is None else 1
+        return decode_core(module, shape, self.gen.batch_size, self.gen.context(forward), self.a, copies, repeat)
 
     def _pass(self, module: Module, forward: int) -> ModulePass:
         """The module's forward payload: one per module and context (a decode step's modules but
@@ -172,7 +199,8 @@ class _Generation:
     def _forward(self, wl: Workload, f: int, previous: int | None, after: int | None, final: bool) -> int:
         ctx, b, gen, a = self.ctx, self.ctx.b, self.gen, self.a
         tp = self.tp[id(wl)]
-        fetch = _EngineFetch(ctx, traced=f > 0) if self.zero3 and (ctx.dp_size > 1 or ctx.params_offloaded) else None
+        fetch = (_EngineFetch(ctx, f > 0, self.persistent if f >= self.persistent_from else ())
+                 if self.zero3 and (ctx.dp_size > 1 or ctx.params_offloaded) else None)
         if fetch is not None:
             fetch.fetch.last_compute = after
         hidden = Tag(Buffer.HIDDEN, f)
@@ -216,11 +244,6 @@ class _Generation:
             if fetch is not None:
                 fetch.post(ctx, f, op)
             last = tp.after(ctx, m, f, Phase.FORWARD, op)
-            if m.name == "lm_head" and gen.tensor_parallel > 1:
-                # the last position's vocabulary slices gathered for sampling
-                numel = gen.batch_size * m.gemm[1] * gen.tensor_parallel if m.gemm else 0
-                comm = Comm(Collective.ALL_GATHER, numel, float(numel * a), group=tensor_parallel_group(gen.tensor_parallel))
-                last = b.add(OpKind.TP_ALL_GATHER, Stream.COMPUTE, Phase.FORWARD, f, TensorComm(comm, "lm_head"), [last])
         assert last is not None
         if fetch is not None:
             fetch.end(f, last)
@@ -230,6 +253,9 @@ class _Generation:
         return last
 
 
-def build_generation(sc: Scenario, prefill: Workload, decode: Workload, forwards: tuple[int, ...]) -> Schedule:
-    """The schedule of `forwards` (simulated_forwards) of the scenario's generate() call."""
-    return _Generation(sc, prefill, decode).build(forwards)
+def build_generation(sc: Scenario, prefill: Workload, decode: Workload, forwards: tuple[int, ...],
+                     trained_engine: bool = False) -> Schedule:
+    """The schedule of `forwards` (simulated_forwards) of the scenario's generate() call;
+    `trained_engine`: the engine has a ZeRO-3 optimizer, whose step keeps the persistent
+    parameters gathered."""
+    return _Generation(sc, prefill, decode, trained_engine).build(forwards)

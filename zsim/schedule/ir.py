@@ -228,6 +228,7 @@ class Category(StrEnum):
     BUCKETS = "gradient buckets"
     OPTIMIZER_TEMPORARIES = "optimizer temporaries"
     KV_CACHE = "kv cache"
+    INFERENCE_WORKSPACE = "inference workspace"   # DeepSpeed-Inference's kernels' activations and scores
 
 
 MODEL_STATES = (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATES)

@@ -4,6 +4,7 @@ dschat/rlhf/ppo_trainer.py's iteration), with the scenario's model and ds_config
 See [Note: DeepSpeed-Chat's PPO iteration] (zsim/rlhf.py)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -43,6 +44,9 @@ class RlhfSpec:
                                                     "ignores it)")
     offload_reward_model: bool = spec(False, doc="--offload_reward_model: the reward model's parameters in CPU "
                                                  "memory (under ZeRO-3, as for the reference)")
+    max_out_tokens: Optional[int] = spec(None, gt=0, le=MAX_SEQ_LEN, doc="the hybrid engine's inference workspace "
+                                         "tokens (the ds_config's hybrid_engine.max_out_tokens; DeepSpeed-Chat sets "
+                                         "prompt + answer); default prompt + answer")
     critic_gradient_checkpointing: bool = spec(False, doc="--critic_gradient_checkpointing (the actor's: "
                                                           "training.activation_checkpointing)")
 
@@ -68,7 +72,8 @@ class RlhfSpec:
     def __post_init__(self):
         parts = self.data_split.split(",")
         try:
-            ok = len(parts) == 3 and all(float(x) >= 0 for x in parts) and sum(float(x) for x in parts) > 0
+            shares = [float(x) for x in parts]
+            ok = len(shares) == 3 and all(math.isfinite(x) and x >= 0 for x in shares) and sum(shares) > 0
         except ValueError:
             ok = False
         if not ok:

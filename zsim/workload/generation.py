@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from zsim.specs.model import ModelSpec
-from zsim.workload.module import Module, ModuleKind, Workload
+from zsim.workload.module import Module, ModuleKind, TensorRole, Workload
 from zsim.workload.transformer import build_workload
 
 
@@ -50,6 +50,23 @@ def kv_shapes(m: ModelSpec, tensor: int) -> dict[int, KvShape]:
         out[layer] = KvShape(key=k, value=v, query=q, output=o,
                              window=m.sliding_window if m.has_window(layer) else None)
     return out
+
+
+def injected_workspace_bytes(m: ModelSpec, batch: int, max_out_tokens: int, tensor: int,
+                             dtype_bytes: int) -> tuple[float, float]:
+    """(KV cache, the rest) of DeepSpeed-Inference's kernel workspace (csrc/transformer/inference/
+    includes/inference_context.h GenWorkSpace), allocated once for `batch` sequences of
+    max_out_tokens: per token the activations (10 x heads x the head size padded to 32/64/128,
+    unsplit), the scores (batch x heads/tp) and every layer's keys and values over all heads (not the
+    KV heads), heads/tp of them. Assumes the free memory holds max_out_tokens (else DeepSpeed
+    shortens it)."""
+    head = m.head_size
+    padded = head if head > 128 else (32 if head <= 32 else 64 if head <= 64 else 128)
+    width = m.heads * padded
+    activation = 10 * width * batch
+    scores = batch * (m.heads // tensor) * max_out_tokens
+    cache = m.layers * batch * (width // tensor) * 2
+    return float(cache * max_out_tokens * dtype_bytes), float((activation + scores) * max_out_tokens * dtype_bytes)
 
 
 def kv_cache_bytes(shape: KvShape, batch: int, context: int, dtype_bytes: int) -> float:
@@ -93,6 +110,42 @@ def prefill_workload(m: ModelSpec, batch: int, prompt_len: int, precision: str, 
     return _inference(wl, batch, -(-m.vocab // tensor), all_logits)
 
 
+def deepspeed_tensor_parallel(wl: Workload, m: ModelSpec, tensor: int, injected: bool) -> Workload:
+    """`wl` (built with Megatron's split over `tensor` ranks) as DeepSpeed's inference splits it:
+    the token embedding whole on every rank (AutoTP and the injection policies leave it: auto_tp.py,
+    the hybrid engine's skip_partition); lm_head whole under the injected kernels, else AutoTP's
+    LmHeadLinearAllreduce, split over its input features with the logits all-reduced
+    (auto_tp.py _replace_last_linear_module, replace_module.py)."""
+    if tensor == 1:
+        return wl
+    params = list(wl.params)
+    mods = []
+    for mod in wl.modules:
+        if mod.name == "wte":
+            pid = mod.params[0]
+            p = params[pid]
+            rows = m.vocab
+            params[pid] = replace(p, numel=rows * (p.numel // p.shape[0]), shape=(rows, *p.shape[1:]))
+            mod = replace(mod, tensor_role=None, tensor_width=0)
+        elif mod.name == "lm_head" and mod.gemm is not None:
+            t, _, k = mod.gemm
+            tied = m.tied_embeddings
+            if injected or tied:
+                mod = replace(mod, gemm=(t, m.vocab, k), tensor_role=None, tensor_width=0,
+                              fwd_flops=2.0 * t * m.vocab * k, model_fwd_flops=2.0 * t * m.vocab * k)
+                if not tied:
+                    pid = mod.params[0]
+                    params[pid] = replace(params[pid], numel=m.vocab * k, shape=(m.vocab, k))
+            else:
+                kr = k // tensor
+                mod = replace(mod, gemm=(t, m.vocab, kr), tensor_role=TensorRole.EXIT, tensor_width=m.vocab,
+                              fwd_flops=2.0 * t * m.vocab * kr, model_fwd_flops=2.0 * t * m.vocab * kr)
+                pid = mod.params[0]
+                params[pid] = replace(params[pid], numel=m.vocab * kr, shape=(m.vocab, kr))
+        mods.append(mod)
+    return replace(wl, params=tuple(params), modules=tuple(mods))
+
+
 def decode_workload(m: ModelSpec, batch: int, precision: str, attn_implementation: str, kernels: str,
                     tensor: int) -> Workload:
     """One decode step's modules over one token per sequence; the attention cores are priced per
@@ -112,20 +165,27 @@ def prefill_core(core: Module, shape: KvShape, batch: int, prompt_len: int, dtyp
     return replace(core, fwd_copy_bytes=(2.0 if copies_cache else 1.0) * cache, kernels_fwd=core.kernels_fwd + 2)
 
 
-def decode_core(core: Module, shape: KvShape, batch: int, context: int, dtype_bytes: int, copies_cache: bool) -> Module:
+def decode_core(core: Module, shape: KvShape, batch: int, context: int, dtype_bytes: int, copies_cache: bool,
+                repeat_kv: int = 1) -> Module:
     """The attention core of a decode step whose KV cache holds `context` tokens (the new one
     included): one query per sequence against every cached key (no causal skip: the query is the
     last position), Q.K^T and P.V at 2 FLOPs per multiply-add. It reads the whole cache; HF's
     DynamicCache first concatenates the new key and value onto it, reading the old cache and
     writing the new one (`copies_cache`: a copy, priced at the device's copy rate), where
     DeepSpeed's kernels write the new token in place.
-    The per-token terms (RoPE, the q/k/v reads) are the one-token core's."""
+    The per-token terms (RoPE, the q/k/v reads) are the one-token core's. Eager attention under GQA
+    first repeats the cached keys and values to every head (HF's repeat_kv: `repeat_kv` copies
+    written, read by the core in place of the cache)."""
     tokens = shape.tokens(context)
     cache = float(batch * tokens * (shape.key + shape.value) * dtype_bytes)
     flops = 2.0 * batch * tokens * (shape.query + shape.output)
     copy = 2.0 * cache if copies_cache else 0.0
+    if repeat_kv > 1:
+        copy += (1 + repeat_kv) * cache      # read the cache, write the repeated keys and values
+        cache *= repeat_kv                   # the core reads the repeated ones
     return replace(core, fwd_flops=flops, model_fwd_flops=flops, fwd_mem_bytes=core.fwd_mem_bytes + cache,
-                   fwd_copy_bytes=copy, kernels_fwd=core.kernels_fwd + (2 if copies_cache else 0))
+                   fwd_copy_bytes=copy, kernels_fwd=core.kernels_fwd + (2 if copies_cache else 0)
+                   + (2 if repeat_kv > 1 else 0))
 
 
 # [Note: ZeRO-Inference quantized weights]
