@@ -49,9 +49,9 @@ def bench_gemms(ctx: Ctx, dtype_name: str, L: LayerShape) -> list[dict]:
     return out
 
 
-# the rows of the decode GEMMs benchmarked: a decode step's linears run over one token per
-# sequence, so their time is their weights' read (zsim.hardware.compute.gemm_time_s's memory term)
-DECODE_ROWS = (1,)
+# the rows of the decode GEMMs benchmarked: a decode step's linears run over one token per sequence,
+# a few rows a step (see [Note: few-row GEMMs])
+DECODE_ROWS = (1, 2, 4, 8, 16, 32)
 # the weights, (out, in): a 7B-class layer's (Llama-2-7B: hidden 4096, MLP 11008), whatever the
 # calibration's layers, whose small matrices would time the calls, not the reads
 DECODE_SHAPES = ((4096, 4096), (11008, 4096), (4096, 11008))
@@ -64,7 +64,7 @@ DECODE_POOL_BYTES = 1 << 30
 def bench_decode_gemms(ctx: Ctx, dtype_name: str, L: LayerShape) -> list[dict]:
     """DECODE_SHAPES' GEMMs over DECODE_ROWS rows, each weight a distinct matrix of a pool of
     DECODE_POOL_BYTES, in one timed pass over the pool; the bytes are what zsim charges (every
-    operand read or written once). `L` names the record only. See [Note: one-row GEMMs]."""
+    operand read or written once). `L` names the record only. See [Note: few-row GEMMs]."""
     dt = DTYPES[dtype_name]
     a = torch.tensor([], dtype=dt).element_size()
     per_set = sum(n * k for n, k in DECODE_SHAPES) * a

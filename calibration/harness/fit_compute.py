@@ -88,12 +88,17 @@ def fit_efficiency_ratio(work: list[float], time_s: list[float], rate: float) ->
     return float(sum(work) / (rate * sum(time_s)))
 
 
-def fit_gemm_memory(records: list[dict], overhead_s: float, hbm_GBps: float) -> float:
-    """gemm_memory_efficiency: the fraction of the device's bandwidth the decode GEMMs' operand
-    reads reach (bench_compute.bench_decode_gemms), one ratio over all of them."""
-    return min(1.0, fit_efficiency_ratio([r["bytes"] for r in records],
-                                         [max(fit_time_s(r) - r["gemms"] * overhead_s, 1e-9) for r in records],
-                                         hbm_GBps * 1e9))
+def fit_gemm_decode(records: list[dict], overhead_s: float, hbm_GBps: float) -> tuple[tuple[float, float], ...]:
+    """gemm_decode_efficiency: per row count, the fraction of the device's bandwidth the decode
+    GEMMs' operand reads reach, less a launch each (bench_compute.bench_decode_gemms; see
+    [Note: few-row GEMMs])."""
+    out = {}
+    for m in sorted({r["m"] for r in records}):
+        rs = [r for r in records if r["m"] == m]
+        out[float(m)] = min(1.0, fit_efficiency_ratio([r["bytes"] for r in rs],
+                                                      [max(fit_time_s(r) - r["gemms"] * overhead_s, 1e-9) for r in rs],
+                                                      hbm_GBps * 1e9))
+    return tuple(out.items())
 
 
 def fit_attention(rs: list[dict], time_s: list[float], peak_flops: float) -> tuple[float, float]:
@@ -249,7 +254,7 @@ def _fit_dtype(records: list[dict], dtype: str, dev: dict) -> tuple[dict, dict]:
               **dev["collective_memory"]}
     dec = [r for r in usable(records, "gemm_decode") if r["dtype"] == dtype]
     if dec:   # the decode GEMMs' operand reads, less a launch each (zsim.hardware.compute.gemm_time_s)
-        fields["gemm_memory_efficiency"] = fit_gemm_memory(dec, overhead_s, hbm_GBps)
+        fields["gemm_decode_efficiency"] = fit_gemm_decode(dec, overhead_s, hbm_GBps)
     acc = [r for r in usable(records, "grad_accumulate") if r["dtype"] == dtype]
     if acc:   # bytes as zsim charges them (see [Note: gradient accumulation add]), less the add_ launches
         fields["grad_accumulate_efficiency"] = min(1.0, acc[0]["bytes"] / max(_optimizer_passes_s(acc[0], overhead_s),

@@ -8,6 +8,7 @@ run at a fraction of HBM bandwidth. Every kernel pays a fixed launch/framework o
 """
 from __future__ import annotations
 
+from zsim.hardware.collectives import efficiency_at
 from zsim.specs.hardware import GpuProfile
 
 
@@ -20,26 +21,28 @@ def gemm_efficiency(m: float, n: float, k: float, gpu: GpuProfile) -> float:
 
 
 def gemm_time_s(m: float, n: float, k: float, dtype_bytes: int, gpu: GpuProfile, peak_flops: float) -> float:
-    """See [Note: one-row GEMMs]."""
-    flops = 2.0 * m * n * k
-    eff = gpu.gemm_memory_efficiency or gpu.memory_bound_efficiency
-    t_memory = (m * k + k * n + m * n) * dtype_bytes / (gpu.hbm_bw_GBps * 1e9 * eff)
-    if m == 1 and gpu.gemm_memory_efficiency:
-        return max(flops / peak_flops, t_memory)
-    return max(flops / (peak_flops * gemm_efficiency(m, n, k, gpu)), t_memory)
+    """See [Note: few-row GEMMs]."""
+    nbytes = (m * k + k * n + m * n) * dtype_bytes
+    rows = gpu.gemm_decode_efficiency
+    if rows and m <= rows[-1][0]:
+        return nbytes / (gpu.hbm_bw_GBps * 1e9 * efficiency_at(rows, m))
+    t_compute = 2.0 * m * n * k / (peak_flops * gemm_efficiency(m, n, k, gpu))
+    return max(t_compute, nbytes / (gpu.hbm_bw_GBps * 1e9 * gpu.memory_bound_efficiency))
 
 
-# [Note: one-row GEMMs]
-# A decode step's linears run over one token per sequence, so their time is their weights' read.
-# A profile that measured it (calibration's bench_decode_gemms: one-row GEMMs streaming a pool of
-# weights larger than any cache) prices a GEMM's operand reads at gemm_memory_efficiency, not at
-# the elementwise kernels' memory_bound_efficiency. A one-row product is a matrix-vector product,
-# which BLAS runs as one (OpenBLAS's GEMM_GEMV_FORWARD sends m == 1 to gemv; cuBLAS's heuristics
-# pick its gemv kernels), not as the tiled GEMM whose under-filled tiles the efficiency law
-# describes: where the profile measured it, its compute is the FLOPs at peak and the read bounds
-# it. Measured on the dev VM (runs/cpu-xeon-vm-2ranks/gemm_decode.json, fp32): one-row GEMMs read
-# 15.2 GB/s, 0.64 of the device's 23.7; the law at d_half 38 prices a 1 x 1024 x 2816 GEMM at
-# 1.42 ms where the read takes 0.91 ms.
+# [Note: few-row GEMMs]
+# A decode step's linears run over one token per sequence: a GEMM of a few rows, whose time is set
+# by reading its weights and by kernels the tile law above does not describe (BLAS sends one row to
+# its matrix-vector kernel: OpenBLAS's GEMM_GEMV_FORWARD, cuBLAS's gemv heuristics; a few rows to
+# small-M kernels). A profile that measured them (calibration's bench_decode_gemms: GEMMs of
+# 1-32 rows over a 1 GiB pool of 7B-class weights, so no cache holds them) prices a GEMM of at most
+# its largest measured rows at the rate measured for its row count (piecewise linear in log(rows)
+# between the measured counts), its whole time; larger GEMMs keep the law. Measured on the dev VM
+# (one process, Intel Xeon, torch 2.13): bf16 reads 8.2 GB/s at one row and 11-12 at 2-16; fp32
+# 14.5 at one row, 13 at two, then 6.8, 4.5 and 4.8 at 4, 8 and 16 rows, where the arithmetic bounds
+# it (38 GFLOP/s at 16 rows) and the law at d_half 38 would price it 1.25x faster. Without the
+# measurement a GEMM's reads run at memory_bound_efficiency, the elementwise kernels' figure (0.36
+# on the DGX H100 profile), so a GPU profile's decode is pessimistic until `zsim calibrate` runs.
 
 
 def memory_bound_time_s(bytes_moved: float, gpu: GpuProfile) -> float:

@@ -48,10 +48,10 @@ class GpuProfile:
                                                        doc="fraction of HBM bandwidth reached by autograd's in-place "
                                                            "add of a new gradient into an existing .grad "
                                                            "(AccumulateGrad); unset: memory_bound_efficiency")
-    gemm_memory_efficiency: Optional[float] = spec(None, gt=0, le=1,
-                                                   doc="fraction of HBM bandwidth a GEMM reaches where reading its "
-                                                       "operands bounds it (a decode step's few-row GEMMs streaming "
-                                                       "their weights); unset: memory_bound_efficiency")
+    gemm_decode_efficiency: EffTable = spec((), doc="[[rows, fraction of hbm_bw_GBps], ...]: the rate a GEMM of few "
+                                                    "rows (a decode step's) reads its operands at, measured "
+                                                    "(calibration's gemm_decode records); empty: the GEMM law "
+                                                    "(see [Note: few-row GEMMs])")
     kernel_overhead_us: float = spec(5.0, ge=0, doc="launch + framework time per kernel")
     step_kernel_overhead_us: Optional[float] = spec(
         None, ge=0, doc="host time per kernel of the optimizer step's per-gradient passes (DeepSpeed's "
@@ -82,7 +82,11 @@ class GpuProfile:
                 raise ValueError(f"datasheet_tflops.{dtype}", dtype, "use fp32, tf32, fp16 or bf16")
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise ValueError(f"datasheet_tflops.{dtype}", value, "give the dense peak in TFLOP/s (> 0)")
-        for dtype in self.by_dtype:
+        if self.gemm_decode_efficiency:
+            _check_table("gemm_decode_efficiency", self.gemm_decode_efficiency)
+        for dtype, own in self.by_dtype.items():
+            if own.gemm_decode_efficiency:
+                _check_table(f"by_dtype.{dtype}.gemm_decode_efficiency", own.gemm_decode_efficiency)
             if dtype not in TRAINING_DTYPES:
                 raise ValueError(f"by_dtype.{dtype}", dtype, f"not a training precision"
                                  f"{did_you_mean(dtype, TRAINING_DTYPES)}; use one of {', '.join(TRAINING_DTYPES)}")
@@ -105,14 +109,15 @@ DTYPE_COMPUTE_FIELDS = ("gemm_max_efficiency", "gemm_half_efficiency_dim", "flas
                         "flash_attention_bwd_efficiency", "flash_attention_fwd_overhead_us",
                         "flash_attention_bwd_overhead_us", "memory_bound_efficiency", "optimizer_efficiency",
                         "grad_accumulate_efficiency", "kernel_overhead_us", "step_kernel_overhead_us",
-                        "gemm_memory_efficiency")
+                        "gemm_decode_efficiency")
 
 
 def _dtype_field(name: str) -> tuple:
     """A by_dtype field: optional, with the bounds of the GpuProfile field it replaces."""
-    meta = GpuProfile.__dataclass_fields__[name].metadata
-    return name, Optional[float], spec(None, ge=meta["ge"], gt=meta["gt"], le=meta["le"],
-                                       doc=f"unset: the top-level {name}")
+    field = GpuProfile.__dataclass_fields__[name]
+    meta = field.metadata
+    kind = Optional[EffTable] if name == "gemm_decode_efficiency" else Optional[float]
+    return name, kind, spec(None, ge=meta["ge"], gt=meta["gt"], le=meta["le"], doc=f"unset: the top-level {name}")
 
 
 # one training precision's compute figures (GpuProfile.by_dtype), derived from GpuProfile's fields
