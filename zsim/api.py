@@ -20,6 +20,9 @@ def run_scenario(sc: Scenario, steady: bool = True) -> tuple[Result, Trace]:
     if not isinstance(sc, Scenario):
         raise TypeError(f"run_scenario takes a Scenario (zsim.config.scenario.load_scenario), not "
                         f"{type(sc).__name__}; for a file use zsim.api.run_file(path)")
+    if sc.inference is not None or sc.rlhf is not None:
+        raise TypeError("run_scenario simulates a training step; this scenario's "
+                        f"{'inference' if sc.inference is not None else 'rlhf'} block is run_generation's or run_rlhf's")
     wl, trace = simulate_scenario(sc, steady)
     return summarize(sc, wl, trace), trace
 

@@ -154,3 +154,14 @@ def test_pipeline_adds_steps_one_and_two_over_their_data_share():
     assert s2.step_time_s > 0 and s1.step_time_s > 0
     with pytest.raises(ZsimInputError, match="data_split"):
         ppo(data_split="2,4")
+
+
+@pytest.mark.parametrize("command", [["doctor"], ["tune"], ["memory"], ["compare", "--set", "deepspeed.zero_optimization.stage=2"]])
+def test_training_searches_refuse_an_rlhf_scenario(tmp_path, command):
+    path = tmp_path / "ppo.yaml"
+    path.write_text(yaml.safe_dump(raw()))
+    out = run_cli([command[0], str(path), *command[1:]])
+    assert out.code == 2 and "zsim run" in out.stderr and out.stderr.count("\n") == 1
+    with pytest.raises(TypeError):
+        from zsim.api import run_scenario
+        run_scenario(ppo())

@@ -52,6 +52,7 @@ def _positive(name: str, value):
 
 def estimator_report(args) -> dict:
     from zsim.config.scenario import load_scenario
+    from zsim.search.variants import training_only
     from zsim.report.memory_estimate import deepspeed_rows, params_like_deepspeed
     from zsim.schedule.build import workload_for
 
@@ -64,6 +65,8 @@ def estimator_report(args) -> dict:
     sc = None
     if args.total_params is None or args.gpus_per_node is None or args.nodes is None or args.stage is None:
         sc = load_scenario(args.scenario, scenario_overrides(args))
+        training_only(sc, "zsim memory estimates a training step's memory")
+
     def scenario():
         assert sc is not None    # loaded above whenever a flag leaves a figure to it
         return sc
@@ -140,10 +143,12 @@ def compare_report(args) -> dict:
     """zsim's simulated peak next to the estimator row for the scenario's settings."""
     from zsim.api import run_scenario
     from zsim.config.scenario import load_scenario
+    from zsim.search.variants import training_only
     from zsim.report.memory_estimate import DIFFERENCES, deepspeed_rows, matching_row, params_like_deepspeed
     from zsim.schedule.build import workload_for
 
     sc = load_scenario(args.scenario, scenario_overrides(args))
+    training_only(sc, "zsim memory estimates a training step's memory")
     result, _ = run_scenario(sc)
     wl, gpn, nodes = workload_for(sc), sc.cluster.gpus_per_node, sc.cluster.nodes
     pp = result.pipeline

@@ -57,6 +57,14 @@ class Outcome:
         return self.result is not None and self.result.fits
 
 
+def training_only(sc: Scenario, what: str) -> None:
+    """Refuse a scenario whose inference or rlhf block makes it something other than a training step."""
+    for block, instead in (("inference", "a generate() call"), ("rlhf", "a PPO iteration and its doctor's variants")):
+        if getattr(sc, block) is not None:
+            raise ZsimInputError(block, "given", f"{what}; `zsim run` simulates this scenario ({instead}); drop the "
+                                 f"{block} block to search its training step")
+
+
 @dataclass(frozen=True)
 class Base:
     """A scenario file read once; variants are built from copies of its raw mapping."""
@@ -78,7 +86,8 @@ class Base:
             raw = apply_set(raw, a)
         base = cls(raw, path.parent, raw.get("name", path.stem) if isinstance(raw.get("name"), str) else path.stem,
                    workers=workers)
-        base.scenario(())   # validate the base once, so bad input fails before any variant runs
+        sc = base.scenario(())   # validate the base once, so bad input fails before any variant runs
+        training_only(sc, "compare, sweep, tune and doctor search training steps")
         return base
 
     def scenario(self, assignments) -> Scenario:
