@@ -165,3 +165,12 @@ def test_training_searches_refuse_an_rlhf_scenario(tmp_path, command):
     with pytest.raises(TypeError):
         from zsim.api import run_scenario
         run_scenario(ppo())
+
+
+def test_one_block_says_what_to_simulate_and_the_critic_is_named():
+    both = raw()
+    both["inference"] = {"new_tokens": 4}
+    with pytest.raises(ZsimInputError, match="^rlhf: .*and inference both"):
+        scenario_from_mapping(both, ROOT)
+    with pytest.raises(ZsimInputError, match="rlhf.critic_model.preset"):
+        ppo(critic_model={"preset": "nope"})

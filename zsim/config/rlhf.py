@@ -68,10 +68,8 @@ def read_rlhf(raw, training: TrainingSpec, notes: list, ds_raw: dict) -> tuple[R
     return spec, training
 
 
-def check_rlhf(spec: RlhfSpec, model, critic, training, par, zero, world_size: int, inference) -> None:
+def check_rlhf(spec: RlhfSpec, model, critic, training, par, zero, world_size: int) -> None:
     """What DeepSpeed-Chat's step 3 runs and zsim models (see [Note: DeepSpeed-Chat's PPO iteration])."""
-    if inference is not None:
-        raise ZsimInputError("inference", "given", "and rlhf both say what to simulate; keep one")
     for field, value in (("pipeline", par.pipeline), ("tensor", par.tensor), ("sequence", par.sequence),
                          ("expert", par.expert)):
         if value > 1:

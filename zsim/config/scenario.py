@@ -106,34 +106,36 @@ def _read_ds_config(ref: str, base_dir: Path) -> dict:
     return data
 
 
-def _preset(preset) -> dict:
+def _preset(preset, field: str = "model") -> dict:
     if isinstance(preset, str) and preset in PRESETS:
         return PRESETS[preset]
     if isinstance(preset, str) and preset in model_files():
         return preset_model(preset)
     names = preset_names()
-    raise ZsimInputError("model.preset", preset, f"unknown preset{did_you_mean(str(preset), names)}; "
+    raise ZsimInputError(f"{field}.preset", preset, f"unknown preset{did_you_mean(str(preset), names)}; "
                          f"available: {', '.join(names)}")
 
 
-def _resolve_model(raw: dict, base_dir: Path, notes: list) -> tuple[ModelSpec, bool]:
+def _resolve_model(raw: dict, base_dir: Path, notes: list, field: str = "model") -> tuple[ModelSpec, bool]:
     """A preset or a Hugging Face config.json (model.hf_config), then the keys given beside it;
-    and whether the training length is still the config.json's context (no seq_len beside it)."""
+    and whether the training length is still the config.json's context (no seq_len beside it).
+    `field`: the block's name in errors (rlhf.critic_model is a model block too)."""
     if not isinstance(raw, dict):
-        raise ZsimInputError("model", raw, "expected a mapping: a preset, an hf_config and/or an explicit shape")
+        raise ZsimInputError(field, raw, "expected a mapping: a preset, an hf_config and/or an explicit shape")
     raw = dict(raw)
     preset, hf_config = raw.get("preset"), raw.pop("hf_config", None)
     merged: dict = {}
     if preset is not None and hf_config is not None:
-        raise ZsimInputError("model.hf_config", hf_config, f"and model.preset={preset!r} both name a model; keep one")
+        raise ZsimInputError(f"{field}.hf_config", hf_config,
+                             f"and {field}.preset={preset!r} both name a model; keep one")
     if preset is not None:
-        merged.update(_preset(preset))
+        merged.update(_preset(preset, field))
     if hf_config is not None:
         if not isinstance(hf_config, str) or not hf_config:
-            raise ZsimInputError("model.hf_config", hf_config, "expected the path of a Hugging Face config.json")
+            raise ZsimInputError(f"{field}.hf_config", hf_config, "expected the path of a Hugging Face config.json")
         merged.update(read_hf_config(base_dir / hf_config, notes=notes))
     merged.update(raw)
-    return build(ModelSpec, merged, "model"), hf_config is not None and "seq_len" not in raw
+    return build(ModelSpec, merged, field), hf_config is not None and "seq_len" not in raw
 
 
 def _typo(key: str, known) -> str:
@@ -302,6 +304,9 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
     for key in raw:
         if key not in SCENARIO_KEYS:
             raise unknown_key("", str(key), SCENARIO_KEYS)
+    if raw.get("inference") is not None and raw.get("rlhf") is not None:
+        raise ZsimInputError("rlhf", "given", "and inference both say what to simulate (a PPO iteration, a generate() "
+                             "call); keep one")
     for key, flag in (("model", "--model NAME"), ("hardware", "--gpus N")):
         if key not in raw:
             raise ZsimInputError(key, None, f"the scenario needs a '{key}:' block (or add {flag})")
@@ -406,9 +411,10 @@ def scenario_from_mapping(raw: dict, base_dir: Path, name_default: str = "scenar
     if inference is not None:
         check_inference(inference, model, training, par, ds.zero_optimization, cluster.world_size)
     if rlhf is not None:
-        critic = model if rlhf.critic_model is None else _resolve_model(rlhf.critic_model, base_dir, notes)[0]
+        critic = model if rlhf.critic_model is None else _resolve_model(rlhf.critic_model, base_dir, notes,
+                                                                         "rlhf.critic_model")[0]
         rlhf = replace(rlhf, critic_model=critic)
-        check_rlhf(rlhf, model, critic, training, par, ds.zero_optimization, cluster.world_size, inference)
+        check_rlhf(rlhf, model, critic, training, par, ds.zero_optimization, cluster.world_size)
     name = raw.get("name", name_default)
     if not isinstance(name, str):
         raise ZsimInputError("name", name, "expected a string")
