@@ -49,25 +49,26 @@ from zsim.result.summarize import memory_at_peak
 from zsim.schedule.ir import Category, Collective
 from zsim.schedule.payloads import Comm
 from zsim.simulate import simulate_generation, simulate_scenario
+from zsim.specs.deepspeed import OffloadParamConfig
 from zsim.specs.generation import GenerationSpec
 from zsim.specs.scenario import LoraSpec, PreferenceSpec, Scenario
+from zsim.workload.module import DTYPE_BYTES
 from zsim.workload.transformer import count_params
 
 
-def _zero(ds, stage: int, offload_param: bool, keep_optimizer_offload: bool):
-    """`ds` with ZeRO stage `stage`: parameters offloaded to the CPU where asked and stage 3 allows
-    it, the optimizer's offload kept for a training engine that has one."""
+def _zero(ds, stage: int, offload_param: bool, trained: bool):
+    """`ds` with ZeRO stage `stage`. Its parameters go to the CPU where asked (an eval engine's
+    --offload_reference_model / --offload_reward_model); a training engine (`trained`) keeps the
+    actor's --offload, parameters and optimizer alike. Parameter offload needs stage 3, optimizer
+    offload stage 1 or more."""
     z = ds.zero_optimization
-    param = replace(z.offload_param or _cpu_param(), device="cpu") if offload_param and stage == 3 else (
-        z.offload_param if stage == 3 and z.param_offload_device != "none" and keep_optimizer_offload else None)
-    opt = z.offload_optimizer if keep_optimizer_offload and stage >= 1 else None
+    param = None
+    if stage == 3 and (offload_param or (trained and z.param_offload_device != "none")):
+        device = "cpu" if offload_param else z.param_offload_device
+        param = replace(z.offload_param or OffloadParamConfig(), device=device)
+    opt = z.offload_optimizer if trained and stage >= 1 else None
     return replace(ds, zero_optimization=replace(z, stage=stage, offload_param=param, offload_optimizer=opt,
                                                  cpu_offload_param=None))
-
-
-def _cpu_param():
-    from zsim.specs.deepspeed import OffloadParamConfig
-    return OffloadParamConfig(device="cpu")
 
 
 def _one_forward(sc: Scenario, model, ds, batch: int, seq: int) -> Scenario:
@@ -95,7 +96,7 @@ def _gather_s(sc: Scenario, layers_numel: list[int], rest_numel: int, group_laye
     cl = sc.cluster
     intra, inter = tiers_for(cl)
     nccl = nccl_topo_for(cl)
-    a = 2 if sc.precision != "fp32" else 4
+    a = DTYPE_BYTES[sc.precision]
     sizes = [sum(layers_numel[i:i + group_layers]) for i in range(0, len(layers_numel), group_layers)] + [rest_numel]
     total = 0.0
     for numel in sizes:
@@ -187,7 +188,7 @@ def simulate_rlhf(sc: Scenario, suggest: bool = True, traces: list | None = None
                             spec.generation_batches * gen_time, gen_peak, gen_peak <= cap))
     # generate_experience keeps the actor's and the reference's logits (every position, 16-bit) to the
     # log-probs after the four forwards
-    logits = float(gen_bs * seq * sc.model.vocab * (4 if sc.precision == "fp32" else 2))
+    logits = float(gen_bs * seq * sc.model.vocab * DTYPE_BYTES[sc.precision])
     kept = {"actor": 0.0, "reference": logits, "reward": 2 * logits, "critic": 2 * logits}
     for name, fsc, engine, g, trace in fwd:
         peak = g.memory.peak_bytes - _static(trace) + all_resident + kept[engine]

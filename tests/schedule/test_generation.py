@@ -80,6 +80,8 @@ def test_injected_kernels_preallocate_the_cache_for_max_out_tokens():
     assert len(kv) == 1 and kv[0].size_bytes == 4 * 2 * 512 * 2 * 512 * 2
     rest = [a for a in trace.schedule.static if a.category == Category.INFERENCE_WORKSPACE]
     assert rest[0].size_bytes == (10 * 512 * 2 + 2 * 8 * 512) * 512 * 2
+    # the result reports the cache the schedule holds
+    assert summarize_generation(sc, trace, forwards).kv_cache_bytes == kv[0].size_bytes
     assert not any(a.category == Category.KV_CACHE for op in trace.schedule.ops for a in op.alloc)
 
 

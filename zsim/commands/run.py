@@ -48,12 +48,22 @@ def main(args) -> int:
         mem = result.memory
         print(f"with {headroom:.0%} headroom: peak {mem.peak_bytes / GiB:.2f} GiB over the "
               f"{mem.capacity_bytes * (1 - headroom) / GiB:.2f} GiB allowed -> does not fit", file=sys.stderr)
-    if args.json or args.trace:
-        from zsim.report.writers import dumps, save, trace_json
+    return _outputs(args, sc, result.to_dict(), lambda: _writers().trace_json(trace, sc.name), fits, headroom)
+
+
+def _writers():
+    """zsim.report.writers, imported when a file is written."""
+    from zsim.report import writers
+    return writers
+
+
+def _outputs(args, sc, data: dict, trace_text, fits: bool, headroom: float) -> int:
+    """--json (`data`), --trace (`trace_text()`, the trace's JSON) and --check (`fits`), alike for
+    every kind of run; the exit code."""
     if args.json:
-        save(args.json, dumps(result.to_dict()))
+        _writers().save(args.json, _writers().dumps(data))
     if args.trace:
-        save(args.trace, trace_json(trace, sc.name))
+        _writers().save(args.trace, trace_text())
     if args.check and not fits:
         print(f"zsim: check failed: {sc.name} is predicted not to fit"
               f"{f' with {headroom:.0%} headroom' if headroom else ''} (exit {EXIT_OOM})", file=sys.stderr)
@@ -70,38 +80,19 @@ def _generation(sc, args, headroom: float) -> int:
     if not args.quiet:
         from zsim.report.table import make_console, render_generation
         render_generation(gen, make_console(args.width))
-    if args.json or args.trace:
-        from zsim.report.writers import dumps, save, trace_json
-    if args.json:
-        save(args.json, dumps(gen.to_dict()))
-    if args.trace:
-        save(args.trace, trace_json(trace, sc.name))
     mem = gen.memory
-    if args.check and not fits_with_headroom(mem.peak_bytes, mem.capacity_bytes, mem.host.fits, headroom):
-        print(f"zsim: check failed: {sc.name} is predicted not to fit"
-              f"{f' with {headroom:.0%} headroom' if headroom else ''} (exit {EXIT_OOM})", file=sys.stderr)
-        return EXIT_OOM
-    return 0
+    return _outputs(args, sc, gen.to_dict(), lambda: _writers().trace_json(trace, sc.name),
+                    fits_with_headroom(mem.peak_bytes, mem.capacity_bytes, mem.host.fits, headroom), headroom)
 
 
 def _rlhf(sc, args, headroom: float) -> int:
     """`zsim run` on a scenario with an rlhf block: one PPO iteration of DeepSpeed-Chat's step 3."""
     from zsim.api import run_rlhf
-    from zsim.result import fits
+    from zsim.result import fits_with_headroom
 
     r, traces = run_rlhf(sc)
     if not args.quiet:
         from zsim.report.table import make_console, render_rlhf
         render_rlhf(r, make_console(args.width))
-    if args.json or args.trace:
-        from zsim.report.writers import dumps, rlhf_trace_json, save
-    if args.json:
-        save(args.json, dumps(r.to_dict()))
-    if args.trace:
-        save(args.trace, rlhf_trace_json(r, traces, sc.name))
-    ok = fits(r.peak_bytes <= r.capacity_bytes * (1.0 - headroom), r.host_bytes_per_node <= r.host_capacity_bytes)
-    if args.check and not ok:
-        print(f"zsim: check failed: {sc.name} is predicted not to fit"
-              f"{f' with {headroom:.0%} headroom' if headroom else ''} (exit {EXIT_OOM})", file=sys.stderr)
-        return EXIT_OOM
-    return 0
+    fits = fits_with_headroom(r.peak_bytes, r.capacity_bytes, r.host_bytes_per_node <= r.host_capacity_bytes, headroom)
+    return _outputs(args, sc, r.to_dict(), lambda: _writers().rlhf_trace_json(r, traces, sc.name), fits, headroom)

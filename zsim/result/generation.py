@@ -9,10 +9,9 @@ from zsim.engine.sim import Trace
 from zsim.hardware.cost_model import CostModel
 from zsim.result import Memory, fits
 from zsim.result.summarize import memory_at_peak
-from zsim.schedule.ir import Stream
+from zsim.schedule.ir import Category, Stream
 from zsim.specs.generation import generation_kernels
 from zsim.specs.scenario import Scenario
-from zsim.workload.generation import kv_cache_bytes, kv_shapes
 
 # what can bound a decode step, by the resource busy the longest in it
 BOUNDS = {
@@ -49,7 +48,7 @@ class Generation:
     decode_steps_simulated: int
     bound: str                       # a BOUNDS key: the resource busy the longest in the last decode step
     bound_busy_s: dict[str, float]   # BOUNDS key -> busy seconds in the last decode step
-    kv_cache_bytes: float            # per GPU, at the end
+    kv_cache_bytes: float            # per GPU, once the last forward has run (as the schedule holds it)
     memory: Memory
 
     @property
@@ -133,11 +132,11 @@ def summarize_generation(sc: Scenario, trace: Trace, forwards: tuple[int, ...]) 
     last = forwards[-1]
     busy = _busy(sc, trace, last) if steps else dict.fromkeys(BOUNDS, 0.0)
     memory = memory_at_peak(sc, trace)
-    kv = 0.0
-    if steps or gen.kernel_inject:
-        shapes = kv_shapes(sc.model, gen.tensor_parallel).values()
-        tokens = gen.max_out_tokens if gen.kernel_inject else gen.context(last)
-        kv = sum(kv_cache_bytes(s, gen.batch_size, tokens, 2 if sc.precision != "fp32" else 4) for s in shapes)
+    # the cache the schedule holds once the last forward has run: the injected kernels' preallocated
+    # one, or every layer's grown by the last forward
+    kv = sum(a.size_bytes for a in trace.schedule.static if a.category == Category.KV_CACHE) + sum(
+        a.size_bytes for op in trace.schedule.ops if op.micro_step == last for a in op.alloc
+        if a.category == Category.KV_CACHE and a.tag.micro == last)
     attn, kernels = generation_kernels(gen, sc.training)
     cache = "KV cache preallocated for max_out_tokens" if gen.kernel_inject else "DynamicCache concatenating each token"
     impl = f"{sc.precision}; attention {attn}; kernels {'fused' if kernels == 'fused' else 'hf (op by op)'}; {cache}"

@@ -91,12 +91,7 @@ class _EngineFetch:
     def pre(self, module: Module, micro: int) -> list[int]:
         f = self.fetch
         # the container visits before the module's own (their hooks run on the host)
-        while f.step_id < len(f.visits) and f.visits[f.step_id].module != module.name:
-            v = f.visits[f.step_id]
-            if v.params:
-                break
-            self.pending += 1
-            f.visit(v, micro, Phase.FORWARD)
+        self.pending += f.visit_containers(module.name, micro, Phase.FORWARD)
         self.current = None
         if f.step_id < len(f.visits) and f.visits[f.step_id].module == module.name:
             self.current = f.step_id

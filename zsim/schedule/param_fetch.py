@@ -364,6 +364,18 @@ class ParamCoordinator:
             self.n_available += self.numels[p]
         return op
 
+    def visit_containers(self, module: str, micro: int, phase: Phase) -> int:
+        """The visits of `phase` before `module`'s own that fetch nothing (the containers it sits in,
+        a second engine's root): their hooks run, in trace order; how many ran."""
+        ran = 0
+        while self.step_id < len(self.visits) and self.visits[self.step_id].module != module:
+            v = self.visits[self.step_id]
+            if v.params or v.phase != phase:
+                break
+            ran += 1
+            self.visit(v, micro, phase)
+        return ran
+
     def visit(self, visit: Visit, micro: int, phase: Phase) -> list[int]:
         """fetch_sub_module: gather this visit's params, then prefetch along the trace; returns
         the gathers the module's compute waits for."""

@@ -73,12 +73,7 @@ class Zero3Hooks(StageHooks):
         # container visits and param-less leaves that precede this module in the trace, of its
         # pass: the root's backward visit runs when backward starts (its pre-backward hook), not
         # at the loss's forward, though no module with params comes between
-        while f.step_id < len(f.visits) and f.visits[f.step_id].module != module.name:
-            v = f.visits[f.step_id]
-            if v.params or v.phase != phase:
-                break
-            self.pending_visits += 1
-            f.visit(v, micro, phase)
+        self.pending_visits += f.visit_containers(module.name, micro, phase)
         self.current_visit = None
         if f.step_id < len(f.visits):
             v = f.visits[f.step_id]
