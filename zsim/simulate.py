@@ -2,12 +2,11 @@
 the full step stand on what was simulated.
 
 One idea at nested levels. A step repeats itself in time: its middle micro-steps (a pipeline's
-steady 1F1B periods) are alike, and within a pass its transformer blocks are alike. So the step
-is built shortened, declaring what it left out: with a few micro-steps (below), and, for a
-data-parallel step, without the middle layers of each pass (ZeRO-3's builder leaves them out as
-it builds: see [Note: layers the builder skips]; other stages have them dropped from the built
-schedule: zsim/engine/layer_repeat.py). The engine simulates the shortened step; each window
-next to something left out is checked to run exactly as the period before it did (the engine is
+steady 1F1B periods) are alike, and within a ZeRO-3 pass its transformer blocks are alike. So the
+step is built shortened, declaring what it left out: with a few micro-steps (below), and, under
+ZeRO-3, without the middle layers of each pass (the builder leaves them out as it builds: see
+[Note: layers the builder skips]). The engine simulates the shortened step; each window next to
+something left out is checked to run exactly as the period before it did (the engine is
 deterministic and shift-invariant, so the same state gives the same window), and the trace
 stands for the full step through one repeat (see zsim/engine/sim.py StepRepeat): micro-steps
 (zsim/engine/steady.py), layers (zsim/engine/layer_repeat.py), or both nested. Whatever does
@@ -16,7 +15,7 @@ not check out is simulated op by op: only speed depends on the shortcuts, never 
 from __future__ import annotations
 
 from zsim.engine.layer_repeat import LayeredRepeat, nest, run_layers, simulate_layers
-from zsim.engine.sim import Repeat, Trace, collector_paused, run_ops, simulate, stage_peaks
+from zsim.engine.sim import Repeat, Trace, collector_paused, simulate, stage_peaks
 from zsim.engine.steady import find_backward_repeat, find_pipeline_repeat, find_repeat
 from zsim.schedule.build import build_schedule
 from zsim.schedule.generate import build_generation, simulated_forwards
@@ -63,41 +62,37 @@ def _simulate(sc: Scenario, steady: bool) -> tuple[Workload, Trace]:
         if gas <= micro_steps or spent > gas:
             break
         wl, reduced = build_schedule(sc, wl, micro_steps=micro_steps, skip_layers=not pipeline)
-        # each micro-step's identical layers simulated once (layer_repeat.py)
-        out = (run_layers(reduced, wl, sc.cluster, sc.precision) if not pipeline
-               else (reduced, *run_ops(reduced, sc.cluster, sc.precision), None))
-        if out is None:     # layers the builder left out did not run alike: every layer built
+        # the layers the builder left out stand on the windows simulated (layer_repeat.py)
+        out = run_layers(reduced, sc.cluster, sc.precision)
+        if out is None:     # they did not run alike: every layer built
             wl, reduced = build_schedule(sc, wl, micro_steps=micro_steps)
-            out = run_layers(reduced, wl, sc.cluster, sc.precision)
-        simulated, timings, ledgers, layers = out
+            out = run_layers(reduced, sc.cluster, sc.precision)
+            assert out is not None    # nothing left out to disagree
+        timings, ledgers, layers = out
         events = tuple(ledger.events() for ledger in ledgers)
         repeat: Repeat | LayeredRepeat | None
         if pipeline:
-            repeat = find_pipeline_repeat(simulated, timings, events, micro_steps, gas, stride)
+            repeat = find_pipeline_repeat(reduced, timings, events, micro_steps, gas, stride)
         else:
-            repeat = (find_repeat(simulated, timings, events, micro_steps, gas)
-                      or find_backward_repeat(simulated, timings, events, micro_steps, gas))
+            repeat = (find_repeat(reduced, timings, events, micro_steps, gas)
+                      or find_backward_repeat(reduced, timings, events, micro_steps, gas))
         if repeat is not None and layers is not None:
             repeat = nest(repeat, layers)
         if repeat is not None:
             end = repeat.shift_s(max(t.end_s for t in timings))
             ops = repeat.step_ops(reduced.full_ops)
             if not pipeline:
-                return wl, Trace(simulated, tuple(timings), events[0], end, ops, repeat)
+                return wl, Trace(reduced, tuple(timings), events[0], end, ops, repeat)
             peaks, worst = stage_peaks(events)
             return wl, Trace(reduced, tuple(timings), events[worst], end, ops, repeat,
                              stage_ledger_events=events, worst_stage=worst, stage_peaks_bytes=peaks)
     wl, schedule = build_schedule(sc, wl, skip_layers=steady and not pipeline)
-    if steady and not pipeline:   # the step's identical layers, simulated once (layer_repeat.py)
-        trace = simulate_layers(schedule, wl, sc.cluster, sc.precision)
-        if trace is None:   # layers the builder left out did not run alike: every layer built
-            wl, schedule = build_schedule(sc, wl)
-            trace = simulate_layers(schedule, wl, sc.cluster, sc.precision)
-        assert trace is not None    # every layer built: nothing left out to disagree
-        return wl, trace
+    if schedule.skipped:   # the layers left out stand on the windows simulated (layer_repeat.py)
+        trace = simulate_layers(schedule, sc.cluster, sc.precision)
+        if trace is not None:
+            return wl, trace
+        wl, schedule = build_schedule(sc, wl)    # they did not run alike: every layer built
     return wl, simulate(schedule, sc.cluster, sc.precision)
-
-
 
 
 def _pipeline_micro_steps(stages: int, stride: int) -> tuple[int, ...]:

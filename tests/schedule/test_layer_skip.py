@@ -1,9 +1,7 @@
 """Layers the ZeRO-3 builder skips (zsim/schedule/layer_skip.py, see [Note: layers the builder
-skips]): the schedule it builds is, op for op, the full build with the same layers dropped by
-layer_blocks.compress, and the step it simulates is the step of every op."""
+skips]): the schedule it builds is, op for op, the full build with the same layers left out,
+and the step it simulates is the step of every op."""
 from __future__ import annotations
-
-from dataclasses import replace
 
 import pytest
 
@@ -12,49 +10,78 @@ from tests.helpers import LAYER_MODELS as MODELS, equal_results
 from tests.helpers import VARIANTS
 from zsim.api import run_scenario
 from zsim.config.scenario import scenario_from_mapping
-from zsim.engine import layer_blocks
-from zsim.engine.layer_repeat import LayerRepeat, _skipped_gaps
+from zsim.engine.layer_repeat import LayerRepeat
 from zsim.schedule import layer_skip
 from zsim.schedule.build import build_schedule
-from zsim.schedule.ir import Buffer, Tag
 
 SKIPPED = ("stage3", "stage3-fp16", "stage3-selective", "stage3-full", "stage3-offload-cpu", "stage3-offload-nvme")
 
 
-def _as_compressed(short):
-    """`short` with its flat-buffer tags named by the full step's op ids, as compress keeps them
-    (the builder names them by the ids it gives the ops)."""
-    _, kept = _skipped_gaps(short)
+def _ids(short, full_ops: int) -> tuple[list[int], list[int]]:
+    """Per op built, its id in the full step; and per op of the full step, the op it stands at
+    (a left-out op: its copy as many layers before its gap, `count * length` ops earlier)."""
+    kept, target, dropped = [], list(range(full_ops)), 0
+    marks = iter(short.skipped)
+    mark = next(marks, None)
+    for i in range(len(short.ops)):
+        while mark is not None and mark.at == i:
+            first, span = i + dropped, mark.count * mark.length
+            target[first:first + span] = range(first - span, first)
+            dropped += span
+            mark = next(marks, None)
+        kept.append(i + dropped)
+    return kept, target
 
-    def tag(t):
-        return Tag(t.buffer, t.micro, kept[t.key], t.phase) if t.buffer == Buffer.GATHER_FLAT else t
-    return [replace(op, alloc=tuple(replace(a, tag=tag(a.tag)) for a in op.alloc), free=tuple(map(tag, op.free)),
-                    free_before=tuple(map(tag, op.free_before))) for op in short.ops]
+
+def _frees(ops) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Per op, the ops whose allocations its `free_before` and `free` release (the latest
+    allocation of each tag in program order)."""
+    live: dict = {}
+    out = []
+    for op in ops:
+        before = tuple(live.pop(t) for t in op.free_before)
+        live.update((a.tag, op.id) for a in op.alloc)
+        out.append((before, tuple(live.pop(t) for t in op.free)))
+    return out
+
+
+def _assert_the_full_build_less_the_gaps(short, full):
+    """Each op built is the full step's op at its place (kind, stream, phase, micro-step, payload,
+    hooks, allocation sizes), and waits on and frees the allocations of the same ops, an op left
+    out standing for its copy before the gap (the one built)."""
+    assert short.full_ops == len(full.ops)
+    kept, target = _ids(short, len(full.ops))
+    new_id = {x: i for i, x in enumerate(kept)}
+    short_frees, full_frees = _frees(short.ops), _frees(full.ops)
+
+    def facts(op):
+        return (op.kind, op.stream, op.phase, op.micro_step, op.payload, op.hook_visits, op.grad_hooks, op.host_views,
+                [(a.category, a.size_bytes, a.touched_bytes) for a in op.alloc])
+    for op, x in zip(short.ops, kept):
+        f = full.ops[x]
+        where = f"op {op.id} (the full step's {x})"
+        assert facts(op) == facts(f), where
+        assert set(op.deps) == {new_id[target[d]] for d in f.deps}, where
+        assert [[kept[r] for r in rs] for rs in short_frees[op.id]] == \
+            [[target[r] for r in rs] for rs in full_frees[x]], where
 
 
 def _builds(sc):
-    """(the schedule the builder skips layers of, the full one with the same layers dropped by
-    compress, and each one's ids of the full step)."""
-    wl, short = build_schedule(sc, skip_layers=True)
+    """(the schedule the builder skips layers of, the full one)."""
+    _, short = build_schedule(sc, skip_layers=True)
     _, full = build_schedule(sc)
-    gaps, kept = _skipped_gaps(short)
-    plan = layer_blocks.GapPlan(tuple(gaps), layer_blocks._alloc_sites(full.ops),
-                                layer_blocks._Places(len(full.ops), layer_blocks._blocks(full, wl)))
-    compressed, _, compress_kept = layer_blocks.compress(full, plan)
-    return short, full, compressed, kept, compress_kept
+    return short, full
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
 @pytest.mark.parametrize("name", SKIPPED)
-def test_the_skipped_schedule_is_the_full_one_compressed(name, model):
+def test_the_skipped_schedule_is_the_full_one_less_its_gaps(name, model):
     for gas in (1, 2, 3):
         sc = scenario(**VARIANTS[name], **MODELS[model], **{"training.gradient_accumulation_steps": gas})
-        short, full, compressed, kept, compress_kept = _builds(sc)
+        short, full = _builds(sc)
         regions = {k.region for k in short.skipped}
         assert regions == {(m, d) for m in range(gas) for d in "fb"} | {(gas - 1, "s")}, f"GAS {gas}"
-        assert short.full_ops == len(full.ops)
-        assert compress_kept == kept
-        assert _as_compressed(short) == list(compressed.ops), f"GAS {gas}"
+        _assert_the_full_build_less_the_gaps(short, full)
 
 
 @pytest.mark.parametrize("name", SKIPPED)
@@ -71,14 +98,14 @@ def test_the_step_simulated_from_skipped_layers_is_the_full_step(name):
 @pytest.mark.parametrize("sequence_parallel", (False, True))
 def test_tensor_parallel_layers_are_skipped_too(sequence_parallel):
     """Megatron's tensor-parallel collectives act per module (no state across layers), so a
-    ZeRO-3 + TP2 step skips its layers as well, op for op as compress drops them."""
+    ZeRO-3 + TP2 step skips its layers as well, op for op."""
     for gas in (1, 3):
         sc = scenario(**VARIANTS["stage3-full"], **MODELS["gpt-32"],
                       **{"parallelism.tensor": 2, "parallelism.sequence_parallel": sequence_parallel,
                          "training.gradient_accumulation_steps": gas})
-        short, _, compressed, _, _ = _builds(sc)
+        short, full = _builds(sc)
         assert {d for _, d in (k.region for k in short.skipped)} == {"f", "b", "s"}
-        assert _as_compressed(short) == list(compressed.ops)
+        _assert_the_full_build_less_the_gaps(short, full)
         reused, trace = run_scenario(sc)
         assert trace.schedule.skipped
         equal_results(reused, run_scenario(sc, steady=False)[0])
@@ -87,13 +114,13 @@ def test_tensor_parallel_layers_are_skipped_too(sequence_parallel):
 @pytest.mark.parametrize("name", ("stage3", "stage3-full"))
 def test_a_backward_whose_bucket_spans_layers_skips_whole_periods(name):
     """An IPG bucket of about 1.6 layers' gradients fills alike every 3 layers: the forward drops
-    a multiple of 3 layers and the backward drops them 3 at a time, op for op as compress does."""
+    a multiple of 3 layers and the backward drops them 3 at a time, op for op."""
     model = {**MODELS["gpt-32"], "model.layers": 48, "deepspeed.zero_optimization.reduce_bucket_size": 20_000_000}
     for gas in (1, 2):
         sc = scenario(**VARIANTS[name], **model, **{"training.gradient_accumulation_steps": gas})
-        short, _, compressed, _, _ = _builds(sc)
+        short, full = _builds(sc)
         assert {(k.region[1], k.layers) for k in short.skipped} == {("f", 1), ("b", 3), ("s", 1)}
-        assert _as_compressed(short) == list(compressed.ops)
+        _assert_the_full_build_less_the_gaps(short, full)
         reused, trace = run_scenario(sc)
         assert trace.schedule.skipped
         equal_results(reused, run_scenario(sc, steady=False)[0])
@@ -111,11 +138,9 @@ def test_a_forward_whose_last_layers_keep_their_params_skips_the_layers_before(n
     seen = []
     for gas in (1, 2):
         sc = scenario(**VARIANTS[name], **model, **{"training.gradient_accumulation_steps": gas})
-        wl, short = build_schedule(sc, skip_layers=True)
-        _, full = build_schedule(sc)
+        short, full = _builds(sc)
         assert short.skipped, f"GAS {gas}: nothing skipped"
-        short, _, compressed, _, _ = _builds(sc)
-        assert _as_compressed(short) == list(compressed.ops)
+        _assert_the_full_build_less_the_gaps(short, full)
         reused, trace = run_scenario(sc)
         equal_results(reused, run_scenario(sc, steady=False)[0])
         seen.append(len(short.ops) < len(full.ops))
@@ -158,7 +183,7 @@ def test_gpt3_175b_builds_a_fraction_of_its_layers():
 
 def test_a_backward_that_does_not_repeat_gets_the_step_built_whole(monkeypatch):
     """The backward must drop its forward's layers; where its state does not repeat over them
-    (forced here) the builder aborts and builds every layer, and the old detector takes over."""
+    (forced here) the builder aborts and builds every layer, and every op is simulated."""
     sc = scenario(**VARIANTS["stage3"], **MODELS["gpt-32"])
     periodic = layer_skip.LayerSkip._periodic
 
@@ -169,13 +194,13 @@ def test_a_backward_that_does_not_repeat_gets_the_step_built_whole(monkeypatch):
     _, full = build_schedule(sc)
     assert not built.skipped and built == full
     reused, trace = run_scenario(sc)
-    assert isinstance(trace.repeat, LayerRepeat) and not trace.schedule.skipped
+    assert trace.repeat is None and not trace.schedule.skipped
     equal_results(reused, run_scenario(sc, steady=False)[0])
 
 
 def test_layers_that_do_not_run_alike_are_simulated_from_a_whole_build(monkeypatch):
     """Where a window of the skipped schedule does not repeat in time (forced here), the step is
-    built whole and simulated as before."""
+    built whole and every op simulated."""
     import zsim.engine.layer_repeat as layer_repeat
     sc = scenario(**VARIANTS["stage3-full"], **MODELS["gpt-32"])
     expected, _ = run_scenario(sc, steady=False)
@@ -183,7 +208,7 @@ def test_layers_that_do_not_run_alike_are_simulated_from_a_whole_build(monkeypat
     monkeypatch.setattr(layer_repeat, "_window",
                         lambda gap, schedule, *a: None if schedule.skipped else window(gap, schedule, *a))
     reused, trace = run_scenario(sc)
-    assert not trace.schedule.skipped and isinstance(trace.repeat, LayerRepeat)
+    assert not trace.schedule.skipped and trace.repeat is None
     equal_results(reused, expected)
 
 
@@ -196,9 +221,9 @@ def test_an_optimizer_or_params_offloaded_alone_skip_layers_too(what, device):
     for gas in (1, 3):
         sc = scenario(**VARIANTS["stage3"], **MODELS["llama-28"], **{f"{zero}.offload_{what}": {"device": device},
                                                                       "training.gradient_accumulation_steps": gas})
-        short, _, compressed, kept, compress_kept = _builds(sc)
+        short, full = _builds(sc)
         assert {d for _, d in (k.region for k in short.skipped)} == {"f", "b", "s"}
-        assert compress_kept == kept and _as_compressed(short) == list(compressed.ops)
+        _assert_the_full_build_less_the_gaps(short, full)
         reused, _ = run_scenario(sc)
         equal_results(reused, run_scenario(sc, steady=False)[0])
 
@@ -206,8 +231,7 @@ def test_an_optimizer_or_params_offloaded_alone_skip_layers_too(what, device):
 @pytest.mark.parametrize("name", ["stage2", "stage3-cpu-checkpointing"])
 def test_what_the_builder_does_not_skip(name):
     """The stages below 3 and ZeRO-3 with CPU checkpointing (its copies per layer are outside
-    the hooks' state) are built whole; the engine's detector still drops their layers where
-    they repeat (MoE's exchanges too)."""
+    the hooks' state) are built whole, and every op of their micro-steps simulated."""
     variant = (VARIANTS[name] if name in VARIANTS else
                {**VARIANTS["stage2-full-cpu-checkpointing"], "deepspeed.zero_optimization.stage": 3})
     _, built = build_schedule(scenario(**variant, **MODELS["gpt-32"]), skip_layers=True)

@@ -56,22 +56,24 @@ def test_sweep_lists_failed_points_whole_and_plots_mark_them(tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_doctor_names_the_op_at_the_peak_of_a_shortened_moe_step():
-    # Mixtral at seq 1024 without checkpointing: the step is simulated with repeated layers, and
-    # the peak (in a layer window's last copy) is not the simulated events' own highest point;
+def test_doctor_names_the_op_at_the_peak_of_a_shortened_step():
+    # Llama-2 70B under ZeRO-3 without checkpointing: the step is simulated with repeated layers,
+    # and the peak (in a layer window's last copy) is not the simulated events' own highest point;
     # the op named is the one an every-op simulation shows at the peak (see [Note: peak of a
-    # shortened step]); the old attribution named layers.28's
+    # shortened step])
     from zsim.api import run_scenario
+    from zsim.engine.ledger import timeline
     from zsim.search.doctor import _op_at_peak
     from zsim.search.variants import Base
     from tests.helpers import ROOT
 
-    base = Base.load(ROOT / "scenarios" / "mixtral-8x7b-zero3-16xh100.yaml",
-                     ("training.seq_len=1024", "training.activation_checkpointing=none"))
+    base = Base.load(ROOT / "scenarios" / "llama2-70b-zero3-64xa100.yaml", ("training.activation_checkpointing=none",))
     sc = base.scenario(())
     short, short_trace = run_scenario(sc)
     full, full_trace = run_scenario(sc, steady=False)
     assert short_trace.repeat is not None and full_trace.repeat is None
+    simulated_top = max(used for _, used in timeline(short_trace.ledger_events))
+    assert short_trace.repeat.peak_and_breakdown(short_trace.ledger_events)[0] > simulated_top
     assert short.memory.peak_bytes == full.memory.peak_bytes
     assert _op_at_peak(short_trace) == _op_at_peak(full_trace)
 

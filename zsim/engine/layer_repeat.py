@@ -1,24 +1,20 @@
 """Identical layers reused, exactly: a step's transformer blocks simulated as a few, not all of them.
 
-Within a micro-step's forward, its backward (recompute included) and the step's post-step
-gathers, block k's ops are block k-1's one layer on (layer_blocks.py checks this op by op on the
-built schedule). The blocks in the middle of each run are dropped: the kept ops that waited on,
-or freed a buffer of, a dropped block wait on (free) the same op of the block as many blocks
-earlier, which a dropped copy would have been; the forward and the backward of a micro-step drop
-the same layers, so every activation kept for backward is still allocated and freed once. The
-shortened step is simulated; when its window block (the last kept before a gap) runs exactly as
-the block before it did, one period later (every op that starts in the period has its twin one
-period earlier, starting and ending exactly one period earlier, nothing older is still running,
-and the memory ledger sees the same events), the engine, deterministic and shift-invariant, would
-run every dropped copy the same way: the trace stands for the full step through a `LayerRepeat`,
-one `LayerWindow` per gap. A window need not leave memory as it found it (each forward block
-keeps its activations): every copy adds the same bytes per category, and the full step's peak is
-found from the simulated events. Byte counts must be whole numbers, so their sums are exact in
-any order. A pass whose window does not run alike, or whose dropped blocks a kept op refers to
-where no kept copy stands in, is kept whole (with its micro-step's other pass) and the shortened
-step simulated again, every window checked anew; after a few tries, every op is simulated.
-Under steady.py's micro-step repeat the two nest (`LayeredRepeat`). tests/engine/test_layer_repeat.py
-compares both with simulating every op.
+ZeRO-3's builder leaves out the middle layers of each pass where its state repeats (see [Note:
+layers the builder skips]); the schedule lists each gap (Schedule.skipped): `count` copies of the
+window, the block of ops just before it. The kept ops that would have waited on, or freed a
+buffer of, a dropped block wait on (free) the same op of the block as many layers earlier. The
+shortened step is simulated; when its window runs exactly as the two blocks before it did, one
+period apart (every op that starts in a period has its twin one period earlier, starting and
+ending exactly one period earlier, nothing older is still running, and the memory ledger sees
+the same events), the engine, deterministic and shift-invariant, would run every dropped copy
+the same way: the trace stands for the full step through a `LayerRepeat`, one `LayerWindow` per
+gap. A window need not leave memory as it found it (each forward block keeps its
+activations): every copy adds the same bytes per category, and the full step's peak is found
+from the simulated events. Byte counts must be whole numbers, so their sums are exact in any
+order. A window that does not run alike gets the step built whole and every op simulated
+(zsim/simulate.py). Under steady.py's micro-step repeat the two nest (`LayeredRepeat`).
+tests/engine/test_layer_repeat.py compares both with simulating every op.
 """
 from __future__ import annotations
 
@@ -26,11 +22,10 @@ from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from functools import cached_property
 
-from zsim.engine.layer_blocks import Gap, Refused, compress, op_shape, plan_gaps, whole_regions
 from zsim.engine.ledger import LedgerError
 from zsim.engine.sim import Repeat, Trace, run_ops
-from zsim.schedule.ir import Op, Schedule
-from zsim.workload.module import Workload
+from zsim.schedule.ir import Op, Schedule, SkippedLayers
+from zsim.schedule.payloads import payload_shape
 
 # two periods agree when every op's start and end agree to this fraction of the step (steady.py's)
 _REL_TOL = 1e-12
@@ -53,13 +48,6 @@ class LayerWindow:
     @property
     def skipped_s(self) -> float:
         return (self.copies - 1) * self.period_s
-
-
-class Unsettled:
-    """A window's periods opened alike on an op still running from before them (`_window`)."""
-
-
-UNSETTLED = Unsettled()
 
 
 @dataclass(frozen=True)
@@ -191,24 +179,19 @@ class _Clock:
         self.event_times = [e[0] for e in events]
 
 
-def _window(gap: Gap, schedule: Schedule, new_id: dict[int, int], timings, events, tol: float,
-            clock: _Clock) -> LayerWindow | None | Unsettled:
-    """The gap's window [lo, hi) when the simulated step ran its last three periods alike: the ops
-    that start in each period are the ops of the period before, each starting and ending exactly
-    one period later, nothing older is still running when a period opens, the ledger sees the
-    same events; and the window is as long as a period (the block after the gap opens on time).
-    UNSETTLED where the periods open alike but an op from before them still runs."""
-    a, end = gap.window
-    length = gap.length
+def _window(gap: SkippedLayers, schedule: Schedule, timings, events, tol: float, clock: _Clock) -> LayerWindow | None:
+    """The gap's window [lo, hi) (its `length` ops before op `at`) when the simulated step ran its
+    last three periods alike: the ops that start in each period are the ops of the period
+    before, each starting and ending exactly one period later, nothing older is still running
+    when a period opens, the ledger sees the same events; and the window is as long as a period
+    (the block after the gap opens on time)."""
+    length, at = gap.length, gap.at
 
     def opens(first):
-        return min(timings[new_id[x]].start_s for x in range(first, first + length))
-    try:
-        lo, prev, prev2 = opens(a), opens(a - length), opens(a - 2 * length)
-        after = new_id[end - 1] + 1
-        hi = min(timings[i].start_s for i in range(after, after + length))
-    except (KeyError, ValueError, IndexError):
+        return min(timings[x].start_s for x in range(first, first + length))
+    if at - 3 * length < 0 or at + length > len(timings):
         return None
+    lo, prev, prev2, hi = opens(at - length), opens(at - 2 * length), opens(at - 3 * length), opens(at)
     period = lo - prev
     if period <= 0 or abs(prev - prev2 - period) > tol or abs(hi - lo - period) > tol:
         return None
@@ -216,7 +199,7 @@ def _window(gap: Gap, schedule: Schedule, new_id: dict[int, int], timings, event
     lo, hi = lo - tol, hi - tol
     i0, i1 = bisect_left(clock.starts, lo - 2 * period), bisect_left(clock.starts, hi)
     if clock.latest_end[i0] > lo - period + 2 * tol:
-        return UNSETTLED     # still running from before: the periods' states would differ
+        return None     # still running from before: the periods' states would differ
     periods: list[list] = [[], [], []]      # the ops that start in each of the last three periods
     ops = schedule.ops
     for x in clock.by_start[i0:i1]:
@@ -237,7 +220,7 @@ def _window(gap: Gap, schedule: Schedule, new_id: dict[int, int], timings, event
     for earlier, later in zip(periods, periods[1:]):
         for x, y in zip(earlier, later):
             tx, ty = timings[x.id], timings[y.id]
-            if (x.kind is not y.kind or x.stream != y.stream or op_shape(x) != op_shape(y)
+            if (x.kind is not y.kind or x.stream != y.stream or payload_shape(x.payload) != payload_shape(y.payload)
                     or abs(ty.start_s - tx.start_s - period) > tol or abs(ty.end_s - tx.end_s - period) > tol):
                 return None
     j0, j1, j2 = (bisect_left(clock.event_times, t) for t in (lo - period, lo, hi))
@@ -252,131 +235,50 @@ def _window(gap: Gap, schedule: Schedule, new_id: dict[int, int], timings, event
                        tuple(sorted(delta.items())), gap.layers, gap.region)
 
 
-def _layer_repeat(short: Schedule, gaps: list[Gap], kept: list[int], timings, events,
-                  full_ops: int) -> tuple[LayerRepeat | None, frozenset, frozenset]:
-    """The LayerRepeat of the shortened step, or (None, the passes whose windows did not run
-    alike ((micro-step, direction)): kept whole, the others may still repeat; empty when nothing
-    would; and those of them whose windows only opened on what an earlier pass left running:
-    narrowed)."""
+def _layer_repeat(short: Schedule, timings, events) -> LayerRepeat | None:
+    """The LayerRepeat of a schedule whose builder left layers out (Schedule.skipped), or None
+    when a window did not run alike."""
     if any(not float(d).is_integer() for _, d, _, _ in events):
-        return None, frozenset(), frozenset()
-    new_id = {x: i for i, x in enumerate(kept)}
+        return None
     tol = _REL_TOL * max(max(t.end_s for t in timings), 1.0)
-    windows = []
-    failed: set = set()
-    unsettled: set = set()
     clock = _Clock(timings, events)
-    for gap in gaps:
-        w = _window(gap, short, new_id, timings, events, tol, clock)
-        if not isinstance(w, LayerWindow):
-            failed.add(gap.region)
-            if w is UNSETTLED:
-                unsettled.add(gap.region)
-        windows.append(w)
-    if failed:
-        return None, frozenset(failed), frozenset(unsettled)
-    settled = sorted((w for w in windows if isinstance(w, LayerWindow)), key=lambda w: w.start_s)
-    if any(a.end_s > b.start_s for a, b in zip(settled, settled[1:])):
-        return None, frozenset(), frozenset()
-    if len(short.ops) + sum((w.copies - 1) * len(w.ops) for w in settled) != full_ops:
-        return None, frozenset(), frozenset()
-    return LayerRepeat(tuple(settled)), frozenset(), frozenset()
+    windows = [_window(gap, short, timings, events, tol, clock) for gap in short.skipped]
+    settled = sorted((w for w in windows if w is not None), key=lambda w: w.start_s)
+    if len(settled) < len(windows) or any(a.end_s > b.start_s for a, b in zip(settled, settled[1:])):
+        return None
+    if len(short.ops) + sum((w.copies - 1) * len(w.ops) for w in settled) != short.full_ops:
+        return None
+    return LayerRepeat(tuple(settled))
 
 
-# shortened steps simulated before every op is: a pass whose window did not run alike has its
-# gap narrowed (see [Note: a window moved past a settling pass]), then (a copy stream falling
-# further behind every layer, a boundary's extra copies) is kept whole in the next try, the others
-# still dropped. A later try is made only while it drops at least a quarter of the step's ops
-# (else a failed try would cost about as much as simulating every op)
-_TRIES = 5
-_RETRY_DROPS = 0.25
-# how far into what a gap can spare its window moves (a pass's start unsettled by a few layers
-# costs a quarter of its drops; a pass that falls behind every layer is kept whole on the next try)
-_NARROWED = 0.25
+def run_layers(schedule: Schedule, cluster, precision: str):
+    """run_ops(schedule), with the layers its builder left out (see [Note: layers the builder
+    skips]) standing on the windows simulated: (its timings and ledgers, the LayerRepeat; None
+    where the builder left nothing out), or None when a window did not run alike (the caller
+    builds every layer)."""
+    try:
+        timings, ledgers = run_ops(schedule, cluster, precision)
+    except LedgerError:
+        if not schedule.skipped:
+            raise
+        return None
+    if not schedule.skipped:
+        return timings, ledgers, None
+    repeat = _layer_repeat(schedule, timings, ledgers[0].events())
+    return None if repeat is None else (timings, ledgers, repeat)
 
 
-def _skipped_gaps(schedule: Schedule) -> tuple[list[Gap], list[int]]:
-    """The layers the builder left out (Schedule.skipped) as `compress` gives its gaps: ids of
-    the full step, and per op built its id there."""
-    gaps, kept, dropped = [], [], 0
-    marks = iter(schedule.skipped)
-    mark = next(marks, None)
-    for i in range(len(schedule.ops)):
-        while mark is not None and mark.at == i:
-            first = i + dropped
-            gaps.append(Gap(mark.name, mark.region, first, mark.count, mark.length, (first - mark.length, first),
-                            mark.layers, mark.settle))
-            dropped += mark.count * mark.length
-            mark = next(marks, None)
-        kept.append(i + dropped)
-    return gaps, kept
-
-
-def run_layers(schedule: Schedule, wl: Workload, cluster, precision: str):
-    """run_ops(schedule) with its identical layers simulated once per window: (the schedule
-    simulated, its timings and ledgers, the LayerRepeat; None where every op was simulated).
-    A schedule whose builder left layers out (see [Note: layers the builder skips]) gives
-    None when they did not run alike: the caller builds it whole."""
-    if schedule.skipped:
-        gaps, kept = _skipped_gaps(schedule)
-        try:
-            timings, ledgers = run_ops(schedule, cluster, precision)
-        except LedgerError:
-            return None
-        repeat, _, _ = _layer_repeat(schedule, gaps, kept, timings, ledgers[0].events(), schedule.full_ops)
-        return None if repeat is None else (schedule, timings, ledgers, repeat)
-    plan = first = plan_gaps(schedule, wl)
-    whole: frozenset = frozenset()
-    narrowed: set = set()    # the directions ("f", "b") whose gaps were narrowed
-    for _ in range(_TRIES if plan is not None else 0):
-        assert plan is not None and first is not None
-        try:
-            compressed = compress(schedule, plan, whole)
-        except Refused as refused:
-            whole |= refused.regions
-            continue
-        if compressed is None:
-            break
-        short, gaps, kept = compressed
-        if whole and len(short.ops) > (1 - _RETRY_DROPS) * len(schedule.ops):
-            break
-        try:
-            timings, ledgers = run_ops(short, cluster, precision)
-        except LedgerError:     # the dropped blocks' buffers do not pair up: simulate them all
-            break
-        repeat, failed, unsettled = _layer_repeat(short, gaps, kept, timings, ledgers[0].events(), len(schedule.ops))
-        if repeat is not None:
-            return short, timings, ledgers, repeat
-        if not failed:
-            break
-        # a pass whose window failed otherwise, or again once its direction was narrowed, is
-        # kept whole with its micro-step; a direction whose windows opened on what an earlier
-        # pass left running, in a micro-step not kept whole, is narrowed once, for every
-        # micro-step (the passes kept whole stay so)
-        whole_now = {m for m, d in failed if d in "fb" and ((m, d) not in unsettled or d in narrowed)}
-        new = {d for m, d in unsettled if d in "fb" and d not in narrowed and m not in whole_now}
-        narrower = first.narrowed(*(_NARROWED if d in narrowed | new else 0.0 for d in "fb")) if new else None
-        if narrower is None:
-            new = set()
-        else:
-            plan, narrowed = narrower, narrowed | new
-        whole |= frozenset().union(*(whole_regions(g) for g in gaps if g.region in failed
-                                     and not (g.region in unsettled and g.region[1] in new)))
-    timings, ledgers = run_ops(schedule, cluster, precision)
-    return schedule, timings, ledgers, None
-
-
-def simulate_layers(schedule: Schedule, wl: Workload, cluster, precision: str) -> Trace | None:
-    """sim.simulate of a one-stage schedule, its identical layers reused where they repeat
-    exactly; None where layers the builder left out did not run alike (run_layers)."""
-    out = run_layers(schedule, wl, cluster, precision)
+def simulate_layers(schedule: Schedule, cluster, precision: str) -> Trace | None:
+    """sim.simulate of a one-stage schedule whose left-out layers stand on the windows simulated;
+    None where they did not run alike (run_layers)."""
+    out = run_layers(schedule, cluster, precision)
     if out is None:
         return None
-    sim, timings, ledgers, repeat = out
+    timings, ledgers, repeat = out
     end = max((t.end_s for t in timings), default=0.0)
     if repeat is not None:
         end = repeat.shift_s(end)
-    return Trace(sim, tuple(timings), ledgers[0].events(), end, schedule.full_ops, repeat)
+    return Trace(schedule, tuple(timings), ledgers[0].events(), end, schedule.full_ops, repeat)
 
 
 @dataclass(frozen=True)

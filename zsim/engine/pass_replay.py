@@ -31,6 +31,7 @@ from functools import partial
 
 from zsim.hardware.placement import base_link
 from zsim.schedule.ir import Op, OpKind, Phase, Schedule, Stream
+from zsim.schedule.payloads import payload_shape
 
 # fewer ops than this are simulated as they are (the key and the bookkeeping cost more)
 MIN_OPS = 8
@@ -174,7 +175,7 @@ def _key(b: Block, shapes: dict, sized: bool) -> tuple:
 
 def _shape(shapes: dict, payload) -> int:
     """The number of `payload`'s shape (CostModel.op_cost's: its call, its work, or itself)."""
-    value = getattr(payload, "comm", None) or getattr(payload, "work", None) or payload
+    value = payload_shape(payload)
     number = shapes[id(payload)] = shapes.setdefault(("shape", type(value), value), len(shapes))
     return number
 

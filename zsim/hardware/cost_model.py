@@ -17,7 +17,7 @@ from zsim.hardware.host import (CPU_ADAM_BYTES_PER_PARAM, aio_efficiency, cpu_ad
                                 hook_visits_time_s, host_link_Bps, host_pass_time_s, nvme_time_s, pcie_time_s, rank_views_time_s)
 from zsim.hardware.placement import group_shape, rank_of, same_node, stage_links
 from zsim.schedule.ir import Collective, HostSettings, Op, Phase, PipelineLayout, Transfer
-from zsim.schedule.payloads import Comm, ComputeWork, Copy, CpuAdam, ModulePass, PipeTransfer, StepCompute
+from zsim.schedule.payloads import Comm, ComputeWork, Copy, CpuAdam, ModulePass, PipeTransfer, StepCompute, payload_shape
 from zsim.workload.module import DTYPE_BYTES
 
 COMPUTE = ("compute",)
@@ -151,9 +151,7 @@ class CostModel:
             cost = self._by_pass.get(fast)
             if cost is not None:
                 return cost
-        shape = getattr(p, "comm", None) or getattr(p, "work", None)
-        if shape is None:
-            shape = (p.transfer, p.size_bytes, p.pinned) if isinstance(p, Copy) else p
+        shape = payload_shape(p)
         sizes = (tuple((a.size_bytes, a.touched_bytes) for a in op.alloc) if op.alloc and self.gpu.fresh_alloc_GBps
                  else ())
         key = (shape, op.phase if op.hook_visits else None, op.hook_visits, op.grad_hooks, op.host_views, sizes, op.pipe_stage)

@@ -10,38 +10,55 @@ params the reuse distance keeps), layer l+1 adds layer l's ops one layer on, and
 every layer after it. Then the pass need not build layers [a, b): the state is shifted by
 b - a layers (parameter ids, visit and trace positions, the bucket counter) and the pass goes
 on at layer b. Op ids in the state are not shifted: a dropped op stands for its copy as many
-layers earlier, the one built (layer_blocks.compress's rule), and a gathered param's tag names
+layers earlier, the one built, and a gathered param's tag names
 the copy's (ParamCoordinator.tag_pid). The state is compared in a relative form
 (`_fingerprint`): ids within REACH layers of the boundary as offsets, older ones as they are;
 an older op or param that changes from layer to layer leaves the pass whole. A micro-step's
 backward drops the layers its forward dropped (their activations are never allocated); if its
-own state does not repeat over them, the step is built whole (`Abort`; a first forward that
-does not repeat leaves the whole step to the engine's detector); its gradient bucket may
+own state does not repeat over them, the step is built whole (`Abort`; so is a step whose first
+forward does not repeat); its gradient bucket may
 fill alike only every few layers, so the forward drops a multiple of that period (read from
 the bucket's fill at each block: grad_buckets.bucket_fill) and the backward drops whole
 periods. The post-step gathers of the persistent params repeat layer by layer and drop the
 middle layers likewise.
-The kept blocks before each gap (SETTLE periodic ones and the window) are what the engine
-compares; the schedule carries the gaps (Schedule.skipped) and the engine simulates it like
-one layer_blocks.compress shortened. tests/schedule/test_layer_skip.py compares both with building
-every layer and with simulating every op.
+The blocks built before each gap (SETTLE periodic ones and the window) are what the engine
+compares (zsim/engine/layer_repeat.py); the schedule carries the gaps (Schedule.skipped).
+tests/schedule/test_layer_skip.py compares the schedule with building every layer, and the step
+with simulating every op.
 """
 from __future__ import annotations
 
 from dataclasses import fields
 from operator import attrgetter
 
-from zsim.schedule.gap_rules import MAX_PERIOD_LAYERS, SETTLING_BLOCKS, least_copies, settle_chunks
 from zsim.schedule.grad_buckets import bucket_fill
 from zsim.schedule.ir import Phase, SkippedLayers
 from zsim.schedule.param_fetch import AVAILABLE, NOT_AVAILABLE
 from zsim.workload.module import Module, Param
 
-# periodic blocks kept before a window at least, and layers back (and ahead) an id of the state
-# is compared as an offset from the boundary's (gap_rules)
-SETTLE, REACH = SETTLING_BLOCKS, MAX_PERIOD_LAYERS
+# periodic blocks built before a window at least: the three periods the engine compares
+# (layer_repeat._window) end with it, and one more that may still be settling from the blocks
+# before; more when a block waits on (or frees a buffer of) a block further back (its reach)
+SETTLE = 3
+# the longest period, in layers, tried (a gradient bucket that spans a few layers fills alike
+# every few layers); also how far back (and ahead) an id of the state is compared as an offset
+# from the boundary's (ZeRO-3 prefetches several layers ahead when a rank's share of a layer is small)
+REACH = 8
 # backward blocks built before its state repeats, at most (more: the step is built whole)
 BACKWARD_START = 3
+
+
+def least_copies(reach: int, p: int) -> int:
+    """Chunks of `p` layers a gap must drop so that what a kept block after it refers to in the
+    gap stands in for a kept op no kept block after the gap refers to itself (fewer, and two
+    references would name one op: its buffer freed twice)."""
+    return max(1, -(-reach // p))
+
+
+def settle_chunks(reach: int, p: int) -> int:
+    """Periodic chunks of `p` layers built before a window: SETTLE, or enough that a block
+    `reach` layers on refers back to built ones only (the window is one more)."""
+    return max(SETTLE, least_copies(reach, p) - 1)
 
 
 class Abort(Exception):
@@ -197,7 +214,7 @@ class LayerSkip:
         b = self.geo.alike["f"] - 1 - (self._settle(p) + 2) * p - BACKWARD_START
         count = (b - layer) // p * p
         # at least `reach` layers dropped, so that no two kept references name one stand-in
-        # (gap_rules.least_copies)
+        # (least_copies)
         if count < max(1, self._history[-1][4]) or not self._skip(micro, "f", layer, count, +1, 1):
             return layer
         self.gaps[micro] = (layer, layer + count, p)
@@ -207,8 +224,8 @@ class LayerSkip:
         """Before layer `layer` of a backward (layers descending): the next layer to build."""
         gap = self.gaps.get(micro)
         if gap is None and not self.whole:
-            # a micro-step built whole leaves its layers to the engine's detector, which drops
-            # them only in a schedule whose builder dropped none (layer_repeat.run_layers)
+            # a first micro-step built whole: so is every other (one that drops layers after
+            # a whole one would not stand on alike micro-steps)
             if micro:
                 raise Abort(f"micro-step {micro}: the forward does not repeat")
             self.whole = True
@@ -266,13 +283,13 @@ class LayerSkip:
             return False
         floor = self._history[-REACH][2] if len(self._history) >= REACH else self._pass_start
         fp, oldest = self._fingerprint(layer, d, floor)
-        # layers back the oldest op the state refers to was added (reach, as layer_blocks._reach)
+        # layers back the oldest op the state refers to was added (its reach)
         reach = 1 + sum(1 for x in self._history if x[2] > oldest) if oldest is not None else 0
         self._history.append((layer, fp, self.ctx.b.next_id, self.hooks.buckets.flushes, reach))
         return True
 
     def _settle(self, p: int) -> int:
-        """Periodic chunks of `p` layers kept before the window (gap_rules.settle_chunks)."""
+        """Periodic chunks of `p` layers built before the window (settle_chunks)."""
         return settle_chunks(self._history[-1][4], p)
 
     def _periodic(self, p: int) -> bool:
@@ -367,7 +384,7 @@ class LayerSkip:
             h.current_visit += dk
         bk.bucket = [sp(q) for q in bk.bucket]
         bk.flushes += count // period * flushes
-        # named as layer_blocks names a gap: after its window, the last chunk built before it
+        # a gap is named after its window: the last chunk built before it
         first, last = (layer - period, layer - 1) if sign > 0 else (layer + period, layer + 1)
         what = "forward" if d == "f" else "backward"
         self.skipped.append(SkippedLayers(f"{what} of layers {first}-{last}, micro-step {micro}", (micro, d),

@@ -102,6 +102,16 @@ class Copy:
     what: str = ""                  # display: the buffer ("fp32 grads", "checkpoint layer 3", ...)
 
 
+def payload_shape(payload):
+    """What an op's cost depends on in its payload: its collective call, its compute work, a
+    copy's transfer, size and pinning (not the buffer it names), or the payload itself. The key
+    of CostModel.op_cost and of the engine's checks that two ops run alike."""
+    shape = getattr(payload, "comm", None) or getattr(payload, "work", None)
+    if shape is None:
+        shape = (payload.transfer, payload.size_bytes, payload.pinned) if isinstance(payload, Copy) else payload
+    return shape
+
+
 @record
 class CpuAdam:
     """DeepSpeed's CPU optimizer step over one group (DeepSpeedCPUAdam, or its Adagrad and Lion
