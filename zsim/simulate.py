@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from zsim.engine.layer_repeat import LayeredRepeat, nest, run_layers, simulate_layers
 from zsim.engine.sim import Repeat, Trace, collector_paused, simulate, stage_peaks
-from zsim.engine.steady import find_backward_repeat, find_pipeline_repeat, find_repeat
+from zsim.engine.steady import find_pipeline_repeat, find_repeat
 from zsim.schedule.build import build_schedule
 from zsim.schedule.generate import build_generation, simulated_forwards
 from zsim.specs.generation import generation_kernels
@@ -29,7 +29,7 @@ from zsim.workload.module import Workload
 # more when the first middle one is still settling from the first micro-step (a reduction of its
 # shape runs into it). Under ZeRO-3 with parameters on the GPU it always is for a window opened
 # by a forward (find_repeat: on every test variant four never sufficed), but a window opened by
-# the backward (find_backward_repeat) has settled by then: four sufficed on every test variant.
+# the backward (find_repeat's second window) has settled by then: four sufficed on every test variant.
 # ZeRO-2 with its optimizer on the GPU (and the BF16_Optimizer) keeps no 16-bit .grad from one
 # micro-step to the next, and its first micro-step settles before the second one's backward:
 # three micro-steps (the first, one middle, the boundary) sufficed for 18 of 19 random ZeRO-2
@@ -74,8 +74,7 @@ def _simulate(sc: Scenario, steady: bool) -> tuple[Workload, Trace]:
         if pipeline:
             repeat = find_pipeline_repeat(reduced, timings, events, micro_steps, gas, stride)
         else:
-            repeat = (find_repeat(reduced, timings, events, micro_steps, gas)
-                      or find_backward_repeat(reduced, timings, events, micro_steps, gas))
+            repeat = find_repeat(reduced, timings, events, micro_steps, gas)
         if repeat is not None and layers is not None:
             repeat = nest(repeat, layers)
         if repeat is not None:

@@ -78,8 +78,8 @@ class StepRepeat(Protocol):
 @dataclass(frozen=True)
 class Repeat:
     """The simulated steady state: the ops that start in the time window [start_s, end_s) (a
-    data-parallel run: the ops of micro-step `micro`, or with `from_backward` its backward's and
-    the next micro-step's forward's; a pipeline: one 1F1B period of every
+    data-parallel run: opened by micro-step `micro`'s forward, or with `from_backward` its
+    backward, and closed by the next micro-step's; a pipeline: one 1F1B period of every
     stage, opened by stage 0's forward of micro-step `micro`, of a group of `micro_steps`
     micro-steps under the interleaved schedule) stand for `copies` identical
     windows, one `period_s` apart. Times in the trace are those simulated; `shift_s` maps them
@@ -92,7 +92,7 @@ class Repeat:
     ops: frozenset[int]          # ids of the simulated ops that stand for `copies` ops each
     pipeline: bool = False
     micro_steps: int = 1         # micro-steps per window (Megatron's interleaved schedule: a group of `pipeline`)
-    from_backward: bool = False  # opened by micro-step `micro`'s backward (steady.find_backward_repeat)
+    from_backward: bool = False  # opened by micro-step `micro`'s backward (steady.find_repeat)
 
     @property
     def skipped_s(self) -> float:

@@ -2,20 +2,19 @@
 as a few periods past its warm-up.
 
 Micro-steps between the first and the last of an accumulation window are the same ops
-(DeepSpeed runs the same hooks, gathers and reductions every micro-step; only the first
-and the boundary micro-step differ). The step is built (zsim/simulate.py) with four micro-steps (three first for
-ZeRO-2 with its optimizer on the GPU; five or six when the middle ones take longer to settle):
-the first, the middle ones, the boundary one. When the
-last middle micro-step runs exactly as the one before did, one period later (every op
-starts and ends one period later, nothing of the earlier micro-steps is still running, and
-the window leaves every memory category as it found it), the time window it opens repeats
-for every middle micro-step of the full step: the engine is deterministic and
-shift-invariant, so the same state at the start of a window gives the same window. Where
-the middle micro-steps' windows opened by their forwards do not agree (the first micro-step's
-reductions still run into the second's forward, under ZeRO-3), windows opened by their
-backwards are compared the same way (find_backward_repeat): one holds a middle micro-step's
-backward and the next one's forward. The trace then stands for the full step through a
-`Repeat`; anything else falls back to simulating every micro-step.
+(DeepSpeed runs the same hooks, gathers and reductions every micro-step; only the first and the
+boundary micro-step differ). The step is built (zsim/simulate.py) with four micro-steps (three
+first for ZeRO-2 with its optimizer on the GPU; five or six when the middle ones take longer to
+settle): the first, the middle ones, the boundary one. The time window from the last middle
+micro-step's first forward op to the boundary's repeats for every middle micro-step of the full
+step when the period before it ran the same ops one period earlier (every op starts and ends
+one period later, nothing older is still running, and the window leaves every memory category
+as it found it): the engine is deterministic and shift-invariant, so the same state at the
+start of a window gives the same window. Where the forwards' windows do not agree (the first
+micro-step's reductions still run into the second's forward, under ZeRO-3), the windows opened
+by the backwards are compared the same way: one holds a middle micro-step's backward and the
+next one's forward (find_repeat). The trace then stands for the full step through a `Repeat`;
+anything else falls back to simulating every micro-step.
 A pipeline's micro-steps are not alike (warm-up, steady 1F1B, cool-down), but its steady
 phase is periodic in time: every stage runs one forward and one backward per period. Its step
 is built with stages + 4 micro-steps (then 2 x stages + 4), and the period opened by stage 0's
@@ -67,26 +66,19 @@ def _balanced(events, lo: float, hi: float) -> bool:
 
 
 def find_repeat(schedule: Schedule, timings, stage_events, micro_steps: int, gas: int) -> Repeat | None:
-    """The Repeat of a simulation of `micro_steps` micro-steps (its last middle one repeated),
-    or None when its last two middle micro-steps differ."""
-    by_micro: list[list] = [[] for _ in range(micro_steps)]
-    for op in schedule.ops:
-        by_micro[op.micro_step].append(op)
-    micro = micro_steps - 2
-    settling = [op for ops in by_micro[:micro - 1] for op in ops]
-    before, repeated = by_micro[micro - 1], by_micro[micro]
-    if len(before) != len(repeated) or not by_micro[micro + 1] or not all(by_micro):
-        return None
-    starts = [min(timings[op.id].start_s for op in ops) for ops in by_micro]
-    lo, hi = starts[micro], starts[micro + 1]
-    period = lo - starts[micro - 1]
-    tol = _tolerance(timings, len(repeated))
-    if period <= 0 or hi <= lo or not _shifted(zip(before, repeated), timings, period, tol):
-        return None
-    # the micro-steps before must be over when the window opens, or the window would differ
-    if any(timings[op.id].end_s > lo for op in settling) or not _balanced(stage_events[0], lo, hi):
-        return None
-    return Repeat(micro, gas - micro_steps + 1, period, lo, hi, frozenset(op.id for op in repeated))
+    """The Repeat of a data-parallel simulation of `micro_steps` micro-steps: the window opened
+    by the forward of micro-step j = micro_steps - 2 (its first forward op) and closed by the
+    boundary micro-step's, when the period before it holds the same ops (as
+    find_pipeline_repeat); else the window opened by j's backward and closed by the boundary's,
+    which holds j's backward and the boundary's forward. Where the first micro-step's
+    reductions run into the second's forward, the latter has settled a micro-step earlier, so
+    the step is shortened to one micro-step fewer."""
+    for kind in (OpKind.FORWARD, OpKind.BACKWARD):
+        repeat = _window_repeat(schedule, timings, stage_events, _opens(schedule, timings, kind), micro_steps, gas, 1,
+                                pipeline=False, from_backward=kind is OpKind.BACKWARD)
+        if repeat is not None:
+            return repeat
+    return None
 
 
 def find_pipeline_repeat(schedule: Schedule, timings, stage_events, micro_steps: int, gas: int,
@@ -105,17 +97,6 @@ def find_pipeline_repeat(schedule: Schedule, timings, stage_events, micro_steps:
         return None
     return _window_repeat(schedule, timings, stage_events, _opens(schedule, timings, OpKind.FORWARD),
                           micro_steps, gas, stride, pipeline=True)
-
-
-def find_backward_repeat(schedule: Schedule, timings, stage_events, micro_steps: int, gas: int) -> Repeat | None:
-    """A data-parallel step's Repeat with the window opened by the backward of micro-step
-    j = micro_steps - 2 (its first backward op) and closed by the boundary micro-step's: it
-    holds j's backward and the boundary's forward, which every middle micro-step repeats. Where
-    the first micro-step's reductions run into the second's forward, that window has settled a
-    micro-step earlier than one opened by a forward (find_repeat), so the step is shortened to
-    one micro-step fewer."""
-    return _window_repeat(schedule, timings, stage_events, _opens(schedule, timings, OpKind.BACKWARD),
-                          micro_steps, gas, 1, pipeline=False, from_backward=True)
 
 
 def _opens(schedule: Schedule, timings, kind: OpKind) -> dict[int, float]:
@@ -153,8 +134,8 @@ def _window_repeat(schedule: Schedule, timings, stage_events, opens: dict[int, f
     window.sort(key=order)
     if len(before) != len(window) or not window:
         return None
-    # (a data-parallel step's payloads differ in their bucket and call numbers, as with find_repeat:
-    # its ops are compared by kind, stream, stage and times alone)
+    # (a data-parallel step's payloads differ in their bucket and call numbers: its ops are
+    # compared by kind, stream, stage and times alone)
     if any(b.micro_step != a.micro_step + stride or (pipeline and b.payload != a.payload)
            or [x.size_bytes for x in a.alloc] != [x.size_bytes for x in b.alloc] for a, b in zip(before, window)):
         return None
