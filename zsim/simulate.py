@@ -8,14 +8,15 @@ ZeRO-3, without the middle layers of each pass (the builder leaves them out as i
 [Note: layers the builder skips]). The engine simulates the shortened step; each window next to
 something left out is checked to run exactly as the period before it did (the engine is
 deterministic and shift-invariant, so the same state gives the same window), and the trace
-stands for the full step through one repeat (see zsim/engine/sim.py StepRepeat): micro-steps
+stands for the full step through one `Repeat` (zsim/engine/repeat.py): micro-steps
 (zsim/engine/steady.py), layers (zsim/engine/layer_repeat.py), or both nested. Whatever does
 not check out is simulated op by op: only speed depends on the shortcuts, never the answer.
 """
 from __future__ import annotations
 
-from zsim.engine.layer_repeat import LayeredRepeat, nest, run_layers, simulate_layers
-from zsim.engine.sim import Repeat, Trace, collector_paused, simulate, stage_peaks
+from zsim.engine.layer_repeat import run_layers, simulate_layers
+from zsim.engine.repeat import nest
+from zsim.engine.sim import Trace, collector_paused, simulate, stage_peaks
 from zsim.engine.steady import find_pipeline_repeat, find_repeat
 from zsim.schedule.build import build_schedule
 from zsim.schedule.generate import build_generation, simulated_forwards
@@ -70,13 +71,9 @@ def _simulate(sc: Scenario, steady: bool) -> tuple[Workload, Trace]:
             assert out is not None    # nothing left out to disagree
         timings, ledgers, layers = out
         events = tuple(ledger.events() for ledger in ledgers)
-        repeat: Repeat | LayeredRepeat | None
-        if pipeline:
-            repeat = find_pipeline_repeat(reduced, timings, events, micro_steps, gas, stride)
-        else:
-            repeat = find_repeat(reduced, timings, events, micro_steps, gas)
-        if repeat is not None and layers is not None:
-            repeat = nest(repeat, layers)
+        period = (find_pipeline_repeat(reduced, timings, events, micro_steps, gas, stride) if pipeline
+                  else find_repeat(reduced, timings, events, micro_steps, gas))
+        repeat = None if period is None else nest(period, layers or ())
         if repeat is not None:
             end = repeat.shift_s(max(t.end_s for t in timings))
             ops = repeat.step_ops(reduced.full_ops)

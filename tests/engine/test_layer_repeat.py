@@ -7,7 +7,6 @@ import pytest
 
 from tests.helpers import LAYER_MODELS as MODELS, VARIANTS, ZERO, equal_results, scenario
 from zsim.api import run_scenario
-from zsim.engine.layer_repeat import LayeredRepeat, LayerRepeat
 from zsim.engine.ledger import timeline
 
 # ZeRO-3's builder leaves layers out (see [Note: layers the builder skips]) in every ZeRO-3
@@ -27,8 +26,7 @@ def test_layers_reused_equal_full_simulation(name, model):
         equal_results(reused, full)
         if name in SKIPPING:
             # (nested in a micro-step repeat where the step is longer than its shortened one)
-            layers = trace.repeat.layers if isinstance(trace.repeat, LayeredRepeat) else trace.repeat
-            assert isinstance(layers, LayerRepeat), f"GAS {gas}: layers not reused"
+            assert trace.repeat is not None and trace.repeat.layers, f"GAS {gas}: layers not reused"
             assert len(trace.schedule.ops) < len(full_trace.schedule.ops)
 
 
@@ -44,7 +42,7 @@ def test_layers_reused_inside_a_repeated_micro_step(name):
         reused, trace = run_scenario(sc)
         full, _ = run_scenario(sc, steady=False)
         equal_results(reused, full)
-        assert isinstance(trace.repeat, LayeredRepeat)
+        assert trace.repeat.period is not None and trace.repeat.layers
         assert reused.events == full.events
         _trace_on_the_full_clock(reused, trace)
 
@@ -65,7 +63,7 @@ def test_the_trace_shows_the_simulated_layers_and_marks_the_repeated_ones():
     from zsim.report.writers import chrome_trace
     sc = scenario(**VARIANTS["stage3"], **MODELS["gpt-32"])
     result, trace = run_scenario(sc)
-    windows = trace.repeat.windows
+    windows = trace.repeat.layers
     events = chrome_trace(trace, "t")["traceEvents"]
     ops = [e for e in events if e["ph"] == "X" and e["cat"] != "steady state"]
     marked = [e for e in ops if "repeated_layers" in e["args"]]
@@ -81,7 +79,7 @@ def test_the_forward_keeps_growing_through_the_copies_not_simulated():
     the forward, holds every layer's, though the simulation ran a few of them."""
     sc = scenario(**VARIANTS["stage3"], **MODELS["gpt-32"])
     _, trace = run_scenario(sc)
-    forward = [w for w in trace.repeat.windows if w.name.startswith("forward")]
+    forward = [w for w in trace.repeat.layers if w.name.startswith("forward")]
     assert forward and dict(forward[0].delta_bytes)["activations"] > 0
     simulated_top = max(used for _, used in timeline(trace.ledger_events))
     assert trace.repeat.peak_and_breakdown(trace.ledger_events)[0] > simulated_top
@@ -98,7 +96,7 @@ def test_buckets_that_span_layers_repeat_every_few_layers(name):
         reused, trace = run_scenario(sc)
         full, _ = run_scenario(sc, steady=False)
         equal_results(reused, full)
-        assert {w.layers for w in trace.repeat.windows if w.name.startswith("backward")} == {3}
+        assert {w.layers for w in trace.repeat.layers if w.name.startswith("backward")} == {3}
 
 
 @pytest.mark.parametrize("name", ("stage3", "stage3-full"))
@@ -118,7 +116,7 @@ def test_prefetch_several_layers_ahead_still_reused(name):
         equal_results(reused, full)
         if gas == 1:
             assert max(k.settle for k in trace.schedule.skipped) > SETTLE
-            windows = [w for w in trace.repeat.windows if w.name.startswith("forward")]
+            windows = [w for w in trace.repeat.layers if w.name.startswith("forward")]
             assert windows and len(trace.schedule.ops) < len(full_trace.schedule.ops)
 
 

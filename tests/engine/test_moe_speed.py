@@ -9,9 +9,7 @@ import pytest
 from tests.helpers import scenario
 from tests.helpers import equal_results
 from zsim.api import run_scenario
-from zsim.engine.sim import Repeat
 from zsim.engine.steady import _REL_TOL, _tolerance
-from zsim.engine.layer_repeat import LayeredRepeat
 from zsim.engine.sim import OpTiming
 
 ZERO = "deepspeed.zero_optimization"
@@ -40,7 +38,6 @@ def test_a_many_expert_step_reuses_its_micro_steps_and_equals_every_micro_step_s
     reused, trace = run_scenario(sc)
     full, full_trace = run_scenario(sc, steady=False)
     assert full_trace.repeat is None
-    micro = trace.repeat.micro if isinstance(trace.repeat, LayeredRepeat) else trace.repeat
-    assert isinstance(micro, Repeat), "the micro-step repeat was refused"
+    assert trace.repeat is not None and trace.repeat.period is not None, "the micro-step repeat was refused"
     equal_results(reused, full)
     assert reused.events == full.events

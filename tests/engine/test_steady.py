@@ -29,10 +29,10 @@ def test_a_long_accumulation_simulates_a_few_micro_steps(stage, simulated):
     optimizer on the GPU three (SHORT_SIMULATED_MICRO_STEPS)."""
     sc = scenario(**{f"{ZERO}.stage": stage, "training.gradient_accumulation_steps": 10_000})
     result, trace = run_scenario(sc)
-    assert trace.repeat is not None and trace.repeat.copies == 10_000 - trace.repeat.micro - 1
+    assert trace.repeat is not None and trace.repeat.period.copies == 10_000 - trace.repeat.period.micro - 1
     assert {op.micro_step for op in trace.schedule.ops} == set(range(simulated))
-    assert trace.repeat.micro == simulated - 2
-    assert result.events == len(trace.schedule.ops) + (trace.repeat.copies - 1) * len(trace.repeat.ops)
+    assert trace.repeat.period.micro == simulated - 2
+    assert result.events == len(trace.schedule.ops) + (trace.repeat.period.copies - 1) * len(trace.repeat.period.ops)
 
 
 def test_the_trace_shows_the_simulated_micro_steps_and_marks_the_repeated_one():
@@ -46,15 +46,15 @@ def test_the_trace_shows_the_simulated_micro_steps_and_marks_the_repeated_one():
     # micro-step's reductions run into the second's forward at its backward, holding the next
     # micro-step's forward too (steady.find_repeat); either way it holds the ops that
     # start in it: a forward's window also the next micro-step's first prefetched gathers
-    m = trace.repeat.micro
-    assert ("backward" in trace.repeat.name) == trace.repeat.from_backward
+    m = trace.repeat.period.micro
+    from_backward = "backward" in trace.repeat.period.name
     marked = {e["args"]["micro_step"] for e in repeated}
     assert repeated and m in marked and marked <= {m, m + 1}
-    if trace.repeat.from_backward:
+    if from_backward:
         assert marked == {m, m + 1}
-    assert all(e["args"]["repeated_micro_steps"] == 12 - trace.repeat.micro - 1 for e in repeated)
+    assert all(e["args"]["repeated_micro_steps"] == 12 - trace.repeat.period.micro - 1 for e in repeated)
     [skipped] = [e for e in events if e.get("cat") == "steady state"]
-    assert skipped["dur"] == pytest.approx(trace.repeat.skipped_s * 1e6, abs=1e-3)
+    assert skipped["dur"] == pytest.approx((trace.repeat.period.copies - 1) * trace.repeat.period_s * 1e6, abs=1e-3)
     # on the full step's clock: the last op ends with the step
     assert max(e["ts"] + e["dur"] for e in ops) == pytest.approx(result.step_time_s * 1e6, abs=1e-2)
 
@@ -88,7 +88,7 @@ def test_pipeline_steady_state_equals_full_simulation(name):
     for gas in range(1, stages + 9):
         trace = _same_pipeline(scenario(**PIPELINES[name], **{"training.gradient_accumulation_steps": gas}))
         if trace.repeat is not None:
-            assert trace.repeat.pipeline and trace.repeat.copies == gas - stages - 3
+            assert "1F1B" in trace.repeat.period.name and trace.repeat.period.copies == gas - stages - 3
             reused.append(gas)
     # longer than the shortened step (stages + 4 micro-steps): the period is reused
     assert set(reused) == set(range(stages + 5, stages + 9))
@@ -97,12 +97,12 @@ def test_pipeline_steady_state_equals_full_simulation(name):
 def test_a_long_pipeline_simulates_a_few_periods_past_the_warm_up():
     sc = scenario(**PIPELINES["pp2-zero0"], **{"training.gradient_accumulation_steps": 10_000})
     result, trace = run_scenario(sc)
-    assert trace.repeat is not None and trace.repeat.copies == 10_000 - 2 - 3
+    assert trace.repeat is not None and trace.repeat.period.copies == 10_000 - 2 - 3
     assert {op.micro_step for op in trace.schedule.ops} == set(range(2 + 4))
-    assert result.events == len(trace.schedule.ops) + (trace.repeat.copies - 1) * len(trace.repeat.ops)
+    assert result.events == len(trace.schedule.ops) + (trace.repeat.period.copies - 1) * len(trace.repeat.period.ops)
     # one period holds one forward and one backward of every layer of every stage
-    forwards = [op for op in trace.schedule.ops if op.id in trace.repeat.ops and op.kind.name == "FORWARD"]
-    backwards = [op for op in trace.schedule.ops if op.id in trace.repeat.ops and op.kind.name == "BACKWARD"]
+    forwards = [op for op in trace.schedule.ops if op.id in trace.repeat.period.ops and op.kind.name == "FORWARD"]
+    backwards = [op for op in trace.schedule.ops if op.id in trace.repeat.period.ops and op.kind.name == "BACKWARD"]
     assert forwards and len(forwards) == len(backwards)
 
 
@@ -130,7 +130,7 @@ def test_interleaved_steady_state_equals_full_simulation(name):
                                            **INTERLEAVED[name], "training.gradient_accumulation_steps": groups * p}))
         if trace.repeat is not None:
             # five groups simulated, the window one group: one copy per group past the fifth
-            assert trace.repeat.micro_steps == p and trace.repeat.copies == groups - 4
+            assert f"({p} micro-steps)" in trace.repeat.period.name and trace.repeat.period.copies == groups - 4
             assert {op.micro_step for op in trace.schedule.ops} == set(range(5 * p))
             reused.append(groups)
     assert reused == [6, 7, 8]

@@ -10,7 +10,6 @@ from tests.helpers import LAYER_MODELS as MODELS, equal_results
 from tests.helpers import VARIANTS
 from zsim.api import run_scenario
 from zsim.config.scenario import scenario_from_mapping
-from zsim.engine.layer_repeat import LayerRepeat
 from zsim.schedule import layer_skip
 from zsim.schedule.build import build_schedule
 
@@ -177,7 +176,7 @@ def test_gpt3_175b_builds_a_fraction_of_its_layers():
     assert len(short.ops) < 0.2 * short.full_ops
     reused, trace = run_scenario(sc)
     full, _ = run_scenario(sc, steady=False)
-    assert isinstance(trace.repeat, LayerRepeat)
+    assert trace.repeat is not None and trace.repeat.layers and trace.repeat.period is None
     equal_results(reused, full)
 
 

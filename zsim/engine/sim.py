@@ -21,128 +21,20 @@ from __future__ import annotations
 import gc
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
+from typing import NamedTuple, cast
 
 from zsim.engine.fluid import Clock, Fluid
-from zsim.engine.ledger import Ledger, peak_and_breakdown, timeline
+from zsim.engine.ledger import Ledger, peak_and_breakdown
+from zsim.engine.repeat import Repeat
 from zsim.engine.pass_replay import Block, PassReplay, Recording, ReplayConflict
 from zsim.hardware.cost_model import COMPUTE, CostModel
 from zsim.schedule.ir import Group, Op, Schedule, Stream, STREAMS, Tag
-
-if TYPE_CHECKING:   # layer_repeat.py builds on this module
-    from zsim.engine.layer_repeat import LayerWindow
 
 
 class OpTiming(NamedTuple):
     op_id: int
     start_s: float
     end_s: float
-
-
-class StepRepeat(Protocol):
-    """What a shortened step's trace says of the full step (see zsim/simulate.py): the one type
-    every level of repeat answers, a repeated micro-step or 1F1B period (`Repeat`), repeated
-    layers (layer_repeat.LayerRepeat) or both nested (layer_repeat.LayeredRepeat). Every reader
-    of a trace (summarize, the writers, the doctor) asks only this."""
-
-    def weight(self, op: Op) -> int:
-        """How many ops of the full step this simulated op stands for."""
-
-    def shift_s(self, time_s: float) -> float:
-        """A simulated instant on the full step's clock."""
-
-    def segments(self) -> tuple[tuple[float, float, int], ...]:
-        """(start_s, end_s, copies): the simulated time split so that each piece stands for
-        `copies` pieces of the full step (a measure over the step is their weighted sum)."""
-
-    def peak_and_breakdown(self, events) -> tuple[float, float, dict[str, float]]:
-        """The full step's peak bytes, its time on the full step's clock, and its breakdown."""
-
-    def timeline(self, events) -> list[tuple[float, float]]:
-        """(time_s on the full step's clock, bytes in use) after each simulated event."""
-
-    def marks(self, op: Op) -> dict:
-        """What the trace writer notes on a simulated op that stands for several."""
-
-    def spans(self) -> tuple[tuple[str, float, float, float, int], ...]:
-        """(what, start_s and length_s on the full step's clock, period_s, copies) of the copies
-        not simulated."""
-
-    def step_ops(self, simulated_ops: int) -> int:
-        """Ops of the full step, from those of the shortened step."""
-
-    def layer_windows(self) -> tuple[LayerWindow, ...]:
-        """The repeated layer windows (in time order), none for a repeated micro-step alone."""
-
-
-@dataclass(frozen=True)
-class Repeat:
-    """The simulated steady state: the ops that start in the time window [start_s, end_s) (a
-    data-parallel run: opened by micro-step `micro`'s forward, or with `from_backward` its
-    backward, and closed by the next micro-step's; a pipeline: one 1F1B period of every
-    stage, opened by stage 0's forward of micro-step `micro`, of a group of `micro_steps`
-    micro-steps under the interleaved schedule) stand for `copies` identical
-    windows, one `period_s` apart. Times in the trace are those simulated; `shift_s` maps them
-    to the full step's clock."""
-    micro: int
-    copies: int
-    period_s: float
-    start_s: float
-    end_s: float
-    ops: frozenset[int]          # ids of the simulated ops that stand for `copies` ops each
-    pipeline: bool = False
-    micro_steps: int = 1         # micro-steps per window (Megatron's interleaved schedule: a group of `pipeline`)
-    from_backward: bool = False  # opened by micro-step `micro`'s backward (steady.find_repeat)
-
-    @property
-    def skipped_s(self) -> float:
-        """Simulated time the copies not simulated take."""
-        return (self.copies - 1) * self.period_s
-
-    @property
-    def name(self) -> str:
-        if self.micro_steps > 1:
-            return f"interleaved 1F1B period ({self.micro_steps} micro-steps) from micro-step {self.micro}"
-        if self.from_backward:
-            return f"micro-step {self.micro}'s backward and micro-step {self.micro + 1}'s forward"
-        return f"1F1B period from micro-step {self.micro}" if self.pipeline else f"micro-step {self.micro}"
-
-    def shift_s(self, time_s: float) -> float:
-        """A simulated instant on the full step's clock: after the window, later by the skipped copies."""
-        return time_s + self.skipped_s if time_s >= self.end_s else time_s
-
-    def weight(self, op: Op) -> int:
-        """How many ops of the full step this simulated op stands for."""
-        return self.copies if op.id in self.ops else 1
-
-    # StepRepeat
-    def segments(self) -> tuple[tuple[float, float, int], ...]:
-        """(start_s, end_s, copies): the simulated time split so that each piece stands for
-        `copies` pieces of the full step (a measure over the step is their weighted sum)."""
-        return ((float("-inf"), self.start_s, 1), (self.start_s, self.end_s, self.copies), (self.end_s, float("inf"), 1))
-
-    def peak_and_breakdown(self, events) -> tuple[float, float, dict[str, float]]:
-        """The full step's peak: the window leaves every category as it found it, so its copies
-        peak where it does."""
-        peak, peak_t, breakdown = peak_and_breakdown(events)
-        return peak, self.shift_s(peak_t), breakdown
-
-    def timeline(self, events) -> list[tuple[float, float]]:
-        return [(self.shift_s(t), used) for t, used in timeline(events)]
-
-    def marks(self, op: Op) -> dict:
-        return {"repeated_micro_steps": self.copies} if op.id in self.ops else {}
-
-    def spans(self) -> tuple[tuple[str, float, float, float, int], ...]:
-        """(what, start_s and length_s on the full step's clock, period_s, copies) of the copies not simulated."""
-        return ((self.name, self.end_s, self.skipped_s, self.period_s, self.copies),)
-
-    def step_ops(self, simulated_ops: int) -> int:
-        """Ops of the full step, from those of the shortened step."""
-        return simulated_ops + (self.copies - 1) * len(self.ops)
-
-    def layer_windows(self) -> tuple[LayerWindow, ...]:
-        return ()
 
 
 @dataclass(frozen=True)
@@ -152,7 +44,7 @@ class Trace:
     ledger_events: tuple[tuple[float, float, str, Tag], ...]   # (time_s, delta_bytes, category, tag)
     step_time_s: float
     events_processed: int              # ops of the full step
-    repeat: StepRepeat | None = None    # None: every op of the step was simulated
+    repeat: Repeat | None = None    # None: every op of the step was simulated (see zsim/engine/repeat.py)
     # a pipeline: each stage's ledger events; ledger_events is the stage with the highest peak
     stage_ledger_events: tuple[tuple[tuple[float, float, str, Tag], ...], ...] = ()
     worst_stage: int = 0

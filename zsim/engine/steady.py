@@ -13,7 +13,7 @@ as it found it): the engine is deterministic and shift-invariant, so the same st
 start of a window gives the same window. Where the forwards' windows do not agree (the first
 micro-step's reductions still run into the second's forward, under ZeRO-3), the windows opened
 by the backwards are compared the same way: one holds a middle micro-step's backward and the
-next one's forward (find_repeat). The trace then stands for the full step through a `Repeat`;
+next one's forward (find_repeat). The trace then stands for the full step through a `Repeat` (zsim/engine/repeat.py);
 anything else falls back to simulating every micro-step.
 A pipeline's micro-steps are not alike (warm-up, steady 1F1B, cool-down), but its steady
 phase is periodic in time: every stage runs one forward and one backward per period. Its step
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import sys
 
-from zsim.engine.sim import Repeat
+from zsim.engine.repeat import Window
 from zsim.schedule.ir import OpKind, Schedule
 
 # two periods agree when every op's start and end agree to this fraction of the step
@@ -65,8 +65,8 @@ def _balanced(events, lo: float, hi: float) -> bool:
     return all(v == 0.0 for v in net.values())
 
 
-def find_repeat(schedule: Schedule, timings, stage_events, micro_steps: int, gas: int) -> Repeat | None:
-    """The Repeat of a data-parallel simulation of `micro_steps` micro-steps: the window opened
+def find_repeat(schedule: Schedule, timings, stage_events, micro_steps: int, gas: int) -> Window | None:
+    """The period window of a data-parallel simulation of `micro_steps` micro-steps: the window opened
     by the forward of micro-step j = micro_steps - 2 (its first forward op) and closed by the
     boundary micro-step's, when the period before it holds the same ops (as
     find_pipeline_repeat); else the window opened by j's backward and closed by the boundary's,
@@ -82,8 +82,8 @@ def find_repeat(schedule: Schedule, timings, stage_events, micro_steps: int, gas
 
 
 def find_pipeline_repeat(schedule: Schedule, timings, stage_events, micro_steps: int, gas: int,
-                         stride: int = 1) -> Repeat | None:
-    """The Repeat of a pipeline's shortened step: the period opened by stage 0's first forward
+                         stride: int = 1) -> Window | None:
+    """The period window of a pipeline's shortened step: the period opened by stage 0's first forward
     of micro-step j = micro_steps - 1 - stride (its forward of chunk 0, interleaved) and closed
     by that of micro-step j + stride repeats when the period before it holds the same ops on
     every stage and stream (each `stride` micro-steps earlier), each starting and ending
@@ -109,7 +109,7 @@ def _opens(schedule: Schedule, timings, kind: OpKind) -> dict[int, float]:
 
 
 def _window_repeat(schedule: Schedule, timings, stage_events, opens: dict[int, float], micro_steps: int, gas: int,
-                   stride: int, pipeline: bool, from_backward: bool = False) -> Repeat | None:
+                   stride: int, pipeline: bool, from_backward: bool = False) -> Window | None:
     """The window [opens[j], opens[j + stride]), j = micro_steps - 1 - stride, when the period
     before it holds the same ops (see find_pipeline_repeat)."""
     j = micro_steps - 1 - stride
@@ -143,5 +143,10 @@ def _window_repeat(schedule: Schedule, timings, stage_events, opens: dict[int, f
         return None
     if not all(_balanced(events, lo, hi) for events in stage_events):
         return None
-    return Repeat(j, (gas - micro_steps) // stride + 1, period, lo, hi, frozenset(op.id for op in window),
-                  pipeline=pipeline, micro_steps=stride, from_backward=from_backward)
+    if stride > 1:
+        name = f"interleaved 1F1B period ({stride} micro-steps) from micro-step {j}"
+    elif from_backward:
+        name = f"micro-step {j}'s backward and micro-step {j + 1}'s forward"
+    else:
+        name = f"1F1B period from micro-step {j}" if pipeline else f"micro-step {j}"
+    return Window(name, (gas - micro_steps) // stride + 1, period, lo, hi, frozenset(op.id for op in window), micro=j)

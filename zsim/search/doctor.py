@@ -50,7 +50,7 @@ def _peak_event(trace: Trace) -> tuple[int, int]:
     at = [i for i, e in enumerate(events) if rep.shift_s(e[0]) == peak_t]
     if at:
         return first_highest(at), 0
-    for w in rep.layer_windows():
+    for w in rep.layers:
         inside = [i for i, e in enumerate(events) if w.start_s <= e[0] < w.end_s]
         if inside and rep.shift_s(events[first_highest(inside)][0]) + w.skipped_s == peak_t:
             return first_highest(inside), (w.copies - 1) * w.layers
