@@ -8,6 +8,8 @@ trees (medians over repetitions; ratios against the first tree given):
 - the same model as PP16 x DP64, ZeRO-1, GAS 128, and as TP8 x PP16 x DP8 (issue 15's target:
   <= 1 s; a pipeline's steady 1F1B period is reused, zsim/engine/steady.py, and each stage's
   passes are replayed once recorded, zsim/engine/pass_replay.py);
+- every shipped training scenario as it ships and at ZeRO-0/1/2, GAS 1 and 8, in process (total CPU
+  time: the stages whose layers are built and simulated whole);
 - `zsim run` of the default scenario, process start to table (target <= 0.3 s);
 - `zsim tune scenarios/gpt3-175b-zero3.yaml` (target: >= 1,000 configurations in <= 10 s), and with
   `--budget all` (every candidate simulated or skipped by the step-time lower bound);
@@ -95,6 +97,45 @@ print(json.dumps(statistics.median(walls)))
 """
 
 
+# every shipped training scenario as it ships and at ZeRO-0/1/2 (its ZeRO-3 keys dropped), at GAS 1
+# and 8: the stages whose layers the builder does not skip (issue 47's one layer mechanism)
+_SCENARIOS = """
+import copy, glob, json, statistics, sys, time
+from pathlib import Path
+import yaml
+from zsim.api import run_scenario
+from zsim.config.scenario import scenario_from_mapping
+total = 0.0
+for f in sorted(glob.glob("scenarios/*.yaml")):
+    raw = yaml.safe_load(open(f))
+    for stage in (None, 0, 1, 2):
+        r = copy.deepcopy(raw)
+        if stage is not None:
+            z = r.setdefault("deepspeed", {}).setdefault("zero_optimization", {})
+            if z.get("stage") == stage:
+                continue
+            z["stage"] = stage
+            for k in [k for k in z if k.startswith("stage3") or k == "offload_param"]:
+                z.pop(k)
+        for gas in (1, 8):
+            r.setdefault("training", {})["gradient_accumulation_steps"] = gas
+            try:
+                sc = scenario_from_mapping(copy.deepcopy(r), Path(f).parent)
+                t0 = time.process_time()
+                run_scenario(sc)
+                total += time.process_time() - t0
+            except Exception:
+                pass
+print(json.dumps(total))
+"""
+
+
+def _scenarios(tree: Path) -> float:
+    out = subprocess.run([sys.executable, "-c", _SCENARIOS], cwd=tree, env=_env(tree), capture_output=True, text=True,
+                         check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def _env(tree: Path) -> dict:
     return {**os.environ, "PYTHONPATH": str(tree)}
 
@@ -165,6 +206,9 @@ def measure(trees: list[Path], repeat: int, tmp: Path, only: str = "") -> dict:
     for name, raw in (("175B PP16 x DP64 ZeRO-1 GAS 128 (CPU s)", PIPE), ("175B TP8 x PP16 x DP8 ZeRO-1 GAS 128 (CPU s)", PIPE_TP)):
         if want(name):
             figures[name] = _interleaved(trees, slow, lambda t: _in_process(t, 128, 1, raw))
+    name = "shipped scenarios x ZeRO-0/1/2 x GAS 1, 8 (CPU s, total)"
+    if want(name):
+        figures[name] = _interleaved(trees, slow, _scenarios)
     if want("zsim run default (s)"):
         figures["zsim run default (s)"] = _interleaved(trees, repeat, lambda t: _cli(t, ["run", "--quiet"]))
     if want("zsim tune gpt3-175b-zero3 (s)"):

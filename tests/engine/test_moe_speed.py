@@ -1,6 +1,6 @@
 """Issue 47's MoE speed changes keep the result: a many-expert step's micro-step repeat equals
 simulating every micro-step. (The small model here
-repeats within the plain 1e-12 too; the rounding tolerance, steady._tolerance, matters at full size:
+repeats within the plain 1e-12 too; the rounding tolerance, steady.tolerance_s, matters at full size:
 Qwen3-30B-A3B's ~51,000-op micro-step, too slow for the suite, measured in the commit that added it.)"""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from tests.helpers import scenario
 from tests.helpers import equal_results
 from zsim.api import run_scenario
-from zsim.engine.steady import _REL_TOL, _tolerance
+from zsim.engine.steady import _REL_TOL, tolerance_s
 from zsim.engine.sim import OpTiming
 
 ZERO = "deepspeed.zero_optimization"
@@ -26,10 +26,10 @@ MANY_EXPERTS = {"training.experts_implementation": "modules", "model.layers": 6,
 
 def test_the_tolerance_is_the_plain_one_below_thousands_of_ops_and_grows_with_the_window():
     timings = [OpTiming(0, 0.0, 10.0)]
-    assert _tolerance(timings, 100) == _REL_TOL * 10.0
-    assert _tolerance(timings, 4000) == _REL_TOL * 10.0
-    assert _tolerance(timings, 50_000) > 10 * _REL_TOL * 10.0
-    assert _tolerance(timings, 50_000) < 1e-10 * 10.0     # far inside the exactness tests' 1e-9
+    assert tolerance_s(timings, 100) == _REL_TOL * 10.0
+    assert tolerance_s(timings, 4000) == _REL_TOL * 10.0
+    assert tolerance_s(timings, 50_000) > 10 * _REL_TOL * 10.0
+    assert tolerance_s(timings, 50_000) < 1e-10 * 10.0     # far inside the exactness tests' 1e-9
 
 
 @pytest.mark.parametrize("gas", [7, 9])

@@ -23,11 +23,9 @@ from bisect import bisect_left
 from zsim.engine.ledger import LedgerError
 from zsim.engine.repeat import Repeat, Window
 from zsim.engine.sim import Trace, run_ops
+from zsim.engine.steady import tolerance_s
 from zsim.schedule.ir import Schedule, SkippedLayers
 from zsim.schedule.payloads import payload_shape
-
-# two periods agree when every op's start and end agree to this fraction of the step (steady.py's)
-_REL_TOL = 1e-12
 
 
 # -- the shortened step simulated ---------------------------------------------------------------
@@ -107,7 +105,7 @@ def _layer_windows(short: Schedule, timings, events) -> tuple[Window, ...] | Non
     order, or None when a window did not run alike."""
     if any(not float(d).is_integer() for _, d, _, _ in events):
         return None
-    tol = _REL_TOL * max(max(t.end_s for t in timings), 1.0)
+    tol = tolerance_s(timings, 0)   # steady.py's: a fraction of the step
     clock = _Clock(timings, events)
     windows = [_window(gap, short, timings, events, tol, clock) for gap in short.skipped]
     settled = sorted((w for w in windows if w is not None), key=lambda w: w.start_s)

@@ -37,7 +37,7 @@ from zsim.schedule.ir import OpKind, Schedule
 _REL_TOL = 1e-12
 
 
-def _tolerance(timings, window_ops: int) -> float:
+def tolerance_s(timings, window_ops: int) -> float:
     """How far an op's start or end may be from its twin's one period on (`_shifted`): _REL_TOL
     of the step, or the rounding of a chain of `window_ops` additions (each op's time is a sum
     along the ops before it), if larger. A many-expert step's micro-step holds ~50,000 ops, whose
@@ -139,7 +139,7 @@ def _window_repeat(schedule: Schedule, timings, stage_events, opens: dict[int, f
     if any(b.micro_step != a.micro_step + stride or (pipeline and b.payload != a.payload)
            or [x.size_bytes for x in a.alloc] != [x.size_bytes for x in b.alloc] for a, b in zip(before, window)):
         return None
-    if not _shifted(zip(before, window), timings, period, _tolerance(timings, len(window))):
+    if not _shifted(zip(before, window), timings, period, tolerance_s(timings, len(window))):
         return None
     if not all(_balanced(events, lo, hi) for events in stage_events):
         return None
