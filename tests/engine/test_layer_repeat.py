@@ -1,6 +1,7 @@
 """Identical layers reused (zsim/engine/layer_repeat.py) give the result of simulating every op:
 step time to 1e-9, peak memory and its breakdown exactly, collective counts and bytes exactly,
-for every ZeRO stage, offload and checkpointing variant at GAS 1..4 and a few models."""
+for every ZeRO-3 variant (the layers its builder leaves out) at GAS 1..4 and a few models; the
+other stages, built whole, are held to the same result."""
 from __future__ import annotations
 
 import pytest

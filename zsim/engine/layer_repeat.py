@@ -54,8 +54,8 @@ def _window(gap: SkippedLayers, schedule: Schedule, timings, events, tol: float,
 
     def opens(first):
         return min(timings[x].start_s for x in range(first, first + length))
-    if at - 3 * length < 0 or at + length > len(timings):
-        return None
+    if at - 3 * length < 0 or at + length > len(timings) or any(at - 3 * length < g.at < at for g in schedule.skipped):
+        return None     # the blocks compared, or the one after the gap, are not all built
     lo, prev, prev2, hi = opens(at - length), opens(at - 2 * length), opens(at - 3 * length), opens(at)
     period = lo - prev
     if period <= 0 or abs(prev - prev2 - period) > tol or abs(hi - lo - period) > tol:

@@ -174,7 +174,8 @@ def _key(b: Block, shapes: dict, sized: bool) -> tuple:
 
 
 def _shape(shapes: dict, payload) -> int:
-    """The number of `payload`'s shape (CostModel.op_cost's: its call, its work, or itself)."""
+    """The number of `payload`'s shape (payloads.payload_shape, CostModel.op_cost's key: its call,
+    its work, a copy's transfer, size and pinning, or itself)."""
     value = payload_shape(payload)
     number = shapes[id(payload)] = shapes.setdefault(("shape", type(value), value), len(shapes))
     return number

@@ -4,8 +4,9 @@ A `Window` is a stretch [start_s, end_s) of the simulated step whose ops stand f
 windows one `period_s` apart: a repeated micro-step or 1F1B period (zsim/engine/steady.py), or a
 run of identical layers (zsim/engine/layer_repeat.py). A `Repeat` holds the step's layer windows
 (in time order) and at most one period window; each layer window lies inside the period window
-(its copies repeat with each period) or apart from it. Every reader of a trace (summarize, the
-writers, the doctor) asks only the Repeat's methods, never its windows' internals.
+(its copies repeat with each period) or apart from it. summarize and the writers ask only the
+Repeat's methods; the doctor also reads its layer windows, to name the op at a peak that falls
+in a growing window's last copy (see [Note: peak of a shortened step]).
 """
 from __future__ import annotations
 

@@ -25,8 +25,8 @@ from typing import NamedTuple, cast
 
 from zsim.engine.fluid import Clock, Fluid
 from zsim.engine.ledger import Ledger, peak_and_breakdown
-from zsim.engine.repeat import Repeat
 from zsim.engine.pass_replay import Block, PassReplay, Recording, ReplayConflict
+from zsim.engine.repeat import Repeat
 from zsim.hardware.cost_model import COMPUTE, CostModel
 from zsim.schedule.ir import Group, Op, Schedule, Stream, STREAMS, Tag
 

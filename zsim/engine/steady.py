@@ -71,8 +71,9 @@ def find_repeat(schedule: Schedule, timings, stage_events, micro_steps: int, gas
     boundary micro-step's, when the period before it holds the same ops (as
     find_pipeline_repeat); else the window opened by j's backward and closed by the boundary's,
     which holds j's backward and the boundary's forward. Where the first micro-step's
-    reductions run into the second's forward, the latter has settled a micro-step earlier, so
-    the step is shortened to one micro-step fewer."""
+    reductions run into the second's forward, the window opened by the backward has settled a
+    micro-step earlier than the one opened by the forward, so the step is shortened to one
+    micro-step fewer."""
     for kind in (OpKind.FORWARD, OpKind.BACKWARD):
         repeat = _window_repeat(schedule, timings, stage_events, _opens(schedule, timings, kind), micro_steps, gas, 1,
                                 pipeline=False, from_backward=kind is OpKind.BACKWARD)
