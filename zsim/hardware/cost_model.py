@@ -8,7 +8,7 @@ Every figure comes from the pure functions of compute.py, collectives.py and hos
 """
 from __future__ import annotations
 
-from zsim.schedule.record import record
+from zsim.record import record
 
 from zsim.hardware.collectives import Tier, collective_cost, nccl_topo_for, ring_cost, tiers_for
 from zsim.hardware.compute import (attention_time_s, copy_time_s, fresh_alloc_time_s, gemm_time_s, grad_accumulate_time_s,

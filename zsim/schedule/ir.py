@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zsim.schedule.record import record
+from zsim.record import record
 from enum import Enum, StrEnum
 from typing import TYPE_CHECKING
 

@@ -5,7 +5,7 @@ kind with it, the writers label it; nothing reads a label back.
 """
 from __future__ import annotations
 
-from zsim.schedule.record import record
+from zsim.record import record
 
 from zsim.schedule.ir import Collective, ProcessGroup, Transfer
 

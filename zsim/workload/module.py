@@ -10,10 +10,12 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 
+from zsim.record import record
+
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 
-@dataclass(frozen=True)
+@record
 class Param:
     name: str
     numel: int
@@ -78,7 +80,7 @@ class TensorRole(StrEnum):
     VOCAB_LOSS = "vocab loss"
 
 
-@dataclass(frozen=True, kw_only=True)
+@record(kw_only=True)
 class Module:
     name: str
     kind: ModuleKind
