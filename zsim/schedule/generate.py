@@ -85,26 +85,21 @@ class _EngineFetch:
     def __init__(self, ctx: StepContext, traced: bool, persistent: tuple[int, ...]):
         names = frozenset(m.name for m in ctx.wl.modules if m.params)
         self.fetch = ParamCoordinator(ctx, persistent, names, traced=traced)
-        self.pending = 0
         self.current: int | None = None
 
     def pre(self, module: Module, micro: int) -> list[int]:
         f = self.fetch
         # the container visits before the module's own (their hooks run on the host)
-        self.pending += f.visit_containers(module.name, micro, Phase.FORWARD)
+        f.visit_containers(module.name, micro, Phase.FORWARD)
         self.current = None
         if f.step_id < len(f.visits) and f.visits[f.step_id].module == module.name:
             self.current = f.step_id
-            self.pending += 1
             return f.visit(f.visits[f.step_id], micro, Phase.FORWARD)
         return []
 
-    def post(self, ctx: StepContext, micro: int, op: int):
+    def post(self, micro: int, op: int):
         f = self.fetch
         f.module_ran(op)
-        if self.pending:
-            ctx.b.add_hook_visits(op, self.pending)
-            self.pending = 0
         if self.current is not None:
             f.release(self.current, micro, op)
 
@@ -237,7 +232,7 @@ class _Generation:
             if cache_free:
                 b.add_free(op, *cache_free)
             if fetch is not None:
-                fetch.post(ctx, f, op)
+                fetch.post(f, op)
             last = tp.after(ctx, m, f, Phase.FORWARD, op)
         assert last is not None
         if fetch is not None:

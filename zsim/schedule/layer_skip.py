@@ -328,7 +328,7 @@ class LayerSkip:
             return None if k is None else (0, k - step) if abs(k - step) <= near else (1, k)
         head = len(f.trace) - len(f.queue)
         here = geo.trace_start[step]
-        return (d, h.pending_visits, rk(h.current_visit),
+        return (d, f.pending_visits, rk(h.current_visit),
                 tuple(sorted(map(rp, f.gathered))),
                 tuple(sorted((rp(p), ro(x)) for p, x in f.gather_op.items())),
                 tuple(sorted((rp(p), ro(x)) for p, x in f.inflight.items())),

@@ -260,6 +260,9 @@ class ParamCoordinator:
         # and the views the next module's hook makes
         self.wait_views: dict[int, int] = {}
         self.pending_views = 0
+        # the visits whose hooks ran since the last module's compute (containers, the module's
+        # own): they run on the host before it computes; their cost is the profile's (engine)
+        self.pending_visits = 0
         self.queue = deque(self.trace)
         self.most_recent = {pid: -10**10 for pid in range(len(self.numels))}
         self.n_available = 0
@@ -364,23 +367,22 @@ class ParamCoordinator:
             self.n_available += self.numels[p]
         return op
 
-    def visit_containers(self, module: str, micro: int, phase: Phase) -> int:
+    def visit_containers(self, module: str, micro: int, phase: Phase):
         """The visits of `phase` before `module`'s own that fetch nothing (the containers it sits in,
-        a second engine's root): their hooks run, in trace order; how many ran."""
-        ran = 0
+        a second engine's root): their hooks run, in trace order."""
         while self.step_id < len(self.visits) and self.visits[self.step_id].module != module:
             v = self.visits[self.step_id]
             if v.params or v.phase != phase:
                 break
-            ran += 1
             self.visit(v, micro, phase)
-        return ran
 
     def visit(self, visit: Visit, micro: int, phase: Phase) -> list[int]:
         """fetch_sub_module: gather this visit's params, then prefetch along the trace; returns
         the gathers the module's compute waits for."""
         z = self.ctx.sc.zero
         k = self.step_id
+        if not self.dry:
+            self.pending_visits += 1
         own = list(visit.params)
         self._gather(sorted(own), micro, phase, visit.module, prefetch=False)
         if self.scales_of and not self.dry:
@@ -443,8 +445,12 @@ class ParamCoordinator:
                 self.waited.append(Tag(Buffer.GATHER_FLAT, micro, flat))
 
     def module_ran(self, op: int):
-        """The module's compute op: the flat buffers its hook's wait dropped go before it runs."""
+        """The module's compute op: the hooks of the visits since the last module run before it
+        (their count is data), and the flat buffers its hook's wait dropped go before it runs."""
         self.last_compute = op
+        if self.pending_visits:
+            self.ctx.b.add_hook_visits(op, self.pending_visits)
+            self.pending_visits = 0
         if self.pending_views:
             self.ctx.b.add_host_views(op, self.pending_views)
             self.pending_views = 0

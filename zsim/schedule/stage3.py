@@ -54,7 +54,6 @@ class Zero3Hooks(StageHooks):
         self.visit_fetch = self.fetch      # the coordinator of the open visit
         self.buckets = Zero3Buckets(ctx)
         self.ready = grads_ready_at(ctx.wl)
-        self.pending_visits = 0
         self.current_visit: int | None = None
         # see [Note: ZeRO-3 leaf modules]: the leaf's visit is released after its last module
         # runs (forward order) or its first (backward)
@@ -73,7 +72,7 @@ class Zero3Hooks(StageHooks):
         # container visits and param-less leaves that precede this module in the trace, of its
         # pass: the root's backward visit runs when backward starts (its pre-backward hook), not
         # at the loss's forward, though no module with params comes between
-        self.pending_visits += f.visit_containers(module.name, micro, phase)
+        f.visit_containers(module.name, micro, phase)
         self.current_visit = None
         if f.step_id < len(f.visits):
             v = f.visits[f.step_id]
@@ -82,18 +81,12 @@ class Zero3Hooks(StageHooks):
                     self.leaf = (v.module, f.step_id)
                 else:
                     self.current_visit = f.step_id
-                self.pending_visits += 1
                 return f.visit(v, micro, phase)
         return []
 
     def post_module(self, ctx, module: Module, micro, phase, op):
         f = self.visit_fetch
         f.module_ran(op)
-        # the hooks of the visits since the last module (containers, this module) run on the host
-        # before the module computes; their cost is the profile's (engine), the count is data
-        if self.pending_visits:
-            ctx.b.add_hook_visits(op, self.pending_visits)
-            self.pending_visits = 0
         if self.current_visit is not None:
             f.release(self.current_visit, micro, op)
         if self.leaf is not None:
